@@ -1,0 +1,120 @@
+"""Placement: which expert each slot holds, for every layer, and the maps derived from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .topology import Topology
+
+__all__ = ["Placement"]
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """``phy2log``: int32 ``[L, P]``, the expert held by each slot.
+
+    Derived maps (computed once, read-only):
+    - ``logcnt``: int32 ``[L, E]``, replicas per expert;
+    - ``log2phy``: int32 ``[L, E, R]``, the slots of each expert in ascending slot order,
+      padded with -1; ``R = topology.max_replicas`` so the shape is fixed for a topology;
+    - ``gpu_of_slot``: int32 ``[P]``.
+
+    Construction validates shapes and ranges against ``topology`` and raises ``ValueError``.
+    """
+
+    phy2log: np.ndarray
+    topology: Topology
+
+    def __post_init__(self) -> None:
+        topo = self.topology
+        if not isinstance(topo, Topology):
+            raise ValueError(f"topology must be a Topology, got {type(topo).__name__}")
+        arr = np.asarray(self.phy2log)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"phy2log must hold integers, got dtype {arr.dtype}")
+        want = (topo.num_layers, topo.num_slots)
+        if arr.shape != want:
+            raise ValueError(f"phy2log has shape {arr.shape}; expected [num_layers, num_slots] = {list(want)}")
+        if arr.size and (arr.min() < 0 or arr.max() >= topo.num_experts):
+            raise ValueError(
+                f"phy2log holds expert ids in [{arr.min()}, {arr.max()}]; allowed range is "
+                f"[0, {topo.num_experts - 1}]"
+            )
+        arr = np.ascontiguousarray(arr, dtype=np.int32)
+        arr.setflags(write=False)
+        object.__setattr__(self, "phy2log", arr)
+        missing = self.logcnt == 0
+        if missing.any():
+            layer, expert = np.argwhere(missing)[0]
+            raise ValueError(
+                f"phy2log leaves expert {expert} of layer {layer} without a replica "
+                f"({int(missing.sum())} (layer, expert) pairs missing); every expert needs >= 1 slot"
+            )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return self.topology == other.topology and np.array_equal(self.phy2log, other.phy2log)
+
+    def __hash__(self) -> int:
+        return hash((self.topology, self.phy2log.tobytes()))
+
+    @cached_property
+    def logcnt(self) -> np.ndarray:
+        topo = self.topology
+        rows = np.repeat(np.arange(topo.num_layers), topo.num_slots)
+        out = np.zeros((topo.num_layers, topo.num_experts), dtype=np.int32)
+        np.add.at(out, (rows, self.phy2log.ravel()), 1)
+        out.setflags(write=False)
+        return out
+
+    @cached_property
+    def _by_expert(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``[L, P]`` slots sorted by expert (stable), their experts, and their replica ranks."""
+        order = np.argsort(self.phy2log, axis=1, kind="stable")
+        sorted_exp = np.take_along_axis(self.phy2log, order, axis=1)
+        starts = np.cumsum(self.logcnt, axis=1) - self.logcnt
+        rank = np.arange(self.topology.num_slots)[None, :] - np.take_along_axis(starts, sorted_exp, axis=1)
+        return order, sorted_exp, rank
+
+    @cached_property
+    def log2phy(self) -> np.ndarray:
+        topo = self.topology
+        L, P = topo.num_layers, topo.num_slots
+        order, sorted_exp, rank = self._by_expert
+        # Stable sort keeps each expert's slots in ascending slot order.
+        out = np.full((L, topo.num_experts, topo.max_replicas), -1, dtype=np.int32)
+        out[np.broadcast_to(np.arange(L)[:, None], (L, P)), sorted_exp, rank] = order
+        out.setflags(write=False)
+        return out
+
+    @cached_property
+    def replica_rank(self) -> np.ndarray:
+        """int32 ``[L, P]``: the index of each slot among its expert's replicas."""
+        order, _, rank = self._by_expert
+        out = np.empty_like(self.phy2log)
+        np.put_along_axis(out, order, rank.astype(np.int32), axis=1)
+        out.setflags(write=False)
+        return out
+
+    @property
+    def gpu_of_slot(self) -> np.ndarray:
+        return np.arange(self.topology.num_slots, dtype=np.int32) // self.topology.slots_per_gpu
+
+    def experts_on_gpu(self) -> np.ndarray:
+        """int32 ``[L, G, P // G]``: the experts each gpu holds."""
+        topo = self.topology
+        return self.phy2log.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu)
+
+    def validate(self, topology: Topology | None = None) -> None:
+        """Re-check against ``topology`` (default: its own); raises ``ValueError``."""
+        Placement(self.phy2log, topology or self.topology)
+
+    @classmethod
+    def contiguous(cls, topology: Topology) -> "Placement":
+        """The unbalanced baseline: expert ``e`` in slot ``e``, extra slots cycle through experts."""
+        p = np.arange(topology.num_slots) % topology.num_experts
+        return cls(np.broadcast_to(p, (topology.num_layers, topology.num_slots)).copy(), topology)

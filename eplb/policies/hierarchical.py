@@ -1,0 +1,62 @@
+"""Our replicate-and-pack policies: ``hierarchical`` (groups → nodes → gpus) and ``global``.
+
+``global`` is ``hierarchical`` with one node and one group: one code path, as in DeepSeek's
+eplb.py, but with replica counts capped so no gpu needs two copies of an expert, a balanced
+deal instead of a per-item greedy, and a swap step that lowers the busiest gpu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..packing import pack
+from ..replicate import replica_cap, waterfill
+from ..topology import Topology
+
+__all__ = ["place_hierarchical", "place_global"]
+
+
+def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
+    """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]``.
+
+    1. pack expert groups onto nodes (equal group count per node);
+    2. give each node's experts that node's slots by water-filling, at most one replica per gpu
+       of the node;
+    3. pack each node's replicas onto its gpus.
+    Requires ``num_groups % num_nodes == 0``.
+    """
+    topo = topology
+    L, E, P = topo.num_layers, topo.num_experts, topo.num_slots
+    N, G, groups = topo.num_nodes, topo.num_gpus, topo.num_groups
+    if groups % N:
+        raise ValueError(
+            f"hierarchical needs num_groups ({groups}) to be a multiple of num_nodes ({N}); use policy 'global'"
+        )
+    max_rounds = int(options.get("max_rounds", 32))
+    group_size = E // groups
+    # Step 1: groups → nodes. node_groups[l, n, :] lists the groups of node n.
+    group_load = loads.reshape(L, groups, group_size).sum(axis=2)
+    node_groups = pack(group_load, N, max_rounds=max_rounds) if N > 1 else np.broadcast_to(np.arange(groups), (L, 1, groups))
+    node_groups = np.sort(node_groups, axis=2)
+    # node_experts[l, n, :]: the experts of node n's groups, ascending.
+    node_experts = (node_groups[..., None] * group_size + np.arange(group_size)).reshape(L, N, E // N)
+    # Step 2: replicate within each node, rows are (layer, node).
+    local_loads = np.take_along_axis(loads, node_experts.reshape(L, E), axis=1).reshape(L * N, E // N)
+    gpn = G // N
+    counts = waterfill(local_loads, P // N, replica_cap(E // N, P // N, gpn))
+    # Replicas as items: local expert id repeated count times, each carrying load / count.
+    local_ids = np.repeat(np.tile(np.arange(E // N), L * N), counts.ravel()).reshape(L * N, P // N)
+    rows = np.arange(L * N)[:, None]
+    item_w = (local_loads / counts)[rows, local_ids]
+    # Step 3: replicas → gpus of the node.
+    assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds)  # [L*N, gpn, S]
+    slot_local = local_ids[rows[:, :, None], assign]
+    slot_local = np.sort(slot_local, axis=2).reshape(L, N, P // N)
+    phy2log = np.take_along_axis(node_experts, slot_local, axis=2).reshape(L, P)
+    return phy2log.astype(np.int32)
+
+
+def place_global(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
+    """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]``, ignoring nodes and groups."""
+    flat = Topology(topology.num_layers, topology.num_experts, topology.num_slots, topology.num_gpus)
+    return place_hierarchical(loads, flat, **options)

@@ -1,0 +1,55 @@
+"""Choosing replica counts: water-filling, the next replica to the largest per-replica load."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["replica_cap", "waterfill"]
+
+
+def replica_cap(num_experts: int, num_slots: int, num_bins: int) -> int | None:
+    """Most replicas one expert may get so no bin must hold two copies of it.
+
+    ``None`` (no cap) when even ``num_bins`` copies of every expert cannot fill the slots,
+    because then some bin must hold two copies anyway.
+    """
+    return num_bins if num_experts * num_bins >= num_slots else None
+
+
+def waterfill(loads: np.ndarray, num_replicas: int, cap: int | None = None) -> np.ndarray:
+    """``loads``: ``[X, n]`` >= 0 → int64 counts ``[X, n]``, each >= 1, rows summing to ``num_replicas``.
+
+    Minimises the largest per-replica load ``loads / counts`` subject to ``counts <= cap``.
+    Each redundant replica goes to the expert with the largest ``load / count`` (lowest index
+    on ties); zero-load experts share what is left round-robin so an all-zero row still
+    spreads its replicas. Deterministic.
+    """
+    loads = np.asarray(loads, dtype=np.float64)
+    rows, n = loads.shape
+    if num_replicas < n:
+        raise ValueError(f"num_replicas ({num_replicas}) must be >= the number of experts ({n})")
+    if cap is not None and cap * n < num_replicas:
+        raise ValueError(f"cap ({cap}) x experts ({n}) < num_replicas ({num_replicas}): no valid counts")
+    redundant = num_replicas - n
+    hi = num_replicas if cap is None else cap
+    total = loads.sum(axis=1, keepdims=True)
+    # Start below the answer to save steps: an expert with load l ends with > l * redundant / total
+    # replicas at the water level (each extra replica carries at least total / redundant).
+    start = np.floor(loads * redundant / np.where(total > 0, total, 1.0))
+    counts = np.clip(start, 1, hi).astype(np.int64)
+    left = num_replicas - counts.sum(axis=1)
+    key = _key(loads, counts, hi)
+    arange = np.arange(rows)
+    for _ in range(int(left.max(initial=0))):
+        active = left > 0
+        pick = key.argmax(axis=1)
+        counts[arange, pick] += active
+        left -= active
+        key[arange, pick] = _key(loads[arange, pick], counts[arange, pick], hi)
+    return counts
+
+
+def _key(loads: np.ndarray, counts: np.ndarray, hi: int) -> np.ndarray:
+    # Zero-load experts rank below every loaded one and among themselves by fewest replicas.
+    key = np.where(loads > 0, loads / counts, -counts.astype(np.float64))
+    return np.where(counts >= hi, -np.inf, key)

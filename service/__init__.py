@@ -1,0 +1,1 @@
+"""The eplb balancer service (installed as ``eplb_service``)."""

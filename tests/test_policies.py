@@ -1,0 +1,160 @@
+"""Invariants every registered policy keeps, over generated inputs."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import eplb
+from eplb.workloads import SCALES, make_loads
+
+POLICIES = [p for p in eplb.policies() if p != "ilp"]
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[np.ndarray, eplb.Topology]:
+    nodes = draw(st.sampled_from([1, 2, 4]))
+    gpus = nodes * draw(st.integers(1, 4))
+    groups = nodes * draw(st.sampled_from([1, 2]))
+    experts = groups * draw(st.integers(1, 6))
+    experts = max(experts, groups)
+    slots_per_gpu = draw(st.integers(max(1, -(-experts // gpus)), max(1, -(-experts // gpus)) + 3))
+    layers = draw(st.integers(1, 3))
+    topo = eplb.Topology(layers, experts, slots_per_gpu * gpus, gpus, nodes, groups)
+    kind = draw(st.sampled_from(["int", "float", "zero", "skew"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    if kind == "int":
+        loads = rng.integers(0, 50, (layers, experts))
+    elif kind == "float":
+        loads = rng.lognormal(0, 1.5, (layers, experts))
+    elif kind == "zero":
+        loads = np.zeros((layers, experts))
+    else:
+        loads = rng.zipf(1.3, (layers, experts)).astype(np.float64)
+    return loads, topo
+
+
+def _feasible(policy: str, topo: eplb.Topology) -> bool:
+    return policy != "hierarchical" or topo.hierarchical_ok
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@given(inst=instances())
+def test_plan_is_a_valid_placement(policy: str, inst) -> None:
+    loads, topo = inst
+    if not _feasible(policy, topo):
+        return
+    plan = eplb.rebalance(loads, topo, policy)
+    p = plan.placement
+    assert p.phy2log.shape == (topo.num_layers, topo.num_slots)
+    assert (p.logcnt.sum(axis=1) == topo.num_slots).all()
+    assert (p.logcnt >= 1).all()
+    # log2phy and phy2log agree both ways.
+    for layer in range(topo.num_layers):
+        for e in range(topo.num_experts):
+            slots = p.log2phy[layer, e]
+            slots = slots[slots >= 0]
+            assert len(slots) == p.logcnt[layer, e]
+            assert (p.phy2log[layer, slots] == e).all()
+    assert (plan.imbalance >= plan.imbalance_lb - 1e-9).all()
+    assert np.allclose(plan.gpu_load.sum(axis=1), loads.sum(axis=1))
+
+
+@pytest.mark.parametrize("policy", ["global", "hierarchical", "auto"])
+@given(inst=instances())
+def test_ours_never_put_two_replicas_of_an_expert_on_one_gpu(policy: str, inst) -> None:
+    loads, topo = inst
+    if not _feasible(policy, topo):
+        return
+    plan = eplb.rebalance(loads, topo, policy)
+    per_gpu = plan.placement.experts_on_gpu()
+    bins = topo.num_gpus
+    if policy != "global" and plan.policy_used == "hierarchical":
+        bins = topo.gpus_per_node
+        avoidable = (topo.num_experts // topo.num_nodes) * bins >= topo.slots_per_node
+    else:
+        avoidable = topo.num_experts * bins >= topo.num_slots
+    if avoidable:
+        srt = np.sort(per_gpu, axis=2)
+        assert not (srt[:, :, 1:] == srt[:, :, :-1]).any()
+    # Replica counts are capped at the number of gpus that can hold them.
+    if avoidable:
+        assert plan.logcnt.max() <= bins
+
+
+@given(inst=instances())
+def test_hierarchical_keeps_each_node_on_whole_groups(inst) -> None:
+    loads, topo = inst
+    if not topo.hierarchical_ok:
+        return
+    plan = eplb.rebalance(loads, topo, "hierarchical")
+    per_node = plan.phy2log.reshape(topo.num_layers, topo.num_nodes, topo.slots_per_node)
+    groups = per_node // topo.experts_per_group
+    for layer in range(topo.num_layers):
+        owner = {}
+        for n in range(topo.num_nodes):
+            node_groups = set(groups[layer, n].tolist())
+            assert len(node_groups) == topo.num_groups // topo.num_nodes
+            for g in node_groups:
+                assert owner.setdefault(g, n) == n  # a group lives on exactly one node
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_are_deterministic(policy: str) -> None:
+    topo = SCALES["v3-prefill"]
+    loads = make_loads("lognormal-1.0", topo, seed=3)
+    a = eplb.rebalance(loads, topo, policy)
+    b = eplb.rebalance(loads.copy(), topo, policy)
+    assert np.array_equal(a.phy2log, b.phy2log)
+
+
+def test_auto_picks_hierarchical_when_groups_fit_nodes_and_says_when_it_falls_back() -> None:
+    loads = np.arange(12 * 2, dtype=float).reshape(2, 12)
+    fits = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 4), "auto")
+    assert fits.policy_used == "hierarchical" and fits.notes == ()
+    falls = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 3), "auto")
+    assert falls.policy_used == "global"
+    assert "num_groups (3)" in falls.notes[0] and "global" in falls.notes[0]
+
+
+@pytest.mark.parametrize(
+    "topo",
+    [
+        eplb.Topology(1, 4, 4, 1),  # single gpu, P == E
+        eplb.Topology(1, 8, 8, 4),  # P == E
+        eplb.Topology(2, 6, 8, 8),  # one slot per gpu
+        eplb.Topology(1, 4, 12, 1),  # single gpu, several replicas per expert unavoidable
+    ],
+)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_edge_topologies_give_valid_plans(topo: eplb.Topology, policy: str) -> None:
+    rng = np.random.default_rng(0)
+    for loads in (np.zeros((topo.num_layers, topo.num_experts)), rng.integers(0, 9, (topo.num_layers, topo.num_experts))):
+        plan = eplb.rebalance(loads, topo, policy)
+        assert (plan.logcnt.sum(axis=1) == topo.num_slots).all()
+        assert (plan.logcnt >= 1).all()
+
+
+def test_all_zero_layer_is_perfectly_balanced_and_spreads_replicas() -> None:
+    topo = eplb.Topology(1, 8, 16, 4)
+    plan = eplb.rebalance(np.zeros((1, 8)), topo, "global")
+    assert plan.imbalance.tolist() == [1.0]
+    assert plan.logcnt.tolist() == [[2] * 8]
+
+
+def test_huge_integer_loads_up_to_2_pow_53_plan_exactly() -> None:
+    topo = eplb.Topology(1, 4, 8, 4)
+    loads = np.array([[2**53, 2**52, 3, 0]], dtype=np.int64)
+    plan = eplb.rebalance(loads, topo, "global")
+    assert plan.gpu_load.sum() == float(2**53 + 2**52 + 3)
+    assert plan.logcnt[0, 0] >= plan.logcnt[0, 1]
+
+
+def test_global_known_answer() -> None:
+    # Water-filling gives [4, 2, 1, 1] (replica loads 7.5, 9, 6, 6). Without two copies of
+    # expert 0 on one gpu, the best packing of those is 7.5 + 9 twice and 7.5 + 6 twice.
+    topo = eplb.Topology(1, 4, 8, 4)
+    plan = eplb.rebalance(np.array([[30, 18, 6, 6]]), topo, "global")
+    assert plan.logcnt.tolist() == [[4, 2, 1, 1]]
+    assert sorted(plan.gpu_load[0].tolist()) == [13.5, 13.5, 16.5, 16.5]
