@@ -43,7 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write phy2log as .npy")
     p.set_defaults(fn=_place)
-    args = ap.parse_args(argv)
+    s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
+    s.set_defaults(fn=None)
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "serve":
+        # Imported here so `eplb place` works without the service extra installed.
+        from eplb_service.cli import main as serve_main
+
+        return serve_main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.fn(args)
 
 
