@@ -11,18 +11,24 @@ __all__ = ["pack", "bin_loads"]
 
 # Relative gain below which a swap is float noise, not an improvement.
 _REL_TOL = 1e-12
+# Improvement rounds a layer may go without lowering its heaviest bin before it stops.
+_PATIENCE = 4
 
 
-def pack(weights: np.ndarray, num_bins: int, keys: np.ndarray | None = None, *, max_rounds: int = 32) -> np.ndarray:
+def pack(
+    weights: np.ndarray, num_bins: int, keys: np.ndarray | None = None, *, max_rounds: int = 32, pairs: int = 8
+) -> np.ndarray:
     """``weights``: ``[X, n]`` → int64 ``[X, num_bins, n // num_bins]``: the items in each bin.
 
     1. Deal: items in descending weight (ties keep input order), one round at a time, the
        heaviest item of a round to the lightest bin; an item whose ``keys`` value (``[X, n]``,
        e.g. the expert of a replica) is already in its bin trades bins with a nearby item
        of the same round, so no bin holds two equal keys where that can be avoided.
-    2. Improve: up to ``max_rounds`` rounds in which bins are paired heaviest with lightest,
-       second heaviest with second lightest, … and each pair makes the one item swap that
-       most lowers its heavier bin (keeping keys distinct per bin). Deterministic.
+    2. Improve: up to ``max_rounds`` rounds in which the ``pairs`` heaviest bins are paired with
+       the lightest (i-th heaviest with i-th lightest) and each pair makes the one item swap
+       that most lowers its heavier bin; a layer where no pair can improve tries its heaviest
+       bin against the ``4 * pairs`` lightest. Keys stay distinct per bin. A layer stops after
+       a few rounds without lowering its heaviest bin. Deterministic.
     """
     weights = np.asarray(weights, dtype=np.float64)
     rows, n = weights.shape
@@ -34,7 +40,7 @@ def pack(weights: np.ndarray, num_bins: int, keys: np.ndarray | None = None, *, 
     order = np.argsort(-weights, axis=1, kind="stable")
     assign = _deal(weights, keys, order, num_bins, per_bin)
     if per_bin > 1 and num_bins > 1:
-        _improve(weights, keys, assign, max_rounds)
+        _improve(weights, keys, assign, max_rounds, pairs)
     return assign
 
 
@@ -73,9 +79,9 @@ def _unclash_round(item_keys: np.ndarray, held: np.ndarray, target: np.ndarray) 
     Trades with the nearest item in weight order that fits, to keep the deal's balance.
     """
     n = len(target)
-    for j in range(n):
+    for j in np.flatnonzero((held == item_keys[:, None]).any(axis=1)):
         if not (held[j] == item_keys[j]).any():
-            continue
+            continue  # an earlier trade already fixed it
         dist = np.abs(np.arange(n) - j)
         ok = ~(held == item_keys[j]).any(axis=1) & ~(held[j][None, :] == item_keys[:, None]).any(axis=1)
         if not ok.any():
@@ -85,42 +91,81 @@ def _unclash_round(item_keys: np.ndarray, held: np.ndarray, target: np.ndarray) 
         held[[j, t]] = held[[t, j]]
 
 
-def _improve(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, max_rounds: int) -> None:
+def _improve(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, max_rounds: int, pairs: int) -> None:
     rows, num_bins, per_bin = assign.shape
-    half = num_bins // 2
+    # Only the heaviest bins decide the objective; pairing a few of them is most of the gain.
+    half = min(num_bins // 2, pairs)
     r3 = np.arange(rows)[:, None, None]
     w = weights[r3, assign]  # [X, B, S] kept in step with assign
     k = keys[r3, assign]
+    wide = min(num_bins - 1, 4 * pairs)
     active = np.arange(rows)
+    idle = np.zeros(rows, dtype=np.int64)  # rounds since the heaviest bin last got lighter
     for _ in range(max_rounds):
         if active.size == 0:
             return
-        wa, ka = w[active], k[active]
-        load = wa.sum(axis=2)
+        load = w[active].sum(axis=2)
         srt = np.argsort(load, axis=1, kind="stable")
-        heavy, light = srt[:, ::-1][:, :half], srt[:, :half]  # [A, H]
-        ri = np.arange(active.size)[:, None]
-        wh, wl = wa[ri, heavy], wa[ri, light]  # [A, H, S]
-        kh, kl = ka[ri, heavy], ka[ri, light]
-        lh, ll = load[ri, heavy], load[ri, light]  # [A, H]
-        d = wh[:, :, :, None] - wl[:, :, None, :]  # [A, H, S(heavy item), S(light item)]
-        new = np.maximum(lh[:, :, None, None] - d, ll[:, :, None, None] + d)
-        tol = (_REL_TOL * lh)[:, :, None, None]
-        ok = (d > tol) & (new < lh[:, :, None, None] - tol)
-        # The heavy item's key must not already sit in the light bin, and vice versa.
-        ok &= ~(kh[:, :, :, None] == kl[:, :, None, :]).any(axis=3)[:, :, :, None]
-        ok &= ~(kl[:, :, None, :] == kh[:, :, :, None]).any(axis=2)[:, :, None, :]
-        score = np.where(ok, new, np.inf).reshape(active.size, half, -1)
-        best = score.argmin(axis=2)  # [A, H]
-        hit = np.isfinite(np.take_along_axis(score, best[:, :, None], axis=2)[:, :, 0])
-        if not hit.any():
-            return
+        # Cheap round: i-th heaviest with i-th lightest, all pairs at once.
+        heavy, partner = srt[:, ::-1][:, :half], srt[:, :half, None]
+        found = _swap_best(assign, w, k, load, active, heavy, partner)
+        stalled = ~found.any(axis=1)
+        if stalled.any():
+            # Wider round for layers the cheap one left: the heaviest bin against the lightest
+            # bins (any bin lighter than it could take a smaller item).
+            st = np.flatnonzero(stalled)
+            top = srt[st, -1:]
+            part = srt[st, None, :wide]
+            again = _swap_best(assign, w, k, load[st], active[st], top, part)
+            stalled[st] = ~again[:, 0]
+        # A layer goes on while its heaviest bin got lighter within the last few rounds (ties
+        # at the top need several swaps before the maximum moves).
+        dropped = w[active].sum(axis=2).max(axis=1) < load.max(axis=1)
+        idle[active] = np.where(dropped, 0, idle[active] + 1)
+        active = active[~stalled & (idle[active] < _PATIENCE)]
+
+
+def _swap_best(
+    assign: np.ndarray,
+    w: np.ndarray,
+    k: np.ndarray,
+    load: np.ndarray,
+    rows: np.ndarray,
+    heavy: np.ndarray,
+    partners: np.ndarray,
+) -> np.ndarray:
+    """Make, for each heavy bin, the item swap with one of its partner bins that most lowers it.
+
+    ``rows``: ``[A]`` rows of ``assign``/``w``/``k`` (``[X, B, S]``, updated in place);
+    ``load``: ``[A, B]``; ``heavy``: ``[A, H]`` distinct bins; ``partners``: ``[A, H, C]`` bins,
+    each partner used by at most one heavy bin. Returns ``[A, H]``: whether a swap was made.
+    """
+    per_bin = w.shape[2]
+    A, H = heavy.shape
+    C = partners.shape[2]
+    ri = np.arange(A)[:, None]
+    wr, kr = w[rows], k[rows]
+    wh, kh = wr[ri, heavy], kr[ri, heavy]  # [A, H, S]
+    wp, kp = wr[ri[:, :, None], partners], kr[ri[:, :, None], partners]  # [A, H, C, S]
+    lh = load[ri, heavy][:, :, None, None, None]
+    lp = load[ri[:, :, None], partners][:, :, None, :, None]
+    d = wh[:, :, :, None, None] - wp[:, :, None, :, :]  # [A, H, S(heavy item), C, S(partner item)]
+    new = np.maximum(lh - d, lp + d)
+    tol = _REL_TOL * lh
+    ok = (d > tol) & (new < lh - tol)
+    # The heavy item's key must not already sit in the partner bin, and vice versa.
+    ok &= ~(kh[:, :, :, None, None] == kp[:, :, None, :, :]).any(axis=4)[..., None]
+    ok &= ~(kp[:, :, None, :, :] == kh[:, :, :, None, None]).any(axis=2)[:, :, None, :, :]
+    score = np.where(ok, new, np.inf).reshape(A, H, -1)
+    best = score.argmin(axis=2)
+    hit = np.isfinite(np.take_along_axis(score, best[:, :, None], axis=2)[:, :, 0])
+    if hit.any():
         a_idx, h_idx = np.nonzero(hit)
-        i, j = np.divmod(best[a_idx, h_idx], per_bin)
-        x = active[a_idx]
-        bh, bl = heavy[a_idx, h_idx], light[a_idx, h_idx]
+        i, c, j = np.unravel_index(best[a_idx, h_idx], (per_bin, C, per_bin))
+        x = rows[a_idx]
+        bh, bp = heavy[a_idx, h_idx], partners[a_idx, h_idx, c]
         for arr in (assign, w, k):
             tmp = arr[x, bh, i].copy()
-            arr[x, bh, i] = arr[x, bl, j]
-            arr[x, bl, j] = tmp
-        active = np.unique(x)
+            arr[x, bh, i] = arr[x, bp, j]
+            arr[x, bp, j] = tmp
+    return hit

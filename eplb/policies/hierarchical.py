@@ -32,7 +32,7 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
         raise ValueError(
             f"hierarchical needs num_groups ({groups}) to be a multiple of num_nodes ({N}); use policy 'global'"
         )
-    max_rounds = int(options.get("max_rounds", 32))
+    max_rounds = int(options.get("max_rounds", 8))
     group_size = E // groups
     # Step 1: groups → nodes. node_groups[l, n, :] lists the groups of node n.
     group_load = loads.reshape(L, groups, group_size).sum(axis=2)
