@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["pack", "bin_loads"]
+__all__ = ["pack", "bin_loads", "improve"]
 
 # Relative gain below which a swap is float noise, not an improvement.
 _REL_TOL = 1e-12
@@ -91,7 +91,32 @@ def _unclash_round(item_keys: np.ndarray, held: np.ndarray, target: np.ndarray) 
         held[[j, t]] = held[[t, j]]
 
 
-def _improve(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, max_rounds: int, pairs: int) -> None:
+def improve(
+    weights: np.ndarray,
+    keys: np.ndarray,
+    assign: np.ndarray,
+    *,
+    max_rounds: int = 32,
+    pairs: int = 8,
+    target: np.ndarray | None = None,
+) -> None:
+    """Lower the heaviest bin of an existing packing by item swaps, in place.
+
+    ``weights``, ``keys``: ``[X, n]``; ``assign``: ``[X, B, k]`` item indices. A row stops as
+    soon as its heaviest bin is at most ``target[row]`` (``[X]``), so a re-plan makes only the
+    swaps it needs.
+    """
+    _improve(weights, keys, assign, max_rounds, pairs, target)
+
+
+def _improve(
+    weights: np.ndarray,
+    keys: np.ndarray,
+    assign: np.ndarray,
+    max_rounds: int,
+    pairs: int,
+    target: np.ndarray | None = None,
+) -> None:
     rows, num_bins, per_bin = assign.shape
     # Only the heaviest bins decide the objective; pairing a few of them is most of the gain.
     half = min(num_bins // 2, pairs)
@@ -102,6 +127,8 @@ def _improve(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, max_roun
     active = np.arange(rows)
     idle = np.zeros(rows, dtype=np.int64)  # rounds since the heaviest bin last got lighter
     for _ in range(max_rounds):
+        if target is not None:
+            active = active[w[active].sum(axis=2).max(axis=1) > target[active]]
         if active.size == 0:
             return
         load = w[active].sum(axis=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..migration import choose
 from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
@@ -13,27 +14,59 @@ from .hierarchical import place_global, place_hierarchical
 __all__: list[str] = []
 
 
+# Default for `tolerance`: a layer keeps its placement while its busiest gpu is within 1 % of
+# a fresh plan's (bench/drift_bench.py measures the trade-off).
+DEFAULT_TOLERANCE = 0.01
+
+
+def _migration_aware(
+    phy2log: np.ndarray,
+    loads: np.ndarray,
+    topology: Topology,
+    previous: Placement | None,
+    by_node: bool,
+    options: dict,
+) -> tuple[np.ndarray, dict]:
+    """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration)."""
+    if previous is None:
+        return phy2log, {}
+    tolerance = float(options.get("tolerance", DEFAULT_TOLERANCE))
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0 (a fraction, 0.01 = 1 %), got {tolerance}")
+    return choose(loads, previous, phy2log, topology, tolerance, by_node)
+
+
+def _split(options: dict) -> tuple[dict, dict]:
+    migration = {k: options[k] for k in ("tolerance",) if k in options}
+    return {k: v for k, v in options.items() if k not in migration}, migration
+
+
 @register_policy("global")
 def _global(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    return PolicyResult(place_global(loads, topology, **options), "global")
+    opts, mig = _split(options)
+    phy2log, extra = _migration_aware(place_global(loads, topology, **opts), loads, topology, previous, False, mig)
+    return PolicyResult(phy2log, "global", extra=extra)
 
 
 @register_policy("hierarchical")
 def _hierarchical(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    return PolicyResult(place_hierarchical(loads, topology, **options), "hierarchical")
+    opts, mig = _split(options)
+    phy2log, extra = _migration_aware(place_hierarchical(loads, topology, **opts), loads, topology, previous, True, mig)
+    return PolicyResult(phy2log, "hierarchical", extra=extra)
 
 
 @register_policy("auto")
 def _auto(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
     if topology.num_nodes > 1 and topology.hierarchical_ok:
-        return PolicyResult(place_hierarchical(loads, topology, **options), "hierarchical")
+        return _hierarchical(loads, topology, previous, **options)
     notes: tuple[str, ...] = ()
     if topology.num_nodes > 1:
         notes = (
             f"auto: num_groups ({topology.num_groups}) is not a multiple of num_nodes "
             f"({topology.num_nodes}), so groups cannot stay whole on nodes; planned with global",
         )
-    return PolicyResult(place_global(loads, topology, **options), "global", notes)
+    res = _global(loads, topology, previous, **options)
+    return PolicyResult(res.phy2log, "global", notes, extra=res.extra)
 
 
 @register_policy("deepseek")

@@ -1,0 +1,151 @@
+"""Migration-aware re-planning: keep experts where they are unless moving them pays.
+
+Two levers, both vectorised across layers:
+- keep: a layer whose current placement is within ``(1 + tolerance)`` of a fresh plan's
+  busiest-gpu load under the new loads keeps its placement (zero moves);
+- align: otherwise the fresh plan is relabelled onto the current one. Gpus of a plan are
+  interchangeable (within a node for the hierarchical policy, and nodes among themselves), as
+  are slots within a gpu, so we map each fresh gpu to the current gpu holding most of the same
+  experts and keep each surviving expert in its current slot. Balance is unchanged; only
+  the slots whose expert really changes are moved.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .packing import improve
+from .placement import Placement
+from .topology import Topology
+
+__all__ = ["align_to_previous", "repair_previous", "choose"]
+
+
+def _presence(groups: np.ndarray, num_experts: int) -> np.ndarray:
+    """``groups``: ``[L, B, k]`` expert ids → ``[L, B, E]`` float32 counts of each expert per bin."""
+    L, B, _ = groups.shape
+    out = np.zeros((L, B, num_experts), dtype=np.float32)
+    np.add.at(out, (np.arange(L)[:, None, None], np.arange(B)[None, :, None], groups), 1.0)
+    return out
+
+
+def _match(overlap: np.ndarray) -> np.ndarray:
+    """``overlap``: ``[X, B, B]`` (new bin × old bin) → ``[X, B]``: the old bin for each new bin.
+
+    Greedy: new bins in order of their best overlap, each takes its best free old bin.
+    One vectorised step per bin.
+    """
+    X, B, _ = overlap.shape
+    order = np.argsort(-overlap.max(axis=2), axis=1, kind="stable")
+    taken = np.zeros((X, B), dtype=bool)
+    out = np.empty((X, B), dtype=np.int64)
+    rows = np.arange(X)
+    for step in range(B):
+        nb = order[:, step]
+        score = np.where(taken, -1.0, overlap[rows, nb])
+        ob = score.argmax(axis=1)
+        out[rows, nb] = ob
+        taken[rows, ob] = True
+    return out
+
+
+def _align_bins(new: np.ndarray, old: np.ndarray, num_experts: int) -> np.ndarray:
+    """``new``, ``old``: ``[X, B, k]`` → ``new``'s bins reordered to sit where ``old`` has most in common."""
+    overlap = np.einsum("xbe,xce->xbc", _presence(new, num_experts), _presence(old, num_experts))
+    target = _match(overlap)
+    out = np.empty_like(new)
+    np.put_along_axis(out, target[:, :, None], new, axis=1)
+    return out
+
+
+def _align_slots(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """``new``, ``old``: ``[X, S]`` experts of matched gpus → ``new`` reordered so experts that
+    stay keep their slot and the incoming ones fill the freed slots in order."""
+    S = new.shape[1]
+    stays = (old[:, :, None] == new[:, None, :]).any(axis=2)  # old slot keeps its expert
+    incoming = ~(new[:, :, None] == old[:, None, :]).any(axis=2)  # new expert not there yet
+    out = np.where(stays, old, -1)
+    # Free slots, in order, get the incoming experts, in order.
+    free_rank = np.cumsum(~stays, axis=1) - 1
+    inc_sorted = np.take_along_axis(new, np.argsort(~incoming, axis=1, kind="stable"), axis=1)
+    fill = np.take_along_axis(inc_sorted, np.clip(free_rank, 0, S - 1), axis=1)
+    return np.where(stays, out, fill)
+
+
+def align_to_previous(phy2log: np.ndarray, previous: Placement, topology: Topology, by_node: bool) -> np.ndarray:
+    """``phy2log``: ``[L, P]`` fresh plan → the same plan relabelled to move fewest slots from ``previous``.
+
+    ``by_node``: keep the fresh plan's node contents together (hierarchical plans), matching
+    nodes first and gpus within each node; otherwise any gpu may take any gpu's place.
+    Replicas of one expert on one gpu are not expected (our policies avoid them).
+    """
+    t = topology
+    L, S = t.num_layers, t.slots_per_gpu
+    old = previous.phy2log
+    if by_node and t.num_nodes > 1:
+        new_nodes = phy2log.reshape(L, t.num_nodes, t.slots_per_node)
+        aligned = _align_bins(new_nodes, old.reshape(L, t.num_nodes, t.slots_per_node), t.num_experts)
+        gpus_new = aligned.reshape(L * t.num_nodes, t.gpus_per_node, S)
+        gpus_old = old.reshape(L * t.num_nodes, t.gpus_per_node, S)
+    else:
+        gpus_new = phy2log.reshape(L, t.num_gpus, S)
+        gpus_old = old.reshape(L, t.num_gpus, S)
+    gpus = _align_bins(gpus_new, gpus_old, t.num_experts)
+    slots = _align_slots(gpus.reshape(-1, S), gpus_old.reshape(-1, S))
+    return slots.reshape(L, t.num_slots).astype(np.int32)
+
+
+def repair_previous(loads: np.ndarray, previous: Placement, topology: Topology, target: np.ndarray, by_node: bool) -> np.ndarray:
+    """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → ``phy2log`` ``[L, P]``.
+
+    Keeps ``previous``'s replica counts and swaps slots between gpus (within a node when
+    ``by_node``), heaviest first, only until each layer's busiest gpu is at most its target.
+    Each swap moves two slots. Layers that cannot reach the target come back improved as far
+    as the swaps got; the caller checks.
+    """
+    t = topology
+    L, S = t.num_layers, t.slots_per_gpu
+    prev = previous.phy2log
+    per_replica = loads / previous.logcnt
+    w = np.take_along_axis(per_replica, prev, axis=1)  # [L, P]
+    if by_node and t.num_nodes > 1:
+        rows, bins, per = L * t.num_nodes, t.gpus_per_node, t.slots_per_node
+        tgt = np.repeat(target, t.num_nodes)
+    else:
+        rows, bins, per = L, t.num_gpus, t.num_slots
+        tgt = target
+    w_rows = w.reshape(rows, per)
+    keys = prev.reshape(rows, per)
+    assign = np.broadcast_to(np.arange(per).reshape(bins, S), (rows, bins, S)).copy()
+    improve(w_rows, keys, assign, max_rounds=64, target=tgt)
+    return np.take_along_axis(keys, assign.reshape(rows, per), axis=1).reshape(L, t.num_slots)
+
+
+def choose(
+    loads: np.ndarray, previous: Placement, fresh: np.ndarray, topology: Topology, tolerance: float, by_node: bool
+) -> tuple[np.ndarray, dict]:
+    """Per layer, the cheapest of: keep ``previous``; repair it by swaps; the fresh plan
+    ``[L, P]`` aligned onto it, accepting anything within ``(1 + tolerance)`` of fresh's
+    busiest gpu. Returns ``phy2log`` ``[L, P]`` and counts of each choice."""
+    from .metrics import gpu_loads  # metrics imports this module's siblings; keep the import local
+
+    def busiest(phy2log: np.ndarray) -> np.ndarray:
+        return gpu_loads(loads, Placement(phy2log, topology)).max(axis=1)
+
+    fresh_max = busiest(fresh)
+    target = (1.0 + tolerance) * fresh_max
+    keep = gpu_loads(loads, previous).max(axis=1) <= target
+    out = previous.phy2log.copy()
+    repaired = np.zeros_like(keep)
+    todo = ~keep
+    if todo.any():
+        fixed = repair_previous(loads, previous, topology, target, by_node)
+        repaired = todo & (busiest(fixed) <= target)
+        out[repaired] = fixed[repaired]
+        replaced = todo & ~repaired
+        out[replaced] = align_to_previous(fresh, previous, topology, by_node)[replaced]
+    return out, {
+        "layers_kept": int(keep.sum()),
+        "layers_repaired": int(repaired.sum()),
+        "layers_replanned": int((~keep & ~repaired).sum()),
+    }
