@@ -1,50 +1,128 @@
-"""The ``eplb`` command: ``eplb place`` (more subcommands arrive with the tools and the service)."""
+"""The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file)
+and ``eplb serve`` (the balancer service)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import eplb
+from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, make_loads
+
+from . import io as eio
+
+_TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
+
+
+def _topology(args: argparse.Namespace, layers: int | None, experts: int | None) -> Topology:
+    """Topology from ``--scale`` / ``--topology`` / explicit flags (later ones win), with
+    layers and experts defaulting to the trace's."""
+    base: dict[str, int] = {}
+    if args.scale:
+        t = SCALES[args.scale]
+        base = {n: getattr(t, f"num_{n}") for n in _TOPO_ARGS}
+    if args.topology:
+        t = eio.read_topology(args.topology)
+        base = {n: getattr(t, f"num_{n}") for n in _TOPO_ARGS}
+    base.setdefault("nodes", 1)
+    base.setdefault("groups", 1)
+    for name, value in (("layers", layers), ("experts", experts)):
+        if value is not None and name not in base:
+            base[name] = value
+    for name in _TOPO_ARGS:
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
+    missing = [f"--{n}" for n in _TOPO_ARGS if n not in base]
+    if missing:
+        raise ValueError(f"topology incomplete: give {', '.join(missing)} (or --topology CONFIG / --scale NAME)")
+    topo = Topology(*(base[n] for n in _TOPO_ARGS))
+    if layers is not None and (topo.num_layers, topo.num_experts) != (layers, experts):
+        raise ValueError(
+            f"the trace has {layers} layers x {experts} experts but the topology says "
+            f"{topo.num_layers} x {topo.num_experts}; fix --layers/--experts or the config"
+        )
+    return topo
 
 
 def _place(args: argparse.Namespace) -> int:
-    topo = SCALES[args.scale]
-    loads = make_loads(args.workload, topo, args.seed)
+    if args.trace:
+        trace = eio.read_trace(args.trace, args.trace_format)
+        topo = _topology(args, trace.num_layers, trace.num_experts)
+        loads = trace.window(last=args.window, half_life=args.half_life)
+        if args.window:
+            source = f"trace {args.trace}: last {args.window} of {trace.num_steps} steps"
+        elif args.half_life:
+            source = f"trace {args.trace}: {trace.num_steps} steps, decay half-life {args.half_life} steps"
+        else:
+            source = f"trace {args.trace}: all {trace.num_steps} steps"
+    else:
+        if args.scale is None and args.topology is None and args.slots is None:
+            args.scale = "v3-prefill"
+        topo = _topology(args, None, None)
+        loads = make_loads(args.synthetic, topo, args.seed)
+        source = f"synthetic {args.synthetic} (seed {args.seed})"
     base = eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     plan = eplb.rebalance(loads, topo, args.policy)
-    print(f"scale {args.scale}: {topo}")
-    print(f"workload {args.workload} (seed {args.seed}), policy {plan.policy} -> {plan.policy_used}")
+    replicated = (plan.logcnt > 1).sum(axis=1)
+    print(f"loads: {source}")
+    print(f"topology: {topo}")
+    print(f"policy {plan.policy} -> {plan.policy_used}")
     for note in plan.notes:
         print(f"note: {note}")
     print(f"imbalance before (contiguous): mean {before.mean():.4f}  worst {before.max():.4f}")
     print(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
-    print(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}")
-    print(f"replicas per expert: max {int(plan.logcnt.max())}, experts replicated per layer (mean) "
-          f"{float((plan.logcnt > 1).sum(axis=1).mean()):.1f}")
+    print(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
+    print(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
+          f"most replicas of one expert: {int(plan.logcnt.max())}")
     print(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if args.out:
-        np.save(args.out, plan.phy2log)
-        print(f"wrote phy2log {list(plan.phy2log.shape)} to {args.out}")
+        out = Path(args.out)
+        if out.suffix == ".npy" and args.format is None:
+            np.save(out, plan.phy2log)
+            print(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
+        else:
+            stats = plan.summary() | {"source": source, "imbalance": plan.imbalance.tolist(), "imbalance_lb": plan.imbalance_lb.tolist()}
+            kind = eio.write_placement(out, plan.placement, args.format, stats=stats, loads=loads)
+            print(f"wrote {kind} placement to {out}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("place", help="plan a placement for a built-in synthetic workload")
-    p.add_argument("--scale", default="v3-prefill", choices=sorted(SCALES))
-    p.add_argument("--workload", default="lognormal-1.0", choices=WORKLOADS)
+    p = sub.add_parser(
+        "place",
+        help="plan a placement from a load trace (or a synthetic workload) and write it",
+        description="Plan a placement from TRACE (formats: docs/tools.md) or, without TRACE, from a "
+        "built-in synthetic workload, print a short report and write the placement.",
+    )
+    p.add_argument("trace", nargs="?", help="load trace file (.json .npy .npz .csv .pt)")
+    p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
+    p.add_argument("--synthetic", "--workload", dest="synthetic", default="lognormal-1.0", choices=WORKLOADS, help="workload when no TRACE is given")
+    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (shared/BENCHMARKS.md)")
+    p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")
+    for name in _TOPO_ARGS:
+        p.add_argument(f"--{name}", type=int, help=f"number of {name}" + (" (default: the trace's)" if name in ("layers", "experts") else ""))
+    window = p.add_mutually_exclusive_group()
+    window.add_argument("--window", type=int, help="plan on the last N steps of a trace with a time axis")
+    window.add_argument("--half-life", type=float, help="plan on an exponentially decayed sum (half-life in steps)")
     p.add_argument("--policy", default="auto", choices=eplb.policies())
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write phy2log as .npy")
+    p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes bare phy2log)")
+    p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log)")
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
     s.set_defaults(fn=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         # Imported here so `eplb place` works without the service extra installed.
@@ -53,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except ValueError as exc:
+        print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

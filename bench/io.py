@@ -1,0 +1,234 @@
+"""File I/O at the edge: load traces, placements and topology configs on disk.
+
+Formats are chosen by ``fmt`` or by the file suffix; the decoding itself lives in the pure
+converters ``eplb.traces`` and ``eplb.formats``. Every error is a ``ValueError`` that starts
+with the file name, then names the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from eplb import formats, traces
+from eplb.placement import Placement
+from eplb.topology import Topology
+
+__all__ = [
+    "TRACE_FORMATS",
+    "PLACEMENT_FORMATS",
+    "trace_format_of",
+    "placement_format_of",
+    "read_trace",
+    "write_trace",
+    "read_placement",
+    "write_placement",
+    "read_topology",
+]
+
+TRACE_FORMATS = ("native", "json", "npy", "npz", "csv", "sglang-pt", "vllm")
+PLACEMENT_FORMATS = ("native", "sglang", "vllm", "listing")
+
+T = TypeVar("T")
+
+
+def _in_file(path: Path, fn: Callable[[], T]) -> T:
+    """Run a converter and prefix its error with the file it was reading."""
+    try:
+        return fn()
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive ({exc})") from None
+
+
+def trace_format_of(path: Path, fmt: str | None = None) -> str:
+    """The trace format to read ``path`` with: ``fmt`` if given, else from the suffix
+    (``.json`` is sniffed: native when its ``format`` is ``eplb-trace``; ``.npz`` holding a
+    ``window`` is vLLM-shaped)."""
+    if fmt is not None:
+        if fmt not in TRACE_FORMATS:
+            raise ValueError(f"trace format {fmt!r} is unknown; allowed: {', '.join(TRACE_FORMATS)}")
+        return fmt
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        doc = _read_json(path)
+        return "native" if isinstance(doc, dict) and doc.get("format") == traces.TRACE_FORMAT else "json"
+    if suffix == ".npz":
+        return "vllm" if "window" in _read_npz(path) else "npz"
+    by_suffix = {".npy": "npy", ".csv": "csv", ".pt": "sglang-pt"}
+    if suffix not in by_suffix:
+        raise ValueError(f"{path}: cannot tell the trace format from suffix {suffix!r}; use one of .json .npy .npz .csv .pt or pass a format ({', '.join(TRACE_FORMATS)})")
+    return by_suffix[suffix]
+
+
+def _load_torch(path: Path) -> object:
+    try:
+        import torch  # optional extra: only SGLang .pt dumps need it
+    except ImportError:
+        raise ValueError(f"{path}: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb[torch]'` or convert the dump to .npz") from None
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict):
+        return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in obj.items()}
+    return obj
+
+
+def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | None = None) -> traces.LoadTrace:
+    """Read a load trace. ``phy2log [L, P]`` maps a vLLM window without its own
+    ``physical_to_logical`` array."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such trace file")
+    kind = trace_format_of(path, fmt)
+    if kind == "native":
+        doc = _read_json(path)
+        return _in_file(path, lambda: traces.from_native(doc))
+    if kind == "json":
+        doc = _read_json(path)
+        return _in_file(path, lambda: traces.from_counts_json(doc))
+    if kind == "npy":
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable .npy array ({exc})") from None
+        return _in_file(path, lambda: traces.from_array(arr, "array"))
+    if kind == "csv":
+        rows = list(csv.reader(io.StringIO(path.read_text())))
+        return _in_file(path, lambda: traces.from_csv_rows(rows))
+    if kind == "sglang-pt":
+        obj = _load_torch(path)
+        return _in_file(path, lambda: traces.from_sglang_dump(obj))
+    arrays = _read_npz(path)
+    if kind == "vllm":
+        if "window" not in arrays:
+            raise ValueError(f"{path}: field 'window': missing; expected [W, layers, slots] physical counts")
+        p2l = arrays.get("physical_to_logical", phy2log)
+        if p2l is None:
+            raise ValueError(f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under")
+        return _in_file(path, lambda: traces.from_vllm_window(arrays["window"], p2l))
+    for key in ("counts", "logical_count"):
+        if key in arrays:
+            return _in_file(path, lambda: traces.from_array(arrays[key], key))
+    raise ValueError(f"{path}: field 'counts': missing; expected an array named counts or logical_count (archive has: {', '.join(arrays) or 'nothing'})")
+
+
+def write_trace(path: str | Path, trace: traces.LoadTrace, fmt: str = "native") -> None:
+    """Write ``trace`` as native JSON, counts JSON, .npy, .npz (``counts``) or long CSV."""
+    path = Path(path)
+    if fmt == "native":
+        path.write_text(json.dumps(traces.to_native(trace)))
+    elif fmt == "json":
+        path.write_text(json.dumps({"counts": traces.to_native(trace)["counts"]}))
+    elif fmt == "npy":
+        with path.open("wb") as f:
+            np.save(f, trace.counts)
+    elif fmt == "npz":
+        with path.open("wb") as f:
+            np.savez(f, counts=trace.counts)
+    elif fmt == "csv":
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows(traces.to_csv_rows(trace))
+    else:
+        raise ValueError(f"cannot write traces as {fmt!r}; allowed: native, json, npy, npz, csv")
+
+
+def placement_format_of(path: Path, fmt: str | None = None) -> str:
+    """``fmt`` if given, else by suffix: ``.npz`` vllm, ``.txt`` listing, ``.json`` native or
+    sglang (sniffed when reading; native when writing)."""
+    if fmt is not None:
+        if fmt not in PLACEMENT_FORMATS:
+            raise ValueError(f"placement format {fmt!r} is unknown; allowed: {', '.join(PLACEMENT_FORMATS)}")
+        return fmt
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        if path.is_file():
+            doc = _read_json(path)
+            if isinstance(doc, dict) and "physical_to_logical_map" in doc:
+                return "sglang"
+        return "native"
+    by_suffix = {".npz": "vllm", ".txt": "listing"}
+    if suffix not in by_suffix:
+        raise ValueError(f"{path}: cannot tell the placement format from suffix {suffix!r}; use .json .npz .txt or pass a format ({', '.join(PLACEMENT_FORMATS)})")
+    return by_suffix[suffix]
+
+
+def write_placement(
+    path: str | Path,
+    placement: Placement,
+    fmt: str | None = None,
+    stats: dict | None = None,
+    loads: np.ndarray | None = None,
+) -> str:
+    """Write ``placement``; returns the format used. ``stats`` go into native files,
+    ``loads [L, E]`` into the listing's per-gpu tokens."""
+    path = Path(path)
+    kind = placement_format_of(path, fmt)
+    if kind == "native":
+        path.write_text(json.dumps(formats.to_native(placement, stats)))
+    elif kind == "sglang":
+        path.write_text(json.dumps(formats.to_sglang(placement)))
+    elif kind == "vllm":
+        with path.open("wb") as f:
+            np.savez(f, **formats.to_vllm(placement))
+    else:
+        path.write_text(formats.to_listing(placement, loads))
+    return kind
+
+
+def read_placement(path: str | Path, fmt: str | None = None, num_gpus: int | None = None, num_nodes: int = 1, num_groups: int = 1) -> Placement:
+    """Read a placement. SGLang and vLLM files do not carry the gpu count: pass ``num_gpus``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such placement file")
+    kind = placement_format_of(path, fmt)
+    if kind in ("sglang", "vllm") and num_gpus is None:
+        raise ValueError(f"{path}: {kind} placements do not record the gpu count; pass num_gpus (--gpus)")
+    if kind == "native":
+        doc = _read_json(path)
+        return _in_file(path, lambda: formats.from_native(doc))
+    if kind == "sglang":
+        doc = _read_json(path)
+        return _in_file(path, lambda: formats.from_sglang(doc, num_gpus, num_nodes, num_groups))
+    if kind == "vllm":
+        arrays = _read_npz(path)
+        return _in_file(path, lambda: formats.from_vllm(arrays, num_gpus, num_nodes, num_groups))
+    text = path.read_text()
+    return _in_file(path, lambda: formats.from_listing(text))
+
+
+def read_topology(path: str | Path) -> Topology:
+    """A small topology config, JSON or TOML: ``layers, experts, slots, gpus[, nodes, groups]``
+    (``num_*`` spellings too), at the top level or under a ``topology`` table."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such topology config")
+    if path.suffix.lower() == ".toml":
+        try:
+            doc = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    else:
+        doc = _read_json(path)
+    if isinstance(doc, dict) and "topology" in doc:
+        doc = doc["topology"]
+    return _in_file(path, lambda: formats.topology_from_dict(doc))
