@@ -1,21 +1,349 @@
-"""``eplb-bench``: imbalance and solve-time report over policies, scales and workloads."""
+"""``eplb-bench``: imbalance report over policies × workloads × scales (and trace files).
+
+    eplb-bench [--quick] [TRACE ...] [--topology CONFIG | --slots P --gpus G ...]
+               [--scales ...] [--workloads ...] [--policies ...] [--json FILE] [--plots DIR]
+
+Three sections, each a Markdown table on stdout (and a list in ``--json``):
+
+- **placement**: per (scale, workload) the baselines ``none`` (contiguous placement) and
+  ``deepseek``, our policies, ``ilp`` on the ``small`` scale when registered, and the lower
+  bound: imbalance (mean over layers and worst layer), gap to the lower bound, gap to the ILP,
+  solve time per full-model plan;
+- **re-planning**: imbalance over a drifting and a shifting sequence when each policy
+  re-plans every K steps on the last K steps (migration-aware, ``previous=``), and the slots
+  each re-plan moves;
+- **per-step**: realized max/mean gpu load of sampled decode steps (``eplb.simulate``) at
+  ``b`` tokens per gpu, mean and p99, next to the placement's expected imbalance.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from . import solve_bench
+import numpy as np
+from tqdm import tqdm
+
+import eplb
+from eplb.simulate import simulate_steps
+from eplb.topology import Topology
+from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
+
+from . import io as eio
+
+OUR_POLICIES = ("global", "hierarchical", "auto")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One instance to plan: ``loads [L, E]`` (or a sequence ``[T, L, E]``) on a topology."""
+
+    scale: str
+    workload: str
+    topology: Topology
+    loads: np.ndarray
+
+
+def policies_for(topology: Topology, scale: str, requested: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """``none`` (contiguous) and ``deepseek`` always, then ours, then ``ilp`` on ``small``."""
+    names = requested or ("deepseek", *OUR_POLICIES)
+    names = tuple(n for n in names if n in eplb.policies() and n != "ilp")
+    if "ilp" in eplb.policies() and scale == "small" and (requested is None or "ilp" in requested):
+        names += ("ilp",)
+    return ("none", *names)
+
+
+def _skip_reason(policy: str, topology: Topology) -> str | None:
+    if policy == "hierarchical" and not topology.hierarchical_ok:
+        return f"num_groups ({topology.num_groups}) % num_nodes ({topology.num_nodes}) != 0"
+    return None
+
+
+def plan_case(case: Case, policy: str, ilp_time_limit: float = 10.0) -> tuple[dict, eplb.Placement | None, np.ndarray | None]:
+    """One row: ``policy`` on ``case``, figures from ``eplb.metrics``; also the placement and
+    its per-layer imbalance ``[L]`` (None when skipped)."""
+    topo, loads = case.topology, case.loads
+    row: dict = {"scale": case.scale, "workload": case.workload, "policy": policy}
+    lb = eplb.imbalance_lb(loads, topo)
+    row["imbalance_lb_mean"] = float(lb.mean())
+    reason = _skip_reason(policy, topo)
+    if reason:
+        return row | {"skipped": reason}, None, None
+    if policy == "none":
+        placement, seconds = eplb.Placement.contiguous(topo), None
+    else:
+        try:
+            t0 = time.perf_counter()
+            options = {"time_limit": ilp_time_limit} if policy == "ilp" else {}
+            plan = eplb.rebalance(loads, topo, policy, **options)
+            seconds = time.perf_counter() - t0
+        except (ValueError, ImportError) as exc:  # e.g. the ilp extra is not installed
+            return row | {"skipped": str(exc)}, None, None
+        placement = plan.placement
+        if plan.solver_status:
+            row["solver_status"] = sorted(set(plan.solver_status))
+    imb = eplb.imbalance(eplb.gpu_loads(loads, placement))
+    row |= {
+        "imbalance_mean": float(imb.mean()),
+        "imbalance_worst": float(imb.max()),
+        "gap_to_lb": float((imb / lb).mean() - 1.0),
+    }
+    if seconds is not None:
+        row["solve_seconds"] = seconds
+    return row, placement, imb
+
+
+def add_ilp_gap(rows: list[dict]) -> None:
+    """Fill ``gap_to_ilp`` (mean imbalance over the ILP's, minus 1) where an ILP row exists."""
+    ilp = {(r["scale"], r["workload"]): r["imbalance_mean"] for r in rows if r["policy"] == "ilp" and "skipped" not in r}
+    for r in rows:
+        key = (r["scale"], r["workload"])
+        if key in ilp and "skipped" not in r:
+            r["gap_to_ilp"] = r["imbalance_mean"] / ilp[key] - 1.0
+
+
+def replan_series(topology: Topology, seq: np.ndarray, policy: str, every: int) -> dict:
+    """``seq``: ``[T, L, E]``. Re-plan every ``every`` steps on the last ``every`` steps
+    (the first plan uses step 0) and score each step with the placement in service then.
+
+    Returns ``imbalance [T]`` (mean over layers), ``replan_steps [R]`` and ``moves [R]``
+    (slots changed by each re-plan after the first).
+    """
+    T = seq.shape[0]
+    steps = np.arange(0, T, every)
+    placement = None
+    moves, imbalance = [], np.empty(T)
+    for t in range(T):
+        if t % every == 0 and policy != "none":
+            window = seq[0] if t == 0 else seq[max(0, t - every) : t].sum(axis=0)
+            plan = eplb.rebalance(window, topology, policy, previous=placement)
+            if placement is not None:
+                moves.append(int(plan.moves.sum()))
+            placement = plan.placement
+        elif placement is None:
+            placement = eplb.Placement.contiguous(topology)
+        imbalance[t] = eplb.imbalance(eplb.gpu_loads(seq[t], placement)).mean()
+    return {"imbalance": imbalance, "replan_steps": steps[1:], "moves": np.array(moves if policy != "none" else [0] * (len(steps) - 1))}
+
+
+def replan_rows(scale: str, topology: Topology, name: str, seq: np.ndarray, policies: tuple[str, ...], every: int) -> tuple[list[dict], dict]:
+    rows, series = [], {}
+    for policy in policies:
+        if policy == "ilp" or _skip_reason(policy, topology):
+            continue
+        s = replan_series(topology, seq, policy, every)
+        series[policy] = s
+        rows.append({
+            "scale": scale, "sequence": name, "policy": policy, "steps": int(seq.shape[0]), "replan_every": every,
+            "imbalance_mean": float(s["imbalance"].mean()), "imbalance_max": float(s["imbalance"].max()),
+            "moves_per_replan": float(s["moves"].mean()) if s["moves"].size else 0.0,
+            "moved_fraction": float(s["moves"].mean() / topology.num_slots / topology.num_layers) if s["moves"].size else 0.0,
+        })
+    return rows, series
+
+
+def step_rows(scale: str, topology: Topology, workload: str, popularity: np.ndarray, placements: dict[str, eplb.Placement],
+              tokens_per_gpu: tuple[int, ...], topk: int, steps: int, layer: int) -> list[dict]:
+    """Per-step realized imbalance of ``layer`` under ``popularity [E]`` for each placement."""
+    rows = []
+    for policy, placement in placements.items():
+        for b in tokens_per_gpu:
+            st = simulate_steps(popularity, placement, b, topk, steps, layer=layer, seed=b)
+            rows.append({"scale": scale, "workload": workload, "policy": policy, "layer": layer} | st.summary())
+    return rows
+
+
+def _fmt(row: dict, key: str, spec: str = ".4f", scale: float = 1.0) -> str:
+    return format(row[key] * scale, spec) if key in row else ""
+
+
+def markdown(report: dict) -> str:
+    """The three tables of a report dict (``build_report``'s output)."""
+    out = ["## placement", "",
+           "| scale | workload | policy | imbalance mean | imbalance worst | lower bound | gap to lb % | gap to ilp % | solve ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["placement"]:
+        if "skipped" in r:
+            out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | {r['imbalance_lb_mean']:.4f} | | | |")
+            continue
+        out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | {_fmt(r, 'imbalance_mean')} | {_fmt(r, 'imbalance_worst')} | "
+                   f"{_fmt(r, 'imbalance_lb_mean')} | {_fmt(r, 'gap_to_lb', '.2f', 100)} | {_fmt(r, 'gap_to_ilp', '.2f', 100)} | "
+                   f"{_fmt(r, 'solve_seconds', '.2f', 1e3)} |")
+    out += ["", "## re-planning", "",
+            "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["replan"]:
+        out.append(f"| {r['scale']} | {r['sequence']} | {r['policy']} | {r['steps']} | {r['replan_every']} | {r['imbalance_mean']:.4f} | "
+                   f"{r['imbalance_max']:.4f} | {r['moves_per_replan']:.1f} | {r['moved_fraction']:.3f} |")
+    out += ["", "## per-step (sampled routing)", "",
+            "| scale | workload | policy | layer | tokens/gpu b | top-k | steps | expected max/mean | realized mean | realized p99 |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["steps"]:
+        out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['layer']} | {r['tokens_per_gpu']} | {r['topk']} | {r['steps']} | "
+                   f"{r['expected_ratio']:.4f} | {r['ratio_mean']:.4f} | {r['ratio_p99']:.4f} |")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Settings:
+    scales: tuple[str, ...]
+    workloads: tuple[str, ...]
+    policies: tuple[str, ...] | None
+    replan_scale: str
+    replan_steps: int
+    replan_every: int
+    step_scale: str
+    tokens_per_gpu: tuple[int, ...]
+    sim_steps: int
+    topk: int
+    layer: int
+    ilp_time_limit: float
+
+
+QUICK = Settings(("v3-prefill", "small"), ("zipf-1.0", "lognormal-1.0", "group-limited"), None,
+                 "v3-prefill", 16, 4, "v4flash-ep64", (32, 240), 50, 6, 0, 2.0)
+FULL = Settings(tuple(SCALES), WORKLOADS, None, "v3-prefill", 64, 8, "v4flash-ep64", (32, 240, 1024), 200, 6, 0, 10.0)
+
+
+def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path | None = None) -> dict:
+    """Run every section; returns ``{"placement": rows, "replan": rows, "steps": rows, "plots": paths}``."""
+    cases = [Case(s, w, SCALES[s], make_loads(w, SCALES[s])) for s in settings.scales for w in settings.workloads]
+    cases += list(trace_cases)
+    tasks = [(c, p) for c in cases for p in policies_for(c.topology, c.scale, settings.policies)]
+    rows, per_case = [], {}
+    for case, policy in tqdm(tasks, desc="placement", disable=not sys.stderr.isatty()):
+        row, placement, imb = plan_case(case, policy, settings.ilp_time_limit)
+        rows.append(row)
+        if placement is not None:
+            per_case.setdefault((case.scale, case.workload), {})[policy] = (placement, imb)
+    add_ilp_gap(rows)
+
+    topo = SCALES[settings.replan_scale]
+    base = make_loads("lognormal-1.0", topo)
+    sequences = {"drift-0.05": drift(base, 0.05, settings.replan_steps), "shift": shift(base, settings.replan_steps)}
+    replan, series = [], {}
+    pols = policies_for(topo, settings.replan_scale, settings.policies)
+    for name, seq in tqdm(sequences.items(), desc="re-planning", disable=not sys.stderr.isatty()):
+        r, s = replan_rows(settings.replan_scale, topo, name, seq, pols, settings.replan_every)
+        replan += r
+        series[name] = s
+
+    stopo = SCALES[settings.step_scale]
+    uniform = np.ones(stopo.num_experts)
+    balanced = {"global": eplb.rebalance(uniform[None].repeat(stopo.num_layers, 0), stopo, "global").placement}
+    steps = step_rows(settings.step_scale, stopo, "uniform", uniform, balanced, settings.tokens_per_gpu, settings.topk, settings.sim_steps, settings.layer)
+    loads = make_loads("lognormal-1.0", stopo)
+    placed = {p: eplb.rebalance(loads, stopo, p).placement for p in ("deepseek", "global")}
+    steps += step_rows(settings.step_scale, stopo, "lognormal-1.0", loads[settings.layer], placed, settings.tokens_per_gpu[:1],
+                       settings.topk, settings.sim_steps, settings.layer)
+
+    report = {"placement": rows, "replan": replan, "steps": steps, "plots": []}
+    if plots is not None:
+        report["plots"] = [str(p) for p in write_plots(plots, cases, per_case, rows, series, settings)]
+    return report
+
+
+def write_plots(out: Path, cases: list[Case], per_case: dict, rows: list[dict], series: dict, settings: Settings) -> list[Path]:
+    from . import plots  # matplotlib only when plots are asked for
+
+    paths = []
+    for case in cases:
+        placed = per_case.get((case.scale, case.workload), {})
+        if not placed:
+            continue
+        layer = min(settings.layer, case.topology.num_layers - 1)
+        tag = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{case.scale}_{Path(case.workload).name}")
+        bars = {p: eplb.gpu_loads(case.loads, pl)[layer] for p, (pl, _) in placed.items()}
+        paths.append(plots.gpu_load_bars(out / f"gpu_load_{tag}_layer{layer}.png", bars, f"{case.scale} {case.workload}: gpu load, layer {layer}"))
+        paths.append(plots.imbalance_per_layer(out / f"imbalance_per_layer_{tag}.png", {p: imb for p, (_, imb) in placed.items()},
+                                               eplb.imbalance_lb(case.loads, case.topology), f"{case.scale} {case.workload}: imbalance per layer"))
+    for name, by_policy in series.items():
+        steps = next(iter(by_policy.values()))["replan_steps"] if by_policy else np.array([])
+        paths.append(plots.imbalance_over_time(
+            out / f"imbalance_over_time_{settings.replan_scale}_{name}.png", {p: s["imbalance"] for p, s in by_policy.items()},
+            {p: s["moves"] for p, s in by_policy.items()}, steps,
+            f"{settings.replan_scale} {name}: re-plan every {settings.replan_every} steps"))
+    seconds: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if "solve_seconds" in r and r["policy"] != "none":
+            seconds.setdefault(r["policy"], {}).setdefault(r["scale"], []).append(r["solve_seconds"])
+    medians = {p: {s: float(np.median(v)) for s, v in by.items()} for p, by in seconds.items()}
+    paths.append(plots.solve_time_by_scale(out / "solve_time_by_scale.png", medians))
+    return paths
+
+
+def _trace_cases(args: argparse.Namespace) -> list[Case]:
+    cases = []
+    for path in args.traces:
+        trace = eio.read_trace(path)
+        if args.topology:
+            topo = eio.read_topology(args.topology)
+        elif args.slots and args.gpus:
+            topo = Topology(trace.num_layers, trace.num_experts, args.slots, args.gpus, args.nodes, args.groups)
+        else:
+            raise ValueError(f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus")
+        if (topo.num_layers, topo.num_experts) != (trace.num_layers, trace.num_experts):
+            raise ValueError(f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
+                             f"{topo.num_layers} x {topo.num_experts}")
+        cases.append(Case(f"trace({topo.num_gpus} gpus)", str(path), topo, trace.window()))
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eplb-bench", description="eplb imbalance report")
-    ap.add_argument("--quick", action="store_true", help="one scale, three workloads, one run each")
-    ap.add_argument("--json", help="also write the rows as JSON")
+    ap = argparse.ArgumentParser(prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed)")
+    ap.add_argument("--quick", action="store_true", help="two scales, three workloads, short sequences (under a minute)")
+    ap.add_argument("--scales", help=f"comma-separated (default: all; known: {', '.join(SCALES)})")
+    ap.add_argument("--workloads", help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
+    ap.add_argument("--policies", help="comma-separated policies besides the baselines (default: deepseek and ours)")
+    ap.add_argument("--layer", type=int, default=0, help="layer for the per-gpu bars and the per-step simulation")
+    ap.add_argument("--tokens-per-gpu", help="comma-separated b for the per-step simulation")
+    ap.add_argument("--replan-every", type=int, help="K: re-plan every K steps of the drifting/shifting sequences")
+    ap.add_argument("--topology", help="topology config for trace files (.json/.toml)")
+    for name in ("slots", "gpus"):
+        ap.add_argument(f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--ilp-time-limit", type=float, help="seconds per layer for the ilp policy (quick: 2, full: 10)")
+    ap.add_argument("--json", help="also write the report as JSON to this file")
+    ap.add_argument("--plots", help="write PNG plots into this directory")
     args = ap.parse_args(argv)
-    if args.quick:
-        forwarded = ["--scales", "v3-prefill", "--workloads", "zipf-1.0,lognormal-1.0,group-limited", "--repeat", "1"]
-    else:
-        forwarded = []
+    settings = QUICK if args.quick else FULL
+    overrides = {}
+    if args.scales:
+        overrides["scales"] = tuple(args.scales.split(","))
+    if args.workloads:
+        overrides["workloads"] = tuple(args.workloads.split(","))
+    if args.policies:
+        overrides["policies"] = tuple(args.policies.split(","))
+    if args.tokens_per_gpu:
+        overrides["tokens_per_gpu"] = tuple(int(b) for b in args.tokens_per_gpu.split(","))
+    if args.replan_every:
+        overrides["replan_every"] = args.replan_every
+    if args.ilp_time_limit:
+        overrides["ilp_time_limit"] = args.ilp_time_limit
+    overrides["layer"] = args.layer
+    settings = Settings(**(settings.__dict__ | overrides))
+    try:
+        unknown = [s for s in settings.scales if s not in SCALES] + [w for w in settings.workloads if w not in WORKLOADS]
+        if unknown:
+            raise ValueError(f"unknown scales/workloads: {', '.join(unknown)}; known scales: {', '.join(SCALES)}; workloads: {', '.join(WORKLOADS)}")
+        report = build_report(settings, _trace_cases(args), Path(args.plots) if args.plots else None)
+    except ValueError as exc:
+        print(f"eplb-bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(markdown(report))
+    if report["plots"]:
+        print("\nplots:\n" + "\n".join(report["plots"]))
     if args.json:
-        forwarded += ["--json", args.json]
-    return solve_bench.main(forwarded)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

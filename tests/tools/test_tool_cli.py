@@ -1,0 +1,57 @@
+"""eplb place: trace in, placement file out, short report; synthetic mode still works."""
+
+import json
+
+import numpy as np
+
+import eplb
+from eplb import traces
+from eplb.workloads import drift, make_loads
+from eplb_bench import cli
+from eplb_bench import io as eio
+
+TOPO = eplb.Topology(2, 16, 20, 4, 2, 4)
+
+
+def _trace(tmp_path):
+    seq = np.round(drift(make_loads("zipf-1.0", TOPO), 0.3, 5, seed=1))
+    path = tmp_path / "trace.json"
+    eio.write_trace(path, traces.LoadTrace(seq), "native")
+    return path, seq
+
+
+def test_place_from_a_trace_window_writes_each_format(tmp_path, capsys):
+    path, seq = _trace(tmp_path)
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4", "--policy", "global", "--window", "2"]
+    expect = eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global")
+    for fmt, name in (("native", "p.json"), ("sglang", "s.json"), ("vllm", "v.npz"), ("listing", "l.txt")):
+        assert cli.main(["place", str(path), *flags, "--format", fmt, "--out", str(tmp_path / name)]) == 0
+        assert eio.read_placement(tmp_path / name, num_gpus=4, num_nodes=2, num_groups=4) == expect.placement
+    out = capsys.readouterr().out
+    assert "last 2 of 5 steps" in out
+    assert f"imbalance after:               mean {expect.mean_imbalance:.4f}" in out
+    rep = (expect.logcnt > 1).sum(axis=1)
+    assert f"replicated experts per layer: min {rep.min()}  mean {rep.mean():.1f}  max {rep.max()}" in out
+    stats = json.loads((tmp_path / "p.json").read_text())["stats"]
+    assert stats["imbalance"] == expect.imbalance.tolist()
+
+
+def test_place_reads_topology_config_and_decay(tmp_path, capsys):
+    path, seq = _trace(tmp_path)
+    cfg = tmp_path / "topo.toml"
+    cfg.write_text("layers = 2\nexperts = 16\nslots = 20\ngpus = 4\nnodes = 2\ngroups = 4\n")
+    assert cli.main(["place", str(path), "--topology", str(cfg), "--half-life", "1", "--policy", "global", "--out", str(tmp_path / "p.json")]) == 0
+    weights = 0.5 ** np.arange(4, -1, -1)
+    expect = eplb.rebalance(np.tensordot(weights, seq, axes=1), TOPO, "global")
+    assert eio.read_placement(tmp_path / "p.json") == expect.placement
+    assert "decay half-life 1.0 steps" in capsys.readouterr().out
+
+
+def test_place_synthetic_mode_and_errors(tmp_path, capsys):
+    assert cli.main(["place", "--synthetic", "zipf-1.0", "--scale", "small", "--out", str(tmp_path / "p.npy")]) == 0
+    assert np.load(tmp_path / "p.npy").shape == (1, 20)
+    path, _ = _trace(tmp_path)
+    assert cli.main(["place", str(path), "--gpus", "4"]) == 2
+    assert "topology incomplete: give --slots" in capsys.readouterr().err
+    assert cli.main(["place", str(path), "--layers", "3", "--slots", "20", "--gpus", "4"]) == 2
+    assert "the trace has 2 layers x 16 experts but the topology says 3 x 16" in capsys.readouterr().err

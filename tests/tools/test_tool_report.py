@@ -1,0 +1,107 @@
+"""eplb-bench: the report's numbers are the library's metrics; plots open as PNGs of the set size."""
+
+import json
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+
+import eplb
+from eplb.workloads import SCALES, drift, make_loads
+from eplb_bench import io as eio
+from eplb_bench import plots, report
+
+TINY = report.Settings(
+    scales=("small",), workloads=("zipf-1.0",), policies=("deepseek", "global", "hierarchical"),
+    replan_scale="small", replan_steps=6, replan_every=2, step_scale="small", tokens_per_gpu=(8, 64),
+    sim_steps=20, topk=2, layer=0, ilp_time_limit=1.0,
+)
+
+
+def test_placement_rows_equal_library_metrics():
+    topo = eplb.Topology(3, 16, 20, 4, 2, 4)
+    loads = make_loads("lognormal-1.0", topo)
+    case = report.Case("mine", "lognormal-1.0", topo, loads)
+    row, placement, imb = report.plan_case(case, "global")
+    plan = eplb.rebalance(loads, topo, "global")
+    expect = eplb.imbalance(eplb.gpu_loads(loads, plan.placement))
+    assert placement == plan.placement
+    assert row["imbalance_mean"] == float(expect.mean())
+    assert row["imbalance_worst"] == float(expect.max())
+    assert row["imbalance_lb_mean"] == float(eplb.imbalance_lb(loads, topo).mean())
+    assert row["gap_to_lb"] == pytest.approx(float((expect / eplb.imbalance_lb(loads, topo)).mean() - 1))
+    none, contiguous, _ = report.plan_case(case, "none")
+    assert contiguous == eplb.Placement.contiguous(topo)
+    assert none["imbalance_mean"] == float(eplb.imbalance(eplb.gpu_loads(loads, contiguous)).mean())
+    assert "solve_seconds" not in none
+
+
+def test_hierarchical_is_skipped_with_the_reason_when_groups_do_not_split():
+    topo = eplb.Topology(1, 16, 20, 4, 2, 1)
+    row, placement, _ = report.plan_case(report.Case("s", "w", topo, np.ones((1, 16))), "hierarchical")
+    assert placement is None and row["skipped"] == "num_groups (1) % num_nodes (2) != 0"
+
+
+def test_ilp_gap_is_relative_to_the_ilp_row():
+    rows = [{"scale": "s", "workload": "w", "policy": "ilp", "imbalance_mean": 1.0},
+            {"scale": "s", "workload": "w", "policy": "global", "imbalance_mean": 1.05},
+            {"scale": "t", "workload": "w", "policy": "global", "imbalance_mean": 1.2}]
+    report.add_ilp_gap(rows)
+    assert rows[1]["gap_to_ilp"] == pytest.approx(0.05)
+    assert "gap_to_ilp" not in rows[2]
+
+
+def test_ilp_only_on_the_small_scale():
+    assert "ilp" not in report.policies_for(SCALES["v3-prefill"], "v3-prefill")
+    assert ("ilp" in report.policies_for(SCALES["small"], "small")) == ("ilp" in eplb.policies())
+    assert report.policies_for(SCALES["small"], "small", ("global",))[:2] == ("none", "global")
+
+
+def test_replan_series_scores_each_step_with_the_placement_in_service():
+    topo = SCALES["small"].with_layers(2)
+    seq = drift(make_loads("zipf-1.0", topo), 0.2, 6, seed=3)
+    s = report.replan_series(topo, seq, "global", every=2)
+    first = eplb.rebalance(seq[0], topo, "global")
+    second = eplb.rebalance(seq[0:2].sum(axis=0), topo, "global", previous=first.placement)
+    assert s["replan_steps"].tolist() == [2, 4]
+    assert s["imbalance"][1] == eplb.imbalance(eplb.gpu_loads(seq[1], first.placement)).mean()
+    assert s["imbalance"][2] == eplb.imbalance(eplb.gpu_loads(seq[2], second.placement)).mean()
+    assert s["moves"][0] == int(eplb.moves(first.placement, second.placement).sum())
+
+
+def test_build_report_writes_plots_of_the_set_size(tmp_path):
+    rep = report.build_report(TINY, plots=tmp_path)
+    assert {r["policy"] for r in rep["placement"]} >= {"none", "deepseek", "global", "hierarchical"}
+    assert {r["sequence"] for r in rep["replan"]} == {"drift-0.05", "shift"}
+    assert [r["tokens_per_gpu"] for r in rep["steps"] if r["workload"] == "uniform"] == [8, 64]
+    names = sorted(p.split("/")[-1] for p in rep["plots"])
+    assert names == sorted([
+        "gpu_load_small_zipf-1.0_layer0.png", "imbalance_per_layer_small_zipf-1.0.png",
+        "imbalance_over_time_small_drift-0.05.png", "imbalance_over_time_small_shift.png", "solve_time_by_scale.png",
+    ])
+    for path in rep["plots"]:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        img = mpimg.imread(path)
+        assert img.shape[:2] == (plots.PIXELS[1], plots.PIXELS[0]) == (500, 1000)
+    table = report.markdown(rep)
+    row = next(r for r in rep["placement"] if r["policy"] == "global")
+    assert f"| small | zipf-1.0 | global | {row['imbalance_mean']:.4f} | {row['imbalance_worst']:.4f} |" in table
+
+
+def test_main_reads_trace_files_and_writes_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "QUICK", TINY)
+    topo = eplb.Topology(2, 16, 20, 4, 1, 1)
+    loads = make_loads("lognormal-1.5", topo)
+    trace = tmp_path / "t.npy"
+    np.save(trace, loads)
+    out = tmp_path / "r.json"
+    assert report.main([str(trace), "--quick", "--slots", "20", "--gpus", "4", "--policies", "global", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["placement"]
+    mine = next(r for r in rows if r["workload"] == str(trace) and r["policy"] == "global")
+    plan = eplb.rebalance(loads, topo, "global")
+    assert mine["imbalance_mean"] == plan.mean_imbalance
+    assert mine["scale"] == "trace(4 gpus)"
+    assert "## per-step (sampled routing)" in capsys.readouterr().out
+    assert report.main([str(trace), "--quick"]) == 2
+    assert "give the deployment for trace files with --topology CONFIG or --slots and --gpus" in capsys.readouterr().err
