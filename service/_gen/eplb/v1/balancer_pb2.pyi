@@ -1,0 +1,321 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_INT32: _ClassVar[Dtype]
+    DTYPE_INT64: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT64: _ClassVar[Dtype]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_INT32: Dtype
+DTYPE_INT64: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT64: Dtype
+
+class Array(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("num_layers", "num_experts", "num_slots", "num_gpus", "num_nodes", "num_groups")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_experts: int
+    num_slots: int
+    num_gpus: int
+    num_nodes: int
+    num_groups: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_gpus: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
+class SlidingWindow(_message.Message):
+    __slots__ = ("duration", "report_count", "buckets")
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    duration: _duration_pb2.Duration
+    report_count: int
+    buckets: int
+    def __init__(self, duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., buckets: _Optional[int] = ...) -> None: ...
+
+class DecayWindow(_message.Message):
+    __slots__ = ("half_life",)
+    HALF_LIFE_FIELD_NUMBER: _ClassVar[int]
+    half_life: _duration_pb2.Duration
+    def __init__(self, half_life: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class Window(_message.Message):
+    __slots__ = ("sliding", "decay")
+    SLIDING_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    sliding: SlidingWindow
+    decay: DecayWindow
+    def __init__(self, sliding: _Optional[_Union[SlidingWindow, _Mapping]] = ..., decay: _Optional[_Union[DecayWindow, _Mapping]] = ...) -> None: ...
+
+class Trigger(_message.Message):
+    __slots__ = ("interval", "report_count", "min_gain_percent", "max_moves")
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MIN_GAIN_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MOVES_FIELD_NUMBER: _ClassVar[int]
+    interval: _duration_pb2.Duration
+    report_count: int
+    min_gain_percent: float
+    max_moves: int
+    def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., min_gain_percent: _Optional[float] = ..., max_moves: _Optional[int] = ...) -> None: ...
+
+class Deployment(_message.Message):
+    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    topology: Topology
+    policy: str
+    window: Window
+    trigger: Trigger
+    create_time: _timestamp_pb2.Timestamp
+    version: int
+    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PlanStats(_message.Message):
+    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_USED_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_LB_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMBALANCE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    SOLVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GAIN_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    policy_used: str
+    imbalance_before: float
+    imbalance_after: float
+    imbalance_lb: float
+    max_imbalance_after: float
+    moves: int
+    solve_seconds: float
+    gain_percent: float
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    version: int
+    phy2log: Array
+    stats: PlanStats
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class CreateDeploymentRequest(_message.Message):
+    __slots__ = ("deployment", "initial_phy2log")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    deployment: Deployment
+    initial_phy2log: Array
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., initial_phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+
+class CreateDeploymentResponse(_message.Message):
+    __slots__ = ("deployment", "placement")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: Deployment
+    placement: Placement
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class GetDeploymentRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RankAck(_message.Message):
+    __slots__ = ("rank", "version")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    version: int
+    def __init__(self, rank: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GetDeploymentResponse(_message.Message):
+    __slots__ = ("deployment", "acks")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    deployment: Deployment
+    acks: _containers.RepeatedCompositeFieldContainer[RankAck]
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ...) -> None: ...
+
+class ListDeploymentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDeploymentsResponse(_message.Message):
+    __slots__ = ("deployments",)
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ...) -> None: ...
+
+class DeleteDeploymentRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteDeploymentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PhysicalCounts(_message.Message):
+    __slots__ = ("counts", "placement_version")
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    counts: Array
+    placement_version: int
+    def __init__(self, counts: _Optional[_Union[Array, _Mapping]] = ..., placement_version: _Optional[int] = ...) -> None: ...
+
+class ReportLoadRequest(_message.Message):
+    __slots__ = ("deployment", "rank", "seq", "logical", "physical")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    rank: int
+    seq: int
+    logical: Array
+    physical: PhysicalCounts
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., seq: _Optional[int] = ..., logical: _Optional[_Union[Array, _Mapping]] = ..., physical: _Optional[_Union[PhysicalCounts, _Mapping]] = ...) -> None: ...
+
+class ReportLoadResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class GetPlacementRequest(_message.Message):
+    __slots__ = ("deployment", "version")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    version: int
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GetPlacementResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class WatchPlacementsRequest(_message.Message):
+    __slots__ = ("deployment", "since_version")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    since_version: int
+    def __init__(self, deployment: _Optional[str] = ..., since_version: _Optional[int] = ...) -> None: ...
+
+class WatchPlacementsResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class AckPlacementRequest(_message.Message):
+    __slots__ = ("deployment", "rank", "version")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    rank: int
+    version: int
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AckPlacementResponse(_message.Message):
+    __slots__ = ("ranks_acked",)
+    RANKS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    ranks_acked: int
+    def __init__(self, ranks_acked: _Optional[int] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("deployment", "dry_run", "force")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    dry_run: bool
+    force: bool
+    def __init__(self, deployment: _Optional[str] = ..., dry_run: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class RebalanceResponse(_message.Message):
+    __slots__ = ("published", "placement", "reason", "window_tokens", "window_reports")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    published: bool
+    placement: Placement
+    reason: str
+    window_tokens: float
+    window_reports: int
+    def __init__(self, published: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., reason: _Optional[str] = ..., window_tokens: _Optional[float] = ..., window_reports: _Optional[int] = ...) -> None: ...
+
+class ComputePlacementRequest(_message.Message):
+    __slots__ = ("topology", "policy", "loads", "previous_phy2log")
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    topology: Topology
+    policy: str
+    loads: Array
+    previous_phy2log: Array
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+
+class ComputePlacementResponse(_message.Message):
+    __slots__ = ("phy2log", "logcnt", "stats")
+    PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    LOGCNT_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    phy2log: Array
+    logcnt: Array
+    stats: PlanStats
+    def __init__(self, phy2log: _Optional[_Union[Array, _Mapping]] = ..., logcnt: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,117 @@
+"""Wire messages ↔ core objects: deployments, topologies and plan stats, with field checks."""
+
+from __future__ import annotations
+
+import re
+
+import eplb
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .errors import FieldViolation, InvalidArgument
+from .trigger import TriggerSpec
+from .windows import WindowSpec
+
+__all__ = ["check_deployment", "check_policy", "topology_from", "topology_to", "window_spec", "trigger_spec", "check_name", "plan_stats"]
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
+DEFAULT_WINDOW_S = 600.0
+
+
+def check_name(name: str, field: str) -> str:
+    if not _NAME.match(name):
+        raise InvalidArgument(FieldViolation(field, f"{name!r} must be 1-64 letters, digits, '-', '_' or '.'"))
+    return name
+
+
+def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
+    """``Topology`` message → ``eplb.Topology``; 0 nodes/groups mean 1."""
+    missing = [
+        FieldViolation(f"{field}.{name}", "must be >= 1")
+        for name in ("num_layers", "num_experts", "num_slots", "num_gpus")
+        if getattr(msg, name) == 0
+    ]
+    if missing:
+        raise InvalidArgument(missing)
+    try:
+        return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
+    except ValueError as exc:
+        raise InvalidArgument(FieldViolation(field, str(exc))) from None
+
+
+def topology_to(topo: eplb.Topology) -> pb.Topology:
+    return pb.Topology(
+        num_layers=topo.num_layers, num_experts=topo.num_experts, num_slots=topo.num_slots,
+        num_gpus=topo.num_gpus, num_nodes=topo.num_nodes, num_groups=topo.num_groups,
+    )
+
+
+def check_policy(policy: str, field: str) -> str:
+    policy = policy or "auto"
+    if policy not in eplb.policies():
+        raise InvalidArgument(FieldViolation(field, f"unknown policy {policy!r}; registered: {', '.join(eplb.policies())}"))
+    return policy
+
+
+def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deployment:
+    """Validates a deployment to create and returns it normalized (defaults filled in)."""
+    out = pb.Deployment()
+    out.CopyFrom(msg)
+    violations: list[FieldViolation] = []
+    for check in (
+        lambda: check_name(msg.name, f"{field}.name"),
+        lambda: out.topology.CopyFrom(topology_to(topology_from(msg.topology, f"{field}.topology"))),
+        lambda: setattr(out, "policy", check_policy(msg.policy, f"{field}.policy")),
+    ):
+        try:
+            check()
+        except InvalidArgument as exc:
+            violations += exc.violations
+    kind = msg.window.WhichOneof("kind")
+    if kind is None:
+        out.window.sliding.duration.FromSeconds(int(DEFAULT_WINDOW_S))
+        out.window.sliding.buckets = 10
+    elif kind == "sliding":
+        s = msg.window.sliding
+        if s.duration.ToNanoseconds() < 0:
+            violations.append(FieldViolation(f"{field}.window.sliding.duration", "must be >= 0"))
+        if s.duration.ToNanoseconds() == 0 and s.report_count == 0:
+            violations.append(FieldViolation(f"{field}.window.sliding", "set duration and/or report_count"))
+        if s.buckets > 1000:
+            violations.append(FieldViolation(f"{field}.window.sliding.buckets", "must be <= 1000"))
+        if s.buckets == 0:
+            out.window.sliding.buckets = 10
+    elif msg.window.decay.half_life.ToNanoseconds() <= 0:
+        violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
+    t = msg.trigger
+    if t.interval.ToNanoseconds() < 0:
+        violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))
+    if not (0.0 <= t.min_gain_percent <= 100.0):
+        violations.append(FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]"))
+    if violations:
+        raise InvalidArgument(violations)
+    out.ClearField("create_time")
+    out.version = 0
+    return out
+
+
+def window_spec(msg: pb.Deployment) -> WindowSpec:
+    if msg.window.WhichOneof("kind") == "decay":
+        return WindowSpec(kind="decay", half_life_s=msg.window.decay.half_life.ToNanoseconds() / 1e9, duration_s=0.0)
+    s = msg.window.sliding
+    return WindowSpec(kind="sliding", duration_s=s.duration.ToNanoseconds() / 1e9, report_count=s.report_count, buckets=s.buckets or 10)
+
+
+def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
+    t = msg.trigger
+    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, t.max_moves)
+
+
+def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:
+    """``plan`` and the current placement's mean imbalance under the same loads → ``PlanStats``."""
+    after = plan.mean_imbalance
+    gain = 100.0 * (imbalance_before - after) / imbalance_before if imbalance_before > 0 else 0.0
+    return pb.PlanStats(
+        policy=plan.policy, policy_used=plan.policy_used, imbalance_before=imbalance_before,
+        imbalance_after=after, imbalance_lb=float(plan.imbalance_lb.mean()), max_imbalance_after=plan.max_imbalance,
+        moves=plan.total_moves, solve_seconds=plan.solve_seconds, gain_percent=gain, notes=list(plan.notes),
+    )

@@ -1,0 +1,123 @@
+"""One replica's live view of a deployment's placements, fanned out to its watchers.
+
+A single task per deployment follows the store (on Redis: tails the announce stream from its
+last seen id) and keeps the recent versions in a ring; every watcher of this replica reads
+from the ring, so store traffic does not grow with the number of watchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .errors import NotFound, ServiceError
+from .store import PLACEMENTS_KEPT, Store
+
+__all__ = ["PlacementHub"]
+
+log = logging.getLogger(__name__)
+
+
+class PlacementHub:
+    """Latest placements of deployment ``name``; ``ring`` recent versions, newest last."""
+
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        on_version: Callable[[pb.Placement], None] | None = None,
+        confirm_deleted: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.store = store
+        self.name = name
+        self.ring: OrderedDict[int, pb.Placement] = OrderedDict()
+        self.live = False
+        self.deleted = False
+        self._on_version = on_version
+        self._confirm_deleted = confirm_deleted
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def latest(self) -> pb.Placement | None:
+        return next(reversed(self.ring.values())) if self.ring else None
+
+    @property
+    def version(self) -> int:
+        return next(reversed(self.ring)) if self.ring else 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._follow(), name=f"hub-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._wake()
+
+    async def _wake(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _follow(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                async for placement in self.store.follow(self.name, self.version):
+                    self.live = True
+                    backoff = 0.05
+                    self._add(placement)
+                    await self._wake()
+            except NotFound:
+                # Gone, unless the store restarted empty and the balancer just wrote it back.
+                if self._confirm_deleted is not None and not await self._confirm_deleted():
+                    self.live = False
+                    await asyncio.sleep(backoff)
+                    continue
+                self.deleted, self.live = True, False
+                await self._wake()
+                return
+            except ServiceError as exc:
+                # Store down: keep what we have and resume from the last version seen.
+                if self.live:
+                    log.warning("following %s paused: %s", self.name, exc)
+                self.live = False
+                await self._wake()
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+
+    def _add(self, placement: pb.Placement) -> None:
+        self.ring[placement.version] = placement
+        while len(self.ring) > PLACEMENTS_KEPT:
+            self.ring.popitem(last=False)
+        if self._on_version is not None:
+            self._on_version(placement)
+
+    async def ready(self, timeout: float) -> pb.Placement:
+        """The latest placement once the follower has one; raises NotFound if deleted."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: self.ring or self.deleted), timeout)
+        if self.deleted:
+            raise NotFound(f"deployment {self.name!r} not found")
+        return self.latest
+
+    async def watch(self, since_version: int) -> AsyncIterator[pb.Placement]:
+        """The latest version (or, resuming, the one after ``since_version``), then each new one in order.
+
+        A watcher whose next version already left the ring gets the latest instead of a backlog.
+        """
+        sent = since_version
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.deleted or self.version > sent)
+            if self.deleted:
+                raise NotFound(f"deployment {self.name!r} was deleted")
+            nxt = (self.ring.get(sent + 1) if sent else None) or self.latest
+            sent = nxt.version
+            yield nxt

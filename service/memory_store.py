@@ -1,0 +1,163 @@
+"""In-process ``Store``: the embedded default for a single service process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .errors import Aborted, AlreadyExists, NotFound
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
+
+__all__ = ["MemoryStore"]
+
+
+@dataclass
+class _State:
+    deployment: pb.Deployment
+    placements: dict[int, pb.Placement]
+    version: int
+    seq: dict[int, int] = field(default_factory=dict)
+    acks: dict[int, int] = field(default_factory=dict)
+    windows: dict[str, bytes] = field(default_factory=dict)
+    reports: int = 0
+    planned_reports: int = 0
+    planned_at: float = field(default_factory=time.time)
+    lease: tuple[str, float] | None = None
+    deleted: bool = False
+
+
+class MemoryStore:
+    """Implements :class:`.store.Store` with dicts; ``follow`` wakes on an ``asyncio.Condition``."""
+
+    def __init__(self) -> None:
+        self._run_id = uuid.uuid4().hex
+        self._states: dict[str, _State] = {}
+        self._changed = asyncio.Condition()
+
+    def _get(self, name: str) -> _State:
+        state = self._states.get(name)
+        if state is None:
+            raise NotFound(f"deployment {name!r} not found")
+        return state
+
+    async def ping(self) -> str:
+        return self._run_id
+
+    async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
+        if deployment.name in self._states:
+            raise AlreadyExists(f"deployment {deployment.name!r} already exists")
+        self._states[deployment.name] = _State(deployment, {placement.version: placement}, placement.version)
+        await self._notify()
+
+    async def restore(self, deployment: pb.Deployment, placement: pb.Placement) -> bool:
+        state = self._states.get(deployment.name)
+        if state is not None and state.version >= placement.version:
+            return False
+        self._states[deployment.name] = _State(deployment, {placement.version: placement}, placement.version)
+        await self._notify()
+        return True
+
+    async def get(self, name: str) -> DeploymentRecord:
+        state = self._get(name)
+        return DeploymentRecord(state.deployment, state.version)
+
+    async def list(self) -> list[DeploymentRecord]:
+        return [DeploymentRecord(s.deployment, s.version) for _, s in sorted(self._states.items())]
+
+    async def delete(self, name: str) -> None:
+        state = self._get(name)
+        state.deleted = True
+        del self._states[name]
+        await self._notify()
+
+    async def placement(self, name: str, version: int = 0) -> pb.Placement:
+        state = self._get(name)
+        found = state.placements.get(version or state.version)
+        if found is None:
+            raise NotFound(f"deployment {name!r} has no placement version {version} (current {state.version})")
+        return found
+
+    async def publish(self, name: str, placement: pb.Placement) -> None:
+        state = self._get(name)
+        if placement.version != state.version + 1:
+            raise Aborted(f"version {placement.version} is not current + 1 ({state.version + 1}); another plan won")
+        state.placements[placement.version] = placement
+        state.placements.pop(placement.version - PLACEMENTS_KEPT, None)
+        state.version = placement.version
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+        state = self._get(name)
+        sent = since_version
+        if state.version > sent:
+            sent = state.version
+            yield state.placements[sent]
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: state.deleted or state.version > sent)
+            if state.deleted:
+                raise NotFound(f"deployment {name!r} was deleted")
+            while sent < state.version:
+                # Every kept version in order; a follower that fell past the kept ones jumps ahead.
+                sent = max(sent + 1, state.version - PLACEMENTS_KEPT + 1)
+                yield state.placements[sent]
+
+    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
+        state = self._get(name)
+        out = []
+        for rank, seq in pairs:
+            fresh = seq > state.seq.get(rank, -1)
+            if fresh:
+                state.seq[rank] = seq
+                state.reports += 1
+            out.append(fresh)
+        return out
+
+    async def marks(self, name: str) -> PlanMarks:
+        state = self._get(name)
+        return PlanMarks(state.reports, state.planned_reports, state.planned_at)
+
+    async def mark_planned(self, name: str, reports: int, at: float) -> None:
+        state = self._get(name)
+        state.planned_reports, state.planned_at = reports, at
+
+    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+        self._get(name).windows[replica] = blob
+
+    async def windows(self, name: str) -> dict[str, bytes]:
+        return dict(self._get(name).windows)
+
+    async def drop_windows(self, name: str, replicas: list[str]) -> None:
+        for r in replicas:
+            self._get(name).windows.pop(r, None)
+
+    async def ack(self, name: str, rank: int, version: int) -> None:
+        state = self._get(name)
+        state.acks[rank] = max(version, state.acks.get(rank, 0))
+
+    async def acks(self, name: str) -> dict[int, int]:
+        return dict(self._get(name).acks)
+
+    async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        state = self._get(name)
+        now = time.monotonic()
+        if state.lease is None or state.lease[0] == owner or state.lease[1] <= now:
+            state.lease = (owner, now + ttl_s)
+            return True
+        return False
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        state = self._states.get(name)
+        if state is not None and state.lease is not None and state.lease[0] == owner:
+            state.lease = None
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,315 @@
+"""Redis ``Store`` (redis-py asyncio), shared by every service replica.
+
+Key schema (``P`` is the key prefix, default ``eplb``; ``{d}`` is the deployment name in a
+hash tag, so every key of one deployment lives in one Redis Cluster slot and the Lua scripts
+below touch one slot only):
+
+| key | type | holds |
+|---|---|---|
+| ``P:deployments`` | set | deployment names (the only key outside a deployment's slot) |
+| ``P:{d}:deployment`` | string | the ``eplb.v1.Deployment`` message, serialized |
+| ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at`` |
+| ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
+| ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries; replicas tail it |
+| ``P:{d}:seq`` | hash | rank → last accepted report seq (idempotent retries) |
+| ``P:{d}:acks`` | hash | rank → latest acknowledged version |
+| ``P:{d}:windows`` | hash | replica id → that replica's window blob (see ``windows.py``) |
+| ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import redis.asyncio as redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
+
+__all__ = ["RedisStore"]
+
+ANNOUNCE_MAXLEN = 64
+_FOLLOW_BLOCK_MS = 2000
+
+# KEYS: meta, deployment, placement:<v>, announce; ARGV: version, deployment, placement,
+# maxlen, now, only_if_newer. Returns 1 if written.
+_CREATE = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if ARGV[6] == '1' and cur >= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'version', ARGV[1])
+return 1
+"""
+
+# The one place versions advance: check current == new - 1, store, bump, announce, trim.
+# KEYS: meta, placement:<new>, announce, placement:<new - kept>; ARGV: new, placement, maxlen.
+# Returns the version found before (new - 1 on success), or -1 when the deployment is gone.
+_PUBLISH = """
+local cur = redis.call('HGET', KEYS[1], 'version')
+if not cur then return -1 end
+cur = tonumber(cur)
+if cur + 1 ~= tonumber(ARGV[1]) then return cur end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'version', ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'version', ARGV[1])
+redis.call('DEL', KEYS[4])
+return cur
+"""
+
+# KEYS: seq, meta; ARGV: rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below
+# 2^53 (the servicer rejects larger). Returns one 0/1 per pair, or -1 when the deployment is gone.
+_ACCEPT = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+local out = {}
+local n = 0
+for i = 1, #ARGV, 2 do
+  local last = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '-1')
+  if tonumber(ARGV[i + 1]) > last then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    out[#out + 1] = 1
+    n = n + 1
+  else
+    out[#out + 1] = 0
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'reports', n) end
+return out
+"""
+
+# KEYS: acks, meta; ARGV: rank, version. Keeps the highest version per rank.
+_ACK = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+local last = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@contextlib.contextmanager
+def _unavailable() -> Iterator[None]:
+    try:
+        yield
+    except ResponseError:
+        raise
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+
+
+class RedisStore:
+    """Implements :class:`.store.Store` on one Redis (or Redis Cluster) URL."""
+
+    def __init__(self, url: str, prefix: str = "eplb") -> None:
+        self.prefix = prefix
+        # One quick retry covers pooled connections broken by a Redis restart; anything longer
+        # would only delay the UNAVAILABLE the caller should see while Redis is down.
+        self._r = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=1.0,
+            socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+            health_check_interval=0,
+        )
+        self._create = self._r.register_script(_CREATE)
+        self._publish = self._r.register_script(_PUBLISH)
+        self._accept = self._r.register_script(_ACCEPT)
+        self._ack = self._r.register_script(_ACK)
+        self._release = self._r.register_script(_RELEASE)
+
+    def key(self, name: str, what: str) -> str:
+        return f"{self.prefix}:{{{name}}}:{what}"
+
+    def keys_of(self, name: str) -> list[str]:
+        """Every fixed key of a deployment (placements are per version, see ``delete``)."""
+        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "windows", "lease")]
+
+    async def ping(self) -> str:
+        with _unavailable():
+            info = await self._r.info("server")
+        return str(info.get("run_id", ""))
+
+    async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
+        name = deployment.name
+        with _unavailable():
+            written = await self._create(
+                keys=[self.key(name, "meta"), self.key(name, "deployment"),
+                      self.key(name, f"placement:{placement.version}"), self.key(name, "announce")],
+                args=[placement.version, deployment.SerializeToString(), placement.SerializeToString(),
+                      ANNOUNCE_MAXLEN, time.time(), int(only_if_newer)],
+            )
+            if written:
+                await self._r.sadd(f"{self.prefix}:deployments", name)
+        return bool(written)
+
+    async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
+        if not await self._write(deployment, placement, only_if_newer=False):
+            raise AlreadyExists(f"deployment {deployment.name!r} already exists")
+
+    async def restore(self, deployment: pb.Deployment, placement: pb.Placement) -> bool:
+        return await self._write(deployment, placement, only_if_newer=True)
+
+    async def get(self, name: str) -> DeploymentRecord:
+        with _unavailable():
+            async with self._r.pipeline(transaction=True) as p:
+                raw, version = await p.get(self.key(name, "deployment")).hget(self.key(name, "meta"), "version").execute()
+        if raw is None or version is None:
+            raise NotFound(f"deployment {name!r} not found")
+        return DeploymentRecord(pb.Deployment.FromString(raw), int(version))
+
+    async def list(self) -> list[DeploymentRecord]:
+        with _unavailable():
+            names = sorted(n.decode() for n in await self._r.smembers(f"{self.prefix}:deployments"))
+        out = []
+        for name in names:
+            with contextlib.suppress(NotFound):
+                out.append(await self.get(name))
+        return out
+
+    async def delete(self, name: str) -> None:
+        with _unavailable():
+            version = await self._r.hget(self.key(name, "meta"), "version")
+            if version is None:
+                raise NotFound(f"deployment {name!r} not found")
+            v = int(version)
+            placements = [self.key(name, f"placement:{i}") for i in range(max(1, v - PLACEMENTS_KEPT), v + 1)]
+            # One DEL of same-slot keys: atomic, and on Cluster still a single-slot command.
+            await self._r.delete(*self.keys_of(name), *placements)
+            await self._r.srem(f"{self.prefix}:deployments", name)
+
+    async def placement(self, name: str, version: int = 0) -> pb.Placement:
+        with _unavailable():
+            if not version:
+                cur = await self._r.hget(self.key(name, "meta"), "version")
+                if cur is None:
+                    raise NotFound(f"deployment {name!r} not found")
+                version = int(cur)
+            raw = await self._r.get(self.key(name, f"placement:{version}"))
+        if raw is None:
+            raise NotFound(f"deployment {name!r} has no placement version {version}")
+        return pb.Placement.FromString(raw)
+
+    async def publish(self, name: str, placement: pb.Placement) -> None:
+        v = placement.version
+        with _unavailable():
+            before = await self._publish(
+                keys=[self.key(name, "meta"), self.key(name, f"placement:{v}"), self.key(name, "announce"),
+                      self.key(name, f"placement:{v - PLACEMENTS_KEPT}")],
+                args=[v, placement.SerializeToString(), ANNOUNCE_MAXLEN],
+            )
+        if before == -1:
+            raise NotFound(f"deployment {name!r} not found")
+        if before != v - 1:
+            raise Aborted(f"version {v} is not current + 1 (current is {before}); another plan won")
+
+    async def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+        stream = self.key(name, "announce")
+        with _unavailable():
+            async with self._r.pipeline(transaction=True) as p:
+                cur, last = await p.hget(self.key(name, "meta"), "version").xrevrange(stream, count=1).execute()
+        if cur is None:
+            raise NotFound(f"deployment {name!r} not found")
+        last_id = last[0][0] if last else b"0-0"
+        sent = since_version
+        if int(cur) > sent:
+            placement = await self.placement(name, int(cur))
+            sent = placement.version
+            yield placement
+        while True:
+            with _unavailable():
+                entries = await self._r.xread({stream: last_id}, count=256, block=_FOLLOW_BLOCK_MS)
+                if not entries:
+                    # A quiet stream, or a deleted deployment: only the latter ends the follow.
+                    if not await self._r.exists(self.key(name, "meta")):
+                        raise NotFound(f"deployment {name!r} was deleted")
+                    continue
+            for entry_id, fields in entries[0][1]:
+                last_id = entry_id
+                version = int(fields[b"version"])
+                if version <= sent:
+                    continue
+                try:
+                    placement = await self.placement(name, version)
+                except NotFound:
+                    # Trimmed already: this follower fell far behind, so it jumps to the latest.
+                    placement = await self.placement(name)
+                if placement.version > sent:
+                    sent = placement.version
+                    yield placement
+
+    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
+        args: list[int] = []
+        for rank, seq in pairs:
+            args += [rank, seq]
+        with _unavailable():
+            out = await self._accept(keys=[self.key(name, "seq"), self.key(name, "meta")], args=args)
+        if out == -1:
+            raise NotFound(f"deployment {name!r} not found")
+        return [bool(x) for x in out]
+
+    async def marks(self, name: str) -> PlanMarks:
+        with _unavailable():
+            reports, planned, at = await self._r.hmget(self.key(name, "meta"), "reports", "planned_reports", "planned_at")
+        if reports is None:
+            raise NotFound(f"deployment {name!r} not found")
+        return PlanMarks(int(reports), int(planned or 0), float(at or 0.0))
+
+    async def mark_planned(self, name: str, reports: int, at: float) -> None:
+        with _unavailable():
+            await self._r.hset(self.key(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
+
+    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+        with _unavailable():
+            await self._r.hset(self.key(name, "windows"), replica, blob)
+
+    async def windows(self, name: str) -> dict[str, bytes]:
+        with _unavailable():
+            raw = await self._r.hgetall(self.key(name, "windows"))
+        return {k.decode(): v for k, v in raw.items()}
+
+    async def drop_windows(self, name: str, replicas: list[str]) -> None:
+        if replicas:
+            with _unavailable():
+                await self._r.hdel(self.key(name, "windows"), *replicas)
+
+    async def ack(self, name: str, rank: int, version: int) -> None:
+        with _unavailable():
+            out = await self._ack(keys=[self.key(name, "acks"), self.key(name, "meta")], args=[rank, version])
+        if out == -1:
+            raise NotFound(f"deployment {name!r} not found")
+
+    async def acks(self, name: str) -> dict[int, int]:
+        with _unavailable():
+            raw = await self._r.hgetall(self.key(name, "acks"))
+        return {int(k): int(v) for k, v in raw.items()}
+
+    async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        key = self.key(name, "lease")
+        with _unavailable():
+            if await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))):
+                return True
+            # Re-entrant for the holder: extend instead of waiting on ourselves.
+            holder = await self._r.get(key)
+            if holder is not None and holder.decode() == owner:
+                await self._r.pexpire(key, max(1, int(ttl_s * 1000)))
+                return True
+        return False
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        with _unavailable():
+            await self._release(keys=[self.key(name, "lease")], args=[owner])
+
+    async def close(self) -> None:
+        await self._r.aclose()

@@ -1,0 +1,139 @@
+"""Server lifecycle: grpc.aio server, health, reflection, interceptors, limits, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from .auth import TokenAuthInterceptor
+from .balancer import Balancer, BalancerConfig
+from .errors import ErrorInterceptor
+from .memory_store import MemoryStore
+from .metrics import Metrics
+from .redis_store import RedisStore
+from .servicer import BalancerServicer
+from .store import Store
+
+__all__ = ["ServerConfig", "RunningServer", "start_server", "SERVICE_NAME"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``eplb serve`` takes (see docs/service.md for flags and ``EPLB_*`` variables)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str | None = None
+    key_prefix: str = "eplb"
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # Largest message either way; a v3-sized [58, 288] int64 report is ~134 KB.
+    max_message_bytes: int = 16 * 1024 * 1024
+    metrics_port: int | None = None
+    grace_s: float = 5.0
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+
+
+def _options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Engines hold watch streams for hours: ping idle connections so dead peers are noticed,
+        # and accept clients' pings no more often than every 10 s.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_connection_age_grace_ms", 5_000),
+    ]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    balancer: Balancer
+    store: Store
+    health: health.aio.HealthServicer
+    metrics: Metrics
+    port: int
+    grace_s: float
+    metrics_httpd: object | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_httpd.server_port if self.metrics_httpd is not None else None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING first so balancers drain us, then let in-flight calls finish."""
+        await self.health.enter_graceful_shutdown()
+        await self.balancer.stop()
+        await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        await self.store.close()
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.shutdown()
+            self.metrics_httpd.server_close()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(config: ServerConfig, store: Store | None = None) -> RunningServer:
+    """Starts serving; ``port`` 0 picks a free port (``RunningServer.port`` says which)."""
+    if store is None:
+        store = RedisStore(config.redis_url, config.key_prefix) if config.redis_url else MemoryStore()
+    metrics = Metrics()
+    health_servicer = health.aio.HealthServicer()
+
+    def on_health(ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            asyncio.ensure_future(health_servicer.set(service, status))
+
+    balancer = Balancer(store, metrics, config.balancer, on_health=on_health)
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if config.token:
+        interceptors.append(TokenAuthInterceptor(config.token))
+    interceptors.append(ErrorInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=_options(config))
+    pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(BalancerServicer(balancer), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert and config.tls_key:
+        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    await balancer.start()
+    ok = True
+    try:
+        await store.ping()
+    except Exception:  # noqa: BLE001  (serve anyway; health says NOT_SERVING until the store answers)
+        ok = False
+    balancer.healthy = ok
+    on_health(ok)
+    await server.start()
+    httpd = None
+    if config.metrics_port is not None:
+        httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    log.info("serving eplb.v1 on %s:%d (%s store)", config.host, port, "redis" if config.redis_url else "in-memory")
+    return RunningServer(server, balancer, store, health_servicer, metrics, port, config.grace_s, httpd)

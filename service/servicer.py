@@ -1,0 +1,56 @@
+"""``eplb.v1.ExpertLoadBalancerService``: decode, call the balancer, encode. Errors map in ``errors.py``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from .balancer import Balancer
+
+__all__ = ["BalancerServicer"]
+
+
+class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
+    def __init__(self, balancer: Balancer) -> None:
+        self.balancer = balancer
+
+    async def CreateDeployment(self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.CreateDeploymentResponse:
+        return await self.balancer.create(request)
+
+    async def GetDeployment(self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.GetDeploymentResponse:
+        return await self.balancer.get(request.name)
+
+    async def ListDeployments(self, request: pb.ListDeploymentsRequest, context: grpc.aio.ServicerContext) -> pb.ListDeploymentsResponse:
+        return await self.balancer.list()
+
+    async def DeleteDeployment(self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.DeleteDeploymentResponse:
+        await self.balancer.delete(request.name)
+        return pb.DeleteDeploymentResponse()
+
+    async def ReportLoad(self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
+        accepted = duplicates = 0
+        async for request in request_iterator:
+            if await self.balancer.report(request):
+                accepted += 1
+            else:
+                duplicates += 1
+        return pb.ReportLoadResponse(accepted=accepted, duplicates=duplicates)
+
+    async def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext) -> pb.GetPlacementResponse:
+        return pb.GetPlacementResponse(placement=await self.balancer.placement(request.deployment, request.version))
+
+    async def WatchPlacements(self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchPlacementsResponse]:
+        async for placement in self.balancer.watch(request.deployment, request.since_version):
+            yield pb.WatchPlacementsResponse(placement=placement)
+
+    async def AckPlacement(self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext) -> pb.AckPlacementResponse:
+        return pb.AckPlacementResponse(ranks_acked=await self.balancer.ack(request))
+
+    async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
+        return await self.balancer.rebalance(request)
+
+    async def ComputePlacement(self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext) -> pb.ComputePlacementResponse:
+        return self.balancer.compute(request)

@@ -1,0 +1,102 @@
+"""The ``Store`` interface: where deployments, placements, dedup state and windows live.
+
+Two implementations: :mod:`.memory_store` (one process, the embedded default) and
+:mod:`.redis_store` (shared by several service replicas). Placements and deployments are
+stored as their serialized protobuf messages (explicit little-endian array bytes, never pickle).
+
+Every method may raise ``StoreUnavailable`` when the backing store cannot be reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from ._gen.eplb.v1 import balancer_pb2 as pb
+
+__all__ = ["Store", "DeploymentRecord", "PlanMarks", "PLACEMENTS_KEPT"]
+
+# Recent versions kept for GetPlacement(version=…) and for mapping physical counts that were
+# recorded under an older placement; older versions are deleted on publish.
+PLACEMENTS_KEPT = 16
+
+
+@dataclass(frozen=True)
+class DeploymentRecord:
+    """A stored deployment (``create_time`` set, ``version`` 0) and its current version."""
+
+    deployment: pb.Deployment
+    version: int
+
+
+@dataclass(frozen=True)
+class PlanMarks:
+    """Trigger bookkeeping: reports accepted in total, and the totals at the last plan."""
+
+    reports: int
+    planned_reports: int
+    planned_at: float
+
+
+class Store(Protocol):
+    async def ping(self) -> str:
+        """Returns an id of the backing store's run; a new id means it restarted empty."""
+
+    async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
+        """Stores the deployment with ``placement`` as version 1; ``AlreadyExists`` if present."""
+
+    async def restore(self, deployment: pb.Deployment, placement: pb.Placement) -> bool:
+        """Writes back a deployment and its latest placement if the store lacks that version."""
+
+    async def get(self, name: str) -> DeploymentRecord:
+        """``NotFound`` when missing."""
+
+    async def list(self) -> list[DeploymentRecord]: ...
+
+    async def delete(self, name: str) -> None:
+        """Removes every key of the deployment; ``NotFound`` when missing."""
+
+    async def placement(self, name: str, version: int = 0) -> pb.Placement:
+        """Version 0 means current; ``NotFound`` when the deployment or version is gone."""
+
+    async def publish(self, name: str, placement: pb.Placement) -> None:
+        """Commits ``placement`` (its ``version`` must be current + 1) atomically and announces it.
+
+        ``Aborted`` when another publisher got there first, ``NotFound`` when deleted.
+        """
+
+    def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+        """The current placement if newer than ``since_version``, then each new version in order.
+
+        Ends with ``NotFound`` when the deployment is deleted.
+        """
+
+    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
+        """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted).
+
+        Counts accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
+        """
+
+    async def marks(self, name: str) -> PlanMarks: ...
+
+    async def mark_planned(self, name: str, reports: int, at: float) -> None: ...
+
+    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+        """This replica's window aggregate (see :mod:`.windows`), replacing its previous one."""
+
+    async def windows(self, name: str) -> dict[str, bytes]:
+        """Every replica's window blob."""
+
+    async def drop_windows(self, name: str, replicas: list[str]) -> None: ...
+
+    async def ack(self, name: str, rank: int, version: int) -> None: ...
+
+    async def acks(self, name: str) -> dict[int, int]: ...
+
+    async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """The planning lease for ``name``: true if ``owner`` holds it now (expires after ttl)."""
+
+    async def release_lease(self, name: str, owner: str) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,151 @@
+"""Load windows: ``[L, E]`` token counts a re-plan sees, kept in memory per replica.
+
+Each replica sums the reports it receives into a window in memory and periodically flushes
+one blob per deployment to the store (``Store.put_window``); the planner sums every
+replica's blob. Store memory is therefore ``replicas × L × E × 8`` bytes per deployment,
+whatever the number of reporting ranks, the report rate or the window length.
+
+Blob layout (little-endian): magic ``b"EPW1"``, kind ``u8`` (0 sliding, 1 decay),
+``f64`` time the sums are as of, ``u64`` reports, ``f64`` half-life seconds (0 for sliding),
+then ``L × E`` ``f64`` sums, row-major.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["WindowSpec", "SlidingWindow", "DecayWindow", "make_window", "encode_blob", "sum_blobs"]
+
+_HEADER = struct.Struct("<4sBdQd")
+_MAGIC = b"EPW1"
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """``kind`` "sliding" (``duration_s`` and/or ``report_count``, in ``buckets``) or "decay"."""
+
+    kind: str = "sliding"
+    duration_s: float = 600.0
+    report_count: int = 0
+    buckets: int = 10
+    half_life_s: float = 0.0
+
+    @property
+    def stale_after_s(self) -> float:
+        """How old a replica's blob may get before the planner drops it (its replica is gone)."""
+        if self.kind == "decay":
+            return 10 * self.half_life_s
+        return self.duration_s if self.duration_s > 0 else 600.0
+
+
+class SlidingWindow:
+    """Sums ``[L, E]`` over the last ``duration_s`` and/or ``report_count`` reports.
+
+    Buckets expire whole, so the window covers between ``(buckets - 1) / buckets`` and all
+    of the configured span; memory is ``buckets + 1`` arrays.
+    """
+
+    def __init__(self, shape: tuple[int, int], spec: WindowSpec) -> None:
+        self.shape = shape
+        self.spec = spec
+        self._span_s = spec.duration_s / spec.buckets if spec.duration_s > 0 else math.inf
+        self._span_n = math.ceil(spec.report_count / spec.buckets) if spec.report_count > 0 else None
+        # (start time, reports, sums); the last one is open.
+        self._buckets: deque[tuple[float, int, np.ndarray]] = deque()
+
+    def add(self, counts: np.ndarray, now: float) -> None:
+        """``counts``: float64 ``[L, E]``."""
+        if not self._buckets or self._full(self._buckets[-1], now):
+            self._buckets.append((now, 0, np.zeros(self.shape)))
+            self._expire(now)
+        start, n, sums = self._buckets[-1]
+        sums += counts
+        self._buckets[-1] = (start, n + 1, sums)
+
+    def _full(self, bucket: tuple[float, int, np.ndarray], now: float) -> bool:
+        start, n, _ = bucket
+        return now - start >= self._span_s or (self._span_n is not None and n >= self._span_n)
+
+    def _expire(self, now: float) -> None:
+        while len(self._buckets) > self.spec.buckets + 1:
+            self._buckets.popleft()
+        if self.spec.duration_s > 0:
+            # A bucket whose whole span is older than the window is gone.
+            while self._buckets and self._buckets[0][0] + self._span_s < now - self.spec.duration_s:
+                self._buckets.popleft()
+
+    def total(self, now: float) -> tuple[np.ndarray, int]:
+        """float64 ``[L, E]`` sums in the window as of ``now``, and the reports behind them."""
+        self._expire(now)
+        sums = np.zeros(self.shape)
+        n = 0
+        for _, k, s in self._buckets:
+            sums += s
+            n += k
+        return sums, n
+
+
+class DecayWindow:
+    """Exponentially decayed ``[L, E]`` sums: a report of age ``a`` weighs ``2 ** (-a / half_life_s)``."""
+
+    def __init__(self, shape: tuple[int, int], spec: WindowSpec) -> None:
+        self.shape = shape
+        self.spec = spec
+        self._sums = np.zeros(shape)
+        self._at = 0.0
+        self._reports = 0
+
+    def _decay_to(self, now: float) -> None:
+        if now > self._at:
+            self._sums *= 2.0 ** (-(now - self._at) / self.spec.half_life_s)
+            self._at = now
+
+    def add(self, counts: np.ndarray, now: float) -> None:
+        self._decay_to(now)
+        self._sums += counts
+        self._reports += 1
+
+    def total(self, now: float) -> tuple[np.ndarray, int]:
+        self._decay_to(now)
+        return self._sums.copy(), self._reports
+
+
+def make_window(shape: tuple[int, int], spec: WindowSpec) -> SlidingWindow | DecayWindow:
+    return DecayWindow(shape, spec) if spec.kind == "decay" else SlidingWindow(shape, spec)
+
+
+def encode_blob(window: SlidingWindow | DecayWindow, now: float) -> bytes:
+    """The window as of ``now`` → the blob flushed to the store (layout in the module doc)."""
+    sums, n = window.total(now)
+    decay = isinstance(window, DecayWindow)
+    header = _HEADER.pack(_MAGIC, int(decay), now, n, window.spec.half_life_s if decay else 0.0)
+    return header + sums.astype("<f8").tobytes()
+
+
+def sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale_after_s: float) -> tuple[np.ndarray, int, list[str]]:
+    """Replica blobs → float64 ``[L, E]`` summed as of ``now``, reports, and stale replica ids.
+
+    Decay sums are decayed from their flush time to ``now``; blobs older than ``stale_after_s``
+    belong to replicas that stopped flushing and are left out.
+    """
+    total = np.zeros(shape)
+    reports = 0
+    stale = []
+    want = _HEADER.size + shape[0] * shape[1] * 8
+    for replica, blob in blobs.items():
+        if len(blob) != want or blob[:4] != _MAGIC:
+            stale.append(replica)
+            continue
+        _, kind, at, n, half_life = _HEADER.unpack_from(blob)
+        if now - at > stale_after_s:
+            stale.append(replica)
+            continue
+        sums = np.frombuffer(blob, dtype="<f8", offset=_HEADER.size).reshape(shape)
+        total += sums * (2.0 ** (-max(0.0, now - at) / half_life)) if kind == 1 else sums
+        reports += n
+    return total, reports, stale

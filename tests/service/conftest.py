@@ -1,0 +1,97 @@
+"""Fixtures: real servers on 127.0.0.1:0, real channels, real Redis with a per-test key prefix."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import grpc
+import pytest
+import redis
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_service.balancer import BalancerConfig
+from eplb_service.client import auth_metadata, channel
+from eplb_service.server import RunningServer, ServerConfig, start_server
+from svc_helpers import FAST, REDIS_URL, PrivateRedis
+
+
+
+
+
+@pytest.fixture
+def prefix() -> Callable[[], str]:
+    """A fresh key prefix per test; every key under it is deleted afterwards."""
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(f"eplb-test-{uuid.uuid4().hex[:10]}")
+        return made[-1]
+
+    yield make
+    r = redis.Redis.from_url(REDIS_URL)
+    for p in made:
+        keys = list(r.scan_iter(match=f"{p}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+    r.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., RunningServer]]:
+    """``await serve(**ServerConfig fields)`` starts a server on a free port; all stop at teardown."""
+    running: list[RunningServer] = []
+
+    async def start(**overrides: object) -> RunningServer:
+        config = replace(ServerConfig(port=0, balancer=replace(FAST, replica_id=uuid.uuid4().hex[:8])), **overrides)
+        server = await start_server(config)
+        running.append(server)
+        return server
+
+    yield start
+    for server in running:
+        await server.stop(0)
+
+
+class Client:
+    """A stub plus the channel and metadata to use with it."""
+
+    def __init__(self, server: RunningServer, token: str | None = None, **kw: object) -> None:
+        self.channel = channel(server.target, **kw)
+        self.stub = pb_grpc.ExpertLoadBalancerServiceStub(self.channel)
+        self.metadata = auth_metadata(token)
+
+
+@pytest.fixture
+async def connect() -> AsyncIterator[Callable[..., Client]]:
+    made: list[Client] = []
+
+    def make(server: RunningServer, token: str | None = None, **kw: object) -> Client:
+        made.append(Client(server, token, **kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.channel.close()
+
+
+
+
+
+
+@pytest.fixture(scope="session")
+def private_redis() -> PrivateRedis:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH")
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.stop()
+
+

@@ -1,0 +1,80 @@
+"""Helpers shared by the service tests (conftest.py holds the fixtures)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import grpc
+import redis
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.balancer import BalancerConfig
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+# Fast timings so tests see flushes, triggers and lease expiry within a second or two.
+FAST = BalancerConfig(lease_s=2.0, flush_s=0.1, tick_s=0.1, refresh_s=0.3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+def small_deployment(name: str = "d1", **trigger: object) -> pb.Deployment:
+    """4 layers, 16 experts in 4 groups, 24 slots on 8 gpus in 2 nodes."""
+    return pb.Deployment(
+        name=name,
+        topology=pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4),
+        policy="auto",
+        trigger=pb.Trigger(**trigger),
+    )
+
+
+
+class PrivateRedis:
+    """A ``redis-server`` on a spare port that a test may stop and start again (no persistence)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        r = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        r.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+
+def status_details(exc: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    """The ``google.rpc.BadRequest`` field violations of a failed call."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(exc)
+    out = []
+    for detail in status.details if status else []:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out += [(v.field, v.description) for v in bad.field_violations]
+    return out

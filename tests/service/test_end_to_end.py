@@ -1,0 +1,124 @@
+"""Create → report from several ranks → rebalance → watchers on two replicas → ack."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.client import EngineClient
+
+from svc_helpers import REDIS_URL, small_deployment
+
+
+def skewed_loads(seed: int, shape: tuple[int, int] = (4, 16)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    loads = rng.integers(0, 50, size=shape)
+    loads[:, 3] += 5000  # one very hot expert per layer: contiguous placement is badly imbalanced
+    return loads.astype(np.int32)
+
+
+async def collect(client: EngineClient, n: int, out: list[int]) -> None:
+    async for placement in client.watch():
+        out.append(placement.version)
+        if len(out) == n:
+            return
+
+
+async def test_two_replicas_report_rebalance_watch_ack(serve, connect, prefix):
+    p = prefix()
+    a = await serve(redis_url=REDIS_URL, key_prefix=p)
+    b = await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    created = await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    assert created.deployment.version == 1 and created.placement.version == 1
+    topo = eplb.Topology(4, 16, 24, 8, 2, 4)
+    assert np.array_equal(
+        np.frombuffer(created.placement.phy2log.data, "<i4").reshape(4, 24), eplb.Placement.contiguous(topo).phy2log
+    )
+
+    seen_a: list[int] = []
+    seen_b: list[int] = []
+    watchers = [
+        asyncio.create_task(collect(EngineClient(ca.channel, "d1", rank=0), 3, seen_a)),
+        asyncio.create_task(collect(EngineClient(cb.channel, "d1", rank=1), 3, seen_b)),
+    ]
+    # Ranks report to both replicas: half logical counts, half physical counts under version 1.
+    ranks = [EngineClient(ca.channel if r % 2 else cb.channel, "d1", rank=r) for r in range(4)]
+    total = np.zeros((4, 16))
+    for r, client in enumerate(ranks):
+        loads = skewed_loads(r)
+        total += loads
+        if r < 2:
+            resp = await client.report([loads])
+        else:
+            # Physical counts [L, P] under the contiguous placement: slot p holds expert p % 16.
+            phys = np.zeros((4, 24), dtype=np.int32)
+            phys[:, :16] = loads
+            resp = await client.report([phys], placement_version=1)
+        assert (resp.accepted, resp.duplicates) == (1, 0)
+
+    # Each replica flushes its window every flush_s (0.1 s here); the planner sums the flushed ones.
+    await asyncio.sleep(0.3)
+    dry = await cb.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
+    assert not dry.published and dry.placement.version == 0
+    assert dry.window_tokens == pytest.approx(total.sum()) and dry.window_reports == 4
+    assert dry.placement.stats.imbalance_after < dry.placement.stats.imbalance_before
+    assert dry.placement.stats.gain_percent > 10
+
+    first = await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1"))
+    assert first.published and first.placement.version == 2
+    assert first.placement.stats.imbalance_after == pytest.approx(dry.placement.stats.imbalance_after)
+    expected = eplb.rebalance(total, topo, "auto", previous=eplb.Placement.contiguous(topo))
+    assert np.array_equal(np.frombuffer(first.placement.phy2log.data, "<i4").reshape(4, 24), expected.phy2log)
+    second = await cb.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    assert second.published and second.placement.version == 3
+
+    await asyncio.wait_for(asyncio.gather(*watchers), 10)
+    assert seen_a == seen_b == [1, 2, 3]
+
+    got = await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert got.placement.version == 3 and got.placement.stats.moves == second.placement.stats.moves
+    old = await ca.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1", version=2))
+    assert old.placement.phy2log.data == first.placement.phy2log.data
+
+    assert await ranks[0].ack(3) == 1
+    assert await ranks[1].ack(3) == 2
+    assert await ranks[2].ack(2) == 3  # ranks with version 2 or later
+    info = await ca.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    assert info.deployment.version == 3
+    assert [(x.rank, x.version) for x in info.acks] == [(0, 3), (1, 3), (2, 2)]
+    listed = await cb.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert [d.name for d in listed.deployments] == ["d1"]
+
+
+async def test_embedded_store_round_trip_and_delete(serve, connect):
+    server = await serve()
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("m1")))
+    client = EngineClient(c.channel, "m1", rank=7)
+    resp = await client.report([skewed_loads(0), skewed_loads(1)])
+    assert resp.accepted == 2
+    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="m1"))
+    assert out.published and out.placement.version == 2 and out.window_reports == 2
+    await c.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="m1"))
+    listed = await c.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert list(listed.deployments) == []
+
+
+async def test_resume_watch_from_since_version(serve, connect, prefix):
+    server = await serve(redis_url=REDIS_URL, key_prefix=prefix())
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    for _ in range(3):
+        await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    # A resuming watcher gets the versions after the one it had, in order; a new one the latest.
+    resumed = c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1", since_version=2))
+    assert [(await resumed.read()).placement.version for _ in range(2)] == [3, 4]
+    resumed.cancel()
+    fresh = c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
+    assert (await fresh.read()).placement.version == 4
+    fresh.cancel()
