@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import eplb
 from eplb import formats
@@ -93,3 +95,17 @@ def test_malformed_engine_placements_name_field(placement):
     text = formats.to_listing(placement).replace("layer 1 gpu 2 node 1:", "layer 1 gpu 2 node 1: 9")
     with pytest.raises(ValueError, match=r"line \d+: expected 'layer L gpu G node N: ' and 3 expert ids"):
         formats.from_listing(text)
+
+
+@given(st.integers(1, 3), st.integers(1, 6), st.integers(0, 4), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_every_format_round_trips_random_placements(layers, experts, extra_per_gpu, gpus, seed):
+    slots = experts + (-experts) % gpus + extra_per_gpu * gpus
+    topo = eplb.Topology(layers, experts, slots, gpus)
+    rng = np.random.default_rng(seed)
+    # Each layer: every expert once, the rest random, shuffled.
+    fill = np.concatenate([np.broadcast_to(np.arange(experts), (layers, experts)), rng.integers(0, experts, (layers, slots - experts))], axis=1)
+    p = eplb.Placement(rng.permuted(fill, axis=1), topo)
+    assert formats.from_native(formats.to_native(p)) == p
+    assert formats.from_sglang(formats.to_sglang(p), num_gpus=gpus) == p
+    assert formats.from_vllm(formats.to_vllm(p), num_gpus=gpus) == p
+    assert formats.from_listing(formats.to_listing(p)) == p
