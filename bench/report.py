@@ -41,12 +41,14 @@ OUR_POLICIES = ("global", "hierarchical", "auto")
 
 @dataclass(frozen=True)
 class Case:
-    """One instance to plan: ``loads [L, E]`` (or a sequence ``[T, L, E]``) on a topology."""
+    """One instance to plan: ``loads [L, E]`` on a topology; a trace with a time axis also
+    keeps its ``sequence [T, L, E]`` for the re-planning section."""
 
     scale: str
     workload: str
     topology: Topology
     loads: np.ndarray
+    sequence: np.ndarray | None = None
 
 
 def policies_for(topology: Topology, scale: str, requested: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -175,11 +177,12 @@ def markdown(report: dict) -> str:
                    f"{_fmt(r, 'imbalance_lb_mean')} | {_fmt(r, 'gap_to_lb', '.2f', 100)} | {_fmt(r, 'gap_to_ilp', '.2f', 100)} | "
                    f"{_fmt(r, 'solve_seconds', '.2f', 1e3)} |")
     out += ["", "## re-planning", "",
-            "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction | moved GB per re-plan |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["replan"]:
+        gb = f"{r['moved_bytes_per_replan'] / 1e9:.2f}" if r.get("moved_bytes_per_replan") else ""
         out.append(f"| {r['scale']} | {r['sequence']} | {r['policy']} | {r['steps']} | {r['replan_every']} | {r['imbalance_mean']:.4f} | "
-                   f"{r['imbalance_max']:.4f} | {r['moves_per_replan']:.1f} | {r['moved_fraction']:.3f} |")
+                   f"{r['imbalance_max']:.4f} | {r['moves_per_replan']:.1f} | {r['moved_fraction']:.3f} | {gb} |")
     out += ["", "## per-step (sampled routing)", "",
             "| scale | workload | policy | layer | tokens/gpu b | top-k | steps | expected max/mean | realized mean | realized p99 |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -203,6 +206,7 @@ class Settings:
     topk: int
     layer: int
     ilp_time_limit: float
+    expert_bytes: float = 0.0
 
 
 QUICK = Settings(("v3-prefill", "small"), ("zipf-1.0", "lognormal-1.0", "group-limited"), None,
@@ -225,13 +229,16 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
 
     topo = SCALES[settings.replan_scale]
     base = make_loads("lognormal-1.0", topo)
-    sequences = {"drift-0.05": drift(base, 0.05, settings.replan_steps), "shift": shift(base, settings.replan_steps)}
+    sequences = [(settings.replan_scale, topo, "drift-0.05", drift(base, 0.05, settings.replan_steps)),
+                 (settings.replan_scale, topo, "shift", shift(base, settings.replan_steps))]
+    sequences += [(c.scale, c.topology, c.workload, c.sequence) for c in trace_cases if c.sequence is not None and len(c.sequence) > 1]
     replan, series = [], {}
-    pols = policies_for(topo, settings.replan_scale, settings.policies)
-    for name, seq in tqdm(sequences.items(), desc="re-planning", disable=not sys.stderr.isatty()):
-        r, s = replan_rows(settings.replan_scale, topo, name, seq, pols, settings.replan_every)
+    for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
+        r, s = replan_rows(scale, stopo, name, seq, policies_for(stopo, scale, settings.policies), settings.replan_every)
+        for row in r:
+            row["moved_bytes_per_replan"] = row["moves_per_replan"] * settings.expert_bytes
         replan += r
-        series[name] = s
+        series[(scale, name)] = s
 
     stopo = SCALES[settings.step_scale]
     uniform = np.ones(stopo.num_experts)
@@ -262,12 +269,13 @@ def write_plots(out: Path, cases: list[Case], per_case: dict, rows: list[dict], 
         paths.append(plots.gpu_load_bars(out / f"gpu_load_{tag}_layer{layer}.png", bars, f"{case.scale} {case.workload}: gpu load, layer {layer}"))
         paths.append(plots.imbalance_per_layer(out / f"imbalance_per_layer_{tag}.png", {p: imb for p, (_, imb) in placed.items()},
                                                eplb.imbalance_lb(case.loads, case.topology), f"{case.scale} {case.workload}: imbalance per layer"))
-    for name, by_policy in series.items():
+    for (scale, name), by_policy in series.items():
         steps = next(iter(by_policy.values()))["replan_steps"] if by_policy else np.array([])
+        tag = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{scale}_{Path(name).name}")
         paths.append(plots.imbalance_over_time(
-            out / f"imbalance_over_time_{settings.replan_scale}_{name}.png", {p: s["imbalance"] for p, s in by_policy.items()},
+            out / f"imbalance_over_time_{tag}.png", {p: s["imbalance"] for p, s in by_policy.items()},
             {p: s["moves"] for p, s in by_policy.items()}, steps,
-            f"{settings.replan_scale} {name}: re-plan every {settings.replan_every} steps"))
+            f"{scale} {name}: re-plan every {settings.replan_every} steps"))
     seconds: dict[str, dict[str, float]] = {}
     for r in rows:
         if "solve_seconds" in r and r["policy"] != "none":
@@ -290,7 +298,7 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
         if (topo.num_layers, topo.num_experts) != (trace.num_layers, trace.num_experts):
             raise ValueError(f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
                              f"{topo.num_layers} x {topo.num_experts}")
-        cases.append(Case(f"trace({topo.num_gpus} gpus)", str(path), topo, trace.window()))
+        cases.append(Case(f"trace({topo.num_gpus} gpus)", str(path), topo, trace.window(), trace.counts))
     return cases
 
 
@@ -310,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--ilp-time-limit", type=float, help="seconds per layer for the ilp policy (quick: 2, full: 10)")
+    ap.add_argument("--expert-bytes", type=float, help="bytes of one expert's weights: adds moved bytes per re-plan")
     ap.add_argument("--json", help="also write the report as JSON to this file")
     ap.add_argument("--plots", help="write PNG plots into this directory")
     args = ap.parse_args(argv)
@@ -327,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["replan_every"] = args.replan_every
     if args.ilp_time_limit:
         overrides["ilp_time_limit"] = args.ilp_time_limit
+    if args.expert_bytes:
+        overrides["expert_bytes"] = args.expert_bytes
     overrides["layer"] = args.layer
     settings = Settings(**(settings.__dict__ | overrides))
     try:

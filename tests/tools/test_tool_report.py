@@ -105,3 +105,22 @@ def test_main_reads_trace_files_and_writes_json(tmp_path, monkeypatch, capsys):
     assert "## per-step (sampled routing)" in capsys.readouterr().out
     assert report.main([str(trace), "--quick"]) == 2
     assert "give the deployment for trace files with --topology CONFIG or --slots and --gpus" in capsys.readouterr().err
+
+
+def test_trace_with_a_time_axis_gets_a_replanning_row_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "QUICK", TINY)
+    topo = eplb.Topology(2, 16, 20, 4, 1, 1)
+    seq = np.round(drift(make_loads("zipf-1.0", topo), 0.2, 6, seed=5))
+    trace = tmp_path / "seq.npy"
+    np.save(trace, seq)
+    out = tmp_path / "r.json"
+    argv = [str(trace), "--quick", "--slots", "20", "--gpus", "4", "--policies", "global", "--expert-bytes", "1e9",
+            "--json", str(out), "--plots", str(tmp_path / "png")]
+    assert report.main(argv) == 0
+    rep = json.loads(out.read_text())
+    mine = next(r for r in rep["replan"] if r["sequence"] == str(trace) and r["policy"] == "global")
+    s = report.replan_series(topo, seq, "global", TINY.replan_every)
+    assert mine["imbalance_mean"] == float(s["imbalance"].mean())
+    assert mine["moved_bytes_per_replan"] == mine["moves_per_replan"] * 1e9
+    assert (tmp_path / "png" / "imbalance_over_time_trace_4_gpus_seq.npy.png").is_file()
+    assert f"| {mine['moves_per_replan']:.1f} | {mine['moved_fraction']:.3f} | {mine['moves_per_replan']:.2f} |" in capsys.readouterr().out
