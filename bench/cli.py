@@ -50,7 +50,8 @@ def _topology(args: argparse.Namespace, layers: int | None, experts: int | None)
 
 def _place(args: argparse.Namespace) -> int:
     if args.trace:
-        trace = eio.read_trace(args.trace, args.trace_format)
+        phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
+        trace = eio.read_trace(args.trace, args.trace_format, phy2log)
         topo = _topology(args, trace.num_layers, trace.num_experts)
         loads = trace.window(last=args.window, half_life=args.half_life)
         if args.window:
@@ -103,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("trace", nargs="?", help="load trace file (.json .npy .npz .csv .pt)")
     p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
+    p.add_argument("--recorded-under", metavar="PLACEMENT", help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)")
     p.add_argument("--synthetic", "--workload", dest="synthetic", default="lognormal-1.0", choices=WORKLOADS, help="workload when no TRACE is given")
     p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (shared/BENCHMARKS.md)")
     p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")

@@ -30,10 +30,14 @@ __all__ = [
     "write_trace",
     "read_placement",
     "write_placement",
+    "read_phy2log",
     "read_topology",
 ]
 
 TRACE_FORMATS = ("native", "json", "npy", "npz", "csv", "sglang-pt", "vllm")
+# vLLM's own names first-class: EplbState.expert_load_window and physical_to_logical_map.
+_WINDOW_KEYS = ("window", "expert_load_window")
+_MAP_KEYS = ("physical_to_logical", "physical_to_logical_map")
 PLACEMENT_FORMATS = ("native", "sglang", "vllm", "listing")
 
 T = TypeVar("T")
@@ -75,7 +79,7 @@ def trace_format_of(path: Path, fmt: str | None = None) -> str:
         doc = _read_json(path)
         return "native" if isinstance(doc, dict) and doc.get("format") == traces.TRACE_FORMAT else "json"
     if suffix == ".npz":
-        return "vllm" if "window" in _read_npz(path) else "npz"
+        return "vllm" if set(_read_npz(path)) & set(_WINDOW_KEYS) else "npz"
     by_suffix = {".npy": "npy", ".csv": "csv", ".pt": "sglang-pt"}
     if suffix not in by_suffix:
         raise ValueError(f"{path}: cannot tell the trace format from suffix {suffix!r}; use one of .json .npy .npz .csv .pt or pass a format ({', '.join(TRACE_FORMATS)})")
@@ -120,12 +124,13 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
         return _in_file(path, lambda: traces.from_sglang_dump(obj))
     arrays = _read_npz(path)
     if kind == "vllm":
-        if "window" not in arrays:
-            raise ValueError(f"{path}: field 'window': missing; expected [W, layers, slots] physical counts")
-        p2l = arrays.get("physical_to_logical", phy2log)
+        window = next((arrays[k] for k in _WINDOW_KEYS if k in arrays), None)
+        if window is None:
+            raise ValueError(f"{path}: field 'window': missing; expected [W, layers, slots] physical counts named window or expert_load_window")
+        p2l = next((arrays[k] for k in _MAP_KEYS if k in arrays), phy2log)
         if p2l is None:
-            raise ValueError(f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under")
-        return _in_file(path, lambda: traces.from_vllm_window(arrays["window"], p2l))
+            raise ValueError(f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under (--recorded-under)")
+        return _in_file(path, lambda: traces.from_vllm_window(window, p2l))
     for key in ("counts", "logical_count"):
         if key in arrays:
             return _in_file(path, lambda: traces.from_array(arrays[key], key))
@@ -214,6 +219,18 @@ def read_placement(path: str | Path, fmt: str | None = None, num_gpus: int | Non
         return _in_file(path, lambda: formats.from_vllm(arrays, num_gpus, num_nodes, num_groups))
     text = path.read_text()
     return _in_file(path, lambda: formats.from_listing(text))
+
+
+def read_phy2log(path: str | Path) -> np.ndarray:
+    """``[L, P]`` expert of each slot from a placement file in any format, or a bare ``.npy``
+    (the gpu count does not matter for the map, so engine formats are read with one gpu)."""
+    path = Path(path)
+    if path.suffix.lower() == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable .npy array ({exc})") from None
+    return read_placement(path, num_gpus=1).phy2log
 
 
 def read_topology(path: str | Path) -> Topology:

@@ -55,3 +55,20 @@ def test_place_synthetic_mode_and_errors(tmp_path, capsys):
     assert "topology incomplete: give --slots" in capsys.readouterr().err
     assert cli.main(["place", str(path), "--layers", "3", "--slots", "20", "--gpus", "4"]) == 2
     assert "the trace has 2 layers x 16 experts but the topology says 3 x 16" in capsys.readouterr().err
+
+
+def test_place_from_a_vllm_window_recorded_under_a_placement(tmp_path, capsys):
+    loads = make_loads("zipf-1.0", TOPO)
+    old = eplb.rebalance(loads, TOPO, "global").placement
+    # Physical counts: each expert's tokens split evenly over its replicas.
+    window = np.stack([loads / old.logcnt] * 3)
+    phys = np.take_along_axis(window, np.broadcast_to(old.phy2log, (3, *old.phy2log.shape)), axis=2)
+    np.savez(tmp_path / "w.npz", expert_load_window=phys)
+    eio.write_placement(tmp_path / "old.json", old, "sglang")
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4", "--policy", "global", "--out", str(tmp_path / "new.json")]
+    assert cli.main(["place", str(tmp_path / "w.npz"), "--recorded-under", str(tmp_path / "old.json"), *flags]) == 0
+    expect = eplb.rebalance(3 * loads, TOPO, "global")
+    assert np.allclose(eio.read_trace(tmp_path / "w.npz", phy2log=old.phy2log).window(), 3 * loads)
+    assert eio.read_placement(tmp_path / "new.json") == expect.placement
+    assert cli.main(["place", str(tmp_path / "w.npz"), *flags]) == 2
+    assert "w.npz: field 'physical_to_logical': missing" in capsys.readouterr().err
