@@ -161,7 +161,8 @@ def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
     """CSV rows → trace. Two layouts:
 
     - long, with a header ``layer,expert,count`` (optionally ``step`` first): one row per
-      (step, layer, expert); missing pairs are 0;
+      (step, layer, expert); missing pairs are 0 and the sizes are the largest indices + 1
+      (so list trailing experts with a 0 count);
     - wide, no header: one row per layer, one column per expert (``[L, E]``).
     """
     rows = [r for r in rows if r and any(c.strip() for c in r)]
