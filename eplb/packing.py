@@ -11,6 +11,8 @@ __all__ = ["pack", "bin_loads", "improve"]
 
 # Relative gain below which a swap is float noise, not an improvement.
 _REL_TOL = 1e-12
+# Best-scoring swaps per heavy bin checked for key clashes.
+_CANDIDATES = 4
 # Improvement rounds a layer may go without lowering its heaviest bin before it stops.
 _PATIENCE = 4
 
@@ -171,21 +173,30 @@ def _swap_best(
     A, H = heavy.shape
     C = partners.shape[2]
     ri = np.arange(A)[:, None]
-    wr, kr = w[rows], k[rows]
-    wh, kh = wr[ri, heavy], kr[ri, heavy]  # [A, H, S]
-    wp, kp = wr[ri[:, :, None], partners], kr[ri[:, :, None], partners]  # [A, H, C, S]
+    xr = rows[:, None]
+    wh, kh = w[xr, heavy], k[xr, heavy]  # [A, H, S]
+    wp, kp = w[xr[:, :, None], partners], k[xr[:, :, None], partners]  # [A, H, C, S]
     lh = load[ri, heavy][:, :, None, None, None]
     lp = load[ri[:, :, None], partners][:, :, None, :, None]
     d = wh[:, :, :, None, None] - wp[:, :, None, :, :]  # [A, H, S(heavy item), C, S(partner item)]
     new = np.maximum(lh - d, lp + d)
     tol = _REL_TOL * lh
-    ok = (d > tol) & (new < lh - tol)
-    # The heavy item's key must not already sit in the partner bin, and vice versa.
-    ok &= ~(kh[:, :, :, None, None] == kp[:, :, None, :, :]).any(axis=4)[..., None]
-    ok &= ~(kp[:, :, None, :, :] == kh[:, :, :, None, None]).any(axis=2)[:, :, None, :, :]
-    score = np.where(ok, new, np.inf).reshape(A, H, -1)
-    best = score.argmin(axis=2)
-    hit = np.isfinite(np.take_along_axis(score, best[:, :, None], axis=2)[:, :, 0])
+    score = np.where((d > tol) & (new < lh - tol), new, np.inf).reshape(A, H, -1)
+    # Key clashes are rare, so check them only for the few best-scoring swaps.
+    top = min(_CANDIDATES, score.shape[2])
+    cand = np.argpartition(score, top - 1, axis=2)[:, :, :top] if top < score.shape[2] else np.broadcast_to(
+        np.arange(top), (A, H, top)
+    )
+    cand = np.take_along_axis(cand, np.argsort(np.take_along_axis(score, cand, axis=2), axis=2), axis=2)
+    ci, cc, cj = np.unravel_index(cand, (per_bin, C, per_bin))  # [A, H, top]
+    a3, h3 = np.arange(A)[:, None, None], np.arange(H)[None, :, None]
+    key_h = kh[a3, h3, ci]  # heavy item's key
+    key_p = kp[a3, h3, cc, cj]  # partner item's key
+    clash = (kp[a3, h3, cc] == key_h[..., None]).any(axis=3) | (kh[:, :, None, :] == key_p[..., None]).any(axis=3)
+    ok = np.isfinite(np.take_along_axis(score, cand, axis=2)) & ~clash
+    first = ok.argmax(axis=2)
+    hit = ok.any(axis=2)
+    best = np.take_along_axis(cand, first[:, :, None], axis=2)[:, :, 0]
     if hit.any():
         a_idx, h_idx = np.nonzero(hit)
         i, c, j = np.unravel_index(best[a_idx, h_idx], (per_bin, C, per_bin))

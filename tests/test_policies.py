@@ -143,18 +143,36 @@ def test_all_zero_layer_is_perfectly_balanced_and_spreads_replicas() -> None:
     assert plan.logcnt.tolist() == [[2] * 8]
 
 
-def test_huge_integer_loads_up_to_2_pow_53_plan_exactly() -> None:
+def test_huge_integer_loads_up_to_2_pow_53_plan_correctly() -> None:
     topo = eplb.Topology(1, 4, 8, 4)
     loads = np.array([[2**53, 2**52, 3, 0]], dtype=np.int64)
     plan = eplb.rebalance(loads, topo, "global")
-    assert plan.gpu_load.sum() == float(2**53 + 2**52 + 3)
-    assert plan.logcnt[0, 0] >= plan.logcnt[0, 1]
+    # Integers up to 2**53 convert to float64 exactly; splitting them costs at most rounding.
+    assert plan.gpu_load.sum() == pytest.approx(2**53 + 2**52 + 3, rel=1e-15)
+    assert plan.logcnt[0, 0] >= plan.logcnt[0, 1] >= plan.logcnt[0, 2]
+    # Best possible: four 2**51 replicas of expert 0, each gpu pairing one with a 2**51 one.
+    assert plan.imbalance[0] == pytest.approx(4 / 3)
 
 
-def test_global_known_answer() -> None:
-    # Water-filling gives [4, 2, 1, 1] (replica loads 7.5, 9, 6, 6). Without two copies of
-    # expert 0 on one gpu, the best packing of those is 7.5 + 9 twice and 7.5 + 6 twice.
+def test_global_known_answer_counts_chosen_for_the_busiest_gpu() -> None:
+    # Water-filling gives [4, 2, 1, 1] (replicas 7.5, 9, 6, 6); without two copies of expert 0
+    # on one gpu the best packing of those is 16.5. Counts [3, 3, 1, 1] (10, 6, 6, 6) pack as
+    # 10 + 6 three times and 6 + 6: 16, the optimum (enumerating the count vectors shows it).
     topo = eplb.Topology(1, 4, 8, 4)
-    plan = eplb.rebalance(np.array([[30, 18, 6, 6]]), topo, "global")
-    assert plan.logcnt.tolist() == [[4, 2, 1, 1]]
-    assert sorted(plan.gpu_load[0].tolist()) == [13.5, 13.5, 16.5, 16.5]
+    loads = np.array([[30, 18, 6, 6]])
+    water = eplb.rebalance(loads, topo, "global", refine=0)
+    assert water.logcnt.tolist() == [[4, 2, 1, 1]]
+    assert sorted(water.gpu_load[0].tolist()) == [13.5, 13.5, 16.5, 16.5]
+    plan = eplb.rebalance(loads, topo, "global")
+    assert plan.logcnt.tolist() == [[3, 3, 1, 1]]
+    assert sorted(plan.gpu_load[0].tolist()) == [12.0, 16.0, 16.0, 16.0]
+
+
+def test_unknown_or_bad_options_are_rejected() -> None:
+    topo = eplb.Topology(1, 4, 8, 4)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['rounds'\]"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", rounds=3)
+    with pytest.raises(ValueError, match="refine must be an integer >= 0"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", refine=-1)
+    with pytest.raises(ValueError, match="effort must be 'fast' or 'high'"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", effort="max")

@@ -10,10 +10,33 @@ from __future__ import annotations
 import numpy as np
 
 from ..packing import pack
+from ..refine import refine_counts, refine_thorough
 from ..replicate import replica_cap, waterfill
 from ..topology import Topology
 
-__all__ = ["place_hierarchical", "place_global"]
+__all__ = ["place_hierarchical", "place_global", "OPTIONS"]
+
+# Options both policies take, with their defaults.
+OPTIONS: dict[str, object] = {
+    "max_rounds": 8,  # swap rounds after the deal
+    "refine": 8,  # count moves per layer (0: keep water-filling counts)
+    "donors": 8,  # donor experts a count move considers
+    "effort": "fast",  # "high": wide count search alternated with re-packing (up to ~1 s)
+}
+
+
+def _options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; allowed: {sorted(OPTIONS)} (and 'tolerance' with previous=)")
+    out = {**OPTIONS, **options}
+    for name in ("max_rounds", "refine", "donors"):
+        v = out[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"option {name} must be an integer >= 0, got {v!r}")
+    if out["effort"] not in ("fast", "high"):
+        raise ValueError(f"option effort must be 'fast' or 'high', got {out['effort']!r}")
+    return out
 
 
 def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
@@ -32,7 +55,8 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
         raise ValueError(
             f"hierarchical needs num_groups ({groups}) to be a multiple of num_nodes ({N}); use policy 'global'"
         )
-    max_rounds = int(options.get("max_rounds", 8))
+    opts = _options(options)
+    max_rounds = int(opts["max_rounds"])
     group_size = E // groups
     # Step 1: groups → nodes. node_groups[l, n, :] lists the groups of node n.
     group_load = loads.reshape(L, groups, group_size).sum(axis=2)
@@ -51,6 +75,13 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     # Step 3: replicas → gpus of the node.
     assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds)  # [L*N, gpn, S]
     slot_local = local_ids[rows[:, :, None], assign]
+    cap = replica_cap(E // N, P // N, gpn)
+    # Count moves need gpus free of duplicate replicas, which the cap guarantees.
+    if cap is not None and gpn > 1:
+        if opts["effort"] == "high":
+            slot_local = refine_thorough(local_loads, slot_local, cap)
+        elif opts["refine"]:
+            slot_local = refine_counts(local_loads, slot_local, cap, iterations=int(opts["refine"]), donors=int(opts["donors"]))
     slot_local = np.sort(slot_local, axis=2).reshape(L, N, P // N)
     phy2log = np.take_along_axis(node_experts, slot_local, axis=2).reshape(L, P)
     return phy2log.astype(np.int32)

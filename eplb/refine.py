@@ -1,0 +1,161 @@
+"""Re-choosing replica counts for the busiest gpu, one slot at a time.
+
+Water-filling picks counts that minimise the busiest *replica*; with few slots per gpu the
+busiest *gpu* is what matters, and big replicas that cannot share a gpu decide it. A count
+move gives expert ``e`` on the busiest gpu one more replica, written over one replica of a
+donor expert ``f`` on another gpu ``q``: every gpu holding ``e`` gets lighter, those holding
+``f`` heavier, ``q`` trades ``f``'s replica for ``e``'s. Each layer makes the move that most
+lowers its busiest gpu, then a few swap rounds rebalance; repeat while it pays. A move
+rewrites one slot, so the same step also serves migration-aware repair.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .packing import improve, pack
+
+__all__ = ["refine_counts", "refine_thorough"]
+
+_REL_TOL = 1e-12
+# Moves a row may make without lowering its busiest bin before it stops.
+_PATIENCE = 4
+
+
+def _counts(phy: np.ndarray, num_experts: int) -> np.ndarray:
+    X = phy.shape[0]
+    out = np.zeros((X, num_experts), dtype=np.int64)
+    per = phy.size // max(X, 1)
+    np.add.at(out, (np.repeat(np.arange(X), per), phy.reshape(-1)), 1)
+    return out
+
+
+def _presence(phy: np.ndarray, num_experts: int) -> np.ndarray:
+    """``phy`` ``[X, B, S]`` → bool ``[X, E, B]``: whether bin ``b`` holds expert ``e``."""
+    X, B, S = phy.shape
+    out = np.zeros((X, num_experts, B), dtype=bool)
+    out[np.arange(X)[:, None, None], phy, np.arange(B)[None, :, None]] = True
+    return out
+
+
+def refine_counts(
+    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, iterations: int = 8, donors: int = 8, swap_rounds: int = 2
+) -> np.ndarray:
+    """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (experts per bin, no duplicates in a bin) →
+    improved ``phy`` ``[X, B, S]`` with the same shape; counts change, every expert keeps >= 1
+    replica and at most ``cap`` (``None``: no cap). Deterministic.
+    """
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    phy = phy.copy()
+    hi = np.iinfo(np.int64).max if cap is None else cap
+    active = np.arange(X)
+    best = np.full(X, np.inf)
+    idle = np.zeros(X, dtype=np.int64)
+    for _ in range(iterations):
+        if active.size == 0 or B < 2:
+            break
+        moved = _count_move(loads[active], phy, active, hi, donors)
+        changed = active[moved]
+        if changed.size:
+            _swap(loads, phy, changed, swap_rounds)
+        # Ties at the top need moves that keep the maximum while unloading one busiest bin;
+        # a row stops after a few of those in a row.
+        sub = phy[changed]
+        now = _bin_loads(loads[changed], sub).max(axis=1)
+        idle[changed] = np.where(now < best[changed] * (1 - _REL_TOL), 0, idle[changed] + 1)
+        best[changed] = np.minimum(best[changed], now)
+        active = changed[idle[changed] < _PATIENCE]
+    return phy
+
+
+def _bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
+    cnt = _counts(phy, loads.shape[1])
+    ra = np.arange(phy.shape[0])[:, None, None]
+    return (loads / np.maximum(cnt, 1))[ra, phy].sum(axis=2)
+
+
+def _count_move(loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: int, donors: int) -> np.ndarray:
+    """One count move per row of ``rows`` where it lowers the busiest bin; ``phy_all`` updated
+    in place. Returns ``[A]`` bool: which rows moved."""
+    phy = phy_all[rows]
+    A, B, S = phy.shape
+    E = loads.shape[1]
+    ra = np.arange(A)
+    cnt = _counts(phy, E)
+    w = loads / cnt
+    load = w[ra[:, None, None], phy].sum(axis=2)  # [A, B]
+    h = load.argmax(axis=1)
+    lmax = load[ra, h]
+    gain = phy[ra, h]  # [A, S] experts on the busiest bin
+    c_g = cnt[ra[:, None], gain]
+    w_g = loads[ra[:, None], gain] / c_g
+    d_e = w_g - loads[ra[:, None], gain] / (c_g + 1)  # how much each holder of e sheds
+    w_new_e = w_g - d_e
+    # Donors: the experts whose replicas grow least when they lose one.
+    grown = np.where(cnt >= 2, loads / np.maximum(cnt - 1, 1), np.inf)
+    D = min(donors, E)
+    don = np.argpartition(grown, D - 1, axis=1)[:, :D] if D < E else np.broadcast_to(np.arange(E), (A, E))
+    w_f = w[ra[:, None], don]
+    d_f = np.where(np.isfinite(grown[ra[:, None], don]), grown[ra[:, None], don] - w_f, np.inf)  # [A, D]
+    pres = _presence(phy, E)
+    He = pres[ra[:, None], gain]  # [A, S, B]
+    Hf = pres[ra[:, None], don]  # [A, D, B]
+    He4, Hf4 = He[:, :, None, :], Hf[:, None, :, :]
+    new = load[:, None, None, :] - d_e[:, :, None, None] * He4 + np.where(Hf4, d_f[:, None, :, None], 0.0)
+    # Max over bins other than q: the top two of `new` cover every q.
+    top2 = np.partition(new, B - 2, axis=3)[..., B - 2:]
+    m1, m2 = top2[..., 1], top2[..., 0]
+    arg1 = new.argmax(axis=3)
+    other = np.where(np.arange(B) == arg1[..., None], m2[..., None], m1[..., None])
+    at_q = load[:, None, None, :] - w_f[:, None, :, None] + w_new_e[:, :, None, None]
+    score = np.maximum(other, at_q)
+    ok = Hf4 & ~He4 & (c_g < hi)[:, :, None, None] & np.isfinite(d_f)[:, None, :, None]
+    ok &= gain[:, :, None, None] != don[:, None, :, None]
+    # The busiest bin must really get lighter (not so for zero-load experts).
+    ok &= (d_e > _REL_TOL * lmax[:, None])[:, :, None, None]
+    score = np.where(ok, score, np.inf).reshape(A, -1)
+    best = score.argmin(axis=1)
+    val = score[ra, best]
+    moved = val <= lmax * (1 + _REL_TOL)
+    if moved.any():
+        s, d, q = np.unravel_index(best[moved], (S, D, B))
+        a = ra[moved]
+        e, f = gain[a, s], don[a, d]
+        slot = (phy[a, q] == f[:, None]).argmax(axis=1)
+        phy_all[rows[a], q, slot] = e
+    return moved
+
+
+def _swap(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int) -> None:
+    sub = phy[rows]
+    A, B, S = sub.shape
+    ra = np.arange(A)
+    cnt = _counts(sub, loads.shape[1])
+    keys = sub.reshape(A, B * S)
+    weights = (loads[rows] / cnt)[ra[:, None], keys]
+    assign = np.broadcast_to(np.arange(B * S).reshape(B, S), (A, B, S)).copy()
+    improve(weights, keys, assign, max_rounds=rounds)
+    phy[rows] = np.take_along_axis(keys, assign.reshape(A, -1), axis=1).reshape(A, B, S)
+
+
+def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, *, cycles: int = 3) -> np.ndarray:
+    """Like :func:`refine_counts` with a wide donor search, alternated with a fresh pack of the
+    counts reached (a new deal can beat the swaps); keeps whichever is better per row.
+    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``. Slower: for ``effort="high"``."""
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    best = phy
+    best_max = _bin_loads(loads, best).max(axis=1)
+    for _ in range(cycles):
+        cand = refine_counts(loads, best, cap, iterations=32, donors=32)
+        cnt = _counts(cand, E)
+        ids = np.repeat(np.tile(np.arange(E), X), cnt.ravel()).reshape(X, B * S)
+        w = (loads / cnt)[np.arange(X)[:, None], ids]
+        fresh = ids[np.arange(X)[:, None, None], pack(w, B, ids)]
+        for c in (cand, fresh):
+            m = _bin_loads(loads, c).max(axis=1)
+            better = m < best_max * (1 - _REL_TOL)
+            best = np.where(better[:, None, None], c, best)
+            best_max = np.where(better, m, best_max)
+    return best
