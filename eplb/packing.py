@@ -11,6 +11,10 @@ __all__ = ["pack", "bin_loads", "improve"]
 
 # Relative gain below which a swap is float noise, not an improvement.
 _REL_TOL = 1e-12
+# Relative distance to a row's lower bound below which further swaps are not worth their time.
+_GOOD_ENOUGH = 2e-4
+# Partner bins the heaviest bin tries when the paired round finds nothing.
+_WIDE = 16
 # Best-scoring swaps per heavy bin checked for key clashes.
 _CANDIDATES = 4
 # Improvement rounds a layer may go without lowering its heaviest bin before it stops.
@@ -22,14 +26,14 @@ def pack(
 ) -> np.ndarray:
     """``weights``: ``[X, n]`` → int64 ``[X, num_bins, n // num_bins]``: the items in each bin.
 
-    1. Deal: items in descending weight (ties keep input order), one round at a time, the
-       heaviest item of a round to the lightest bin; an item whose ``keys`` value (``[X, n]``,
-       e.g. the expert of a replica) is already in its bin trades bins with a nearby item
-       of the same round, so no bin holds two equal keys where that can be avoided.
+    1. Deal: items in descending weight (ties keep input order) form rounds of ``num_bins``;
+       rounds merge by balanced largest differencing (see ``_deal``). Then no bin keeps two
+       items with the same ``keys`` value (``[X, n]``, e.g. the expert of a replica) where a
+       swap with another bin avoids it.
     2. Improve: up to ``max_rounds`` rounds in which the ``pairs`` heaviest bins are paired with
        the lightest (i-th heaviest with i-th lightest) and each pair makes the one item swap
        that most lowers its heavier bin; a layer where no pair can improve tries its heaviest
-       bin against the ``4 * pairs`` lightest. Keys stay distinct per bin. A layer stops after
+       bin against the 16 lightest. Keys stay distinct per bin. A layer stops after
        a few rounds without lowering its heaviest bin. Deterministic.
     """
     weights = np.asarray(weights, dtype=np.float64)
@@ -41,8 +45,12 @@ def pack(
         keys = np.broadcast_to(np.arange(n), (rows, n))
     order = np.argsort(-weights, axis=1, kind="stable")
     assign = _deal(weights, keys, order, num_bins, per_bin)
+    if per_bin > 1:
+        _repair(weights, keys, assign)
     if per_bin > 1 and num_bins > 1:
-        _improve(weights, keys, assign, max_rounds, pairs)
+        # Rows already within _GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
+        bound = np.maximum(weights.sum(axis=1) / num_bins, weights.max(axis=1))
+        _improve(weights, keys, assign, max_rounds, pairs, bound * (1 + _GOOD_ENOUGH))
     return assign
 
 
@@ -53,44 +61,70 @@ def bin_loads(weights: np.ndarray, assign: np.ndarray) -> np.ndarray:
 
 
 def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: int, per_bin: int) -> np.ndarray:
-    rows = weights.shape[0]
-    r = np.arange(rows)[:, None]
-    load = np.zeros((rows, num_bins))
-    assign = np.empty((rows, num_bins, per_bin), dtype=np.int64)
-    bin_keys = np.empty((rows, num_bins, per_bin), dtype=keys.dtype)
-    for rnd in range(per_bin):
-        items = order[:, rnd * num_bins:(rnd + 1) * num_bins]
-        target = np.argsort(load, axis=1, kind="stable")
-        item_keys = keys[r, items]
-        if rnd:
-            # Equal keys are adjacent in weight order, so clashes are rare: fix them one by one.
-            held = bin_keys[r, target, :rnd]  # [X, B, rnd], keys already in each target bin
-            clash = (held == item_keys[:, :, None]).any(axis=2)
-            for x in np.flatnonzero(clash.any(axis=1)):
-                _unclash_round(item_keys[x], held[x], target[x])
-        assign[r, target, rnd] = items
-        bin_keys[r, target, rnd] = item_keys
-        load[r, target] += weights[r, items]
-    return assign
+    """Balanced largest differencing (Karmarkar-Karp for equal-count bins), vectorised over rows.
 
-
-def _unclash_round(item_keys: np.ndarray, held: np.ndarray, target: np.ndarray) -> None:
-    """Permute ``target`` (``[B]``, bin of each item of one round) so no item meets its key.
-
-    ``held``: ``[B, rnd]`` keys already in the bin each item is headed for (permuted along).
-    Trades with the nearest item in weight order that fits, to keep the deal's balance.
+    Each round of ``num_bins`` items in weight order is a partial solution; the two partials
+    with the largest spread (heaviest minus lightest bin) merge, heaviest bin of one with
+    lightest of the other, until one is left. Items carry (partial, bin) labels, so a merge
+    costs a few ``[X, n]`` operations.
     """
-    n = len(target)
-    for j in np.flatnonzero((held == item_keys[:, None]).any(axis=1)):
-        if not (held[j] == item_keys[j]).any():
-            continue  # an earlier trade already fixed it
-        dist = np.abs(np.arange(n) - j)
-        ok = ~(held == item_keys[j]).any(axis=1) & ~(held[j][None, :] == item_keys[:, None]).any(axis=1)
+    X, m, S = weights.shape[0], num_bins, per_bin
+    n = m * S
+    r = np.arange(X)
+    rc = r[:, None]
+    sums = np.take_along_axis(weights, order, axis=1).reshape(X, S, m)
+    # code = partial * m + bin for every item; a merge relabels codes through a table.
+    code = np.empty((X, n), dtype=np.int64)
+    np.put_along_axis(code, order, np.broadcast_to(np.arange(n), (X, n)), axis=1)
+    flat = code + rc * n  # index into a per-row table of width n
+    col = np.arange(m)
+    for left in range(S, 1, -1):
+        spread = sums[:, :left].max(axis=2) - sums[:, :left].min(axis=2)
+        pick = np.argsort(-spread, axis=1, kind="stable")[:, :2]
+        a, b = pick[:, 0], pick[:, 1]
+        lo, hi, last = np.minimum(a, b), np.maximum(a, b), left - 1
+        oa = np.argsort(-sums[r, a], axis=1, kind="stable")
+        ob = np.argsort(sums[r, b], axis=1, kind="stable")
+        new_sum = np.take_along_axis(sums[r, a], oa, axis=1) + np.take_along_axis(sums[r, b], ob, axis=1)
+        table = np.broadcast_to(np.arange(n), (X, n)).copy()
+        # The last partial moves into the freed slot; a and b merge into the lower slot.
+        table[rc, last * m + col] = hi[:, None] * m + col
+        inv = np.empty_like(oa)
+        np.put_along_axis(inv, oa, np.broadcast_to(col, oa.shape), axis=1)
+        table[rc, a[:, None] * m + col] = lo[:, None] * m + inv
+        np.put_along_axis(inv, ob, np.broadcast_to(col, ob.shape), axis=1)
+        table[rc, b[:, None] * m + col] = lo[:, None] * m + inv
+        code = table.ravel()[flat]
+        flat = code + rc * n
+        sums[r, hi] = sums[r, last]
+        sums[r, lo] = new_sum
+    return np.argsort(code, axis=1, kind="stable").reshape(X, m, S)
+
+
+def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
+    """Swap away equal keys the merges could not avoid; loops only over rows that have them."""
+    r3 = np.arange(weights.shape[0])[:, None, None]
+    srt = np.sort(keys[r3, assign], axis=2)
+    for x in np.flatnonzero((srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))):
+        _repair_row(weights[x], keys[x], assign[x])
+
+
+def _repair_row(w: np.ndarray, key: np.ndarray, assign: np.ndarray) -> None:
+    k = key[assign]  # [B, S]
+    # A position clashes when its key already sits at an earlier position of the same bin.
+    clash = np.tril(k[:, :, None] == k[:, None, :], -1).any(axis=2)
+    for b, s in np.argwhere(clash):
+        e = k[b, s]
+        if (k[b] == e).sum() < 2:
+            continue  # an earlier swap already moved it
+        # Partner (q, t): bin q lacks e, and bin b lacks the partner's key.
+        ok = ~(k == e).any(axis=1)[:, None] & ~np.isin(k, k[b])
         if not ok.any():
-            continue  # no trade inside this round helps: the clash is unavoidable here
-        t = int(np.argmin(np.where(ok, dist, n)))
-        target[[j, t]] = target[[t, j]]
-        held[[j, t]] = held[[t, j]]
+            continue  # unavoidable: every bin already holds this key
+        cost = np.where(ok, np.abs(w[assign] - w[assign[b, s]]), np.inf)
+        q, t = np.unravel_index(np.argmin(cost), cost.shape)
+        assign[b, s], assign[q, t] = assign[q, t], assign[b, s]
+        k[b, s], k[q, t] = k[q, t], k[b, s]
 
 
 def improve(
@@ -125,7 +159,7 @@ def _improve(
     r3 = np.arange(rows)[:, None, None]
     w = weights[r3, assign]  # [X, B, S] kept in step with assign
     k = keys[r3, assign]
-    wide = min(num_bins - 1, 4 * pairs)
+    wide = min(num_bins - 1, _WIDE)
     active = np.arange(rows)
     idle = np.zeros(rows, dtype=np.int64)  # rounds since the heaviest bin last got lighter
     for _ in range(max_rounds):
@@ -182,21 +216,24 @@ def _swap_best(
     new = np.maximum(lh - d, lp + d)
     tol = _REL_TOL * lh
     score = np.where((d > tol) & (new < lh - tol), new, np.inf).reshape(A, H, -1)
-    # Key clashes are rare, so check them only for the few best-scoring swaps.
-    top = min(_CANDIDATES, score.shape[2])
-    cand = np.argpartition(score, top - 1, axis=2)[:, :, :top] if top < score.shape[2] else np.broadcast_to(
-        np.arange(top), (A, H, top)
-    )
-    cand = np.take_along_axis(cand, np.argsort(np.take_along_axis(score, cand, axis=2), axis=2), axis=2)
-    ci, cc, cj = np.unravel_index(cand, (per_bin, C, per_bin))  # [A, H, top]
-    a3, h3 = np.arange(A)[:, None, None], np.arange(H)[None, :, None]
-    key_h = kh[a3, h3, ci]  # heavy item's key
-    key_p = kp[a3, h3, cc, cj]  # partner item's key
-    clash = (kp[a3, h3, cc] == key_h[..., None]).any(axis=3) | (kh[:, :, None, :] == key_p[..., None]).any(axis=3)
-    ok = np.isfinite(np.take_along_axis(score, cand, axis=2)) & ~clash
-    first = ok.argmax(axis=2)
-    hit = ok.any(axis=2)
-    best = np.take_along_axis(cand, first[:, :, None], axis=2)[:, :, 0]
+    # Key clashes are rare: check the best swap, and only where it clashes try the next best.
+    a2, h2 = np.arange(A)[:, None], np.arange(H)[None, :]
+    best = score.argmin(axis=2)
+    hit = np.isfinite(np.take_along_axis(score, best[:, :, None], axis=2)[:, :, 0])
+    for attempt in range(_CANDIDATES):
+        i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
+        key_h = kh[a2, h2, i]
+        key_p = kp[a2, h2, c, j]
+        clash = hit & ((kp[a2, h2, c] == key_h[..., None]).any(axis=2) | (kh == key_p[..., None]).any(axis=2))
+        if not clash.any():
+            break
+        if attempt == _CANDIDATES - 1:
+            hit &= ~clash
+            break
+        ca, ch = np.nonzero(clash)
+        score[ca, ch, best[ca, ch]] = np.inf
+        best[ca, ch] = score[ca, ch].argmin(axis=1)
+        hit[ca, ch] = np.isfinite(score[ca, ch, best[ca, ch]])
     if hit.any():
         a_idx, h_idx = np.nonzero(hit)
         i, c, j = np.unravel_index(best[a_idx, h_idx], (per_bin, C, per_bin))
