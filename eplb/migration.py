@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packing import improve
 from .placement import Placement
+from .refine import refine_counts, swap_improve
+from .replicate import replica_cap
 from .topology import Topology
 
 __all__ = ["align_to_previous", "repair_previous", "choose"]
@@ -98,28 +99,59 @@ def align_to_previous(phy2log: np.ndarray, previous: Placement, topology: Topolo
 def repair_previous(loads: np.ndarray, previous: Placement, topology: Topology, target: np.ndarray, by_node: bool) -> np.ndarray:
     """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → ``phy2log`` ``[L, P]``.
 
-    Keeps ``previous``'s replica counts and swaps slots between gpus (within a node when
-    ``by_node``), heaviest first, only until each layer's busiest gpu is at most its target.
-    Each swap moves two slots. Layers that cannot reach the target come back improved as far
-    as the swaps got; the caller checks.
+    Starts from ``previous`` and changes it only until each layer's busiest gpu is at most its
+    target: swaps of two slots between gpus (within a node when ``by_node``), then count moves
+    (one slot rewritten with another expert, see ``eplb.refine``) with swaps after them.
+    Layers that cannot reach the target come back improved as far as they got; the caller
+    checks.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
     prev = previous.phy2log
-    per_replica = loads / previous.logcnt
-    w = np.take_along_axis(per_replica, prev, axis=1)  # [L, P]
-    if by_node and t.num_nodes > 1:
-        rows, bins, per = L * t.num_nodes, t.gpus_per_node, t.slots_per_node
+    node_exp = _node_experts(prev, t) if by_node and t.num_nodes > 1 else None
+    if node_exp is not None:
+        rows, bins = L * t.num_nodes, t.gpus_per_node
         tgt = np.repeat(target, t.num_nodes)
+        row_loads = np.take_along_axis(np.repeat(loads, t.num_nodes, axis=0), node_exp, axis=1)
+        phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
     else:
-        rows, bins, per = L, t.num_gpus, t.num_slots
-        tgt = target
-    w_rows = w.reshape(rows, per)
-    keys = prev.reshape(rows, per)
-    assign = np.broadcast_to(np.arange(per).reshape(bins, S), (rows, bins, S)).copy()
-    improve(w_rows, keys, assign, max_rounds=64, target=tgt)
-    return np.take_along_axis(keys, assign.reshape(rows, per), axis=1).reshape(L, t.num_slots)
+        rows, bins = L, t.num_gpus
+        tgt, row_loads, phy = target, loads, prev.reshape(L, bins, S).astype(np.int64)
+    everything = np.arange(rows)
+    swap_improve(row_loads, phy, everything, 64, tgt)
+    cap = replica_cap(row_loads.shape[1], bins * S, bins)
+    if cap is not None and _distinct_per_bin(phy):
+        phy = refine_counts(row_loads, phy, cap, iterations=32, target=tgt)
+        swap_improve(row_loads, phy, everything, 64, tgt)
+    if node_exp is not None:
+        phy = np.take_along_axis(node_exp, phy.reshape(rows, -1), axis=1)
+    return phy.reshape(L, t.num_slots)
 
+
+def _distinct_per_bin(phy: np.ndarray) -> bool:
+    srt = np.sort(phy, axis=2)
+    return not (srt[:, :, 1:] == srt[:, :, :-1]).any()
+
+
+def _node_experts(prev: np.ndarray, t: Topology) -> np.ndarray | None:
+    """``[L, P]`` → ``[L * N, E/N]``: each node's experts ascending, or ``None`` when some node
+    does not hold exactly ``num_groups / num_nodes`` whole groups (not a hierarchical plan)."""
+    L, N, K = prev.shape[0], t.num_nodes, t.num_groups // t.num_nodes
+    g = np.sort(prev.reshape(L * N, t.slots_per_node) // t.experts_per_group, axis=1)
+    first = np.ones_like(g, dtype=bool)
+    first[:, 1:] = g[:, 1:] != g[:, :-1]
+    if not (first.sum(axis=1) == K).all():
+        return None
+    groups = g[first].reshape(L * N, K)
+    return (groups[:, :, None] * t.experts_per_group + np.arange(t.experts_per_group)).reshape(L * N, -1)
+
+
+def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.ndarray:
+    """Global expert ids ``[R, B, S]`` → positions in each row's ``node_exp`` ``[R, E/N]``."""
+    R = phy.shape[0]
+    inv = np.zeros((R, num_experts), dtype=np.int64)
+    inv[np.arange(R)[:, None], node_exp] = np.arange(node_exp.shape[1])
+    return inv[np.arange(R)[:, None, None], phy]
 
 def choose(
     loads: np.ndarray, previous: Placement, fresh: np.ndarray, topology: Topology, tolerance: float, by_node: bool

@@ -15,6 +15,8 @@ _REL_TOL = 1e-12
 _GOOD_ENOUGH = 2e-4
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
+# ... and the bins holding the smallest items it also tries.
+_SMALL = 8
 # Best-scoring swaps per heavy bin checked for key clashes.
 _CANDIDATES = 4
 # Improvement rounds a layer may go without lowering its heaviest bin before it stops.
@@ -33,7 +35,7 @@ def pack(
     2. Improve: up to ``max_rounds`` rounds in which the ``pairs`` heaviest bins are paired with
        the lightest (i-th heaviest with i-th lightest) and each pair makes the one item swap
        that most lowers its heavier bin; a layer where no pair can improve tries its heaviest
-       bin against the 16 lightest. Keys stay distinct per bin. A layer stops after
+       bin against the 16 lightest bins and the 8 holding the smallest items. Keys stay distinct per bin. A layer stops after
        a few rounds without lowering its heaviest bin. Deterministic.
     """
     weights = np.asarray(weights, dtype=np.float64)
@@ -175,10 +177,12 @@ def _improve(
         stalled = ~found.any(axis=1)
         if stalled.any():
             # Wider round for layers the cheap one left: the heaviest bin against the lightest
-            # bins (any bin lighter than it could take a smaller item).
+            # bins and against the bins holding the smallest items (a heavy bin often needs a
+            # smaller partner for its big item, wherever that partner sits).
             st = np.flatnonzero(stalled)
             top = srt[st, -1:]
-            part = srt[st, None, :wide]
+            small = np.argsort(w[active[st]].min(axis=2), axis=1, kind="stable")[:, : _SMALL]
+            part = np.concatenate([srt[st, :wide], small], axis=1)[:, None, :]
             again = _swap_best(assign, w, k, load[st], active[st], top, part)
             stalled[st] = ~again[:, 0]
         # A layer goes on while its heaviest bin got lighter within the last few rounds (ties

@@ -15,11 +15,13 @@ import numpy as np
 
 from .packing import improve, pack
 
-__all__ = ["refine_counts", "refine_thorough"]
+__all__ = ["refine_counts", "refine_thorough", "swap_improve"]
 
 _REL_TOL = 1e-12
 # Distance above the mean bin load below which a row is left alone.
 _GOOD_ENOUGH = 1e-3
+# How much worse than now a count move may leave the busiest bin before the swaps after it.
+_SLACK = 0.1
 # Moves a row may make without lowering its busiest bin before it stops.
 _PATIENCE = 4
 
@@ -41,35 +43,52 @@ def _presence(phy: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def refine_counts(
-    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, iterations: int = 8, donors: int = 8, swap_rounds: int = 2
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    *,
+    iterations: int = 8,
+    donors: int = 8,
+    swap_rounds: int = 2,
+    target: np.ndarray | None = None,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (experts per bin, no duplicates in a bin) →
     improved ``phy`` ``[X, B, S]`` with the same shape; counts change, every expert keeps >= 1
-    replica and at most ``cap`` (``None``: no cap). Deterministic.
+    replica and at most ``cap`` (``None``: no cap). A row stops once its busiest bin is at
+    most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). Deterministic.
     """
     X, B, S = phy.shape
     E = loads.shape[1]
     phy = phy.copy()
     hi = np.iinfo(np.int64).max if cap is None else cap
     # Rows whose busiest bin is already within _GOOD_ENOUGH of the mean have nothing to gain.
-    start = _bin_loads(loads, phy).max(axis=1)
-    active = np.flatnonzero(start > loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH))
+    if target is None:
+        target = loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH)
+    active = np.flatnonzero(_bin_loads(loads, phy).max(axis=1) > target)
     best = np.full(X, np.inf)
     idle = np.zeros(X, dtype=np.int64)
     for _ in range(iterations):
         if active.size == 0 or B < 2:
             break
-        moved = _count_move(loads[active], phy, active, hi, donors)
-        changed = active[moved]
-        if changed.size:
-            _swap(loads, phy, changed, swap_rounds)
+        before = _bin_loads(loads[active], phy[active]).max(axis=1)
+        snapshot = phy[active]
+        # A move may first overload the bin that keeps the donor's last replica; the swaps
+        # after it often fix that, so try it and undo it if the busiest bin did not improve.
+        moved = _count_move(loads[active], phy, active, hi, donors, _SLACK)
+        if moved.any():
+            swap_improve(loads, phy, active[moved], swap_rounds, target)
+        now = _bin_loads(loads[active], phy[active]).max(axis=1)
+        undo = moved & (now > before * (1 + _REL_TOL))
+        phy[active[undo]] = snapshot[undo]
+        now = np.where(undo, before, now)
+        moved &= ~undo
         # Ties at the top need moves that keep the maximum while unloading one busiest bin;
-        # a row stops after a few of those in a row.
-        sub = phy[changed]
-        now = _bin_loads(loads[changed], sub).max(axis=1)
+        # a row stops after a few of those in a row, or at once when nothing could move.
+        changed = active[moved]
+        now = now[moved]
         idle[changed] = np.where(now < best[changed] * (1 - _REL_TOL), 0, idle[changed] + 1)
         best[changed] = np.minimum(best[changed], now)
-        active = changed[idle[changed] < _PATIENCE]
+        active = changed[(idle[changed] < _PATIENCE) & (now > target[changed])]
     return phy
 
 
@@ -79,9 +98,12 @@ def _bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
     return (loads / np.maximum(cnt, 1))[ra, phy].sum(axis=2)
 
 
-def _count_move(loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: int, donors: int) -> np.ndarray:
-    """One count move per row of ``rows`` where it lowers the busiest bin; ``phy_all`` updated
-    in place. Returns ``[A]`` bool: which rows moved."""
+def _count_move(
+    loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: int, donors: int, slack: float = 0.0
+) -> np.ndarray:
+    """One count move per row of ``rows``: the one leaving the lightest busiest bin, made when
+    that is at most ``(1 + slack)`` times the current busiest; ``phy_all`` updated in place.
+    Returns ``[A]`` bool: which rows moved."""
     phy = phy_all[rows]
     A, B, S = phy.shape
     E = loads.shape[1]
@@ -121,7 +143,7 @@ def _count_move(loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: in
     score = np.where(ok, score, np.inf).reshape(A, -1)
     best = score.argmin(axis=1)
     val = score[ra, best]
-    moved = val <= lmax * (1 + _REL_TOL)
+    moved = val <= lmax * (1 + slack + _REL_TOL)
     if moved.any():
         s, d, q = np.unravel_index(best[moved], (S, D, B))
         a = ra[moved]
@@ -131,7 +153,9 @@ def _count_move(loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: in
     return moved
 
 
-def _swap(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int) -> None:
+def swap_improve(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None) -> None:
+    """Swap slots between bins of ``phy`` ``[X, B, S]`` (rows ``rows``, in place) to lower each
+    row's busiest bin, stopping at ``target`` ``[X]``; counts stay as they are."""
     sub = phy[rows]
     A, B, S = sub.shape
     ra = np.arange(A)
@@ -139,7 +163,7 @@ def _swap(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int) -> 
     keys = sub.reshape(A, B * S)
     weights = (loads[rows] / cnt)[ra[:, None], keys]
     assign = np.broadcast_to(np.arange(B * S).reshape(B, S), (A, B, S)).copy()
-    improve(weights, keys, assign, max_rounds=rounds)
+    improve(weights, keys, assign, max_rounds=rounds, target=None if target is None else target[rows])
     phy[rows] = np.take_along_axis(keys, assign.reshape(A, -1), axis=1).reshape(A, B, S)
 
 
