@@ -173,7 +173,9 @@ def _improve(
         srt = np.argsort(load, axis=1, kind="stable")
         # Cheap round: i-th heaviest with i-th lightest, all pairs at once.
         heavy, partner = srt[:, ::-1][:, :half], srt[:, :half, None]
-        found = _swap_best(assign, w, k, load, active, heavy, partner)
+        # Bins already at or below the target are left alone: swaps there only cost moves.
+        floor = None if target is None else target[active]
+        found = _swap_best(assign, w, k, load, active, heavy, partner, floor)
         stalled = ~found.any(axis=1)
         if stalled.any():
             # Wider round for layers the cheap one left: the heaviest bin against the lightest
@@ -183,7 +185,7 @@ def _improve(
             top = srt[st, -1:]
             small = np.argsort(w[active[st]].min(axis=2), axis=1, kind="stable")[:, : _SMALL]
             part = np.concatenate([srt[st, :wide], small], axis=1)[:, None, :]
-            again = _swap_best(assign, w, k, load[st], active[st], top, part)
+            again = _swap_best(assign, w, k, load[st], active[st], top, part, None if floor is None else floor[st])
             stalled[st] = ~again[:, 0]
         # A layer goes on while its heaviest bin got lighter within the last few rounds (ties
         # at the top need several swaps before the maximum moves).
@@ -200,12 +202,14 @@ def _swap_best(
     rows: np.ndarray,
     heavy: np.ndarray,
     partners: np.ndarray,
+    floor: np.ndarray | None = None,
 ) -> np.ndarray:
     """Make, for each heavy bin, the item swap with one of its partner bins that most lowers it.
 
     ``rows``: ``[A]`` rows of ``assign``/``w``/``k`` (``[X, B, S]``, updated in place);
     ``load``: ``[A, B]``; ``heavy``: ``[A, H]`` distinct bins; ``partners``: ``[A, H, C]`` bins,
-    each partner used by at most one heavy bin. Returns ``[A, H]``: whether a swap was made.
+    each partner used by at most one heavy bin; heavy bins not above ``floor`` ``[A]`` are
+    skipped. Returns ``[A, H]``: whether a swap was made.
     """
     per_bin = w.shape[2]
     A, H = heavy.shape
@@ -219,7 +223,10 @@ def _swap_best(
     d = wh[:, :, :, None, None] - wp[:, :, None, :, :]  # [A, H, S(heavy item), C, S(partner item)]
     new = np.maximum(lh - d, lp + d)
     tol = _REL_TOL * lh
-    score = np.where((d > tol) & (new < lh - tol), new, np.inf).reshape(A, H, -1)
+    ok = (d > tol) & (new < lh - tol)
+    if floor is not None:
+        ok &= lh > floor[:, None, None, None, None]
+    score = np.where(ok, new, np.inf).reshape(A, H, -1)
     # Key clashes are rare: check the best swap, and only where it clashes try the next best.
     a2, h2 = np.arange(A)[:, None], np.arange(H)[None, :]
     best = score.argmin(axis=2)
