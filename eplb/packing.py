@@ -220,13 +220,16 @@ def _swap_best(
     wp, kp = w[xr[:, :, None], partners], k[xr[:, :, None], partners]  # [A, H, C, S]
     lh = load[ri, heavy][:, :, None, None, None]
     lp = load[ri[:, :, None], partners][:, :, None, :, None]
-    d = wh[:, :, :, None, None] - wp[:, :, None, :, :]  # [A, H, S(heavy item), C, S(partner item)]
-    new = np.maximum(lh - d, lp + d)
-    tol = _REL_TOL * lh
-    ok = (d > tol) & (new < lh - tol)
+    # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
+    # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
+    # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
+    half = (lh - lp) * 0.5 - _REL_TOL * lh
     if floor is not None:
-        ok &= lh > floor[:, None, None, None, None]
-    score = np.where(ok, new, np.inf).reshape(A, H, -1)
+        half = np.where(lh > floor[:, None, None, None, None], half, -np.inf)
+    dev = wh[:, :, :, None, None] - wp[:, :, None, :, :]  # [A, H, S(heavy item), C, S(partner item)]
+    dev -= (lh - lp) * 0.5
+    np.abs(dev, out=dev)
+    score = np.where(dev < half, dev + lp * 0.5, np.inf).reshape(A, H, -1)
     # Key clashes are rare: check the best swap, and only where it clashes try the next best.
     a2, h2 = np.arange(A)[:, None], np.arange(H)[None, :]
     best = score.argmin(axis=2)

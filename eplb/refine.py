@@ -34,14 +34,6 @@ def _counts(phy: np.ndarray, num_experts: int) -> np.ndarray:
     return out
 
 
-def _presence(phy: np.ndarray, num_experts: int) -> np.ndarray:
-    """``phy`` ``[X, B, S]`` → bool ``[X, E, B]``: whether bin ``b`` holds expert ``e``."""
-    X, B, S = phy.shape
-    out = np.zeros((X, num_experts, B), dtype=bool)
-    out[np.arange(X)[:, None, None], phy, np.arange(B)[None, :, None]] = True
-    return out
-
-
 def refine_counts(
     loads: np.ndarray,
     phy: np.ndarray,
@@ -124,16 +116,16 @@ def _count_move(
     don = np.argpartition(grown, D - 1, axis=1)[:, :D] if D < E else np.broadcast_to(np.arange(E), (A, E))
     w_f = w[ra[:, None], don]
     d_f = np.where(np.isfinite(grown[ra[:, None], don]), grown[ra[:, None], don] - w_f, np.inf)  # [A, D]
-    pres = _presence(phy, E)
-    He = pres[ra[:, None], gain]  # [A, S, B]
-    Hf = pres[ra[:, None], don]  # [A, D, B]
+    He = (phy[:, None, :, :] == gain[:, :, None, None]).any(axis=3)  # [A, S, B]: bin holds gainer
+    Hf = (phy[:, None, :, :] == don[:, :, None, None]).any(axis=3)  # [A, D, B]: bin holds donor
     He4, Hf4 = He[:, :, None, :], Hf[:, None, :, :]
     new = load[:, None, None, :] - d_e[:, :, None, None] * He4 + np.where(Hf4, d_f[:, None, :, None], 0.0)
     # Max over bins other than q: the top two of `new` cover every q.
-    top2 = np.partition(new, B - 2, axis=3)[..., B - 2:]
-    m1, m2 = top2[..., 1], top2[..., 0]
     arg1 = new.argmax(axis=3)
-    other = np.where(np.arange(B) == arg1[..., None], m2[..., None], m1[..., None])
+    first = np.arange(B) == arg1[..., None]
+    m1 = np.take_along_axis(new, arg1[..., None], axis=3)
+    m2 = np.where(first, -np.inf, new).max(axis=3, keepdims=True)
+    other = np.where(first, m2, m1)
     at_q = load[:, None, None, :] - w_f[:, None, :, None] + w_new_e[:, :, None, None]
     score = np.maximum(other, at_q)
     ok = Hf4 & ~He4 & (c_g < hi)[:, :, None, None] & np.isfinite(d_f)[:, None, :, None]
