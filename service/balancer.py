@@ -55,6 +55,7 @@ class _Local:
     window: SlidingWindow | DecayWindow
     hub: PlacementHub
     phy2log: dict[int, np.ndarray] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class _Batcher:
@@ -104,6 +105,7 @@ class Balancer:
         self._batchers: dict[str, _Batcher] = {}
         self._run_id: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     # lifecycle
 
@@ -118,18 +120,19 @@ class Balancer:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            # The flag ends the loops even if a client library swallowed the cancellation.
+            await asyncio.wait(self._tasks, timeout=2.0)
         with contextlib.suppress(ServiceError):
             await self._flush_all()
         for local in self._local.values():
             await local.hub.stop()
 
     async def _every(self, seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(seconds)
             try:
                 await fn()
@@ -369,36 +372,42 @@ class Balancer:
         local = await self._get_local(request.deployment)
         if request.dry_run:
             return await self._plan(local, dry_run=True, force=request.force)
-        owner, name = self.config.replica_id, request.deployment
-        deadline = time.monotonic() + 2 * self.config.lease_s
-        while not await self.store.acquire_lease(name, owner, self.config.lease_s):
-            if time.monotonic() > deadline:
-                raise Aborted(f"another replica has held the planning lease of {name!r} for over {2 * self.config.lease_s:g}s")
-            await asyncio.sleep(0.01)
-        try:
-            return await self._plan(local, dry_run=False, force=request.force)
-        finally:
-            with contextlib.suppress(ServiceError):
-                await self.store.release_lease(name, owner)
+        name = request.deployment
+        # One plan at a time per deployment: the local lock orders this replica's callers, the
+        # store's lease (one owner token per attempt) orders the replicas.
+        async with local.lock:
+            owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
+            deadline = time.monotonic() + 2 * self.config.lease_s
+            while not await self.store.acquire_lease(name, owner, self.config.lease_s):
+                if time.monotonic() > deadline:
+                    raise Aborted(f"another replica has held the planning lease of {name!r} for over {2 * self.config.lease_s:g}s")
+                await asyncio.sleep(0.01)
+            try:
+                return await self._plan(local, dry_run=False, force=request.force)
+            finally:
+                with contextlib.suppress(ServiceError):
+                    await self.store.release_lease(name, owner)
 
     async def _trigger_all(self) -> None:
         now = time.time()
         for name, local in list(self._local.items()):
-            if not local.trigger.enabled or local.hub.deleted:
+            if not local.trigger.enabled or local.hub.deleted or local.lock.locked():
                 continue
             try:
                 if due(local.trigger, await self.store.marks(name), now) is None:
                     continue
-                if not await self.store.acquire_lease(name, self.config.replica_id, self.config.lease_s):
-                    continue
-                try:
-                    # Re-read under the lease: another replica may have just planned.
-                    why = due(local.trigger, await self.store.marks(name), time.time())
-                    if why is not None:
-                        log.info("re-planning %s: %s", name, why)
-                        await self._plan(local, dry_run=False, force=False)
-                finally:
-                    await self.store.release_lease(name, self.config.replica_id)
+                async with local.lock:
+                    owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
+                    if not await self.store.acquire_lease(name, owner, self.config.lease_s):
+                        continue
+                    try:
+                        # Re-read under the lease: another replica may have just planned.
+                        why = due(local.trigger, await self.store.marks(name), time.time())
+                        if why is not None:
+                            log.info("re-planning %s: %s", name, why)
+                            await self._plan(local, dry_run=False, force=False)
+                    finally:
+                        await self.store.release_lease(name, owner)
             except NotFound:
                 continue
 

@@ -8,7 +8,6 @@ from the ring, so store traffic does not grow with the number of watchers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +40,7 @@ class PlacementHub:
         self._confirm_deleted = confirm_deleted
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def latest(self) -> pb.Placement | None:
@@ -55,10 +55,11 @@ class PlacementHub:
             self._task = asyncio.create_task(self._follow(), name=f"hub-{self.name}")
 
     async def stop(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # The flag ends the loop even if a client library swallowed the cancellation.
+            await asyncio.wait({self._task}, timeout=2.0)
         await self._wake()
 
     async def _wake(self) -> None:
@@ -67,7 +68,7 @@ class PlacementHub:
 
     async def _follow(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._closed:
             try:
                 async for placement in self.store.follow(self.name, self.version):
                     self.live = True

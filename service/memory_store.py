@@ -149,7 +149,7 @@ class MemoryStore:
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         state = self._get(name)
         now = time.monotonic()
-        if state.lease is None or state.lease[0] == owner or state.lease[1] <= now:
+        if state.lease is None or state.lease[1] <= now:
             state.lease = (owner, now + ttl_s)
             return True
         return False

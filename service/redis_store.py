@@ -298,14 +298,7 @@ class RedisStore:
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         key = self.key(name, "lease")
         with _unavailable():
-            if await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))):
-                return True
-            # Re-entrant for the holder: extend instead of waiting on ourselves.
-            holder = await self._r.get(key)
-            if holder is not None and holder.decode() == owner:
-                await self._r.pexpire(key, max(1, int(ttl_s * 1000)))
-                return True
-        return False
+            return bool(await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))))
 
     async def release_lease(self, name: str, owner: str) -> None:
         with _unavailable():

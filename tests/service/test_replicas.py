@@ -1,0 +1,106 @@
+"""Several replicas on one Redis: one planner at a time, consecutive versions, every watcher sees all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from svc_helpers import REDIS_URL, small_deployment
+
+
+async def read_versions(call, n: int) -> list[int]:
+    return [(await call.read()).placement.version for _ in range(n)]
+
+
+async def test_racing_rebalances_give_consecutive_versions(serve, connect, prefix):
+    p = prefix()
+    replicas = [await serve(redis_url=REDIS_URL, key_prefix=p) for _ in range(3)]
+    clients = [connect(r) for r in replicas]
+    await clients[0].stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    watches = [c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1")) for c in clients]
+    for w in watches:
+        assert (await w.read()).placement.version == 1
+    rounds = 4
+    results = await asyncio.gather(*(
+        c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True)) for c in clients for _ in range(rounds)
+    ))
+    versions = sorted(r.placement.version for r in results)
+    assert all(r.published for r in results)
+    assert versions == list(range(2, 2 + 3 * rounds))
+    seen = await asyncio.wait_for(asyncio.gather(*(read_versions(w, 3 * rounds) for w in watches)), 10)
+    assert seen == [versions] * 3
+    for w in watches:
+        w.cancel()
+    got = await clients[2].stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    assert got.deployment.version == 1 + 3 * rounds
+
+
+async def test_lease_of_a_crashed_planner_expires(serve, connect, prefix):
+    """A replica that died holding the planning lease blocks others for at most one lease."""
+    server = await serve(redis_url=REDIS_URL, key_prefix=prefix())
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    lease_s = server.balancer.config.lease_s
+    assert await server.store.acquire_lease("d1", "crashed-replica", lease_s)
+    start = time.monotonic()
+    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    waited = time.monotonic() - start
+    assert out.published and out.placement.version == 2
+    assert 0.5 * lease_s < waited < lease_s + 1.0
+
+
+async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
+    """Report-count trigger: exactly one replica plans per trigger, and only gainful plans publish."""
+    import numpy as np
+
+    from eplb_service.client import EngineClient
+
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(
+        deployment=small_deployment(report_count=4, min_gain_percent=5.0)))
+    loads = np.ones((4, 16), dtype=np.int32)
+    loads[:, 0] = 1000
+    for r in range(4):
+        await EngineClient(ca.channel if r % 2 else cb.channel, "d1", r).report([loads])
+    deadline = time.monotonic() + 5
+    while (await ca.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))).placement.version < 2:
+        assert time.monotonic() < deadline, "trigger did not publish"
+        await asyncio.sleep(0.05)
+    placement = (await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1", version=2))).placement
+    assert placement.stats.gain_percent >= 5.0
+    # Same skew again: the new placement already balances it, so the gain gate refuses.
+    for r in range(4):
+        await EngineClient(ca.channel, "d1", r).report([loads])
+    await asyncio.sleep(1.0)
+    got = await cb.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    assert got.deployment.version == 2
+    published = sum(
+        s.metrics.rebalances.labels("d1", "auto", "published")._value.get() for s in (a, b)
+    )
+    skipped = sum(s.metrics.rebalances.labels("d1", "auto", "skipped")._value.get() for s in (a, b))
+    assert (published, skipped) == (1, 1)
+    dry = await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
+    assert "min_gain_percent" in dry.reason
+
+
+@pytest.mark.slow
+async def test_watchers_on_two_replicas_see_every_version_under_load(serve, connect, prefix):
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    watches = [c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1")) for c in (ca, cb) for _ in range(25)]
+    for w in watches:
+        assert (await w.read()).placement.version == 1
+    n = 12
+    for i in range(n):
+        await (ca if i % 2 else cb).stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    seen = await asyncio.wait_for(asyncio.gather(*(read_versions(w, n) for w in watches)), 20)
+    assert all(s == list(range(2, 2 + n)) for s in seen)
+    for w in watches:
+        w.cancel()

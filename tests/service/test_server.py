@@ -1,0 +1,99 @@
+"""Server surface: health, reflection, metrics, ComputePlacement, CLI and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import eplb
+from eplb_service import arrays
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.client import EngineClient
+from eplb_service.server import SERVICE_NAME
+from svc_helpers import REDIS_URL, free_port, small_deployment
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_health_reflection_and_metrics(serve, connect, prefix):
+    server = await serve(redis_url=REDIS_URL, key_prefix=prefix(), metrics_port=0, token="t")
+    c = connect(server, token="t")
+    status = await health_pb2_grpc.HealthStub(c.channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+
+    refl = reflection_pb2_grpc.ServerReflectionStub(c.channel)
+    replies = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name async for r in replies for s in r.list_services_response.service}
+    assert {"eplb.v1.ExpertLoadBalancerService", "grpc.health.v1.Health"} <= names
+
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()), metadata=c.metadata)
+    await EngineClient(c.channel, "d1", 0, token="t").report([np.ones((4, 16), np.int32)] * 3)
+    await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), metadata=c.metadata)
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    )
+    assert 'eplb_reports_total{deployment="d1",outcome="accepted"} 3.0' in text
+    assert 'eplb_rebalances_total{deployment="d1",outcome="published",policy="auto"} 1.0' in text
+    assert 'eplb_placement_version{deployment="d1"} 2.0' in text
+    assert "eplb_rebalance_seconds_bucket" in text
+
+
+async def test_compute_placement_matches_the_core(serve, connect):
+    server = await serve()
+    c = connect(server)
+    topo = eplb.Topology(4, 16, 24, 8, 2, 4)
+    loads = np.random.default_rng(3).lognormal(0, 1, (4, 16))
+    out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
+        topology=small_deployment().topology, policy="global", loads=arrays.encode(loads)))
+    plan = eplb.rebalance(loads, topo, "global")
+    assert np.array_equal(arrays.decode(out.phy2log, "phy2log", (4, 24)), plan.phy2log)
+    assert np.array_equal(arrays.decode(out.logcnt, "logcnt", (4, 16)), plan.logcnt)
+    assert out.stats.imbalance_after == pytest.approx(plan.mean_imbalance)
+    assert out.stats.policy_used == "global" and out.stats.moves == 0
+
+
+async def test_decay_window_deployment(serve, connect):
+    server = await serve()
+    c = connect(server)
+    d = small_deployment()
+    d.window.decay.half_life.FromMilliseconds(200)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    await EngineClient(c.channel, "d1", 0).report([np.full((4, 16), 100, np.int32)])
+    first = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
+    await asyncio.sleep(0.4)
+    later = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
+    # Two half-lives later a quarter is left (give or take the time between the two calls).
+    assert 0.15 < later.window_tokens / first.window_tokens < 0.3
+
+
+def test_sigterm_shuts_down_gracefully(tmp_path):
+    port = free_port()
+    env = dict(os.environ, EPLB_PORT=str(port), EPLB_HOST="127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "eplb_bench.cli", "serve", "--log-level", "WARNING"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"listening on 127.0.0.1:{port}" in line
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert proc.wait(15) == 0
+        assert time.monotonic() - start < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_generated_code_is_up_to_date():
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh"), "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,49 @@
+"""Load windows and their blobs, without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eplb_service.windows import WindowSpec, encode_blob, make_window, sum_blobs
+
+SHAPE = (2, 3)
+
+
+def test_sliding_time_window_expires_whole_buckets():
+    w = make_window(SHAPE, WindowSpec(duration_s=10.0, buckets=5))
+    w.add(np.ones(SHAPE), now=0.0)
+    w.add(np.ones(SHAPE), now=5.0)
+    w.add(np.ones(SHAPE), now=9.0)
+    assert w.total(9.0)[1] == 3
+    sums, n = w.total(13.0)  # the bucket [0, 2) is older than 13 - 10 = 3 in full
+    assert n == 2 and np.array_equal(sums, np.full(SHAPE, 2.0))
+    assert w.total(30.0)[1] == 0
+
+
+def test_sliding_count_window_keeps_the_last_reports():
+    w = make_window(SHAPE, WindowSpec(duration_s=0.0, report_count=4, buckets=2))
+    for i in range(10):
+        w.add(np.full(SHAPE, float(i)), now=float(i))
+    sums, n = w.total(10.0)
+    # Buckets of 2 reports, 2 closed + 1 open kept: reports 4..9, between 4 and 6 of them.
+    assert n == 6 and sums[0, 0] == sum(range(4, 10))
+
+
+def test_decay_window_halves_per_half_life():
+    w = make_window(SHAPE, WindowSpec(kind="decay", half_life_s=2.0, duration_s=0.0))
+    w.add(np.full(SHAPE, 8.0), now=0.0)
+    w.add(np.full(SHAPE, 4.0), now=2.0)
+    sums, n = w.total(4.0)
+    assert n == 2 and sums[0, 0] == pytest.approx(2.0 + 2.0)
+
+
+def test_blobs_sum_across_replicas_and_drop_stale_ones():
+    a = make_window(SHAPE, WindowSpec(duration_s=60.0))
+    b = make_window(SHAPE, WindowSpec(kind="decay", half_life_s=1.0, duration_s=0.0))
+    a.add(np.ones(SHAPE), now=100.0)
+    b.add(np.full(SHAPE, 4.0), now=100.0)
+    blobs = {"a": encode_blob(a, 100.0), "b": encode_blob(b, 100.0), "old": encode_blob(a, 10.0), "junk": b"xx"}
+    assert len(blobs["a"]) == 29 + 6 * 8  # header: magic, kind, time, reports, half-life
+    sums, n, stale = sum_blobs(blobs, SHAPE, now=101.0, stale_after_s=60.0)
+    assert np.allclose(sums, 1.0 + 2.0) and n == 2 and sorted(stale) == ["junk", "old"]
