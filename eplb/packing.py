@@ -12,7 +12,7 @@ __all__ = ["pack", "bin_loads", "improve"]
 # Relative gain below which a swap is float noise, not an improvement.
 _REL_TOL = 1e-12
 # Relative distance to a row's lower bound below which further swaps are not worth their time.
-_GOOD_ENOUGH = 2e-4
+_GOOD_ENOUGH = 1e-3
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
 # ... and the bins holding the smallest items it also tries.
@@ -24,7 +24,13 @@ _PATIENCE = 4
 
 
 def pack(
-    weights: np.ndarray, num_bins: int, keys: np.ndarray | None = None, *, max_rounds: int = 32, pairs: int = 8
+    weights: np.ndarray,
+    num_bins: int,
+    keys: np.ndarray | None = None,
+    *,
+    max_rounds: int = 32,
+    pairs: int = 8,
+    floor: np.ndarray | None = None,
 ) -> np.ndarray:
     """``weights``: ``[X, n]`` → int64 ``[X, num_bins, n // num_bins]``: the items in each bin.
 
@@ -36,7 +42,9 @@ def pack(
        the lightest (i-th heaviest with i-th lightest) and each pair makes the one item swap
        that most lowers its heavier bin; a layer where no pair can improve tries its heaviest
        bin against the 16 lightest bins and the 8 holding the smallest items. Keys stay distinct per bin. A layer stops after
-       a few rounds without lowering its heaviest bin. Deterministic.
+       a few rounds without lowering its heaviest bin, or once its heaviest bin is within
+       0.1 % of its lower bound or at most ``floor`` (``[X]``, e.g. what a row's layer must
+       carry elsewhere anyway). Deterministic.
     """
     weights = np.asarray(weights, dtype=np.float64)
     rows, n = weights.shape
@@ -51,8 +59,8 @@ def pack(
         _repair(weights, keys, assign)
     if per_bin > 1 and num_bins > 1:
         # Rows already within _GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
-        bound = np.maximum(weights.sum(axis=1) / num_bins, weights.max(axis=1))
-        _improve(weights, keys, assign, max_rounds, pairs, bound * (1 + _GOOD_ENOUGH))
+        bound = np.maximum(weights.sum(axis=1) / num_bins, weights.max(axis=1)) * (1 + _GOOD_ENOUGH)
+        _improve(weights, keys, assign, max_rounds, pairs, bound if floor is None else np.maximum(bound, floor))
     return assign
 
 
@@ -104,29 +112,39 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
 
 
 def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
-    """Swap away equal keys the merges could not avoid; loops only over rows that have them."""
-    r3 = np.arange(weights.shape[0])[:, None, None]
-    srt = np.sort(keys[r3, assign], axis=2)
-    for x in np.flatnonzero((srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))):
-        _repair_row(weights[x], keys[x], assign[x])
+    """Swap away equal keys sharing a bin, one clash per row per pass, all rows at once.
 
-
-def _repair_row(w: np.ndarray, key: np.ndarray, assign: np.ndarray) -> None:
-    k = key[assign]  # [B, S]
-    # A position clashes when its key already sits at an earlier position of the same bin.
-    clash = np.tril(k[:, :, None] == k[:, None, :], -1).any(axis=2)
-    for b, s in np.argwhere(clash):
-        e = k[b, s]
-        if (k[b] == e).sum() < 2:
-            continue  # an earlier swap already moved it
+    Each clash swaps with the item of closest weight whose bin lacks the clashing key and
+    whose key the clashing bin lacks. Rows where no such item exists keep the clash.
+    """
+    X, B, S = assign.shape
+    rows = np.arange(X)
+    for _ in range(B * S):
+        if rows.size == 0:
+            return
+        r3 = rows[:, None, None]
+        k = keys[r3, assign[rows]]
+        clash = np.tril(k[:, :, :, None] == k[:, :, None, :], -1).any(axis=3)  # [R, B, S]
+        has = clash.reshape(len(rows), -1).any(axis=1)
+        rows, k, clash = rows[has], k[has], clash[has]
+        if rows.size == 0:
+            return
+        R = rows.size
+        ri = np.arange(R)
+        b, s = np.divmod(clash.reshape(R, -1).argmax(axis=1), S)
+        e = k[ri, b, s]
+        w = weights[rows[:, None, None], assign[rows]]
         # Partner (q, t): bin q lacks e, and bin b lacks the partner's key.
-        ok = ~(k == e).any(axis=1)[:, None] & ~np.isin(k, k[b])
-        if not ok.any():
-            continue  # unavoidable: every bin already holds this key
-        cost = np.where(ok, np.abs(w[assign] - w[assign[b, s]]), np.inf)
-        q, t = np.unravel_index(np.argmin(cost), cost.shape)
-        assign[b, s], assign[q, t] = assign[q, t], assign[b, s]
-        k[b, s], k[q, t] = k[q, t], k[b, s]
+        ok = ~(k == e[:, None, None]).any(axis=2)[:, :, None] & ~(k[:, :, :, None] == k[ri, b][:, None, None, :]).any(axis=3)
+        cost = np.where(ok, np.abs(w - w[ri, b, s][:, None, None]), np.inf).reshape(R, -1)
+        best = cost.argmin(axis=1)
+        fixable = np.isfinite(cost[ri, best])
+        q, t = np.divmod(best[fixable], S)
+        x, bb, ss = rows[fixable], b[fixable], s[fixable]
+        tmp = assign[x, bb, ss].copy()
+        assign[x, bb, ss] = assign[x, q, t]
+        assign[x, q, t] = tmp
+        rows = x  # rows with no partner left keep their (unavoidable) clash
 
 
 def improve(

@@ -73,7 +73,11 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     rows = np.arange(L * N)[:, None]
     item_w = (local_loads / counts)[rows, local_ids]
     # Step 3: replicas → gpus of the node.
-    assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds)  # [L*N, gpn, S]
+    # A gpu of the busiest node carries at least that node's mean, so no node needs its
+    # gpus balanced below it.
+    node_mean = local_loads.sum(axis=1).reshape(L, N) / gpn
+    floor = np.repeat(node_mean.max(axis=1), N)
+    assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds, floor=floor)  # [L*N, gpn, S]
     slot_local = local_ids[rows[:, :, None], assign]
     cap = replica_cap(E // N, P // N, gpn)
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
@@ -81,7 +85,14 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
         if opts["effort"] == "high":
             slot_local = refine_thorough(local_loads, slot_local, cap)
         elif opts["refine"]:
-            slot_local = refine_counts(local_loads, slot_local, cap, iterations=int(opts["refine"]), donors=int(opts["donors"]))
+            slot_local = refine_counts(
+                local_loads,
+                slot_local,
+                cap,
+                iterations=int(opts["refine"]),
+                donors=int(opts["donors"]),
+                target=np.maximum(floor, local_loads.sum(axis=1) / gpn * 1.001),
+            )
     slot_local = np.sort(slot_local, axis=2).reshape(L, N, P // N)
     phy2log = np.take_along_axis(node_experts, slot_local, axis=2).reshape(L, P)
     return phy2log.astype(np.int32)
