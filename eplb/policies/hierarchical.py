@@ -18,9 +18,9 @@ __all__ = ["place_hierarchical", "place_global", "OPTIONS"]
 
 # Options both policies take, with their defaults.
 OPTIONS: dict[str, object] = {
-    "max_rounds": 8,  # swap rounds after the deal
+    "max_rounds": 16,  # swap rounds after the deal
     "refine": 4,  # count moves per layer (0: keep water-filling counts)
-    "donors": 8,  # donor experts a count move considers
+    "donors": 4,  # donor experts a count move considers
     "effort": "fast",  # "high": wide count search alternated with re-packing (up to ~1 s)
 }
 
