@@ -16,6 +16,16 @@ __all__ = ["BalancerServicer"]
 class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     def __init__(self, balancer: Balancer) -> None:
         self.balancer = balancer
+        # The latest response per (rpc, deployment), reused while the placement is the same
+        # object: copying a v3-sized placement into a fresh response costs more than the call.
+        self._responses: dict[tuple[type, str], tuple[pb.Placement, object]] = {}
+
+    def _response(self, cls: type, placement: pb.Placement) -> object:
+        key = (cls, placement.deployment)
+        cached = self._responses.get(key)
+        if cached is None or cached[0] is not placement:
+            cached = self._responses[key] = (placement, cls(placement=placement))
+        return cached[1]
 
     async def CreateDeployment(self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.CreateDeploymentResponse:
         return await self.balancer.create(request)
@@ -40,11 +50,11 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         return pb.ReportLoadResponse(accepted=accepted, duplicates=duplicates)
 
     async def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext) -> pb.GetPlacementResponse:
-        return pb.GetPlacementResponse(placement=await self.balancer.placement(request.deployment, request.version))
+        return self._response(pb.GetPlacementResponse, await self.balancer.placement(request.deployment, request.version))
 
     async def WatchPlacements(self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchPlacementsResponse]:
         async for placement in self.balancer.watch(request.deployment, request.since_version):
-            yield pb.WatchPlacementsResponse(placement=placement)
+            yield self._response(pb.WatchPlacementsResponse, placement)
 
     async def AckPlacement(self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext) -> pb.AckPlacementResponse:
         return pb.AckPlacementResponse(ranks_acked=await self.balancer.ack(request))

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-import grpc
 import pytest
 import redis
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
-from eplb_service.balancer import BalancerConfig
 from eplb_service.client import auth_metadata, channel
 from eplb_service.server import RunningServer, ServerConfig, start_server
 from svc_helpers import FAST, REDIS_URL, PrivateRedis

@@ -1,0 +1,318 @@
+"""Service benchmark: ingestion rate, GetPlacement latency, watcher fan-out, Redis memory.
+
+    python -m eplb_bench.service_bench [--parts ingest,latency,watch] [--seconds 10] [--json FILE]
+
+Starts ``eplb serve`` processes on the Redis at ``--redis-url`` (own key prefix, deleted at
+the end) and drives them from separate client processes, all on this machine:
+- ingest: ``--streams`` ReportLoad streams carrying v3-prefill-shaped reports (int32 [58, 256])
+  from ``--ranks`` ranks, for ``--seconds``; prints accepted reports/s, then the Redis memory
+  of the deployment's keys against the stated bound;
+- latency: ``--callers`` concurrent GetPlacement callers, closed loop (each calls again as
+  soon as it has an answer) and paced (each calls every ``--pace-ms`` ms); prints p50/p99;
+- watch: ``--watchers`` WatchPlacements streams spread over 2 replicas; ``--versions`` forced
+  rebalances; prints, per version, the time from commit to the last watcher having it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+
+V3 = dict(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eplb_bench.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--redis-url", redis_url, "--key-prefix", prefix, "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    proc.stdout.readline()  # "listening on …" once serving
+    return proc, f"127.0.0.1:{port}"
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+# ---- client processes (each runs its own event loop) ----
+
+def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: float, out: mp.Queue) -> None:
+    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_service.client import channel, EngineClient
+
+    rng = np.random.default_rng(0)
+    pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
+
+    async def main() -> None:
+        chan = channel(target)
+        stub = EngineClient(chan, name, 0).stub
+        deadline = time.perf_counter() + seconds
+        seqs = [time.time_ns() // 1000] * ranks
+
+        async def stream(i: int) -> tuple[int, int]:
+            def requests():
+                k = 0
+                while time.perf_counter() < deadline:
+                    rank = (i + k * streams) % ranks
+                    seqs[rank] += 1
+                    k += 1
+                    yield pb.ReportLoadRequest(
+                        deployment=name, rank=rank, seq=seqs[rank],
+                        logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]))
+            resp = await stub.ReportLoad(requests())
+            return resp.accepted, resp.duplicates
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream(i) for i in range(streams)))
+        elapsed = time.perf_counter() - start
+        await chan.close()
+        out.put((sum(a for a, _ in results), sum(d for _, d in results), elapsed))
+
+    asyncio.run(main())
+
+
+def _latency_worker(target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue) -> None:
+    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_service.client import channel, EngineClient
+
+    async def main() -> None:
+        chan = channel(target)
+        stub = EngineClient(chan, name, 0).stub
+        req = pb.GetPlacementRequest(deployment=name)
+        await stub.GetPlacement(req)
+        lat: list[float] = []
+        deadline = time.perf_counter() + seconds
+
+        async def caller(i: int) -> None:
+            nxt = time.perf_counter() + pace_s * i / callers  # spread paced callers evenly
+            while True:
+                if pace_s:
+                    await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+                    nxt += pace_s
+                t = time.perf_counter()
+                if t > deadline:
+                    return
+                await stub.GetPlacement(req)
+                lat.append(time.perf_counter() - t)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(caller(i) for i in range(callers)))
+        elapsed = time.perf_counter() - start
+        await chan.close()
+        out.put((lat, elapsed))
+
+    asyncio.run(main())
+
+
+def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, ready: mp.Queue, out: mp.Queue) -> None:
+    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_service.client import channel, EngineClient
+
+    async def main() -> None:
+        chans = [channel(t) for t in targets]
+        stubs = [EngineClient(c, name, 0).stub for c in chans]
+        got: dict[int, list[float]] = {}
+        first = asyncio.Event()
+        started = 0
+
+        async def watch(i: int) -> None:
+            nonlocal started
+            call = stubs[i % len(stubs)].WatchPlacements(pb.WatchPlacementsRequest(deployment=name))
+            base = (await call.read()).placement.version
+            started += 1
+            if started == watchers:
+                first.set()
+            while True:
+                msg = await call.read()
+                now = time.time()
+                p = msg.placement
+                got.setdefault(p.version, []).append(now - p.create_time.ToNanoseconds() / 1e9)
+                if p.version >= base + versions:
+                    call.cancel()
+                    return
+
+        tasks = [asyncio.create_task(watch(i)) for i in range(watchers)]
+        await first.wait()
+        ready.put(True)
+        await asyncio.gather(*tasks)
+        for c in chans:
+            await c.close()
+        out.put(got)
+
+    asyncio.run(main())
+
+
+# ---- orchestration ----
+
+def _create(target: str, name: str) -> None:
+    import grpc
+
+    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        pb_grpc.ExpertLoadBalancerServiceStub(ch).CreateDeployment(
+            pb.CreateDeploymentRequest(deployment=pb.Deployment(name=name, topology=pb.Topology(**V3))))
+
+
+def _rebalance(target: str, name: str) -> float:
+    import grpc
+
+    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        t = time.perf_counter()
+        pb_grpc.ExpertLoadBalancerServiceStub(ch).Rebalance(pb.RebalanceRequest(deployment=name, force=True))
+        return time.perf_counter() - t
+
+
+async def _fill(targets: list[str], name: str, ranks: int) -> None:
+    from eplb_service.client import EngineClient, channel
+
+    counts = np.ones((58, 256), dtype=np.int32)
+    for target in targets:
+        chan = channel(target)
+        for rank in range(ranks):
+            client = EngineClient(chan, name, rank)
+            await client.report([counts])
+            await client.ack(1)
+        await chan.close()
+
+
+def _memory(redis_url: str, prefix: str, name: str, replicas: int, ranks: int) -> dict:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    keys = sorted(k.decode() for k in r.scan_iter(match=f"{prefix}:*", count=1000))
+    usage = {k.split(":", 1)[1]: int(r.memory_usage(k, samples=0) or 0) for k in keys}
+    r.close()
+    L, E, P = V3["num_layers"], V3["num_experts"], V3["num_slots"]
+    # Bound (see docs/service.md): one [L, E] float64 window blob per replica, 16 placements of
+    # [L, P] int32, each rounded up to jemalloc's size class (16 KiB steps in this range);
+    # seq and acks hashes at most 64 bytes per rank each; the stream ~64 small entries; 8 KiB rest.
+    def jemalloc(n: int) -> int:
+        return -(-n // 16384) * 16384
+
+    bound = replicas * jemalloc(L * E * 8 + 29) + 16 * jemalloc(L * P * 4 + 64) + 2 * ranks * 64 + 64 * 128 + 8192
+    return {"keys": usage, "total_bytes": sum(usage.values()), "bound_bytes": bound}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eplb_bench.service_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis-url", default=os.environ.get("EPLB_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--parts", default="ingest,latency,watch")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--ranks", type=int, default=320)
+    ap.add_argument("--callers", type=int, default=200)
+    ap.add_argument("--pace-ms", default="1000,250,100", help="paced runs: each caller calls every N ms")
+    ap.add_argument("--watchers", type=int, default=500)
+    ap.add_argument("--versions", type=int, default=20)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    prefix = f"eplb-bench-{uuid.uuid4().hex[:8]}"
+    name = "v3-prefill"
+    ctx = mp.get_context("spawn")
+    servers = [_start_server(args.redis_url, prefix)]
+    figures: dict = {"cpus": os.cpu_count()}
+    try:
+        target = servers[0][1]
+        _create(target, name)
+        print(f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus")
+        if "ingest" in parts:
+            q = ctx.Queue()
+            p = ctx.Process(target=_ingest_worker, args=(target, name, args.streams, args.ranks, args.seconds, q))
+            p.start()
+            accepted, dup, elapsed = q.get()
+            p.join()
+            rate = accepted / elapsed
+            figures["ingest"] = {"accepted": accepted, "duplicates": dup, "seconds": elapsed, "reports_per_s": rate,
+                                 "streams": args.streams, "ranks": args.ranks}
+            print(f"ingest: {accepted} reports [58, 256] int32 from {args.ranks} ranks over {args.streams} streams "
+                  f"in {elapsed:.1f} s = {rate:,.0f} reports/s ({rate * 58 * 256 * 4 / 1e6:.0f} MB/s), {dup} duplicates")
+        if "latency" in parts:
+            modes = [("closed loop", 0.0)] + [(f"each every {float(ms):g} ms", float(ms) / 1000) for ms in args.pace_ms.split(",")]
+            for label, pace in modes:
+                q = ctx.Queue()
+                p = ctx.Process(target=_latency_worker, args=(target, name, args.callers, args.seconds, pace, q))
+                p.start()
+                lat, elapsed = q.get()
+                p.join()
+                row = {"calls": len(lat), "calls_per_s": len(lat) / elapsed,
+                       "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3}
+                figures[f"get_placement_{'closed' if not pace else f'paced_{pace * 1e3:g}ms'}"] = row
+                print(f"GetPlacement, {args.callers} callers, {label}: {row['calls_per_s']:,.0f} calls/s, "
+                      f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms")
+        if "watch" in parts:
+            servers.append(_start_server(args.redis_url, prefix))
+            targets = [s[1] for s in servers[:2]]
+            ready, q = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=_watch_worker, args=(targets, name, args.watchers, args.versions, ready, q))
+            p.start()
+            ready.get()
+            for _ in range(args.versions):
+                _rebalance(targets[0], name)
+                time.sleep(0.3)
+            got = q.get()
+            p.join()
+            all_have = [max(v) for v in got.values() if len(v) == args.watchers]
+            each = [x for v in got.values() for x in v]
+            row = {"versions": len(got), "complete_versions": len(all_have),
+                   "all_have_p50_ms": _pct(all_have, 50) * 1e3, "all_have_p99_ms": _pct(all_have, 99) * 1e3,
+                   "all_have_max_ms": max(all_have) * 1e3 if all_have else float("nan"),
+                   "per_watcher_p50_ms": _pct(each, 50) * 1e3, "per_watcher_p99_ms": _pct(each, 99) * 1e3}
+            figures["watch"] = row
+            print(f"watch: {args.watchers} watchers on 2 replicas, {row['complete_versions']}/{args.versions} versions "
+                  f"reached every watcher; commit -> all have it: p50 {row['all_have_p50_ms']:.0f} ms, "
+                  f"p99 {row['all_have_p99_ms']:.0f} ms (max {row['all_have_max_ms']:.0f} ms); "
+                  f"per watcher p50 {row['per_watcher_p50_ms']:.0f} ms, p99 {row['per_watcher_p99_ms']:.0f} ms")
+        if "ingest" in parts:
+            # Worst case for the bound: every rank reported and acked on every replica, and at
+            # least 16 versions published (the watch part publishes --versions).
+            asyncio.run(_fill([t for _, t in servers], name, args.ranks))
+            time.sleep(1.5)  # let every replica flush its window
+            mem = _memory(args.redis_url, prefix, name, replicas=len(servers), ranks=args.ranks)
+            figures["redis_memory"] = mem
+            print(f"redis memory of the deployment's keys, {len(servers)} replica(s), {args.ranks} ranks, "
+                  f"10-minute window: {mem['total_bytes']:,} bytes (stated bound {mem['bound_bytes']:,})")
+            for k, v in mem["keys"].items():
+                print(f"  {k:40s} {v:>10,}")
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(15)
+        import redis
+
+        r = redis.Redis.from_url(args.redis_url)
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
