@@ -74,6 +74,7 @@ def _deepseek(loads: np.ndarray, topology: Topology, previous: Placement | None,
     if options:
         raise ValueError(f"policy 'deepseek' takes no options, got {sorted(options)}")
     t = topology
-    phy2log, _, _, hier = deepseek_rebalance(loads, t.num_slots, t.num_groups, t.num_nodes, t.num_gpus)
+    phy2log, _, _, hier = deepseek_rebalance(loads, t.num_slots, t.num_groups, t.num_nodes, t.num_gpus, exact_ranks=False)
     notes = () if hier else ("deepseek: num_groups % num_nodes != 0, eplb.py's global fallback ran",)
     return PolicyResult(phy2log.astype(np.int32), "deepseek", notes)
+from . import ilp  # noqa: E402,F401  (registers "ilp"; OR-Tools is imported lazily)

@@ -14,10 +14,13 @@ __all__ = ["argsort_desc_like_torch"]
 _THRESHOLD = 16
 
 
-def argsort_desc_like_torch(values: np.ndarray) -> np.ndarray:
+def argsort_desc_like_torch(values: np.ndarray, keys: np.ndarray | None = None) -> np.ndarray:
     """``values``: ``[X, n]`` → int64 ``[X, n]``, what ``torch.sort(values, -1, descending=True).indices`` gives.
 
     Rows without ties have one right answer, taken from numpy; rows with ties replay introsort.
+    With ``keys`` (``[X, n]``), a caller that only needs the sequence of keys in sorted order
+    (not which of two equal items comes first) skips the replay for rows whose tied values
+    all share one key, where every order gives the same key sequence.
     """
     values = np.asarray(values)
     order = np.argsort(-values, axis=1, kind="stable")
@@ -25,7 +28,16 @@ def argsort_desc_like_torch(values: np.ndarray) -> np.ndarray:
     if n <= _THRESHOLD:
         return order
     srt = np.take_along_axis(values, order, axis=1)
-    tied = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+    same = srt[:, 1:] == srt[:, :-1]
+    if keys is not None:
+        # A tie only matters between different keys. Equal values of one key are contiguous
+        # in numpy's stable order only if no other key shares the value, so test every run.
+        srt_keys = np.take_along_axis(keys, order, axis=1)
+        run_start = np.concatenate([np.ones((len(srt), 1), dtype=bool), ~same], axis=1)
+        start = np.maximum.accumulate(np.where(run_start, np.arange(n), 0), axis=1)
+        tied = (srt_keys != np.take_along_axis(srt_keys, start, axis=1)).any(axis=1)
+    else:
+        tied = same.any(axis=1)
     for x in np.flatnonzero(tied):
         order[x] = _introsort_desc(values[x].tolist())
     return order

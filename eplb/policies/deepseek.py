@@ -15,17 +15,19 @@ from ._stdsort import argsort_desc_like_torch
 __all__ = ["deepseek_rebalance", "deepseek_log2phy"]
 
 
-def _balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+def _balanced_packing(weight: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``weight``: float32 ``[X, n]`` → ``pack_index``, ``rank_in_pack``: int64 ``[X, n]``.
 
     Each item in descending weight goes to the lightest pack that is not full (first such pack
-    on ties), pack weights summed in float32 in that order.
+    on ties), pack weights summed in float32 in that order. ``keys`` (``[X, n]``): see
+    ``argsort_desc_like_torch``; which of two equal same-key items goes where then may differ
+    from eplb.py, what each pack holds does not.
     """
     rows, n = weight.shape
     per_pack = n // num_packs
     if per_pack == 1:
         return np.broadcast_to(np.arange(n), (rows, n)).copy(), np.zeros((rows, n), dtype=np.int64)
-    order = argsort_desc_like_torch(weight)
+    order = argsort_desc_like_torch(weight, keys)
     r = np.arange(rows)
     pack_weight = np.zeros((rows, num_packs), dtype=np.float32)
     pack_items = np.zeros((rows, num_packs), dtype=np.int64)
@@ -80,7 +82,7 @@ def _group_sums(weight: np.ndarray, num_groups: int) -> np.ndarray:
 
 
 def _hierarchical(
-    weight: np.ndarray, num_phy: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: np.ndarray, num_phy: int, num_groups: int, num_nodes: int, num_gpus: int, exact_ranks: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     layers, num_log = weight.shape
     group_size = num_log // num_groups
@@ -97,7 +99,7 @@ def _hierarchical(
     phy2mlog, phyrank, mlogcnt = _replicate(tokens_per_mlog, num_phy // num_nodes)
     # Step 3: replicas → gpus within each node.
     tokens_per_phy = np.take_along_axis(tokens_per_mlog / mlogcnt.astype(np.float32), phy2mlog, axis=1)
-    pack_index, rank_in_pack = _balanced_packing(tokens_per_phy, num_gpus // num_nodes)
+    pack_index, rank_in_pack = _balanced_packing(tokens_per_phy, num_gpus // num_nodes, None if exact_ranks else phy2mlog)
     pphy2phy = _inverse(pack_index * phy_per_gpu + rank_in_pack)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)
     offsets = np.arange(0, num_log, num_log // num_nodes)[None, :, None]
@@ -109,18 +111,21 @@ def _hierarchical(
 
 
 def deepseek_rebalance(
-    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *, exact_ranks: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """``weight``: ``[L, E]`` → ``phy2log`` ``[L, P]``, ``phyrank`` ``[L, P]``, ``logcnt`` ``[L, E]``
     (int64) and whether the hierarchical path ran.
 
     Hierarchical when ``num_groups % num_nodes == 0``, else one group on one node, as eplb.py.
     ``phyrank`` is each slot's replica index in creation order, which fixes ``log2phy``'s order.
+    ``exact_ranks=False`` skips replaying torch's sort where only ``phyrank`` would change
+    (``phy2log`` and ``logcnt`` stay exact): much faster, for callers that derive ``log2phy``
+    themselves.
     """
     w = np.asarray(weight).astype(np.float32)
     if num_groups % num_nodes == 0:
-        return (*_hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus), True)
-    return (*_hierarchical(w, num_replicas, 1, 1, num_gpus), False)
+        return (*_hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus, exact_ranks), True)
+    return (*_hierarchical(w, num_replicas, 1, 1, num_gpus, exact_ranks), False)
 
 
 def deepseek_log2phy(phy2log: np.ndarray, phyrank: np.ndarray, logcnt: np.ndarray, width: int | None = None) -> np.ndarray:
