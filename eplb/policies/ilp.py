@@ -1,0 +1,250 @@
+"""``ilp``: the exact reference placement, one OR-Tools CP-SAT model per layer.
+
+For small instances (tens of experts, a handful of gpus) it finds the placement whose busiest
+gpu carries the least load, or the best one found within ``time_limit`` plus a proven bound.
+It is what the fast policies are measured against (``bench/ilp_gap.py``), not a serving policy.
+
+Model for one layer (``E`` experts, ``G`` gpus with ``S = P / G`` slots each):
+
+- ``use[e, c]``: expert ``e`` gets ``c`` replicas, ``c`` in ``1 .. C`` with
+  ``C = min(G, P - E + 1)``; exactly one ``c`` per expert. Enumerating the count keeps the
+  per-replica load ``load_e / c`` a constant of each variable, so the model stays linear.
+- ``y[e, c, g]``: gpu ``g`` holds a replica of ``e`` and ``e`` has ``c`` replicas.
+  ``sum_g y[e, c, g] = c * use[e, c]``; ``sum_c y[e, c, g] <= 1`` (at most one replica of an
+  expert per gpu); ``sum_{e, c} y[e, c, g] = S`` (every gpu full).
+- ``load_g = sum_{e, c} w[e, c] * y[e, c, g] <= z``; minimise ``z``. ``w[e, c]`` is
+  ``load_e / c`` in integer units (below).
+- Symmetry: gpus are identical, so ``load_0 >= load_1 >= ... >= load_{G-1}``.
+- Bounds: ``z`` at least the water-filling lower bound (``eplb.lower_bound``, computed on the
+  integer weights) and at most the ``global`` policy's answer, which is also the hint.
+
+Integer units: with integer loads and ``max(load) * lcm(1..C)`` small enough, ``w[e, c] =
+load_e * lcm / c`` is exact and OPTIMAL means optimal. Otherwise loads are scaled so the
+largest is ``2**24`` units and rounded; each slot's weight is then off by at most half a unit,
+a gpu's load by at most ``S / 2`` units, so the plan is within ``S`` units of the true optimum
+and the reported bound subtracts ``S / 2`` units to stay a true bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ..metrics import lower_bound
+from ..placement import Placement
+from ..registry import PolicyResult, register_policy
+from ..topology import Topology
+from .hierarchical import place_global
+
+__all__ = ["solve_layer"]
+
+# Largest integer weight we accept for exact units; beyond it CP-SAT's linear relaxation gets
+# numerically weaker and int64 sums over a gpu start to approach their limits.
+_EXACT_MAX = 1 << 40
+# Units of the largest expert load when loads must be rounded.
+_ROUNDED_UNITS = float(1 << 24)
+
+_OPTIONS = ("time_limit", "workers")
+
+
+def _units(loads: np.ndarray, max_count: int) -> tuple[np.ndarray, float, bool]:
+    """``loads``: ``[E]`` → ``w [E, C]`` int64 weights of one replica, the scale, and exactness."""
+    counts = np.arange(1, max_count + 1)
+    lcm = math.lcm(*counts.tolist())
+    top = float(loads.max(initial=0.0))
+    if np.all(loads == np.round(loads)) and top * lcm <= _EXACT_MAX:
+        ints = loads.astype(np.int64) * lcm
+        return ints[:, None] // counts[None, :], float(lcm), True
+    scale = _ROUNDED_UNITS / top if top > 0 else 1.0
+    return np.round(loads[:, None] * scale / counts[None, :]).astype(np.int64), scale, False
+
+
+def _integer_lower_bound(w: np.ndarray, num_slots: int, num_gpus: int) -> int:
+    """``w``: ``[E, C]`` → a lower bound on the busiest gpu in integer units.
+
+    ``eplb.lower_bound`` on the rounded weights: the mean (total load over gpus, with each
+    expert's cheapest total ``c * w[e, c]``), and the smallest per-replica load ``T`` for which
+    giving each expert its fewest replicas with ``w[e, c] <= T`` fits in the slots.
+    """
+    counts = np.arange(1, w.shape[1] + 1)
+    total = int((w * counts).min(axis=1).sum())
+    mean = -(-total // num_gpus)
+    # w[e, c] falls with c, so the fewest replicas reaching T are a count of entries above T.
+    for t in np.unique(w):
+        need = (w > t).sum(axis=1) + 1
+        if (need <= w.shape[1]).all() and need.sum() <= num_slots:
+            return max(mean, int(t))
+    return mean  # unreachable: T = max(w) always fits
+
+
+def solve_layer(
+    loads: np.ndarray,
+    topology: Topology,
+    hint: np.ndarray | None = None,
+    *,
+    time_limit: float = 10.0,
+    workers: int = 8,
+) -> dict:
+    """``loads``: ``[E]`` one layer; ``hint``: ``[P]`` a valid ``phy2log`` row → the solve.
+
+    Returns ``phy2log`` int32 ``[P]`` (``hint`` when the solver found nothing), ``status``
+    (``OPTIMAL``, ``FEASIBLE`` or ``UNKNOWN``), ``bound`` (proven lower bound on the busiest
+    gpu's load, in load units), ``objective`` (the busiest gpu's load of the returned row, in
+    load units as the solver counts them), ``exact`` and ``seconds``.
+    """
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as exc:
+        raise ImportError(
+            "policy 'ilp' needs OR-Tools (CP-SAT); install it with: pip install 'eplb[ilp]'"
+        ) from exc
+
+    E, P, G = topology.num_experts, topology.num_slots, topology.num_gpus
+    S = topology.slots_per_gpu
+    C = min(G, P - E + 1)
+    w, scale, exact = _units(loads, C)
+    lb = _integer_lower_bound(w, P, G)
+    # Zero-weight (e, c) pairs are common (idle experts); they still take slots.
+    model = cp_model.CpModel()
+    use = [[model.NewBoolVar(f"use_{e}_{c + 1}") for c in range(C)] for e in range(E)]
+    y = [[[model.NewBoolVar(f"y_{e}_{c + 1}_{g}") for g in range(G)] for c in range(C)] for e in range(E)]
+    for e in range(E):
+        model.AddExactlyOne(use[e])
+        for c in range(C):
+            model.Add(sum(y[e][c]) == (c + 1) * use[e][c])
+        for g in range(G):
+            model.AddAtMostOne(y[e][c][g] for c in range(C))
+    hi = int(w.max(initial=0)) * S
+    gpu_load = [model.NewIntVar(0, hi, f"load_{g}") for g in range(G)]
+    z = model.NewIntVar(lb, max(lb, hi), "z")
+    for g in range(G):
+        model.Add(sum(y[e][c][g] for e in range(E) for c in range(C)) == S)
+        model.Add(gpu_load[g] == sum(int(w[e, c]) * y[e][c][g] for e in range(E) for c in range(C)))
+        model.Add(gpu_load[g] <= z)
+    for g in range(G - 1):
+        model.Add(gpu_load[g] >= gpu_load[g + 1])
+    # The total is fixed by the counts alone; stating it helps the linear relaxation.
+    model.Add(sum(gpu_load) == sum(int((c + 1) * w[e, c]) * use[e][c] for e in range(E) for c in range(C)))
+
+    hint_value = None
+    if hint is not None:
+        hint_value = _add_hint(model, hint, w, use, y, gpu_load, z, topology)
+        if hint_value is not None:
+            model.Add(z <= hint_value)
+    model.Minimize(z)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.num_workers = int(workers)
+    start = time.perf_counter()
+    status = solver.Solve(model)
+    seconds = time.perf_counter() - start
+    name = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE"}.get(status, "UNKNOWN")
+    bound_units = float(solver.BestObjectiveBound()) if name != "UNKNOWN" else float(lb)
+    # Rounded units may undercount a gpu by S / 2 units; subtract it to keep the bound true.
+    slack = 0.0 if exact else S / 2
+    bound = max(0.0, (bound_units - slack) / scale)
+    if name == "UNKNOWN":
+        if hint is None:
+            raise ValueError("policy 'ilp' found no placement within time_limit; raise time_limit")
+        row = np.asarray(hint, dtype=np.int32)
+        objective = float("nan")
+    else:
+        holds = np.array(
+            [[[solver.BooleanValue(y[e][c][g]) for c in range(C)] for g in range(G)] for e in range(E)]
+        ).any(axis=2)  # [E, G]
+        # Each gpu's experts in ascending order, gpus in solver order: slots are gpu-major.
+        row = np.concatenate([np.flatnonzero(holds[:, g]) for g in range(G)]).astype(np.int32)
+        objective = float(solver.ObjectiveValue()) / scale
+    return {
+        "phy2log": row,
+        "status": name,
+        "bound": bound,
+        "objective": objective,
+        "exact": exact,
+        "seconds": seconds,
+    }
+
+
+def _add_hint(model, hint, w, use, y, gpu_load, z, topology: Topology) -> int | None:
+    """Hint ``hint`` (``[P]``) with gpus relabelled to satisfy the symmetry order; its value.
+
+    Returns ``None`` (no hint) when ``hint`` puts two replicas of an expert on one gpu, which
+    the model forbids.
+    """
+    E, G, S = topology.num_experts, topology.num_gpus, topology.slots_per_gpu
+    per_gpu = np.asarray(hint).reshape(G, S)
+    srt = np.sort(per_gpu, axis=1)
+    if (srt[:, 1:] == srt[:, :-1]).any():
+        return None
+    counts = np.bincount(per_gpu.ravel(), minlength=E)
+    load = w[per_gpu, counts[per_gpu] - 1].sum(axis=1)
+    order = np.argsort(-load, kind="stable")
+    for e in range(E):
+        for c in range(len(use[e])):
+            model.AddHint(use[e][c], int(counts[e] == c + 1))
+    for new_g, old_g in enumerate(order):
+        held = set(per_gpu[old_g].tolist())
+        for e in range(E):
+            for c in range(len(use[e])):
+                model.AddHint(y[e][c][new_g], int(e in held and counts[e] == c + 1))
+        model.AddHint(gpu_load[new_g], int(load[old_g]))
+    model.AddHint(z, int(load.max()))
+    return int(load.max())
+
+
+@register_policy("ilp")
+def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
+    """``loads``: float64 ``[L, E]`` → the min-max placement of each layer by CP-SAT.
+
+    Options: ``time_limit`` (seconds per layer, default 10), ``workers`` (CP-SAT search
+    workers, default 8). Fills ``solver_status`` (per layer), ``solver_bound`` (``[L]``) and
+    ``extra["solver_objective"]``, ``extra["solver_seconds"]`` (``[L]``).
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"policy 'ilp' got unknown options {unknown}; allowed: {', '.join(_OPTIONS)}")
+    time_limit = options.get("time_limit", 10.0)
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    workers = options.get("workers", 8)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    t = topology
+    if t.num_experts * t.num_gpus < t.num_slots:
+        raise ValueError(
+            f"policy 'ilp' keeps at most one replica of an expert per gpu, so num_slots ({t.num_slots}) "
+            f"must be <= num_experts x num_gpus ({t.num_experts * t.num_gpus})"
+        )
+    hints = place_global(loads, t)
+    rows, status, bound, objective, seconds = [], [], [], [], []
+    notes: list[str] = []
+    one = t.with_layers(1)
+    for layer in range(t.num_layers):  # one CP-SAT solve per layer; the solve dominates
+        out = solve_layer(loads[layer], one, hints[layer], time_limit=float(time_limit), workers=workers)
+        rows.append(out["phy2log"])
+        status.append(out["status"])
+        bound.append(out["bound"])
+        objective.append(out["objective"])
+        seconds.append(out["seconds"])
+        if out["status"] == "UNKNOWN":
+            notes.append(f"ilp: layer {layer} found no solution in {time_limit} s; kept the global policy's placement")
+    if rows and not _exact_all(loads, t):
+        notes.append("ilp: loads were rounded to integer units; plans are optimal to within slots_per_gpu / 2**24 of the largest load")
+    # The water-filling bound holds for the true loads; the solver's may lose S / 2 units to rounding.
+    bound_all = np.maximum(np.array(bound), lower_bound(loads, t))
+    return PolicyResult(
+        np.stack(rows),
+        "ilp",
+        tuple(notes),
+        solver_status=tuple(status),
+        solver_bound=bound_all,
+        extra={"solver_objective": np.array(objective), "solver_seconds": np.array(seconds)},
+    )
+
+
+def _exact_all(loads: np.ndarray, topology: Topology) -> bool:
+    C = min(topology.num_gpus, topology.num_slots - topology.num_experts + 1)
+    return all(_units(row, C)[2] for row in loads)
