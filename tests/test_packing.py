@@ -1,0 +1,96 @@
+"""Packing and count moves: pure logic, checked on generated inputs."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from eplb.packing import bin_loads, pack
+from eplb.refine import refine_counts
+from eplb.replicate import waterfill
+
+
+@st.composite
+def items(draw: st.DrawFn):
+    rows = draw(st.integers(1, 4))
+    bins = draw(st.integers(1, 8))
+    per_bin = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    n = bins * per_bin
+    experts = draw(st.integers(max(1, -(-n // bins)), n))  # enough experts to avoid duplicates
+    # Replicas: every expert at least once, the rest to random experts, at most `bins` each.
+    counts = np.ones((rows, experts), dtype=np.int64)
+    for r in range(rows):
+        for _ in range(n - experts):
+            free = np.flatnonzero(counts[r] < bins)
+            counts[r, rng.choice(free)] += 1
+    keys = np.stack([np.repeat(np.arange(experts), counts[r]) for r in range(rows)])
+    loads = rng.lognormal(0, 1.5, (rows, experts)) * (rng.random((rows, experts)) > 0.2)
+    weights = loads[np.arange(rows)[:, None], keys] / counts[np.arange(rows)[:, None], keys]
+    return weights, keys, bins
+
+
+@given(inst=items())
+def test_pack_puts_every_item_in_exactly_one_bin_of_equal_size(inst) -> None:
+    weights, keys, bins = inst
+    assign = pack(weights, bins, keys)
+    rows, n = weights.shape
+    assert assign.shape == (rows, bins, n // bins)
+    assert (np.sort(assign.reshape(rows, -1), axis=1) == np.arange(n)).all()
+
+
+@given(inst=items())
+def test_pack_never_puts_equal_keys_in_one_bin(inst) -> None:
+    weights, keys, bins = inst
+    assign = pack(weights, bins, keys)
+    k = np.sort(keys[np.arange(len(keys))[:, None, None], assign], axis=2)
+    assert not (k[:, :, 1:] == k[:, :, :-1]).any()
+
+
+@given(inst=items())
+def test_swaps_never_make_the_heaviest_bin_heavier_and_pack_is_deterministic(inst) -> None:
+    weights, keys, bins = inst
+    dealt = pack(weights, bins, keys, max_rounds=0)
+    improved = pack(weights, bins, keys)
+    assert (bin_loads(weights, improved).max(axis=1) <= bin_loads(weights, dealt).max(axis=1) + 1e-9).all()
+    assert np.array_equal(improved, pack(weights.copy(), bins, keys.copy()))
+
+
+def test_pack_known_answer_differencing_beats_greedy_rounds() -> None:
+    # 6 items into 2 bins of 3: the perfect split 8 + 1 + 1 | 4 + 3 + 3 = 10 | 10.
+    w = np.array([[8.0, 4.0, 3.0, 3.0, 1.0, 1.0]])
+    assign = pack(w, 2)
+    assert sorted(bin_loads(w, assign)[0].tolist()) == [10.0, 10.0]
+
+
+@given(inst=items())
+def test_count_moves_keep_every_expert_and_never_worsen_the_busiest_bin(inst) -> None:
+    weights, keys, bins = inst
+    rows, n = weights.shape
+    experts = keys.max() + 1
+    loads = np.zeros((rows, experts))
+    np.add.at(loads, (np.repeat(np.arange(rows), n), keys.ravel()), weights.ravel())
+    assign = pack(weights, bins, keys)
+    phy = keys[np.arange(rows)[:, None, None], assign]
+    out = refine_counts(loads, phy, bins, iterations=8)
+    counts = np.zeros((rows, experts), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(rows), n), out.reshape(rows, -1).ravel()), 1)
+    assert (counts >= 1).all() and (counts <= bins).all()
+    assert (counts.sum(axis=1) == n).all()
+    srt = np.sort(out, axis=2)
+    assert not (srt[:, :, 1:] == srt[:, :, :-1]).any()
+
+    def busiest(p: np.ndarray) -> np.ndarray:
+        c = np.zeros((rows, experts))
+        np.add.at(c, (np.repeat(np.arange(rows), n), p.reshape(rows, -1).ravel()), 1)
+        per = np.divide(loads, c, out=np.zeros_like(loads), where=c > 0)
+        return per[np.arange(rows)[:, None, None], p].sum(axis=2).max(axis=1)
+
+    assert (busiest(out) <= busiest(phy) * (1 + 1e-9) + 1e-12).all()
+
+
+def test_waterfill_known_answer_and_cap() -> None:
+    assert waterfill(np.array([[30.0, 18.0, 6.0, 6.0]]), 8).tolist() == [[4, 2, 1, 1]]
+    assert waterfill(np.array([[100.0, 1.0]]), 6, cap=3).tolist() == [[3, 3]]
+    # An all-zero row spreads its spare replicas round-robin.
+    assert waterfill(np.zeros((1, 3)), 7).tolist() == [[3, 2, 2]]
