@@ -140,6 +140,10 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions raised by any handler to statuses, in one place."""
 
+    def __init__(self) -> None:
+        # Wrapped handlers per method: building them on every call costs as much as a small RPC.
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -148,6 +152,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None:
+            cached = self._wrapped[method] = self._wrap(handler)
+        return cached
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kw = dict(
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
