@@ -93,6 +93,14 @@ if tonumber(ARGV[2]) > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) e
 return 1
 """
 
+# KEYS: windows, meta; ARGV: replica, blob. A replica that has not yet noticed a deletion must
+# not re-create the windows key of a deleted deployment.
+_PUT_WINDOW = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -128,6 +136,7 @@ class RedisStore:
         self._accept = self._r.register_script(_ACCEPT)
         self._ack = self._r.register_script(_ACK)
         self._release = self._r.register_script(_RELEASE)
+        self._put_window = self._r.register_script(_PUT_WINDOW)
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
@@ -272,7 +281,9 @@ class RedisStore:
 
     async def put_window(self, name: str, replica: str, blob: bytes) -> None:
         with _unavailable():
-            await self._r.hset(self.key(name, "windows"), replica, blob)
+            out = await self._put_window(keys=[self.key(name, "windows"), self.key(name, "meta")], args=[replica, blob])
+        if out == -1:
+            raise NotFound(f"deployment {name!r} not found")
 
     async def windows(self, name: str) -> dict[str, bytes]:
         with _unavailable():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -63,4 +64,5 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         return await self.balancer.rebalance(request)
 
     async def ComputePlacement(self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext) -> pb.ComputePlacementResponse:
-        return self.balancer.compute(request)
+        # Planning a v3-sized model takes milliseconds to seconds: keep the event loop serving.
+        return await asyncio.to_thread(self.balancer.compute, request)

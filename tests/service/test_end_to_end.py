@@ -122,3 +122,23 @@ async def test_resume_watch_from_since_version(serve, connect, prefix):
     fresh = c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
     assert (await fresh.read()).placement.version == 4
     fresh.cancel()
+
+
+async def test_delete_on_one_replica_leaves_no_keys(serve, connect, prefix):
+    import redis.asyncio as aredis
+
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await EngineClient(cb.channel, "d1", 0).report([skewed_loads(0)])
+    await asyncio.sleep(0.3)  # b has flushed its window
+    await ca.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d1"))
+    # b keeps flushing until its follower notices the deletion; none of that may re-create keys.
+    await asyncio.sleep(2.5)
+    r = aredis.Redis.from_url(REDIS_URL)
+    assert [k async for k in r.scan_iter(match=f"{p}:*")] == []
+    await r.aclose()
+    with pytest.raises(Exception) as info:
+        await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert "not found" in str(info.value)
