@@ -234,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     name = "v3-prefill"
     ctx = mp.get_context("spawn")
     servers = [_start_server(args.redis_url, prefix)]
-    figures: dict = {"cpus": os.cpu_count()}
+    # Shared machines: the load average says how much else was running during the figures.
+    figures: dict = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     try:
         target = servers[0][1]
         _create(target, name)
-        print(f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus")
+        print(f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus, "
+              f"load average {os.getloadavg()[0]:.1f} at start")
         if "ingest" in parts:
             q = ctx.Queue()
             p = ctx.Process(target=_ingest_worker, args=(target, name, args.streams, args.ranks, args.seconds, q))
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         if keys:
             r.delete(*keys)
         r.close()
+    figures["loadavg_end"] = os.getloadavg()[0]
+    print(f"load average {figures['loadavg_end']:.1f} at the end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -97,3 +97,21 @@ def test_sigterm_shuts_down_gracefully(tmp_path):
 def test_generated_code_is_up_to_date():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh"), "--check"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+async def test_tls(serve, connect, tmp_path):
+    if subprocess.run(["which", "openssl"], capture_output=True).returncode:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    server = await serve(tls_cert=cert, tls_key=key)
+    c = connect(server, root_certificates=cert.read_bytes())
+    out = await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    assert out.placement.version == 1
+    plain = connect(server)
+    with pytest.raises(Exception):
+        await plain.stub.ListDeployments(pb.ListDeploymentsRequest(), timeout=2)
