@@ -56,6 +56,8 @@ class _Local:
     hub: PlacementHub
     phy2log: dict[int, np.ndarray] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dirty: bool = False
+    flushed_at: float = 0.0
 
 
 class _Batcher:
@@ -292,6 +294,7 @@ class Balancer:
         fresh = await batcher.submit((request.rank, request.seq))
         if fresh:
             local.window.add(counts, time.time())
+            local.dirty = True
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
         return bool(fresh)
 
@@ -463,14 +466,22 @@ class Balancer:
         return eplb.rebalance(loads, topo, policy, previous=previous), before
 
     async def _flush(self, local: _Local, now: float) -> None:
+        local.dirty = False
+        local.flushed_at = now
         await self.store.put_window(local.deployment.name, self.config.replica_id, encode_blob(local.window, now))
 
     async def _flush_all(self) -> None:
         now = time.time()
         for local in list(self._local.values()):
-            if local.window.total(now)[1] and not local.hub.deleted:
-                with contextlib.suppress(NotFound):
-                    await self._flush(local, now)
+            spec = local.window_spec
+            # Unchanged windows only change when a bucket expires (decay is applied by the reader),
+            # so re-flushing them every flush_s would only cost Redis bandwidth and loop time.
+            expiry = spec.duration_s / spec.buckets if spec.kind == "sliding" and spec.duration_s > 0 else float("inf")
+            stale = local.flushed_at > 0 and now - local.flushed_at >= expiry
+            if local.hub.deleted or not (local.dirty or stale):
+                continue
+            with contextlib.suppress(NotFound):
+                await self._flush(local, now)
 
     @staticmethod
     def compute(request: pb.ComputePlacementRequest) -> pb.ComputePlacementResponse:
