@@ -2,6 +2,7 @@
 
     python -m eplb_bench.ilp_gap [--seeds 3] [--time-limit 10] [--workers 8]
                                  [--policies deepseek,global,hierarchical] [--json out.json]
+    python -m eplb_bench.ilp_gap --proofs --time-limit 60
 
 The suite: every topology in ``TOPOLOGIES`` (8-16 experts, 4-8 gpus, 2-5 slots per gpu, two
 nodes and four groups so ``hierarchical`` is valid) x ``WORKLOADS`` x seeds, one layer each.
@@ -98,6 +99,31 @@ def by_topology(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def proof_cases() -> list[tuple[str, np.ndarray, eplb.Topology]]:
+    """The instances the ILP must prove (the first four) and one it cannot yet (the last)."""
+    t8, t16 = eplb.Topology(1, 8, 16, 8), eplb.Topology(1, 16, 20, 4)
+    return [
+        ("known answer, 8 / 8 / 16", np.array([[600.0, 560, 120, 120, 20, 10, 10, 10]]), t8),
+        ("16 / 4 / 20, round(lognormal(0, 1) * 10), default_rng(0)", np.round(np.random.default_rng(0).lognormal(0, 1, (1, 16)) * 10), t16),
+        ("8 / 8 / 16, lognormal-1.0 seed 0", make_loads("lognormal-1.0", t8, 0), t8),
+        ("8 / 8 / 16, zipf-1.0 seed 0", make_loads("zipf-1.0", t8, 0), t8),
+        ("16 / 4 / 20, zipf-1.0 seed 0 (float loads)", make_loads("zipf-1.0", t16, 0), t16),
+    ]
+
+
+def proofs(time_limit: float, workers: int) -> str:
+    out = ["| instance | status | solver s | ILP max / mean | bound / mean | global max / mean |", "|---|---|---|---|---|---|"]
+    for name, loads, topo in proof_cases():
+        plan = eplb.rebalance(loads, topo, "ilp", time_limit=time_limit, workers=workers)
+        mean = loads.sum() / topo.num_gpus
+        greedy = eplb.rebalance(loads, topo, "global").gpu_load.max()
+        out.append(
+            f"| {name} | {plan.solver_status[0]} | {plan.extra['solver_seconds'][0]:.1f} | "
+            f"{plan.gpu_load.max() / mean:.5f} | {plan.solver_bound[0] / mean:.5f} | {greedy / mean:.5f} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="seeds per (topology, workload)")
@@ -105,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8, help="CP-SAT search workers (8 proves more than 2 even on 2 cores)")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--json", help="also write the rows as JSON to this file")
+    ap.add_argument("--proofs", action="store_true", help="instead: time to prove the reference instances (use --time-limit 60)")
     args = ap.parse_args(argv)
+    if args.proofs:
+        print(proofs(args.time_limit, args.workers))
+        return 0
     policies = args.policies.split(",")
     rows: list[dict] = []
     for e, g, s in TOPOLOGIES:
