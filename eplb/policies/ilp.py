@@ -123,8 +123,16 @@ def solve_layer(
         model.Add(sum(y[e][c][g] for e in range(E) for c in range(C)) == S)
         model.Add(gpu_load[g] == sum(int(w[e, c]) * y[e][c][g] for e in range(E) for c in range(C)))
         model.Add(gpu_load[g] <= z)
+    # Gpus are identical: put the heaviest expert's c replicas on gpus 0 .. c-1, then order
+    # loads within each of the two blocks (a pair straddles the blocks when c == g + 1).
+    h = int(np.argmax(loads))
+    for c in range(C):
+        for g in range(G):
+            model.AddImplication(use[h][c], y[h][c][g] if g <= c else y[h][c][g].Not())
     for g in range(G - 1):
-        model.Add(gpu_load[g] >= gpu_load[g + 1])
+        ordered = model.Add(gpu_load[g] >= gpu_load[g + 1])
+        if g < C:
+            ordered.OnlyEnforceIf(use[h][g].Not())
     # The total is fixed by the counts alone; stating it helps the linear relaxation.
     model.Add(sum(gpu_load) == sum(int((c + 1) * w[e, c]) * use[e][c] for e in range(E) for c in range(C)))
 
@@ -181,7 +189,9 @@ def _add_hint(model, hint, w, use, y, gpu_load, z, topology: Topology) -> int | 
         return None
     counts = np.bincount(per_gpu.ravel(), minlength=E)
     load = w[per_gpu, counts[per_gpu] - 1].sum(axis=1)
-    order = np.argsort(-load, kind="stable")
+    # The model's gpu order: gpus holding the heaviest expert first, each block by load.
+    h = int(np.argmax(w[:, 0]))
+    order = np.lexsort((-load, ~(per_gpu == h).any(axis=1)))
     for e in range(E):
         for c in range(len(use[e])):
             model.AddHint(use[e][c], int(counts[e] == c + 1))
