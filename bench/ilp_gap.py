@@ -1,7 +1,7 @@
 """How far the fast policies are from the CP-SAT optimum on small single-layer instances.
 
     python -m eplb_bench.ilp_gap [--seeds 3] [--time-limit 10] [--workers 8]
-                                 [--policies deepseek,global,hierarchical] [--json out.json]
+                                 [--policies deepseek,global,global:high,hierarchical] [--json out.json]
     python -m eplb_bench.ilp_gap --proofs --time-limit 60
 
 The suite: every topology in ``TOPOLOGIES`` (8-16 experts, 4-8 gpus, 2-5 slots per gpu, two
@@ -48,9 +48,10 @@ def instance_rows(experts: int, gpus: int, per_gpu: int, workload: str, seed: in
         }
     ]
     for policy in policies:
-        if policy == "hierarchical" and not topo.hierarchical_ok:
+        name, _, effort = policy.partition(":")  # "global:high" runs global with effort="high"
+        if name == "hierarchical" and not topo.hierarchical_ok:
             continue
-        plan = eplb.rebalance(loads, topo, policy)
+        plan = eplb.rebalance(loads, topo, name, **({"effort": effort} if effort else {}))
         value = float(plan.gpu_load.max())
         rows.append({**base, "policy": policy, "max_load": value, "gap": value / best - 1, "status": ilp.solver_status[0], "seconds": plan.solve_seconds})
     return rows
