@@ -159,23 +159,76 @@ def swap_improve(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: i
     phy[rows] = np.take_along_axis(keys, assign.reshape(A, -1), axis=1).reshape(A, B, S)
 
 
-def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, *, cycles: int = 3) -> np.ndarray:
-    """Like :func:`refine_counts` with a wide donor search, alternated with a fresh pack of the
-    counts reached (a new deal can beat the swaps); keeps whichever is better per row.
-    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``. Slower: for ``effort="high"``."""
+def _pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: int = 16) -> np.ndarray:
+    """``loads``, ``counts``: ``[X, E]`` → ``[X, B, S]`` experts per bin, freshly packed."""
+    X, E = loads.shape
+    ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
+    w = (loads / counts)[np.arange(X)[:, None], ids]
+    return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]
+
+
+def repack_search(
+    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, iterations: int = 12, budget: int = 768
+) -> np.ndarray:
+    """Steepest descent over single count moves (one replica from ``f`` to ``e``), each
+    candidate judged by packing its counts from scratch, all candidates of all rows packed in
+    one batch of at most ``budget`` rows. Small layers try every (e, f) pair; larger ones the
+    heaviest experts of the busiest bin against the donors whose replicas grow least.
+    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
     X, B, S = phy.shape
     E = loads.shape[1]
-    best = phy
+    hi = np.iinfo(np.int64).max if cap is None else cap
+    best = phy.copy()
     best_max = _bin_loads(loads, best).max(axis=1)
-    for _ in range(cycles):
-        cand = refine_counts(loads, best, cap, iterations=32, donors=32)
-        cnt = _counts(cand, E)
-        ids = np.repeat(np.tile(np.arange(E), X), cnt.ravel()).reshape(X, B * S)
-        w = (loads / cnt)[np.arange(X)[:, None], ids]
-        fresh = ids[np.arange(X)[:, None, None], pack(w, B, ids)]
-        for c in (cand, fresh):
-            m = _bin_loads(loads, c).max(axis=1)
-            better = m < best_max * (1 - _REL_TOL)
-            best = np.where(better[:, None, None], c, best)
-            best_max = np.where(better, m, best_max)
+    counts = _counts(best, E)
+    active = np.flatnonzero(best_max > loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH))
+    for _ in range(iterations):
+        if active.size == 0:
+            break
+        per_row = max(1, budget // active.size)
+        if E * (E - 1) <= per_row:
+            e, f = np.nonzero(~np.eye(E, dtype=bool))
+            gain = np.broadcast_to(e, (active.size, e.size))
+            give = np.broadcast_to(f, (active.size, f.size))
+        else:
+            ng = max(1, min(S, int(np.sqrt(per_row))))
+            nd = max(1, min(E - 1, per_row // ng))
+            load = _bin_loads(loads[active], best[active])
+            top = best[active, load.argmax(axis=1)]  # [A, S] experts on the busiest bin
+            w_top = (loads[active] / counts[active])[np.arange(active.size)[:, None], top]
+            g = np.take_along_axis(top, np.argsort(-w_top, axis=1, kind="stable")[:, :ng], axis=1)
+            grown = np.where(counts[active] >= 2, loads[active] / np.maximum(counts[active] - 1, 1), np.inf)
+            d = np.argsort(grown, axis=1, kind="stable")[:, :nd]
+            gain = np.repeat(g, nd, axis=1)
+            give = np.tile(d, (1, ng))
+        M = gain.shape[1]
+        rows = np.repeat(active, M)
+        cand = counts[rows].copy()
+        rr = np.arange(rows.size)
+        ge, gf = gain.ravel(), give.ravel()
+        ok = (ge != gf) & (cand[rr, ge] < hi) & (cand[rr, gf] >= 2)
+        if not ok.any():
+            break
+        rows, rr, ge, gf = rows[ok], np.arange(ok.sum()), ge[ok], gf[ok]
+        cand = cand[ok]
+        cand[rr, ge] += 1
+        cand[rr, gf] -= 1
+        packed = _pack_counts(loads[rows], cand, B)
+        value = _bin_loads(loads[rows], packed).max(axis=1)
+        # Best candidate per row: sort by (row, value) and take each row's first.
+        order = np.lexsort((value, rows))
+        first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+        win = first[value[first] < best_max[rows[first]] * (1 - _REL_TOL)]
+        x = rows[win]
+        best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
+        active = x
     return best
+
+
+def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None) -> np.ndarray:
+    """``effort="high"``: count moves with a wider donor search, then :func:`repack_search`.
+    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=32)
+    better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
+    start = np.where(better[:, None, None], cand, phy)
+    return repack_search(loads, start, cap)
