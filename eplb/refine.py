@@ -11,6 +11,9 @@ rewrites one slot, so the same step also serves migration-aware repair.
 
 from __future__ import annotations
 
+from itertools import combinations
+from math import comb
+
 import numpy as np
 
 from .packing import improve, pack
@@ -225,10 +228,54 @@ def repack_search(
     return best
 
 
+def exhaustive_counts(loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000) -> np.ndarray:
+    """For small layers: every replica-count vector (at most ``limit`` of them) whose lower
+    bound beats the current busiest bin is packed, lowest bound first, in batches of
+    ``limit`` rows; the best packing wins. ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` →
+    ``[X, B, S]``, never worse per row; returned unchanged when there are too many vectors."""
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    P = B * S
+    if comb(P - 1, E - 1) > limit:
+        return phy
+    hi = P if cap is None else cap
+    # Compositions of P into E parts >= 1: E - 1 cut points among P - 1 gaps.
+    cuts = np.fromiter((c for combo in combinations(range(1, P), E - 1) for c in combo), dtype=np.int64)
+    cuts = cuts.reshape(-1, E - 1)
+    edges = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), P)], axis=1)
+    vectors = np.diff(edges, axis=1)
+    vectors = vectors[(vectors <= hi).all(axis=1)]
+    best = phy.copy()
+    best_max = _bin_loads(loads, best).max(axis=1)
+    # Lower bound of each (row, vector): the larger of the mean bin and the largest replica.
+    chunk = max(1, (1 << 22) // vectors.size)  # rows per step, keeps [rows, V, E] near 32 MB
+    bound = np.concatenate(
+        [(loads[i:i + chunk, None, :] / vectors[None, :, :]).max(axis=2) for i in range(0, X, chunk)]
+    )
+    bound = np.maximum(bound, (loads.sum(axis=1) / B)[:, None])  # [X, V]
+    rows, vec = np.nonzero(bound < best_max[:, None] * (1 - _REL_TOL))
+    order = np.argsort(bound[rows, vec], kind="stable")
+    rows, vec = rows[order], vec[order]
+    for start in range(0, rows.size, limit):
+        r, v = rows[start:start + limit], vec[start:start + limit]
+        keep = bound[r, v] < best_max[r] * (1 - _REL_TOL)  # bounds of earlier winners prune more
+        r, v = r[keep], v[keep]
+        if r.size == 0:
+            break
+        packed = _pack_counts(loads[r], vectors[v], B)
+        value = _bin_loads(loads[r], packed).max(axis=1)
+        order = np.lexsort((value, r))
+        first = order[np.r_[True, r[order][1:] != r[order][:-1]]]
+        win = first[value[first] < best_max[r[first]] * (1 - _REL_TOL)]
+        best[r[win]], best_max[r[win]] = packed[win], value[win]
+    return best
+
+
 def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None) -> np.ndarray:
-    """``effort="high"``: count moves with a wider donor search, then :func:`repack_search`.
+    """``effort="high"``: count moves with a wider donor search, every count vector for small
+    layers (:func:`exhaustive_counts`), then :func:`repack_search`.
     ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
     cand = refine_counts(loads, phy, cap, iterations=32, donors=32)
     better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
-    return repack_search(loads, start, cap)
+    return repack_search(loads, exhaustive_counts(loads, start, cap), cap)
