@@ -1,19 +1,22 @@
 """Migration-aware re-planning: keep experts where they are unless moving them pays.
 
-Two levers, both vectorised across layers:
-- keep: a layer whose current placement is within ``(1 + tolerance)`` of a fresh plan's
-  busiest-gpu load under the new loads keeps its placement (zero moves);
-- align: otherwise the fresh plan is relabelled onto the current one. Gpus of a plan are
-  interchangeable (within a node for the hierarchical policy, and nodes among themselves), as
-  are slots within a gpu, so we map each fresh gpu to the current gpu holding most of the same
-  experts and keep each surviving expert in its current slot. Balance is unchanged; only
-  the slots whose expert really changes are moved.
+Per layer, the first of these that lands within ``(1 + tolerance)`` of a fresh plan's busiest
+gpu, all vectorised across layers:
+- keep: the current placement as it is (zero moves);
+- repair: the current placement changed only on gpus above the target, by swaps (two slots)
+  and count moves (one slot, see ``eplb.refine``);
+- replace: the fresh plan relabelled onto the current one. Gpus of a plan are interchangeable
+  (within a node for the hierarchical policy, and nodes among themselves), as are slots within
+  a gpu, so each fresh gpu takes the place of the current gpu holding most of the same experts
+  and each surviving expert keeps its slot. Balance is the fresh plan's; only the slots whose
+  expert really changes move.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .metrics import gpu_loads
 from .placement import Placement
 from .refine import refine_counts, swap_improve
 from .replicate import replica_cap
@@ -156,10 +159,9 @@ def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.nda
 def choose(
     loads: np.ndarray, previous: Placement, fresh: np.ndarray, topology: Topology, tolerance: float, by_node: bool
 ) -> tuple[np.ndarray, dict]:
-    """Per layer, the cheapest of: keep ``previous``; repair it by swaps; the fresh plan
-    ``[L, P]`` aligned onto it, accepting anything within ``(1 + tolerance)`` of fresh's
-    busiest gpu. Returns ``phy2log`` ``[L, P]`` and counts of each choice."""
-    from .metrics import gpu_loads  # metrics imports this module's siblings; keep the import local
+    """Per layer, the first of: keep ``previous``; repair it; the fresh plan ``[L, P]`` aligned
+    onto it, accepting anything within ``(1 + tolerance)`` of fresh's busiest gpu. Returns
+    ``phy2log`` ``[L, P]`` and how many layers took each way."""
 
     def busiest(phy2log: np.ndarray) -> np.ndarray:
         return gpu_loads(loads, Placement(phy2log, topology)).max(axis=1)
