@@ -144,7 +144,21 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
         tmp = assign[x, bb, ss].copy()
         assign[x, bb, ss] = assign[x, q, t]
         assign[x, q, t] = tmp
-        rows = x  # rows with no partner left keep their (unavoidable) clash
+        stuck = rows[~fixable]
+        if stuck.size:
+            _cyclic(weights, keys, assign, stuck)
+        rows = x
+
+
+def _cyclic(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, rows: np.ndarray) -> None:
+    """Rows where no single swap removes a clash: when no key has more items than there are
+    bins, deal the items grouped by key round the bins (a run of at most B items lands on B
+    distinct bins); the swap step that follows restores the balance. Such rows are rare."""
+    X, B, S = assign.shape
+    for x in rows:
+        if np.bincount(keys[x]).max() <= B:
+            order = np.lexsort((-weights[x], keys[x]))
+            assign[x] = order.reshape(S, B).T
 
 
 def improve(
