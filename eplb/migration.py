@@ -1,25 +1,30 @@
 """Migration-aware re-planning: keep experts where they are unless moving them pays.
 
-Per layer, the first of these that lands within ``(1 + tolerance)`` of a fresh plan's busiest
-gpu, all vectorised across layers:
-- keep: the current placement as it is (zero moves);
-- repair: the current placement changed only on gpus above the target, by swaps (two slots)
-  and count moves (one slot, see ``eplb.refine``);
-- replace: the fresh plan relabelled onto the current one. Gpus of a plan are interchangeable
-  (within a node for the hierarchical policy, and nodes among themselves), as are slots within
-  a gpu, so each fresh gpu takes the place of the current gpu holding most of the same experts
-  and each surviving expert keeps its slot. Balance is the fresh plan's; only the slots whose
-  expert really changes move.
-"""
+Per layer, of these candidates, the one that rewrites fewest slots among those whose busiest
+gpu is within ``(1 + tolerance)`` of a fresh plan's, all vectorised across layers:
+- kept: the current placement as it is (zero moves);
+- repaired: the current placement changed only on gpus above the target, by swaps (two
+  slots) and count moves (one slot, see ``eplb.refine``);
+- recounted: replica counts first set to the fresh plan's (within each node: water-filling),
+  touching only the slots of experts that lose or gain a replica, then repaired;
+- regrouped (hierarchical plans): groups swapped between nodes until the busiest node is
+  below the target, then recounted and repaired within the nodes;
+- replanned: the fresh plan relabelled onto the current one. Gpus of a plan are
+  interchangeable (within a node for the hierarchical policy, and nodes among themselves), as
+  are slots within a gpu, so each fresh gpu takes the place of the current gpu holding most of
+  the same experts and each surviving expert keeps its slot. Balance is the fresh plan's; only
+  the slots whose expert really changes move. It always qualifies.
 
+In every candidate an expert that stays on a gpu keeps its slot.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from .metrics import gpu_loads
 from .placement import Placement
-from .refine import refine_counts, swap_improve
-from .replicate import replica_cap
+from .refine import _counts, refine_counts, swap_improve
+from .replicate import replica_cap, waterfill
 from .topology import Topology
 
 __all__ = ["align_to_previous", "repair_previous", "choose"]
@@ -99,36 +104,193 @@ def align_to_previous(phy2log: np.ndarray, previous: Placement, topology: Topolo
     return slots.reshape(L, t.num_slots).astype(np.int32)
 
 
-def repair_previous(loads: np.ndarray, previous: Placement, topology: Topology, target: np.ndarray, by_node: bool) -> np.ndarray:
-    """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → ``phy2log`` ``[L, P]``.
+def repair_previous(
+    loads: np.ndarray,
+    previous: Placement,
+    topology: Topology,
+    target: np.ndarray,
+    by_node: bool,
+    fresh: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
+    ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
+    layer's busiest gpu is at most its target (or as far as it got; the caller checks):
 
-    Starts from ``previous`` and changes it only until each layer's busiest gpu is at most its
-    target: swaps of two slots between gpus (within a node when ``by_node``), then count moves
-    (one slot rewritten with another expert, see ``eplb.refine``) with swaps after them.
-    Layers that cannot reach the target come back improved as far as they got; the caller
-    checks.
+    - swaps of two slots between gpus (within a node when ``by_node``), then count moves (one
+      slot rewritten with another expert, see ``eplb.refine``) with swaps after them;
+    - a recount: replica counts changed in one go to those of ``fresh`` ``[L, P]`` (for
+      ``by_node``, water-filling within each node), each lost replica taken from the busiest
+      gpu holding it and each new one written into a freed slot on the lightest gpu that lacks
+      it, then the same swaps and count moves. With few slots per gpu the balance hangs on
+      the counts and one count move at a time stalls: the donor's replicas often share gpus
+      with the expert that needs one more.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
     prev = previous.phy2log
     node_exp = _node_experts(prev, t) if by_node and t.num_nodes > 1 else None
+    if node_exp is None:
+        phy = prev.reshape(L, t.num_gpus, S).astype(np.int64)
+        counts = None
+        if fresh is not None:
+            counts = _counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
+        out = {"repaired": _repair_rows(loads, phy, target, None, None, prev, t)}
+        if counts is not None:
+            out["recounted"] = _repair_rows(loads, phy, target, counts, None, prev, t)
+        return out
+    rows, bins = L * t.num_nodes, t.gpus_per_node
+    phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
+    out = {
+        "repaired": _repair_rows(loads, phy, target, None, node_exp, prev, t),
+        "recounted": _repair_rows(loads, phy, target, True, node_exp, prev, t),
+    }
+    # When the busiest node itself is above the target no repair within nodes can reach it:
+    # swap groups between nodes (each time the swap that most lowers the busiest node, until
+    # it is below the target), the incoming group's experts taking the outgoing group's
+    # slots, then recount and repair.
+    swapped = None
+    for _ in range(t.num_groups // 2):
+        nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target)
+        if nxt is None:
+            break
+        swapped = nxt
+    if swapped is not None:
+        out["regrouped"] = _repair_rows(loads, phy, target, True, swapped, prev, t)
+    return out
+
+
+def _repair_rows(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    target: np.ndarray,
+    counts: np.ndarray | bool | None,
+    node_exp: np.ndarray | None,
+    prev: np.ndarray,
+    t: Topology,
+) -> np.ndarray:
+    """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
+    local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
+    ``[R, E]`` (``True``: water-filling within each row), then swaps, count moves and swaps.
+    Returns global ``phy2log`` ``[L, P]`` with staying experts in their old slots."""
+    L, S = t.num_layers, t.slots_per_gpu
+    rows, bins = phy.shape[:2]
     if node_exp is not None:
-        rows, bins = L * t.num_nodes, t.gpus_per_node
         tgt = np.repeat(target, t.num_nodes)
         row_loads = np.take_along_axis(np.repeat(loads, t.num_nodes, axis=0), node_exp, axis=1)
-        phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
     else:
-        rows, bins = L, t.num_gpus
-        tgt, row_loads, phy = target, loads, prev.reshape(L, bins, S).astype(np.int64)
-    everything = np.arange(rows)
-    swap_improve(row_loads, phy, everything, 64, tgt)
+        tgt, row_loads = target, loads
     cap = replica_cap(row_loads.shape[1], bins * S, bins)
-    if cap is not None and _distinct_per_bin(phy):
-        phy = refine_counts(row_loads, phy, cap, iterations=32, target=tgt)
-        swap_improve(row_loads, phy, everything, 64, tgt)
+    can_move = cap is not None and _distinct_per_bin(phy)
+    cand = phy.copy()
+    if counts is not None and can_move:
+        if counts is True:
+            counts = waterfill(row_loads, bins * S, cap)
+        recount, ok = _recount(row_loads, phy, counts)
+        cand = np.where(ok[:, None, None], recount, phy)
+    everything = np.arange(rows)
+    swap_improve(row_loads, cand, everything, 64, tgt)
+    if cap is not None and _distinct_per_bin(cand):
+        cand = refine_counts(row_loads, cand, cap, iterations=32, target=tgt)
+        swap_improve(row_loads, cand, everything, 64, tgt)
     if node_exp is not None:
-        phy = np.take_along_axis(node_exp, phy.reshape(rows, -1), axis=1)
-    return phy.reshape(L, t.num_slots)
+        cand = np.take_along_axis(node_exp, cand.reshape(rows, -1), axis=1)
+    # A run of swaps can take an expert off a gpu and bring it back to another slot.
+    return _align_slots(cand.reshape(-1, S), prev.reshape(-1, S)).reshape(L, t.num_slots)
+
+
+def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray) -> np.ndarray | None:
+    """``node_exp`` ``[L * N, E/N]`` (each node's experts, group blocks in order) → the same with
+    one group swapped between two nodes in every layer whose busiest node's mean gpu load is
+    above ``target`` ``[L]`` and where a swap lowers it; ``None`` when no layer swaps."""
+    L, N, gs = t.num_layers, t.num_nodes, t.experts_per_group
+    K = t.num_groups // N
+    groups = node_exp.reshape(L, N * K, gs)[:, :, 0] // gs  # [L, N*K] group at each position
+    gload = loads.reshape(L, t.num_groups, gs).sum(axis=2)
+    pos_load = np.take_along_axis(gload, groups, axis=1)  # [L, N*K]
+    node_of = np.repeat(np.arange(N), K)
+    node_load = pos_load.reshape(L, N, K).sum(axis=2)
+    # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite.
+    delta = pos_load[:, None, :] - pos_load[:, :, None]  # [L, i, j]
+    new = np.broadcast_to(node_load[:, None, None, :], (L, N * K, N * K, N)).copy()
+    ii, jj = np.meshgrid(np.arange(N * K), np.arange(N * K), indexing="ij")
+    new[:, ii, jj, node_of[ii]] += delta
+    new[:, ii, jj, node_of[jj]] -= delta
+    worst = new.max(axis=3).reshape(L, -1)
+    worst[:, (node_of[ii] == node_of[jj]).ravel()] = np.inf
+    best = worst.argmin(axis=1)
+    now = node_load.max(axis=1)
+    act = (now / t.gpus_per_node > target) & (worst[np.arange(L), best] < now)
+    if not act.any():
+        return None
+    blocks = node_exp.reshape(L, N * K, gs)
+    out = blocks.copy()
+    la = np.flatnonzero(act)
+    i, j = np.unravel_index(best[la], (N * K, N * K))
+    out[la, i] = _by_rank(loads[la], blocks[la, j], blocks[la, i])
+    out[la, j] = _by_rank(loads[la], blocks[la, i], blocks[la, j])
+    return out.reshape(L * N, -1)
+
+
+def _by_rank(loads: np.ndarray, incoming: np.ndarray, outgoing: np.ndarray) -> np.ndarray:
+    """``incoming``, ``outgoing``: ``[X, gs]`` experts → ``incoming`` reordered so its k-th
+    busiest expert takes the place (and so the slots and replica count) of ``outgoing``'s."""
+    rx = np.arange(len(loads))[:, None]
+    inc = np.take_along_axis(incoming, np.argsort(-loads[rx, incoming], axis=1, kind="stable"), axis=1)
+    rank_out = np.argsort(np.argsort(-loads[rx, outgoing], axis=1, kind="stable"), axis=1)
+    return np.take_along_axis(inc, rank_out, axis=1)
+
+
+def _recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``loads`` ``[R, E]``, ``phy`` ``[R, B, S]``, ``counts`` ``[R, E]`` → ``phy`` with those
+    replica counts and ``[R]`` whether each row could be rewritten without putting two replicas
+    of one expert on one gpu. Only slots whose expert loses or gains a replica change."""
+    R, B, S = phy.shape
+    E = loads.shape[1]
+    flat = phy.reshape(R, B * S).copy()
+    w = loads / np.maximum(counts, 1)
+    ra = np.arange(R)
+    slot_w = w[ra[:, None], flat]
+    gpu_load = slot_w.reshape(R, B, S).sum(axis=2)
+    have = _counts(phy, E)
+    # Replicas to drop: each losing expert's replicas on its busiest gpus first. Rank every
+    # slot within its (row, expert) by the load of its gpu, heaviest first.
+    slot_gpu_load = np.repeat(gpu_load, S, axis=1)
+    r_, e_ = np.repeat(ra, B * S), flat.ravel()
+    order = np.lexsort((-slot_gpu_load.ravel(), e_, r_))
+    key = r_[order] * E + e_[order]
+    pos = np.arange(order.size)
+    first = np.maximum.accumulate(np.where(np.r_[True, key[1:] != key[:-1]], pos, 0))
+    rank = np.empty_like(pos)
+    rank[order] = pos - first
+    free = (rank < np.maximum(have - counts, 0)[r_, e_]).reshape(R, B * S)
+    gpu_load -= np.where(free, slot_w, 0.0).reshape(R, B, S).sum(axis=2)
+    holds = np.zeros((R, B, E), dtype=bool)
+    kept = ~free.reshape(R, B, S)
+    rk, bk, sk = np.nonzero(kept)
+    holds[rk, bk, phy[rk, bk, sk]] = True
+    # Replicas to add, heaviest first, each into the freed slot on the lightest gpu lacking it.
+    gain = np.maximum(counts - have, 0)
+    K = int(gain.sum(axis=1).max(initial=0))
+    ids = np.full((R, max(K, 1)), -1, dtype=np.int64)
+    for r in np.flatnonzero(gain.sum(axis=1)):
+        g = np.repeat(np.arange(E), gain[r])
+        ids[r, : g.size] = g[np.argsort(-w[r, g], kind="stable")]
+    ok = np.ones(R, dtype=bool)
+    for k in range(K):
+        e = ids[:, k]
+        act = e >= 0
+        fits = free.reshape(R, B, S) & ~holds[ra, :, np.maximum(e, 0)][:, :, None]
+        score = np.where(fits, gpu_load[:, :, None], np.inf).reshape(R, B * S)
+        pick = score.argmin(axis=1)
+        placed = act & np.isfinite(score[ra, pick])
+        ok &= ~act | placed
+        r, p, x = ra[placed], pick[placed], e[placed]
+        flat[r, p] = x
+        free[r, p] = False
+        gpu_load[r, p // S] += w[r, x]
+        holds[r, p // S, x] = True
+    ok &= ~free.any(axis=1)
+    return flat.reshape(R, B, S), ok
 
 
 def _distinct_per_bin(phy: np.ndarray) -> bool:
@@ -159,27 +321,26 @@ def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.nda
 def choose(
     loads: np.ndarray, previous: Placement, fresh: np.ndarray, topology: Topology, tolerance: float, by_node: bool
 ) -> tuple[np.ndarray, dict]:
-    """Per layer, the first of: keep ``previous``; repair it; the fresh plan ``[L, P]`` aligned
-    onto it, accepting anything within ``(1 + tolerance)`` of fresh's busiest gpu. Returns
-    ``phy2log`` ``[L, P]`` and how many layers took each way."""
-
-    def busiest(phy2log: np.ndarray) -> np.ndarray:
-        return gpu_loads(loads, Placement(phy2log, topology)).max(axis=1)
-
-    fresh_max = busiest(fresh)
+    """Per layer, of keeping ``previous``, repairing it, recounting it (``repair_previous``) and
+    the fresh plan ``[L, P]`` aligned onto it, the one that moves fewest slots among those within
+    ``(1 + tolerance)`` of fresh's busiest gpu (ties: the better balanced). Returns ``phy2log``
+    ``[L, P]`` and how many layers took each way."""
+    old = previous.phy2log
+    fresh_max = gpu_loads(loads, Placement(fresh, topology)).max(axis=1)
     target = (1.0 + tolerance) * fresh_max
-    keep = gpu_loads(loads, previous).max(axis=1) <= target
-    out = previous.phy2log.copy()
-    repaired = np.zeros_like(keep)
-    todo = ~keep
-    if todo.any():
-        fixed = repair_previous(loads, previous, topology, target, by_node)
-        repaired = todo & (busiest(fixed) <= target)
-        out[repaired] = fixed[repaired]
-        replaced = todo & ~repaired
-        out[replaced] = align_to_previous(fresh, previous, topology, by_node)[replaced]
-    return out, {
-        "layers_kept": int(keep.sum()),
-        "layers_repaired": int(repaired.sum()),
-        "layers_replanned": int((~keep & ~repaired).sum()),
-    }
+    keep_max = gpu_loads(loads, previous).max(axis=1)
+    ways = {"kept": old}
+    if (keep_max > target).any():
+        ways.update(repair_previous(loads, previous, topology, target, by_node, fresh))
+        ways["replanned"] = align_to_previous(fresh, previous, topology, by_node)
+    cands = list(ways.values())
+    L = topology.num_layers
+    busiest = np.stack([gpu_loads(loads, Placement(c, topology)).max(axis=1) for c in cands])
+    moves = np.stack([(c != old).sum(axis=1) for c in cands]).astype(np.float64)
+    # Fresh aligned always qualifies: its busiest gpu is fresh's.
+    ok = busiest <= target
+    ok[-1] |= len(cands) > 1
+    pick = np.lexsort((busiest, np.where(ok, moves, np.inf)), axis=0)[0]
+    out = np.stack(cands)[pick, np.arange(L)]
+    taken = {f"layers_{name}": int((pick == i).sum()) for i, name in enumerate(ways)}
+    return out, {f"layers_{n}": 0 for n in ("kept", "repaired", "recounted", "regrouped", "replanned")} | taken
