@@ -11,6 +11,7 @@ rewrites one slot, so the same step also serves migration-aware repair.
 
 from __future__ import annotations
 
+import time
 from itertools import combinations
 from math import comb
 
@@ -46,11 +47,13 @@ def refine_counts(
     donors: int = 8,
     swap_rounds: int = 2,
     target: np.ndarray | None = None,
+    deadline: float | None = None,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (experts per bin, no duplicates in a bin) →
     improved ``phy`` ``[X, B, S]`` with the same shape; counts change, every expert keeps >= 1
     replica and at most ``cap`` (``None``: no cap). A row stops once its busiest bin is at
-    most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). Deterministic.
+    most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). Deterministic unless
+    ``deadline`` (a ``time.perf_counter()`` value) stops it between moves.
     """
     X, B, S = phy.shape
     E = loads.shape[1]
@@ -62,8 +65,9 @@ def refine_counts(
     active = np.flatnonzero(_bin_loads(loads, phy).max(axis=1) > target)
     best = np.full(X, np.inf)
     idle = np.zeros(X, dtype=np.int64)
+    clock = _Clock(deadline)
     for _ in range(iterations):
-        if active.size == 0 or B < 2:
+        if active.size == 0 or B < 2 or clock.out():
             break
         before = _bin_loads(loads[active], phy[active]).max(axis=1)
         snapshot = phy[active]
@@ -170,8 +174,20 @@ def _pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: i
     return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]
 
 
+# repack_search with many candidates per row screens them with a quick packing (_QUICK swap
+# rounds) and packs only each row's best _SCREEN properly.
+_SCREEN = 4
+_QUICK = 2
+
+
 def repack_search(
-    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, iterations: int = 12, budget: int = 768
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    *,
+    iterations: int = 12,
+    budget: int = 768,
+    deadline: float | None = None,
 ) -> np.ndarray:
     """Steepest descent over single count moves (one replica from ``f`` to ``e``), each
     candidate judged by packing its counts from scratch, all candidates of all rows packed in
@@ -185,8 +201,9 @@ def repack_search(
     best_max = _bin_loads(loads, best).max(axis=1)
     counts = _counts(best, E)
     active = np.flatnonzero(best_max > loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH))
+    clock = _Clock(deadline)
     for _ in range(iterations):
-        if active.size == 0:
+        if active.size == 0 or clock.out():
             break
         per_row = max(1, budget // active.size)
         if E * (E - 1) <= per_row:
@@ -216,19 +233,54 @@ def repack_search(
         cand = cand[ok]
         cand[rr, ge] += 1
         cand[rr, gf] -= 1
-        packed = _pack_counts(loads[rows], cand, B)
-        value = _bin_loads(loads[rows], packed).max(axis=1)
+        if S == 2:
+            # Two replicas per bin: pairing the i-th heaviest with the i-th lightest is the
+            # best packing, so its value needs only a sort; only the winners get packed.
+            value = _paired_max(loads[rows], cand)
+        elif rows.size > _SCREEN * np.unique(rows).size:
+            # Screen every candidate with a quick packing (few swap rounds), then pack the
+            # best few of each row properly: the quick value ranks counts well enough.
+            quick = _pack_counts(loads[rows], cand, B, max_rounds=_QUICK)
+            value = _bin_loads(loads[rows], quick).max(axis=1)
+            order = np.lexsort((value, rows))
+            starts = np.r_[0, np.flatnonzero(rows[order][1:] != rows[order][:-1]) + 1]
+            rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
+            keep = order[rank < _SCREEN]
+            rows, cand = rows[keep], cand[keep]
+            packed = _pack_counts(loads[rows], cand, B)
+            value = _bin_loads(loads[rows], packed).max(axis=1)
+        else:
+            packed = _pack_counts(loads[rows], cand, B)
+            value = _bin_loads(loads[rows], packed).max(axis=1)
         # Best candidate per row: sort by (row, value) and take each row's first.
         order = np.lexsort((value, rows))
         first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
         win = first[value[first] < best_max[rows[first]] * (1 - _REL_TOL)]
+        if S == 2 and win.size:
+            packed = np.empty((rows.size, B, S), dtype=np.int64)
+            packed[win] = _pack_counts(loads[rows[win]], cand[win], B)
+            # A clash between two replicas of one expert may cost the repair some balance.
+            value[win] = _bin_loads(loads[rows[win]], packed[win]).max(axis=1)
+            win = win[value[win] < best_max[rows[win]] * (1 - _REL_TOL)]
         x = rows[win]
-        best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
+        if win.size:
+            best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
         active = x
     return best
 
 
-def exhaustive_counts(loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000) -> np.ndarray:
+def _paired_max(loads: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``loads``, ``counts`` ``[X, E]`` → ``[X]`` busiest bin when the replicas go two to a bin,
+    heaviest with lightest (optimal for two items per bin)."""
+    X, E = loads.shape
+    ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
+    w = np.sort((loads / counts)[np.arange(X)[:, None], ids], axis=1)
+    return (w + w[:, ::-1]).max(axis=1)
+
+
+def exhaustive_counts(
+    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000, deadline: float | None = None
+) -> np.ndarray:
     """For small layers: every replica-count vector (at most ``limit`` of them) whose lower
     bound beats the current busiest bin is packed, lowest bound first, in batches of
     ``limit`` rows; the best packing wins. ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` →
@@ -256,7 +308,10 @@ def exhaustive_counts(loads: np.ndarray, phy: np.ndarray, cap: int | None, *, li
     rows, vec = np.nonzero(bound < best_max[:, None] * (1 - _REL_TOL))
     order = np.argsort(bound[rows, vec], kind="stable")
     rows, vec = rows[order], vec[order]
+    clock = _Clock(deadline)
     for start in range(0, rows.size, limit):
+        if clock.out():
+            break
         r, v = rows[start:start + limit], vec[start:start + limit]
         keep = bound[r, v] < best_max[r] * (1 - _REL_TOL)  # bounds of earlier winners prune more
         r, v = r[keep], v[keep]
@@ -271,11 +326,30 @@ def exhaustive_counts(loads: np.ndarray, phy: np.ndarray, cap: int | None, *, li
     return best
 
 
-def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None) -> np.ndarray:
+def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, deadline: float | None = None) -> np.ndarray:
     """``effort="high"``: count moves with a wider donor search, every count vector for small
-    layers (:func:`exhaustive_counts`), then :func:`repack_search`.
+    layers (:func:`exhaustive_counts`), then :func:`repack_search`, each stopping at
+    ``deadline`` (a ``time.perf_counter()`` value; ``None``: run to the end, deterministic).
     ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
-    cand = refine_counts(loads, phy, cap, iterations=32, donors=32)
+    # Count moves get three quarters of the time left, leaving room for a repack step.
+    early = None if deadline is None else time.perf_counter() + 0.75 * (deadline - time.perf_counter())
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early)
     better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
-    return repack_search(loads, exhaustive_counts(loads, start, cap), cap)
+    start = exhaustive_counts(loads, start, cap, deadline=deadline)
+    return repack_search(loads, start, cap, deadline=deadline)
+
+
+class _Clock:
+    """Stops a loop before a step that would likely end past ``deadline``: each step is
+    assumed to take as long as the last one."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline, self.last, self.step = deadline, time.perf_counter(), 0.0
+
+    def out(self) -> bool:
+        if self.deadline is None:
+            return False
+        now = time.perf_counter()
+        self.step, self.last = now - self.last, now
+        return now + self.step > self.deadline

@@ -176,6 +176,9 @@ def test_unknown_or_bad_options_are_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", refine=-1)
     with pytest.raises(ValueError, match="effort must be 'fast' or 'high'"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", effort="max")
+    for bad in (0, -1.0, "1s", True):
+        with pytest.raises(ValueError, match="time_limit must be a positive number of seconds or None"):
+            eplb.rebalance(np.ones((1, 4)), topo, "global", effort="high", time_limit=bad)
 
 
 def test_high_effort_reaches_the_proven_optimum_of_the_known_answer() -> None:
@@ -186,3 +189,17 @@ def test_high_effort_reaches_the_proven_optimum_of_the_known_answer() -> None:
     plan = eplb.rebalance(loads, topo, "global", effort="high")
     assert plan.gpu_load.max() == pytest.approx(590 / 3)
     assert plan.gpu_load.max() <= eplb.rebalance(loads, topo, "global").gpu_load.max()
+
+
+def test_high_effort_without_time_limit_is_deterministic_and_a_short_limit_still_plans() -> None:
+    topo = SCALES["v3-512"].with_layers(4)
+    loads = make_loads("zipf-1.0", SCALES["v3-512"])[:4]
+    a = eplb.rebalance(loads, topo, "global", effort="high", time_limit=None)
+    b = eplb.rebalance(loads, topo, "global", effort="high", time_limit=None)
+    assert np.array_equal(a.phy2log, b.phy2log)
+    # Two slots per gpu: the exhaustive re-pack (pairing) beats the fast plan.
+    fast = eplb.rebalance(loads, topo, "global")
+    assert a.mean_imbalance < fast.mean_imbalance
+    short = eplb.rebalance(loads, topo, "global", effort="high", time_limit=0.01)
+    assert short.placement.topology == topo
+    assert short.imbalance.max() <= eplb.rebalance(loads, topo, "global", refine=0).imbalance.max() + 1e-12

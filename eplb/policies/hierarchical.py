@@ -7,6 +7,8 @@ deal instead of a per-item greedy, and a swap step that lowers the busiest gpu.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..packing import pack
@@ -21,7 +23,8 @@ OPTIONS: dict[str, object] = {
     "max_rounds": 16,  # swap rounds after the deal
     "refine": 4,  # count moves per layer (0: keep water-filling counts)
     "donors": 4,  # donor experts a count move considers
-    "effort": "fast",  # "high": wide count search alternated with re-packing (up to ~1 s)
+    "effort": "fast",  # "high": wide count search alternated with re-packing
+    "time_limit": 1.0,  # seconds effort="high" may spend per plan (None: no limit)
 }
 
 
@@ -34,6 +37,9 @@ def _options(options: dict) -> dict:
         v = out[name]
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"option {name} must be an integer >= 0, got {v!r}")
+    limit = out["time_limit"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+        raise ValueError(f"option time_limit must be a positive number of seconds or None, got {limit!r}")
     if out["effort"] not in ("fast", "high"):
         raise ValueError(f"option effort must be 'fast' or 'high', got {out['effort']!r}")
     return out
@@ -55,6 +61,7 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
         raise ValueError(
             f"hierarchical needs num_groups ({groups}) to be a multiple of num_nodes ({N}); use policy 'global'"
         )
+    start = time.perf_counter()
     opts = _options(options)
     max_rounds = int(opts["max_rounds"])
     group_size = E // groups
@@ -83,7 +90,8 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
     if cap is not None and gpn > 1:
         if opts["effort"] == "high":
-            slot_local = refine_thorough(local_loads, slot_local, cap)
+            limit = opts["time_limit"]
+            slot_local = refine_thorough(local_loads, slot_local, cap, None if limit is None else start + limit)
         elif opts["refine"]:
             slot_local = refine_counts(
                 local_loads,
