@@ -1,13 +1,13 @@
 """Re-planning under drifting and shifting loads: moves and imbalance per re-plan.
 
     python -m eplb_bench.drift_bench [--scales v3-prefill,kimi-64,v3-decode-144] [--steps 20]
-                                     [--tolerance 0.01] [--json FILE]
+                                     [--tolerance 0.01] [--layer-tolerance 0.05] [--json FILE]
 
 For each scale and sequence (drift 0.05, drift 0.2, shift; lognormal σ=1 base) it re-plans at
 every snapshot three ways: fresh (no `previous`), migration-aware (`previous=` the last plan,
 `auto` policy) and deepseek (eplb.py from scratch), and prints mean moves per re-plan as a
-share of all slots, the mean and worst imbalance gap to the fresh plan, and the gap right after
-the shift.
+share of all slots, the mean and worst imbalance gap to the fresh plan (mean imbalance over
+layers, per re-plan), the worst single layer's gap, and the gap right after the shift.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import eplb
 from eplb.workloads import SCALES, drift, make_loads, shift
 
 
-def run(scale: str, name: str, steps: int, tolerance: float) -> dict:
+def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: float) -> dict:
     topo = SCALES[scale]
     base = make_loads("lognormal-1.0", topo)
     seq = drift(base, float(name.split("-")[1]), steps) if name.startswith("drift") else shift(base, steps)
@@ -31,7 +31,9 @@ def run(scale: str, name: str, steps: int, tolerance: float) -> dict:
     rows = []
     for t in range(1, steps):
         fresh = eplb.rebalance(seq[t], topo, "auto")
-        aware = eplb.rebalance(seq[t], topo, "auto", previous=prev, tolerance=tolerance)
+        aware = eplb.rebalance(
+            seq[t], topo, "auto", previous=prev, tolerance=tolerance, layer_tolerance=layer_tolerance
+        )
         ds = eplb.rebalance(seq[t], topo, "deepseek", previous=prev_ds)
         rows.append(
             {
@@ -42,14 +44,16 @@ def run(scale: str, name: str, steps: int, tolerance: float) -> dict:
                 "aware_imbalance": aware.mean_imbalance,
                 "deepseek_imbalance": ds.mean_imbalance,
                 "gap": aware.mean_imbalance / fresh.mean_imbalance - 1.0,
+                "layer_gap": float((aware.imbalance / fresh.imbalance).max() - 1.0),
             }
         )
         prev, prev_fresh, prev_ds = aware.placement, fresh.placement, ds.placement
     gaps = np.array([r["gap"] for r in rows])
-    out = {"scale": scale, "sequence": name, "steps": steps, "tolerance": tolerance}
+    out = {"scale": scale, "sequence": name, "steps": steps, "tolerance": tolerance, "layer_tolerance": layer_tolerance}
     for key in ("fresh_moves", "aware_moves", "deepseek_moves", "fresh_imbalance", "aware_imbalance", "deepseek_imbalance"):
         out[key] = float(np.mean([r[key] for r in rows]))
     out["gap_mean"], out["gap_max"] = float(gaps.mean()), float(gaps.max())
+    out["layer_gap_max"] = max(r["layer_gap"] for r in rows)
     if name == "shift":
         out["gap_after_shift"] = float(gaps[steps // 2 - 1])
     return out
@@ -61,17 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequences", default="drift-0.05,drift-0.2,shift")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--layer-tolerance", type=float, default=0.05)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows = [run(s, q, args.steps, args.tolerance) for s in args.scales.split(",") for q in args.sequences.split(",")]
-    print("| scale | sequence | moves/re-plan: fresh | migration-aware | deepseek | imbalance: fresh | migration-aware | deepseek | gap to fresh mean / worst | gap after shift |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = [
+        run(s, q, args.steps, args.tolerance, args.layer_tolerance)
+        for s in args.scales.split(",")
+        for q in args.sequences.split(",")
+    ]
+    print(
+        "| scale | sequence | moves/re-plan: fresh | migration-aware | deepseek | imbalance: fresh | migration-aware "
+        "| deepseek | gap to fresh mean / worst | worst layer gap | gap after shift |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         after = f"{r['gap_after_shift'] * 100:.2f} %" if "gap_after_shift" in r else ""
         print(
             f"| {r['scale']} | {r['sequence']} | {r['fresh_moves'] * 100:.1f} % | {r['aware_moves'] * 100:.1f} % | "
             f"{r['deepseek_moves'] * 100:.1f} % | {r['fresh_imbalance']:.4f} | {r['aware_imbalance']:.4f} | "
-            f"{r['deepseek_imbalance']:.4f} | {r['gap_mean'] * 100:.2f} % / {r['gap_max'] * 100:.2f} % | {after} |"
+            f"{r['deepseek_imbalance']:.4f} | {r['gap_mean'] * 100:.2f} % / {r['gap_max'] * 100:.2f} % | "
+            f"{r['layer_gap_max'] * 100:.2f} % | {after} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,10 @@
 """Migration-aware re-planning: keep experts where they are unless moving them pays.
 
-Per layer, of these candidates, the one that rewrites fewest slots among those whose busiest
-gpu is within ``(1 + tolerance)`` of a fresh plan's, all vectorised across layers:
+A step waits for the busiest gpu of every layer, so what costs time is the imbalance summed
+over layers. A re-plan moves as few slots as it can while the mean imbalance over layers stays
+within ``(1 + tolerance)`` of a fresh plan's and no layer goes beyond ``(1 + layer_tolerance)``
+of fresh's for that layer (``choose``). Per layer it picks one of these candidates, all
+vectorised across layers:
 - kept: the current placement as it is (zero moves);
 - repaired: the current placement changed only on gpus above the target, by swaps (two
   slots) and count moves (one slot, see ``eplb.refine``);
@@ -13,19 +16,26 @@ gpu is within ``(1 + tolerance)`` of a fresh plan's, all vectorised across layer
   interchangeable (within a node for the hierarchical policy, and nodes among themselves), as
   are slots within a gpu, so each fresh gpu takes the place of the current gpu holding most of
   the same experts and each surviving expert keeps its slot. Balance is the fresh plan's; only
-  the slots whose expert really changes move. It always qualifies.
+  the slots whose expert really changes move.
 
-In every candidate an expert that stays on a gpu keeps its slot.
+Repairs aim at ``(1 + tolerance)`` and at ``(1 + 3 tolerance)`` of fresh's busiest gpu; one
+that falls short is still a candidate. In every candidate an expert that stays on a gpu keeps
+its slot.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from .metrics import gpu_loads
+from .metrics import gpu_loads, imbalance
 from .placement import Placement
 from .refine import _counts, refine_counts, swap_improve
 from .replicate import replica_cap, waterfill
 from .topology import Topology
+
+_REL_TOL = 1e-12
+# The second, looser repair target, in units of the tolerance.
+_LOOSER = 3.0
 
 __all__ = ["align_to_previous", "repair_previous", "choose"]
 
@@ -319,28 +329,89 @@ def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.nda
     return inv[np.arange(R)[:, None, None], phy]
 
 def choose(
-    loads: np.ndarray, previous: Placement, fresh: np.ndarray, topology: Topology, tolerance: float, by_node: bool
+    loads: np.ndarray,
+    previous: Placement,
+    fresh: np.ndarray,
+    topology: Topology,
+    tolerance: float,
+    layer_tolerance: float,
+    by_node: bool,
 ) -> tuple[np.ndarray, dict]:
-    """Per layer, of keeping ``previous``, repairing it, recounting it (``repair_previous``) and
-    the fresh plan ``[L, P]`` aligned onto it, the one that moves fewest slots among those within
-    ``(1 + tolerance)`` of fresh's busiest gpu (ties: the better balanced). Returns ``phy2log``
-    ``[L, P]`` and how many layers took each way."""
+    """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
+    few slots from ``previous`` as it can while the mean imbalance over layers stays within
+    ``(1 + tolerance)`` of fresh's and every layer's within ``(1 + layer_tolerance)`` of fresh's
+    for that layer; and how many layers took each way.
+
+    A step waits for its busiest gpu in every layer, so the sum over layers is what costs time:
+    moves go where they buy the most balance. Each layer picks one candidate (kept, the
+    repairs of ``repair_previous`` aiming at ``(1 + tolerance)`` of fresh, or fresh aligned onto
+    ``previous``); the pick minimises ``moves + lambda * imbalance`` per layer, with the
+    smallest ``lambda`` that meets the mean, then cheaper candidates are taken greedily while
+    the mean allows. Ties go to the earlier candidate, so a layer keeps its placement when
+    that is as good.
+    """
     old = previous.phy2log
-    fresh_max = gpu_loads(loads, Placement(fresh, topology)).max(axis=1)
-    target = (1.0 + tolerance) * fresh_max
-    keep_max = gpu_loads(loads, previous).max(axis=1)
-    ways = {"kept": old}
-    if (keep_max > target).any():
-        ways.update(repair_previous(loads, previous, topology, target, by_node, fresh))
-        ways["replanned"] = align_to_previous(fresh, previous, topology, by_node)
-    cands = list(ways.values())
     L = topology.num_layers
-    busiest = np.stack([gpu_loads(loads, Placement(c, topology)).max(axis=1) for c in cands])
-    moves = np.stack([(c != old).sum(axis=1) for c in cands]).astype(np.float64)
-    # Fresh aligned always qualifies: its busiest gpu is fresh's.
-    ok = busiest <= target
-    ok[-1] |= len(cands) > 1
-    pick = np.lexsort((busiest, np.where(ok, moves, np.inf)), axis=0)[0]
-    out = np.stack(cands)[pick, np.arange(L)]
-    taken = {f"layers_{name}": int((pick == i).sum()) for i, name in enumerate(ways)}
-    return out, {f"layers_{n}": 0 for n in ("kept", "repaired", "recounted", "regrouped", "replanned")} | taken
+    fresh_imb = imbalance(gpu_loads(loads, Placement(fresh, topology)))
+    keep_imb = imbalance(gpu_loads(loads, previous))
+    budget = (1.0 + tolerance) * fresh_imb.sum() * (1 + _REL_TOL)
+    cap = (1.0 + layer_tolerance) * fresh_imb * (1 + _REL_TOL)
+    ways = [("kept", old)]
+    if keep_imb.sum() > budget or (keep_imb > cap).any():
+        fresh_max = gpu_loads(loads, Placement(fresh, topology)).max(axis=1)
+        # Repairs aim at (1 + tolerance) of fresh, and again at (1 + 3 * tolerance) where a layer
+        # may go that far: cheaper candidates for layers whose balance another layer makes up.
+        for k in (1.0, _LOOSER):
+            if k == 1.0 or k * tolerance <= layer_tolerance:
+                target = (1.0 + k * tolerance) * fresh_max
+                ways += repair_previous(loads, previous, topology, target, by_node, fresh).items()
+        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
+    names = [name for name, _ in ways]
+    cands = np.stack([c for _, c in ways])  # [C, L, P]
+    imb = np.stack([imbalance(gpu_loads(loads, Placement(c, topology))) for c in cands])  # [C, L]
+    moves = (cands != old[None]).sum(axis=2).astype(np.float64)
+    allowed = imb <= cap
+    allowed[-1] = True  # fresh aligned has fresh's balance (and is "kept" when alone)
+    pick = _pick(np.where(allowed, moves, np.inf), imb, budget)
+    out = cands[pick, np.arange(L)]
+    taken = {f"layers_{n}": 0 for n in ("kept", "repaired", "recounted", "regrouped", "replanned")}
+    for i, name in enumerate(names):
+        taken[f"layers_{name}"] += int((pick == i).sum())
+    return out, taken
+
+
+def _pick(cost: np.ndarray, imb: np.ndarray, budget: float) -> np.ndarray:
+    """``cost``, ``imb``: ``[C, L]`` (``inf`` cost: not allowed) → ``[L]`` candidate per layer with
+    the least total cost whose ``imb`` sums to at most ``budget`` (Lagrangian, then greedy)."""
+    C, L = cost.shape
+    cols = np.arange(L)
+
+    def at(lam: float) -> np.ndarray:
+        return np.argmin(cost + lam * imb, axis=0)  # first minimum: the earlier candidate
+
+    best = np.argmin(np.where(np.isfinite(cost), imb, np.inf), axis=0)
+    if imb[best, cols].sum() > budget:
+        return best  # nothing meets the budget; the most balanced allowed candidates
+    lo, hi = -3.0, 15.0  # log10 of lambda
+    pick = at(10.0**hi)
+    if imb[pick, cols].sum() > budget:
+        pick = best
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        trial = at(10.0**mid)
+        if imb[trial, cols].sum() <= budget:
+            hi, pick = mid, trial
+        else:
+            lo = mid
+    # Spend what the Lagrangian left of the budget on the cheapest swaps to fewer moves.
+    left = budget - imb[pick, cols].sum()
+    while True:
+        saved = cost[pick, cols][None, :] - cost  # [C, L]
+        extra = imb - imb[pick, cols][None, :]
+        ok = (saved > 0) & np.isfinite(saved) & (extra <= left)
+        if not ok.any():
+            return pick
+        rate = np.where(ok, saved / np.maximum(extra, 1e-300), -np.inf)
+        c, layer = np.unravel_index(np.argmax(rate), rate.shape)
+        left -= max(extra[c, layer], 0.0)
+        pick[layer] = c
