@@ -174,10 +174,12 @@ def _pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: i
     return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]
 
 
-# repack_search with many candidates per row screens them with a quick packing (_QUICK swap
-# rounds) and packs only each row's best _SCREEN properly.
+# repack_search with many candidates per row of at least _SCREEN_SLOTS slots screens them
+# with a quick packing (_QUICK swap rounds) and packs only each row's best _SCREEN properly;
+# small rows are cheap to pack, and there the quick ranking loses the optimum too often.
 _SCREEN = 4
 _QUICK = 2
+_SCREEN_SLOTS = 128
 
 
 def repack_search(
@@ -233,38 +235,29 @@ def repack_search(
         cand = cand[ok]
         cand[rr, ge] += 1
         cand[rr, gf] -= 1
-        if S == 2:
-            # Two replicas per bin: pairing the i-th heaviest with the i-th lightest is the
-            # best packing, so its value needs only a sort; only the winners get packed.
-            value = _paired_max(loads[rows], cand)
-        elif rows.size > _SCREEN * np.unique(rows).size:
-            # Screen every candidate with a quick packing (few swap rounds), then pack the
-            # best few of each row properly: the quick value ranks counts well enough.
-            quick = _pack_counts(loads[rows], cand, B, max_rounds=_QUICK)
-            value = _bin_loads(loads[rows], quick).max(axis=1)
-            order = np.lexsort((value, rows))
+        screen = S == 2 or (B * S >= _SCREEN_SLOTS and rows.size > _SCREEN * np.unique(rows).size)
+        if screen:
+            # Rank every candidate cheaply, then pack the best few of each row properly. Two
+            # replicas per bin: pairing the i-th heaviest with the i-th lightest is the best
+            # packing unless two replicas of one expert meet, so a sort gives the value.
+            # Otherwise a quick packing (few swap rounds) ranks counts well enough.
+            if S == 2:
+                quick = _paired_max(loads[rows], cand)
+            else:
+                quick = _bin_loads(loads[rows], _pack_counts(loads[rows], cand, B, max_rounds=_QUICK)).max(axis=1)
+            order = np.lexsort((quick, rows))
             starts = np.r_[0, np.flatnonzero(rows[order][1:] != rows[order][:-1]) + 1]
             rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
             keep = order[rank < _SCREEN]
             rows, cand = rows[keep], cand[keep]
-            packed = _pack_counts(loads[rows], cand, B)
-            value = _bin_loads(loads[rows], packed).max(axis=1)
-        else:
-            packed = _pack_counts(loads[rows], cand, B)
-            value = _bin_loads(loads[rows], packed).max(axis=1)
+        packed = _pack_counts(loads[rows], cand, B)
+        value = _bin_loads(loads[rows], packed).max(axis=1)
         # Best candidate per row: sort by (row, value) and take each row's first.
         order = np.lexsort((value, rows))
         first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
         win = first[value[first] < best_max[rows[first]] * (1 - _REL_TOL)]
-        if S == 2 and win.size:
-            packed = np.empty((rows.size, B, S), dtype=np.int64)
-            packed[win] = _pack_counts(loads[rows[win]], cand[win], B)
-            # A clash between two replicas of one expert may cost the repair some balance.
-            value[win] = _bin_loads(loads[rows[win]], packed[win]).max(axis=1)
-            win = win[value[win] < best_max[rows[win]] * (1 - _REL_TOL)]
         x = rows[win]
-        if win.size:
-            best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
+        best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
         active = x
     return best
 
