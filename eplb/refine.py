@@ -12,12 +12,12 @@ rewrites one slot, so the same step also serves migration-aware repair.
 from __future__ import annotations
 
 import time
-from itertools import combinations
 from math import comb
 
 import numpy as np
 
 from .packing import improve, pack
+from .replicate import count_vectors
 
 __all__ = ["refine_counts", "refine_thorough", "swap_improve"]
 
@@ -284,12 +284,7 @@ def exhaustive_counts(
     if comb(P - 1, E - 1) > limit:
         return phy
     hi = P if cap is None else cap
-    # Compositions of P into E parts >= 1: E - 1 cut points among P - 1 gaps.
-    cuts = np.fromiter((c for combo in combinations(range(1, P), E - 1) for c in combo), dtype=np.int64)
-    cuts = cuts.reshape(-1, E - 1)
-    edges = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), P)], axis=1)
-    vectors = np.diff(edges, axis=1)
-    vectors = vectors[(vectors <= hi).all(axis=1)]
+    vectors = count_vectors(E, P, hi)
     best = phy.copy()
     best_max = _bin_loads(loads, best).max(axis=1)
     # Lower bound of each (row, vector): the larger of the mean bin and the largest replica.

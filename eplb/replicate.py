@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import combinations
+
 import numpy as np
 
-__all__ = ["replica_cap", "waterfill"]
+__all__ = ["replica_cap", "waterfill", "count_vectors"]
 
 
 def replica_cap(num_experts: int, num_slots: int, num_bins: int) -> int | None:
@@ -53,3 +55,17 @@ def _key(loads: np.ndarray, counts: np.ndarray, hi: int) -> np.ndarray:
     # Zero-load experts rank below every loaded one and among themselves by fewest replicas.
     key = np.where(loads > 0, loads / counts, -counts.astype(np.float64))
     return np.where(counts >= hi, -np.inf, key)
+
+
+def count_vectors(num_experts: int, num_replicas: int, cap: int) -> np.ndarray:
+    """``[V, E]`` int64: every vector of replica counts in ``1 .. cap`` summing to
+    ``num_replicas`` (compositions: ``E - 1`` cut points among ``num_replicas - 1`` gaps).
+    There are up to ``comb(num_replicas - 1, E - 1)``; callers check that first."""
+    E, P = num_experts, num_replicas
+    if E == 1:
+        return np.array([[P]], dtype=np.int64) if P <= cap else np.zeros((0, 1), dtype=np.int64)
+    cuts = np.fromiter((c for combo in combinations(range(1, P), E - 1) for c in combo), dtype=np.int64)
+    cuts = cuts.reshape(-1, E - 1)
+    edges = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), P)], axis=1)
+    vectors = np.diff(edges, axis=1)
+    return vectors[(vectors <= cap).all(axis=1)]

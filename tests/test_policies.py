@@ -203,3 +203,11 @@ def test_high_effort_without_time_limit_is_deterministic_and_a_short_limit_still
     short = eplb.rebalance(loads, topo, "global", effort="high", time_limit=0.01)
     assert short.placement.topology == topo
     assert short.imbalance.max() <= eplb.rebalance(loads, topo, "global", refine=0).imbalance.max() + 1e-12
+
+
+@pytest.mark.parametrize("policy", ["global", "hierarchical"])
+def test_high_effort_with_a_single_expert(policy: str) -> None:
+    # Every count vector of one expert is just [P]: the enumeration must not choke on it.
+    topo = eplb.Topology(2, 1, 2, 2)
+    plan = eplb.rebalance(np.array([[3.0], [0.0]]), topo, policy, effort="high")
+    assert plan.phy2log.tolist() == [[0, 0], [0, 0]]
