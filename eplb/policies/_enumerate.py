@@ -73,7 +73,10 @@ def improve_or_prove(
         for i in np.flatnonzero(covered.all(axis=1)):
             v = chunk[i]
             while bound[v] < best:
-                found = _partition(ids[i], weight[i], combos, G, int(total[v]), best - 1)
+                try:
+                    found = _partition(ids[i], weight[i], combos, G, int(total[v]), best - 1, deadline)
+                except TimeoutError:
+                    return False, best, row
                 if found is None:
                     break
                 best = int(weight[i][found].sum(axis=1).max())
@@ -90,9 +93,18 @@ def _fitting(ids: np.ndarray, weight: np.ndarray, combos: np.ndarray, G: int, to
     return distinct & (sums >= low) & (sums <= cap)
 
 
-def _partition(ids: np.ndarray, weight: np.ndarray, combos: np.ndarray, G: int, total: int, cap: int) -> np.ndarray | None:
+def _partition(
+    ids: np.ndarray,
+    weight: np.ndarray,
+    combos: np.ndarray,
+    G: int,
+    total: int,
+    cap: int,
+    deadline: float | None = None,
+) -> np.ndarray | None:
     """Replicas ``ids``/``weight`` ``[P]`` into ``G`` gpus of ``S`` with distinct experts and
-    every gpu at most ``cap`` → ``[G, S]`` replica indices, or ``None`` when impossible."""
+    every gpu at most ``cap`` → ``[G, S]`` replica indices, or ``None`` when impossible.
+    Raises ``TimeoutError`` past ``deadline`` (checked every few thousand search nodes)."""
     if total - (G - 1) * cap > cap:  # the other G - 1 gpus carry at most cap each
         return None
     subsets = combos[_fitting(ids[None], weight[None], combos, G, np.array([total]), cap)[0]]
@@ -107,10 +119,14 @@ def _partition(ids: np.ndarray, weight: np.ndarray, combos: np.ndarray, G: int, 
     first = subsets[:, 0]
     full = (1 << P) - 1
     chosen: list[int] = []
+    nodes = [0]
 
     def search(used: int) -> bool:
         if used == full:
             return True
+        nodes[0] += 1
+        if deadline is not None and nodes[0] % 4096 == 0 and time.perf_counter() > deadline:
+            raise TimeoutError
         # The lowest free replica must be in the next subset; subsets are sorted, so it is
         # that subset's first element.
         i = (~used & (used + 1)).bit_length() - 1
