@@ -17,7 +17,7 @@ from math import comb
 import numpy as np
 
 from .packing import improve, pack
-from .replicate import count_vectors
+from .replicate import count_vectors, waterfill
 
 __all__ = ["refine_counts", "refine_thorough", "swap_improve"]
 
@@ -48,11 +48,13 @@ def refine_counts(
     swap_rounds: int = 2,
     target: np.ndarray | None = None,
     deadline: float | None = None,
+    reverse: bool = False,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (experts per bin, no duplicates in a bin) →
     improved ``phy`` ``[X, B, S]`` with the same shape; counts change, every expert keeps >= 1
     replica and at most ``cap`` (``None``: no cap). A row stops once its busiest bin is at
-    most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). Deterministic unless
+    most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). ``reverse`` also tries
+    the reverse move (``_count_move_out``) each step, keeping the better. Deterministic unless
     ``deadline`` (a ``time.perf_counter()`` value) stops it between moves.
     """
     X, B, S = phy.shape
@@ -74,6 +76,17 @@ def refine_counts(
         # A move may first overload the bin that keeps the donor's last replica; the swaps
         # after it often fix that, so try it and undo it if the busiest bin did not improve.
         moved = _count_move(loads[active], phy, active, hi, donors, _SLACK)
+        if reverse:
+            # The reverse move: an expert on the busiest bin gives up its replica there to a
+            # cold expert. Water-filling can give two hot experts so many replicas that some
+            # gpus must hold both; fewer replicas of one of them can be what helps.
+            trial = phy.copy()
+            out = _count_move_out(loads[active], trial, active, hi, donors, _SLACK)
+            v_in = _bin_loads(loads[active], phy[active]).max(axis=1)
+            v_out = _bin_loads(loads[active], trial[active]).max(axis=1)
+            take = out & (~moved | (v_out < v_in * (1 - _REL_TOL)))
+            phy[active[take]] = trial[active[take]]
+            moved |= take
         if moved.any():
             swap_improve(loads, phy, active[moved], swap_rounds, target)
         now = _bin_loads(loads[active], phy[active]).max(axis=1)
@@ -149,6 +162,55 @@ def _count_move(
         e, f = gain[a, s], don[a, d]
         slot = (phy[a, q] == f[:, None]).argmax(axis=1)
         phy_all[rows[a], q, slot] = e
+    return moved
+
+
+def _count_move_out(
+    loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: int, gainers: int, slack: float = 0.0
+) -> np.ndarray:
+    """One reverse count move per row of ``rows``: an expert ``f`` on the busiest bin ``h``
+    (with at least two replicas) loses its replica there, written over with a new replica of a
+    cold expert ``g`` (among the ``gainers`` whose new replica is lightest, not on ``h``): ``h``
+    trades ``f``'s replica for ``g``'s, ``f``'s other holders get heavier, ``g``'s lighter. Made
+    when the busiest bin after it is at most ``(1 + slack)`` times the current one;
+    ``phy_all`` updated in place. Returns ``[A]`` bool: which rows moved."""
+    phy = phy_all[rows]
+    A, B, S = phy.shape
+    E = loads.shape[1]
+    ra = np.arange(A)
+    cnt = _counts(phy, E)
+    w = loads / cnt
+    load = w[ra[:, None, None], phy].sum(axis=2)  # [A, B]
+    h = load.argmax(axis=1)
+    lmax = load[ra, h]
+    give = phy[ra, h]  # [A, S] experts on the busiest bin
+    c_f = cnt[ra[:, None], give]
+    w_f = w[ra[:, None], give]
+    d_f = np.where(c_f >= 2, loads[ra[:, None], give] / np.maximum(c_f - 1, 1) - w_f, np.inf)  # [A, S]
+    light = np.where(cnt < hi, loads / (cnt + 1), np.inf)
+    D = min(gainers, E)
+    gain = np.argpartition(light, D - 1, axis=1)[:, :D] if D < E else np.broadcast_to(np.arange(E), (A, E))
+    w_g = w[ra[:, None], gain]
+    w_new_g = light[ra[:, None], gain]  # [A, D]
+    d_g = w_g - w_new_g
+    Hf = (phy[:, None, :, :] == give[:, :, None, None]).any(axis=3)  # [A, S, B]
+    Hg = (phy[:, None, :, :] == gain[:, :, None, None]).any(axis=3)  # [A, D, B]
+    new = load[:, None, None, :] + np.where(Hf[:, :, None, :], d_f[:, :, None, None], 0.0)
+    new = new - np.where(Hg[:, None, :, :], d_g[:, None, :, None], 0.0)
+    new[ra, :, :, h] = -np.inf  # h itself is scored below
+    at_h = lmax[:, None, None] - w_f[:, :, None] + w_new_g[:, None, :]
+    score = np.maximum(new.max(axis=3), at_h)  # [A, S, D]
+    ok = np.isfinite(d_f)[:, :, None] & np.isfinite(w_new_g)[:, None, :]
+    ok &= ~Hg[ra, :, h][:, None, :]  # h must not hold g already
+    ok &= give[:, :, None] != gain[:, None, :]
+    score = np.where(ok, score, np.inf).reshape(A, -1)
+    best = score.argmin(axis=1)
+    val = score[ra, best]
+    moved = val <= lmax * (1 + slack + _REL_TOL)
+    if moved.any():
+        s, d = np.unravel_index(best[moved], (S, D))
+        a = ra[moved]
+        phy_all[rows[a], h[a], s] = gain[a, d]
     return moved
 
 
@@ -321,7 +383,7 @@ def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, deadlin
     ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
     # Count moves get three quarters of the time left, leaving room for a repack step.
     early = None if deadline is None else time.perf_counter() + 0.75 * (deadline - time.perf_counter())
-    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early)
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early, reverse=True)
     better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
     start = exhaustive_counts(loads, start, cap, deadline=deadline)
@@ -341,3 +403,66 @@ class _Clock:
         now = time.perf_counter()
         self.step, self.last = now - self.last, now
         return now + self.step > self.deadline
+
+
+def separate_hot(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    *,
+    ks: tuple[int, ...] = (2, 3),
+    refine: int = 8,
+    target: np.ndarray | None = None,
+) -> np.ndarray:
+    """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row.
+
+    Water-filling can give the ``k`` busiest experts more replicas together than there are
+    bins, and then some bin holds two of them: with few spare slots that bin decides the
+    row. For ``k`` in ``ks``, where that happens, the ``k`` experts instead share ``B``
+    replicas (water-filled among them, so no bin needs two), the other experts water-fill what
+    is left, the counts are packed from scratch and improved by ``refine`` count moves; the
+    better packing wins. Rows whose busiest bin is at most ``target`` (``[X]``, e.g. what the
+    layer carries elsewhere anyway) are left alone.
+    """
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    P = B * S
+    counts = _counts(phy, E)
+    order = np.argsort(-loads, axis=1, kind="stable")
+    binl = _bin_loads(loads, phy)
+    busiest = phy[np.arange(X), binl.argmax(axis=1)]  # [X, S]
+    # Only rows above their mean bin (and target) whose busiest bin holds two of the k:
+    # elsewhere the sharing costs nothing.
+    above = binl.max(axis=1) > binl.mean(axis=1) * (1 + _GOOD_ENOUGH)
+    if target is not None:
+        above &= binl.max(axis=1) > target
+    rows_all, cands = [], []
+    for k in ks:
+        if k >= E or k > B or P - B < E - k or (cap is not None and cap * (E - k) < P - B):
+            continue  # no valid counts: too few bins for k, or for the others' slots
+        top = order[:, :k]
+        shared = (busiest[:, :, None] == top[:, None, :]).any(axis=1).sum(axis=1) >= 2
+        rows = np.flatnonzero(above & shared & (np.take_along_axis(counts, top, axis=1).sum(axis=1) > B))
+        if rows.size == 0:
+            continue
+        rest = order[rows, k:]
+        hot = waterfill(np.take_along_axis(loads[rows], top[rows], axis=1), B, None if cap is None else min(cap, B))
+        cold = waterfill(np.take_along_axis(loads[rows], rest, axis=1), P - B, cap)
+        cand = np.zeros((rows.size, E), dtype=np.int64)
+        np.put_along_axis(cand, top[rows], hot, axis=1)
+        np.put_along_axis(cand, rest, cold, axis=1)
+        rows_all.append(rows)
+        cands.append(cand)
+    if not rows_all:
+        return phy
+    rows, cand = np.concatenate(rows_all), np.concatenate(cands)
+    packed = _pack_counts(loads[rows], cand, B)
+    # Water-filling the rest can still give a warm expert more replicas than the light bins
+    # can take; count moves (both ways) settle that.
+    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True)
+    value = _bin_loads(loads[rows], packed).max(axis=1)
+    best, best_max = phy.copy(), binl.max(axis=1)
+    for i in np.argsort(value, kind="stable"):  # a few rows; the best candidate per row wins
+        if value[i] < best_max[rows[i]] * (1 - _REL_TOL):
+            best[rows[i]], best_max[rows[i]] = packed[i], value[i]
+    return best

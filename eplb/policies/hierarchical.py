@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ..packing import pack
-from ..refine import refine_counts, refine_thorough
+from ..refine import refine_counts, refine_thorough, separate_hot
 from ..replicate import replica_cap, waterfill
 from ..topology import Topology
 
@@ -101,6 +101,11 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
                 donors=int(opts["donors"]),
                 target=np.maximum(floor, local_loads.sum(axis=1) / gpn * 1.001),
             )
+    # With few gpus per node, water-filling can make two hot experts share gpus; only nodes
+    # whose busiest gpu is above the floor matter. The global policy's cap is the whole gpu
+    # count, where this does not arise at the standard scales; effort="high" tries anyway.
+    if cap is not None and gpn > 1 and (N > 1 or opts["effort"] == "high"):
+        slot_local = separate_hot(local_loads, slot_local, cap, target=floor)
     slot_local = np.sort(slot_local, axis=2).reshape(L, N, P // N)
     phy2log = np.take_along_axis(node_experts, slot_local, axis=2).reshape(L, P)
     return phy2log.astype(np.int32)
