@@ -383,7 +383,7 @@ def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, deadlin
     ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
     # Count moves get three quarters of the time left, leaving room for a repack step.
     early = None if deadline is None else time.perf_counter() + 0.75 * (deadline - time.perf_counter())
-    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early, reverse=True)
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early)
     better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
     start = exhaustive_counts(loads, start, cap, deadline=deadline)
