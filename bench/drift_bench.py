@@ -7,7 +7,9 @@ For each scale and sequence (drift 0.05, drift 0.2, shift; lognormal σ=1 base) 
 every snapshot three ways: fresh (no `previous`), migration-aware (`previous=` the last plan,
 `auto` policy) and deepseek (eplb.py from scratch), and prints mean moves per re-plan as a
 share of all slots, the mean and worst imbalance gap to the fresh plan (mean imbalance over
-layers, per re-plan), the worst single layer's gap, and the gap right after the shift.
+layers, per re-plan), the worst single layer's gap, the gap right after the shift, and the share
+of gpus above the target ((1 + tolerance) x fresh's busiest gpu of their layer) before each
+re-plan: each of those needs a slot of its own rewritten or one of its experts to gain a replica.
 """
 
 from __future__ import annotations
@@ -44,13 +46,26 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
                 "aware_imbalance": aware.mean_imbalance,
                 "deepseek_imbalance": ds.mean_imbalance,
                 "gap": aware.mean_imbalance / fresh.mean_imbalance - 1.0,
+                # Gpus above (1 + tolerance) x fresh's busiest before re-planning: each needs one
+                # of its slots rewritten, or one of its experts to gain a replica elsewhere.
+                "over": float(
+                    (eplb.gpu_loads(seq[t], prev) > (1 + tolerance) * fresh.gpu_load.max(axis=1)[:, None]).mean()
+                ),
                 "layer_gap": float((aware.imbalance / fresh.imbalance).max() - 1.0),
             }
         )
         prev, prev_fresh, prev_ds = aware.placement, fresh.placement, ds.placement
     gaps = np.array([r["gap"] for r in rows])
     out = {"scale": scale, "sequence": name, "steps": steps, "tolerance": tolerance, "layer_tolerance": layer_tolerance}
-    for key in ("fresh_moves", "aware_moves", "deepseek_moves", "fresh_imbalance", "aware_imbalance", "deepseek_imbalance"):
+    for key in (
+        "fresh_moves",
+        "aware_moves",
+        "deepseek_moves",
+        "fresh_imbalance",
+        "aware_imbalance",
+        "deepseek_imbalance",
+        "over",
+    ):
         out[key] = float(np.mean([r[key] for r in rows]))
     out["gap_mean"], out["gap_max"] = float(gaps.mean()), float(gaps.max())
     out["layer_gap_max"] = max(r["layer_gap"] for r in rows)
@@ -75,16 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         "| scale | sequence | moves/re-plan: fresh | migration-aware | deepseek | imbalance: fresh | migration-aware "
-        "| deepseek | gap to fresh mean / worst | worst layer gap | gap after shift |"
+        "| deepseek | gap to fresh mean / worst | worst layer gap | gap after shift | gpus over target before |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         after = f"{r['gap_after_shift'] * 100:.2f} %" if "gap_after_shift" in r else ""
         print(
             f"| {r['scale']} | {r['sequence']} | {r['fresh_moves'] * 100:.1f} % | {r['aware_moves'] * 100:.1f} % | "
             f"{r['deepseek_moves'] * 100:.1f} % | {r['fresh_imbalance']:.4f} | {r['aware_imbalance']:.4f} | "
             f"{r['deepseek_imbalance']:.4f} | {r['gap_mean'] * 100:.2f} % / {r['gap_max'] * 100:.2f} % | "
-            f"{r['layer_gap_max'] * 100:.2f} % | {after} |"
+            f"{r['layer_gap_max'] * 100:.2f} % | {after} | {r['over'] * 100:.1f} % |"
         )
     if args.json:
         with open(args.json, "w") as f:
