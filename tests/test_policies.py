@@ -174,6 +174,8 @@ def test_unknown_or_bad_options_are_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", rounds=3)
     with pytest.raises(ValueError, match="refine must be an integer >= 0"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", refine=-1)
+    with pytest.raises(ValueError, match="donors must be an integer >= 0 or None, got 2.5"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", donors=2.5)
     with pytest.raises(ValueError, match="effort must be 'fast' or 'high'"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", effort="max")
     for bad in (0, -1.0, "1s", True):
