@@ -344,8 +344,8 @@ def choose(
 
     A step waits for its busiest gpu in every layer, so the sum over layers is what costs time:
     moves go where they buy the most balance. Each layer picks one candidate (kept, the
-    repairs of ``repair_previous`` aiming at ``(1 + tolerance)`` of fresh, or fresh aligned onto
-    ``previous``); the pick minimises ``moves + lambda * imbalance`` per layer, with the
+    repairs of ``repair_previous`` aiming at ``(1 + tolerance)`` and ``(1 + 3 tolerance)`` of
+    fresh's busiest gpu, or fresh aligned onto ``previous``); the pick minimises ``moves + lambda * imbalance`` per layer, with the
     smallest ``lambda`` that meets the mean, then cheaper candidates are taken greedily while
     the mean allows. Ties go to the earlier candidate, so a layer keeps its placement when
     that is as good.
