@@ -12,6 +12,7 @@ rewrites one slot, so the same step also serves migration-aware repair.
 from __future__ import annotations
 
 import time
+from itertools import combinations
 from math import comb
 
 import numpy as np
@@ -236,6 +237,9 @@ def _pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: i
     return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]
 
 
+# separate_hot re-packs guided counts only for rows at least this far above their bound.
+_GUIDED_MARGIN = 0.01
+
 # repack_search with many candidates per row of at least _SCREEN_SLOTS slots screens them
 # with a quick packing (_QUICK swap rounds) and packs only each row's best _SCREEN properly;
 # small rows are cheap to pack, and there the quick ranking loses the optimum too often.
@@ -413,6 +417,7 @@ def separate_hot(
     ks: tuple[int, ...] = (2, 3),
     refine: int = 8,
     target: np.ndarray | None = None,
+    guided: bool = True,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row.
 
@@ -421,8 +426,9 @@ def separate_hot(
     row. For ``k`` in ``ks``, where that happens, the ``k`` experts instead share ``B``
     replicas (water-filled among them, so no bin needs two), the other experts water-fill what
     is left, the counts are packed from scratch and improved by ``refine`` count moves; the
-    better packing wins. Rows whose busiest bin is at most ``target`` (``[X]``, e.g. what the
-    layer carries elsewhere anyway) are left alone.
+    better packing wins. With ``guided``, rows whose busiest bin holds one of the three
+    busiest experts also try :func:`_guided_counts`. Rows whose busiest bin is at most
+    ``target`` (``[X]``, e.g. what the layer carries elsewhere anyway) are left alone.
     """
     X, B, S = phy.shape
     E = loads.shape[1]
@@ -453,9 +459,26 @@ def separate_hot(
         np.put_along_axis(cand, rest, cold, axis=1)
         rows_all.append(rows)
         cands.append(cand)
+    # And the counts of the three busiest experts that minimise a pigeonhole bound (what a bin
+    # shared by some of them must carry, the row's mean bin), the rest water-filled.
+    k = 3
+    if guided and k < E and k <= B:
+        hot_on = (busiest[:, :, None] == order[:, None, :k]).any(axis=(1, 2))
+        rows = np.flatnonzero(above & hot_on)
+        guess = _guided_counts(loads[rows], order[rows], B, S, cap, k) if rows.size else None
+        if guess is not None:
+            bound, cand = guess
+            # Worth a re-pack only where the busiest bin is well above what those counts allow
+            # and they differ from the current ones.
+            differs = (np.take_along_axis(cand, order[rows, :k], axis=1) != np.take_along_axis(counts[rows], order[rows, :k], axis=1)).any(axis=1)
+            ok = differs & (binl.max(axis=1)[rows] > bound * (1 + _GUIDED_MARGIN))
+            rows_all.append(rows[ok])
+            cands.append(cand[ok])
     if not rows_all:
         return phy
     rows, cand = np.concatenate(rows_all), np.concatenate(cands)
+    if rows.size == 0:
+        return phy
     packed = _pack_counts(loads[rows], cand, B)
     # Water-filling the rest can still give a warm expert more replicas than the light bins
     # can take; count moves (both ways) settle that.
@@ -466,3 +489,42 @@ def separate_hot(
         if value[i] < best_max[rows[i]] * (1 - _REL_TOL):
             best[rows[i]], best_max[rows[i]] = packed[i], value[i]
     return best
+
+
+def _guided_counts(
+    loads: np.ndarray, order: np.ndarray, B: int, S: int, cap: int | None, k: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``loads`` ``[R, E]``, ``order`` ``[R, E]`` experts by load (busiest first) → ``(bound [R],
+    counts [R, E])``: the busiest ``k`` experts get the counts (each at most ``B``) whose
+    pigeonhole bound is least — the largest of the row's mean bin, their largest replica and,
+    for every subset whose counts exceed ``(|T| - 1) B``, the sum of its replicas, which then
+    share a bin — and the others water-fill the remaining slots. ``None`` when no count vector
+    leaves the others a slot each."""
+    R, E = loads.shape
+    P = B * S
+    hi = B if cap is None else min(cap, B)
+    grid = np.stack(np.meshgrid(*[np.arange(1, hi + 1)] * k, indexing="ij"), axis=-1).reshape(-1, k)
+    left = P - grid.sum(axis=1)
+    grid = grid[(left >= E - k) & ((cap is None) | (left <= (cap or 0) * (E - k)))]
+    if len(grid) == 0:
+        return None
+    top = np.take_along_axis(loads, order[:, :k], axis=1)  # [R, k]
+    w = top[:, None, :] / grid[None, :, :]  # [R, V, k]
+    bound = np.maximum(w.max(axis=2), (loads.sum(axis=1) / B)[:, None])
+    for size in range(2, k + 1):
+        for subset in combinations(range(k), size):
+            cols = list(subset)
+            together = grid[:, cols].sum(axis=1) > (size - 1) * B
+            bound = np.maximum(bound, np.where(together[None, :], w[:, :, cols].sum(axis=2), 0.0))
+    chosen = grid[bound.argmin(axis=1)]  # [R, k]
+    out = np.zeros((R, E), dtype=np.int64)
+    np.put_along_axis(out, order[:, :k], chosen, axis=1)
+    rest = order[:, k:]
+    # Rows differ in how many slots are left: water-fill each group of equal count at once.
+    remaining = P - chosen.sum(axis=1)
+    for n_left in np.unique(remaining):
+        rows = np.flatnonzero(remaining == n_left)
+        sub = out[rows]
+        np.put_along_axis(sub, rest[rows], waterfill(np.take_along_axis(loads[rows], rest[rows], axis=1), int(n_left), cap), axis=1)
+        out[rows] = sub
+    return bound[np.arange(R), bound.argmin(axis=1)], out

@@ -213,3 +213,23 @@ def test_high_effort_with_a_single_expert(policy: str) -> None:
     topo = eplb.Topology(2, 1, 2, 2)
     plan = eplb.rebalance(np.array([[3.0], [0.0]]), topo, policy, effort="high")
     assert plan.phy2log.tolist() == [[0, 0], [0, 0]]
+
+
+def test_hierarchical_keeps_hot_experts_off_shared_gpus() -> None:
+    from math import lcm
+
+    from eplb.policies._enumerate import improve_or_prove
+
+    # Node 0 holds experts 40, 12 and 10 with 4 spare slots on 4 gpus. Water-filling gives
+    # 40 four replicas and 12 two, so two gpus hold both (18.33); fewer shared replicas win.
+    node0 = [40, 12, 10, 1, 1, 1, 1, 1]
+    loads = np.array([node0 + [2] * 8], dtype=float)
+    topo = eplb.Topology(1, 16, 24, 8, 2, 2)
+    plan = eplb.rebalance(loads, topo, "hierarchical")
+    # The proven optimum of node 0 alone (exact enumeration, integer units).
+    scale = lcm(1, 2, 3, 4)
+    w = np.array(node0)[:, None] * scale // np.arange(1, 5)[None, :]
+    done, best, _ = improve_or_prove(w, 4, 3, int(w.sum()) * 3)
+    assert done
+    assert plan.gpu_load.max() == pytest.approx(best / scale)
+    assert plan.gpu_load.max() == pytest.approx(53 / 3)
