@@ -11,7 +11,8 @@ compared with both sides of it:
   slots with at most one replica per gpu) and a pigeonhole bound on its ``k`` busiest
   experts: whatever their replica counts ``c_i`` (at most one per gpu, together at most the
   node's spare slots plus ``k``), some gpu holds ``m = ceil(sum c_i / gpus)`` of them, so
-  carries at least the ``m`` smallest of their replica loads;
+  carries at least the ``m`` smallest of their replica loads, and any subset ``T`` of them with
+  ``sum_T c_i > (|T| - 1) gpus`` has all its replicas' loads on one gpu;
 - the best placement found: ``hierarchical`` with ``effort="high"`` (no time limit).
 
 It prints, per workload, the mean imbalance of the default ``hierarchical``, of the best found
@@ -45,17 +46,28 @@ def _partitions(items: tuple[int, ...], size: int) -> list[list[tuple[int, ...]]
 
 def pigeonhole_bound(loads: np.ndarray, gpus: int, slots: int, k: int = 4) -> np.ndarray:
     """``loads`` ``[L, n]`` of one node's experts → ``[L]`` lower bound on its busiest gpu from
-    the replica counts of its ``k`` busiest experts (see the module docstring)."""
+    the replica counts ``c`` of its ``k`` busiest experts (see the module docstring): for every
+    count vector the node's spare slots allow, some gpu holds ``ceil(sum c / gpus)`` of them, and
+    every subset ``T`` with ``sum_T c > (|T| - 1) gpus`` sits whole on some gpu (each gpu holds
+    at most one replica of an expert); the bound is the least over count vectors of the largest
+    such load."""
     L, n = loads.shape
     k = min(k, n)
     spare = slots - n
     top = -np.sort(-loads, axis=1)[:, :k]  # [L, k]
     grid = np.stack(np.meshgrid(*[np.arange(1, gpus + 1)] * k, indexing="ij"), axis=-1).reshape(-1, k)
     grid = grid[(grid - 1).sum(axis=1) <= spare]  # the other experts need one slot each
-    w = np.sort(top[:, None, :] / grid[None, :, :], axis=2)  # [L, V, k] ascending
+    w = top[:, None, :] / grid[None, :, :]  # [L, V, k]
+    srt = np.sort(w, axis=2)
     m = -(-grid.sum(axis=1) // gpus)  # [V] at least m of them share one gpu
-    shared = np.take_along_axis(np.cumsum(w, axis=2), (m - 1)[None, :, None].repeat(L, 0), axis=2)[..., 0]
-    return np.maximum(shared, w[:, :, -1]).min(axis=1)
+    best = np.take_along_axis(np.cumsum(srt, axis=2), (m - 1)[None, :, None].repeat(L, 0), axis=2)[..., 0]
+    best = np.maximum(best, srt[:, :, -1])
+    for size in range(2, k + 1):
+        for subset in combinations(range(k), size):
+            cols = list(subset)
+            together = grid[:, cols].sum(axis=1) > (size - 1) * gpus  # [V]
+            best = np.maximum(best, np.where(together[None, :], w[:, :, cols].sum(axis=2), 0.0))
+    return best.min(axis=1)
 
 
 def grouped_bound(loads: np.ndarray, topo: eplb.Topology) -> np.ndarray:
