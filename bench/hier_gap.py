@@ -28,6 +28,7 @@ from itertools import combinations
 import numpy as np
 
 import eplb
+from eplb.refine import pigeonhole_bound
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 
@@ -44,30 +45,16 @@ def _partitions(items: tuple[int, ...], size: int) -> list[list[tuple[int, ...]]
     return out
 
 
-def pigeonhole_bound(loads: np.ndarray, gpus: int, slots: int, k: int = 4) -> np.ndarray:
-    """``loads`` ``[L, n]`` of one node's experts → ``[L]`` lower bound on its busiest gpu from
-    the replica counts ``c`` of its ``k`` busiest experts (see the module docstring): for every
-    count vector the node's spare slots allow, some gpu holds ``ceil(sum c / gpus)`` of them, and
-    every subset ``T`` with ``sum_T c > (|T| - 1) gpus`` sits whole on some gpu (each gpu holds
-    at most one replica of an expert); the bound is the least over count vectors of the largest
-    such load."""
+def node_pigeonhole_bound(loads: np.ndarray, gpus: int, slots: int, k: int = 4) -> np.ndarray:
+    """``loads`` ``[L, n]`` of one node's experts → ``[L]`` lower bound on its busiest gpu: the
+    least over the replica counts of its ``k`` busiest experts that the node's spare slots
+    allow of ``eplb.refine.pigeonhole_bound``."""
     L, n = loads.shape
     k = min(k, n)
-    spare = slots - n
     top = -np.sort(-loads, axis=1)[:, :k]  # [L, k]
     grid = np.stack(np.meshgrid(*[np.arange(1, gpus + 1)] * k, indexing="ij"), axis=-1).reshape(-1, k)
-    grid = grid[(grid - 1).sum(axis=1) <= spare]  # the other experts need one slot each
-    w = top[:, None, :] / grid[None, :, :]  # [L, V, k]
-    srt = np.sort(w, axis=2)
-    m = -(-grid.sum(axis=1) // gpus)  # [V] at least m of them share one gpu
-    best = np.take_along_axis(np.cumsum(srt, axis=2), (m - 1)[None, :, None].repeat(L, 0), axis=2)[..., 0]
-    best = np.maximum(best, srt[:, :, -1])
-    for size in range(2, k + 1):
-        for subset in combinations(range(k), size):
-            cols = list(subset)
-            together = grid[:, cols].sum(axis=1) > (size - 1) * gpus  # [V]
-            best = np.maximum(best, np.where(together[None, :], w[:, :, cols].sum(axis=2), 0.0))
-    return best.min(axis=1)
+    grid = grid[(grid - 1).sum(axis=1) <= slots - n]  # the other experts need one slot each
+    return pigeonhole_bound(top, grid, gpus).min(axis=1)
 
 
 def grouped_bound(loads: np.ndarray, topo: eplb.Topology) -> np.ndarray:
@@ -90,7 +77,7 @@ def grouped_bound(loads: np.ndarray, topo: eplb.Topology) -> np.ndarray:
                     [
                         eplb.lower_bound(node_loads, node),
                     # Each k gives a valid bound, and a larger k is not always tighter.
-                        *(pigeonhole_bound(node_loads, topo.gpus_per_node, topo.slots_per_node, k) for k in (2, 3, 4)),
+                        *(node_pigeonhole_bound(node_loads, topo.gpus_per_node, topo.slots_per_node, k) for k in (2, 3, 4)),
                     ],
                     axis=0,
                 )

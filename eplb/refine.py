@@ -20,7 +20,7 @@ import numpy as np
 from .packing import improve, pack
 from .replicate import count_vectors, waterfill
 
-__all__ = ["refine_counts", "refine_thorough", "swap_improve"]
+__all__ = ["refine_counts", "refine_thorough", "swap_improve", "separate_hot", "pigeonhole_bound"]
 
 _REL_TOL = 1e-12
 # Distance above the mean bin load below which a row is left alone.
@@ -509,13 +509,7 @@ def _guided_counts(
     if len(grid) == 0:
         return None
     top = np.take_along_axis(loads, order[:, :k], axis=1)  # [R, k]
-    w = top[:, None, :] / grid[None, :, :]  # [R, V, k]
-    bound = np.maximum(w.max(axis=2), (loads.sum(axis=1) / B)[:, None])
-    for size in range(2, k + 1):
-        for subset in combinations(range(k), size):
-            cols = list(subset)
-            together = grid[:, cols].sum(axis=1) > (size - 1) * B
-            bound = np.maximum(bound, np.where(together[None, :], w[:, :, cols].sum(axis=2), 0.0))
+    bound = np.maximum(pigeonhole_bound(top, grid, B), (loads.sum(axis=1) / B)[:, None])
     chosen = grid[bound.argmin(axis=1)]  # [R, k]
     out = np.zeros((R, E), dtype=np.int64)
     np.put_along_axis(out, order[:, :k], chosen, axis=1)
@@ -528,3 +522,25 @@ def _guided_counts(
         np.put_along_axis(sub, rest[rows], waterfill(np.take_along_axis(loads[rows], rest[rows], axis=1), int(n_left), cap), axis=1)
         out[rows] = sub
     return bound[np.arange(R), bound.argmin(axis=1)], out
+
+
+def pigeonhole_bound(top: np.ndarray, grid: np.ndarray, bins: int) -> np.ndarray:
+    """``top`` ``[R, k]`` loads of ``k`` experts, ``grid`` ``[V, k]`` candidate replica counts
+    (at most one replica of an expert per bin) → ``[R, V]``: the busiest bin is at least
+    - their largest replica;
+    - the ``m`` smallest of their replicas, ``m = ceil(sum c / bins)``: some bin holds ``m``;
+    - for every subset ``T`` with ``sum_T c > (|T| - 1) bins``, the sum of its replicas: some
+      bin holds one of each (a bin without all of ``T`` holds at most ``|T| - 1`` of them).
+    """
+    R, k = top.shape
+    w = top[:, None, :] / grid[None, :, :]  # [R, V, k]
+    srt = np.sort(w, axis=2)
+    m = -(-grid.sum(axis=1) // bins)  # [V]
+    out = np.take_along_axis(np.cumsum(srt, axis=2), np.broadcast_to((m - 1)[None, :, None], (R, len(grid), 1)), axis=2)[..., 0]
+    out = np.maximum(out, srt[:, :, -1])
+    for size in range(2, k + 1):
+        for subset in combinations(range(k), size):
+            cols = list(subset)
+            together = grid[:, cols].sum(axis=1) > (size - 1) * bins  # [V]
+            out = np.maximum(out, np.where(together[None, :], w[:, :, cols].sum(axis=2), 0.0))
+    return out
