@@ -237,8 +237,10 @@ def _pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: i
     return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]
 
 
-# separate_hot re-packs guided counts only for rows at least this far above their bound.
+# separate_hot re-packs guided counts only for rows at least this far above their bound, and
+# only when the count grid (bins ** 3) is at most this big.
 _GUIDED_MARGIN = 0.01
+_GUIDED_GRID = 1 << 15
 
 # repack_search with many candidates per row of at least _SCREEN_SLOTS slots screens them
 # with a quick packing (_QUICK swap rounds) and packs only each row's best _SCREEN properly;
@@ -418,6 +420,7 @@ def separate_hot(
     refine: int = 8,
     target: np.ndarray | None = None,
     guided: bool = True,
+    deadline: float | None = None,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row.
 
@@ -462,7 +465,8 @@ def separate_hot(
     # And the counts of the three busiest experts that minimise a pigeonhole bound (what a bin
     # shared by some of them must carry, the row's mean bin), the rest water-filled.
     k = 3
-    if guided and k < E and k <= B:
+    # The grid has up to B ** k count vectors; node-sized rows only.
+    if guided and k < E and k <= B and B**k <= _GUIDED_GRID:
         hot_on = (busiest[:, :, None] == order[:, None, :k]).any(axis=(1, 2))
         rows = np.flatnonzero(above & hot_on)
         guess = _guided_counts(loads[rows], order[rows], B, S, cap, k) if rows.size else None
@@ -482,7 +486,7 @@ def separate_hot(
     packed = _pack_counts(loads[rows], cand, B)
     # Water-filling the rest can still give a warm expert more replicas than the light bins
     # can take; count moves (both ways) settle that.
-    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True)
+    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True, deadline=deadline)
     value = _bin_loads(loads[rows], packed).max(axis=1)
     best, best_max = phy.copy(), binl.max(axis=1)
     for i in np.argsort(value, kind="stable"):  # a few rows; the best candidate per row wins

@@ -100,10 +100,11 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     slot_local = local_ids[rows[:, :, None], assign]
     cap = replica_cap(E // N, P // N, gpn)
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
+    limit = opts["time_limit"] if opts["effort"] == "high" else None
+    deadline = None if limit is None else start + limit
     if cap is not None and gpn > 1:
         if opts["effort"] == "high":
-            limit = opts["time_limit"]
-            slot_local = refine_thorough(local_loads, slot_local, cap, None if limit is None else start + limit)
+            slot_local = refine_thorough(local_loads, slot_local, cap, deadline)
         elif opts["refine"]:
             slot_local = refine_counts(
                 local_loads,
@@ -117,7 +118,7 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     # whose busiest gpu is above the floor matter. The global policy's cap is the whole gpu
     # count, where this does not arise at the standard scales; effort="high" tries anyway.
     if cap is not None and gpn > 1 and (N > 1 or opts["effort"] == "high"):
-        slot_local = separate_hot(local_loads, slot_local, cap, target=floor)
+        slot_local = separate_hot(local_loads, slot_local, cap, target=floor, deadline=deadline)
     slot_local = np.sort(slot_local, axis=2).reshape(L, N, P // N)
     phy2log = np.take_along_axis(node_experts, slot_local, axis=2).reshape(L, P)
     return phy2log.astype(np.int32)
