@@ -6,8 +6,9 @@ within ``(1 + tolerance)`` of a fresh plan's and no layer goes beyond ``(1 + lay
 of fresh's for that layer (``choose``). Per layer it picks one of these candidates, all
 vectorised across layers:
 - kept: the current placement as it is (zero moves);
-- repaired: the current placement changed only on gpus above the target, by swaps (two
-  slots) and count moves (one slot, see ``eplb.refine``);
+- repaired: the current placement changed only on gpus above the target, by rotations (three
+  slots for two gpus above it), swaps (two slots) and count moves (one slot, see
+  ``eplb.refine``);
 - recounted: replica counts first set to the fresh plan's (within each node: water-filling),
   touching only the slots of experts that lose or gain a replica, then repaired;
 - regrouped (hierarchical plans): groups swapped between nodes until the busiest node is
@@ -29,7 +30,7 @@ import numpy as np
 
 from .metrics import gpu_loads, imbalance
 from .placement import Placement
-from .refine import _counts, refine_counts, swap_improve
+from .refine import _counts, refine_counts, rotate_improve, swap_improve
 from .replicate import replica_cap, waterfill
 from .topology import Topology
 
@@ -180,7 +181,8 @@ def _repair_rows(
 ) -> np.ndarray:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
-    ``[R, E]`` (``True``: water-filling within each row), then swaps, count moves and swaps.
+    ``[R, E]`` (``True``: water-filling within each row), then rotations, swaps, count moves
+    and swaps.
     Returns global ``phy2log`` ``[L, P]`` with staying experts in their old slots."""
     L, S = t.num_layers, t.slots_per_gpu
     rows, bins = phy.shape[:2]
@@ -198,6 +200,9 @@ def _repair_rows(
         recount, ok = _recount(row_loads, phy, counts)
         cand = np.where(ok[:, None, None], recount, phy)
     everything = np.arange(rows)
+    # Rotations fix two gpus above the target with three rewritten slots, swaps one with two.
+    if _distinct_per_bin(cand):
+        rotate_improve(row_loads, cand, tgt)
     swap_improve(row_loads, cand, everything, 64, tgt)
     if cap is not None and _distinct_per_bin(cand):
         cand = refine_counts(row_loads, cand, cap, iterations=32, target=tgt)

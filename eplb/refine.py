@@ -20,7 +20,7 @@ import numpy as np
 from .packing import improve, pack
 from .replicate import count_vectors, waterfill
 
-__all__ = ["refine_counts", "refine_thorough", "swap_improve", "separate_hot", "pigeonhole_bound"]
+__all__ = ["refine_counts", "refine_thorough", "rotate_improve", "swap_improve", "separate_hot", "pigeonhole_bound"]
 
 _REL_TOL = 1e-12
 # Distance above the mean bin load below which a row is left alone.
@@ -213,6 +213,84 @@ def _count_move_out(
         a = ra[moved]
         phy_all[rows[a], h[a], s] = gain[a, d]
     return moved
+
+
+def rotate_improve(
+    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, partners: int = 4, seconds: int = 4
+) -> None:
+    """Three-slot rotations that bring two bins above ``target`` (``[X]``) under it at once, in
+    place on ``phy`` ``[X, B, S]`` (counts unchanged): the heaviest bin ``h1`` hands an item
+    ``a`` to a light bin ``q`` (one of the ``partners`` lightest), ``q`` hands ``b`` to another
+    bin above the target ``h2`` (one of the ``seconds`` least above it), and ``h2`` hands ``c``
+    to ``h1``. Two swaps would rewrite four slots for the same two bins. Each round every row
+    with two bins above its target makes the feasible rotation (all three at most the target,
+    no expert twice on a bin) that leaves the heaviest of the three lightest; a row stops when
+    it has none."""
+    X, B, S = phy.shape
+    if B < 3 or S < 1:
+        return
+    E = loads.shape[1]
+    Q = min(partners, B - 2)
+    H = min(seconds, B - 2)
+    active = np.arange(X)
+    for _ in range(rounds):
+        if active.size == 0:
+            return
+        sub = phy[active]
+        w = (loads[active] / _counts(sub, E))[np.arange(active.size)[:, None, None], sub]  # [A, B, S]
+        load = w.sum(axis=2)
+        above = load > target[active][:, None]
+        keep = above.sum(axis=1) >= 2
+        if not keep.any():
+            return
+        active, sub, w, load, above = active[keep], sub[keep], w[keep], load[keep], above[keep]
+        A = active.size
+        ra = np.arange(A)
+        tgt = target[active]
+        order = np.argsort(-load, axis=1, kind="stable")
+        h1, qs = order[:, 0], order[:, ::-1][:, :Q]  # [A], [A, Q]
+        # Second bins: the least loaded of those above the target (the heaviest excluded).
+        key = np.where(above, load, np.inf)
+        key[ra, h1] = np.inf
+        h2s = np.argsort(key, axis=1, kind="stable")[:, :H]  # [A, H]
+        h2_ok = np.isfinite(np.take_along_axis(key, h2s, axis=1))  # [A, H]
+        a_w, a_k, L1 = w[ra, h1], sub[ra, h1], load[ra, h1]  # [A, S]
+        c_w, c_k, L2 = w[ra[:, None], h2s], sub[ra[:, None], h2s], load[ra[:, None], h2s]  # [A, H, S]
+        b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
+        # Axes: [A, H, Q, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+        aw = a_w[:, None, None, :, None, None]
+        cw = c_w[:, :, None, None, :, None]
+        bw = b_w[:, None, :, None, None, :]
+        n1 = L1[:, None, None, None, None, None] - aw + cw
+        n2 = L2[:, :, None, None, None, None] - cw + bw
+        nq = Lq[:, None, :, None, None, None] - bw + aw
+        t6 = tgt[:, None, None, None, None, None]
+        ok = (n1 <= t6) & (n2 <= t6) & (nq <= t6)
+        ok &= h2_ok[:, :, None, None, None, None]
+        # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
+        in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
+        ok &= ~(in_q.any(axis=3, keepdims=True) & ~in_q)[:, None, :, :, None, :]
+        in_h1 = a_k[:, None, None, :] == c_k[:, :, :, None]  # [A, H, j, i]
+        bad_c = in_h1.any(axis=3, keepdims=True) & ~in_h1  # [A, H, j, i]
+        ok &= ~np.transpose(bad_c, (0, 1, 3, 2))[:, :, None, :, :, None]
+        in_h2 = c_k[:, :, None, None, :] == b_k[:, None, :, :, None]  # [A, H, Q, k, j]
+        bad_b = in_h2.any(axis=4, keepdims=True) & ~in_h2
+        ok &= ~np.transpose(bad_b, (0, 1, 2, 4, 3))[:, :, :, None, :, :]
+        worst = np.maximum(np.maximum(n1, n2), nq)
+        score = np.where(ok, worst, np.inf).reshape(A, -1)
+        best = score.argmin(axis=1)
+        moved = np.isfinite(score[ra, best])
+        if not moved.any():
+            return
+        x = ra[moved]
+        hi_, qi, i, j, k = np.unravel_index(best[moved], (H, Q, S, S, S))
+        h2, q = h2s[x, hi_], qs[x, qi]
+        rows_ = active[x]
+        a_e, c_e, b_e = a_k[x, i], c_k[x, hi_, j], b_k[x, qi, k]
+        phy[rows_, h1[x], i] = c_e
+        phy[rows_, h2, j] = b_e
+        phy[rows_, q, k] = a_e
+        active = active[moved]
 
 
 def swap_improve(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None) -> None:

@@ -206,3 +206,44 @@ def test_replan_keeps_the_mean_and_layer_bounds_on_random_layouts(data: st.DataO
     assert sum(v for k, v in plan.extra.items() if k.startswith("layers_")) == L
     # Every expert keeps a replica; the placement validated on construction.
     assert (plan.logcnt >= 1).all()
+
+
+def test_a_rotation_fixes_two_gpus_with_three_slots() -> None:
+    from eplb.refine import _bin_loads, _counts, rotate_improve
+
+    # Gpus 0 and 1 are 1 above the target of 10; gpu 2 has room. Expert weights: 5, 4, 3, 2, 1.
+    # A rotation: gpu 0 gives 5 to gpu 2, gpu 2 gives 3 to gpu 1, gpu 1 gives 4 to gpu 0.
+    loads = np.array([[5.0, 4.0, 3.0, 6.0, 7.0, 2.0]])
+    phy = np.array([[[0, 3], [1, 4], [2, 5]]])  # loads 11, 11, 5
+    target = np.array([10.0])
+    before = phy.copy()
+    rotate_improve(loads, phy, target)
+    assert (_bin_loads(loads, phy) <= 10.0).all()
+    assert (phy != before).sum() == 3
+    assert (_counts(phy, 6) == _counts(before, 6)).all()
+    assert all(len(set(g)) == 2 for g in phy[0].tolist())
+
+
+@given(data=st.data())
+def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) -> None:
+    from eplb.refine import _bin_loads, _counts, rotate_improve
+
+    B = data.draw(st.integers(3, 8), label="gpus")
+    S = data.draw(st.integers(1, 4), label="slots per gpu")
+    E = data.draw(st.integers(S, B * S), label="experts")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    loads = rng.lognormal(0, 1, (2, E))
+    topo = eplb.Topology(2, E, B * S, B)
+    phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
+    drifted = loads * rng.lognormal(0, 0.3, loads.shape)
+    before = phy.copy()
+    bins = _bin_loads(drifted, phy)
+    target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
+    rotate_improve(drifted, phy, target)
+    after = _bin_loads(drifted, phy)
+    assert (_counts(phy, E) == _counts(before, E)).all()
+    assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
+    # Every bin a rotation touched ends at most at the target; untouched bins keep their load.
+    touched = (phy != before).any(axis=2)
+    assert (after[touched] <= np.repeat(target[:, None], B, axis=1)[touched] + 1e-9).all()
+    assert np.allclose(after[~touched], bins[~touched])
