@@ -111,6 +111,17 @@ def _bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
     return (loads / np.maximum(cnt, 1))[ra, phy].sum(axis=2)
 
 
+def _busiest(loads: np.ndarray, phy: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``loads`` ``[A, E]``, ``phy`` ``[A, B, S]`` → replica counts ``[A, E]``, replica weights
+    ``[A, E]``, bin loads ``[A, B]``, the busiest bin ``[A]`` and its load ``[A]``."""
+    ra = np.arange(phy.shape[0])
+    cnt = _counts(phy, loads.shape[1])
+    w = loads / cnt
+    load = w[ra[:, None, None], phy].sum(axis=2)
+    h = load.argmax(axis=1)
+    return cnt, w, load, h, load[ra, h]
+
+
 def _count_move(
     loads: np.ndarray, phy_all: np.ndarray, rows: np.ndarray, hi: int, donors: int, slack: float = 0.0
 ) -> np.ndarray:
@@ -121,11 +132,7 @@ def _count_move(
     A, B, S = phy.shape
     E = loads.shape[1]
     ra = np.arange(A)
-    cnt = _counts(phy, E)
-    w = loads / cnt
-    load = w[ra[:, None, None], phy].sum(axis=2)  # [A, B]
-    h = load.argmax(axis=1)
-    lmax = load[ra, h]
+    cnt, w, load, h, lmax = _busiest(loads, phy)
     gain = phy[ra, h]  # [A, S] experts on the busiest bin
     c_g = cnt[ra[:, None], gain]
     w_g = loads[ra[:, None], gain] / c_g
@@ -179,11 +186,7 @@ def _count_move_out(
     A, B, S = phy.shape
     E = loads.shape[1]
     ra = np.arange(A)
-    cnt = _counts(phy, E)
-    w = loads / cnt
-    load = w[ra[:, None, None], phy].sum(axis=2)  # [A, B]
-    h = load.argmax(axis=1)
-    lmax = load[ra, h]
+    cnt, w, load, h, lmax = _busiest(loads, phy)
     give = phy[ra, h]  # [A, S] experts on the busiest bin
     c_f = cnt[ra[:, None], give]
     w_f = w[ra[:, None], give]
