@@ -1,7 +1,8 @@
 """Re-planning under drifting and shifting loads: moves and imbalance per re-plan.
 
     python -m eplb_bench.drift_bench [--scales v3-prefill,kimi-64,v3-decode-144] [--steps 20]
-                                     [--tolerance 0.01] [--layer-tolerance 0.05] [--json FILE]
+                                     [--tolerance 0.01] [--layer-tolerance 0.05] [--policy auto]
+                                     [--json FILE]
 
 For each scale and sequence (drift 0.05, drift 0.2, shift; lognormal σ=1 base) it re-plans at
 every snapshot three ways: fresh (no `previous`), migration-aware (`previous=` the last plan,
@@ -10,12 +11,15 @@ share of all slots, the mean and worst imbalance gap to the fresh plan (mean imb
 layers, per re-plan), the worst single layer's gap, the gap right after the shift, and the share
 of gpus above the target ((1 + tolerance) x fresh's busiest gpu of their layer) before each
 re-plan: each of those needs a slot of its own rewritten or one of its experts to gain a replica.
+"floor, counts kept" is a lower bound on the moves of any re-plan that keeps the replica counts
+(``kept_count_floor``); "re-plan ms" the median time of a migration-aware re-plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
 
@@ -23,19 +27,58 @@ import eplb
 from eplb.workloads import SCALES, drift, make_loads, shift
 
 
-def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: float) -> dict:
+def kept_count_floor(kept: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndarray, tolerance: float) -> float:
+    """``kept`` ``[L, G]`` gpu loads of the current placement under the new loads, ``fresh_max``,
+    ``fresh_imb`` ``[L]`` → a lower bound on the slots any re-plan that keeps every replica
+    count must rewrite to bring the mean imbalance within ``(1 + tolerance)`` of fresh's.
+
+    With counts kept the total gpu load stays the same. A gpu above its layer's cap ``T`` must
+    have a slot of its own rewritten; the load it sheds must land on gpus below ``T``, each
+    taking at most its room ``T - load`` and needing a slot rewritten to take anything. So a
+    layer needs at least (gpus above) + (fewest rooms that hold the total excess). Layers may
+    trade balance for moves under the mean bound: the Lagrangian dual over caps on a grid
+    (each layer's bound read at the next grid point up) is a lower bound on the total.
+    """
+    L, G = kept.shape
+    mean = kept.mean(axis=1)
+    grid = np.linspace(0.0, 0.1, 201)
+    caps = fresh_max[:, None] * (1 + grid[None, :])  # [L, K]
+    loads = np.sort(kept, axis=1)  # ascending: rooms from the lightest gpu
+    floor = np.zeros((L, grid.size))
+    for i in range(grid.size):
+        cap = caps[:, min(i + 1, grid.size - 1)][:, None]
+        above = loads > cap
+        excess = np.where(above, loads - cap, 0.0).sum(axis=1)
+        room = np.cumsum(np.maximum(cap - loads, 0.0), axis=1)
+        takers = (room < excess[:, None] - 1e-12).sum(axis=1) + (excess > 0)
+        floor[:, i] = above.sum(axis=1) + takers
+    imb = caps / mean[:, None]
+    keep_imb = kept.max(axis=1) / mean
+    budget = (1 + tolerance) * fresh_imb.sum()
+    best = 0.0
+    for lam in np.concatenate([[0.0], np.logspace(-1, 7, 400)]):
+        # A layer may also stay as it is, at its own imbalance and no moves.
+        val = np.minimum((floor + lam * imb).min(axis=1), lam * keep_imb).sum() - lam * budget
+        best = max(best, val)
+    return best
+
+
+def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: float, policy: str = "auto") -> dict:
     topo = SCALES[scale]
     base = make_loads("lognormal-1.0", topo)
     seq = drift(base, float(name.split("-")[1]), steps) if name.startswith("drift") else shift(base, steps)
     total = topo.num_slots * topo.num_layers
-    prev = eplb.rebalance(seq[0], topo, "auto").placement
+    prev = eplb.rebalance(seq[0], topo, policy).placement
     prev_fresh, prev_ds = prev, eplb.rebalance(seq[0], topo, "deepseek").placement
     rows = []
     for t in range(1, steps):
-        fresh = eplb.rebalance(seq[t], topo, "auto")
+        fresh = eplb.rebalance(seq[t], topo, policy)
+        t0 = time.perf_counter()
         aware = eplb.rebalance(
-            seq[t], topo, "auto", previous=prev, tolerance=tolerance, layer_tolerance=layer_tolerance
+            seq[t], topo, policy, previous=prev, tolerance=tolerance, layer_tolerance=layer_tolerance
         )
+        seconds = time.perf_counter() - t0
+        kept = eplb.gpu_loads(seq[t], prev)
         ds = eplb.rebalance(seq[t], topo, "deepseek", previous=prev_ds)
         rows.append(
             {
@@ -48,15 +91,15 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
                 "gap": aware.mean_imbalance / fresh.mean_imbalance - 1.0,
                 # Gpus above (1 + tolerance) x fresh's busiest before re-planning: each needs one
                 # of its slots rewritten, or one of its experts to gain a replica elsewhere.
-                "over": float(
-                    (eplb.gpu_loads(seq[t], prev) > (1 + tolerance) * fresh.gpu_load.max(axis=1)[:, None]).mean()
-                ),
+                "over": float((kept > (1 + tolerance) * fresh.gpu_load.max(axis=1)[:, None]).mean()),
+                "floor": kept_count_floor(kept, fresh.gpu_load.max(axis=1), fresh.imbalance, tolerance) / total,
+                "seconds": seconds,
                 "layer_gap": float((aware.imbalance / fresh.imbalance).max() - 1.0),
             }
         )
         prev, prev_fresh, prev_ds = aware.placement, fresh.placement, ds.placement
     gaps = np.array([r["gap"] for r in rows])
-    out = {"scale": scale, "sequence": name, "steps": steps, "tolerance": tolerance, "layer_tolerance": layer_tolerance}
+    out = {"scale": scale, "policy": policy, "sequence": name, "steps": steps, "tolerance": tolerance, "layer_tolerance": layer_tolerance}
     for key in (
         "fresh_moves",
         "aware_moves",
@@ -65,8 +108,10 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
         "aware_imbalance",
         "deepseek_imbalance",
         "over",
+        "floor",
     ):
         out[key] = float(np.mean([r[key] for r in rows]))
+    out["replan_seconds"] = float(np.median([r["seconds"] for r in rows]))
     out["gap_mean"], out["gap_max"] = float(gaps.mean()), float(gaps.max())
     out["layer_gap_max"] = max(r["layer_gap"] for r in rows)
     if name == "shift":
@@ -81,25 +126,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--layer-tolerance", type=float, default=0.05)
+    ap.add_argument("--policy", default="auto", help="the policy of every plan but deepseek's (default auto)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [
-        run(s, q, args.steps, args.tolerance, args.layer_tolerance)
+        run(s, q, args.steps, args.tolerance, args.layer_tolerance, args.policy)
         for s in args.scales.split(",")
         for q in args.sequences.split(",")
     ]
     print(
         "| scale | sequence | moves/re-plan: fresh | migration-aware | deepseek | imbalance: fresh | migration-aware "
-        "| deepseek | gap to fresh mean / worst | worst layer gap | gap after shift | gpus over target before |"
+        "| deepseek | gap to fresh mean / worst | worst layer gap | gap after shift | gpus over target before "
+        "| floor, counts kept | re-plan ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         after = f"{r['gap_after_shift'] * 100:.2f} %" if "gap_after_shift" in r else ""
         print(
             f"| {r['scale']} | {r['sequence']} | {r['fresh_moves'] * 100:.1f} % | {r['aware_moves'] * 100:.1f} % | "
             f"{r['deepseek_moves'] * 100:.1f} % | {r['fresh_imbalance']:.4f} | {r['aware_imbalance']:.4f} | "
             f"{r['deepseek_imbalance']:.4f} | {r['gap_mean'] * 100:.2f} % / {r['gap_max'] * 100:.2f} % | "
-            f"{r['layer_gap_max'] * 100:.2f} % | {after} | {r['over'] * 100:.1f} % |"
+            f"{r['layer_gap_max'] * 100:.2f} % | {after} | {r['over'] * 100:.1f} % | {r['floor'] * 100:.1f} % | "
+            f"{r['replan_seconds'] * 1e3:.0f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .repair import chain_improve, count_repair
 from .metrics import gpu_loads, imbalance
 from .placement import Placement
-from .refine import _counts, refine_counts, rotate_improve, swap_improve
+from .refine import _bin_loads, _counts, refine_counts, rotate_improve, swap_improve
 from .replicate import replica_cap, waterfill
 from .topology import Topology
 
@@ -199,18 +200,49 @@ def _repair_rows(
             counts = waterfill(row_loads, bins * S, cap)
         recount, ok = _recount(row_loads, phy, counts)
         cand = np.where(ok[:, None, None], recount, phy)
-    everything = np.arange(rows)
-    # Rotations fix two gpus above the target with three rewritten slots, swaps one with two.
-    if _distinct_per_bin(cand):
-        rotate_improve(row_loads, cand, tgt)
-    swap_improve(row_loads, cand, everything, 64, tgt)
+    # Three orders, the best per row: rotations first (two bins above the target fixed with
+    # three slots), ejection chains first (k bins with k + 1), or count moves that relieve
+    # every gpu of an expert that grew (one slot, see ``eplb.repair``) before the chains; each
+    # then swaps (one bin with two) and count moves. Chains use the room below the target
+    # tightly and can strand a bin far above it that then costs several swaps, and count moves
+    # can leave donors' gpus in the way, so no order wins every row (measured).
+    outs = [_finish(row_loads, cand.copy(), tgt, cap, chains=False)]
+    outs.append(_finish(row_loads, cand.copy(), tgt, cap, chains=True))
+    counted = outs[1].copy()
     if cap is not None and _distinct_per_bin(cand):
-        cand = refine_counts(row_loads, cand, cap, iterations=32, target=tgt)
-        swap_improve(row_loads, cand, everything, 64, tgt)
+        c = cand.copy()
+        count_repair(row_loads, c, tgt, cap)
+        # Rows without a count move would only repeat the chains-first order.
+        moved = np.flatnonzero((c != cand).any(axis=(1, 2)))
+        if moved.size:
+            counted[moved] = _finish(row_loads[moved], c[moved], tgt[moved], cap, chains=True)
+    outs.append(counted)
+    score = []
+    for c in outs:
+        # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin.
+        busiest = _bin_loads(row_loads, c).max(axis=1)
+        moved_slots = (c != phy).sum(axis=(1, 2))
+        score.append((busiest > tgt * (1 + _REL_TOL)) * 1e9 + moved_slots + busiest / (busiest.max() + 1e-300))
+    cand = np.stack(outs)[np.argmin(np.stack(score), axis=0), np.arange(rows)]
     if node_exp is not None:
         cand = np.take_along_axis(node_exp, cand.reshape(rows, -1), axis=1)
     # A run of swaps can take an expert off a gpu and bring it back to another slot.
     return _align_slots(cand.reshape(-1, S), prev.reshape(-1, S)).reshape(L, t.num_slots)
+
+
+def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool) -> np.ndarray:
+    """``c`` ``[R, B, S]`` repaired towards ``tgt`` ``[R]``: chains (or not), rotations, swaps,
+    count moves and swaps again."""
+    if _distinct_per_bin(c):
+        if chains:
+            chain_improve(loads, c, tgt)
+        rotate_improve(loads, c, tgt)
+    everything = np.arange(c.shape[0])
+    swap_improve(loads, c, everything, 64, tgt)
+    if cap is not None and _distinct_per_bin(c):
+        c = refine_counts(loads, c, cap, iterations=32, target=tgt)
+        swap_improve(loads, c, everything, 64, tgt)
+    return c
 
 
 def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray) -> np.ndarray | None:

@@ -247,3 +247,97 @@ def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) ->
     touched = (phy != before).any(axis=2)
     assert (after[touched] <= np.repeat(target[:, None], B, axis=1)[touched] + 1e-9).all()
     assert np.allclose(after[~touched], bins[~touched])
+
+
+def test_an_ejection_chain_fixes_three_gpus_with_four_slots() -> None:
+    from eplb.repair import chain_improve
+    from eplb.refine import _bin_loads, _counts
+
+    # Target 20. Gpu 0 (load 10) has room 10; gpus 1, 2, 3 are 1, 2 and 3 above the target.
+    # The chain: gpu 0 gives 1 to gpu 1, gpu 1 gives 3 to gpu 2, gpu 2 gives 6 to gpu 3 and
+    # gpu 3 gives 9.5 to gpu 0: four slots for three gpus (swaps would take six).
+    loads = np.array([[1.0, 9.0, 3.0, 18.0, 6.0, 16.0, 9.5, 13.5]])
+    phy = np.array([[[0, 1], [2, 3], [4, 5], [6, 7]]])
+    before = phy.copy()
+    chain_improve(loads, phy, np.array([20.0]))
+    assert (_bin_loads(loads, phy) <= 20.0).all()
+    assert (phy != before).sum() == 4
+    assert phy[0].tolist() == [[6, 1], [0, 3], [2, 5], [4, 7]]
+    assert (_counts(phy, 8) == _counts(before, 8)).all()
+
+
+@given(data=st.data())
+def test_chains_fix_gpus_for_at_most_one_and_a_half_slots_each(data: st.DataObject) -> None:
+    from eplb.repair import chain_improve
+    from eplb.refine import _bin_loads, _counts
+
+    B = data.draw(st.integers(3, 10), label="gpus")
+    S = data.draw(st.integers(1, 4), label="slots per gpu")
+    E = data.draw(st.integers(S, B * S), label="experts")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    loads = rng.lognormal(0, 1, (2, E))
+    topo = eplb.Topology(2, E, B * S, B)
+    phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
+    drifted = loads * rng.lognormal(0, 0.3, loads.shape)
+    before = phy.copy()
+    bins = _bin_loads(drifted, phy)
+    target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
+    chain_improve(drifted, phy, target)
+    after = _bin_loads(drifted, phy)
+    assert (_counts(phy, E) == _counts(before, E)).all()
+    assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
+    tgt = np.repeat(target[:, None], B, axis=1)
+    touched = (phy != before).any(axis=2)
+    # Touched bins end at most at the target, untouched ones keep their load; each chain of
+    # k >= 2 bins above the target rewrites k + 1 slots.
+    assert (after[touched] <= tgt[touched] * (1 + 1e-9)).all()
+    assert np.allclose(after[~touched], bins[~touched])
+    fixed = ((bins > tgt * (1 + 1e-12)) & (after <= tgt * (1 + 1e-9))).sum()
+    assert (phy != before).sum() <= 1.5 * fixed
+
+
+def test_one_count_move_fixes_every_gpu_of_an_expert_that_grew() -> None:
+    from eplb.refine import _bin_loads, _counts
+    from eplb.repair import count_repair
+
+    # Expert 0 (30) has three replicas on gpus 0-2, each 1.2 above the target of 10. Writing a
+    # fourth over one of expert 1's two replicas brings all three under it with one slot
+    # (swaps would rewrite six).
+    loads = np.array([[30.0, 4.0, 1.2, 1.2, 1.2, 2.0, 2.0]])
+    phy = np.array([[[0, 2], [0, 3], [0, 4], [1, 5], [1, 6]]])
+    before = phy.copy()
+    count_repair(loads, phy, np.array([10.0]), cap=5)
+    assert (_bin_loads(loads, phy) <= 10.0).all()
+    assert (phy != before).sum() == 1
+    assert _counts(phy, 7)[0, :2].tolist() == [4, 1]
+
+
+@given(data=st.data())
+def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
+    from eplb.refine import _bin_loads, _counts
+    from eplb.replicate import replica_cap
+    from eplb.repair import count_repair
+
+    B = data.draw(st.integers(2, 10), label="gpus")
+    S = data.draw(st.integers(2, 4), label="slots per gpu")
+    E = data.draw(st.integers(S, B * S - 1), label="experts")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    loads = rng.lognormal(0, 1, (2, E))
+    topo = eplb.Topology(2, E, B * S, B)
+    phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
+    drifted = loads * rng.lognormal(0, 0.5, loads.shape)
+    before = phy.copy()
+    bins = _bin_loads(drifted, phy)
+    target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
+    count_repair(drifted, phy, target, replica_cap(E, B * S, B))
+    after = _bin_loads(drifted, phy)
+    cnt = _counts(phy, E)
+    assert (cnt >= 1).all() and (cnt.sum(axis=1) == B * S).all()
+    assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
+    # Each rewritten slot is a count move that left at least one gpu fewer above the target,
+    # and the excess above it only shrank.
+    over = lambda x: (x > target[:, None] * (1 + 1e-12)).sum(axis=1)  # noqa: E731
+    moved = (phy != before).sum(axis=(1, 2))
+    assert (over(after) <= over(bins) - moved).all()
+    excess = lambda x: np.maximum(x - target[:, None] * (1 + 1e-12), 0).sum(axis=1)  # noqa: E731
+    assert (excess(after) <= excess(bins) + 1e-9).all()

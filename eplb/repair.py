@@ -1,0 +1,190 @@
+"""Ejection chains: ``k`` bins above a target brought under it by ``k + 1`` rewritten slots.
+
+With the replica counts fixed, every bin above the target needs one of its slots rewritten,
+and the load it sheds must land on bins below the target, each of which then needs a slot
+rewritten too. A swap pays two slots per bin fixed, a three-slot rotation 1.5. A chain pays
+``1 + 1/k``: a light bin ``u`` hands its lightest item ``b`` to the first bin above the
+target, which hands an item heavier by at least its excess to the second, and so on; the
+last hands its item to ``u``. Each bin above the target sheds its excess, and ``u`` takes
+the sum of all of them, so a chain runs while that sum fits under ``u``'s room.
+
+Building one is greedy: each next bin is the one (among those above the target and not yet
+in the chain) offering the item that sheds its excess with the least to spare, which keeps
+the chain low and long. The chain is cut back to its longest prefix whose last item may go to ``u``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .refine import _counts
+
+__all__ = ["chain_improve", "count_repair"]
+
+_REL_TOL = 1e-12
+
+
+def chain_improve(loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, min_length: int = 2) -> None:
+    """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (at most one replica of an expert per bin, in
+    place), ``target`` ``[X]``: ejection chains that bring bins above the target under it,
+    counts unchanged. Each round every row with bins above its target makes one chain of at
+    least ``min_length`` bins above it (shorter ones are rotations' and swaps' business); a
+    row stops when it finds none."""
+    X, B, S = phy.shape
+    if B < 3 or S < 1:
+        return
+    E = loads.shape[1]
+    active = np.arange(X)
+    for _ in range(rounds):
+        if active.size == 0:
+            return
+        sub = phy[active]
+        A = active.size
+        ra = np.arange(A)
+        w = (loads[active] / np.maximum(_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
+        load = w.sum(axis=2)
+        tgt = target[active] * (1 + _REL_TOL)
+        excess = load - tgt[:, None]
+        above = excess > 0
+        # Presence of each expert on each bin, to keep one replica of an expert per bin.
+        has = np.zeros((A, B, E), dtype=bool)
+        has[ra[:, None, None], np.arange(B)[None, :, None], sub] = True
+        u = load.argmin(axis=1)
+        room = tgt - load[ra, u]
+        k0 = w[ra, u].argmin(axis=1)
+        b_w, b_e = w[ra, u, k0], sub[ra, u, k0]
+        cur_w, cur_e = b_w.copy(), b_e.copy()
+        free = above.copy()
+        steps_g = np.zeros((A, B), dtype=np.int64)
+        steps_s = np.zeros((A, B), dtype=np.int64)
+        best_len = np.zeros(A, dtype=np.int64)
+        going = above.any(axis=1) & (room > 0)
+        n = 0
+        while going.any() and n < B:
+            # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
+            # incoming expert.
+            ok = free[:, :, None] & (w >= cur_w[:, None, None] + excess[:, :, None])
+            ok &= (w - b_w[:, None, None]) <= room[:, None, None]
+            ok &= ~has[ra, :, cur_e][:, :, None]
+            ok &= going[:, None, None]
+            # The item that sheds the excess with the least to spare first: the room below
+            # the target is what limits a chain (measured: fewer slots than the lightest item).
+            waste = w - cur_w[:, None, None] - excess[:, :, None]
+            score = np.where(ok, waste - 1e-6 * excess[:, :, None], np.inf).reshape(A, -1)
+            pick = score.argmin(axis=1)
+            found = np.isfinite(score[ra, pick])
+            going &= found
+            g, s = np.divmod(pick, S)
+            steps_g[going, n], steps_s[going, n] = g[going], s[going]
+            nxt_e = sub[ra, g, s]
+            cur_w = np.where(going, w[ra, g, s], cur_w)
+            cur_e = np.where(going, nxt_e, cur_e)
+            free[ra[going], g[going]] = False
+            n += 1
+            # The chain closes when u may take the last item.
+            closes = going & ~has[ra, u, cur_e]
+            best_len[closes] = n
+        made = best_len >= min_length
+        if not made.any():
+            return
+        for a in np.flatnonzero(made):
+            row, k = active[a], best_len[a]
+            gs, ss = steps_g[a, :k], steps_s[a, :k]
+            items = sub[a, gs, ss]
+            phy[row, gs[0], ss[0]] = b_e[a]
+            phy[row, gs[1:], ss[1:]] = items[:-1]
+            phy[row, u[a], k0[a]] = items[-1]
+        active = active[made]
+
+
+def count_repair(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    target: np.ndarray,
+    cap: int,
+    rounds: int = 16,
+    gainers: int = 8,
+    donors: int = 8,
+    min_fixed: int = 1,
+) -> None:
+    """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (in place), ``target`` ``[X]``: count moves that
+    bring bins above the target under it for one rewritten slot each.
+
+    A count move writes a replica of ``h`` over a replica of a donor ``f`` on bin ``q``: every
+    bin holding ``h`` sheds ``w_h / (c_h (c_h + 1))`` at once, those holding ``f`` take
+    ``w_f / (c_f (c_f - 1))``. When the bins above the target share a hot expert that grew, one
+    slot relieves them all; no swap or chain does that. Gainers are the experts with the most
+    excess they could relieve, donors those whose bins have the most room for what they would
+    take. Each round every row makes the move that leaves the fewest bins above the target
+    (then the least excess), if that is at least ``min_fixed`` fewer and the excess drops;
+    ``h`` stays within ``cap`` replicas."""
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    if B < 2 or cap < 2:
+        return
+    active = np.arange(X)
+    H, D = min(gainers, E), min(donors, E)
+    for _ in range(rounds):
+        if active.size == 0:
+            return
+        sub = phy[active]
+        A = active.size
+        ra = np.arange(A)
+        lo = loads[active]
+        cnt = _counts(sub, E)
+        w = lo / np.maximum(cnt, 1)
+        load = w[ra[:, None, None], sub].sum(axis=2)  # [A, B]
+        tgt = (target[active] * (1 + _REL_TOL))[:, None]
+        excess = np.maximum(load - tgt, 0.0)
+        n_over = (excess > 0).sum(axis=1)
+        flat = (ra[:, None, None] * E + sub).ravel()  # each slot's (row, expert)
+
+        def per_expert(per_slot: np.ndarray) -> np.ndarray:
+            return np.bincount(flat, weights=per_slot.ravel(), minlength=A * E).reshape(A, E)
+
+        # Gainers: relief each could give to the bins above the target.
+        shed = np.where(cnt < cap, lo / np.maximum(cnt, 1) - lo / (cnt + 1), 0.0)  # [A, E]
+        relief = per_expert(np.minimum(excess[:, :, None], shed[ra[:, None, None], sub]))
+        gain = np.argsort(-relief, axis=1, kind="stable")[:, :H]  # [A, H]
+        # Donors: replicated experts whose bins would go least above the target.
+        take = np.where(cnt >= 2, lo / np.maximum(cnt - 1, 1) - w, 0.0)  # [A, E]
+        harm = per_expert(np.maximum(load[:, :, None] + take[ra[:, None, None], sub] - tgt[:, :, None], 0.0))
+        harm = np.where(cnt >= 2, harm + 1e-9 * take, np.inf)
+        don = np.argsort(harm, axis=1, kind="stable")[:, :D]  # [A, D]
+        d_h = shed[ra[:, None], gain]  # [A, H]
+        t_f = take[ra[:, None], don]  # [A, D]
+        t_ok = np.isfinite(harm[ra[:, None], don])  # fewer than D replicated experts: no donors
+        Hh = (sub[:, None] == gain[:, :, None, None]).any(axis=3)  # [A, H, B]: bin holds gainer
+        Hf = (sub[:, None] == don[:, :, None, None]).any(axis=3)  # [A, D, B]: bin holds donor
+        new = (
+            load[:, None, None, :]
+            - d_h[:, :, None, None] * Hh[:, :, None, :]
+            + np.where(Hf[:, None, :, :], t_f[:, None, :, None], 0.0)
+        )  # [A, H, D, B], before q's own change
+        over_new = np.maximum(new - tgt[:, :, None, None], 0.0)
+        tot = over_new.sum(axis=3, keepdims=True)
+        cnt_over = (over_new > 0).sum(axis=3, keepdims=True)
+        # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
+        w_h_new = (lo[ra[:, None], gain] / (cnt[ra[:, None], gain] + 1))[:, :, None, None]
+        w_f = w[ra[:, None], don][:, None, :, None]
+        at_q = new - t_f[:, None, :, None] - w_f + w_h_new
+        q_over = np.maximum(at_q - tgt[:, :, None, None], 0.0)
+        tot_q = tot - over_new + q_over  # [A, H, D, B]: with q = each bin
+        cnt_q = cnt_over - (over_new > 0) + (q_over > 0)
+        ok = Hf[:, None, :, :] & ~Hh[:, :, None, :]
+        ok &= (gain[:, :, None] != don[:, None, :])[:, :, :, None]
+        ok &= (d_h > 0)[:, :, None, None] & t_ok[:, None, :, None]
+        ok &= cnt_q <= (n_over - min_fixed)[:, None, None, None]
+        ok &= tot_q < excess.sum(axis=1)[:, None, None, None] * (1 - 1e-9)
+        scale = excess.sum(axis=1).max() + 1.0
+        score = np.where(ok, cnt_q + tot_q / scale, np.inf).reshape(A, -1)
+        best = score.argmin(axis=1)
+        moved = np.isfinite(score[ra, best])
+        if not moved.any():
+            return
+        a = ra[moved]
+        hi, di, q = np.unravel_index(best[moved], (H, D, B))
+        h, f = gain[a, hi], don[a, di]
+        slot = (sub[a, q] == f[:, None]).argmax(axis=1)
+        phy[active[a], q, slot] = h
+        active = active[moved]
