@@ -27,7 +27,9 @@ import eplb
 from eplb.workloads import SCALES, drift, make_loads, shift
 
 
-def kept_count_floor(kept: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndarray, tolerance: float) -> float:
+def kept_count_floor(
+    kept: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndarray, tolerance: float, nodes: int = 1, regroup: float = np.inf
+) -> float:
     """``kept`` ``[L, G]`` gpu loads of the current placement under the new loads, ``fresh_max``,
     ``fresh_imb`` ``[L]`` → a lower bound on the slots any re-plan that keeps every replica
     count must rewrite to bring the mean imbalance within ``(1 + tolerance)`` of fresh's.
@@ -35,23 +37,27 @@ def kept_count_floor(kept: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndar
     With counts kept the total gpu load stays the same. A gpu above its layer's cap ``T`` must
     have a slot of its own rewritten; the load it sheds must land on gpus below ``T``, each
     taking at most its room ``T - load`` and needing a slot rewritten to take anything. So a
-    layer needs at least (gpus above) + (fewest rooms that hold the total excess). Layers may
-    trade balance for moves under the mean bound: the Lagrangian dual over caps on a grid
-    (each layer's bound read at the next grid point up) is a lower bound on the total.
+    layer needs at least (gpus above) + (fewest rooms that hold the total excess). For plans
+    that keep groups whole on nodes (``nodes`` > 1) replicas stay in their node, so that holds
+    node by node, and a layer that cannot reach ``T`` that way must move groups between nodes:
+    at least ``regroup`` slots (every replica of two groups' experts). Layers may trade balance
+    for moves under the mean bound: the Lagrangian dual over caps on a grid (each layer's bound
+    read at the next grid point up) is a lower bound on the total.
     """
     L, G = kept.shape
     mean = kept.mean(axis=1)
     grid = np.linspace(0.0, 0.1, 201)
     caps = fresh_max[:, None] * (1 + grid[None, :])  # [L, K]
-    loads = np.sort(kept, axis=1)  # ascending: rooms from the lightest gpu
+    loads = np.sort(kept.reshape(L, nodes, G // nodes), axis=2)  # ascending: rooms from the lightest gpu
     floor = np.zeros((L, grid.size))
     for i in range(grid.size):
-        cap = caps[:, min(i + 1, grid.size - 1)][:, None]
+        cap = caps[:, min(i + 1, grid.size - 1)][:, None, None]
         above = loads > cap
-        excess = np.where(above, loads - cap, 0.0).sum(axis=1)
-        room = np.cumsum(np.maximum(cap - loads, 0.0), axis=1)
-        takers = (room < excess[:, None] - 1e-12).sum(axis=1) + (excess > 0)
-        floor[:, i] = above.sum(axis=1) + takers
+        excess = np.where(above, loads - cap, 0.0).sum(axis=2)  # [L, N]
+        room = np.cumsum(np.maximum(cap - loads, 0.0), axis=2)
+        takers = (room < excess[:, :, None] - 1e-12).sum(axis=2) + (excess > 0)
+        within = np.where(room[:, :, -1] >= excess - 1e-12, above.sum(axis=2) + takers, np.inf).sum(axis=1)
+        floor[:, i] = np.minimum(within, regroup)
     imb = caps / mean[:, None]
     keep_imb = kept.max(axis=1) / mean
     budget = (1 + tolerance) * fresh_imb.sum()
@@ -70,6 +76,9 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
     total = topo.num_slots * topo.num_layers
     prev = eplb.rebalance(seq[0], topo, policy).placement
     prev_fresh, prev_ds = prev, eplb.rebalance(seq[0], topo, "deepseek").placement
+    # Plans that keep groups whole on nodes: the floor holds node by node, or two groups move.
+    hier = eplb.rebalance(seq[0], topo, policy).policy_used == "hierarchical"
+    by_node = (topo.num_nodes, 2.0 * topo.num_experts / topo.num_groups) if hier else (1, np.inf)
     rows = []
     for t in range(1, steps):
         fresh = eplb.rebalance(seq[t], topo, policy)
@@ -92,7 +101,8 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
                 # Gpus above (1 + tolerance) x fresh's busiest before re-planning: each needs one
                 # of its slots rewritten, or one of its experts to gain a replica elsewhere.
                 "over": float((kept > (1 + tolerance) * fresh.gpu_load.max(axis=1)[:, None]).mean()),
-                "floor": kept_count_floor(kept, fresh.gpu_load.max(axis=1), fresh.imbalance, tolerance) / total,
+                "floor": kept_count_floor(kept, fresh.gpu_load.max(axis=1), fresh.imbalance, tolerance, *by_node)
+                / total,
                 "seconds": seconds,
                 "layer_gap": float((aware.imbalance / fresh.imbalance).max() - 1.0),
             }

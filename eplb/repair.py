@@ -28,8 +28,9 @@ def chain_improve(loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (at most one replica of an expert per bin, in
     place), ``target`` ``[X]``: ejection chains that bring bins above the target under it,
     counts unchanged. Each round every row with bins above its target makes one chain of at
-    least ``min_length`` bins above it (shorter ones are rotations' and swaps' business); a
-    row stops when it finds none."""
+    least ``min_length`` bins above it (shorter ones are rotations' and swaps' business),
+    starting from its lightest bin (measured: trying the three lightest and keeping the longest
+    chain saves nothing); a row stops when it finds none."""
     X, B, S = phy.shape
     if B < 3 or S < 1:
         return
@@ -43,58 +44,65 @@ def chain_improve(loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds
         ra = np.arange(A)
         w = (loads[active] / np.maximum(_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
         load = w.sum(axis=2)
-        tgt = target[active] * (1 + _REL_TOL)
-        excess = load - tgt[:, None]
-        above = excess > 0
+        excess = load - (target[active] * (1 + _REL_TOL))[:, None]
         # Presence of each expert on each bin, to keep one replica of an expert per bin.
         has = np.zeros((A, B, E), dtype=bool)
         has[ra[:, None, None], np.arange(B)[None, :, None], sub] = True
-        u = load.argmin(axis=1)
-        room = tgt - load[ra, u]
-        k0 = w[ra, u].argmin(axis=1)
-        b_w, b_e = w[ra, u, k0], sub[ra, u, k0]
-        cur_w, cur_e = b_w.copy(), b_e.copy()
-        free = above.copy()
-        steps_g = np.zeros((A, B), dtype=np.int64)
-        steps_s = np.zeros((A, B), dtype=np.int64)
-        best_len = np.zeros(A, dtype=np.int64)
-        going = above.any(axis=1) & (room > 0)
-        n = 0
-        while going.any() and n < B:
-            # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
-            # incoming expert.
-            ok = free[:, :, None] & (w >= cur_w[:, None, None] + excess[:, :, None])
-            ok &= (w - b_w[:, None, None]) <= room[:, None, None]
-            ok &= ~has[ra, :, cur_e][:, :, None]
-            ok &= going[:, None, None]
-            # The item that sheds the excess with the least to spare first: the room below
-            # the target is what limits a chain (measured: fewer slots than the lightest item).
-            waste = w - cur_w[:, None, None] - excess[:, :, None]
-            score = np.where(ok, waste - 1e-6 * excess[:, :, None], np.inf).reshape(A, -1)
-            pick = score.argmin(axis=1)
-            found = np.isfinite(score[ra, pick])
-            going &= found
-            g, s = np.divmod(pick, S)
-            steps_g[going, n], steps_s[going, n] = g[going], s[going]
-            nxt_e = sub[ra, g, s]
-            cur_w = np.where(going, w[ra, g, s], cur_w)
-            cur_e = np.where(going, nxt_e, cur_e)
-            free[ra[going], g[going]] = False
-            n += 1
-            # The chain closes when u may take the last item.
-            closes = going & ~has[ra, u, cur_e]
-            best_len[closes] = n
-        made = best_len >= min_length
+        length, gs_all, ss_all, u, k0 = _chain(w, sub, has, excess, load.argmin(axis=1))
+        made = length >= min_length
         if not made.any():
             return
         for a in np.flatnonzero(made):
-            row, k = active[a], best_len[a]
-            gs, ss = steps_g[a, :k], steps_s[a, :k]
+            row, k = active[a], length[a]
+            gs, ss = gs_all[a, :k], ss_all[a, :k]
             items = sub[a, gs, ss]
-            phy[row, gs[0], ss[0]] = b_e[a]
+            phy[row, gs[0], ss[0]] = sub[a, u[a], k0[a]]
             phy[row, gs[1:], ss[1:]] = items[:-1]
             phy[row, u[a], k0[a]] = items[-1]
         active = active[made]
+
+
+def _chain(
+    w: np.ndarray, sub: np.ndarray, has: np.ndarray, excess: np.ndarray, u: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """One chain per row from bin ``u`` ``[A]`` (weights ``w`` and experts ``sub`` ``[A, B, S]``,
+    presence ``has`` ``[A, B, E]``, ``excess`` ``[A, B]`` over the target) → its length ``[A]``
+    (0: none closes), the bins and slots along it ``[A, B]``, ``u`` and the slot of ``u``'s
+    item ``[A]``."""
+    A, B, S = w.shape
+    ra = np.arange(A)
+    room = -excess[ra, u]
+    k0 = w[ra, u].argmin(axis=1)
+    b_w = w[ra, u, k0]
+    cur_w, cur_e = b_w.copy(), sub[ra, u, k0]
+    free = excess > 0
+    steps_g = np.zeros((A, B), dtype=np.int64)
+    steps_s = np.zeros((A, B), dtype=np.int64)
+    length = np.zeros(A, dtype=np.int64)
+    going = free.any(axis=1) & (room > 0)
+    n = 0
+    while going.any() and n < B:
+        # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
+        # incoming expert.
+        ok = free[:, :, None] & (w >= cur_w[:, None, None] + excess[:, :, None])
+        ok &= (w - b_w[:, None, None]) <= room[:, None, None]
+        ok &= ~has[ra, :, cur_e][:, :, None]
+        ok &= going[:, None, None]
+        # The item that sheds the excess with the least to spare first: the room below the
+        # target is what limits a chain (measured: fewer slots than the lightest item).
+        waste = w - cur_w[:, None, None] - excess[:, :, None]
+        score = np.where(ok, waste - 1e-6 * excess[:, :, None], np.inf).reshape(A, -1)
+        pick = score.argmin(axis=1)
+        going &= np.isfinite(score[ra, pick])
+        g, s = np.divmod(pick, S)
+        steps_g[going, n], steps_s[going, n] = g[going], s[going]
+        cur_w = np.where(going, w[ra, g, s], cur_w)
+        cur_e = np.where(going, sub[ra, g, s], cur_e)
+        free[ra[going], g[going]] = False
+        n += 1
+        # The chain closes when u may take the last item.
+        length[going & ~has[ra, u, cur_e]] = n
+    return length, steps_g, steps_s, u, k0
 
 
 def count_repair(
