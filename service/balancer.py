@@ -427,7 +427,8 @@ class Balancer:
         current = await self.store.placement(name)
         previous = eplb.Placement(arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots)), topo)
         # Planning v3-sized models takes milliseconds to seconds; keep the event loop serving.
-        plan, before = await asyncio.to_thread(self._solve, loads, topo, policy, previous)
+        options = codec.migration_options(local.deployment.migration, policy)
+        plan, before = await asyncio.to_thread(self._solve, loads, topo, policy, previous, options)
         stats = codec.plan_stats(plan, before)
         candidate = pb.Placement(deployment=name, phy2log=arrays.encode(plan.phy2log), stats=stats)
         candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
@@ -460,10 +461,13 @@ class Balancer:
         return response
 
     @staticmethod
-    def _solve(loads: np.ndarray, topo: eplb.Topology, policy: str, previous: eplb.Placement) -> tuple[eplb.Plan, float]:
-        """``loads``: ``[L, E]`` → the plan (migration-aware via ``previous=``) and the current mean imbalance."""
+    def _solve(
+        loads: np.ndarray, topo: eplb.Topology, policy: str, previous: eplb.Placement, options: dict[str, float]
+    ) -> tuple[eplb.Plan, float]:
+        """``loads``: ``[L, E]`` → the plan (migration-aware via ``previous=``, within the deployment's
+        ``options``: tolerance, layer_tolerance) and the current mean imbalance."""
         before = float(eplb.imbalance(eplb.gpu_loads(loads, previous)).mean())
-        return eplb.rebalance(loads, topo, policy, previous=previous), before
+        return eplb.rebalance(loads, topo, policy, previous=previous, **options), before
 
     async def _flush(self, local: _Local, now: float) -> None:
         local.dirty = False
@@ -489,6 +493,9 @@ class Balancer:
         topo = codec.topology_from(request.topology, "topology")
         policy = codec.check_policy(request.policy, "policy")
         loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
+        violations = codec.check_migration(request.migration, policy, "migration")
+        if violations:
+            raise InvalidArgument(violations)
         previous = None
         if request.HasField("previous_phy2log"):
             prev = arrays.decode(request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
@@ -496,7 +503,8 @@ class Balancer:
                 previous = eplb.Placement(prev, topo)
             except ValueError as exc:
                 raise InvalidArgument(FieldViolation("previous_phy2log", str(exc))) from None
-        plan = eplb.rebalance(loads, topo, policy, previous=previous)
+        options = codec.migration_options(request.migration, policy) if previous is not None else {}
+        plan = eplb.rebalance(loads, topo, policy, previous=previous, **options)
         before = float(eplb.imbalance(eplb.gpu_loads(loads, previous or eplb.Placement.contiguous(topo))).mean())
         return pb.ComputePlacementResponse(phy2log=arrays.encode(plan.phy2log), logcnt=arrays.encode(plan.logcnt),
                                            stats=codec.plan_stats(plan, before))

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import eplb
+from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import FieldViolation, InvalidArgument
 from .trigger import TriggerSpec
 from .windows import WindowSpec
 
-__all__ = ["check_deployment", "check_policy", "topology_from", "topology_to", "window_spec", "trigger_spec", "check_name", "plan_stats"]
+__all__ = ["check_deployment", "check_policy", "check_migration", "migration_options", "topology_from", "topology_to", "window_spec", "trigger_spec", "check_name", "plan_stats"]
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
@@ -52,6 +54,34 @@ def check_policy(policy: str, field: str) -> str:
     return policy
 
 
+# Policies that re-plan migration-aware (eplb.rebalance's tolerance and layer_tolerance); the
+# others take no such options and re-plan from scratch.
+MIGRATION_POLICIES = ("auto", "global", "hierarchical")
+
+
+def check_migration(msg: pb.Migration, policy: str, field: str) -> list[FieldViolation]:
+    """Field violations of a ``Migration`` for ``policy`` (empty when it is valid)."""
+    out = []
+    for name in ("tolerance", "layer_tolerance"):
+        if not msg.HasField(name):
+            continue
+        value = getattr(msg, name)
+        if policy not in MIGRATION_POLICIES:
+            out.append(FieldViolation(f"{field}.{name}", f"policy {policy!r} re-plans from scratch; "
+                                      f"set only for {', '.join(MIGRATION_POLICIES)}"))
+        elif not (math.isfinite(value) and value >= 0):
+            out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
+    return out
+
+
+def migration_options(msg: pb.Migration, policy: str) -> dict[str, float]:
+    """A checked ``Migration`` → ``eplb.rebalance`` keyword options (only those it sets, and none
+    for policies that re-plan from scratch)."""
+    if policy not in MIGRATION_POLICIES:
+        return {}
+    return {name: getattr(msg, name) for name in ("tolerance", "layer_tolerance") if msg.HasField(name)}
+
+
 def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deployment:
     """Validates a deployment to create and returns it normalized (defaults filled in)."""
     out = pb.Deployment()
@@ -82,6 +112,13 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
             out.window.sliding.buckets = 10
     elif msg.window.decay.half_life.ToNanoseconds() <= 0:
         violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
+    violations += check_migration(msg.migration, out.policy, f"{field}.migration")
+    if out.policy in MIGRATION_POLICIES:
+        # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
+        if not out.migration.HasField("tolerance"):
+            out.migration.tolerance = DEFAULT_TOLERANCE
+        if not out.migration.HasField("layer_tolerance"):
+            out.migration.layer_tolerance = DEFAULT_LAYER_TOLERANCE
     t = msg.trigger
     if t.interval.ToNanoseconds() < 0:
         violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))

@@ -103,6 +103,13 @@ CREATE_CASES = [
     ("bad name", dict(name="has space"), "deployment.name"),
     ("gain out of range", dict(trigger=pb.Trigger(min_gain_percent=150)), "deployment.trigger.min_gain_percent"),
     ("empty sliding window", dict(window=pb.Window(sliding=pb.SlidingWindow())), "deployment.window.sliding"),
+    ("negative tolerance", dict(migration=pb.Migration(tolerance=-0.1)), "deployment.migration.tolerance"),
+    ("tolerance not a number", dict(migration=pb.Migration(layer_tolerance=float("nan"))), "deployment.migration.layer_tolerance"),
+    (
+        "migration bounds for a from-scratch policy",
+        dict(policy="deepseek", migration=pb.Migration(tolerance=0.02)),
+        "deployment.migration.tolerance",
+    ),
 ]
 
 
@@ -161,6 +168,17 @@ async def test_compute_placement_rejects_bad_loads(primed):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await c.stub.ComputePlacement(req)
     assert info.value.code() == INVALID and [f for f, _ in status_details(info.value)] == ["loads.shape"]
+
+
+async def test_compute_placement_rejects_bad_migration_bounds(primed):
+    _, c = primed
+    req = pb.ComputePlacementRequest(
+        topology=small_deployment().topology, loads=arr(np.ones((L, E))), migration=pb.Migration(tolerance=-1.0)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.ComputePlacement(req)
+    assert info.value.code() == INVALID
+    assert [f for f, _ in status_details(info.value)] == ["migration.tolerance"]
 
 
 async def test_oversize_message_is_resource_exhausted(serve, connect, prefix):

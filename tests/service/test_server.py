@@ -63,6 +63,46 @@ async def test_compute_placement_matches_the_core(serve, connect):
     assert out.stats.policy_used == "global" and out.stats.moves == 0
 
 
+async def test_compute_placement_keeps_previous_within_the_migration_bounds(serve, connect):
+    server = await serve()
+    c = connect(server)
+    topo = eplb.Topology(4, 16, 24, 8, 2, 4)
+    loads = np.random.default_rng(5).lognormal(0, 1, (4, 16))
+    previous = arrays.encode(eplb.Placement.contiguous(topo).phy2log)
+
+    async def moves(**bounds: float) -> int:
+        out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
+            topology=small_deployment().topology, policy="global", loads=arrays.encode(loads),
+            previous_phy2log=previous, migration=pb.Migration(**bounds)))
+        return out.stats.moves
+
+    # Loose bounds keep the current placement; tight ones must move slots to match a fresh plan.
+    assert await moves(tolerance=10.0, layer_tolerance=10.0) == 0
+    tight = eplb.rebalance(loads, topo, "global", previous=eplb.Placement.contiguous(topo), tolerance=0.0,
+                           layer_tolerance=0.0)
+    assert await moves(tolerance=0.0, layer_tolerance=0.0) == tight.total_moves > 0
+
+
+async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
+    server = await serve()
+    c = connect(server)
+    loose = small_deployment("loose")
+    loose.migration.CopyFrom(pb.Migration(tolerance=10.0, layer_tolerance=10.0))
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=loose))
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("strict")))
+    got = (await c.stub.GetDeployment(pb.GetDeploymentRequest(name="strict"))).deployment
+    # Unset bounds are stored as the library's defaults, so a deployment shows what it uses.
+    assert (got.migration.tolerance, got.migration.layer_tolerance) == (0.01, 0.05)
+    skewed = (np.random.default_rng(7).lognormal(0, 1.5, (4, 16)) * 100).astype(np.int32)
+    out = {}
+    for name in ("loose", "strict"):
+        await EngineClient(c.channel, name, 0).report([skewed] * 3)
+        out[name] = await c.stub.Rebalance(pb.RebalanceRequest(deployment=name, force=True))
+    assert out["loose"].placement.stats.moves == 0
+    assert out["strict"].placement.stats.moves > 0
+    assert out["strict"].placement.stats.imbalance_after < out["loose"].placement.stats.imbalance_after
+
+
 async def test_decay_window_deployment(serve, connect):
     server = await serve()
     c = connect(server)

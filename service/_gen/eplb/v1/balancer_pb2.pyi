@@ -87,7 +87,7 @@ class Trigger(_message.Message):
     def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., min_gain_percent: _Optional[float] = ..., max_moves: _Optional[int] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version")
+    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version", "migration")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class Deployment(_message.Message):
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     topology: Topology
     policy: str
@@ -102,7 +103,16 @@ class Deployment(_message.Message):
     trigger: Trigger
     create_time: _timestamp_pb2.Timestamp
     version: int
-    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+    migration: Migration
+    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ...) -> None: ...
+
+class Migration(_message.Message):
+    __slots__ = ("tolerance", "layer_tolerance")
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    tolerance: float
+    layer_tolerance: float
+    def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ...) -> None: ...
 
 class PlanStats(_message.Message):
     __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes")
@@ -299,16 +309,18 @@ class RebalanceResponse(_message.Message):
     def __init__(self, published: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., reason: _Optional[str] = ..., window_tokens: _Optional[float] = ..., window_reports: _Optional[int] = ...) -> None: ...
 
 class ComputePlacementRequest(_message.Message):
-    __slots__ = ("topology", "policy", "loads", "previous_phy2log")
+    __slots__ = ("topology", "policy", "loads", "previous_phy2log", "migration")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     policy: str
     loads: Array
     previous_phy2log: Array
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    migration: Migration
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ...) -> None: ...
 
 class ComputePlacementResponse(_message.Message):
     __slots__ = ("phy2log", "logcnt", "stats")
