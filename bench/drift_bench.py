@@ -28,45 +28,59 @@ from eplb.workloads import SCALES, drift, make_loads, shift
 
 
 def kept_count_floor(
-    kept: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndarray, tolerance: float, nodes: int = 1, regroup: float = np.inf
+    items: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndarray, tolerance: float, nodes: int = 1, regroup: float = np.inf
 ) -> float:
-    """``kept`` ``[L, G]`` gpu loads of the current placement under the new loads, ``fresh_max``,
-    ``fresh_imb`` ``[L]`` → a lower bound on the slots any re-plan that keeps every replica
-    count must rewrite to bring the mean imbalance within ``(1 + tolerance)`` of fresh's.
+    """``items`` ``[L, G, S]`` replica loads of the current placement under the new loads,
+    ``fresh_max``, ``fresh_imb`` ``[L]`` → a lower bound on the slots any re-plan that keeps every
+    replica count must rewrite to bring the mean imbalance within ``(1 + tolerance)`` of fresh's.
 
-    With counts kept the total gpu load stays the same. A gpu above its layer's cap ``T`` must
-    have a slot of its own rewritten; the load it sheds must land on gpus below ``T``, each
-    taking at most its room ``T - load`` and needing a slot rewritten to take anything. So a
-    layer needs at least (gpus above) + (fewest rooms that hold the total excess). For plans
-    that keep groups whole on nodes (``nodes`` > 1) replicas stay in their node, so that holds
-    node by node, and a layer that cannot reach ``T`` that way must move groups between nodes:
-    at least ``regroup`` slots (every replica of two groups' experts). Layers may trade balance
-    for moves under the mean bound: the Lagrangian dual over caps on a grid (each layer's bound
-    read at the next grid point up) is a lower bound on the total.
+    With counts kept the replica loads stay as they are and so does the total. A gpu above its
+    layer's cap ``T`` must shed its excess: with ``n`` slots rewritten it sheds at most its ``n``
+    heaviest replicas less ``n`` of the lightest replica of the layer, which sets its fewest
+    slots. What all of them shed lands on gpus below ``T``; with ``n`` slots rewritten one takes
+    at most ``min(room, n x heaviest replica - its n lightest)``, and taking the largest of those
+    gains slot by slot gives the fewest slots that hold the total excess. For plans that keep
+    groups whole on nodes (``nodes`` > 1) replicas stay in their node, so this holds node by
+    node, and a layer that cannot reach ``T`` that way must move groups between nodes: at least
+    ``regroup`` slots (every replica of two groups' experts). Layers may trade balance for
+    moves under the mean bound: the Lagrangian dual over caps on a grid (each layer's bound read
+    at the next grid point up) is a lower bound on the total.
     """
-    L, G = kept.shape
-    mean = kept.mean(axis=1)
+    L, G, S = items.shape
+    n = np.arange(1, S + 1)
+    rows = items.reshape(L, nodes, G // nodes, S)
+    w_min = items.min(axis=(1, 2))[:, None, None, None]
+    w_max = items.max(axis=(1, 2))[:, None, None, None]
+    load = rows.sum(axis=3)  # [L, N, g]
+    shed = np.cumsum(-np.sort(-rows, axis=3), axis=3) - n * w_min  # [L, N, g, S]: most shed with n slots
+    take_max = n * w_max - np.cumsum(np.sort(rows, axis=3), axis=3)  # most taken with n slots, before room
+    mean = load.mean(axis=(1, 2))
     grid = np.linspace(0.0, 0.1, 201)
     caps = fresh_max[:, None] * (1 + grid[None, :])  # [L, K]
-    loads = np.sort(kept.reshape(L, nodes, G // nodes), axis=2)  # ascending: rooms from the lightest gpu
     floor = np.zeros((L, grid.size))
     for i in range(grid.size):
         cap = caps[:, min(i + 1, grid.size - 1)][:, None, None]
-        above = loads > cap
-        excess = np.where(above, loads - cap, 0.0).sum(axis=2)  # [L, N]
-        room = np.cumsum(np.maximum(cap - loads, 0.0), axis=2)
-        takers = (room < excess[:, :, None] - 1e-12).sum(axis=2) + (excess > 0)
-        within = np.where(room[:, :, -1] >= excess - 1e-12, above.sum(axis=2) + takers, np.inf).sum(axis=1)
+        excess = np.maximum(load - cap, 0.0)  # [L, N, g]
+        above = excess > 0
+        own = np.where(above, (shed < excess[..., None]).sum(axis=3) + 1, 0)  # S + 1: cannot shed it
+        room = np.where(above, 0.0, cap - load)
+        taken = np.minimum(take_max, room[..., None])  # [L, N, g, S]
+        gains = np.diff(taken, axis=3, prepend=0.0)  # each gpu's next slot takes less: concave
+        best = np.cumsum(-np.sort(-gains.reshape(L, nodes, -1), axis=2), axis=2)  # [L, N, g * S]
+        total = excess.sum(axis=2)
+        takers = (best < total[..., None] - 1e-12).sum(axis=2) + (total > 0)
+        ok = (own <= S).all(axis=2) & (best[..., -1] >= total - 1e-12)
+        within = np.where(ok, own.sum(axis=2) + takers, np.inf).sum(axis=1)
         floor[:, i] = np.minimum(within, regroup)
     imb = caps / mean[:, None]
-    keep_imb = kept.max(axis=1) / mean
+    keep_imb = load.max(axis=(1, 2)) / mean
     budget = (1 + tolerance) * fresh_imb.sum()
-    best = 0.0
+    best_val = 0.0
     for lam in np.concatenate([[0.0], np.logspace(-1, 7, 400)]):
         # A layer may also stay as it is, at its own imbalance and no moves.
         val = np.minimum((floor + lam * imb).min(axis=1), lam * keep_imb).sum() - lam * budget
-        best = max(best, val)
-    return best
+        best_val = max(best_val, val)
+    return best_val
 
 
 def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: float, policy: str = "auto") -> dict:
@@ -88,6 +102,8 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
         )
         seconds = time.perf_counter() - t0
         kept = eplb.gpu_loads(seq[t], prev)
+        items = (seq[t] / prev.logcnt)[np.arange(topo.num_layers)[:, None], prev.phy2log]
+        items = items.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu)
         ds = eplb.rebalance(seq[t], topo, "deepseek", previous=prev_ds)
         rows.append(
             {
@@ -101,7 +117,7 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
                 # Gpus above (1 + tolerance) x fresh's busiest before re-planning: each needs one
                 # of its slots rewritten, or one of its experts to gain a replica elsewhere.
                 "over": float((kept > (1 + tolerance) * fresh.gpu_load.max(axis=1)[:, None]).mean()),
-                "floor": kept_count_floor(kept, fresh.gpu_load.max(axis=1), fresh.imbalance, tolerance, *by_node)
+                "floor": kept_count_floor(items, fresh.gpu_load.max(axis=1), fresh.imbalance, tolerance, *by_node)
                 / total,
                 "seconds": seconds,
                 "layer_gap": float((aware.imbalance / fresh.imbalance).max() - 1.0),
