@@ -11,6 +11,7 @@ import numpy as np
 
 import eplb
 from eplb.topology import Topology
+from eplb.transfer import transfer_plan
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import io as eio
@@ -66,21 +67,47 @@ def _place(args: argparse.Namespace) -> int:
         topo = _topology(args, None, None)
         loads = make_loads(args.synthetic, topo, args.seed)
         source = f"synthetic {args.synthetic} (seed {args.seed})"
-    base = eplb.Placement.contiguous(topo)
+    bounds = {k: v for k, v in (("tolerance", args.tolerance), ("layer_tolerance", args.layer_tolerance)) if v is not None}
+    if bounds and not args.previous:
+        raise ValueError("--tolerance and --layer-tolerance bound a re-plan against a fresh plan: give --previous PLACEMENT")
+    if args.expert_bytes is not None and not args.previous:
+        raise ValueError("--expert-bytes sizes the copies from --previous PLACEMENT: give it too")
+    previous = None
+    if args.previous:
+        prev = eio.read_phy2log(args.previous)
+        if prev.shape != (topo.num_layers, topo.num_slots):
+            raise ValueError(
+                f"{args.previous}: the placement is {list(prev.shape)} (layers x slots) but the topology "
+                f"needs [{topo.num_layers}, {topo.num_slots}]"
+            )
+        previous = eplb.Placement(prev, topo)
+    base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
-    plan = eplb.rebalance(loads, topo, args.policy)
+    plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds)
     replicated = (plan.logcnt > 1).sum(axis=1)
     print(f"loads: {source}")
     print(f"topology: {topo}")
     print(f"policy {plan.policy} -> {plan.policy_used}")
     for note in plan.notes:
         print(f"note: {note}")
-    print(f"imbalance before (contiguous): mean {before.mean():.4f}  worst {before.max():.4f}")
+    print(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
+          f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
     print(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
     print(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
     print(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
           f"most replicas of one expert: {int(plan.logcnt.max())}")
     print(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
+    if previous is not None:
+        total = topo.num_layers * topo.num_slots
+        ways = ", ".join(f"{k[len('layers_'):]} {v}" for k, v in plan.extra.items() if k.startswith("layers_") and v)
+        print(f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)" + (f"; layers {ways}" if ways else ""))
+    if args.expert_bytes is not None:
+        tp = transfer_plan(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
+        kinds = tp.kind_counts()
+        print(f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
+              f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
+              f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
+              f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
     if args.out:
         out = Path(args.out)
         if out.suffix == ".npy" and args.format is None:
@@ -114,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     window.add_argument("--window", type=int, help="plan on the last N steps of a trace with a time axis")
     window.add_argument("--half-life", type=float, help="plan on an exponentially decayed sum (half-life in steps)")
     p.add_argument("--policy", default="auto", choices=eplb.policies())
+    p.add_argument("--previous", metavar="PLACEMENT", help="the placement in service now (any placement format or .npy "
+                   "phy2log): re-plan migration-aware, moving as few slots as the bounds allow")
+    p.add_argument("--tolerance", type=float, help="with --previous: mean imbalance over layers within (1 + this) x a fresh plan's [0.01]")
+    p.add_argument("--layer-tolerance", type=float, help="with --previous: every layer within (1 + this) x fresh's [0.05]")
+    p.add_argument("--expert-bytes", type=float, help="with --previous: bytes of one expert's weights; prints the transfer plan's traffic")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes bare phy2log)")
     p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log)")

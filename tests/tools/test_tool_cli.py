@@ -72,3 +72,39 @@ def test_place_from_a_vllm_window_recorded_under_a_placement(tmp_path, capsys):
     assert eio.read_placement(tmp_path / "new.json") == expect.placement
     assert cli.main(["place", str(tmp_path / "w.npz"), *flags]) == 2
     assert "w.npz: field 'physical_to_logical': missing" in capsys.readouterr().err
+
+
+def test_place_with_previous_replans_migration_aware_and_reports_transfers(tmp_path, capsys):
+    from eplb.transfer import transfer_plan
+
+    path, seq = _trace(tmp_path)
+    old = eplb.rebalance(seq[:3].sum(axis=0), TOPO, "global").placement
+    eio.write_placement(tmp_path / "old.json", old, "native")
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4", "--policy", "global", "--window", "2"]
+    args = [*flags, "--previous", str(tmp_path / "old.json"), "--tolerance", "0.05", "--expert-bytes", "2e6"]
+    assert cli.main(["place", str(path), *args, "--out", str(tmp_path / "new.json")]) == 0
+    expect = eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global", previous=old, tolerance=0.05)
+    assert eio.read_placement(tmp_path / "new.json") == expect.placement
+    out = capsys.readouterr().out
+    before = eplb.imbalance(eplb.gpu_loads(seq[-2:].sum(axis=0), old))
+    assert f"imbalance before (previous):   mean {before.mean():.4f}" in out
+    assert f"moves: {expect.total_moves} of 40 slots" in out
+    tp = transfer_plan(old, expect.placement, TOPO, expert_bytes=2e6)
+    assert f"transfers: {tp.num_transfers} (" in out
+    assert f"per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB" in out
+    # A fresh plan of the same loads moves at least as many slots.
+    assert expect.total_moves <= int(eplb.moves(old, eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global").placement).sum())
+
+
+def test_place_previous_flags_are_checked(tmp_path, capsys):
+    path, _ = _trace(tmp_path)
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4"]
+    assert cli.main(["place", str(path), *flags, "--tolerance", "0.02"]) == 2
+    assert "give --previous PLACEMENT" in capsys.readouterr().err
+    np.save(tmp_path / "bad.npy", np.zeros((2, 16), dtype=np.int32))
+    assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "bad.npy")]) == 2
+    assert "the placement is [2, 16] (layers x slots) but the topology needs [2, 20]" in capsys.readouterr().err
+    old = eplb.Placement.contiguous(TOPO)
+    np.save(tmp_path / "old.npy", old.phy2log)
+    assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--tolerance", "-1"]) == 2
+    assert "tolerance must be" in capsys.readouterr().err
