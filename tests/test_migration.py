@@ -224,21 +224,33 @@ def test_a_rotation_fixes_two_gpus_with_three_slots() -> None:
     assert all(len(set(g)) == 2 for g in phy[0].tolist())
 
 
-@given(data=st.data())
-def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) -> None:
-    from eplb.refine import _bin_loads, _counts, rotate_improve
+def _drifted_layout(
+    data: st.DataObject, gpus: tuple[int, int], slots: tuple[int, int], spare: int, sigma: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two layers planned by `global`, then drifted: the drifted loads ``[2, E]``, the plan's
+    ``[2, B, S]`` experts per gpu and a target ``[2]`` at a drawn quantile of the gpu loads."""
+    from eplb.refine import _bin_loads
 
-    B = data.draw(st.integers(3, 8), label="gpus")
-    S = data.draw(st.integers(1, 4), label="slots per gpu")
-    E = data.draw(st.integers(S, B * S), label="experts")
+    B = data.draw(st.integers(*gpus), label="gpus")
+    S = data.draw(st.integers(*slots), label="slots per gpu")
+    E = data.draw(st.integers(S, B * S - spare), label="experts")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     loads = rng.lognormal(0, 1, (2, E))
     topo = eplb.Topology(2, E, B * S, B)
     phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
-    drifted = loads * rng.lognormal(0, 0.3, loads.shape)
-    before = phy.copy()
+    drifted = loads * rng.lognormal(0, sigma, loads.shape)
     bins = _bin_loads(drifted, phy)
     target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
+    return drifted, phy, target
+
+
+@given(data=st.data())
+def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) -> None:
+    from eplb.refine import _bin_loads, _counts, rotate_improve
+
+    drifted, phy, target = _drifted_layout(data, (3, 8), (1, 4), 0, 0.3)
+    E, (_, B, S) = drifted.shape[1], phy.shape
+    before, bins = phy.copy(), _bin_loads(drifted, phy)
     rotate_improve(drifted, phy, target)
     after = _bin_loads(drifted, phy)
     assert (_counts(phy, E) == _counts(before, E)).all()
@@ -271,17 +283,9 @@ def test_chains_fix_gpus_for_at_most_one_and_a_half_slots_each(data: st.DataObje
     from eplb.repair import chain_improve
     from eplb.refine import _bin_loads, _counts
 
-    B = data.draw(st.integers(3, 10), label="gpus")
-    S = data.draw(st.integers(1, 4), label="slots per gpu")
-    E = data.draw(st.integers(S, B * S), label="experts")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-    loads = rng.lognormal(0, 1, (2, E))
-    topo = eplb.Topology(2, E, B * S, B)
-    phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
-    drifted = loads * rng.lognormal(0, 0.3, loads.shape)
-    before = phy.copy()
-    bins = _bin_loads(drifted, phy)
-    target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
+    drifted, phy, target = _drifted_layout(data, (3, 10), (1, 4), 0, 0.3)
+    E, (_, B, S) = drifted.shape[1], phy.shape
+    before, bins = phy.copy(), _bin_loads(drifted, phy)
     chain_improve(drifted, phy, target)
     after = _bin_loads(drifted, phy)
     assert (_counts(phy, E) == _counts(before, E)).all()
@@ -318,17 +322,9 @@ def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
     from eplb.replicate import replica_cap
     from eplb.repair import count_repair
 
-    B = data.draw(st.integers(2, 10), label="gpus")
-    S = data.draw(st.integers(2, 4), label="slots per gpu")
-    E = data.draw(st.integers(S, B * S - 1), label="experts")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-    loads = rng.lognormal(0, 1, (2, E))
-    topo = eplb.Topology(2, E, B * S, B)
-    phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
-    drifted = loads * rng.lognormal(0, 0.5, loads.shape)
-    before = phy.copy()
-    bins = _bin_loads(drifted, phy)
-    target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
+    drifted, phy, target = _drifted_layout(data, (2, 10), (2, 4), 1, 0.5)
+    E, (_, B, S) = drifted.shape[1], phy.shape
+    before, bins = phy.copy(), _bin_loads(drifted, phy)
     count_repair(drifted, phy, target, replica_cap(E, B * S, B))
     after = _bin_loads(drifted, phy)
     cnt = _counts(phy, E)
