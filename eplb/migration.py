@@ -21,18 +21,18 @@ vectorised across layers:
   the slots whose expert really changes move.
 
 Repairs aim at ``(1 + k tolerance)`` of fresh's busiest gpu for k = 0.5, 1 and 3 (where the
-layer bound allows); one that falls short is still a candidate. In every candidate an expert that stays on a gpu keeps
-its slot.
+layer bound allows); one that falls short is still a candidate. In every candidate an expert
+that stays on a gpu keeps its slot.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .repair import chain_improve, count_repair
 from .metrics import gpu_loads, imbalance
 from .placement import Placement
 from .refine import _bin_loads, _counts, refine_counts, rotate_improve, swap_improve
+from .repair import chain_improve, count_repair
 from .replicate import replica_cap, waterfill
 from .topology import Topology
 
@@ -185,8 +185,8 @@ def _repair_rows(
 ) -> np.ndarray:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
-    ``[R, E]`` (``True``: water-filling within each row), then rotations, swaps, count moves
-    and swaps.
+    ``[R, E]`` (``True``: water-filling within each row), then the best per row of three
+    orders of rotations, ejection chains, count repairs, swaps and count moves.
     Returns global ``phy2log`` ``[L, P]`` with staying experts in their old slots."""
     L, S = t.num_layers, t.slots_per_gpu
     rows, bins = phy.shape[:2]
@@ -386,9 +386,8 @@ def choose(
     moves go where they buy the most balance. Each layer picks one candidate (kept, the
     repairs of ``repair_previous`` aiming at ``(1 + 0.5 tolerance)``, ``(1 + tolerance)`` and
     ``(1 + 3 tolerance)`` of fresh's busiest gpu, or fresh aligned onto ``previous``); the pick
-    minimises ``moves + lambda * imbalance`` per layer, with the
-    smallest ``lambda`` that meets the mean, then cheaper candidates are taken greedily while
-    the mean allows. Ties go to the earlier candidate, so a layer keeps its placement when
+    minimises ``moves + lambda * imbalance`` per layer, with the smallest ``lambda`` that meets
+    the mean, then cheaper candidates are taken greedily while the mean allows. Ties go to the earlier candidate, so a layer keeps its placement when
     that is as good.
     """
     old = previous.phy2log
