@@ -1,6 +1,7 @@
-"""Ejection chains: ``k`` bins above a target brought under it by ``k + 1`` rewritten slots.
+"""Repair moves for re-planning: bins above a target brought under it for few rewritten slots.
 
-With the replica counts fixed, every bin above the target needs one of its slots rewritten,
+Ejection chains (``chain_improve``) fix ``k`` bins with ``k + 1`` slots. With the replica
+counts fixed, every bin above the target needs one of its slots rewritten,
 and the load it sheds must land on bins below the target, each of which then needs a slot
 rewritten too. A swap pays two slots per bin fixed, a three-slot rotation 1.5. A chain pays
 ``1 + 1/k``: a light bin ``u`` hands its lightest item ``b`` to the first bin above the
@@ -10,7 +11,11 @@ the sum of all of them, so a chain runs while that sum fits under ``u``'s room.
 
 Building one is greedy: each next bin is the one (among those above the target and not yet
 in the chain) offering the item that sheds its excess with the least to spare, which keeps
-the chain low and long. The chain is cut back to its longest prefix whose last item may go to ``u``.
+the chain low and long. The chain is cut back to its longest prefix whose last item may go
+to ``u``.
+
+Count repairs (``count_repair``) change counts instead: one slot gives an expert that grew
+another replica, and every bin holding it sheds at once.
 """
 
 from __future__ import annotations
