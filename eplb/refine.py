@@ -32,11 +32,11 @@ _PATIENCE = 4
 
 
 def _counts(phy: np.ndarray, num_experts: int) -> np.ndarray:
+    """``phy`` ``[X, ...]`` expert ids → ``[X, E]`` int64 replicas of each expert per row."""
     X = phy.shape[0]
-    out = np.zeros((X, num_experts), dtype=np.int64)
-    per = phy.size // max(X, 1)
-    np.add.at(out, (np.repeat(np.arange(X), per), phy.reshape(-1)), 1)
-    return out
+    # One bincount over (row, expert) keys: np.add.at is several times slower on the hot path.
+    keys = (np.arange(X, dtype=np.int64)[:, None] * num_experts + phy.reshape(X, -1)).ravel()
+    return np.bincount(keys, minlength=X * num_experts).reshape(X, num_experts).astype(np.int64, copy=False)
 
 
 def refine_counts(
