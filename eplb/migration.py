@@ -41,6 +41,9 @@ _REL_TOL = 1e-12
 # a deeper repair for layers whose balance makes up for others, and a looser, cheaper one
 # (measured on drift_bench: adding 0.5 saves 0.9 % of slots per re-plan at v3-prefill drift 0.2).
 _TARGETS = (0.5, 1.0, 3.0)
+# When move budgets bind: repairs going this share of the way from the current busiest gpu to
+# fresh's, the cheaper steps a tight budget can still afford.
+_PARTIAL = (0.75, 0.5, 0.25)
 
 __all__ = ["align_to_previous", "repair_previous", "choose"]
 
@@ -376,6 +379,8 @@ def choose(
     tolerance: float,
     layer_tolerance: float,
     by_node: bool,
+    max_moves: int | None = None,
+    max_layer_moves: int | None = None,
 ) -> tuple[np.ndarray, dict]:
     """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
     few slots from ``previous`` as it can while the mean imbalance over layers stays within
@@ -387,18 +392,26 @@ def choose(
     repairs of ``repair_previous`` aiming at ``(1 + 0.5 tolerance)``, ``(1 + tolerance)`` and
     ``(1 + 3 tolerance)`` of fresh's busiest gpu, or fresh aligned onto ``previous``); the pick
     minimises ``moves + lambda * imbalance`` per layer, with the smallest ``lambda`` that meets
-    the mean, then cheaper candidates are taken greedily while the mean allows. Ties go to the earlier candidate, so a layer keeps its placement when
-    that is as good.
+    the mean, then cheaper candidates are taken greedily while the mean allows. Ties go to the
+    earlier candidate, so a layer keeps its placement when that is as good.
+
+    Move budgets are hard limits, the tolerances goals: no layer rewrites more than
+    ``max_layer_moves`` slots and the re-plan no more than ``max_moves`` in all. When they
+    stop the tolerances from being met, repairs that go only part of the way from the current
+    busiest gpu to fresh's (a quarter, half, three quarters) join the candidates and the pick
+    turns round: the lowest mean imbalance the budgets allow (``budget_limited`` in the result).
     """
     old = previous.phy2log
     L = topology.num_layers
-    fresh_imb = imbalance(gpu_loads(loads, Placement(fresh, topology)))
-    keep_imb = imbalance(gpu_loads(loads, previous))
+    fresh_pl = Placement(fresh, topology)
+    fresh_imb = imbalance(gpu_loads(loads, fresh_pl))
+    kept_load = gpu_loads(loads, previous)
+    keep_imb = imbalance(kept_load)
     budget = (1.0 + tolerance) * fresh_imb.sum() * (1 + _REL_TOL)
     cap = (1.0 + layer_tolerance) * fresh_imb * (1 + _REL_TOL)
+    fresh_max = gpu_loads(loads, fresh_pl).max(axis=1)
     ways = [("kept", old)]
     if keep_imb.sum() > budget or (keep_imb > cap).any():
-        fresh_max = gpu_loads(loads, Placement(fresh, topology)).max(axis=1)
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
         for k in _TARGETS:
@@ -406,18 +419,58 @@ def choose(
                 target = (1.0 + k * tolerance) * fresh_max
                 ways += repair_previous(loads, previous, topology, target, by_node, fresh).items()
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
-    names = [name for name, _ in ways]
-    cands = np.stack([c for _, c in ways])  # [C, L, P]
-    imb = np.stack([imbalance(gpu_loads(loads, Placement(c, topology))) for c in cands])  # [C, L]
-    moves = (cands != old[None]).sum(axis=2).astype(np.float64)
-    allowed = imb <= cap
-    allowed[-1] = True  # fresh aligned has fresh's balance (and is "kept" when alone)
-    pick = _pick(np.where(allowed, moves, np.inf), imb, budget)
+    names, cands, imb, moves = _score(ways, loads, old, topology)
+    pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
+    limited = False
+    if max_moves is not None or max_layer_moves is not None:
+        total = moves[pick, np.arange(L)].sum()
+        missed = imb[pick, np.arange(L)].sum() > budget or (imb[pick, np.arange(L)] > cap).any()
+        if missed or (max_moves is not None and total > max_moves):
+            # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
+            kept_max = kept_load.max(axis=1)
+            for f in _PARTIAL:
+                target = np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max)
+                ways += [(n, c) for n, c in repair_previous(loads, previous, topology, target, by_node, fresh).items()]
+            names, cands, imb, moves = _score(ways, loads, old, topology)
+            pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
+            if max_moves is not None and moves[pick, np.arange(L)].sum() > max_moves:
+                fits = np.ones_like(moves, dtype=bool) if max_layer_moves is None else moves <= max_layer_moves
+                fits[0] = True  # kept: no moves
+                pick = _pick(np.where(fits, imb, np.inf), moves, max_moves)
+            limited = True
     out = cands[pick, np.arange(L)]
     taken = {f"layers_{n}": 0 for n in ("kept", "repaired", "recounted", "regrouped", "replanned")}
     for i, name in enumerate(names):
         taken[f"layers_{name}"] += int((pick == i).sum())
+    taken["budget_limited"] = int(limited)
     return out, taken
+
+
+def _score(ways: list, loads: np.ndarray, old: np.ndarray, topology: Topology) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """``ways`` (name, ``phy2log`` ``[L, P]``) pairs → names, candidates ``[C, L, P]``, their
+    imbalance and moves ``[C, L]``."""
+    names = [name for name, _ in ways]
+    cands = np.stack([c for _, c in ways])
+    imb = np.stack([imbalance(gpu_loads(loads, Placement(c, topology))) for c in cands])
+    moves = (cands != old[None]).sum(axis=2).astype(np.float64)
+    return names, cands, imb, moves
+
+
+def _pick_within(
+    moves: np.ndarray, imb: np.ndarray, cap: np.ndarray, budget: float, max_layer_moves: int | None
+) -> np.ndarray:
+    """``moves``, ``imb`` ``[C, L]`` (row 0 kept, the last fresh aligned) → the fewest moves that
+    meet the mean ``budget`` with every layer within ``cap`` ``[L]`` and ``max_layer_moves``; a
+    layer where nothing within its move budget meets its cap may take anything within it."""
+    allowed = imb <= cap
+    allowed[-1] = True  # fresh aligned has fresh's balance (and is "kept" when alone)
+    if max_layer_moves is not None:
+        fits = moves <= max_layer_moves
+        fits[0] = True
+        allowed &= fits
+        stuck = ~allowed.any(axis=0)
+        allowed[:, stuck] = fits[:, stuck]
+    return _pick(np.where(allowed, moves, np.inf), imb, budget)
 
 
 def _pick(cost: np.ndarray, imb: np.ndarray, budget: float) -> np.ndarray:

@@ -76,6 +76,73 @@ def test_bad_tolerance_is_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", previous=prev, layer_tolerance="5%")
 
 
+@pytest.mark.parametrize("policy", ["global", "hierarchical"])
+def test_a_move_budget_caps_the_moves_and_buys_balance_with_them(policy: str) -> None:
+    topo = SCALES["v3-prefill"]
+    seq = drift(make_loads("lognormal-1.0", topo, seed=5), 0.2, 2, seed=5)
+    prev = eplb.rebalance(seq[0], topo, policy).placement
+    free = eplb.rebalance(seq[1], topo, policy, previous=prev)
+    kept = eplb.imbalance(eplb.gpu_loads(seq[1], prev))
+    assert free.extra["budget_limited"] == 0
+    # A budget the tolerance does not need changes nothing.
+    roomy = eplb.rebalance(seq[1], topo, policy, previous=prev, max_moves=free.total_moves)
+    assert np.array_equal(roomy.phy2log, free.phy2log) and roomy.extra["budget_limited"] == 0
+    half = free.total_moves // 2
+    tight = eplb.rebalance(seq[1], topo, policy, previous=prev, max_moves=half)
+    assert tight.extra["budget_limited"] == 1
+    assert half * 0.8 <= tight.total_moves <= half  # the budget is spent, not exceeded
+    assert free.mean_imbalance < tight.mean_imbalance < kept.mean()
+    assert (tight.imbalance <= kept + 1e-12).all()  # no layer worse than before
+    frozen = eplb.rebalance(seq[1], topo, policy, previous=prev, max_moves=0)
+    assert frozen.total_moves == 0 and np.array_equal(frozen.phy2log, prev.phy2log)
+
+
+def test_a_layer_move_budget_holds_in_every_layer() -> None:
+    topo = SCALES["kimi-64"]
+    seq = drift(make_loads("lognormal-1.0", topo, seed=6), 0.2, 2, seed=6)
+    prev = eplb.rebalance(seq[0], topo, "global").placement
+    free = eplb.rebalance(seq[1], topo, "global", previous=prev)
+    limit = int(np.median(free.moves))
+    plan = eplb.rebalance(seq[1], topo, "global", previous=prev, max_layer_moves=limit)
+    assert plan.moves.max() <= limit < free.moves.max()
+    assert plan.extra["budget_limited"] == 1
+    assert plan.mean_imbalance < eplb.imbalance(eplb.gpu_loads(seq[1], prev)).mean()
+
+
+@given(data=st.data())
+def test_move_budgets_hold_on_random_layouts(data: st.DataObject) -> None:
+    G = data.draw(st.integers(2, 6), label="gpus")
+    S = data.draw(st.integers(1, 4), label="slots per gpu")
+    P = G * S
+    E = data.draw(st.integers(max(1, -(-P // G)), P), label="experts")
+    L = data.draw(st.integers(1, 3), label="layers")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    topo = eplb.Topology(L, E, P, G)
+    before = rng.lognormal(0, 1, (L, E))
+    after = before * rng.lognormal(0, 0.5, (L, E))
+    prev = eplb.rebalance(before, topo, "global").placement
+    total = data.draw(st.none() | st.integers(0, L * P), label="max moves")
+    per_layer = data.draw(st.none() | st.integers(0, P), label="max layer moves")
+    plan = eplb.rebalance(after, topo, "global", previous=prev, max_moves=total, max_layer_moves=per_layer)
+    kept = eplb.imbalance(eplb.gpu_loads(after, prev))
+    assert total is None or plan.total_moves <= total
+    assert per_layer is None or plan.moves.max() <= per_layer
+    assert (plan.imbalance <= kept * (1 + 1e-9)).all()
+    if not plan.extra["budget_limited"]:
+        fresh = eplb.rebalance(after, topo, "global")
+        assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
+
+
+def test_bad_move_budget_is_rejected() -> None:
+    topo = eplb.Topology(1, 4, 8, 4)
+    prev = eplb.Placement.contiguous(topo)
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match=r"max_moves must be an integer >= 0 \(slots rewritten\) or None"):
+            eplb.rebalance(np.ones((1, 4)), topo, "global", previous=prev, max_moves=bad)
+    with pytest.raises(ValueError, match="max_layer_moves must be an integer >= 0"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", previous=prev, max_layer_moves=-3)
+
+
 def test_align_preserves_balance_exactly() -> None:
     from eplb.migration import align_to_previous
 

@@ -37,11 +37,21 @@ def _migration_aware(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{name} must be a number >= 0 (a fraction, 0.01 = 1 %), got {value!r}")
         tol[name] = float(value)
-    return choose(loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node)
+    limits: dict[str, int | None] = {}
+    for name in ("max_moves", "max_layer_moves"):
+        value = options.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
+        limits[name] = None if value is None else int(value)
+    return choose(loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node, **limits)
+
+
+# Options that shape a re-plan from `previous=` rather than the fresh plan.
+MIGRATION_OPTIONS = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
 
 
 def _split(options: dict) -> tuple[dict, dict]:
-    migration = {k: options[k] for k in ("tolerance", "layer_tolerance") if k in options}
+    migration = {k: options[k] for k in MIGRATION_OPTIONS if k in options}
     return {k: v for k, v in options.items() if k not in migration}, migration
 
 
