@@ -381,7 +381,7 @@ def choose(
     by_node: bool,
     max_moves: int | None = None,
     max_layer_moves: int | None = None,
-) -> tuple[np.ndarray, dict]:
+) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
     few slots from ``previous`` as it can while the mean imbalance over layers stays within
     ``(1 + tolerance)`` of fresh's and every layer's within ``(1 + layer_tolerance)`` of fresh's
@@ -443,7 +443,15 @@ def choose(
     for i, name in enumerate(names):
         taken[f"layers_{name}"] += int((pick == i).sum())
     taken["budget_limited"] = int(limited)
-    return out, taken
+    notes: tuple[str, ...] = ()
+    if limited:
+        got = imb[pick, np.arange(L)]
+        notes = (
+            f"move budget (max_moves={max_moves}, max_layer_moves={max_layer_moves}) held the re-plan to "
+            f"{int(moves[pick, np.arange(L)].sum())} moves: mean imbalance {got.mean():.4f} against "
+            f"{(1 + tolerance) * fresh_imb.mean():.4f} allowed by the tolerance (fresh plan {fresh_imb.mean():.4f})",
+        )
+    return out, taken, notes
 
 
 def _score(ways: list, loads: np.ndarray, old: np.ndarray, topology: Topology) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:

@@ -54,22 +54,23 @@ def check_policy(policy: str, field: str) -> str:
     return policy
 
 
-# Policies that re-plan migration-aware (eplb.rebalance's tolerance and layer_tolerance); the
-# others take no such options and re-plan from scratch.
+# Policies that re-plan migration-aware (eplb.rebalance's tolerance, layer_tolerance,
+# max_moves and max_layer_moves); the others take no such options and re-plan from scratch.
 MIGRATION_POLICIES = ("auto", "global", "hierarchical")
+MIGRATION_FIELDS = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
 
 
 def check_migration(msg: pb.Migration, policy: str, field: str) -> list[FieldViolation]:
     """Field violations of a ``Migration`` for ``policy`` (empty when it is valid)."""
     out = []
-    for name in ("tolerance", "layer_tolerance"):
+    for name in MIGRATION_FIELDS:
         if not msg.HasField(name):
             continue
         value = getattr(msg, name)
         if policy not in MIGRATION_POLICIES:
             out.append(FieldViolation(f"{field}.{name}", f"policy {policy!r} re-plans from scratch; "
                                       f"set only for {', '.join(MIGRATION_POLICIES)}"))
-        elif not (math.isfinite(value) and value >= 0):
+        elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
             out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
     return out
 
@@ -79,7 +80,7 @@ def migration_options(msg: pb.Migration, policy: str) -> dict[str, float]:
     for policies that re-plan from scratch)."""
     if policy not in MIGRATION_POLICIES:
         return {}
-    return {name: getattr(msg, name) for name in ("tolerance", "layer_tolerance") if msg.HasField(name)}
+    return {name: getattr(msg, name) for name in MIGRATION_FIELDS if msg.HasField(name)}
 
 
 def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deployment:

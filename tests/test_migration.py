@@ -90,6 +90,8 @@ def test_a_move_budget_caps_the_moves_and_buys_balance_with_them(policy: str) ->
     half = free.total_moves // 2
     tight = eplb.rebalance(seq[1], topo, policy, previous=prev, max_moves=half)
     assert tight.extra["budget_limited"] == 1
+    assert any(n.startswith(f"move budget (max_moves={half}, max_layer_moves=None) held") for n in tight.notes)
+    assert not free.notes
     assert half * 0.8 <= tight.total_moves <= half  # the budget is spent, not exceeded
     assert free.mean_imbalance < tight.mean_imbalance < kept.mean()
     assert (tight.imbalance <= kept + 1e-12).all()  # no layer worse than before

@@ -27,10 +27,11 @@ def _migration_aware(
     previous: Placement | None,
     by_node: bool,
     options: dict,
-) -> tuple[np.ndarray, dict]:
-    """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration)."""
+) -> tuple[np.ndarray, dict, tuple[str, ...]]:
+    """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration), how
+    many layers took each way, and notes."""
     if previous is None:
-        return phy2log, {}
+        return phy2log, {}, ()
     tol = {}
     for name, default in (("tolerance", DEFAULT_TOLERANCE), ("layer_tolerance", DEFAULT_LAYER_TOLERANCE)):
         value = options.get(name, default)
@@ -58,15 +59,17 @@ def _split(options: dict) -> tuple[dict, dict]:
 @register_policy("global")
 def _global(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
     opts, mig = _split(options)
-    phy2log, extra = _migration_aware(place_global(loads, topology, **opts), loads, topology, previous, False, mig)
-    return PolicyResult(phy2log, "global", extra=extra)
+    phy2log, extra, notes = _migration_aware(place_global(loads, topology, **opts), loads, topology, previous, False, mig)
+    return PolicyResult(phy2log, "global", notes, extra=extra)
 
 
 @register_policy("hierarchical")
 def _hierarchical(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
     opts, mig = _split(options)
-    phy2log, extra = _migration_aware(place_hierarchical(loads, topology, **opts), loads, topology, previous, True, mig)
-    return PolicyResult(phy2log, "hierarchical", extra=extra)
+    phy2log, extra, notes = _migration_aware(
+        place_hierarchical(loads, topology, **opts), loads, topology, previous, True, mig
+    )
+    return PolicyResult(phy2log, "hierarchical", notes, extra=extra)
 
 
 @register_policy("auto")
@@ -80,7 +83,7 @@ def _auto(loads: np.ndarray, topology: Topology, previous: Placement | None, **o
             f"({topology.num_nodes}), so groups cannot stay whole on nodes; planned with global",
         )
     res = _global(loads, topology, previous, **options)
-    return PolicyResult(res.phy2log, "global", notes, extra=res.extra)
+    return PolicyResult(res.phy2log, "global", notes + res.notes, extra=res.extra)
 
 
 @register_policy("deepseek")

@@ -110,6 +110,11 @@ CREATE_CASES = [
         dict(policy="deepseek", migration=pb.Migration(tolerance=0.02)),
         "deployment.migration.tolerance",
     ),
+    (
+        "move budget for a from-scratch policy",
+        dict(policy="ilp", migration=pb.Migration(max_moves=10)),
+        "deployment.migration.max_moves",
+    ),
 ]
 
 

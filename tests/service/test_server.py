@@ -70,17 +70,28 @@ async def test_compute_placement_keeps_previous_within_the_migration_bounds(serv
     loads = np.random.default_rng(5).lognormal(0, 1, (4, 16))
     previous = arrays.encode(eplb.Placement.contiguous(topo).phy2log)
 
-    async def moves(**bounds: float) -> int:
-        out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
+    async def plan(**bounds: float) -> pb.ComputePlacementResponse:
+        return await c.stub.ComputePlacement(pb.ComputePlacementRequest(
             topology=small_deployment().topology, policy="global", loads=arrays.encode(loads),
             previous_phy2log=previous, migration=pb.Migration(**bounds)))
-        return out.stats.moves
+
+    async def moves(**bounds: float) -> int:
+        return (await plan(**bounds)).stats.moves
 
     # Loose bounds keep the current placement; tight ones must move slots to match a fresh plan.
     assert await moves(tolerance=10.0, layer_tolerance=10.0) == 0
     tight = eplb.rebalance(loads, topo, "global", previous=eplb.Placement.contiguous(topo), tolerance=0.0,
                            layer_tolerance=0.0)
     assert await moves(tolerance=0.0, layer_tolerance=0.0) == tight.total_moves > 0
+    # A move budget is a hard limit: the re-plan stays within it and says the budget held it back.
+    budget = tight.total_moves // 2
+    held = await plan(tolerance=0.0, layer_tolerance=0.0, max_moves=budget)
+    assert 0 < held.stats.moves <= budget
+    assert held.stats.imbalance_after > tight.mean_imbalance
+    assert any(n.startswith(f"move budget (max_moves={budget}") for n in held.stats.notes)
+    per_layer = await plan(tolerance=0.0, layer_tolerance=0.0, max_layer_moves=1)
+    assert (eplb.moves(eplb.Placement.contiguous(topo), eplb.Placement(
+        arrays.decode(per_layer.phy2log, "phy2log", (4, 24)), topo)) <= 1).all()
 
 
 async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
@@ -90,17 +101,25 @@ async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
     loose.migration.CopyFrom(pb.Migration(tolerance=10.0, layer_tolerance=10.0))
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=loose))
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("strict")))
+    budget = small_deployment("budget")
+    budget.migration.CopyFrom(pb.Migration(max_moves=2))
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=budget))
     got = (await c.stub.GetDeployment(pb.GetDeploymentRequest(name="strict"))).deployment
-    # Unset bounds are stored as the library's defaults, so a deployment shows what it uses.
+    # Unset bounds are stored as the library's defaults, so a deployment shows what it uses;
+    # move budgets default to no limit and stay unset.
     assert (got.migration.tolerance, got.migration.layer_tolerance) == (0.01, 0.05)
+    assert not got.migration.HasField("max_moves") and not got.migration.HasField("max_layer_moves")
+    got = (await c.stub.GetDeployment(pb.GetDeploymentRequest(name="budget"))).deployment
+    assert got.migration.max_moves == 2 and got.migration.tolerance == 0.01
     skewed = (np.random.default_rng(7).lognormal(0, 1.5, (4, 16)) * 100).astype(np.int32)
     out = {}
-    for name in ("loose", "strict"):
+    for name in ("loose", "strict", "budget"):
         await EngineClient(c.channel, name, 0).report([skewed] * 3)
         out[name] = await c.stub.Rebalance(pb.RebalanceRequest(deployment=name, force=True))
     assert out["loose"].placement.stats.moves == 0
     assert out["strict"].placement.stats.moves > 0
     assert out["strict"].placement.stats.imbalance_after < out["loose"].placement.stats.imbalance_after
+    assert 0 < out["budget"].placement.stats.moves <= 2 < out["strict"].placement.stats.moves
 
 
 async def test_decay_window_deployment(serve, connect):

@@ -107,12 +107,16 @@ class Deployment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ...) -> None: ...
 
 class Migration(_message.Message):
-    __slots__ = ("tolerance", "layer_tolerance")
+    __slots__ = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     LAYER_TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MOVES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAYER_MOVES_FIELD_NUMBER: _ClassVar[int]
     tolerance: float
     layer_tolerance: float
-    def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ...) -> None: ...
+    max_moves: int
+    max_layer_moves: int
+    def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ..., max_moves: _Optional[int] = ..., max_layer_moves: _Optional[int] = ...) -> None: ...
 
 class PlanStats(_message.Message):
     __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes")
