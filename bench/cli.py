@@ -67,9 +67,21 @@ def _place(args: argparse.Namespace) -> int:
         topo = _topology(args, None, None)
         loads = make_loads(args.synthetic, topo, args.seed)
         source = f"synthetic {args.synthetic} (seed {args.seed})"
-    bounds = {k: v for k, v in (("tolerance", args.tolerance), ("layer_tolerance", args.layer_tolerance)) if v is not None}
+    bounds = {
+        k: v
+        for k, v in (
+            ("tolerance", args.tolerance),
+            ("layer_tolerance", args.layer_tolerance),
+            ("max_moves", args.max_moves),
+            ("max_layer_moves", args.max_layer_moves),
+        )
+        if v is not None
+    }
     if bounds and not args.previous:
-        raise ValueError("--tolerance and --layer-tolerance bound a re-plan against a fresh plan: give --previous PLACEMENT")
+        raise ValueError(
+            "--tolerance, --layer-tolerance, --max-moves and --max-layer-moves bound a re-plan from the placement "
+            "in service: give --previous PLACEMENT"
+        )
     if args.expert_bytes is not None and not args.previous:
         raise ValueError("--expert-bytes sizes the copies from --previous PLACEMENT: give it too")
     previous = None
@@ -145,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
                    "phy2log): re-plan migration-aware, moving as few slots as the bounds allow")
     p.add_argument("--tolerance", type=float, help="with --previous: mean imbalance over layers within (1 + this) x a fresh plan's [0.01]")
     p.add_argument("--layer-tolerance", type=float, help="with --previous: every layer within (1 + this) x fresh's [0.05]")
+    p.add_argument("--max-moves", type=int, help="with --previous: at most this many slots rewritten in all (a hard limit)")
+    p.add_argument("--max-layer-moves", type=int, help="with --previous: at most this many slots rewritten per layer")
     p.add_argument("--expert-bytes", type=float, help="with --previous: bytes of one expert's weights; prints the transfer plan's traffic")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes bare phy2log)")

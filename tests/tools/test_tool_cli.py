@@ -94,6 +94,13 @@ def test_place_with_previous_replans_migration_aware_and_reports_transfers(tmp_p
     assert f"per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB" in out
     # A fresh plan of the same loads moves at least as many slots.
     assert expect.total_moves <= int(eplb.moves(old, eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global").placement).sum())
+    # A move budget below what the tolerance needs holds the re-plan to it and says so.
+    budget = expect.total_moves // 2
+    assert cli.main(["place", str(path), *args[:-2], "--tolerance", "0", "--max-moves", str(budget)]) == 0
+    out = capsys.readouterr().out
+    held = eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global", previous=old, tolerance=0.0, max_moves=budget)
+    assert f"moves: {held.total_moves} of 40 slots" in out and held.total_moves <= budget
+    assert f"note: move budget (max_moves={budget}, max_layer_moves=None) held the re-plan" in out
 
 
 def test_place_previous_flags_are_checked(tmp_path, capsys):
@@ -108,3 +115,7 @@ def test_place_previous_flags_are_checked(tmp_path, capsys):
     np.save(tmp_path / "old.npy", old.phy2log)
     assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--tolerance", "-1"]) == 2
     assert "tolerance must be" in capsys.readouterr().err
+    assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--max-moves", "-2"]) == 2
+    assert "max_moves must be an integer >= 0 (slots rewritten)" in capsys.readouterr().err
+    assert cli.main(["place", str(path), *flags, "--max-layer-moves", "3"]) == 2
+    assert "give --previous PLACEMENT" in capsys.readouterr().err
