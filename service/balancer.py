@@ -428,6 +428,10 @@ class Balancer:
         previous = eplb.Placement(arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots)), topo)
         # Planning v3-sized models takes milliseconds to seconds; keep the event loop serving.
         options = codec.migration_options(local.deployment.migration, policy)
+        budget = local.trigger.max_moves
+        if not force and budget and policy in codec.MIGRATION_POLICIES and options.get("max_moves", budget) >= budget:
+            # Plan within the trigger's move budget rather than plan past it and be refused.
+            options["max_moves"] = budget
         plan, before = await asyncio.to_thread(self._solve, loads, topo, policy, previous, options)
         stats = codec.plan_stats(plan, before)
         candidate = pb.Placement(deployment=name, phy2log=arrays.encode(plan.phy2log), stats=stats)

@@ -122,6 +122,28 @@ async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
     assert 0 < out["budget"].placement.stats.moves <= 2 < out["strict"].placement.stats.moves
 
 
+@pytest.mark.parametrize("policy", ["auto", "deepseek"])
+async def test_the_trigger_move_budget_is_planned_within_or_refused(serve, connect, policy):
+    server = await serve()
+    c = connect(server)
+    d = small_deployment("gated", max_moves=3)
+    d.policy = policy
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    skewed = (np.random.default_rng(7).lognormal(0, 1.5, (4, 16)) * 100).astype(np.int32)
+    await EngineClient(c.channel, "gated", 0).report([skewed] * 3)
+    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="gated"))
+    if policy == "auto":
+        # Planned within the budget: published, with the budget named in the notes.
+        assert out.published and 0 < out.placement.stats.moves <= 3
+        assert any(n.startswith("move budget (max_moves=3") for n in out.placement.stats.notes)
+    else:
+        # eplb.py re-plans from scratch: the gate refuses what goes over.
+        assert not out.published and out.placement.stats.moves > 3
+        assert "over the move budget max_moves 3" in out.reason
+    forced = await c.stub.Rebalance(pb.RebalanceRequest(deployment="gated", force=True))
+    assert forced.published and forced.placement.stats.moves > 3
+
+
 async def test_decay_window_deployment(serve, connect):
     server = await serve()
     c = connect(server)
