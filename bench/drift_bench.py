@@ -2,7 +2,7 @@
 
     python -m eplb_bench.drift_bench [--scales v3-prefill,kimi-64,v3-decode-144] [--steps 20]
                                      [--tolerance 0.01] [--layer-tolerance 0.05] [--policy auto]
-                                     [--json FILE]
+                                     [--max-moves-share 0.05] [--json FILE]
 
 For each scale and sequence (drift 0.05, drift 0.2, shift; lognormal σ=1 base) it re-plans at
 every snapshot three ways: fresh (no `previous`), migration-aware (`previous=` the last plan,
@@ -13,6 +13,8 @@ of gpus above the target ((1 + tolerance) x fresh's busiest gpu of their layer) 
 re-plan: each of those needs a slot of its own rewritten or one of its experts to gain a replica.
 "floor, counts kept" is a lower bound on the moves of any re-plan that keeps the replica counts
 (``kept_count_floor``); "re-plan ms" the median time of a migration-aware re-plan.
+``--max-moves-share`` gives every migration-aware re-plan a move budget (``max_moves``) of that
+share of all slots: the table then shows how close to fresh that budget keeps the balance.
 """
 
 from __future__ import annotations
@@ -83,11 +85,20 @@ def kept_count_floor(
     return best_val
 
 
-def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: float, policy: str = "auto") -> dict:
+def run(
+    scale: str,
+    name: str,
+    steps: int,
+    tolerance: float,
+    layer_tolerance: float,
+    policy: str = "auto",
+    max_moves_share: float | None = None,
+) -> dict:
     topo = SCALES[scale]
     base = make_loads("lognormal-1.0", topo)
     seq = drift(base, float(name.split("-")[1]), steps) if name.startswith("drift") else shift(base, steps)
     total = topo.num_slots * topo.num_layers
+    budget = {} if max_moves_share is None else {"max_moves": int(max_moves_share * total)}
     prev = eplb.rebalance(seq[0], topo, policy).placement
     prev_fresh, prev_ds = prev, eplb.rebalance(seq[0], topo, "deepseek").placement
     # Plans that keep groups whole on nodes: the floor holds node by node, or two groups move.
@@ -98,7 +109,7 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
         fresh = eplb.rebalance(seq[t], topo, policy)
         t0 = time.perf_counter()
         aware = eplb.rebalance(
-            seq[t], topo, policy, previous=prev, tolerance=tolerance, layer_tolerance=layer_tolerance
+            seq[t], topo, policy, previous=prev, tolerance=tolerance, layer_tolerance=layer_tolerance, **budget
         )
         seconds = time.perf_counter() - t0
         kept = eplb.gpu_loads(seq[t], prev)
@@ -125,7 +136,15 @@ def run(scale: str, name: str, steps: int, tolerance: float, layer_tolerance: fl
         )
         prev, prev_fresh, prev_ds = aware.placement, fresh.placement, ds.placement
     gaps = np.array([r["gap"] for r in rows])
-    out = {"scale": scale, "policy": policy, "sequence": name, "steps": steps, "tolerance": tolerance, "layer_tolerance": layer_tolerance}
+    out = {
+        "scale": scale,
+        "policy": policy,
+        "sequence": name,
+        "steps": steps,
+        "tolerance": tolerance,
+        "layer_tolerance": layer_tolerance,
+        "max_moves_share": max_moves_share,
+    }
     for key in (
         "fresh_moves",
         "aware_moves",
@@ -153,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--layer-tolerance", type=float, default=0.05)
     ap.add_argument("--policy", default="auto", help="the policy of every plan but deepseek's (default auto)")
+    ap.add_argument("--max-moves-share", type=float, help="move budget per re-plan, a share of all slots (0.05 = 5 %%)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [
-        run(s, q, args.steps, args.tolerance, args.layer_tolerance, args.policy)
+        run(s, q, args.steps, args.tolerance, args.layer_tolerance, args.policy, args.max_moves_share)
         for s in args.scales.split(",")
         for q in args.sequences.split(",")
     ]
