@@ -76,6 +76,21 @@ def test_bad_tolerance_is_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", previous=prev, layer_tolerance="5%")
 
 
+def _random_replan(data: st.DataObject, drifts: list[float]) -> tuple[eplb.Topology, np.ndarray, eplb.Placement]:
+    """A small random topology, loads after one drift step of a drawn sigma, and the ``global``
+    plan of the loads before it."""
+    G = data.draw(st.integers(2, 6), label="gpus")
+    S = data.draw(st.integers(1, 4), label="slots per gpu")
+    P = G * S
+    E = data.draw(st.integers(max(1, -(-P // G)), P), label="experts")
+    L = data.draw(st.integers(1, 3), label="layers")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    topo = eplb.Topology(L, E, P, G)
+    before = rng.lognormal(0, 1, (L, E))
+    after = before * rng.lognormal(0, data.draw(st.sampled_from(drifts), label="drift"), (L, E))
+    return topo, after, eplb.rebalance(before, topo, "global").placement
+
+
 @pytest.mark.parametrize("policy", ["global", "hierarchical"])
 def test_a_move_budget_caps_the_moves_and_buys_balance_with_them(policy: str) -> None:
     topo = SCALES["v3-prefill"]
@@ -113,18 +128,9 @@ def test_a_layer_move_budget_holds_in_every_layer() -> None:
 
 @given(data=st.data())
 def test_move_budgets_hold_on_random_layouts(data: st.DataObject) -> None:
-    G = data.draw(st.integers(2, 6), label="gpus")
-    S = data.draw(st.integers(1, 4), label="slots per gpu")
-    P = G * S
-    E = data.draw(st.integers(max(1, -(-P // G)), P), label="experts")
-    L = data.draw(st.integers(1, 3), label="layers")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-    topo = eplb.Topology(L, E, P, G)
-    before = rng.lognormal(0, 1, (L, E))
-    after = before * rng.lognormal(0, 0.5, (L, E))
-    prev = eplb.rebalance(before, topo, "global").placement
-    total = data.draw(st.none() | st.integers(0, L * P), label="max moves")
-    per_layer = data.draw(st.none() | st.integers(0, P), label="max layer moves")
+    topo, after, prev = _random_replan(data, [0.5])
+    total = data.draw(st.none() | st.integers(0, topo.num_layers * topo.num_slots), label="max moves")
+    per_layer = data.draw(st.none() | st.integers(0, topo.num_slots), label="max layer moves")
     plan = eplb.rebalance(after, topo, "global", previous=prev, max_moves=total, max_layer_moves=per_layer)
     kept = eplb.imbalance(eplb.gpu_loads(after, prev))
     assert total is None or plan.total_moves <= total
@@ -256,18 +262,10 @@ def test_pick_meets_the_budget_and_respects_what_is_allowed(data: st.DataObject)
 
 @given(data=st.data())
 def test_replan_keeps_the_mean_and_layer_bounds_on_random_layouts(data: st.DataObject) -> None:
-    G = data.draw(st.integers(2, 6), label="gpus")
-    S = data.draw(st.integers(1, 4), label="slots per gpu")
-    P = G * S
-    E = data.draw(st.integers(max(1, -(-P // G)), P), label="experts")
-    L = data.draw(st.integers(1, 3), label="layers")
+    topo, after, prev = _random_replan(data, [0.05, 0.5])
+    L = topo.num_layers
     tol = data.draw(st.sampled_from([0.0, 0.01, 0.05]), label="tolerance")
     layer_tol = data.draw(st.sampled_from([0.0, 0.02, 0.05, 0.5]), label="layer tolerance")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-    topo = eplb.Topology(L, E, P, G)
-    before = rng.lognormal(0, 1, (L, E))
-    after = before * rng.lognormal(0, data.draw(st.sampled_from([0.05, 0.5]), label="drift"), (L, E))
-    prev = eplb.rebalance(before, topo, "global").placement
     fresh = eplb.rebalance(after, topo, "global")
     plan = eplb.rebalance(after, topo, "global", previous=prev, tolerance=tol, layer_tolerance=layer_tol)
     assert plan.mean_imbalance <= (1 + tol) * fresh.mean_imbalance + 1e-9
