@@ -403,13 +403,12 @@ def choose(
     """
     old = previous.phy2log
     L = topology.num_layers
-    fresh_pl = Placement(fresh, topology)
-    fresh_imb = imbalance(gpu_loads(loads, fresh_pl))
+    fresh_load = gpu_loads(loads, Placement(fresh, topology))
+    fresh_imb, fresh_max = imbalance(fresh_load), fresh_load.max(axis=1)
     kept_load = gpu_loads(loads, previous)
     keep_imb = imbalance(kept_load)
     budget = (1.0 + tolerance) * fresh_imb.sum() * (1 + _REL_TOL)
     cap = (1.0 + layer_tolerance) * fresh_imb * (1 + _REL_TOL)
-    fresh_max = gpu_loads(loads, fresh_pl).max(axis=1)
     ways = [("kept", old)]
     if keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
@@ -421,34 +420,36 @@ def choose(
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
     names, cands, imb, moves = _score(ways, loads, old, topology)
     pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
+    cols = np.arange(L)
     limited = False
     if max_moves is not None or max_layer_moves is not None:
-        total = moves[pick, np.arange(L)].sum()
-        missed = imb[pick, np.arange(L)].sum() > budget or (imb[pick, np.arange(L)] > cap).any()
-        if missed or (max_moves is not None and total > max_moves):
+        missed = imb[pick, cols].sum() > budget or (imb[pick, cols] > cap).any()
+        if missed or (max_moves is not None and moves[pick, cols].sum() > max_moves):
             # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
             kept_max = kept_load.max(axis=1)
+            partial = []
             for f in _PARTIAL:
                 target = np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max)
-                ways += [(n, c) for n, c in repair_previous(loads, previous, topology, target, by_node, fresh).items()]
+                partial += repair_previous(loads, previous, topology, target, by_node, fresh).items()
+            ways = ways[:-1] + partial + ways[-1:]  # fresh aligned stays last
             names, cands, imb, moves = _score(ways, loads, old, topology)
             pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
-            if max_moves is not None and moves[pick, np.arange(L)].sum() > max_moves:
+            if max_moves is not None and moves[pick, cols].sum() > max_moves:
                 fits = np.ones_like(moves, dtype=bool) if max_layer_moves is None else moves <= max_layer_moves
                 fits[0] = True  # kept: no moves
                 pick = _pick(np.where(fits, imb, np.inf), moves, max_moves)
             limited = True
-    out = cands[pick, np.arange(L)]
+    out = cands[pick, cols]
     taken = {f"layers_{n}": 0 for n in ("kept", "repaired", "recounted", "regrouped", "replanned")}
     for i, name in enumerate(names):
         taken[f"layers_{name}"] += int((pick == i).sum())
     taken["budget_limited"] = int(limited)
     notes: tuple[str, ...] = ()
     if limited:
-        got = imb[pick, np.arange(L)]
+        got = imb[pick, cols]
         notes = (
             f"move budget (max_moves={max_moves}, max_layer_moves={max_layer_moves}) held the re-plan to "
-            f"{int(moves[pick, np.arange(L)].sum())} moves: mean imbalance {got.mean():.4f} against "
+            f"{int(moves[pick, cols].sum())} moves: mean imbalance {got.mean():.4f} against "
             f"{(1 + tolerance) * fresh_imb.mean():.4f} allowed by the tolerance (fresh plan {fresh_imb.mean():.4f})",
         )
     return out, taken, notes

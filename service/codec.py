@@ -6,7 +6,7 @@ import math
 import re
 
 import eplb
-from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE
+from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE, MIGRATION_OPTIONS
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import FieldViolation, InvalidArgument
 from .trigger import TriggerSpec
@@ -57,7 +57,8 @@ def check_policy(policy: str, field: str) -> str:
 # Policies that re-plan migration-aware (eplb.rebalance's tolerance, layer_tolerance,
 # max_moves and max_layer_moves); the others take no such options and re-plan from scratch.
 MIGRATION_POLICIES = ("auto", "global", "hierarchical")
-MIGRATION_FIELDS = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
+# Migration's fields are named as the library's options.
+MIGRATION_FIELDS = MIGRATION_OPTIONS
 
 
 def check_migration(msg: pb.Migration, policy: str, field: str) -> list[FieldViolation]:
