@@ -457,6 +457,8 @@ class Balancer:
             self._seen(candidate)
             response.published = True
             outcome = "published"
+            if stats.budget_limited:
+                self.metrics.budget_limited.labels(name).inc()
         response.placement.CopyFrom(candidate)
         self.metrics.rebalances.labels(name, policy, outcome).inc()
         self.metrics.rebalance_seconds.labels(name, policy).observe(time.perf_counter() - start)

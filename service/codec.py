@@ -153,4 +153,5 @@ def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:
         policy=plan.policy, policy_used=plan.policy_used, imbalance_before=imbalance_before,
         imbalance_after=after, imbalance_lb=float(plan.imbalance_lb.mean()), max_imbalance_after=plan.max_imbalance,
         moves=plan.total_moves, solve_seconds=plan.solve_seconds, gain_percent=gain, notes=list(plan.notes),
+        budget_limited=bool(plan.extra.get("budget_limited", 0)),
     )

@@ -30,10 +30,17 @@ class Metrics:
         set_("version", Gauge("eplb_placement_version", "Current placement version seen by this replica",
                               ["deployment"], registry=r))
         set_("watchers", Gauge("eplb_watchers", "Open WatchPlacements streams on this replica", ["deployment"], registry=r))
+        set_("budget_limited", Counter(
+            "eplb_budget_limited", "Published re-plans that a move budget held below their tolerances",
+            ["deployment"], registry=r,
+        ))
 
     def forget(self, deployment: str) -> None:
         """Drops a deleted deployment's series."""
-        for metric in (self.reports, self.rebalances, self.rebalance_seconds, self.imbalance, self.version, self.watchers):
+        for metric in (
+            self.reports, self.rebalances, self.rebalance_seconds, self.imbalance, self.version, self.watchers,
+            self.budget_limited,
+        ):
             for labels in list(metric._metrics):  # prometheus_client offers no public label listing
                 if labels and labels[0] == deployment:
                     metric.remove(*labels)

@@ -89,6 +89,7 @@ async def test_compute_placement_keeps_previous_within_the_migration_bounds(serv
     assert 0 < held.stats.moves <= budget
     assert held.stats.imbalance_after > tight.mean_imbalance
     assert any(n.startswith(f"move budget (max_moves={budget}") for n in held.stats.notes)
+    assert held.stats.budget_limited and not (await plan(tolerance=0.0, layer_tolerance=0.0)).stats.budget_limited
     per_layer = await plan(tolerance=0.0, layer_tolerance=0.0, max_layer_moves=1)
     assert (eplb.moves(eplb.Placement.contiguous(topo), eplb.Placement(
         arrays.decode(per_layer.phy2log, "phy2log", (4, 24)), topo)) <= 1).all()
@@ -134,8 +135,9 @@ async def test_the_trigger_move_budget_is_planned_within_or_refused(serve, conne
     out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="gated"))
     if policy == "auto":
         # Planned within the budget: published, with the budget named in the notes.
-        assert out.published and 0 < out.placement.stats.moves <= 3
+        assert out.published and 0 < out.placement.stats.moves <= 3 and out.placement.stats.budget_limited
         assert any(n.startswith("move budget (max_moves=3") for n in out.placement.stats.notes)
+        assert server.metrics.budget_limited.labels("gated")._value.get() == 1
     else:
         # eplb.py re-plans from scratch: the gate refuses what goes over.
         assert not out.published and out.placement.stats.moves > 3

@@ -26,15 +26,15 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65plb/v1/balancer.proto\x12\x07\x65plb.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"C\n\x05\x41rray\x12\x1d\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0e.eplb.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\x08Topology\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x10\n\x08num_gpus\x18\x04 \x01(\r\x12\x11\n\tnum_nodes\x18\x05 \x01(\r\x12\x12\n\nnum_groups\x18\x06 \x01(\r\"c\n\rSlidingWindow\x12+\n\x08\x64uration\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0creport_count\x18\x02 \x01(\r\x12\x0f\n\x07\x62uckets\x18\x03 \x01(\r\";\n\x0b\x44\x65\x63\x61yWindow\x12,\n\thalf_life\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"b\n\x06Window\x12)\n\x07sliding\x18\x01 \x01(\x0b\x32\x16.eplb.v1.SlidingWindowH\x00\x12%\n\x05\x64\x65\x63\x61y\x18\x02 \x01(\x0b\x32\x14.eplb.v1.DecayWindowH\x00\x42\x06\n\x04kind\"y\n\x07Trigger\x12+\n\x08interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0creport_count\x18\x02 \x01(\r\x12\x18\n\x10min_gain_percent\x18\x03 \x01(\x01\x12\x11\n\tmax_moves\x18\x04 \x01(\r\"\xfc\x01\n\nDeployment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x08topology\x18\x02 \x01(\x0b\x32\x11.eplb.v1.Topology\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x1f\n\x06window\x18\x04 \x01(\x0b\x32\x0f.eplb.v1.Window\x12!\n\x07trigger\x18\x05 \x01(\x0b\x32\x10.eplb.v1.Trigger\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12%\n\tmigration\x18\x08 \x01(\x0b\x32\x12.eplb.v1.Migration\"\xbb\x01\n\tMigration\x12\x16\n\ttolerance\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0flayer_tolerance\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tmax_moves\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x1c\n\x0fmax_layer_moves\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0c\n\n_toleranceB\x12\n\x10_layer_toleranceB\x0c\n\n_max_movesB\x12\n\x10_max_layer_moves\"\xe1\x01\n\tPlanStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0bpolicy_used\x18\x02 \x01(\t\x12\x18\n\x10imbalance_before\x18\x03 \x01(\x01\x12\x17\n\x0fimbalance_after\x18\x04 \x01(\x01\x12\x14\n\x0cimbalance_lb\x18\x05 \x01(\x01\x12\x1b\n\x13max_imbalance_after\x18\x06 \x01(\x01\x12\r\n\x05moves\x18\x07 \x01(\x04\x12\x15\n\rsolve_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cgain_percent\x18\t \x01(\x01\x12\r\n\x05notes\x18\n \x03(\t\"\xa5\x01\n\tPlacement\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1f\n\x07phy2log\x18\x03 \x01(\x0b\x32\x0e.eplb.v1.Array\x12!\n\x05stats\x18\x04 \x01(\x0b\x32\x12.eplb.v1.PlanStats\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"k\n\x17\x43reateDeploymentRequest\x12\'\n\ndeployment\x18\x01 \x01(\x0b\x32\x13.eplb.v1.Deployment\x12\'\n\x0finitial_phy2log\x18\x02 \x01(\x0b\x32\x0e.eplb.v1.Array\"j\n\x18\x43reateDeploymentResponse\x12\'\n\ndeployment\x18\x01 \x01(\x0b\x32\x13.eplb.v1.Deployment\x12%\n\tplacement\x18\x02 \x01(\x0b\x32\x12.eplb.v1.Placement\"$\n\x14GetDeploymentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x07RankAck\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"`\n\x15GetDeploymentResponse\x12\'\n\ndeployment\x18\x01 \x01(\x0b\x32\x13.eplb.v1.Deployment\x12\x1e\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x10.eplb.v1.RankAck\"\x18\n\x16ListDeploymentsRequest\"C\n\x17ListDeploymentsResponse\x12(\n\x0b\x64\x65ployments\x18\x01 \x03(\x0b\x32\x13.eplb.v1.Deployment\"\'\n\x17\x44\x65leteDeploymentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65leteDeploymentResponse\"K\n\x0ePhysicalCounts\x12\x1e\n\x06\x63ounts\x18\x01 \x01(\x0b\x32\x0e.eplb.v1.Array\x12\x19\n\x11placement_version\x18\x02 \x01(\x04\"\x9c\x01\n\x11ReportLoadRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12!\n\x07logical\x18\x04 \x01(\x0b\x32\x0e.eplb.v1.ArrayH\x00\x12+\n\x08physical\x18\x05 \x01(\x0b\x32\x17.eplb.v1.PhysicalCountsH\x00\x42\x08\n\x06\x63ounts\":\n\x12ReportLoadResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\":\n\x13GetPlacementRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"=\n\x14GetPlacementResponse\x12%\n\tplacement\x18\x01 \x01(\x0b\x32\x12.eplb.v1.Placement\"C\n\x16WatchPlacementsRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x15\n\rsince_version\x18\x02 \x01(\x04\"@\n\x17WatchPlacementsResponse\x12%\n\tplacement\x18\x01 \x01(\x0b\x32\x12.eplb.v1.Placement\"H\n\x13\x41\x63kPlacementRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"+\n\x14\x41\x63kPlacementResponse\x12\x13\n\x0branks_acked\x18\x01 \x01(\r\"F\n\x10RebalanceRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\x8c\x01\n\x11RebalanceResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\x12%\n\tplacement\x18\x02 \x01(\x0b\x32\x12.eplb.v1.Placement\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rwindow_tokens\x18\x04 \x01(\x01\x12\x16\n\x0ewindow_reports\x18\x05 \x01(\x04\"\xbe\x01\n\x17\x43omputePlacementRequest\x12#\n\x08topology\x18\x01 \x01(\x0b\x32\x11.eplb.v1.Topology\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x1d\n\x05loads\x18\x03 \x01(\x0b\x32\x0e.eplb.v1.Array\x12(\n\x10previous_phy2log\x18\x04 \x01(\x0b\x32\x0e.eplb.v1.Array\x12%\n\tmigration\x18\x05 \x01(\x0b\x32\x12.eplb.v1.Migration\"~\n\x18\x43omputePlacementResponse\x12\x1f\n\x07phy2log\x18\x01 \x01(\x0b\x32\x0e.eplb.v1.Array\x12\x1e\n\x06logcnt\x18\x02 \x01(\x0b\x32\x0e.eplb.v1.Array\x12!\n\x05stats\x18\x03 \x01(\x0b\x32\x12.eplb.v1.PlanStats*f\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x32\xcb\x06\n\x19\x45xpertLoadBalancerService\x12W\n\x10\x43reateDeployment\x12 .eplb.v1.CreateDeploymentRequest\x1a!.eplb.v1.CreateDeploymentResponse\x12N\n\rGetDeployment\x12\x1d.eplb.v1.GetDeploymentRequest\x1a\x1e.eplb.v1.GetDeploymentResponse\x12T\n\x0fListDeployments\x12\x1f.eplb.v1.ListDeploymentsRequest\x1a .eplb.v1.ListDeploymentsResponse\x12W\n\x10\x44\x65leteDeployment\x12 .eplb.v1.DeleteDeploymentRequest\x1a!.eplb.v1.DeleteDeploymentResponse\x12G\n\nReportLoad\x12\x1a.eplb.v1.ReportLoadRequest\x1a\x1b.eplb.v1.ReportLoadResponse(\x01\x12K\n\x0cGetPlacement\x12\x1c.eplb.v1.GetPlacementRequest\x1a\x1d.eplb.v1.GetPlacementResponse\x12V\n\x0fWatchPlacements\x12\x1f.eplb.v1.WatchPlacementsRequest\x1a .eplb.v1.WatchPlacementsResponse0\x01\x12K\n\x0c\x41\x63kPlacement\x12\x1c.eplb.v1.AckPlacementRequest\x1a\x1d.eplb.v1.AckPlacementResponse\x12\x42\n\tRebalance\x12\x19.eplb.v1.RebalanceRequest\x1a\x1a.eplb.v1.RebalanceResponse\x12W\n\x10\x43omputePlacement\x12 .eplb.v1.ComputePlacementRequest\x1a!.eplb.v1.ComputePlacementResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65plb/v1/balancer.proto\x12\x07\x65plb.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"C\n\x05\x41rray\x12\x1d\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0e.eplb.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\x08Topology\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x10\n\x08num_gpus\x18\x04 \x01(\r\x12\x11\n\tnum_nodes\x18\x05 \x01(\r\x12\x12\n\nnum_groups\x18\x06 \x01(\r\"c\n\rSlidingWindow\x12+\n\x08\x64uration\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0creport_count\x18\x02 \x01(\r\x12\x0f\n\x07\x62uckets\x18\x03 \x01(\r\";\n\x0b\x44\x65\x63\x61yWindow\x12,\n\thalf_life\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"b\n\x06Window\x12)\n\x07sliding\x18\x01 \x01(\x0b\x32\x16.eplb.v1.SlidingWindowH\x00\x12%\n\x05\x64\x65\x63\x61y\x18\x02 \x01(\x0b\x32\x14.eplb.v1.DecayWindowH\x00\x42\x06\n\x04kind\"y\n\x07Trigger\x12+\n\x08interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0creport_count\x18\x02 \x01(\r\x12\x18\n\x10min_gain_percent\x18\x03 \x01(\x01\x12\x11\n\tmax_moves\x18\x04 \x01(\r\"\xfc\x01\n\nDeployment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x08topology\x18\x02 \x01(\x0b\x32\x11.eplb.v1.Topology\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x1f\n\x06window\x18\x04 \x01(\x0b\x32\x0f.eplb.v1.Window\x12!\n\x07trigger\x18\x05 \x01(\x0b\x32\x10.eplb.v1.Trigger\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12%\n\tmigration\x18\x08 \x01(\x0b\x32\x12.eplb.v1.Migration\"\xbb\x01\n\tMigration\x12\x16\n\ttolerance\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0flayer_tolerance\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tmax_moves\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x1c\n\x0fmax_layer_moves\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0c\n\n_toleranceB\x12\n\x10_layer_toleranceB\x0c\n\n_max_movesB\x12\n\x10_max_layer_moves\"\xf9\x01\n\tPlanStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0bpolicy_used\x18\x02 \x01(\t\x12\x18\n\x10imbalance_before\x18\x03 \x01(\x01\x12\x17\n\x0fimbalance_after\x18\x04 \x01(\x01\x12\x14\n\x0cimbalance_lb\x18\x05 \x01(\x01\x12\x1b\n\x13max_imbalance_after\x18\x06 \x01(\x01\x12\r\n\x05moves\x18\x07 \x01(\x04\x12\x15\n\rsolve_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cgain_percent\x18\t \x01(\x01\x12\r\n\x05notes\x18\n \x03(\t\x12\x16\n\x0e\x62udget_limited\x18\x0b \x01(\x08\"\xa5\x01\n\tPlacement\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1f\n\x07phy2log\x18\x03 \x01(\x0b\x32\x0e.eplb.v1.Array\x12!\n\x05stats\x18\x04 \x01(\x0b\x32\x12.eplb.v1.PlanStats\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"k\n\x17\x43reateDeploymentRequest\x12\'\n\ndeployment\x18\x01 \x01(\x0b\x32\x13.eplb.v1.Deployment\x12\'\n\x0finitial_phy2log\x18\x02 \x01(\x0b\x32\x0e.eplb.v1.Array\"j\n\x18\x43reateDeploymentResponse\x12\'\n\ndeployment\x18\x01 \x01(\x0b\x32\x13.eplb.v1.Deployment\x12%\n\tplacement\x18\x02 \x01(\x0b\x32\x12.eplb.v1.Placement\"$\n\x14GetDeploymentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x07RankAck\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"`\n\x15GetDeploymentResponse\x12\'\n\ndeployment\x18\x01 \x01(\x0b\x32\x13.eplb.v1.Deployment\x12\x1e\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x10.eplb.v1.RankAck\"\x18\n\x16ListDeploymentsRequest\"C\n\x17ListDeploymentsResponse\x12(\n\x0b\x64\x65ployments\x18\x01 \x03(\x0b\x32\x13.eplb.v1.Deployment\"\'\n\x17\x44\x65leteDeploymentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65leteDeploymentResponse\"K\n\x0ePhysicalCounts\x12\x1e\n\x06\x63ounts\x18\x01 \x01(\x0b\x32\x0e.eplb.v1.Array\x12\x19\n\x11placement_version\x18\x02 \x01(\x04\"\x9c\x01\n\x11ReportLoadRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12!\n\x07logical\x18\x04 \x01(\x0b\x32\x0e.eplb.v1.ArrayH\x00\x12+\n\x08physical\x18\x05 \x01(\x0b\x32\x17.eplb.v1.PhysicalCountsH\x00\x42\x08\n\x06\x63ounts\":\n\x12ReportLoadResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\":\n\x13GetPlacementRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"=\n\x14GetPlacementResponse\x12%\n\tplacement\x18\x01 \x01(\x0b\x32\x12.eplb.v1.Placement\"C\n\x16WatchPlacementsRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x15\n\rsince_version\x18\x02 \x01(\x04\"@\n\x17WatchPlacementsResponse\x12%\n\tplacement\x18\x01 \x01(\x0b\x32\x12.eplb.v1.Placement\"H\n\x13\x41\x63kPlacementRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"+\n\x14\x41\x63kPlacementResponse\x12\x13\n\x0branks_acked\x18\x01 \x01(\r\"F\n\x10RebalanceRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\x8c\x01\n\x11RebalanceResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\x12%\n\tplacement\x18\x02 \x01(\x0b\x32\x12.eplb.v1.Placement\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rwindow_tokens\x18\x04 \x01(\x01\x12\x16\n\x0ewindow_reports\x18\x05 \x01(\x04\"\xbe\x01\n\x17\x43omputePlacementRequest\x12#\n\x08topology\x18\x01 \x01(\x0b\x32\x11.eplb.v1.Topology\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x1d\n\x05loads\x18\x03 \x01(\x0b\x32\x0e.eplb.v1.Array\x12(\n\x10previous_phy2log\x18\x04 \x01(\x0b\x32\x0e.eplb.v1.Array\x12%\n\tmigration\x18\x05 \x01(\x0b\x32\x12.eplb.v1.Migration\"~\n\x18\x43omputePlacementResponse\x12\x1f\n\x07phy2log\x18\x01 \x01(\x0b\x32\x0e.eplb.v1.Array\x12\x1e\n\x06logcnt\x18\x02 \x01(\x0b\x32\x0e.eplb.v1.Array\x12!\n\x05stats\x18\x03 \x01(\x0b\x32\x12.eplb.v1.PlanStats*f\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x32\xcb\x06\n\x19\x45xpertLoadBalancerService\x12W\n\x10\x43reateDeployment\x12 .eplb.v1.CreateDeploymentRequest\x1a!.eplb.v1.CreateDeploymentResponse\x12N\n\rGetDeployment\x12\x1d.eplb.v1.GetDeploymentRequest\x1a\x1e.eplb.v1.GetDeploymentResponse\x12T\n\x0fListDeployments\x12\x1f.eplb.v1.ListDeploymentsRequest\x1a .eplb.v1.ListDeploymentsResponse\x12W\n\x10\x44\x65leteDeployment\x12 .eplb.v1.DeleteDeploymentRequest\x1a!.eplb.v1.DeleteDeploymentResponse\x12G\n\nReportLoad\x12\x1a.eplb.v1.ReportLoadRequest\x1a\x1b.eplb.v1.ReportLoadResponse(\x01\x12K\n\x0cGetPlacement\x12\x1c.eplb.v1.GetPlacementRequest\x1a\x1d.eplb.v1.GetPlacementResponse\x12V\n\x0fWatchPlacements\x12\x1f.eplb.v1.WatchPlacementsRequest\x1a .eplb.v1.WatchPlacementsResponse0\x01\x12K\n\x0c\x41\x63kPlacement\x12\x1c.eplb.v1.AckPlacementRequest\x1a\x1d.eplb.v1.AckPlacementResponse\x12\x42\n\tRebalance\x12\x19.eplb.v1.RebalanceRequest\x1a\x1a.eplb.v1.RebalanceResponse\x12W\n\x10\x43omputePlacement\x12 .eplb.v1.ComputePlacementRequest\x1a!.eplb.v1.ComputePlacementResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'eplb.v1.balancer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3292
-  _globals['_DTYPE']._serialized_end=3394
+  _globals['_DTYPE']._serialized_start=3316
+  _globals['_DTYPE']._serialized_end=3418
   _globals['_ARRAY']._serialized_start=100
   _globals['_ARRAY']._serialized_end=167
   _globals['_TOPOLOGY']._serialized_start=169
@@ -52,53 +52,53 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MIGRATION']._serialized_start=939
   _globals['_MIGRATION']._serialized_end=1126
   _globals['_PLANSTATS']._serialized_start=1129
-  _globals['_PLANSTATS']._serialized_end=1354
-  _globals['_PLACEMENT']._serialized_start=1357
-  _globals['_PLACEMENT']._serialized_end=1522
-  _globals['_CREATEDEPLOYMENTREQUEST']._serialized_start=1524
-  _globals['_CREATEDEPLOYMENTREQUEST']._serialized_end=1631
-  _globals['_CREATEDEPLOYMENTRESPONSE']._serialized_start=1633
-  _globals['_CREATEDEPLOYMENTRESPONSE']._serialized_end=1739
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=1741
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=1777
-  _globals['_RANKACK']._serialized_start=1779
-  _globals['_RANKACK']._serialized_end=1819
-  _globals['_GETDEPLOYMENTRESPONSE']._serialized_start=1821
-  _globals['_GETDEPLOYMENTRESPONSE']._serialized_end=1917
-  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=1919
-  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=1943
-  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=1945
-  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=2012
-  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_start=2014
-  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_end=2053
-  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_start=2055
-  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_end=2081
-  _globals['_PHYSICALCOUNTS']._serialized_start=2083
-  _globals['_PHYSICALCOUNTS']._serialized_end=2158
-  _globals['_REPORTLOADREQUEST']._serialized_start=2161
-  _globals['_REPORTLOADREQUEST']._serialized_end=2317
-  _globals['_REPORTLOADRESPONSE']._serialized_start=2319
-  _globals['_REPORTLOADRESPONSE']._serialized_end=2377
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=2379
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=2437
-  _globals['_GETPLACEMENTRESPONSE']._serialized_start=2439
-  _globals['_GETPLACEMENTRESPONSE']._serialized_end=2500
-  _globals['_WATCHPLACEMENTSREQUEST']._serialized_start=2502
-  _globals['_WATCHPLACEMENTSREQUEST']._serialized_end=2569
-  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_start=2571
-  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_end=2635
-  _globals['_ACKPLACEMENTREQUEST']._serialized_start=2637
-  _globals['_ACKPLACEMENTREQUEST']._serialized_end=2709
-  _globals['_ACKPLACEMENTRESPONSE']._serialized_start=2711
-  _globals['_ACKPLACEMENTRESPONSE']._serialized_end=2754
-  _globals['_REBALANCEREQUEST']._serialized_start=2756
-  _globals['_REBALANCEREQUEST']._serialized_end=2826
-  _globals['_REBALANCERESPONSE']._serialized_start=2829
-  _globals['_REBALANCERESPONSE']._serialized_end=2969
-  _globals['_COMPUTEPLACEMENTREQUEST']._serialized_start=2972
-  _globals['_COMPUTEPLACEMENTREQUEST']._serialized_end=3162
-  _globals['_COMPUTEPLACEMENTRESPONSE']._serialized_start=3164
-  _globals['_COMPUTEPLACEMENTRESPONSE']._serialized_end=3290
-  _globals['_EXPERTLOADBALANCERSERVICE']._serialized_start=3397
-  _globals['_EXPERTLOADBALANCERSERVICE']._serialized_end=4240
+  _globals['_PLANSTATS']._serialized_end=1378
+  _globals['_PLACEMENT']._serialized_start=1381
+  _globals['_PLACEMENT']._serialized_end=1546
+  _globals['_CREATEDEPLOYMENTREQUEST']._serialized_start=1548
+  _globals['_CREATEDEPLOYMENTREQUEST']._serialized_end=1655
+  _globals['_CREATEDEPLOYMENTRESPONSE']._serialized_start=1657
+  _globals['_CREATEDEPLOYMENTRESPONSE']._serialized_end=1763
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=1765
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=1801
+  _globals['_RANKACK']._serialized_start=1803
+  _globals['_RANKACK']._serialized_end=1843
+  _globals['_GETDEPLOYMENTRESPONSE']._serialized_start=1845
+  _globals['_GETDEPLOYMENTRESPONSE']._serialized_end=1941
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=1943
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=1967
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=1969
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=2036
+  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_start=2038
+  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_end=2077
+  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_start=2079
+  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_end=2105
+  _globals['_PHYSICALCOUNTS']._serialized_start=2107
+  _globals['_PHYSICALCOUNTS']._serialized_end=2182
+  _globals['_REPORTLOADREQUEST']._serialized_start=2185
+  _globals['_REPORTLOADREQUEST']._serialized_end=2341
+  _globals['_REPORTLOADRESPONSE']._serialized_start=2343
+  _globals['_REPORTLOADRESPONSE']._serialized_end=2401
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=2403
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=2461
+  _globals['_GETPLACEMENTRESPONSE']._serialized_start=2463
+  _globals['_GETPLACEMENTRESPONSE']._serialized_end=2524
+  _globals['_WATCHPLACEMENTSREQUEST']._serialized_start=2526
+  _globals['_WATCHPLACEMENTSREQUEST']._serialized_end=2593
+  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_start=2595
+  _globals['_WATCHPLACEMENTSRESPONSE']._serialized_end=2659
+  _globals['_ACKPLACEMENTREQUEST']._serialized_start=2661
+  _globals['_ACKPLACEMENTREQUEST']._serialized_end=2733
+  _globals['_ACKPLACEMENTRESPONSE']._serialized_start=2735
+  _globals['_ACKPLACEMENTRESPONSE']._serialized_end=2778
+  _globals['_REBALANCEREQUEST']._serialized_start=2780
+  _globals['_REBALANCEREQUEST']._serialized_end=2850
+  _globals['_REBALANCERESPONSE']._serialized_start=2853
+  _globals['_REBALANCERESPONSE']._serialized_end=2993
+  _globals['_COMPUTEPLACEMENTREQUEST']._serialized_start=2996
+  _globals['_COMPUTEPLACEMENTREQUEST']._serialized_end=3186
+  _globals['_COMPUTEPLACEMENTRESPONSE']._serialized_start=3188
+  _globals['_COMPUTEPLACEMENTRESPONSE']._serialized_end=3314
+  _globals['_EXPERTLOADBALANCERSERVICE']._serialized_start=3421
+  _globals['_EXPERTLOADBALANCERSERVICE']._serialized_end=4264
 # @@protoc_insertion_point(module_scope)

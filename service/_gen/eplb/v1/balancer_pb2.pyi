@@ -119,7 +119,7 @@ class Migration(_message.Message):
     def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ..., max_moves: _Optional[int] = ..., max_layer_moves: _Optional[int] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes")
+    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_USED_FIELD_NUMBER: _ClassVar[int]
     IMBALANCE_BEFORE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class PlanStats(_message.Message):
     SOLVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAIN_PERCENT_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_LIMITED_FIELD_NUMBER: _ClassVar[int]
     policy: str
     policy_used: str
     imbalance_before: float
@@ -140,7 +141,8 @@ class PlanStats(_message.Message):
     solve_seconds: float
     gain_percent: float
     notes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+    budget_limited: bool
+    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("deployment", "version", "phy2log", "stats", "create_time")
