@@ -114,13 +114,14 @@ def test_a_move_budget_caps_the_moves_and_buys_balance_with_them(policy: str) ->
     assert frozen.total_moves == 0 and np.array_equal(frozen.phy2log, prev.phy2log)
 
 
-def test_a_layer_move_budget_holds_in_every_layer() -> None:
-    topo = SCALES["kimi-64"]
+@pytest.mark.parametrize("scale,policy", [("kimi-64", "global"), ("v3-prefill", "hierarchical")])
+def test_a_layer_move_budget_holds_in_every_layer(scale: str, policy: str) -> None:
+    topo = SCALES[scale]
     seq = drift(make_loads("lognormal-1.0", topo, seed=6), 0.2, 2, seed=6)
-    prev = eplb.rebalance(seq[0], topo, "global").placement
-    free = eplb.rebalance(seq[1], topo, "global", previous=prev)
-    limit = int(np.median(free.moves))
-    plan = eplb.rebalance(seq[1], topo, "global", previous=prev, max_layer_moves=limit)
+    prev = eplb.rebalance(seq[0], topo, policy).placement
+    free = eplb.rebalance(seq[1], topo, policy, previous=prev)
+    limit = int(np.median(free.moves[free.moves > 0]))
+    plan = eplb.rebalance(seq[1], topo, policy, previous=prev, max_layer_moves=limit)
     assert plan.moves.max() <= limit < free.moves.max()
     assert plan.extra["budget_limited"] == 1
     assert plan.mean_imbalance < eplb.imbalance(eplb.gpu_loads(seq[1], prev)).mean()
