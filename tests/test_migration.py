@@ -312,21 +312,32 @@ def _drifted_layout(
     return drifted, phy, target
 
 
-@given(data=st.data())
-def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) -> None:
-    from eplb.refine import _bin_loads, _counts, rotate_improve
+def _repair_keeping_counts(repair, drifted: np.ndarray, phy: np.ndarray, target: np.ndarray) -> tuple:
+    """Runs ``repair(drifted, phy, target)`` in place and checks what every counts-kept repair
+    keeps: replica counts, no expert twice on a gpu, untouched bins' loads. Returns the bin
+    loads before and after ``[2, B]`` and which bins it touched."""
+    from eplb.refine import _bin_loads, _counts
 
-    drifted, phy, target = _drifted_layout(data, (3, 8), (1, 4), 0, 0.3)
-    E, (_, B, S) = drifted.shape[1], phy.shape
+    E, S = drifted.shape[1], phy.shape[2]
     before, bins = phy.copy(), _bin_loads(drifted, phy)
-    rotate_improve(drifted, phy, target)
+    repair(drifted, phy, target)
     after = _bin_loads(drifted, phy)
     assert (_counts(phy, E) == _counts(before, E)).all()
     assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
-    # Every bin a rotation touched ends at most at the target; untouched bins keep their load.
     touched = (phy != before).any(axis=2)
-    assert (after[touched] <= np.repeat(target[:, None], B, axis=1)[touched] + 1e-9).all()
     assert np.allclose(after[~touched], bins[~touched])
+    return bins, after, touched
+
+
+@given(data=st.data())
+def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) -> None:
+    from eplb.refine import rotate_improve
+
+    drifted, phy, target = _drifted_layout(data, (3, 8), (1, 4), 0, 0.3)
+    B = phy.shape[1]
+    _, after, touched = _repair_keeping_counts(rotate_improve, drifted, phy, target)
+    # Every bin a rotation touched ends at most at the target.
+    assert (after[touched] <= np.repeat(target[:, None], B, axis=1)[touched] + 1e-9).all()
 
 
 def test_an_ejection_chain_fixes_three_gpus_with_four_slots() -> None:
@@ -349,21 +360,15 @@ def test_an_ejection_chain_fixes_three_gpus_with_four_slots() -> None:
 @given(data=st.data())
 def test_chains_fix_gpus_for_at_most_one_and_a_half_slots_each(data: st.DataObject) -> None:
     from eplb.repair import chain_improve
-    from eplb.refine import _bin_loads, _counts
 
     drifted, phy, target = _drifted_layout(data, (3, 10), (1, 4), 0, 0.3)
-    E, (_, B, S) = drifted.shape[1], phy.shape
-    before, bins = phy.copy(), _bin_loads(drifted, phy)
-    chain_improve(drifted, phy, target)
-    after = _bin_loads(drifted, phy)
-    assert (_counts(phy, E) == _counts(before, E)).all()
-    assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
+    B = phy.shape[1]
+    before = phy.copy()
+    bins, after, touched = _repair_keeping_counts(chain_improve, drifted, phy, target)
     tgt = np.repeat(target[:, None], B, axis=1)
-    touched = (phy != before).any(axis=2)
-    # Touched bins end at most at the target, untouched ones keep their load; each chain of
-    # k >= 2 bins above the target rewrites k + 1 slots.
+    # Touched bins end at most at the target; each chain of k >= 2 bins above the target
+    # rewrites k + 1 slots.
     assert (after[touched] <= tgt[touched] * (1 + 1e-9)).all()
-    assert np.allclose(after[~touched], bins[~touched])
     fixed = ((bins > tgt * (1 + 1e-12)) & (after <= tgt * (1 + 1e-9))).sum()
     assert (phy != before).sum() <= 1.5 * fixed
 
