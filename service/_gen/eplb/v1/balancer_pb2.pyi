@@ -18,11 +18,22 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT64: _ClassVar[Dtype]
     DTYPE_FLOAT32: _ClassVar[Dtype]
     DTYPE_FLOAT64: _ClassVar[Dtype]
+
+class AckState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACK_STATE_UNSPECIFIED: _ClassVar[AckState]
+    ACK_STATE_PREPARED: _ClassVar[AckState]
+    ACK_STATE_SWITCHED: _ClassVar[AckState]
+    ACK_STATE_FAILED: _ClassVar[AckState]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_INT32: Dtype
 DTYPE_INT64: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT64: Dtype
+ACK_STATE_UNSPECIFIED: AckState
+ACK_STATE_PREPARED: AckState
+ACK_STATE_SWITCHED: AckState
+ACK_STATE_FAILED: AckState
 
 class Array(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -87,7 +98,7 @@ class Trigger(_message.Message):
     def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., min_gain_percent: _Optional[float] = ..., max_moves: _Optional[int] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version", "migration")
+    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version", "migration", "ranks", "switch_margin_steps", "planning", "expert_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +107,10 @@ class Deployment(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_MARGIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     topology: Topology
     policy: str
@@ -104,7 +119,21 @@ class Deployment(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     version: int
     migration: Migration
-    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    switch_margin_steps: int
+    planning: Planning
+    expert_bytes: int
+    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ..., switch_margin_steps: _Optional[int] = ..., planning: _Optional[_Union[Planning, _Mapping]] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+
+class Planning(_message.Message):
+    __slots__ = ("effort", "work_budget", "time_limit")
+    EFFORT_FIELD_NUMBER: _ClassVar[int]
+    WORK_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    effort: str
+    work_budget: int
+    time_limit: _duration_pb2.Duration
+    def __init__(self, effort: _Optional[str] = ..., work_budget: _Optional[int] = ..., time_limit: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Migration(_message.Message):
     __slots__ = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
@@ -119,7 +148,7 @@ class Migration(_message.Message):
     def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ..., max_moves: _Optional[int] = ..., max_layer_moves: _Optional[int] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited")
+    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited", "transfer")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_USED_FIELD_NUMBER: _ClassVar[int]
     IMBALANCE_BEFORE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +160,7 @@ class PlanStats(_message.Message):
     GAIN_PERCENT_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_LIMITED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     policy: str
     policy_used: str
     imbalance_before: float
@@ -142,7 +172,22 @@ class PlanStats(_message.Message):
     gain_percent: float
     notes: _containers.RepeatedScalarFieldContainer[str]
     budget_limited: bool
-    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ...) -> None: ...
+    transfer: TransferStats
+    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CROSS_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_ROUND_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    cross_node_bytes: int
+    rounds: int
+    max_rank_round_bytes: int
+    predicted_seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("deployment", "version", "phy2log", "stats", "create_time")
@@ -181,12 +226,16 @@ class GetDeploymentRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class RankAck(_message.Message):
-    __slots__ = ("rank", "version")
+    __slots__ = ("rank", "version", "prepared_version", "failed_version")
     RANK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FAILED_VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     version: int
-    def __init__(self, rank: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    prepared_version: int
+    failed_version: int
+    def __init__(self, rank: _Optional[int] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., failed_version: _Optional[int] = ...) -> None: ...
 
 class GetDeploymentResponse(_message.Message):
     __slots__ = ("deployment", "acks")
@@ -275,20 +324,36 @@ class WatchPlacementsResponse(_message.Message):
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class AckPlacementRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "version")
+    __slots__ = ("deployment", "rank", "version", "state", "step", "error")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     version: int
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    state: AckState
+    step: int
+    error: str
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., state: _Optional[_Union[AckState, str]] = ..., step: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AckPlacementResponse(_message.Message):
-    __slots__ = ("ranks_acked",)
+    __slots__ = ("ranks_acked", "ranks_prepared", "ranks_failed", "num_ranks", "switch_step", "aborted")
     RANKS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PREPARED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_STEP_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
     ranks_acked: int
-    def __init__(self, ranks_acked: _Optional[int] = ...) -> None: ...
+    ranks_prepared: int
+    ranks_failed: int
+    num_ranks: int
+    switch_step: int
+    aborted: bool
+    def __init__(self, ranks_acked: _Optional[int] = ..., ranks_prepared: _Optional[int] = ..., ranks_failed: _Optional[int] = ..., num_ranks: _Optional[int] = ..., switch_step: _Optional[int] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class RebalanceRequest(_message.Message):
     __slots__ = ("deployment", "dry_run", "force")
@@ -315,18 +380,22 @@ class RebalanceResponse(_message.Message):
     def __init__(self, published: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., reason: _Optional[str] = ..., window_tokens: _Optional[float] = ..., window_reports: _Optional[int] = ...) -> None: ...
 
 class ComputePlacementRequest(_message.Message):
-    __slots__ = ("topology", "policy", "loads", "previous_phy2log", "migration")
+    __slots__ = ("topology", "policy", "loads", "previous_phy2log", "migration", "planning", "expert_bytes")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     policy: str
     loads: Array
     previous_phy2log: Array
     migration: Migration
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ...) -> None: ...
+    planning: Planning
+    expert_bytes: int
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., planning: _Optional[_Union[Planning, _Mapping]] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
 
 class ComputePlacementResponse(_message.Message):
     __slots__ = ("phy2log", "logcnt", "stats")

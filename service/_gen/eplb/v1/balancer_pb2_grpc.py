@@ -143,7 +143,9 @@ class ExpertLoadBalancerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AckPlacement(self, request, context):
-        """AckPlacement records that an engine rank applied a version.
+        """AckPlacement records where an engine rank stands with a version (prepared, switched or
+        failed) and answers the rollout: how many ranks prepared, and once all did, the step from
+        which every rank routes with the new map (the version-and-step barrier).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
