@@ -14,6 +14,12 @@ from typing import Any
 # torch-free client names never pull in torch. Add an entry per public name.
 _LAZY: dict[str, str] = {
     "WeightMover": "mover",
+    "ServiceClient": "client",
+    "Endpoints": "client",
+    "LoadReporter": "reporter",
+    "ReporterStats": "reporter",
+    "PlacementWatcher": "watcher",
+    "PublishedPlacement": "wire",
 }
 
 __all__ = sorted(_LAZY)

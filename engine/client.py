@@ -1,0 +1,244 @@
+"""Talking to the balancer service from an engine (sync face): channels to several service
+addresses with failover, retries with backoff, and the unary calls an engine makes.
+
+``Endpoints`` holds one channel at a time, to the first address that answers; a call that
+fails as unavailable moves it to the next address. ``ServiceClient`` wraps the unary RPCs
+(create a deployment, get a placement, ack, rebalance, health) with that failover and retries
+transient failures until its deadline. ``LoadReporter`` (reporter.py) and
+``PlacementWatcher`` (watcher.py) share an ``Endpoints`` the same way.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+
+import eplb
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
+from . import wire
+
+__all__ = ["Endpoints", "Backoff", "ServiceClient", "ACK_STATES", "TRANSIENT", "parse_addresses"]
+
+# Failures that another attempt (later, or at another replica) can cure: the replica is down or
+# restarting, the stream was cut, or its store is away. Everything else is the request's fault.
+TRANSIENT = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
+
+ACK_STATES: dict[str, int] = {
+    "prepared": pb.ACK_STATE_PREPARED,
+    "switched": pb.ACK_STATE_SWITCHED,
+    "failed": pb.ACK_STATE_FAILED,
+}
+
+
+def parse_addresses(addresses: str | Sequence[str]) -> tuple[str, ...]:
+    """``"host:port,host:port"`` or a sequence of ``host:port`` → a tuple; ``ValueError`` if empty."""
+    items = addresses.split(",") if isinstance(addresses, str) else list(addresses)
+    out = tuple(a.strip() for a in items if a and a.strip())
+    if not out:
+        raise ValueError(f"addresses must name at least one host:port, got {addresses!r}")
+    return out
+
+
+class Backoff:
+    """Exponential backoff with full jitter: ``initial_s`` doubling up to ``max_s``."""
+
+    def __init__(self, initial_s: float = 0.05, max_s: float = 2.0) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self._next = initial_s
+
+    def reset(self) -> None:
+        self._next = self.initial_s
+
+    def delay(self) -> float:
+        """The next wait in seconds (and doubles the one after)."""
+        out = random.uniform(self._next / 2, self._next)
+        self._next = min(self.max_s, self._next * 2)
+        return out
+
+
+class Endpoints:
+    """Channels to the addresses of one service (its replicas), one in use at a time.
+
+    ``stub()`` is the current address's stub; ``failover(stub)`` after a transient failure of a
+    call made on ``stub`` moves to the next address (once per failed channel, so several
+    threads that saw the same failure move it once). Thread-safe.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self.addresses = parse_addresses(addresses)
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._root_certificates = root_certificates
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            # Reconnect quickly after a replica restarts instead of gRPC's default (up to 2 min).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+        ]
+        self._lock = threading.Lock()
+        self._index = 0
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.ExpertLoadBalancerServiceStub | None = None
+        self.failovers = 0
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self._index]
+
+    def _open(self) -> None:
+        target = self.addresses[self._index]
+        if self._root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(self._root_certificates)
+            self._channel = grpc.secure_channel(target, creds, options=self._options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=self._options)
+        self._stub = pb_grpc.ExpertLoadBalancerServiceStub(self._channel)
+
+    def stub(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
+        with self._lock:
+            if self._stub is None:
+                self._open()
+            return self._stub
+
+    def channel(self) -> grpc.Channel:
+        with self._lock:
+            if self._channel is None:
+                self._open()
+            return self._channel
+
+    def failover(self, failed: pb_grpc.ExpertLoadBalancerServiceStub) -> None:
+        """The call made on ``failed`` could not reach its replica: use the next address."""
+        with self._lock:
+            if failed is not self._stub or self._channel is None:
+                return
+            self._channel.close()
+            self._channel = self._stub = None
+            self._index = (self._index + 1) % len(self.addresses)
+            self.failovers += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stub = None
+
+
+class ServiceClient:
+    """Unary calls to the balancer with failover between ``addresses`` and retries of transient
+    failures for up to ``timeout_s`` per call.
+
+    Errors that are the request's fault (``INVALID_ARGUMENT``, ``NOT_FOUND``,
+    ``FAILED_PRECONDITION``, ``ALREADY_EXISTS``, auth) raise ``grpc.RpcError`` at once.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str] | Endpoints,
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if isinstance(addresses, Endpoints):
+            self.endpoints, self._owned = addresses, False
+        else:
+            self.endpoints, self._owned = Endpoints(addresses, token=token, root_certificates=root_certificates), True
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, request: object, timeout_s: float | None = None) -> object:
+        """Calls unary ``method`` (e.g. ``"GetPlacement"``), failing over and retrying transient
+        failures until ``timeout_s`` (default: the client's) has passed."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        backoff = Backoff()
+        while True:
+            stub = self.endpoints.stub()
+            left = deadline - time.monotonic()
+            try:
+                return getattr(stub, method)(request, timeout=max(0.05, min(left, 5.0)), metadata=self.endpoints.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() not in TRANSIENT or time.monotonic() + 0.05 >= deadline:
+                    raise
+                self.endpoints.failover(stub)
+                time.sleep(min(backoff.delay(), max(0.0, deadline - time.monotonic())))
+
+    def create_deployment(
+        self, name: str, topology: eplb.Topology, *, initial: eplb.Placement | None = None, exist_ok: bool = False, **options: object
+    ) -> pb.Deployment:
+        """Creates deployment ``name`` for ``topology`` (``options``: ``wire.deployment_pb``'s) and
+        returns it as stored. ``exist_ok``: an existing deployment of the same topology is
+        returned instead of ``ALREADY_EXISTS`` (a different topology raises ``ValueError``)."""
+        request = pb.CreateDeploymentRequest(deployment=wire.deployment_pb(name, topology, **options))
+        if initial is not None:
+            request.initial_phy2log.CopyFrom(wire.encode_array(initial.phy2log))
+        try:
+            return self.call("CreateDeployment", request).deployment
+        except grpc.RpcError as exc:
+            if not (exist_ok and exc.code() == grpc.StatusCode.ALREADY_EXISTS):
+                raise
+        existing = self.get_deployment(name)
+        if wire.topology_from_pb(existing.topology) != topology:
+            raise ValueError(f"deployment {name!r} exists with {wire.topology_from_pb(existing.topology)}, not {topology}")
+        return existing
+
+    def get_deployment(self, name: str) -> pb.Deployment:
+        return self.call("GetDeployment", pb.GetDeploymentRequest(name=name)).deployment
+
+    def topology(self, name: str) -> eplb.Topology:
+        return wire.topology_from_pb(self.get_deployment(name).topology)
+
+    def get_placement(self, deployment: str, version: int = 0, topology: eplb.Topology | None = None) -> wire.PublishedPlacement:
+        """The current placement (``version`` 0) or a recent version, decoded."""
+        msg = self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version)).placement
+        return wire.placement_from_pb(msg, topology or self.topology(deployment))
+
+    def ack(self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0, error: str = "") -> pb.AckPlacementResponse:
+        """Says where ``rank`` stands with ``version``: ``"prepared"``, ``"switched"`` or
+        ``"failed"`` (with ``error``, cut to 1024 characters); returns the rollout as the service
+        sees it (ranks prepared, switch step once all did, aborted)."""
+        if state not in ACK_STATES:
+            raise ValueError(f"state {state!r} is not one of {', '.join(ACK_STATES)}")
+        request = pb.AckPlacementRequest(deployment=deployment, rank=rank, version=version, state=ACK_STATES[state], step=step, error=error[:1024])
+        return self.call("AckPlacement", request)
+
+    def rebalance(self, deployment: str, *, dry_run: bool = False, force: bool = False) -> pb.RebalanceResponse:
+        return self.call("Rebalance", pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force))
+
+    def delete_deployment(self, name: str) -> None:
+        self.call("DeleteDeployment", pb.DeleteDeploymentRequest(name=name))
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether the current address answers the gRPC health check as SERVING."""
+        return wire.check_health(self.endpoints.channel(), timeout_s)
+
+    def close(self) -> None:
+        if self._owned:
+            self.endpoints.close()
+
+    def __enter__(self) -> "ServiceClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

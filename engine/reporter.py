@@ -1,0 +1,294 @@
+"""``LoadReporter``: per-step expert counts in on the engine's thread, streamed to the service
+in the background.
+
+``add`` only checks the shape and appends to a bounded queue, so a step never waits on the
+network. A background thread sums the queue every ``interval_s`` into one report per placement
+version (logical ``[L, E]`` counts in one report, physical ``[L, P]`` counts one per version they
+were recorded under), gives each report the next ``seq`` and keeps it in a bounded outbox until
+the service has answered the ``ReportLoad`` stream it went out in. A failed stream is sent again
+with the same seqs (the service drops a ``(rank, seq)`` it has accepted, so nothing counts
+twice), at the next address after an unavailable one, with exponential backoff. While the
+service is away the outbox fills; past ``max_pending`` reports the oldest is dropped and
+counted in ``stats().dropped_reports`` / ``dropped_tokens``: never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+import eplb
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+
+from . import wire
+from .client import TRANSIENT, Backoff, Endpoints
+
+__all__ = ["LoadReporter", "ReporterStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReporterStats:
+    """Counters since the reporter started.
+
+    ``added``: arrays accepted by ``add``; ``dropped_adds``: arrays refused because the queue
+    was full (the background thread fell ``max_queued`` arrays behind); ``sent``: reports the
+    service answered for; ``accepted`` / ``duplicates``: what it said of them (a duplicate is a
+    retry of a report it already had); ``rejected``: reports it refused as invalid (e.g.
+    counts tagged with a version it no longer keeps), dropped; ``dropped_reports`` /
+    ``dropped_tokens``: reports (and the tokens in them) dropped from the full outbox while the
+    service was away; ``pending`` / ``pending_tokens``: reports (and their tokens) waiting to be
+    sent; ``failovers``: address changes.
+    """
+
+    added: int
+    dropped_adds: int
+    sent: int
+    accepted: int
+    duplicates: int
+    rejected: int
+    dropped_reports: int
+    dropped_tokens: float
+    pending: int
+    pending_tokens: float
+    failovers: int
+    address: str
+    last_error: str
+
+
+class LoadReporter:
+    """Streams one engine rank's expert counts to deployment ``deployment``.
+
+    ``topology`` fixes the shapes ``add`` accepts: logical ``[L, E]`` or physical ``[L, P]``.
+    Start it once per rank; ``close()`` (or the context manager) flushes what is left.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str] | Endpoints,
+        deployment: str,
+        rank: int,
+        topology: eplb.Topology,
+        *,
+        token: str | None = None,
+        interval_s: float = 1.0,
+        max_queued: int = 4096,
+        max_pending: int = 256,
+        max_batch: int = 32,
+        rpc_timeout_s: float = 10.0,
+        start: bool = True,
+    ) -> None:
+        if interval_s <= 0 or max_queued < 1 or max_pending < 1 or max_batch < 1:
+            raise ValueError("interval_s must be > 0 and max_queued, max_pending, max_batch >= 1")
+        if isinstance(addresses, Endpoints):
+            self.endpoints, self._owned = addresses, False
+        else:
+            self.endpoints, self._owned = Endpoints(addresses, token=token), True
+        self.deployment, self.rank, self.topology = deployment, rank, topology
+        self.interval_s, self.max_queued, self.max_pending, self.max_batch = interval_s, max_queued, max_pending, max_batch
+        self.rpc_timeout_s = rpc_timeout_s
+        self._logical = (topology.num_layers, topology.num_experts)
+        self._physical = (topology.num_layers, topology.num_slots)
+        # (counts, version or None); appended by add() on the engine's thread, drained by ours.
+        self._queue: deque[tuple[object, int | None]] = deque()
+        self._outbox: deque[pb.ReportLoadRequest] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Condition(self._lock)
+        self._stop = False
+        # Microseconds since the epoch: a restarted rank's seqs keep increasing past its last run's.
+        self._seq = time.time_ns() // 1000
+        self._counts = dict(added=0, dropped_adds=0, sent=0, accepted=0, duplicates=0, rejected=0, dropped_reports=0)
+        self._dropped_tokens = 0.0
+        self._pending_tokens = 0.0
+        self._last_error = ""
+        self._thread = threading.Thread(target=self._run, name=f"eplb-reporter-{rank}", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, counts: object, version: int | None = None, *, copy: bool = True) -> bool:
+        """Queues one step's counts: ``[L, E]`` per logical expert (``version`` None), or ``[L, P]``
+        per slot recorded under placement ``version``. A numpy array or a torch tensor (on any
+        device; copied there without a sync, moved to the host in the background). ``copy=False``
+        hands the array over: the caller must not write to it afterwards.
+
+        O(1) on the caller's thread; returns False (and counts it) if the queue is full.
+        """
+        shape = tuple(getattr(counts, "shape", ()))
+        if version is None:
+            if shape != self._logical:
+                raise ValueError(f"logical counts must be [L, E] = {list(self._logical)}, got {list(shape)} "
+                                 f"(physical [L, P] = {list(self._physical)} counts need version=)")
+        else:
+            if shape != self._physical:
+                raise ValueError(f"physical counts (version={version}) must be [L, P] = {list(self._physical)}, got {list(shape)}")
+            if version < 1:
+                raise ValueError(f"version must be the placement version (>= 1) the counts were recorded under, got {version}")
+        if hasattr(counts, "detach"):  # a torch tensor; clone() is queued on its device's stream
+            item = counts.detach().clone() if copy else counts.detach()
+        else:
+            item = np.array(counts, copy=True) if copy else np.asarray(counts)
+        with self._lock:
+            if len(self._queue) >= self.max_queued:
+                self._counts["dropped_adds"] += 1
+                return False
+            self._queue.append((item, version))
+            self._counts["added"] += 1
+        return True
+
+    def stats(self) -> ReporterStats:
+        with self._lock:
+            return ReporterStats(
+                **self._counts, dropped_tokens=self._dropped_tokens, pending=len(self._outbox) + (1 if self._queue else 0),
+                pending_tokens=self._pending_tokens,
+                failovers=self.endpoints.failovers, address=self.endpoints.address, last_error=self._last_error,
+            )
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Sends everything queued now; True once the service answered for all of it."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._wake.set()
+            while self._queue or self._outbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.1))
+                self._wake.set()
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Flushes for up to ``timeout_s`` and stops; True if nothing was left unsent."""
+        done = self.flush(timeout_s) if self._thread.is_alive() else not (self._queue or self._outbox)
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._owned:
+            self.endpoints.close()
+        return done
+
+    def __enter__(self) -> "LoadReporter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # background thread
+
+    def _run(self) -> None:
+        backoff = Backoff(max_s=min(2.0, self.interval_s * 4))
+        retry_at = 0.0
+        while not self._stop:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            self._aggregate()
+            while self._outbox and not self._stop and time.monotonic() >= retry_at:
+                if self._send():
+                    backoff.reset()
+                else:
+                    retry_at = time.monotonic() + backoff.delay()
+                    break
+            with self._lock:
+                self._idle.notify_all()
+
+    def _aggregate(self) -> None:
+        """Sums the queue into one report per version and appends them to the outbox."""
+        with self._lock:
+            items, self._queue = self._queue, deque()
+        if not items:
+            return
+        sums: dict[int | None, np.ndarray] = {}
+        for counts, version in items:
+            arr = counts.cpu().numpy() if hasattr(counts, "cpu") else counts
+            arr = np.asarray(arr, dtype=np.float64)
+            if version in sums:
+                sums[version] += arr
+            else:
+                sums[version] = arr.copy()
+        with self._lock:
+            for version, total in sums.items():
+                self._seq += 1
+                msg = pb.ReportLoadRequest(deployment=self.deployment, rank=self.rank, seq=self._seq)
+                if version is None:
+                    msg.logical.CopyFrom(wire.encode_array(total))
+                else:
+                    msg.physical.counts.CopyFrom(wire.encode_array(total))
+                    msg.physical.placement_version = version
+                self._outbox.append(msg)
+                self._pending_tokens += float(total.sum())
+            while len(self._outbox) > self.max_pending:
+                tokens = self._pop()
+                self._counts["dropped_reports"] += 1
+                self._dropped_tokens += tokens
+
+    def _send(self) -> bool:
+        """One ``ReportLoad`` stream of up to ``max_batch`` reports; False on a transient failure."""
+        with self._lock:
+            batch = list(self._outbox)[: self.max_batch]
+        stub = self.endpoints.stub()
+        try:
+            response = stub.ReportLoad(iter(batch), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() in TRANSIENT or exc.code() == grpc.StatusCode.NOT_FOUND:
+                # NOT_FOUND: a replica whose store restarted empty answers it until the deployment is
+                # written back, so keep the reports and try again.
+                self._note_error(exc)
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    self.endpoints.failover(stub)
+                return False
+            self._note_error(exc)
+            return self._send_singly(stub, batch)
+        self._done(batch, response.accepted, response.duplicates)
+        return True
+
+    def _send_singly(self, stub: object, batch: list[pb.ReportLoadRequest]) -> bool:
+        """A stream ended on a report the service refuses: send one by one, dropping the refused."""
+        for msg in batch:
+            try:
+                response = stub.ReportLoad(iter([msg]), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata)
+            except grpc.RpcError as exc:
+                self._note_error(exc)
+                if exc.code() in TRANSIENT or exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return False
+                log.warning("service refused report seq %d of rank %d: %s", msg.seq, self.rank, exc.details())
+                with self._lock:
+                    self._pop()
+                    self._counts["rejected"] += 1
+                continue
+            self._done([msg], response.accepted, response.duplicates)
+        return True
+
+    def _done(self, batch: list[pb.ReportLoadRequest], accepted: int, duplicates: int) -> None:
+        with self._lock:
+            for _ in batch:
+                self._pop()
+            self._counts["sent"] += len(batch)
+            self._counts["accepted"] += accepted
+            self._counts["duplicates"] += duplicates
+
+    def _pop(self) -> float:
+        """Removes the oldest outbox report (under the lock); returns its tokens."""
+        tokens = _tokens(self._outbox.popleft())
+        self._pending_tokens -= tokens
+        return tokens
+
+    def _note_error(self, exc: grpc.RpcError) -> None:
+        with self._lock:
+            self._last_error = f"{exc.code().name}: {exc.details()}"
+
+
+def _tokens(msg: pb.ReportLoadRequest) -> float:
+    array = msg.logical if msg.WhichOneof("counts") == "logical" else msg.physical.counts
+    return float(wire.decode_array(array).sum())

@@ -1,0 +1,143 @@
+"""``PlacementWatcher``: follows a deployment's published placements in a background thread.
+
+It holds a ``WatchPlacements`` stream, decodes each version to an ``eplb.Placement`` and calls
+the engine's callback with it. When the stream breaks (a replica restarts, the network drops,
+a replica is drained) it reconnects, at the next address if the one in use is unreachable,
+and resumes after the last version it handed on (``since_version``), so no version is
+delivered twice and none is skipped unless the service itself coalesced versions for a slow
+watcher (the latest wins). With a ``rank`` and ``ack=True`` it acknowledges a version as
+switched only after the callback returned, and as failed (with the error) when it raised.
+An engine that applies placements through ``Rollout`` passes ``ack=False``: the rollout acks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import grpc
+
+import eplb
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+
+from . import wire
+from .client import TRANSIENT, Backoff, Endpoints, ServiceClient
+
+__all__ = ["PlacementWatcher"]
+
+log = logging.getLogger(__name__)
+
+
+class PlacementWatcher:
+    """Calls ``callback(PublishedPlacement)`` for each new version of ``deployment``.
+
+    ``since_version``: versions up to it are not delivered (0: the current one first). The
+    callback runs on the watcher's thread; keep it short (hand the placement to the engine's
+    step loop, e.g. ``Rollout.offer``). ``version`` is the last version handed on.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str] | Endpoints,
+        deployment: str,
+        callback: Callable[[wire.PublishedPlacement], object],
+        *,
+        topology: eplb.Topology | None = None,
+        rank: int | None = None,
+        ack: bool = True,
+        since_version: int = 0,
+        token: str | None = None,
+        start: bool = True,
+    ) -> None:
+        if isinstance(addresses, Endpoints):
+            self.endpoints, self._owned = addresses, False
+        else:
+            self.endpoints, self._owned = Endpoints(addresses, token=token), True
+        self.client = ServiceClient(self.endpoints)
+        self.deployment, self.callback, self.topology = deployment, callback, topology
+        self.rank, self.ack = rank, ack and rank is not None
+        self.version = since_version
+        self.delivered = 0
+        self.failed = 0
+        self.reconnects = 0
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._changed = threading.Condition()
+        self._call: grpc.Future | None = None
+        self._thread = threading.Thread(target=self._run, name=f"eplb-watcher-{deployment}", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_for(self, version: int, timeout_s: float = 10.0) -> bool:
+        """Waits until a version >= ``version`` was handed on; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.version >= version, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        if self._owned:
+            self.endpoints.close()
+
+    def __enter__(self) -> "PlacementWatcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        while not self._stop.is_set():
+            stub = self.endpoints.stub()
+            try:
+                if self.topology is None:
+                    self.topology = self.client.topology(self.deployment)
+                self._call = stub.WatchPlacements(
+                    pb.WatchPlacementsRequest(deployment=self.deployment, since_version=self.version),
+                    metadata=self.endpoints.metadata,
+                )
+                for response in self._call:
+                    backoff.reset()
+                    self._deliver(response.placement)
+                    if self._stop.is_set():
+                        return
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                self.last_error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() in TRANSIENT:
+                    self.endpoints.failover(stub)
+                elif exc.code() != grpc.StatusCode.NOT_FOUND:
+                    # Not the network's fault (bad name, auth): retry slowly, keep saying why.
+                    log.warning("watching %s: %s", self.deployment, self.last_error)
+            self.reconnects += 1
+            self._stop.wait(backoff.delay())
+
+    def _deliver(self, msg: pb.Placement) -> None:
+        if msg.version <= self.version:
+            return
+        published = wire.placement_from_pb(msg, self.topology)
+        error = ""
+        try:
+            self.callback(published)
+        except Exception as exc:  # the engine's failure is reported, not fatal to the watch
+            log.exception("placement callback failed on version %d of %s", msg.version, self.deployment)
+            error = f"{type(exc).__name__}: {exc}"
+            self.failed += 1
+        with self._changed:
+            self.version = msg.version
+            self.delivered += 1
+            self._changed.notify_all()
+        if self.ack:
+            try:
+                self.client.ack(self.deployment, self.rank, msg.version, "failed" if error else "switched", error=error)
+            except grpc.RpcError as exc:
+                log.warning("ack of version %d failed: %s", msg.version, exc.details())

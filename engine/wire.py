@@ -1,0 +1,155 @@
+"""The wire contract (``eplb.v1``) ↔ numpy and ``eplb``: arrays, placements, topologies,
+deployments, and the gRPC health check.
+
+Everything here goes through the generated messages only, never the service's internals, so
+an engine needs the wire contract and ``eplb`` and nothing else of the service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import eplb
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+
+__all__ = [
+    "PublishedPlacement",
+    "encode_array",
+    "decode_array",
+    "topology_to_pb",
+    "topology_from_pb",
+    "placement_from_pb",
+    "deployment_pb",
+    "check_health",
+    "SERVICE_NAME",
+]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"].full_name
+
+_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+}
+_CODES = {dt: code for code, dt in _DTYPES.items()}
+
+
+def encode_array(arr: np.ndarray) -> pb.Array:
+    """Any-shape int32/int64/float32/float64 array → ``Array`` (little-endian, row-major).
+
+    Other integer dtypes (uint8, int16, ...) go as int64 and other floats (float16, bfloat16
+    cast by the caller) as float32, since the wire has only these four.
+    """
+    arr = np.asarray(arr)
+    if arr.dtype.kind == "b":
+        raise ValueError("cannot encode a boolean array; allowed: integer or floating dtypes")
+    dt = arr.dtype.newbyteorder("<")
+    if dt not in _CODES:
+        if arr.dtype.kind in "iu":
+            dt = np.dtype("<i8")
+        elif arr.dtype.kind == "f":
+            dt = np.dtype("<f4")
+        else:
+            raise ValueError(f"cannot encode dtype {arr.dtype}; allowed: integer or floating dtypes")
+    return pb.Array(dtype=_CODES[dt], shape=list(arr.shape), data=np.ascontiguousarray(arr, dtype=dt).tobytes())
+
+
+def decode_array(msg: pb.Array, field: str = "array") -> np.ndarray:
+    """``Array`` → a read-only numpy array of its shape; ``ValueError`` naming ``field`` if the
+    dtype is unknown or the bytes do not fill the shape."""
+    if msg.dtype not in _DTYPES:
+        allowed = ", ".join(pb.Dtype.Name(c) for c in _DTYPES)
+        raise ValueError(f"{field}: dtype {msg.dtype} is not one of {allowed}")
+    dt = _DTYPES[msg.dtype]
+    shape = tuple(int(n) for n in msg.shape)
+    want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if len(msg.data) != want:
+        raise ValueError(f"{field}: holds {len(msg.data)} bytes; shape {list(shape)} of {dt.name} needs {want}")
+    return np.frombuffer(msg.data, dtype=dt).reshape(shape)
+
+
+def topology_to_pb(topo: eplb.Topology) -> pb.Topology:
+    return pb.Topology(
+        num_layers=topo.num_layers, num_experts=topo.num_experts, num_slots=topo.num_slots,
+        num_gpus=topo.num_gpus, num_nodes=topo.num_nodes, num_groups=topo.num_groups,
+    )
+
+
+def topology_from_pb(msg: pb.Topology) -> eplb.Topology:
+    """``Topology`` message → ``eplb.Topology`` (0 nodes or groups mean 1, as on the wire)."""
+    return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
+
+
+@dataclass(frozen=True)
+class PublishedPlacement:
+    """One published version of a deployment's placement, decoded.
+
+    ``placement.phy2log`` is int32 ``[L, P]``; ``stats`` is the wire ``PlanStats`` (imbalance
+    before and after, moves, transfer figures when the deployment knows its expert size).
+    """
+
+    deployment: str
+    version: int
+    placement: eplb.Placement
+    stats: pb.PlanStats
+
+
+def placement_from_pb(msg: pb.Placement, topology: eplb.Topology) -> PublishedPlacement:
+    """``Placement`` message (phy2log int32 ``[L, P]``) → ``PublishedPlacement``; ``ValueError`` if
+    it does not fit ``topology``."""
+    phy2log = decode_array(msg.phy2log, "placement.phy2log")
+    want = (topology.num_layers, topology.num_slots)
+    if phy2log.shape != want:
+        raise ValueError(f"placement.phy2log: shape {list(phy2log.shape)} does not fit the topology's [layers, slots] = {list(want)}")
+    if phy2log.dtype.kind != "i":
+        raise ValueError(f"placement.phy2log: dtype {phy2log.dtype} must be an integer type")
+    return PublishedPlacement(msg.deployment, msg.version, eplb.Placement(phy2log, topology), msg.stats)
+
+
+def deployment_pb(
+    name: str,
+    topology: eplb.Topology,
+    *,
+    policy: str = "auto",
+    window_s: float | None = 600.0,
+    half_life_s: float | None = None,
+    interval_s: float = 0.0,
+    report_count: int = 0,
+    min_gain_percent: float = 0.0,
+    max_moves: int = 0,
+    ranks: Sequence[int] = (),
+    switch_margin_steps: int | None = None,
+    expert_bytes: int = 0,
+) -> pb.Deployment:
+    """A ``Deployment`` message for ``topology``: a sliding window of ``window_s`` seconds (or
+    exponential decay with ``half_life_s``), re-planned every ``interval_s`` seconds and/or every
+    ``report_count`` reports, published when the gain is at least ``min_gain_percent``."""
+    msg = pb.Deployment(name=name, topology=topology_to_pb(topology), policy=policy, ranks=list(ranks), expert_bytes=expert_bytes)
+    if half_life_s is not None:
+        msg.window.decay.half_life.FromNanoseconds(int(half_life_s * 1e9))
+    elif window_s is not None:
+        msg.window.sliding.duration.FromNanoseconds(int(window_s * 1e9))
+    msg.trigger.interval.FromNanoseconds(int(interval_s * 1e9))
+    msg.trigger.report_count = report_count
+    msg.trigger.min_gain_percent = min_gain_percent
+    msg.trigger.max_moves = max_moves
+    if switch_margin_steps is not None:
+        msg.switch_margin_steps = switch_margin_steps
+    return msg
+
+
+def check_health(channel: grpc.Channel, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> bool:
+    """Whether the service behind ``channel`` answers the standard gRPC health check as SERVING
+    (a replica whose store is down answers NOT_SERVING; an unreachable one fails the call)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,63 @@
+"""A real balancer service on 127.0.0.1 in a background thread, for the engine client's tests.
+
+The engine client is synchronous, so the server runs on its own event loop in a thread that a
+test can stop and start again on the same port (a restart) without blocking the test's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+from dataclasses import replace
+
+from eplb_service.balancer import BalancerConfig
+from eplb_service.server import RunningServer, ServerConfig, start_server
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+# Fast timings so tests see flushes and triggers within a second.
+FAST = BalancerConfig(lease_s=2.0, flush_s=0.1, tick_s=0.1, refresh_s=0.3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """``start()`` serves on ``port`` (0: a free one, kept for restarts); ``stop()`` stops it."""
+
+    def __init__(self, port: int = 0, **config: object) -> None:
+        self.port = port or free_port()
+        self.config = config
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: RunningServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerThread":
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        balancer = replace(FAST, replica_id=uuid.uuid4().hex[:8])
+        config = replace(ServerConfig(port=self.port, balancer=balancer), **self.config)
+        self.server = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(10)
+        return self
+
+    def run(self, coro: object, timeout: float = 10.0) -> object:
+        """Runs ``coro`` on the server's loop (e.g. a balancer call) and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        if self.server is None:
+            return
+        self.run(self.server.stop(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+        self.server = None

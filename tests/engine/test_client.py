@@ -1,0 +1,170 @@
+"""The engine client against a real service on 127.0.0.1: wire helpers, reporter, watcher."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import eplb
+from eplb_engine import wire
+from eplb_engine.client import ServiceClient
+from eplb_engine.reporter import LoadReporter
+from eplb_engine.watcher import PlacementWatcher
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from svc_thread import ServerThread, free_port
+
+TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
+
+
+@pytest.fixture
+def server():
+    s = ServerThread().start()
+    yield s
+    s.stop()
+
+
+def window_tokens(client: ServiceClient, name: str = "d1") -> tuple[float, int]:
+    dry = client.rebalance(name, dry_run=True)
+    return dry.window_tokens, dry.window_reports
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32, np.float64])
+def test_arrays_round_trip_with_shape_and_dtype(dtype):
+    arr = (np.arange(24).reshape(2, 3, 4) * 3).astype(dtype)
+    out = wire.decode_array(wire.encode_array(arr))
+    assert out.dtype == np.dtype(dtype) and out.shape == (2, 3, 4)
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_other_integer_dtypes_travel_as_int64():
+    out = wire.decode_array(wire.encode_array(np.array([[1, 2], [3, 250]], dtype=np.uint8)))
+    assert out.dtype == np.int64 and out.tolist() == [[1, 2], [3, 250]]
+
+
+def test_decode_names_the_field_when_bytes_do_not_fill_the_shape():
+    msg = pb.Array(dtype=pb.DTYPE_INT32, shape=[2, 3], data=b"\0" * 20)
+    with pytest.raises(ValueError, match=r"placement.phy2log: holds 20 bytes; shape \[2, 3\] of int32 needs 24"):
+        wire.decode_array(msg, "placement.phy2log")
+    with pytest.raises(ValueError, match="dtype 9 is not one of DTYPE_INT32"):
+        wire.decode_array(pb.Array(dtype=9, shape=[1], data=b"\0" * 4))
+
+
+def test_placement_decodes_to_an_eplb_placement_and_checks_the_topology():
+    contiguous = eplb.Placement.contiguous(TOPO)
+    msg = pb.Placement(deployment="d1", version=3, phy2log=wire.encode_array(contiguous.phy2log))
+    got = wire.placement_from_pb(msg, TOPO)
+    assert got.version == 3 and got.deployment == "d1" and got.placement == contiguous
+    with pytest.raises(ValueError, match=r"does not fit the topology's \[layers, slots\] = \[4, 20\]"):
+        wire.placement_from_pb(msg, eplb.Topology(4, 16, 20, 4))
+
+
+def test_create_deployment_from_a_topology_and_read_it_back(server):
+    with ServiceClient(server.address) as client:
+        created = client.create_deployment("d1", TOPO, window_s=30, interval_s=0, switch_margin_steps=4)
+        assert wire.topology_from_pb(created.topology) == TOPO
+        assert created.window.sliding.duration.seconds == 30
+        # exist_ok returns the stored deployment; a different topology is an error.
+        assert client.create_deployment("d1", TOPO, exist_ok=True).name == "d1"
+        with pytest.raises(ValueError, match="exists with"):
+            client.create_deployment("d1", TOPO.with_layers(2), exist_ok=True)
+        with pytest.raises(grpc.RpcError) as info:
+            client.create_deployment("d1", TOPO)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        current = client.get_placement("d1")
+        assert current.version == 1 and current.placement == eplb.Placement.contiguous(TOPO)
+        assert client.healthy()
+    with ServiceClient(f"127.0.0.1:{free_port()}", timeout_s=0.5) as dead:
+        assert not dead.healthy(timeout_s=0.3)
+
+
+def test_reporter_streams_logical_and_physical_counts(server):
+    rng = np.random.default_rng(0)
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO)
+        total = 0.0
+        with LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.05) as reporter:
+            for _ in range(20):
+                logical = rng.integers(0, 100, (4, 16))
+                physical = torch.from_numpy(rng.integers(0, 100, (4, 24)))
+                assert reporter.add(logical) and reporter.add(physical, version=1)
+                total += logical.sum() + float(physical.sum())
+            assert reporter.flush(10)
+            stats = reporter.stats()
+        assert stats.added == 40 and stats.pending == 0 and stats.dropped_reports == 0
+        assert stats.accepted == stats.sent >= 2 and stats.duplicates == 0
+        tokens, _ = window_tokens(client)
+        assert tokens == pytest.approx(total)
+
+
+def test_reporter_refuses_wrong_shapes_on_the_callers_thread(server):
+    reporter = LoadReporter(server.address, "d1", rank=0, topology=TOPO, start=False)
+    with pytest.raises(ValueError, match=r"logical counts must be \[L, E\] = \[4, 16\], got \[4, 24\]"):
+        reporter.add(np.zeros((4, 24)))
+    with pytest.raises(ValueError, match=r"physical counts \(version=2\) must be \[L, P\] = \[4, 24\]"):
+        reporter.add(np.zeros((4, 16)), version=2)
+    with pytest.raises(ValueError, match="version must be the placement version"):
+        reporter.add(np.zeros((4, 24)), version=0)
+
+
+def test_reporter_drops_a_report_the_service_refuses_and_keeps_the_rest(server):
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO)
+        with LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=10) as reporter:
+            reporter.add(np.ones((4, 24)), version=7)  # a version the service never published
+            reporter.add(np.full((4, 16), 2.0))
+            assert reporter.flush(10)
+            stats = reporter.stats()
+        assert stats.rejected == 1 and stats.accepted == 1 and "FAILED_PRECONDITION" in stats.last_error
+        assert window_tokens(client)[0] == 2.0 * 64
+
+
+def test_reporter_never_blocks_and_counts_what_it_drops_while_the_service_is_away():
+    addr = f"127.0.0.1:{free_port()}"
+    with LoadReporter(addr, "d1", rank=0, topology=TOPO, interval_s=0.01, max_pending=3, max_queued=50) as reporter:
+        start = time.perf_counter()
+        for _ in range(200):
+            reporter.add(np.ones((4, 16)))
+            time.sleep(0.001)
+        took = time.perf_counter() - start
+        time.sleep(0.2)
+        stats = reporter.stats()
+        assert not reporter.close(timeout_s=0.2)
+    assert took < 2.0  # 200 adds around 1 ms sleeps: nothing waited on the network
+    assert stats.sent == 0 and stats.pending <= 4
+    assert stats.added + stats.dropped_adds == 200
+    # Every token added is either still held for sending or counted as dropped.
+    assert stats.dropped_reports >= 1 and stats.dropped_tokens > 0
+    assert stats.dropped_tokens + stats.pending_tokens == 64.0 * stats.added
+
+
+def test_watcher_delivers_each_version_once_and_acks_after_the_callback(server):
+    seen: list[int] = []
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO)
+        with PlacementWatcher(server.address, "d1", lambda p: seen.append(p.version), rank=3) as watcher:
+            assert watcher.wait_for(1)
+            client.rebalance("d1", force=True)
+            assert watcher.wait_for(2)
+        acks = client.call("GetDeployment", pb.GetDeploymentRequest(name="d1")).acks
+    assert seen == [1, 2]
+    assert [(a.rank, a.version) for a in acks] == [(3, 2)]
+
+
+def test_watcher_reports_a_failed_callback_and_goes_on(server):
+    def apply(p: wire.PublishedPlacement) -> None:
+        if p.version == 2:
+            raise RuntimeError("out of memory while staging")
+
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO)
+        with PlacementWatcher(server.address, "d1", apply, rank=0) as watcher:
+            assert watcher.wait_for(1)
+            client.rebalance("d1", force=True)
+            assert watcher.wait_for(2)
+            client.rebalance("d1", force=True)
+            assert watcher.wait_for(3)
+    assert watcher.failed == 1 and watcher.delivered == 3
