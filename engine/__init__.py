@@ -14,12 +14,18 @@ from typing import Any
 # torch-free client names never pull in torch. Add an entry per public name.
 _LAZY: dict[str, str] = {
     "WeightMover": "mover",
+    "MoveReport": "mover",
+    "DistTransport": "transport",
+    "P2P": "transport",
     "ServiceClient": "client",
     "Endpoints": "client",
     "LoadReporter": "reporter",
     "ReporterStats": "reporter",
     "PlacementWatcher": "watcher",
     "PublishedPlacement": "wire",
+    "Rollout": "rollout",
+    "ServiceBarrier": "rollout",
+    "ProcessGroupBarrier": "rollout",
 }
 
 __all__ = sorted(_LAZY)
