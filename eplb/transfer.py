@@ -24,14 +24,14 @@ from .placement import Placement
 from .topology import Topology
 
 __all__ = [
-    "TransferPlan",
-    "transfer_plan",
-    "Bandwidth",
-    "TransferSchedule",
-    "transfer_schedule",
-    "LOCAL",
-    "INTRA_NODE",
     "INTER_NODE",
+    "INTRA_NODE",
+    "LOCAL",
+    "Bandwidth",
+    "TransferPlan",
+    "TransferSchedule",
+    "transfer_plan",
+    "transfer_schedule",
 ]
 
 LOCAL, INTRA_NODE, INTER_NODE = 0, 1, 2

@@ -113,7 +113,7 @@ def test_bad_inputs_are_rejected() -> None:
 
 # -- transfer_schedule ---------------------------------------------------------------------
 
-from eplb.transfer import Bandwidth, transfer_schedule  # noqa: E402
+from eplb.transfer import Bandwidth, transfer_schedule
 
 
 def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Placement:

@@ -1,0 +1,414 @@
+"""The reference weight mover: executes ``eplb.transfer.transfer_schedule`` on this rank's tensors.
+
+Two ways to run one old -> new transition (one mover per transition, one per rank; every
+rank of the group makes the same calls in the same order):
+
+- staged (the rollout protocol): ``prepare()`` receives every expert this rank lacks into
+  receive buffers, a few layers per call, while the engine keeps serving with the old map:
+  no live slot is written, sends only read live slots. ``commit()`` (at the agreed switch
+  step, engine between steps) writes the live slots with copies within the gpu only: local
+  moves, landings from the receive buffers, fills. ``rollback()`` drops the buffers; the
+  live weights were never touched.
+- direct (engine paused, or switching maps layer by layer): ``step()`` moves the next layers
+  completely in place; a receive lands straight in its slot when nothing reads that slot's
+  old content, else in the staging buffer, which is reused layer after layer.
+
+In both, the tensors are written in place (same storage: CUDA graphs stay valid), copies
+within a gpu copy each byte once (cycles through one spare slot), and on a GPU the work runs
+on the mover's own CUDA stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eplb import Placement
+from eplb.transfer import Bandwidth, TransferSchedule, transfer_schedule
+
+from .checksum import slot_checksum
+from .local_order import SPARE, order_local_copies
+from .transport import P2P, DistTransport, Transport
+
+__all__ = ["MoveReport", "WeightMover"]
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What one ``commit()`` / ``step()`` did on this rank.
+
+    ``layers``: the layers written; ``received_bytes`` / ``sent_bytes``: peer traffic of those
+    layers; ``local_copy_bytes``: bytes copied within the gpu; ``checked_slots``: slots whose
+    checksum was compared with the source's (``verify=True``); ``mismatches``: ``(layer, slot)``
+    pairs whose content differs from the source's.
+    """
+
+    layers: tuple[int, ...]
+    received_bytes: int
+    sent_bytes: int
+    local_copy_bytes: int
+    checked_slots: int = 0
+    mismatches: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+@dataclass
+class _LayerWork:
+    """This rank's part of one layer, as slot indices (python ints; a layer has a few)."""
+
+    # per round: [(peer, src_slot)] sends and [(peer, dst_slot)] receives, schedule order
+    sends: list[list[tuple[int, int]]]
+    recvs: list[list[tuple[int, int]]]
+    copies: list[tuple[int, int]]  # (old slot, slot) copies within the gpu
+    local: list[tuple[int, int]]  # the same in in-place order, SPARE = the spare slot
+    fills: list[tuple[int, int]]  # (received slot, other slot needing the expert)
+    read_slots: set[int]  # slots whose old content is read by a send or a local copy
+    expected: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> checksum (verify)
+
+
+class WeightMover:
+    """Moves this rank's expert weights from ``old`` to ``new``, in place.
+
+    ``layers``: this rank's tensors, one mapping per MoE layer (``L`` of them), name ->
+    tensor ``[S, ...]`` with ``S = topology.slots_per_gpu`` local slots in the leading
+    dimension (weights and their scales alike, e.g. ``w13 [S, 2I, H]``, ``w2 [S, H, I]``,
+    ``w13_scale [S, ...]``); each name has the same shape and dtype in every layer, all
+    tensors contiguous on one device. ``old``, ``new``: placements ``[L, P]`` of one
+    topology. ``group``: the process group whose rank ``g`` is gpu ``g`` of the topology
+    (default: the world); or ``transport`` to bring your own.
+
+    ``staging_bytes``: cap on the receive buffers (``None``: what the transition needs, see
+    ``staging_bytes_needed``); a cap below the need raises ``ValueError`` before anything moves.
+    ``layers_per_call``: layers per ``prepare()`` / ``step()`` (``None``: all).
+    ``round_experts``: cap on the experts a pair exchanges each way per round.
+    ``verify``: compare a checksum of every written slot with its source's.
+
+    ``schedule`` (the whole transition, all ranks) is available right after construction,
+    before anything moves.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Mapping[str, torch.Tensor]],
+        old: Placement,
+        new: Placement,
+        group: dist.ProcessGroup | None = None,
+        *,
+        transport: Transport | None = None,
+        staging_bytes: int | None = None,
+        layers_per_call: int | None = None,
+        round_experts: int | None = None,
+        bandwidth: Bandwidth | None = None,
+        verify: bool = False,
+    ) -> None:
+        if not isinstance(old, Placement) or not isinstance(new, Placement):
+            raise ValueError("old and new must be eplb.Placement objects")
+        if old.topology != new.topology:
+            raise ValueError(f"old placement is for {old.topology}, new for {new.topology}: they must match")
+        topo = old.topology
+        self._names, self._slot_shapes, self._dtypes, self.device = _check_layers(layers, topo.num_layers, topo.slots_per_gpu)
+        self._layers = [dict(layer) for layer in layers]
+        if layers_per_call is not None and (isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1):
+            raise ValueError(f"layers_per_call must be a positive integer or None, got {layers_per_call!r}")
+        self._transport = transport if transport is not None else DistTransport(group)
+        if self._transport.size != topo.num_gpus:
+            raise ValueError(f"the process group has {self._transport.size} ranks; the topology has num_gpus = {topo.num_gpus}")
+        self.rank = self._transport.rank
+        self.topology = topo
+        self.layers_per_call = layers_per_call or topo.num_layers
+        self.verify = verify
+        self.slot_bytes = sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in zip(self._slot_shapes, self._dtypes))
+        self.schedule: TransferSchedule = transfer_schedule(
+            old, new, topo, expert_bytes=float(self.slot_bytes), bandwidth=bandwidth, round_experts=round_experts
+        )
+        self._work = _rank_work(self.schedule, self.rank)
+        self._staging_cap = staging_bytes
+        self._mode: str | None = None
+        self._next = 0  # next layer to prepare / step
+        self._committed = False
+        self._pool: dict[str, torch.Tensor] | None = None
+        self._pool_index: list[dict[int, int]] = [{} for _ in range(topo.num_layers)]  # layer -> {dst slot: buffer}
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._verified: list[tuple[int, int, bool]] = []
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    def staging_bytes_needed(self, mode: str) -> int:
+        """Receive-buffer bytes this rank needs: ``"staged"`` holds every receive of the
+        transition until ``commit()``; ``"direct"`` only one layer's receives whose slot is
+        still read, the layer with the most. Both include the one spare slot for cycles."""
+        return (self._buffers_needed(mode) + 1) * self.slot_bytes
+
+    def _buffers_needed(self, mode: str) -> int:
+        if mode == "staged":
+            return sum(len(rnd) for w in self._work for rnd in w.recvs)
+        if mode == "direct":
+            return max((sum(1 for rnd in w.recvs for _, d in rnd if d in w.read_slots) for w in self._work), default=0)
+        raise ValueError(f"mode must be 'staged' or 'direct', got {mode!r}")
+
+    @property
+    def prepared_layers(self) -> int:
+        """Layers prepared (staged) or moved (direct) so far."""
+        return self._next
+
+    @property
+    def done(self) -> bool:
+        """Every layer is in place (direct), or committed (staged)."""
+        return self._committed or (self._mode == "direct" and self._next == self.topology.num_layers)
+
+    # -- staged: prepare / commit / rollback ----------------------------------------------
+
+    def prepare(self, num_layers: int | None = None) -> int:
+        """Receive the next ``num_layers`` (default ``layers_per_call``) layers' incoming experts
+        into receive buffers and send what peers need from this rank; live slots are only read.
+        Collective over the group. Returns the layers prepared by this call (0 when all are)."""
+        self._enter("staged")
+        layers = self._take(num_layers)
+        with self._on_stream():
+            for layer in layers:
+                self._exchange_layer(layer, direct=False)
+        return len(layers)
+
+    @property
+    def fully_prepared(self) -> bool:
+        return self._mode == "staged" and self._next == self.topology.num_layers
+
+    def commit(self) -> MoveReport:
+        """Write every prepared layer's live slots (copies within this gpu only, no peer
+        traffic): call it at the switch step, between two engine steps, on every rank. The
+        engine's current stream waits for the writes, so the next step reads new weights."""
+        if self._mode != "staged" or self._committed:
+            raise ValueError("commit() needs a prepared, not yet committed or rolled back mover")
+        if not self.fully_prepared:
+            raise ValueError(f"commit() before every layer is prepared ({self._next} of {self.topology.num_layers})")
+        with self._on_stream():
+            for layer in range(self.topology.num_layers):
+                self._local_layer(layer)
+        self._finish()
+        self._committed = True
+        self._pool = None
+        return self._report(range(self.topology.num_layers))
+
+    def rollback(self) -> None:
+        """Drop the receive buffers of a prepare that will not be committed; the live weights
+        were never written, so the old map stays correct. Not possible after ``commit()``."""
+        if self._committed:
+            raise ValueError("rollback() after commit(): the live weights already hold the new placement")
+        if self._mode == "direct" and self._next:
+            raise ValueError("rollback() after direct step(): those layers were written in place")
+        self.synchronize()
+        self._pool = None
+        self._next = 0
+        self._mode = None
+        self._pool_index = [{} for _ in range(self.topology.num_layers)]
+        for work in self._work:
+            work.expected.clear()
+
+    # -- direct: step / run ---------------------------------------------------------------
+
+    def step(self, num_layers: int | None = None) -> MoveReport:
+        """Move the next ``num_layers`` (default ``layers_per_call``) layers in place: peer rounds,
+        then the copies within the gpu. Collective over the group. The engine must not run
+        those layers until this returns (its current stream waits for the writes)."""
+        self._enter("direct")
+        layers = self._take(num_layers)
+        with self._on_stream():
+            for layer in layers:
+                self._pool_index[layer] = {}
+                self._exchange_layer(layer, direct=True)
+                self._local_layer(layer)
+        self._finish()
+        return self._report(layers)
+
+    def run(self) -> MoveReport:
+        """Every remaining layer in place (``step`` over all of them)."""
+        return self.step(self.topology.num_layers - self._next)
+
+    def synchronize(self) -> None:
+        """Block the host until the mover's queued GPU work is done."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _enter(self, mode: str) -> None:
+        if self._committed:
+            raise ValueError("this mover already committed; make a new WeightMover for the next transition")
+        if self._mode not in (None, mode):
+            raise ValueError(f"this mover runs {self._mode}; prepare()/commit() and step() do not mix")
+        if self._mode is None:
+            need = self.staging_bytes_needed(mode)
+            if self._staging_cap is not None and need > self._staging_cap:
+                raise ValueError(
+                    f"staging_bytes={self._staging_cap} is below what {mode} mode needs on rank {self.rank}: "
+                    f"{need} bytes ({need // self.slot_bytes} slots of {self.slot_bytes} bytes)"
+                )
+            n = self._buffers_needed(mode) + 1
+            with self._on_stream():
+                self._pool = {
+                    name: torch.empty((n, *shape), dtype=dt, device=self.device)
+                    for name, shape, dt in zip(self._names, self._slot_shapes, self._dtypes)
+                }
+            self._spare = n - 1
+            self._free = 0
+            self._transport.start(self.device)
+            self._mode = mode
+
+    def _take(self, num_layers: int | None) -> range:
+        n = self.layers_per_call if num_layers is None else num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
+        start = self._next
+        self._next = min(self.topology.num_layers, start + n)
+        return range(start, self._next)
+
+    def _on_stream(self):
+        if self._stream is None:
+            return _nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
+
+    def _finish(self) -> None:
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _exchange_layer(self, layer: int, direct: bool) -> None:
+        work, tensors = self._work[layer], self._layers[layer]
+        if direct:
+            self._free = 0
+        index = self._pool_index[layer]
+        for sends, recvs in zip(work.sends, work.recvs):
+            ops: list[P2P] = []
+            checks: list[tuple[int, torch.Tensor]] = []
+            # Both sides list a pair's operations in schedule order, names sorted: they match.
+            for peer, slot in sends:
+                for name in self._names:
+                    ops.append(P2P(True, peer, tensors[name][slot]))
+                if self.verify:
+                    ops.append(P2P(True, peer, slot_checksum(tensors, slot)))
+            for peer, slot in recvs:
+                if direct and slot not in work.read_slots:
+                    target = tensors  # nothing reads this slot's old content: land in place
+                    at = slot
+                else:
+                    at = index[slot] = self._free
+                    self._free += 1
+                    target = self._pool
+                for name in self._names:
+                    ops.append(P2P(False, peer, target[name][at]))
+                if self.verify:
+                    cks = torch.empty(2 * len(self._names), dtype=torch.int64, device=self.device)
+                    ops.append(P2P(False, peer, cks))
+                    checks.append((slot, cks))
+            if ops:
+                self._transport.exchange(ops)
+            for slot, cks in checks:
+                work.expected[slot] = cks
+
+    def _local_layer(self, layer: int) -> None:
+        work, tensors, pool = self._work[layer], self._layers[layer], self._pool
+        index = self._pool_index[layer]
+        if self.verify:
+            for src, dst in work.copies:  # old content of the sources, before any write
+                work.expected[dst] = slot_checksum(tensors, src)
+        for src, dst in work.local:
+            for name in self._names:
+                a = pool[name][self._spare] if src == SPARE else tensors[name][src]
+                b = pool[name][self._spare] if dst == SPARE else tensors[name][dst]
+                b.copy_(a)
+        for dst, buf in index.items():
+            for name in self._names:
+                tensors[name][dst].copy_(pool[name][buf])
+        for src, dst in work.fills:
+            for name in self._names:
+                tensors[name][dst].copy_(tensors[name][src])
+            if self.verify:
+                work.expected[dst] = work.expected[src]
+        if self.verify:
+            for slot, want in work.expected.items():
+                got = slot_checksum(tensors, slot)
+                self._verified.append((layer, slot, bool(torch.equal(got, want))))
+            work.expected.clear()
+
+    def _report(self, layers: range) -> MoveReport:
+        s, g = self.schedule, self.rank
+        sel = list(layers)
+        wanted = set(sel)
+        checked = [(layer, slot, ok) for layer, slot, ok in self._verified if layer in wanted]
+        return MoveReport(
+            layers=tuple(sel),
+            received_bytes=int(s.received_bytes[sel, g].sum()),
+            sent_bytes=int(s.sent_bytes[sel, g].sum()),
+            local_copy_bytes=int(s.local_copy_bytes[sel, g].sum()),
+            checked_slots=len(checked),
+            mismatches=tuple((layer, slot) for layer, slot, ok in checked if not ok),
+        )
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _check_layers(layers: Sequence[Mapping[str, torch.Tensor]], num_layers: int, slots: int):
+    """→ names (sorted), per-name slot shapes and dtypes, and the device; ``ValueError`` on misfit."""
+    if len(layers) != num_layers:
+        raise ValueError(f"layers has {len(layers)} entries; the topology has num_layers = {num_layers}")
+    if not layers or not layers[0]:
+        raise ValueError("layers must map at least one tensor name per layer")
+    names = sorted(layers[0])
+    first = layers[0]
+    device = first[names[0]].device
+    for i, layer in enumerate(layers):
+        if sorted(layer) != names:
+            raise ValueError(f"layer {i} has tensors {sorted(layer)}; layer 0 has {names}: every layer needs the same names")
+        for name in names:
+            t = layer[name]
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"layers[{i}][{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() < 1 or t.shape[0] != slots:
+                raise ValueError(f"layers[{i}][{name!r}] has shape {list(t.shape)}; its leading dimension must be the {slots} local slots")
+            if t.shape != first[name].shape or t.dtype != first[name].dtype:
+                raise ValueError(f"layers[{i}][{name!r}] is {list(t.shape)} {t.dtype}; layer 0 has {list(first[name].shape)} {first[name].dtype}")
+            if t.device != device:
+                raise ValueError(f"layers[{i}][{name!r}] is on {t.device}; the others on {device}: one device per rank")
+            if not t.is_contiguous():
+                raise ValueError(f"layers[{i}][{name!r}] must be contiguous: slots are sent as contiguous views")
+    return names, [tuple(first[n].shape[1:]) for n in names], [first[n].dtype for n in names], device
+
+
+def _rank_work(s: TransferSchedule, rank: int) -> list[_LayerWork]:
+    """This rank's sends, receives, local copies and fills per layer, slots made local."""
+    topo = s.topology
+    S = topo.slots_per_gpu
+    base = rank * S
+    out = []
+    for layer in range(topo.num_layers):
+        n_rounds = int(s.rounds[layer])
+        sends: list[list[tuple[int, int]]] = [[] for _ in range(n_rounds)]
+        recvs: list[list[tuple[int, int]]] = [[] for _ in range(n_rounds)]
+        sel = np.flatnonzero((s.recv_layer == layer) & ((s.recv_src_gpu == rank) | (s.recv_dst_gpu == rank)))
+        for i in sel:  # already in (round, src, dst, dst_slot) order
+            r = int(s.recv_round[i])
+            if s.recv_src_gpu[i] == rank:
+                sends[r].append((int(s.recv_dst_gpu[i]), int(s.recv_src_slot[i]) - base))
+            if s.recv_dst_gpu[i] == rank:
+                recvs[r].append((int(s.recv_src_gpu[i]), int(s.recv_dst_slot[i]) - base))
+        mine = (s.local_layer == layer) & (s.local_dst_slot // S == rank)
+        local = [(int(a) - base, int(b) - base) for a, b in zip(s.local_src_slot[mine], s.local_dst_slot[mine])]
+        fm = (s.fill_layer == layer) & (s.fill_dst_slot // S == rank)
+        fills = [(int(a) - base, int(b) - base) for a, b in zip(s.fill_src_slot[fm], s.fill_dst_slot[fm])]
+        read = {src for src, _ in local} | {src for rnd in sends for _, src in rnd}
+        out.append(_LayerWork(sends, recvs, local, order_local_copies(local), fills, read))
+    return out
