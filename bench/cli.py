@@ -1,5 +1,5 @@
-"""The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file)
-and ``eplb serve`` (the balancer service)."""
+"""The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
+``eplb serve`` (the balancer service) and ``eplb demo`` (service, engine ranks and mover on CPU)."""
 
 from __future__ import annotations
 
@@ -166,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
     s.set_defaults(fn=None)
+    d = sub.add_parser("demo", help="the service, simulated engine ranks and the weight mover on CPU (eplb demo --help)", add_help=False)
+    d.set_defaults(fn=None)
     return ap
 
 
@@ -177,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         from eplb_service.cli import main as serve_main
 
         return serve_main(rest)
+    if args.command == "demo":
+        # Imported here: the demo needs the service and engine extras (torch).
+        from .demo import main as demo_main
+
+        return demo_main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

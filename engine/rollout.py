@@ -39,7 +39,7 @@ import eplb
 from .client import ServiceClient
 from .wire import PublishedPlacement
 
-__all__ = ["Applier", "Barrier", "Local", "Decision", "RolloutEvent", "Rollout", "ServiceBarrier", "ProcessGroupBarrier", "AckSender"]
+__all__ = ["Applier", "MoverApplier", "Barrier", "Local", "Decision", "RolloutEvent", "Rollout", "ServiceBarrier", "ProcessGroupBarrier", "AckSender"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,47 @@ class Applier(Protocol):
 
     def rollback(self) -> None:
         """Drops whatever ``prepare`` did; the weights ``old`` routes to stay as they were."""
+
+
+class MoverApplier:
+    """An ``Applier`` over ``WeightMover``'s staged mode: ``prepare`` makes a mover for the
+    transition and receives every incoming expert into its buffers (live slots only read),
+    ``commit`` writes the live slots within each gpu, ``rollback`` drops the buffers.
+
+    ``layers``: this rank's tensors per layer (``WeightMover``'s ``layers``); ``group``: the
+    process group the mover talks through. With the service barrier the ranks start preparing
+    at different moments, so give the mover a group of its own (``dist.new_group()``): its
+    transfers then wait for the late ranks without holding up the engine's collectives.
+    ``mover_options``: ``WeightMover`` keywords (``staging_bytes``, ``layers_per_call``,
+    ``verify``, ...). After a switch, ``schedule`` and ``report`` describe the move (with
+    ``verify=True``, ``report.mismatches`` lists slots whose checksum differs from the source's).
+    """
+
+    def __init__(self, layers: object, group: object = None, **mover_options: object) -> None:
+        self.layers, self.group, self.options = layers, group, mover_options
+        self.mover = None
+        self.schedule = None
+        self.report = None
+        self.commit_seconds = 0.0
+
+    def prepare(self, old: eplb.Placement, new: eplb.Placement) -> None:
+        from .mover import WeightMover
+
+        self.mover = WeightMover(self.layers, old, new, self.group, **self.options)
+        self.schedule = self.mover.schedule
+        while self.mover.prepare():
+            pass
+
+    def commit(self) -> None:
+        start = time.perf_counter()
+        self.report = self.mover.commit()
+        self.commit_seconds = time.perf_counter() - start
+        self.mover = None
+
+    def rollback(self) -> None:
+        if self.mover is not None:
+            self.mover.rollback()
+        self.mover = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,60 @@
+"""``eplb demo`` end to end: service, engine ranks in separate processes, mover, rollout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb_bench.demo import DemoConfig, make_weights, misrouted_here, route, slot_experts
+
+
+@pytest.mark.slow
+def test_demo_balances_and_routes_every_token_right(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "5", "--json", str(out), "--plots", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["misrouted_dispatches"] == 0 and s["checksum_mismatches"] == 0
+    # 250 steps of 1024 tokens per rank, each to 4 experts in each of 6 layers, all checked.
+    assert s["tokens_routed"] == 3 * 250 * 1024 and s["dispatches_checked"] == 3 * 250 * 1024 * 4 * 6
+    assert s["replans_applied"] >= 1 and s["rollouts_failed"] == 0 and s["late_switches"] == 0
+    assert s["imbalance_balanced"] < s["imbalance_initial"] - 0.05
+    assert s["reports_accepted"] > 0 and s["reports_dropped"] == 0
+    first = s["replans"][0]
+    assert first["bytes"] > 0 and first["moves"] > 0 and first["measured_after"] < first["measured_before"]
+    assert f"v{first['version']}" in proc.stdout and "summary:" in proc.stdout
+    assert (tmp_path / "imbalance.png").stat().st_size > 10_000
+
+
+def test_demo_refuses_bad_flags():
+    proc = subprocess.run([sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--ranks must be in [2, 16]" in proc.stderr
+
+
+def test_the_check_counts_tokens_routed_with_a_map_the_weights_do_not_hold():
+    topo = DemoConfig(ranks=2).topology
+    held = eplb.Placement.contiguous(topo)
+    S = topo.slots_per_gpu
+    counts = np.random.default_rng(0).multinomial(4096, np.full(topo.num_experts, 1 / topo.num_experts), size=topo.num_layers)
+    other = eplb.rebalance(counts * np.arange(1, topo.num_experts + 1), topo, "global").placement
+    for rank in range(2):
+        layers = make_weights(topo, rank, held)
+        np.testing.assert_array_equal(slot_experts(layers, topo), held.phy2log[:, rank * S:(rank + 1) * S])
+        assert misrouted_here(route(counts, held, offset=0), layers, topo, rank) == 0
+    # Routed with a map the weights do not hold: every dispatch to a slot that changed is caught.
+    dispatched = route(counts, other, offset=0)
+    wrong = (other.phy2log != held.phy2log)[:, :S]
+    assert misrouted_here(dispatched, make_weights(topo, 0, held), topo, 0) == dispatched[:, :S].sum(axis=2)[wrong].sum() > 0
+    # A torn copy: one tensor of one slot holds another expert's weights.
+    layers = make_weights(topo, 0, held)
+    layers[2]["w2"][5] += 4.0
+    assert slot_experts(layers, topo)[2, 5] == -1
+    assert misrouted_here(route(counts, held, offset=0), layers, topo, 0) == route(counts, held, offset=0)[2, 5].sum()
