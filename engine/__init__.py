@@ -24,6 +24,8 @@ _LAZY: dict[str, str] = {
     "PlacementWatcher": "watcher",
     "PublishedPlacement": "wire",
     "Rollout": "rollout",
+    "MoverApplier": "rollout",
+    "AsyncServiceClient": "aio",
     "ServiceBarrier": "rollout",
     "ProcessGroupBarrier": "rollout",
 }
