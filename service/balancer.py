@@ -20,6 +20,7 @@ import numpy as np
 
 import eplb
 from . import arrays, codec
+from . import rollout as rollout_states
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ServiceError
 from .hub import PlacementHub
@@ -54,6 +55,7 @@ class _Local:
     trigger: TriggerSpec
     window: SlidingWindow | DecayWindow
     hub: PlacementHub
+    ranks: frozenset[int]
     phy2log: dict[int, np.ndarray] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
@@ -194,7 +196,8 @@ class Balancer:
         spec = codec.window_spec(deployment)
         hub = PlacementHub(self.store, name, on_version=self._seen, confirm_deleted=self._confirm_deleted)
         local = _Local(deployment, topo, spec, codec.trigger_spec(deployment),
-                       make_window((topo.num_layers, topo.num_experts), spec), hub)
+                       make_window((topo.num_layers, topo.num_experts), spec), hub,
+                       frozenset(codec.deployment_ranks(deployment)))
         self._local[name] = local
         hub.start()
         return local
@@ -255,7 +258,10 @@ class Balancer:
         out = pb.Deployment()
         out.CopyFrom(record.deployment)
         out.version = record.version
-        return pb.GetDeploymentResponse(deployment=out, acks=[pb.RankAck(rank=r, version=v) for r, v in sorted(acks.items())])
+        return pb.GetDeploymentResponse(deployment=out, acks=[
+            pb.RankAck(rank=r, version=a.switched, prepared_version=max(a.switched, a.prepared), failed_version=a.failed)
+            for r, a in sorted(acks.items())
+        ])
 
     async def list(self) -> pb.ListDeploymentsResponse:
         out = []
@@ -278,6 +284,7 @@ class Balancer:
         if request.seq >= codec.MAX_SEQ:
             raise InvalidArgument(FieldViolation("seq", f"must be < 2^53, got {request.seq}"))
         local = await self._get_local(request.deployment)
+        codec.check_rank(request.rank, local.ranks, "rank")
         topo = local.topology
         kind = request.WhichOneof("counts")
         if kind == "logical":
@@ -357,16 +364,39 @@ class Balancer:
         finally:
             gauge.dec()
 
-    async def ack(self, request: pb.AckPlacementRequest) -> int:
+    async def ack(self, request: pb.AckPlacementRequest) -> pb.AckPlacementResponse:
+        """Records where a rank stands with a version and answers the version's rollout."""
         codec.check_name(request.deployment, "deployment")
+        violations = []
         if request.version == 0:
-            raise InvalidArgument(FieldViolation("version", "must be >= 1"))
+            violations.append(FieldViolation("version", "must be >= 1"))
+        if request.state not in pb.AckState.values():
+            allowed = ", ".join(pb.AckState.keys())
+            violations.append(FieldViolation("state", f"unknown state {request.state}; allowed: {allowed}"))
+        if len(request.error) > 1024:
+            violations.append(FieldViolation("error", f"{len(request.error)} characters; at most 1024"))
+        if violations:
+            raise InvalidArgument(violations)
         record = await self.store.get(request.deployment)
+        ranks = codec.deployment_ranks(record.deployment)
+        codec.check_rank(request.rank, ranks, "rank")
         if request.version > record.version:
             raise FailedPrecondition(f"version {request.version} is not published yet (current {record.version})")
-        await self.store.ack(request.deployment, request.rank, request.version)
-        acks = await self.store.acks(request.deployment)
-        return sum(1 for v in acks.values() if v >= request.version)
+        rollout = await self.store.ack(request.deployment, request.rank, request.version, request.state,
+                                       request.step, ranks, codec.switch_margin(record.deployment))
+        name = request.deployment
+        if request.state == rollout_states.FAILED:
+            log.warning("%s rank %d failed to prepare version %d: %s", name, request.rank, request.version,
+                        request.error or "(no error given)")
+        for outcome, became, what in (
+            ("prepared", rollout.became_prepared, f"every rank prepared, switch at step {rollout.switch_step}"),
+            ("switched", rollout.became_switched, "every rank switched"),
+            ("failed", rollout.became_failed, "rollout aborted"),
+        ):
+            if became:
+                self.metrics.rollouts.labels(name, outcome).inc()
+                log.info("%s version %d: %s", name, request.version, what)
+        return rollout.to_pb()
 
     # planning
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 
 import eplb
 from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE, MIGRATION_OPTIONS
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import FieldViolation, InvalidArgument
+from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
 from .windows import WindowSpec
 
@@ -121,6 +123,9 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
             out.migration.tolerance = DEFAULT_TOLERANCE
         if not out.migration.HasField("layer_tolerance"):
             out.migration.layer_tolerance = DEFAULT_LAYER_TOLERANCE
+    violations += _fill_ranks(msg, out, field)
+    if not out.HasField("switch_margin_steps"):
+        out.switch_margin_steps = DEFAULT_SWITCH_MARGIN
     t = msg.trigger
     if t.interval.ToNanoseconds() < 0:
         violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))
@@ -131,6 +136,35 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     out.ClearField("create_time")
     out.version = 0
     return out
+
+
+def _fill_ranks(msg: pb.Deployment, out: pb.Deployment, field: str) -> list[FieldViolation]:
+    """Checks ``msg.ranks`` (distinct) and fills in 0 .. num_gpus - 1 when it is empty."""
+    if not msg.ranks:
+        del out.ranks[:]
+        out.ranks.extend(range(msg.topology.num_gpus))
+        return []
+    seen = set()
+    dups = sorted({r for r in msg.ranks if r in seen or seen.add(r)})
+    if dups:
+        return [FieldViolation(f"{field}.ranks", f"ranks must be distinct; repeated: {dups[:8]}")]
+    return []
+
+
+def deployment_ranks(msg: pb.Deployment) -> list[int]:
+    """The ranks that report and acknowledge (deployments stored before ranks existed: one per gpu)."""
+    return list(msg.ranks) if msg.ranks else list(range(msg.topology.num_gpus))
+
+
+def check_rank(rank: int, ranks: Collection[int], field: str) -> None:
+    if rank not in ranks:
+        ranks = sorted(ranks)
+        shown = f"{ranks[0]} .. {ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks[:16])
+        raise InvalidArgument(FieldViolation(field, f"rank {rank} is not one of the deployment's ranks ({shown})"))
+
+
+def switch_margin(msg: pb.Deployment) -> int:
+    return msg.switch_margin_steps if msg.HasField("switch_margin_steps") else DEFAULT_SWITCH_MARGIN
 
 
 def window_spec(msg: pb.Deployment) -> WindowSpec:

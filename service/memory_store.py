@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound
+from .rollout import RankState, Rollout, VersionRollout, apply_ack
 from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
 
 __all__ = ["MemoryStore"]
@@ -21,7 +22,8 @@ class _State:
     placements: dict[int, pb.Placement]
     version: int
     seq: dict[int, int] = field(default_factory=dict)
-    acks: dict[int, int] = field(default_factory=dict)
+    acks: dict[int, RankState] = field(default_factory=dict)
+    rollouts: dict[int, VersionRollout] = field(default_factory=dict)
     windows: dict[str, bytes] = field(default_factory=dict)
     reports: int = 0
     planned_reports: int = 0
@@ -139,11 +141,13 @@ class MemoryStore:
         for r in replicas:
             self._get(name).windows.pop(r, None)
 
-    async def ack(self, name: str, rank: int, version: int) -> None:
-        state = self._get(name)
-        state.acks[rank] = max(version, state.acks.get(rank, 0))
+    async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
+        s = self._get(name)
+        out = apply_ack(s.acks, s.rollouts, rank, version, state, step, ranks, margin)
+        s.rollouts.pop(version - PLACEMENTS_KEPT, None)
+        return out
 
-    async def acks(self, name: str) -> dict[int, int]:
+    async def acks(self, name: str) -> dict[int, RankState]:
         return dict(self._get(name).acks)
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:

@@ -12,7 +12,8 @@ below touch one slot only):
 | ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
 | ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries; replicas tail it |
 | ``P:{d}:seq`` | hash | rank → last accepted report seq (idempotent retries) |
-| ``P:{d}:acks`` | hash | rank → latest acknowledged version |
+| ``P:{d}:acks`` | hash | ``<rank>`` → latest switched version, ``<rank>:p`` prepared, ``<rank>:f`` failed |
+| ``P:{d}:rollout`` | hash | ``<v>:step`` largest PREPARED step, ``<v>:switch`` switch step, ``<v>:aborted`` (recent versions) |
 | ``P:{d}:windows`` | hash | replica id → that replica's window blob (see ``windows.py``) |
 | ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
 """
@@ -30,6 +31,7 @@ from redis.retry import Retry
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
+from .rollout import RankState, Rollout
 from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
 
 __all__ = ["RedisStore"]
@@ -85,12 +87,59 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], 'reports', n) end
 return out
 """
 
-# KEYS: acks, meta; ARGV: rank, version. Keeps the highest version per rank.
+# The rules of rollout.apply_ack, atomically. KEYS: acks, rollout, meta; ARGV: rank, version,
+# state (0/2 switched, 1 prepared, 3 failed), step, margin, kept, then the deployment's ranks.
+# Returns -1 when the deployment is gone, else {acked, prepared, failed, num_ranks, switch_step,
+# aborted, became_prepared, became_switched, became_failed}.
 _ACK = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-local last = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if tonumber(ARGV[2]) > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-return 1
+if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+local rank, v, state, step = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local function bump(f)
+  local last = tonumber(redis.call('HGET', KEYS[1], f) or '0')
+  if v > last then redis.call('HSET', KEYS[1], f, v) end
+end
+local old_switched = tonumber(redis.call('HGET', KEYS[1], rank) or '0')
+local aborted = redis.call('HEXISTS', KEYS[2], v .. ':aborted') == 1
+local became_failed = 0
+if state == '0' or state == '2' then
+  bump(rank)
+elseif state == '1' then
+  bump(rank .. ':p')
+  local last = tonumber(redis.call('HGET', KEYS[2], v .. ':step') or '-1')
+  if step > last then redis.call('HSET', KEYS[2], v .. ':step', ARGV[4]) end
+elseif state == '3' then
+  bump(rank .. ':f')
+  if not aborted then became_failed = 1 end
+  aborted = true
+  redis.call('HSET', KEYS[2], v .. ':aborted', 1)
+end
+local all = redis.call('HGETALL', KEYS[1])
+local h = {}
+for i = 1, #all, 2 do h[all[i]] = tonumber(all[i + 1]) end
+local acked, prepared, failed, n = 0, 0, 0, #ARGV - 6
+for i = 7, #ARGV do
+  local r = ARGV[i]
+  local sw, p, f = h[r] or 0, h[r .. ':p'] or 0, h[r .. ':f'] or 0
+  if sw >= v then acked = acked + 1 end
+  if sw >= v or p >= v then prepared = prepared + 1 end
+  if f == v then failed = failed + 1 end
+end
+local switch = redis.call('HGET', KEYS[2], v .. ':switch')
+local became_prepared = 0
+if not switch and not aborted and prepared == n then
+  local s = tonumber(redis.call('HGET', KEYS[2], v .. ':step') or '0')
+  if s < 0 then s = 0 end
+  switch = tostring(s + tonumber(ARGV[5]))
+  redis.call('HSET', KEYS[2], v .. ':switch', switch)
+  became_prepared = 1
+end
+local old = v - tonumber(ARGV[6])
+if old > 0 then redis.call('HDEL', KEYS[2], old .. ':step', old .. ':switch', old .. ':aborted') end
+local became_switched = 0
+if (state == '0' or state == '2') and old_switched < v and acked == n then became_switched = 1 end
+local out_switch = 0
+if switch and not aborted then out_switch = tonumber(switch) end
+return {acked, prepared, failed, n, out_switch, aborted and 1 or 0, became_prepared, became_switched, became_failed}
 """
 
 # KEYS: windows, meta; ARGV: replica, blob. A replica that has not yet noticed a deletion must
@@ -143,7 +192,7 @@ class RedisStore:
 
     def keys_of(self, name: str) -> list[str]:
         """Every fixed key of a deployment (placements are per version, see ``delete``)."""
-        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "windows", "lease")]
+        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "lease")]
 
     async def ping(self) -> str:
         with _unavailable():
@@ -295,16 +344,25 @@ class RedisStore:
             with _unavailable():
                 await self._r.hdel(self.key(name, "windows"), *replicas)
 
-    async def ack(self, name: str, rank: int, version: int) -> None:
+    async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
         with _unavailable():
-            out = await self._ack(keys=[self.key(name, "acks"), self.key(name, "meta")], args=[rank, version])
+            out = await self._ack(
+                keys=[self.key(name, "acks"), self.key(name, "rollout"), self.key(name, "meta")],
+                args=[rank, version, state, step, margin, PLACEMENTS_KEPT, *ranks],
+            )
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
+        acked, prepared, failed, n, switch, aborted, b_prep, b_sw, b_fail = (int(x) for x in out)
+        return Rollout(acked, prepared, failed, n, switch, bool(aborted), bool(b_prep), bool(b_sw), bool(b_fail))
 
-    async def acks(self, name: str) -> dict[int, int]:
+    async def acks(self, name: str) -> dict[int, RankState]:
         with _unavailable():
             raw = await self._r.hgetall(self.key(name, "acks"))
-        return {int(k): int(v) for k, v in raw.items()}
+        fields: dict[int, dict[str, int]] = {}
+        for k, v in raw.items():
+            rank, _, kind = k.decode().partition(":")
+            fields.setdefault(int(rank), {})[kind or "s"] = int(v)
+        return {r: RankState(f.get("s", 0), f.get("p", 0), f.get("f", 0)) for r, f in fields.items()}
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         key = self.key(name, "lease")

@@ -58,7 +58,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             yield self._response(pb.WatchPlacementsResponse, placement)
 
     async def AckPlacement(self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext) -> pb.AckPlacementResponse:
-        return pb.AckPlacementResponse(ranks_acked=await self.balancer.ack(request))
+        return await self.balancer.ack(request)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
         return await self.balancer.rebalance(request)

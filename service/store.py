@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
+from .rollout import RankState, Rollout
 
 __all__ = ["Store", "DeploymentRecord", "PlanMarks", "PLACEMENTS_KEPT"]
 
@@ -90,9 +91,12 @@ class Store(Protocol):
 
     async def drop_windows(self, name: str, replicas: list[str]) -> None: ...
 
-    async def ack(self, name: str, rank: int, version: int) -> None: ...
+    async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
+        """Records where ``rank`` stands with ``version`` and returns the version's rollout over
+        ``ranks``, atomically (rules in :mod:`.rollout`). ``NotFound`` when the deployment is gone."""
 
-    async def acks(self, name: str) -> dict[int, int]: ...
+    async def acks(self, name: str) -> dict[int, RankState]:
+        """Rank → its latest switched, prepared and failed versions."""
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         """The planning lease for ``name``: true if ``owner`` holds it now (expires after ttl)."""
