@@ -186,7 +186,7 @@ class ServiceBarrier:
     the time an ack takes, or a rank learns of the switch late (counted in ``late``).
     """
 
-    def __init__(self, client: ServiceClient, deployment: str, rank: int, *, poll_s: float = 0.05) -> None:
+    def __init__(self, client: ServiceClient, deployment: str, rank: int, *, poll_s: float = 0.01) -> None:
         self.acks = AckSender(client, deployment, rank)
         self.poll_s = poll_s
         self.late = 0
