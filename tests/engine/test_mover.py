@@ -207,3 +207,21 @@ def test_bad_tensors_are_rejected_with_what_is_wrong() -> None:
     mover.prepare()
     with pytest.raises(ValueError, match="prepare\\(\\)/commit\\(\\) and step\\(\\) do not mix"):
         mover.step()
+
+
+@pytest.mark.parametrize("batch_copies", [True, False])
+def test_both_copy_launch_styles_move_correctly(batch_copies: bool) -> None:
+    rng = np.random.default_rng(11)
+    # a scale over 1 MiB a slot takes the one-copy_-per-tensor path even when batching
+    tensors = dict(TENSORS, big=(((1 << 18) + 1,), torch.float32))
+    for _ in range(5):
+        topo = eplb.Topology(2, 5, 8, 2)
+        old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+        world = ThreadWorld(2)
+
+        def rank(r: int, old=old, new=new, world=world):
+            layers = encoded_layers(old, r, tensors)
+            WeightMover(layers, old, new, transport=world.transport(r), batch_copies=batch_copies).run()
+            check_layers(layers, new, r, tensors)
+
+        world.run(rank)

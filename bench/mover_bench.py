@@ -1,0 +1,366 @@
+"""The weight mover on one GPU: intra-GPU rearrangements of DeepSeek-V3-sized experts.
+
+    python -m eplb_bench.mover_bench [--layers 58] [--rank worst] [--repeats 3] [--json FILE]
+
+One rank of a DeepSeek-V3 deployment (58 layers, 256 experts, 288 slots on 32 gpus over 4
+nodes: 9 slots per gpu) holds FP8 experts ``w13 [9, 4096, 7168]`` and ``w2 [9, 7168, 2048]``
+with their block scales (44 MB per expert). Two transitions from the same old placement (our
+fresh plan of one load window): a full re-plan (DeepSeek's eplb.py from scratch on the next,
+drifted window) and a migration-aware re-plan (``eplb.rebalance(..., previous=old)``).
+
+The other 31 ranks are played by a loopback transport on the same GPU: a receive is filled
+with the sender's content (a write at HBM speed standing in for the network), a send is
+dropped. So the figures are the rank's own GPU work: ``commit()`` is exactly the copies
+within the gpu at the switch step (local moves, landings, fills, cycles) and is compared
+with the device-to-device copy bandwidth measured first; ``step()`` per layer adds the
+loopback receives. Printed: bytes, seconds per layer and in all, achieved GB/s against the
+copy bandwidth (target >= 80 %), the schedule's prediction against the measurement, and
+planning time (policy + schedule) against copy time. Weights encode (layer, expert, tensor)
+and are checked after every move; a CUDA graph captured on the weights before the move must
+read the new ones after it. Needs one CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+from eplb_engine.checksum import slot_checksum
+from eplb_engine.mover import WeightMover
+from eplb_engine.transport import P2P
+
+import eplb
+from eplb.transfer import Bandwidth
+from eplb.workloads import SCALES, drift, make_loads
+
+FP8 = torch.float8_e4m3fn
+HIDDEN, INTER, BLOCK = 7168, 2048, 128
+# name -> per-slot shape and dtype: DeepSeek-V3's FP8 experts with 128 x 128 block scales.
+TENSORS = {
+    "w13": ((2 * INTER, HIDDEN), FP8),
+    "w2": ((HIDDEN, INTER), FP8),
+    "w13_scale": ((2 * INTER // BLOCK, HIDDEN // BLOCK), torch.float32),
+    "w2_scale": ((HIDDEN // BLOCK, INTER // BLOCK), torch.float32),
+}
+
+
+def _code(layer: int, expert: int) -> tuple[int, float]:
+    """The byte filling a weight slot and the value filling a scale slot of (layer, expert)."""
+    return (layer * 31 + expert * 7) % 251 + 1, float(layer * 1000 + expert)
+
+
+_HEADERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _header(device: torch.device, layer: int, expert: int) -> torch.Tensor:
+    """uint8 ``[16]`` on ``device``: (layer, expert) as two int64, made once (no copy per fill)."""
+    key = (device, layer, expert)
+    if key not in _HEADERS:
+        _HEADERS[key] = torch.tensor([layer, expert], dtype=torch.int64).view(torch.uint8).to(device)
+    return _HEADERS[key]
+
+
+def fill_slot(tensors: dict[str, torch.Tensor], slot: int, layer: int, expert: int) -> None:
+    byte, value = _code(layer, expert)
+    for t in tensors.values():
+        if t.dtype == FP8:
+            raw = t[slot].view(torch.uint8).reshape(-1)
+            raw.fill_(byte)
+            # a header in the first 16 bytes names the expert exactly (the fill byte repeats)
+            raw[:16].copy_(_header(t.device, layer, expert))
+        else:
+            t[slot].fill_(value)
+
+
+def check(layers: list[dict[str, torch.Tensor]], placement: eplb.Placement, rank: int) -> int:
+    """Slots whose content is not their expert's (header, a sample of bytes, scales)."""
+    S = placement.topology.slots_per_gpu
+    bad = 0
+    for layer, tensors in enumerate(layers):
+        for s in range(S):
+            expert = int(placement.phy2log[layer, rank * S + s])
+            byte, value = _code(layer, expert)
+            for t in tensors.values():
+                raw = t[s].view(torch.uint8).reshape(-1)
+                if t.dtype == FP8:
+                    head = raw[:16].view(torch.int64).tolist()
+                    tail = raw[16:][-4096:]
+                    ok = head == [layer, expert] and bool((tail == byte).all())
+                else:
+                    ok = bool((t[s] == value).all())
+                bad += not ok
+    return bad
+
+
+class LoopbackPeers:
+    """Plays every other rank on this GPU: receives get the sender's content, sends are dropped.
+
+    Receives arrive in the mover's order (layer, round, peer, slot, names sorted), so the
+    expert of each is known from the new placement.
+    """
+
+    def __init__(self, mover_schedule, new: eplb.Placement, rank: int, size: int, verify: bool = False) -> None:
+        self.rank, self.size = rank, size
+        S = new.topology.slots_per_gpu
+        s = mover_schedule
+        order = np.flatnonzero(s.recv_dst_gpu == rank)  # schedule order is the mover's
+        self._queue = [(int(s.recv_layer[i]), int(new.phy2log[s.recv_layer[i], s.recv_dst_slot[i]])) for i in order]
+        self._at = 0
+        self._names = sorted(TENSORS)
+        self._verify = verify  # then each receive ends with the sender's checksum
+
+    def start(self, device: torch.device) -> None:
+        pass
+
+    def exchange(self, ops: list[P2P]) -> None:
+        recvs = [op for op in ops if not op.send]
+        n = len(self._names) + self._verify
+        for k in range(0, len(recvs), n):
+            layer, expert = self._queue[self._at]
+            self._at += 1
+            slot = {name: op.tensor.unsqueeze(0) for name, op in zip(self._names, recvs[k : k + n])}
+            fill_slot(slot, 0, layer, expert)
+            if self._verify:
+                recvs[k + n - 1].tensor.copy_(slot_checksum(slot, 0))
+
+
+def make_layers(old: eplb.Placement, rank: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    topo = old.topology
+    S = topo.slots_per_gpu
+    layers = []
+    for layer in range(topo.num_layers):
+        tensors = {name: torch.empty((S, *shape), dtype=dt, device=device) for name, (shape, dt) in TENSORS.items()}
+        for s in range(S):
+            fill_slot(tensors, s, layer, int(old.phy2log[layer, rank * S + s]))
+        layers.append(tensors)
+    return layers
+
+
+def reset(layers: list[dict[str, torch.Tensor]], old: eplb.Placement, rank: int) -> None:
+    S = old.topology.slots_per_gpu
+    for layer, tensors in enumerate(layers):
+        for s in range(S):
+            fill_slot(tensors, s, layer, int(old.phy2log[layer, rank * S + s]))
+
+
+def copy_bandwidth(device: torch.device, slot_bytes: int, repeats: int) -> dict[str, float]:
+    """Device-to-device copy GB/s (bytes copied per second): one 4 GiB copy, and copies of
+    one expert's size (the mover's unit)."""
+    big = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(big)
+    n = slot_bytes
+    k = (4 << 30) // n
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    one = timed(lambda: dst.copy_(big))
+    chunks = timed(lambda: [dst[i * n : (i + 1) * n].copy_(big[i * n : (i + 1) * n]) for i in range(k)])
+    del big, dst
+    torch.cuda.empty_cache()
+    return {"copy_gb_s": (4 << 30) / one / 1e9, "expert_copy_gb_s": k * n / chunks / 1e9}
+
+
+def plans(topo: eplb.Topology, seed: int) -> tuple[eplb.Placement, dict[str, tuple[eplb.Placement, float]]]:
+    """The old placement and each transition's new placement with its planning seconds."""
+    base = make_loads("lognormal-1.0", topo, seed)
+    nxt = drift(base, 0.2, 1, seed + 1)[0]
+    old = eplb.rebalance(base, topo, "auto").placement
+    t = time.perf_counter()
+    full = eplb.rebalance(nxt, topo, "deepseek").placement
+    t_full = time.perf_counter() - t
+    t = time.perf_counter()
+    mig = eplb.rebalance(nxt, topo, "auto", previous=old).placement
+    t_mig = time.perf_counter() - t
+    return old, {"full re-plan (eplb.py from scratch)": (full, t_full), "migration-aware re-plan": (mig, t_mig)}
+
+
+def run_transition(name, old, new, plan_s, rank, layers, device, bw, repeats) -> dict:
+    topo = old.topology
+    size = topo.num_gpus
+    t = time.perf_counter()
+    mover = WeightMover(layers, old, new, transport=_Placeholder(rank, size), bandwidth=bw)
+    schedule_s = time.perf_counter() - t
+    sched = mover.schedule
+    out = {
+        "transition": name,
+        "moves": int((old.phy2log != new.phy2log).sum()),
+        "rank_changed_slots": int((old.phy2log != new.phy2log).reshape(topo.num_layers, size, -1)[:, rank].sum()),
+        "plan_seconds": plan_s,
+        "schedule_seconds": schedule_s,
+        "rank_local_copy_bytes": float(sched.local_copy_bytes[:, rank].sum()),
+        "rank_received_bytes": float(sched.received_bytes[:, rank].sum()),
+        "rank_predicted_local_seconds": float(sched.local_copy_bytes[:, rank].sum() / (bw.local_gb_s * 1e9)),
+        "schedule": sched.stats(),
+        "staging_bytes_staged": mover.staging_bytes_needed("staged"),
+        "staging_bytes_direct": mover.staging_bytes_needed("direct"),
+    }
+    # staged: prepare (loopback receives) then commit (the copies within the gpu), timed apart;
+    # commit both with batched scale copies (one _foreach_copy_ per wave and name) and with one copy_ per tensor
+    for batch in (True, False):
+        commits, gpu_commits, prepares = [], [], []
+        for _ in range(repeats):
+            reset(layers, old, rank)
+            torch.cuda.synchronize()
+            m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, size), bandwidth=bw, batch_copies=batch)
+            t = time.perf_counter()
+            m.prepare()
+            torch.cuda.synchronize()
+            prepares.append(time.perf_counter() - t)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            m.commit()
+            end.record()
+            torch.cuda.synchronize()
+            commits.append(time.perf_counter() - t)
+            gpu_commits.append(start.elapsed_time(end) / 1e3)
+            bad = check(layers, new, rank)
+            assert bad == 0, f"{name}: {bad} slots wrong after commit"
+            del m
+        key = "commit" if batch else "commit_unbatched"
+        out[f"{key}_seconds"] = statistics.median(commits)
+        out[f"{key}_gpu_seconds"] = statistics.median(gpu_commits)
+        out[f"{key}_gb_s"] = out["rank_local_copy_bytes"] / out[f"{key}_seconds"] / 1e9
+        if batch:
+            out["prepare_seconds"] = statistics.median(prepares)
+    # the canary: checksums of every moved slot against its source's, once
+    reset(layers, old, rank)
+    torch.cuda.synchronize()
+    m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, size, verify=True), bandwidth=bw, verify=True)
+    m.prepare()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    report = m.commit()
+    torch.cuda.synchronize()
+    out["commit_verify_seconds"] = time.perf_counter() - t
+    out["verify_checked_slots"] = report.checked_slots
+    out["verify_mismatches"] = len(report.mismatches)
+    del m
+    # direct: layers per call 1, 4 and all; seconds per call (what one engine step would stall)
+    for per_call in (1, 4, topo.num_layers):
+        calls = []
+        reset(layers, old, rank)
+        torch.cuda.synchronize()
+        m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, size), bandwidth=bw, layers_per_call=per_call)
+        while not m.done:
+            t = time.perf_counter()
+            m.step()
+            torch.cuda.synchronize()
+            calls.append(time.perf_counter() - t)
+        bad = check(layers, new, rank)
+        assert bad == 0, f"{name}: {bad} slots wrong after direct steps of {per_call}"
+        out[f"direct_{per_call}_calls"] = len(calls)
+        out[f"direct_{per_call}_max_call_seconds"] = max(calls)
+        out[f"direct_{per_call}_total_seconds"] = sum(calls)
+    out["graph_reads_new_weights"] = _graph_check(layers, old, new, rank, sched, bw)
+    return out
+
+
+class _Placeholder:
+    """A transport for building a mover only to read its schedule (nothing is exchanged)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def start(self, device: torch.device) -> None:
+        raise AssertionError("not for moving")
+
+    def exchange(self, ops: list[P2P]) -> None:
+        raise AssertionError("not for moving")
+
+
+def _graph_check(layers, old, new, rank, sched, bw) -> bool:
+    """Capture a graph summing every slot's scales of layer 0; move; replay: new sums?"""
+    reset(layers, old, rank)
+    torch.cuda.synchronize()
+    scales = layers[0]["w13_scale"]
+    out = torch.empty(scales.shape[0], device=scales.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(scales[:, 0, 0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(scales[:, 0, 0])
+    WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, old.topology.num_gpus), bandwidth=bw).run()
+    graph.replay()
+    torch.cuda.synchronize()
+    S = old.topology.slots_per_gpu
+    want = [float(e) for e in new.phy2log[0, rank * S : (rank + 1) * S]]
+    return out.tolist() == want
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=58, help="MoE layers (DeepSeek-V3: 58)")
+    p.add_argument("--rank", default="worst", help="the rank to run: an id, or 'worst' (most bytes copied within its gpu in the full re-plan)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (medians are printed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the figures to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("mover_bench needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    topo = SCALES["v3-prefill"].with_layers(args.layers)
+    slot_bytes = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
+    print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    print(f"topology: {topo}; one expert = {slot_bytes / 1e6:.2f} MB ({', '.join(TENSORS)})")
+    ceil = copy_bandwidth(device, slot_bytes, args.repeats)
+    print(f"device-to-device copy: {ceil['copy_gb_s']:.0f} GB/s one 4 GiB copy, {ceil['expert_copy_gb_s']:.0f} GB/s in copies of one expert")
+    bw = replace(Bandwidth(), local_gb_s=ceil["expert_copy_gb_s"])
+    old, transitions = plans(topo, args.seed)
+    if args.rank == "worst":
+        full = next(iter(transitions.values()))[0]
+        s = eplb.transfer.transfer_schedule(old, full, topo, expert_bytes=float(slot_bytes))
+        rank = int(s.local_copy_bytes.sum(axis=0).argmax())
+    else:
+        rank = int(args.rank)
+    print(f"rank {rank}: {topo.num_layers} layers x {topo.slots_per_gpu} slots = {topo.num_layers * topo.slots_per_gpu * slot_bytes / 1e9:.1f} GB of experts")
+    layers = make_layers(old, rank, device)
+    results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "slot_bytes": slot_bytes, "rank": rank, **ceil, "transitions": []}
+    for name, (new, plan_s) in transitions.items():
+        r = run_transition(name, old, new, plan_s, rank, layers, device, bw, args.repeats)
+        results["transitions"].append(r)
+        L = topo.num_layers
+        print(f"\n{name}: {r['moves']} moves of {L * topo.num_slots} slots; rank {rank}: {r['rank_changed_slots']} slots change")
+        print(f"  planning: policy {r['plan_seconds'] * 1e3:.0f} ms + schedule {r['schedule_seconds'] * 1e3:.0f} ms")
+        print(f"  schedule (all ranks): {r['schedule']['bytes'] / 1e9:.1f} GB between gpus, {r['schedule']['cross_node_bytes'] / 1e9:.1f} GB cross-node, "
+              f"{r['schedule']['rounds']} rounds, max {r['schedule']['max_rank_round_bytes'] / 1e6:.0f} MB per rank per round, "
+              f"predicted {r['schedule']['predicted_seconds']:.3f} s (default link speeds, measured local copy)")
+        print(f"  rank's copies within the gpu: {r['rank_local_copy_bytes'] / 1e9:.2f} GB; receive buffers staged {r['staging_bytes_staged'] / 1e9:.2f} GB, direct {r['staging_bytes_direct'] / 1e9:.2f} GB")
+        print(f"  commit (copies within the gpu): {r['commit_seconds'] * 1e3:.1f} ms = {r['commit_seconds'] / L * 1e3:.2f} ms per layer, "
+              f"{r['commit_gb_s']:.0f} GB/s = {100 * r['commit_gb_s'] / ceil['expert_copy_gb_s']:.0f} % of the expert-sized copy bandwidth "
+              f"({100 * r['commit_gb_s'] / ceil['copy_gb_s']:.0f} % of one big copy); predicted {r['rank_predicted_local_seconds'] * 1e3:.1f} ms")
+        print(f"  commit, one copy_ per tensor instead: {r['commit_unbatched_seconds'] * 1e3:.1f} ms ({r['commit_unbatched_gb_s']:.0f} GB/s); "
+              f"stream time of the commits: batched {r['commit_gpu_seconds'] * 1e3:.1f} ms, one per tensor {r['commit_unbatched_gpu_seconds'] * 1e3:.1f} ms")
+        print(f"  commit with verify=True: {r['commit_verify_seconds'] * 1e3:.1f} ms, {r['verify_checked_slots']} slots checked, {r['verify_mismatches']} mismatches")
+        print(f"  prepare (loopback receives): {r['prepare_seconds'] * 1e3:.1f} ms for {r['rank_received_bytes'] / 1e9:.2f} GB")
+        for per_call in (1, 4, L):
+            print(f"  direct, {per_call} layer(s) per call: {r[f'direct_{per_call}_calls']} calls, longest {r[f'direct_{per_call}_max_call_seconds'] * 1e3:.1f} ms, "
+                  f"all {r[f'direct_{per_call}_total_seconds'] * 1e3:.1f} ms")
+        print(f"  planning vs copying: {(r['plan_seconds'] + r['schedule_seconds']) * 1e3:.0f} ms vs commit {r['commit_seconds'] * 1e3:.1f} ms")
+        print(f"  weights checked after every move: ok; CUDA graph captured before the move reads the new weights: {r['graph_reads_new_weights']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
