@@ -1,0 +1,148 @@
+"""Engine adapters: vLLM's EplbModelState and SGLang's ExpertLocationMetadata maps, on torch
+tensors, without either engine installed."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import eplb
+from eplb_engine.adapters.sglang import apply_to_sglang, from_sglang, rank_dispatch_map, to_sglang
+from eplb_engine.adapters.vllm import VLLM_MAP_WIDTH, apply_to_vllm, from_vllm, to_vllm, vllm_expert_loads, vllm_slot_loads
+
+# vLLM's own example (eplb_state.py docstrings): 2 layers, 6 physical, 4 logical, 3 EP ranks.
+VLLM_P2L = [[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]]
+VLLM_L2P = [[[0, 4, -1], [1, 5, -1], [2, -1, -1], [3, -1, -1]], [[0, 2, 4], [3, -1, -1], [1, -1, -1], [5, -1, -1]]]
+VLLM_COUNT = [[2, 2, 1, 1], [3, 1, 1, 1]]
+
+
+def _random_placement(rng: np.random.Generator, G: int | None = None) -> eplb.Placement:
+    G = G or int(rng.choice([1, 2, 4, 8]))
+    P = G * int(rng.integers(1, 5))
+    L, E = int(rng.integers(1, 4)), int(rng.integers(1, P + 1))
+    rows = np.concatenate([np.tile(np.arange(E), (L, 1)), rng.integers(0, E, (L, P - E))], axis=1)
+    return eplb.Placement(rng.permuted(rows, axis=1), eplb.Topology(L, E, P, G))
+
+
+def test_vllm_maps_match_vllms_documented_example() -> None:
+    topo = eplb.Topology(2, 4, 6, 3)
+    maps = to_vllm(eplb.Placement(np.array(VLLM_P2L), topo))
+    assert maps.physical_to_logical_map.tolist() == VLLM_P2L
+    assert maps.logical_to_physical_map.shape == (2, 4, VLLM_MAP_WIDTH) == (2, 4, 1024)
+    assert maps.logical_to_physical_map[..., :3].tolist() == VLLM_L2P
+    assert (maps.logical_to_physical_map[..., 3:] == -1).all()
+    assert maps.logical_replica_count.tolist() == VLLM_COUNT
+    assert {t.dtype for t in (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count)} == {torch.int64}
+    assert from_vllm(maps.physical_to_logical_map, topo) == eplb.Placement(np.array(VLLM_P2L), topo)
+
+
+def test_apply_to_vllm_writes_the_live_tensors_in_place() -> None:
+    topo = eplb.Topology(2, 4, 6, 3)
+    start = to_vllm(eplb.Placement.contiguous(topo))
+    state = SimpleNamespace(**{k: v.clone() for k, v in vars(start).items()})
+    layer_view = state.logical_to_physical_map[1]  # what a vLLM MoE layer holds
+    ptrs = [t.data_ptr() for t in vars(state).values()]
+    apply_to_vllm(state, eplb.Placement(np.array(VLLM_P2L), topo))
+    assert [t.data_ptr() for t in vars(state).values()] == ptrs
+    assert layer_view[:, :3].tolist() == VLLM_L2P[1]
+    assert state.logical_replica_count.tolist() == VLLM_COUNT
+    state.logical_to_physical_map = torch.full((2, 4, 2), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="width=2 is below the most replicas of one expert \\(3\\)"):
+        apply_to_vllm(state, eplb.Placement(np.array(VLLM_P2L), topo))
+    state.logical_to_physical_map = torch.full((2, 5, 8), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="logical_to_physical_map of the live state has shape \\[2, 5, 8\\]"):
+        apply_to_vllm(state, eplb.Placement(np.array(VLLM_P2L), topo))
+
+
+def test_vllm_load_window_becomes_slot_and_expert_loads() -> None:
+    window = torch.zeros((3, 2, 6), dtype=torch.int32)
+    window[0, 1] = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int32)
+    window[2, 1] = torch.tensor([10, 0, 0, 0, 0, 0], dtype=torch.int32)
+    window[1, 0, 4] = 7
+    assert vllm_slot_loads(window).tolist() == [[0, 0, 0, 0, 7, 0], [11, 2, 3, 4, 5, 6]]
+    loads = vllm_expert_loads(window, torch.tensor(VLLM_P2L), 4)
+    # layer 1: expert 0 in slots 0, 2, 4 -> 11 + 3 + 5; expert 1 slot 3; expert 2 slot 1; expert 3 slot 5
+    assert loads.tolist() == [[7, 0, 0, 0], [19, 4, 2, 6]]
+    with pytest.raises(ValueError, match="expert_load_window must be \\[window, layers, slots\\]"):
+        vllm_slot_loads(window[0])
+
+
+def test_sglang_maps_have_sglangs_shapes_padding_and_dtypes() -> None:
+    topo = eplb.Topology(2, 4, 6, 3)
+    placement = eplb.Placement(np.array(VLLM_P2L), topo)
+    maps = to_sglang(placement, ep_rank=1)
+    assert maps.logical_to_all_physical_map.shape == (2, 4, 6)  # padded to num_physical_experts
+    assert maps.logical_to_all_physical_map[..., :3].tolist() == VLLM_L2P
+    assert (maps.logical_to_all_physical_map[..., 3:] == -1).all()
+    assert maps.logical_to_all_physical_map_num_valid.tolist() == VLLM_COUNT
+    assert maps.physical_to_logical_map_cpu.device.type == "cpu"
+    assert all(t.dtype == torch.int64 for t in maps.fields().values())
+    assert maps.logical_to_rank_dispatch_physical_map.shape == (2, 4)
+    assert to_sglang(placement).logical_to_rank_dispatch_physical_map is None
+    assert from_sglang(maps.physical_to_logical_map, topo) == placement
+
+
+def _dispatch_by_loops(placement: eplb.Placement, ep_rank: int, seed: int = 42) -> list[list[int]]:
+    """SGLang's static dispatch as its docs describe it, one (layer, expert, gpu) at a time."""
+    t = placement.topology
+    r = random.Random(seed)
+    out = np.full((t.num_layers, t.num_experts, t.num_gpus), -1)
+    for lay in range(t.num_layers):
+        for e in range(t.num_experts):
+            cand = [p for p in range(t.num_slots) if placement.phy2log[lay, p] == e]
+            for g in range(t.num_gpus):
+                same = [p for p in cand if p // t.slots_per_gpu == g]
+                if same:
+                    out[lay, e, g] = same[0]
+            q, m = divmod(int((out[lay, e] == -1).sum()), len(cand))
+            picks = cand * q + r.sample(cand, k=m)
+            r.shuffle(picks)
+            out[lay, e, out[lay, e] == -1] = picks
+    return out[:, :, ep_rank].tolist()
+
+
+def test_sglang_static_dispatch_table_matches_the_per_rank_loop_on_random_placements() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        placement = _random_placement(rng)
+        G, S = placement.topology.num_gpus, placement.topology.slots_per_gpu
+        tables = [rank_dispatch_map(placement, g) for g in range(G)]
+        for g, table in enumerate(tables):
+            assert table.tolist() == _dispatch_by_loops(placement, g)
+            # every entry is a replica of its expert; a rank holding one uses its own
+            lay = np.arange(table.shape[0])[:, None]
+            assert (placement.phy2log[lay, table] == np.arange(table.shape[1])[None]).all()
+            own = (placement.phy2log.reshape(table.shape[0], G, S)[:, g, :, None] == np.arange(table.shape[1])).any(axis=1)
+            assert (table[own] // S == g).all()
+
+
+def test_sglang_dispatch_spreads_ranks_without_a_replica_evenly() -> None:
+    # expert 0 on gpus 0 and 1 only; gpus 2..7 lack it: 6 ranks over 2 replicas -> 3 each
+    topo = eplb.Topology(1, 8, 16, 8)
+    phy2log = np.array([[0, 1, 0, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]])
+    placement = eplb.Placement(phy2log, topo)
+    picks = [int(rank_dispatch_map(placement, g)[0, 0]) for g in range(2, 8)]
+    assert sorted(picks) == [0, 0, 0, 2, 2, 2]
+    with pytest.raises(ValueError, match="ep_rank must be an integer in \\[0, 8\\)"):
+        rank_dispatch_map(placement, 8)
+
+
+def test_apply_to_sglang_updates_the_live_metadata_in_place() -> None:
+    rng = np.random.default_rng(2)
+    old = _random_placement(rng, 4)
+    new = eplb.Placement(rng.permuted(old.phy2log, axis=1), old.topology)
+    live = SimpleNamespace(**{k: v.clone() for k, v in to_sglang(old, ep_rank=3).fields().items()})
+    ptrs = {k: v.data_ptr() for k, v in vars(live).items()}
+    apply_to_sglang(live, new, ep_rank=3)
+    assert {k: v.data_ptr() for k, v in vars(live).items()} == ptrs
+    want = to_sglang(new, ep_rank=3).fields()
+    assert all(torch.equal(getattr(live, k), v) for k, v in want.items())
+    with pytest.raises(ValueError, match="pass ep_rank"):
+        apply_to_sglang(live, new)
+    live.logical_to_rank_dispatch_physical_map = None  # dynamic dispatch: no table to write
+    apply_to_sglang(live, old)
+    assert live.physical_to_logical_map.tolist() == old.phy2log.tolist()
