@@ -14,8 +14,10 @@ from Python lists, on the server's device):
   drawn layer by layer and expert by expert, so every rank computes the same table.
 
 ``ExpertLocationMetadata.update(other, update_layer_ids)`` writes a new map into the live
-tensors in place (``field[...] = ...``); ``apply_to_sglang`` does the same for all layers.
-Loads: the expert-distribution recorder's ``logical_count`` ``[L, E]`` (``[T, L, E]`` per pass).
+tensors in place (``field[...] = ...``); ``apply_to_sglang`` does the same for given rows.
+Its layer axis counts model layers (dense ones too); the MoE layers are the keys of
+``model.routed_experts_weights_of_layer``. Loads: the expert-distribution recorder's
+``logical_count`` (``[T, L, E]`` per pass, or ``[L, E]``), ``sglang_expert_loads``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 import eplb
 
-__all__ = ["SGLangMaps", "to_sglang", "from_sglang", "apply_to_sglang", "rank_dispatch_map"]
+__all__ = ["SGLangMaps", "apply_to_sglang", "from_sglang", "rank_dispatch_map", "sglang_expert_loads", "to_sglang"]
 
 _FIELDS = (
     "physical_to_logical_map",
@@ -115,18 +117,39 @@ def from_sglang(physical_to_logical_map: torch.Tensor, topology: eplb.Topology) 
     return eplb.Placement(physical_to_logical_map.detach().cpu().numpy(), topology)
 
 
-def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, ep_rank: int | None = None) -> None:
-    """Switch a live ``ExpertLocationMetadata`` to ``placement`` in place, every layer (what
-    its ``update(other, all layers)`` does). Call it at the switch step, after the weights
-    are in place, on every rank; pass ``ep_rank`` when the metadata has a static dispatch table."""
+def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list[int] | None = None, ep_rank: int | None = None) -> None:
+    """Switch a live ``ExpertLocationMetadata`` to ``placement`` in place (what its
+    ``update(other, layer_ids)`` does). ``layer_ids``: the metadata rows the placement's
+    ``L`` layers go to (SGLang numbers model layers, dense ones included: DeepSeek-V3's 58
+    MoE layers are rows 3..60 of 61); default ``0..L-1``. Other rows are left alone. Call it
+    at the switch step, after the weights are in place, on every rank; pass ``ep_rank`` when
+    the metadata has a static dispatch table."""
     has_dispatch = getattr(metadata, "logical_to_rank_dispatch_physical_map", None) is not None
     if has_dispatch and ep_rank is None:
         raise ValueError("the metadata has a static dispatch table (logical_to_rank_dispatch_physical_map): pass ep_rank")
+    L = placement.topology.num_layers
+    rows = list(range(L)) if layer_ids is None else [int(i) for i in layer_ids]
+    if len(rows) != L or len(set(rows)) != L:
+        raise ValueError(f"layer_ids must name {L} distinct metadata rows, one per placement layer; got {layer_ids!r}")
     maps = to_sglang(placement, ep_rank=ep_rank if has_dispatch else None)
     for name, src in maps.fields().items():
         dst = getattr(metadata, name)
         if dst is None:
             continue
-        if dst.shape != src.shape:
-            raise ValueError(f"{name} of the live metadata has shape {list(dst.shape)}; the placement gives {list(src.shape)}")
-        dst[...] = src.to(device=dst.device, dtype=dst.dtype)
+        if dst.shape[1:] != src.shape[1:] or max(rows) >= dst.shape[0]:
+            raise ValueError(f"{name} of the live metadata has shape {list(dst.shape)}; the placement gives {L} rows of {list(src.shape[1:])} for rows {rows[0]}..{rows[-1]}")
+        index = torch.tensor(rows, device=dst.device)
+        dst.index_copy_(0, index, src.to(device=dst.device, dtype=dst.dtype))
+
+
+def sglang_expert_loads(logical_count: torch.Tensor, layer_ids: list[int] | None = None) -> np.ndarray:
+    """The expert-distribution recorder's ``logical_count`` (``[T, L_model, E]`` or
+    ``[L_model, E]``) → float64 ``[L, E]``: summed over passes, the MoE ``layer_ids`` rows."""
+    counts = logical_count.detach().double().cpu()
+    if counts.dim() == 3:
+        counts = counts.sum(dim=0)
+    if counts.dim() != 2:
+        raise ValueError(f"logical_count must be [passes, layers, experts] or [layers, experts], got shape {list(logical_count.shape)}")
+    if layer_ids is not None:
+        counts = counts[list(layer_ids)]
+    return counts.numpy()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import eplb
-from eplb_engine.adapters.sglang import apply_to_sglang, from_sglang, rank_dispatch_map, to_sglang
+from eplb_engine.adapters.sglang import apply_to_sglang, from_sglang, rank_dispatch_map, sglang_expert_loads, to_sglang
 from eplb_engine.adapters.vllm import VLLM_MAP_WIDTH, apply_to_vllm, from_vllm, to_vllm, vllm_expert_loads, vllm_slot_loads
 
 # vLLM's own example (eplb_state.py docstrings): 2 layers, 6 physical, 4 logical, 3 EP ranks.
@@ -146,3 +146,21 @@ def test_apply_to_sglang_updates_the_live_metadata_in_place() -> None:
     live.logical_to_rank_dispatch_physical_map = None  # dynamic dispatch: no table to write
     apply_to_sglang(live, old)
     assert live.physical_to_logical_map.tolist() == old.phy2log.tolist()
+
+
+def test_apply_to_sglang_writes_the_moe_rows_of_a_model_with_dense_layers() -> None:
+    rng = np.random.default_rng(3)
+    moe = _random_placement(rng, 2)  # L MoE layers, at rows 2.. of a model with 2 dense layers first
+    L, E, P = moe.topology.num_layers, moe.topology.num_experts, moe.topology.num_slots
+    trivial = np.broadcast_to(np.arange(P) % E, (L + 2, P)).copy()
+    live = SimpleNamespace(**to_sglang(eplb.Placement(trivial, moe.topology.with_layers(L + 2))).fields())
+    apply_to_sglang(live, moe, layer_ids=list(range(2, L + 2)))
+    assert live.physical_to_logical_map[:2].tolist() == trivial[:2].tolist()
+    assert live.physical_to_logical_map[2:].tolist() == moe.phy2log.tolist()
+    assert live.physical_to_logical_map_cpu[2:].tolist() == moe.phy2log.tolist()
+    assert live.logical_to_all_physical_map_num_valid[2:].tolist() == moe.logcnt.tolist()
+    with pytest.raises(ValueError, match=f"layer_ids must name {L} distinct metadata rows"):
+        apply_to_sglang(live, moe, layer_ids=list(range(L + 1)))
+    counts = torch.arange(2 * (L + 2) * E, dtype=torch.int64).reshape(2, L + 2, E)
+    assert sglang_expert_loads(counts, list(range(2, L + 2))).tolist() == (counts.sum(0)[2:]).double().tolist()
+    assert sglang_expert_loads(counts[0]).shape == (L + 2, E)
