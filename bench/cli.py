@@ -11,7 +11,7 @@ import numpy as np
 
 import eplb
 from eplb.topology import Topology
-from eplb.transfer import transfer_plan
+from eplb.transfer import transfer_plan, transfer_schedule
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import io as eio
@@ -120,6 +120,11 @@ def _place(args: argparse.Namespace) -> int:
               f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
               f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
               f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
+        sched = transfer_schedule(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
+        bw = sched.bandwidth
+        print(f"schedule: {sched.total_rounds} rounds over {topo.num_layers} layers (each gpu with at most one peer per round), "
+              f"max {sched.max_rank_round_bytes / 1e6:.1f} MB per gpu per round; predicted {sched.predicted_seconds:.3f} s "
+              f"at {bw.intra_node_gb_s:g} GB/s same node, {bw.inter_node_gb_s:g} GB/s across nodes, {bw.local_gb_s:g} GB/s within a gpu")
     if args.out:
         out = Path(args.out)
         if out.suffix == ".npy" and args.format is None:

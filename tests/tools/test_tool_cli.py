@@ -75,7 +75,7 @@ def test_place_from_a_vllm_window_recorded_under_a_placement(tmp_path, capsys):
 
 
 def test_place_with_previous_replans_migration_aware_and_reports_transfers(tmp_path, capsys):
-    from eplb.transfer import transfer_plan
+    from eplb.transfer import transfer_plan, transfer_schedule
 
     path, seq = _trace(tmp_path)
     old = eplb.rebalance(seq[:3].sum(axis=0), TOPO, "global").placement
@@ -92,6 +92,9 @@ def test_place_with_previous_replans_migration_aware_and_reports_transfers(tmp_p
     tp = transfer_plan(old, expect.placement, TOPO, expert_bytes=2e6)
     assert f"transfers: {tp.num_transfers} (" in out
     assert f"per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB" in out
+    sched = transfer_schedule(old, expect.placement, TOPO, expert_bytes=2e6)
+    assert f"schedule: {sched.total_rounds} rounds over {TOPO.num_layers} layers" in out
+    assert f"predicted {sched.predicted_seconds:.3f} s" in out
     # A fresh plan of the same loads moves at least as many slots.
     assert expect.total_moves <= int(eplb.moves(old, eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global").placement).sum())
     # A move budget below what the tolerance needs holds the re-plan to it and says so.
