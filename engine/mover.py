@@ -142,6 +142,7 @@ class WeightMover:
             old, new, topo, expert_bytes=float(self.slot_bytes), bandwidth=bandwidth, round_experts=round_experts
         )
         self._work = _rank_work(self.schedule, self.rank)
+        self._spare_needed = int(any(dst == SPARE for work in self._work for _, dst in work.local))
         self._staging_cap = staging_bytes
         self._mode: str | None = None
         self._next = 0  # next layer to prepare / step
@@ -156,8 +157,9 @@ class WeightMover:
     def staging_bytes_needed(self, mode: str) -> int:
         """Receive-buffer bytes this rank needs: ``"staged"`` holds every receive of the
         transition until ``commit()``; ``"direct"`` only one layer's receives whose slot is
-        still read, the layer with the most. Both include the one spare slot for cycles."""
-        return (self._buffers_needed(mode) + 1) * self.slot_bytes
+        still read, the layer with the most. Both add one spare slot when a cycle of local
+        moves needs it."""
+        return (self._buffers_needed(mode) + self._spare_needed) * self.slot_bytes
 
     def _buffers_needed(self, mode: str) -> int:
         if mode == "staged":
@@ -266,7 +268,7 @@ class WeightMover:
                     f"staging_bytes={self._staging_cap} is below what {mode} mode needs on rank {self.rank}: "
                     f"{need} bytes ({need // self.slot_bytes} slots of {self.slot_bytes} bytes)"
                 )
-            n = self._buffers_needed(mode) + 1
+            n = self._buffers_needed(mode) + self._spare_needed
             with self._on_stream():
                 self._pool = {
                     name: torch.empty((n, *shape), dtype=dt, device=self.device).unbind(0)
