@@ -1,6 +1,7 @@
 """The weight mover on one GPU: intra-GPU rearrangements of DeepSeek-V3-sized experts.
 
     python -m eplb_bench.mover_bench [--layers 58] [--rank worst] [--repeats 3] [--json FILE]
+    python -m eplb_bench.mover_bench --schedule-times     # no GPU: schedule build time per scale
 
 One rank of a DeepSeek-V3 deployment (58 layers, 256 experts, 288 slots on 32 gpus over 4
 nodes: 9 slots per gpu) holds FP8 experts ``w13 [9, 4096, 7168]`` and ``w2 [9, 7168, 2048]``
@@ -307,6 +308,36 @@ def _graph_check(layers, old, new, rank, sched, bw) -> bool:
     return out.tolist() == want
 
 
+def schedule_times(repeats: int) -> None:
+    """Build time of ``transfer_schedule`` at the standard DeepSeek-V3 scales (CPU only)."""
+    for name in ("v3-prefill", "v3-decode-144", "v3-decode-320", "v3-512"):
+        topo = SCALES[name]
+        base = make_loads("lognormal-1.0", topo, 0)
+        nxt = drift(base, 0.2, 1, 1)[0]
+        old = eplb.rebalance(base, topo, "auto").placement
+        news = {"full re-plan": eplb.rebalance(nxt, topo, "deepseek").placement, "migration-aware": eplb.rebalance(nxt, topo, "auto", previous=old).placement}
+        for label, new in news.items():
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                s = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=44e6)
+                times.append(time.perf_counter() - t)
+            print(f"{name} ({topo.num_gpus} gpus, {topo.num_nodes} nodes) {label}: schedule {statistics.median(times) * 1e3:.0f} ms; "
+                  f"{s.total_rounds} rounds (max {int(s.rounds.max(initial=0))} in a layer; lower bound {_round_bound(s)}), "
+                  f"{s.bytes / 1e9:.1f} GB between gpus, predicted {s.predicted_seconds:.3f} s")
+
+
+def _round_bound(s) -> int:
+    """Sum over layers of the most distinct peers one gpu has: no schedule with one peer per
+    gpu per round needs fewer rounds."""
+    G, L = s.topology.num_gpus, s.topology.num_layers
+    lo, hi = np.minimum(s.recv_src_gpu, s.recv_dst_gpu), np.maximum(s.recv_src_gpu, s.recv_dst_gpu)
+    pairs = np.unique((s.recv_layer * G + lo) * G + hi)
+    lay, a, b = pairs // (G * G), pairs // G % G, pairs % G
+    deg = np.bincount(np.concatenate([lay * G + a, lay * G + b]), minlength=L * G).reshape(L, G)
+    return int(deg.max(axis=1).sum())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=58, help="MoE layers (DeepSeek-V3: 58)")
@@ -314,7 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (medians are printed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--schedule-times", action="store_true", help="only time transfer_schedule at the standard scales (no GPU)")
     args = p.parse_args(argv)
+    if args.schedule_times:
+        schedule_times(args.repeats)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("mover_bench needs a CUDA GPU")
     device = torch.device("cuda", torch.cuda.current_device())
