@@ -274,7 +274,7 @@ def _line(e: dict) -> str:
         f"  v{e['version']:<3} t={e['t']:5.1f}s step {e['step']:<5} imbalance {planned} planned, "
         f"{e['measured_before']:.3f} -> {e['measured_after']:.3f} measured | moves {e.get('moves', '?')} "
         f"{e['bytes'] / 1e3:.1f} kB in {e['rounds']} rounds | move predicted {e['predicted_s'] * 1e3:.2f} ms (GPU model), "
-        f"measured {e['prepare_s'] * 1e3:.0f} ms prepare + {e['commit_s'] * 1e3:.1f} ms commit"
+        f"measured {e['prepare_s'] * 1e3:.0f} ms prepare, {e['wait_s'] * 1e3:.0f} ms to the switch, {e['commit_s'] * 1e3:.1f} ms commit"
     )
 
 
@@ -365,7 +365,7 @@ def _print_summary(s: dict, out: object) -> None:
         f"{s['tokens_routed']} tokens routed through "
         f"{s['config']['layers']} layers: {s['dispatches_checked']} (token, layer, expert) dispatches checked, "
         f"{s['misrouted_dispatches']} reached a slot without their expert's weights\n  {s['replans_applied']} re-plans applied on every rank at one step, "
-        f"{s['rollouts_failed']} rolled back\n"
+        f"{s['rollouts_failed']} rolled back, {s['late_switches']} late\n"
         f"  mean imbalance (max / mean gpu load): {s['imbalance_initial']:.3f} on the contiguous placement, "
         f"{s['imbalance_balanced']:.3f} once balanced, {s['imbalance_final']:.3f} over the last fifth "
         f"(popularity shifted at step {s['shift_step']})\n"

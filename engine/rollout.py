@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -255,6 +255,7 @@ class ProcessGroupBarrier:
         import torch.distributed as dist
 
         self._torch, self._dist, self.group, self.acks = torch, dist, group, acks
+        self._failed_sent = 0
 
     def sync(self, step: int, local: Local) -> Decision:
         t = self._torch.tensor(
@@ -269,7 +270,8 @@ class ProcessGroupBarrier:
                 return Decision(start=min_offered)
             return Decision()
         if failed or min_target != max_target:
-            if self.acks is not None and local.failed:
+            if self.acks is not None and local.failed and self._failed_sent != local.target:
+                self._failed_sent = local.target
                 self.acks.send(local.target, "failed", step, local.failed)
             return Decision(abort=True)
         if not_ready == 0:
@@ -294,7 +296,6 @@ class _Prepare:
     error: str = ""
     seconds: float = 0.0
     ready_at: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class Rollout:

@@ -115,8 +115,8 @@ class PlacementWatcher:
                 self.last_error = f"{exc.code().name}: {exc.details()}"
                 if exc.code() in TRANSIENT:
                     self.endpoints.failover(stub)
-                elif exc.code() != grpc.StatusCode.NOT_FOUND:
-                    # Not the network's fault (bad name, auth): retry slowly, keep saying why.
+                else:
+                    # Not the network's fault (deployment missing, auth): retry, keep saying why.
                     log.warning("watching %s: %s", self.deployment, self.last_error)
             self.reconnects += 1
             self._stop.wait(backoff.delay())
@@ -124,11 +124,10 @@ class PlacementWatcher:
     def _deliver(self, msg: pb.Placement) -> None:
         if msg.version <= self.version:
             return
-        published = wire.placement_from_pb(msg, self.topology)
         error = ""
         try:
-            self.callback(published)
-        except Exception as exc:  # the engine's failure is reported, not fatal to the watch
+            self.callback(wire.placement_from_pb(msg, self.topology))
+        except Exception as exc:  # a placement that does not decode, or the engine's failure: reported, not fatal
             log.exception("placement callback failed on version %d of %s", msg.version, self.deployment)
             error = f"{type(exc).__name__}: {exc}"
             self.failed += 1

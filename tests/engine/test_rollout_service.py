@@ -14,7 +14,7 @@ from eplb_engine.rollout import Rollout, ServiceBarrier
 from eplb_engine.watcher import PlacementWatcher
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from svc_thread import ServerThread
-from test_rollout import Recorder
+from test_rollout_group import Recorder
 
 TOPO = eplb.Topology(num_layers=2, num_experts=8, num_slots=12, num_gpus=3)
 # Ranks here are threads that do not step in lockstep, so the margin also covers their skew.

@@ -14,10 +14,12 @@ from eplb_bench.demo import DemoConfig, make_weights, misrouted_here, route, slo
 
 
 @pytest.mark.slow
-def test_demo_balances_and_routes_every_token_right(tmp_path):
+@pytest.mark.parametrize("barrier", ["group", "service"])
+def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "5", "--json", str(out), "--plots", str(tmp_path)],
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "5", "--barrier", barrier,
+         "--json", str(out), "--plots", str(tmp_path)],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
