@@ -147,7 +147,7 @@ class WeightMover:
         self._mode: str | None = None
         self._next = 0  # next layer to prepare / step
         self._committed = False
-        self._pool: dict[str, torch.Tensor] | None = None
+        self._pool: dict[str, tuple[torch.Tensor, ...]] | None = None  # name -> buffer slot views
         self._pool_index: list[dict[int, int]] = [{} for _ in range(topo.num_layers)]  # layer -> {dst slot: buffer}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._verified: list[tuple[int, int, bool]] = []
