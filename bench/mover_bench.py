@@ -130,12 +130,14 @@ class LoopbackPeers:
                 recvs[k + n - 1].tensor.copy_(slot_checksum(slot, 0))
 
 
-def make_layers(old: eplb.Placement, rank: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+def make_layers(old: eplb.Placement, rank: int, device: torch.device, kinds: dict | None = None) -> list[dict[str, torch.Tensor]]:
+    """This rank's tensors per layer (``kinds``: name -> (slot shape, dtype), default ``TENSORS``),
+    every slot filled with its expert's code."""
     topo = old.topology
     S = topo.slots_per_gpu
     layers = []
     for layer in range(topo.num_layers):
-        tensors = {name: torch.empty((S, *shape), dtype=dt, device=device) for name, (shape, dt) in TENSORS.items()}
+        tensors = {name: torch.empty((S, *shape), dtype=dt, device=device) for name, (shape, dt) in (kinds or TENSORS).items()}
         for s in range(S):
             fill_slot(tensors, s, layer, int(old.phy2log[layer, rank * S + s]))
         layers.append(tensors)

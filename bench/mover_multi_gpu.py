@@ -4,8 +4,8 @@
     python -m eplb_bench.mover_multi_gpu --cpu-check    # the same logic on gloo, tiny tensors
 
 1. Correctness, on 2 GPUs and on all of them: random old -> new placements (replica gains
-   and losses), weights that encode (layer, expert, tensor) in four named tensors per slot
-   (FP8 weights and float32 scales), one expert per pair per round (several rounds), layers
+   and losses), weights that encode (layer, expert, tensor) in four small named tensors per
+   slot (FP8 weights and float32 scales; the throughput run checks 44 MB ones too), one expert per pair per round (several rounds), layers
    per call 1 and 2, staged and direct, with the checksum canary; every slot is checked.
 2. NCCL send/recv bandwidth between GPUs 0 and 1 (both directions at once, as the mover's
    rounds exchange), the ceiling the move is compared with.
@@ -77,7 +77,7 @@ def correctness(rank: int, size: int, group, device, transitions: int, out: dict
         P = S * size
         topo = eplb.Topology(3, int(rng.integers(max(1, P // 2), P + 1)), P, size)
         old, new = _random_placement(topo, rng), _random_placement(topo, rng)
-        layers = mb.make_layers(old, rank, device)
+        layers = mb.make_layers(old, rank, device, SMALL)  # correctness needs no 44 MB experts
         ptrs = [t.data_ptr() for layer in layers for t in layer.values()]
         mover = WeightMover(layers, old, new, group, round_experts=1, layers_per_call=1 + i % 2, verify=True)
         if i % 2:
