@@ -93,9 +93,11 @@ class ThreadTransport:
         assert ops, "the mover never sends an empty round"
         with self.world._lock:
             self.world.rounds.append((self.rank, frozenset(op.peer for op in ops)))
-        for op in ops:
-            if op.send:
-                self.world.queues[(self.rank, op.peer)].put(op.tensor.clone())
+        sent = [(op.peer, op.tensor.clone()) for op in ops if op.send]
+        if any(t.is_cuda for _, t in sent):
+            torch.cuda.current_stream().synchronize()  # the clones are done before a peer reads them
+        for peer, tensor in sent:
+            self.world.queues[(self.rank, peer)].put(tensor)
         for op in ops:
             if not op.send:
                 got = self.world.queues[(op.peer, self.rank)].get(timeout=20)
