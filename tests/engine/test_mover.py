@@ -1,6 +1,12 @@
-"""WeightMover on ranks simulated as threads: any old -> new pair, both modes, in place."""
+"""WeightMover on ranks simulated as threads: any old -> new pair, both modes, in place.
+
+``EPLB_TEST_DEVICE=cuda`` runs the random transitions on GPU tensors (each rank's mover on
+its own CUDA stream); the default is CPU.
+"""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -18,11 +24,14 @@ def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Pla
     return eplb.Placement(rng.permuted(rows, axis=1), topo)
 
 
+DEVICE = os.environ.get("EPLB_TEST_DEVICE", "cpu")
+
+
 def _move(world: ThreadWorld, old: eplb.Placement, new: eplb.Placement, mode: str, **kw):
     """Every rank moves old -> new in ``mode``; returns per-rank (layers, reports)."""
 
     def rank(r: int):
-        layers = encoded_layers(old, r)
+        layers = encoded_layers(old, r, device=DEVICE)
         storage = [t.data_ptr() for layer in layers for t in layer.values()]
         mover = WeightMover(layers, old, new, transport=world.transport(r), **kw)
         reports = []
@@ -33,6 +42,7 @@ def _move(world: ThreadWorld, old: eplb.Placement, new: eplb.Placement, mode: st
         else:
             while not mover.done:
                 reports.append(mover.step())
+        mover.synchronize()
         assert [t.data_ptr() for layer in layers for t in layer.values()] == storage, "tensors were reallocated"
         return layers, reports
 
