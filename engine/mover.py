@@ -25,8 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-import torch.distributed as dist
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as exc:  # the client half of eplb_engine works without torch; the mover does not
+    raise ImportError("eplb_engine's WeightMover needs torch: pip install 'eplb[engine]'") from exc
 
 from eplb import Placement
 from eplb.transfer import Bandwidth, TransferSchedule, transfer_schedule
