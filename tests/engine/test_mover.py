@@ -240,3 +240,13 @@ def test_both_copy_launch_styles_move_correctly(batch_copies: bool) -> None:
             check_layers(layers, new, r, tensors)
 
         world.run(rank)
+
+
+def test_without_torch_the_mover_import_says_what_to_install(monkeypatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.delitem(sys.modules, "eplb_engine.mover")
+    with pytest.raises(ImportError, match=r"WeightMover needs torch: pip install 'eplb\[engine\]'"):
+        importlib.import_module("eplb_engine.mover")
