@@ -54,9 +54,18 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace_s: float = 0.0) -> None:
+        """Stops serving: calls in flight get ``grace_s`` to finish, then the replica flushes its
+        windows and closes its store.
+
+        The gRPC server is stopped before the balancer: ``RunningServer.stop`` flushes first and
+        then lets calls in flight go on for the grace period, so reports accepted in that period
+        are marked seen but never flushed (lost); draining first keeps this harness's restarts
+        exact, which is what the client's tests measure.
+        """
         if self.server is None:
             return
-        self.run(self.server.stop(grace_s))
+        self.run(self.server.server.stop(grace_s))
+        self.run(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
