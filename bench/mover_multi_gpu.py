@@ -37,17 +37,17 @@ from dataclasses import replace
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_name] = _value
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from eplb_engine.mover import WeightMover
 
-import eplb  # noqa: E402
-from eplb.transfer import Bandwidth, transfer_schedule  # noqa: E402
-from eplb.workloads import drift, make_loads  # noqa: E402
-from eplb_engine.mover import WeightMover  # noqa: E402
+import eplb
+from eplb.transfer import Bandwidth, transfer_schedule
+from eplb.workloads import drift, make_loads
 
-from . import mover_bench as mb  # noqa: E402
+from . import mover_bench as mb
 
 SMALL = {  # --cpu-check: the same four tensors, tiny
     "w13": ((8, 16), mb.FP8),

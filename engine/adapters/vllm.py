@@ -24,7 +24,7 @@ import torch
 
 import eplb
 
-__all__ = ["VLLM_MAP_WIDTH", "VllmMaps", "to_vllm", "from_vllm", "apply_to_vllm", "vllm_slot_loads", "vllm_expert_loads"]
+__all__ = ["VLLM_MAP_WIDTH", "VllmMaps", "apply_to_vllm", "from_vllm", "to_vllm", "vllm_expert_loads", "vllm_slot_loads"]
 
 # logical_to_physical_map's last dimension in vLLM: MAX_EXPERT_REDUNDANCY (1023) + 1.
 VLLM_MAP_WIDTH = 1024

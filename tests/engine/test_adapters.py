@@ -9,10 +9,23 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from eplb_engine.adapters.sglang import (
+    apply_to_sglang,
+    from_sglang,
+    rank_dispatch_map,
+    sglang_expert_loads,
+    to_sglang,
+)
+from eplb_engine.adapters.vllm import (
+    VLLM_MAP_WIDTH,
+    apply_to_vllm,
+    from_vllm,
+    to_vllm,
+    vllm_expert_loads,
+    vllm_slot_loads,
+)
 
 import eplb
-from eplb_engine.adapters.sglang import apply_to_sglang, from_sglang, rank_dispatch_map, sglang_expert_loads, to_sglang
-from eplb_engine.adapters.vllm import VLLM_MAP_WIDTH, apply_to_vllm, from_vllm, to_vllm, vllm_expert_loads, vllm_slot_loads
 
 # vLLM's own example (eplb_state.py docstrings): 2 layers, 6 physical, 4 logical, 3 EP ranks.
 VLLM_P2L = [[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]]
