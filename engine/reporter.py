@@ -97,8 +97,9 @@ class LoadReporter:
         self.rpc_timeout_s = rpc_timeout_s
         self._logical = (topology.num_layers, topology.num_experts)
         self._physical = (topology.num_layers, topology.num_slots)
-        # (counts, version or None); appended by add() on the engine's thread, drained by ours.
-        self._queue: deque[tuple[object, int | None]] = deque()
+        # (counts, version or None, CUDA event or None); appended by add() on the engine's
+        # thread, drained by ours.
+        self._queue: deque[tuple[object, int | None, object]] = deque()
         self._outbox: deque[pb.ReportLoadRequest] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -135,15 +136,23 @@ class LoadReporter:
                 raise ValueError(f"physical counts (version={version}) must be [L, P] = {list(self._physical)}, got {list(shape)}")
             if version < 1:
                 raise ValueError(f"version must be the placement version (>= 1) the counts were recorded under, got {version}")
+        ready = None
         if hasattr(counts, "detach"):  # a torch tensor; clone() is queued on its device's stream
             item = counts.detach().clone() if copy else counts.detach()
+            if item.is_cuda:
+                # The reporter's thread reads it on another stream: it waits for this event, which
+                # marks the end of the work queued so far on the caller's stream (the clone).
+                import torch
+
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(item.device))
         else:
             item = np.array(counts, copy=True) if copy else np.asarray(counts)
         with self._lock:
             if len(self._queue) >= self.max_queued:
                 self._counts["dropped_adds"] += 1
                 return False
-            self._queue.append((item, version))
+            self._queue.append((item, version, ready))
             self._counts["added"] += 1
         return True
 
@@ -210,7 +219,9 @@ class LoadReporter:
         if not items:
             return
         sums: dict[int | None, np.ndarray] = {}
-        for counts, version in items:
+        for counts, version, ready in items:
+            if ready is not None:
+                ready.synchronize()
             arr = counts.cpu().numpy() if hasattr(counts, "cpu") else counts
             arr = np.asarray(arr, dtype=np.float64)
             if version in sums:
