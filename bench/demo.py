@@ -260,6 +260,12 @@ class _Service:
         self.thread.join(5)
 
 
+def _pb() -> object:
+    from eplb_service._gen.eplb.v1 import balancer_pb2
+
+    return balancer_pb2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -314,12 +320,18 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
                 results[item["rank"]] = item
         for p in procs:
             p.join(10)
+        # Where the service saw each rank end up (the ranks' acks, sent before they finished).
+        with ServiceClient(service.address) as client:
+            acks = {a.rank: (a.version, a.failed_version) for a in client.call(
+                "GetDeployment", _pb().GetDeploymentRequest(name=cfg.deployment)).acks}
     finally:
         for p in procs:
             if p.is_alive():
                 p.terminate()
         service.stop()
     summary = _summary(cfg, results, time.perf_counter() - wall)
+    summary["service_acked_versions"] = [acks.get(r, (0, 0))[0] for r in range(cfg.ranks)]
+    summary["service_failed_versions"] = sorted({acks[r][1] for r in acks if acks[r][1]})
     _print_summary(summary, out)
     return summary
 
@@ -371,7 +383,8 @@ def _print_summary(s: dict, out: object) -> None:
         f"(popularity shifted at step {s['shift_step']})\n"
         f"  {s['moves']} slots moved, {s['bytes_moved'] / 1e3:.1f} kB, {s['move_seconds_measured'] * 1e3:.0f} ms measured; "
         f"{s['reports_accepted']} load reports accepted, {s['reports_dropped']} dropped; "
-        f"{s['checksum_mismatches']} checksum mismatches",
+        f"{s['checksum_mismatches']} checksum mismatches; the service has the ranks at versions "
+        f"{s['service_acked_versions']}",
         file=out, flush=True,
     )
 

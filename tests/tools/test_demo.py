@@ -30,6 +30,8 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
     assert s["replans_applied"] >= 1 and s["rollouts_failed"] == 0 and s["late_switches"] == 0
     assert s["imbalance_balanced"] < s["imbalance_initial"] - 0.05
     assert s["reports_accepted"] > 0 and s["reports_dropped"] == 0
+    # The service saw every rank switch to the last version applied (the ranks' acks).
+    assert s["service_acked_versions"] == [s["replans"][-1]["version"]] * 3 and s["service_failed_versions"] == []
     first = s["replans"][0]
     assert first["bytes"] > 0 and first["moves"] > 0 and first["measured_after"] < first["measured_before"]
     assert f"v{first['version']}" in proc.stdout and "summary:" in proc.stdout
