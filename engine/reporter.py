@@ -154,6 +154,9 @@ class LoadReporter:
                 return False
             self._queue.append((item, version, ready))
             self._counts["added"] += 1
+            filling = len(self._queue) * 2 >= self.max_queued
+        if filling:  # sum it now rather than at the next interval, before the queue runs over
+            self._wake.set()
         return True
 
     def stats(self) -> ReporterStats:
