@@ -72,12 +72,12 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
         rollout = Rollout(published(2), applier, barrier)
         routed = run_steps(rollout, {1: published(3)}, 30)
         results["fail"] = (routed, applier.calls, [(e.kind, e.version, e.error) for e in rollout.events])
-        # 3. Rank 0's prepare outlives the timeout: the others (ready at 0.1 s, who would give up
-        # waiting at 0.35 s) abort at 0.25 s, rank 0 rolls back once its prepare returns; a newer
-        # version then goes through.
-        applier = Recorder(delay_s=0.6 if rank == 0 else 0.1)
-        rollout = Rollout(published(3), applier, barrier, timeout_s=0.25)
-        routed = run_steps(rollout, {1: published(4)}, 500)
+        # 3. Rank 0's prepare (0.9 s) outlives the timeout (0.4 s); the others prepare in 0.25 s,
+        # so they are waiting when rank 0 fails at 0.4 s (they would give up only at 0.65 s):
+        # they abort, rank 0 rolls back once its prepare returns; a newer version then goes through.
+        applier = Recorder(delay_s=0.9 if rank == 0 else 0.25)
+        rollout = Rollout(published(3), applier, barrier, timeout_s=0.4)
+        routed = run_steps(rollout, {1: published(4)}, 700)
         applier.delay_s = 0.0
         routed += run_steps(rollout, {0: published(5)}, 30)
         results["timeout"] = (routed, applier.calls, [(e.kind, e.version, e.error) for e in rollout.events])
@@ -122,7 +122,7 @@ def test_a_timed_out_prepare_aborts_and_a_newer_version_goes_through(outcomes):
     routed = [outcomes[r]["timeout"][0] for r in range(3)]
     assert routed[0] == routed[1] == routed[2]
     assert 4 not in routed[0] and routed[0][-1] == 5
-    assert outcomes[0]["timeout"][2] == [("failed", 4, "prepare of version 4 timed out after 0.25 s"), ("switched", 5, "")]
+    assert outcomes[0]["timeout"][2] == [("failed", 4, "prepare of version 4 timed out after 0.4 s"), ("switched", 5, "")]
     for r in (1, 2):
         assert outcomes[r]["timeout"][2] == [("aborted", 4, ""), ("switched", 5, "")]
     assert outcomes[0]["timeout"][1] == ["prepare", "rollback", "prepare", "commit"]
