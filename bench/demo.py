@@ -61,6 +61,9 @@ class DemoConfig:
     window_s: float = 2.0
     min_gain_percent: float = 3.0
     barrier: str = "group"
+    # Service barrier: steps from the last PREPARED ack to the switch. 0.5 s at 20 ms steps: a
+    # shared 2-core machine can hold up a rank's ack thread for longer than the default 8 steps.
+    switch_margin_steps: int = 25
     seed: int = 0
     deployment: str = "demo"
     address: str = ""
@@ -295,7 +298,8 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
     cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": _free_port()})
     with ServiceClient(service.address) as client:
         client.create_deployment(cfg.deployment, topo, window_s=cfg.window_s, interval_s=cfg.replan_s,
-                                 min_gain_percent=cfg.min_gain_percent, expert_bytes=slot_bytes)
+                                 min_gain_percent=cfg.min_gain_percent, expert_bytes=slot_bytes,
+                                 switch_margin_steps=cfg.switch_margin_steps)
     print(f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
           f"{topo.num_experts} experts on {topo.num_slots} slots; {cfg.steps} steps of {cfg.step_ms:g} ms, "
           f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier", file=out, flush=True)
