@@ -86,6 +86,9 @@ class MoverApplier:
         self.schedule = self.mover.schedule
         while self.mover.prepare():
             pass
+        # PREPARED is acked after this returns: the received weights must have landed, and a
+        # transfer that failed must fail here (rolled back), not at commit() on the step thread.
+        self.mover.synchronize()
 
     def commit(self) -> None:
         start = time.perf_counter()
