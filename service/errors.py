@@ -214,7 +214,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if self._metrics is not None:
             self._metrics.rpc_requests.labels(call.label, call.code).inc()
             self._metrics.rpc_latency.labels(call.label).observe(time.perf_counter() - call.start)
-        if audited is not None:
+        # A refused token is audited by auth, before the request is even decoded.
+        if audited is not None and call.code != "UNAUTHENTICATED":
             name = audited(request)
             audit.info("audit: %s %r by %s: %s", call.label.rpartition("/")[2], name, context.peer(), call.code,
                        extra={"audit": call.label.rpartition("/")[2], "deployment": name, "peer": context.peer(),
