@@ -27,11 +27,14 @@ from .hub import PlacementHub
 from .metrics import Metrics
 from .store import Store
 from .trigger import TriggerSpec, due, gate
-from .windows import SlidingWindow, DecayWindow, WindowSpec, encode_blob, make_window, sum_blobs
+from .windows import DecayWindow, SlidingWindow, WindowSpec, encode_blob, encode_sums, make_window, sum_blobs
 
 __all__ = ["Balancer", "BalancerConfig"]
 
 log = logging.getLogger(__name__)
+
+# Write-ahead entries a replica lets pile up before it flushes its window early.
+_UNFOLDED_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class _Local:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
     flushed_at: float = 0.0
+    # Write-ahead entries of batches in ``window`` that no flush has folded in yet.
+    unfolded: list[str] = field(default_factory=list)
+    batcher: _Batcher | None = None
+    flushing: asyncio.Task | None = None
+    # Flushes one at a time: an older blob landing last would drop entries a newer one folded.
+    flush_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class _Batcher:
@@ -106,7 +115,6 @@ class Balancer:
         self._on_health = on_health
         self._local: dict[str, _Local] = {}
         self._latest: dict[str, pb.Placement] = {}
-        self._batchers: dict[str, _Batcher] = {}
         self._run_id: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -212,7 +220,6 @@ class Balancer:
     def _forget(self, name: str) -> None:
         local = self._local.pop(name, None)
         self._latest.pop(name, None)
-        self._batchers.pop(name, None)
         if local is not None:
             asyncio.create_task(local.hub.stop())
         self.metrics.forget(name)
@@ -294,24 +301,39 @@ class Balancer:
             counts = await self._to_logical(local, phys, request.physical.placement_version)
         else:
             raise InvalidArgument(FieldViolation("counts", "set logical or physical"))
-        batcher = self._batchers.get(request.deployment)
-        if batcher is None:
-            name = request.deployment
-            batcher = self._batchers[name] = _Batcher(lambda pairs: self._accept(name, pairs))
-        fresh = await batcher.submit((request.rank, request.seq))
-        if fresh:
-            local.window.add(counts, time.time())
-            local.dirty = True
+        if local.batcher is None:
+            local.batcher = _Batcher(lambda items, local=local: self._accept(local, items))
+        fresh = await local.batcher.submit((request.rank, request.seq, counts))
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
         return bool(fresh)
 
-    async def _accept(self, name: str, pairs: list) -> list[bool]:
+    async def _accept(self, local: _Local, items: list[tuple[int, int, np.ndarray]]) -> list[bool]:
+        """One store call for a batch of reports; the new ones enter the window as soon as the
+        store has them (with their write-ahead entry), in the same step."""
+        name, spec = local.deployment.name, local.window_spec
+
+        def journal(fresh: list[bool]) -> bytes:
+            sums = sum((c for (_, _, c), f in zip(items, fresh) if f), np.zeros(local.window.shape))
+            return encode_sums(sums, sum(fresh), time.time(), spec)
+
+        pairs = [(rank, seq) for rank, seq, _ in items]
         try:
-            return await self.store.accept_reports(name, pairs)
+            fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
         except NotFound:
             if await self._confirm_deleted():
                 raise
-            return await self.store.accept_reports(name, pairs)
+            fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
+        now = time.time()
+        for (_, _, counts), f in zip(items, fresh):
+            if f:
+                local.window.add(counts, now)
+                local.dirty = True
+        if entry is not None:
+            local.unfolded.append(entry)
+            if len(local.unfolded) >= _UNFOLDED_MAX and (local.flushing is None or local.flushing.done()):
+                # Fold early under a high report rate, so the write-ahead stream stays short.
+                local.flushing = asyncio.create_task(self._flush(local, now))
+        return fresh
 
     async def _to_logical(self, local: _Local, phys: np.ndarray, version: int) -> np.ndarray:
         """``phys``: ``[L, P]`` counts recorded under ``version`` → ``[L, E]`` per logical expert."""
@@ -506,9 +528,19 @@ class Balancer:
         return eplb.rebalance(loads, topo, policy, previous=previous, **options), before
 
     async def _flush(self, local: _Local, now: float) -> None:
-        local.dirty = False
-        local.flushed_at = now
-        await self.store.put_window(local.deployment.name, self.config.replica_id, encode_blob(local.window, now))
+        # The blob and the entries it folds in are taken in one step: a batch accepted while
+        # the write is under way stays in ``unfolded`` for the next flush.
+        async with local.flush_lock:
+            folded, local.unfolded = local.unfolded, []
+            local.dirty = False
+            local.flushed_at = now
+            try:
+                await self.store.put_window(local.deployment.name, self.config.replica_id,
+                                            encode_blob(local.window, time.time()), folded)
+            except BaseException:
+                local.unfolded[:0] = folded
+                local.dirty = True
+                raise
 
     async def _flush_all(self) -> None:
         now = time.time()

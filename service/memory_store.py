@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
@@ -112,7 +112,10 @@ class MemoryStore:
                 sent = max(sent + 1, state.version - PLACEMENTS_KEPT + 1)
                 yield state.placements[sent]
 
-    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
+    async def accept_reports(
+        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+    ) -> tuple[list[bool], str | None]:
+        # One process: the windows in memory die with the seqs, so no write-ahead entry is kept.
         state = self._get(name)
         out = []
         for rank, seq in pairs:
@@ -121,7 +124,7 @@ class MemoryStore:
                 state.seq[rank] = seq
                 state.reports += 1
             out.append(fresh)
-        return out
+        return out, None
 
     async def marks(self, name: str) -> PlanMarks:
         state = self._get(name)
@@ -131,14 +134,14 @@ class MemoryStore:
         state = self._get(name)
         state.planned_reports, state.planned_at = reports, at
 
-    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
         self._get(name).windows[replica] = blob
 
     async def windows(self, name: str) -> dict[str, bytes]:
         return dict(self._get(name).windows)
 
-    async def drop_windows(self, name: str, replicas: list[str]) -> None:
-        for r in replicas:
+    async def drop_windows(self, name: str, keys: list[str]) -> None:
+        for r in keys:
             self._get(name).windows.pop(r, None)
 
     async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:

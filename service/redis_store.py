@@ -15,6 +15,7 @@ below touch one slot only):
 | ``P:{d}:acks`` | hash | ``<rank>`` → latest switched version, ``<rank>:p`` prepared, ``<rank>:f`` failed |
 | ``P:{d}:rollout`` | hash | ``<v>:step`` largest PREPARED step, ``<v>:switch`` switch step, ``<v>:aborted`` (recent versions) |
 | ``P:{d}:windows`` | hash | replica id → that replica's window blob (see ``windows.py``) |
+| ``P:{d}:wal`` | stream | ``b=<blob>``: the sums of one accepted batch of reports, until its replica's next flush folds it in |
 | ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import redis.asyncio as redis
 from redis.backoff import ExponentialBackoff
@@ -67,24 +68,35 @@ redis.call('DEL', KEYS[4])
 return cur
 """
 
-# KEYS: seq, meta; ARGV: rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below
-# 2^53 (the servicer rejects larger). Returns one 0/1 per pair, or -1 when the deployment is gone.
+# Accepts a batch of reports only together with its counts: KEYS: seq, meta, wal; ARGV: the
+# write-ahead blob of the batch's sums, the MINID below which old entries are trimmed, then
+# rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below 2^53 (the servicer
+# rejects larger). If every pair is new: marks the seqs, counts them, appends the blob to the
+# wal stream and returns {1, flags, id}; otherwise writes nothing and returns {0, flags} (one
+# 0/1 per pair, in order), and the caller retries with the new ones' sums. -1 when the
+# deployment is gone.
 _ACCEPT = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+local last = {}
 local out = {}
-local n = 0
-for i = 1, #ARGV, 2 do
-  local last = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '-1')
-  if tonumber(ARGV[i + 1]) > last then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+local all = 1
+for i = 3, #ARGV, 2 do
+  local r = ARGV[i]
+  if last[r] == nil then last[r] = tonumber(redis.call('HGET', KEYS[1], r) or '-1') end
+  local s = tonumber(ARGV[i + 1])
+  if s > last[r] then
+    last[r] = s
     out[#out + 1] = 1
-    n = n + 1
   else
     out[#out + 1] = 0
+    all = 0
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'reports', n) end
-return out
+if all == 0 then return {0, out} end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HINCRBY', KEYS[2], 'reports', #out)
+local id = redis.call('XADD', KEYS[3], 'MINID', '~', ARGV[2], '*', 'b', ARGV[1])
+return {1, out, id}
 """
 
 # The rules of rollout.apply_ack, atomically. KEYS: acks, rollout, meta; ARGV: rank, version,
@@ -142,11 +154,13 @@ if switch and not aborted then out_switch = tonumber(switch) end
 return {acked, prepared, failed, n, out_switch, aborted and 1 or 0, became_prepared, became_switched, became_failed}
 """
 
-# KEYS: windows, meta; ARGV: replica, blob. A replica that has not yet noticed a deletion must
-# not re-create the windows key of a deleted deployment.
+# KEYS: windows, meta, wal; ARGV: replica, blob, then the wal ids folded into the blob. A
+# replica that has not yet noticed a deletion must not re-create the windows key of a deleted
+# deployment.
 _PUT_WINDOW = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if #ARGV > 2 then redis.call('XDEL', KEYS[3], unpack(ARGV, 3)) end
 return 1
 """
 
@@ -192,7 +206,7 @@ class RedisStore:
 
     def keys_of(self, name: str) -> list[str]:
         """Every fixed key of a deployment (placements are per version, see ``delete``)."""
-        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "lease")]
+        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "lease")]
 
     async def ping(self) -> str:
         with _unavailable():
@@ -307,15 +321,27 @@ class RedisStore:
                     sent = placement.version
                     yield placement
 
-    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
-        args: list[int] = []
-        for rank, seq in pairs:
-            args += [rank, seq]
-        with _unavailable():
-            out = await self._accept(keys=[self.key(name, "seq"), self.key(name, "meta")], args=args)
-        if out == -1:
-            raise NotFound(f"deployment {name!r} not found")
-        return [bool(x) for x in out]
+    async def accept_reports(
+        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+    ) -> tuple[list[bool], str | None]:
+        fresh = [True] * len(pairs)
+        keys = [self.key(name, "seq"), self.key(name, "meta"), self.key(name, "wal")]
+        # Duplicates are rare (client retries): send the batch as if all were new, and only when
+        # the script finds some were not, once more with the sums of the new ones.
+        while any(fresh):
+            args: list[object] = [journal(fresh), int((time.time() - keep_s) * 1000)]
+            for (rank, seq), f in zip(pairs, fresh):
+                if f:
+                    args += [rank, seq]
+            with _unavailable():
+                out = await self._accept(keys=keys, args=args)
+            if out == -1:
+                raise NotFound(f"deployment {name!r} not found")
+            flags = iter(out[1])
+            fresh = [f and bool(next(flags)) for f in fresh]
+            if out[0] == 1:
+                return fresh, out[2].decode()
+        return fresh, None
 
     async def marks(self, name: str) -> PlanMarks:
         with _unavailable():
@@ -328,21 +354,29 @@ class RedisStore:
         with _unavailable():
             await self._r.hset(self.key(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
 
-    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
         with _unavailable():
-            out = await self._put_window(keys=[self.key(name, "windows"), self.key(name, "meta")], args=[replica, blob])
+            out = await self._put_window(keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal")],
+                                         args=[replica, blob, *folded])
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
 
     async def windows(self, name: str) -> dict[str, bytes]:
         with _unavailable():
-            raw = await self._r.hgetall(self.key(name, "windows"))
-        return {k.decode(): v for k, v in raw.items()}
+            async with self._r.pipeline(transaction=True) as p:
+                raw, wal = await p.hgetall(self.key(name, "windows")).xrange(self.key(name, "wal")).execute()
+        out = {k.decode(): v for k, v in raw.items()}
+        out.update((f"wal:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in wal)
+        return out
 
-    async def drop_windows(self, name: str, replicas: list[str]) -> None:
-        if replicas:
-            with _unavailable():
+    async def drop_windows(self, name: str, keys: list[str]) -> None:
+        replicas = [k for k in keys if not k.startswith("wal:")]
+        wal = [k[4:] for k in keys if k.startswith("wal:")]
+        with _unavailable():
+            if replicas:
                 await self._r.hdel(self.key(name, "windows"), *replicas)
+            if wal:
+                await self._r.xdel(self.key(name, "wal"), *wal)
 
     async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
         with _unavailable():
