@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import eplb
-from . import arrays, codec
+from . import arrays, codec, limits
 from . import rollout as rollout_states
 from ._gen.eplb.v1 import balancer_pb2 as pb
-from .errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ServiceError
+from .errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ServiceError, StoreUnavailable
 from .hub import PlacementHub
 from .metrics import Metrics
 from .store import Store
@@ -69,6 +69,8 @@ class _Local:
     flushing: asyncio.Task | None = None
     # Flushes one at a time: an older blob landing last would drop entries a newer one folded.
     flush_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Why the last triggered re-plan failed, None while they succeed (logs once per change).
+    failing: str | None = None
 
 
 class _Batcher:
@@ -291,16 +293,31 @@ class Balancer:
         if request.seq >= codec.MAX_SEQ:
             raise InvalidArgument(FieldViolation("seq", f"must be < 2^53, got {request.seq}"))
         local = await self._get_local(request.deployment)
-        codec.check_rank(request.rank, local.ranks, "rank")
+        rejected = self.metrics.reports_rejected
+        try:
+            codec.check_rank(request.rank, local.ranks, "rank")
+        except InvalidArgument:
+            rejected.labels(request.deployment, "unknown_rank").inc()
+            raise
         topo = local.topology
         kind = request.WhichOneof("counts")
-        if kind == "logical":
-            counts = arrays.decode_counts(request.logical, "logical", (topo.num_layers, topo.num_experts))
-        elif kind == "physical":
-            phys = arrays.decode_counts(request.physical.counts, "physical.counts", (topo.num_layers, topo.num_slots))
-            counts = await self._to_logical(local, phys, request.physical.placement_version)
-        else:
-            raise InvalidArgument(FieldViolation("counts", "set logical or physical"))
+        try:
+            if kind == "logical":
+                counts = arrays.decode_counts(request.logical, "logical", (topo.num_layers, topo.num_experts),
+                                              cap=limits.MAX_REPORT_COUNT)
+            elif kind == "physical":
+                phys = arrays.decode_counts(request.physical.counts, "physical.counts",
+                                            (topo.num_layers, topo.num_slots), cap=limits.MAX_REPORT_COUNT)
+                counts = await self._to_logical(local, phys, request.physical.placement_version)
+            else:
+                raise InvalidArgument(FieldViolation("counts", "set logical or physical"))
+        except InvalidArgument as exc:
+            over = any("report cap" in v.description for v in exc.violations)
+            rejected.labels(request.deployment, "over_cap" if over else "invalid").inc()
+            raise
+        except FailedPrecondition:
+            rejected.labels(request.deployment, "stale_version").inc()
+            raise
         if local.batcher is None:
             local.batcher = _Batcher(lambda items, local=local: self._accept(local, items))
         fresh = await local.batcher.submit((request.rank, request.seq, counts))
@@ -444,27 +461,45 @@ class Balancer:
                     await self.store.release_lease(name, owner)
 
     async def _trigger_all(self) -> None:
+        """Re-plans every deployment whose trigger is due; one deployment's failure (a store
+        error, a window the planner refuses) never keeps the others from re-planning."""
         now = time.time()
         for name, local in list(self._local.items()):
             if not local.trigger.enabled or local.hub.deleted or local.lock.locked():
                 continue
             try:
-                if due(local.trigger, await self.store.marks(name), now) is None:
-                    continue
-                async with local.lock:
-                    owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
-                    if not await self.store.acquire_lease(name, owner, self.config.lease_s):
-                        continue
-                    try:
-                        # Re-read under the lease: another replica may have just planned.
-                        why = due(local.trigger, await self.store.marks(name), time.time())
-                        if why is not None:
-                            log.info("re-planning %s: %s", name, why)
-                            await self._plan(local, dry_run=False, force=False)
-                    finally:
-                        await self.store.release_lease(name, owner)
+                await self._trigger_one(name, local, now)
             except NotFound:
                 continue
+            except StoreUnavailable:
+                raise  # every deployment would fail alike: the health check reports it
+            except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
+                self.metrics.replan_failures.labels(name).inc()
+                if local.failing is None:
+                    log.warning("triggered re-plan of %s failed: %s: %s (logged once until it succeeds)",
+                                name, type(exc).__name__, exc)
+                local.failing = f"{type(exc).__name__}: {exc}"
+            else:
+                if local.failing is not None:
+                    log.info("triggered re-plans of %s succeed again", name)
+                    local.failing = None
+
+    async def _trigger_one(self, name: str, local: _Local, now: float) -> None:
+        if due(local.trigger, await self.store.marks(name), now) is None:
+            return
+        async with local.lock:
+            owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
+            if not await self.store.acquire_lease(name, owner, self.config.lease_s):
+                return
+            try:
+                # Re-read under the lease: another replica may have just planned.
+                why = due(local.trigger, await self.store.marks(name), time.time())
+                if why is not None:
+                    log.info("re-planning %s: %s", name, why)
+                    await self._plan(local, dry_run=False, force=False)
+            finally:
+                with contextlib.suppress(ServiceError):
+                    await self.store.release_lease(name, owner)
 
     async def _plan(self, local: _Local, dry_run: bool, force: bool) -> pb.RebalanceResponse:
         name, topo = local.deployment.name, local.topology

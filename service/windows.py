@@ -139,7 +139,8 @@ def sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale
     """Replica blobs → float64 ``[L, E]`` summed as of ``now``, reports, and stale replica ids.
 
     Decay sums are decayed from their flush time to ``now``; blobs older than ``stale_after_s``
-    belong to replicas that stopped flushing and are left out.
+    belong to replicas that stopped flushing and are left out, and so are blobs holding a NaN
+    or an infinity (written before reports were capped): one bad blob never poisons a window.
     """
     total = np.zeros(shape)
     reports = 0
@@ -154,6 +155,9 @@ def sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale
             stale.append(replica)
             continue
         sums = np.frombuffer(blob, dtype="<f8", offset=_HEADER.size).reshape(shape)
+        if not np.isfinite(sums).all():
+            stale.append(replica)
+            continue
         total += sums * (2.0 ** (-max(0.0, now - at) / half_life)) if kind == 1 else sums
         reports += n
     return total, reports, stale

@@ -15,7 +15,6 @@ import sys
 import grpc
 import numpy as np
 import pytest
-
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient, channel
@@ -45,7 +44,7 @@ async def rank_loop(target: grpc.aio.Channel, fallback: grpc.aio.Channel, rank: 
     while True:
         batch = [client.request(counts) for _ in range(STREAM)]
 
-        async def paced():
+        async def paced(batch: list[pb.ReportLoadRequest] = batch):
             for msg in batch:
                 yield msg
                 await asyncio.sleep(0.01)
