@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["ServeProcess", "RedisProcess", "free_port"]
+__all__ = ["RedisProcess", "ServeProcess", "free_port"]
 
 
 def free_port() -> int:

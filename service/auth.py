@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-__all__ = ["TokenAuthInterceptor", "OPEN_METHODS_PREFIXES"]
+__all__ = ["OPEN_METHODS_PREFIXES", "TokenAuthInterceptor"]
 
 audit = logging.getLogger("eplb_service.audit")
 

@@ -25,16 +25,16 @@ from grpc_status import rpc_status
 from .metrics import Metrics
 
 __all__ = [
-    "ServiceError",
+    "Aborted",
+    "AlreadyExists",
+    "ErrorInterceptor",
+    "FailedPrecondition",
     "FieldViolation",
     "InvalidArgument",
     "NotFound",
-    "AlreadyExists",
-    "FailedPrecondition",
-    "StoreUnavailable",
-    "Aborted",
+    "ServiceError",
     "ShuttingDown",
-    "ErrorInterceptor",
+    "StoreUnavailable",
     "to_status",
 ]
 
@@ -134,7 +134,7 @@ def short_name(method: str) -> str:
 class _Call:
     """One call's bookkeeping: its method label, start time and final status code."""
 
-    __slots__ = ("label", "start", "code")
+    __slots__ = ("code", "label", "start")
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -156,6 +156,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._end_server_streams: asyncio.Future | None = None
         self._end_client_streams = False
+        self._discard_until = 0.0
 
     # shutdown
 
@@ -170,12 +171,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if not fut.done():
             fut.set_result(None)
 
-    def end_client_streams(self) -> None:
-        """Ends every client stream (ReportLoad) with UNAVAILABLE before it reads its next message.
+    def end_client_streams(self, discard_s: float = 0.5) -> None:
+        """Ends every client stream (ReportLoad) with UNAVAILABLE before it processes another message.
 
         The message in hand is processed first, so what a stream accepted stays accepted and the
-        client resends the rest, with the same seqs, to another replica.
+        client resends the rest, with the same seqs, to another replica. Messages the client is
+        still sending are read and dropped, for up to ``discard_s``, so the status goes out after
+        the client half-closed: grpc-python's asyncio client reports a status that arrives while
+        it is still writing as ``INTERNAL: Internal error from Core`` (grpc/grpc#36066).
         """
+        self._discard_until = time.monotonic() + discard_s
         self._end_client_streams = True
 
     # interception
@@ -237,17 +242,34 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async def read() -> AsyncIterator[Any]:
+            processed = 0
             while True:
                 # Checked before each read: the message in hand has been processed by now.
                 if self._end_client_streams:
-                    raise ShuttingDown("server shutting down: resend what was not acknowledged to another replica")
+                    dropped = await self._discard(requests)
+                    raise ShuttingDown(
+                        f"server shutting down: processed the first {processed} messages of this stream, "
+                        f"not the {dropped} after them; resend those to another replica (same seqs)"
+                    )
                 try:
                     request = await anext(requests)
                 except StopAsyncIteration:
                     return
+                processed += 1
                 yield request
 
         return read()
+
+    async def _discard(self, requests: AsyncIterator[Any]) -> int:
+        """Reads and drops ``requests`` until the client half-closes or the discard time is up."""
+        dropped = 0
+        while (left := self._discard_until - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(anext(requests), left)
+            except (StopAsyncIteration, TimeoutError):
+                break
+            dropped += 1
+        return dropped
 
     def _unary(self, label: str, fn: Callable[..., Awaitable[Any]], audited: Callable | None,
                client_stream: bool = False) -> Callable[..., Awaitable[Any]]:

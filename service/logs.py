@@ -13,7 +13,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Literal
 
-__all__ = ["JsonFormatter", "setup_logging", "LOG_FORMATS", "PLAIN_FORMAT"]
+__all__ = ["LOG_FORMATS", "PLAIN_FORMAT", "JsonFormatter", "setup_logging"]
 
 LOG_FORMATS = ("plain", "json")
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -7,7 +7,9 @@ Shutdown (``RunningServer.stop``, what ``eplb serve`` does on SIGTERM or SIGINT)
    and health watches) end with UNAVAILABLE, so watchers reconnect to another replica;
 3. unary calls and ``ReportLoad`` streams get half the grace period to finish; a report stream
    still open then ends with UNAVAILABLE once the message in hand is processed (what it accepted
-   stays accepted; the client resends the rest, with the same seqs, elsewhere);
+   stays accepted; the status says how many messages were processed, and the client resends the
+   rest, with the same seqs, elsewhere); messages still arriving are dropped for up to a quarter
+   of the grace period first, so the status reaches a client that has finished writing;
 4. whatever still runs at the end of the grace period is cancelled;
 5. the balancer stops its loops and flushes again, so nothing accepted during the grace is lost;
 6. the store connection closes.
@@ -37,7 +39,7 @@ from .redis_store import RedisStore
 from .servicer import BalancerServicer
 from .store import Store
 
-__all__ = ["ServerConfig", "RunningServer", "start_server", "SERVICE_NAME"]
+__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "start_server"]
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,7 @@ class RunningServer:
         self.calls.end_server_streams()
         done, _ = await asyncio.wait({stopping}, timeout=grace / 2)
         if not done:
-            self.calls.end_client_streams()
+            self.calls.end_client_streams(discard_s=grace / 4)
             await stopping
         # Stops the loops and flushes what the calls of the grace period accepted.
         await self.balancer.stop()

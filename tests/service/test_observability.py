@@ -15,12 +15,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.cli import parse_args
 from eplb_service.client import EngineClient, auth_metadata, channel
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
 ROOT = Path(__file__).resolve().parents[2]

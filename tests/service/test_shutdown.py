@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from eplb_bench.processes import ServeProcess
 from eplb_service import arrays
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import channel
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, small_deployment
 
 RANKS = 8
