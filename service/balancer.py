@@ -204,7 +204,8 @@ class Balancer:
         name = deployment.name
         topo = codec.topology_from(deployment.topology, "deployment.topology")
         spec = codec.window_spec(deployment)
-        hub = PlacementHub(self.store, name, on_version=self._seen, confirm_deleted=self._confirm_deleted)
+        hub = PlacementHub(self.store, name, on_version=self._seen, confirm_deleted=self._confirm_deleted,
+                           gen=deployment.create_time.ToNanoseconds())
         local = _Local(deployment, topo, spec, codec.trigger_spec(deployment),
                        make_window((topo.num_layers, topo.num_experts), spec), hub,
                        frozenset(codec.deployment_ranks(deployment)))

@@ -96,12 +96,19 @@ class MemoryStore:
         async with self._changed:
             self._changed.notify_all()
 
-    async def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+    async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
+        # A deleted or re-created deployment is a new _State: the old one's ``deleted`` ends this.
         state = self._get(name)
+        if gen and state.deployment.create_time.ToNanoseconds() != gen:
+            raise NotFound(f"deployment {name!r} not found")
         sent = since_version
         if state.version > sent:
-            sent = state.version
+            # Resuming: every kept version missed, in order; a fresh follower starts at the current.
+            sent = max(sent + 1, state.version - PLACEMENTS_KEPT + 1) if sent else state.version
             yield state.placements[sent]
+            while sent < state.version:
+                sent += 1
+                yield state.placements[sent]
         while True:
             async with self._changed:
                 await self._changed.wait_for(lambda: state.deleted or state.version > sent)

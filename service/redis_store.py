@@ -8,7 +8,7 @@ below touch one slot only):
 |---|---|---|
 | ``P:deployments`` | set | deployment names (the only key outside a deployment's slot) |
 | ``P:{d}:deployment`` | string | the ``eplb.v1.Deployment`` message, serialized |
-| ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at`` |
+| ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at``, ``gen`` (generation) |
 | ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
 | ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries; replicas tail it |
 | ``P:{d}:seq`` | hash | rank → last accepted report seq (idempotent retries) |
@@ -21,8 +21,10 @@ below touch one slot only):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import redis.asyncio as redis
@@ -38,17 +40,21 @@ from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
 __all__ = ["RedisStore"]
 
 ANNOUNCE_MAXLEN = 64
-_FOLLOW_BLOCK_MS = 2000
+POOL_CONNECTIONS = 32
+# The shared reader blocks this long per XREAD, and checks the followed deployments' generations
+# between reads: a deletion or re-creation reaches every replica's followers within about this.
+_FOLLOW_BLOCK_MS = 500
 
 # KEYS: meta, deployment, placement:<v>, announce; ARGV: version, deployment, placement,
-# maxlen, now, only_if_newer. Returns 1 if written.
+# maxlen, now, only_if_newer, generation (the deployment's create time: a re-created deployment
+# gets a new one, a restored one keeps it). Returns 1 if written.
 _CREATE = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if ARGV[6] == '1' and cur >= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[3])
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5])
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5], 'gen', ARGV[7])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'version', ARGV[1])
 return 1
 """
@@ -170,6 +176,110 @@ return 0
 """
 
 
+def generation(deployment: pb.Deployment) -> int:
+    """A deployment's generation: its create time in nanoseconds (re-creating gives a new one)."""
+    return deployment.create_time.ToNanoseconds()
+
+
+def _other_generation(stored: bytes | None, gen: int) -> bool:
+    # Deployments written before generations were stored have none: they match any follower.
+    return bool(gen) and stored is not None and int(stored) != gen
+
+
+@dataclass(eq=False)
+class _Subscription:
+    """One follower of one deployment: its stream cursor and the versions announced since."""
+
+    name: str
+    stream: str
+    cursor: bytes
+    gen: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def next(self) -> int:
+        """The next announced version; raises NotFound once the deployment is gone (deleted, or
+        re-created as a new generation) and StoreUnavailable when Redis stopped answering."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class _Announcements:
+    """Tails every followed deployment's announce stream with one blocking XREAD at a time."""
+
+    def __init__(self, reader: redis.Redis, r: redis.Redis, prefix: str) -> None:
+        self._reader = reader
+        self._r = r
+        self._prefix = prefix
+        self._subs: set[_Subscription] = set()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    def subscribe(self, name: str, stream: str, cursor: bytes, gen: int) -> _Subscription:
+        sub = _Subscription(name, stream, cursor, gen)
+        self._subs.add(sub)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="redis-announcements")
+        return sub
+
+    def unsubscribe(self, sub: _Subscription) -> None:
+        self._subs.discard(sub)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=2.0)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while self._subs and not self._closed:
+            try:
+                await self._read_once()
+                await self._check_generations()
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                # Every follower ends with UNAVAILABLE and re-subscribes once Redis answers.
+                for sub in list(self._subs):
+                    sub.queue.put_nowait(StoreUnavailable(f"redis unavailable: {exc}"))
+                self._subs.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+
+    async def _read_once(self) -> None:
+        cursors: dict[str, bytes] = {}
+        for sub in self._subs:
+            cursors[sub.stream] = min(cursors.get(sub.stream, sub.cursor), sub.cursor, key=_stream_id)
+        entries = await self._reader.xread(cursors, count=256, block=_FOLLOW_BLOCK_MS)
+        for stream, items in entries or []:
+            stream = stream.decode()
+            for sub in [s for s in self._subs if s.stream == stream]:
+                for entry_id, fields in items:
+                    if _stream_id(entry_id) > _stream_id(sub.cursor):
+                        sub.cursor = entry_id
+                        sub.queue.put_nowait(int(fields[b"version"]))
+
+    async def _check_generations(self) -> None:
+        subs = list(self._subs)
+        if not subs:
+            return
+        async with self._r.pipeline(transaction=False) as p:
+            for sub in subs:
+                p.exists(f"{self._prefix}:{{{sub.name}}}:meta").hget(f"{self._prefix}:{{{sub.name}}}:meta", "gen")
+            out = await p.execute()
+        for i, sub in enumerate(subs):
+            exists, gen = out[2 * i], out[2 * i + 1]
+            if not exists or _other_generation(gen, sub.gen):
+                self._subs.discard(sub)
+                sub.queue.put_nowait(NotFound(f"deployment {sub.name!r} was deleted"))
+
+
+def _stream_id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
 @contextlib.contextmanager
 def _unavailable() -> Iterator[None]:
     try:
@@ -187,19 +297,32 @@ class RedisStore:
         self.prefix = prefix
         # One quick retry covers pooled connections broken by a Redis restart; anything longer
         # would only delay the UNAVAILABLE the caller should see while Redis is down.
-        self._r = redis.Redis.from_url(
+        # A bounded pool that makes callers wait for a free connection rather than fail: a
+        # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections, however
+        # many deployments and calls it serves.
+        self._r = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
             url,
+            max_connections=POOL_CONNECTIONS,
+            timeout=2.0,
+            client_name=f"eplb:{prefix}",
             socket_connect_timeout=1.0,
             socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
             retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
             health_check_interval=0,
-        )
+        ))
         self._create = self._r.register_script(_CREATE)
         self._publish = self._r.register_script(_PUBLISH)
         self._accept = self._r.register_script(_ACCEPT)
         self._ack = self._r.register_script(_ACK)
         self._release = self._r.register_script(_RELEASE)
         self._put_window = self._r.register_script(_PUT_WINDOW)
+        # One blocking reader over every followed deployment's announce stream, on its own
+        # connection: the connections a replica holds do not grow with its deployments.
+        self._reader = redis.Redis.from_url(
+            url, socket_connect_timeout=1.0, socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
+            health_check_interval=0, max_connections=1, client_name=f"eplb:{prefix}",
+        )
+        self._announcements = _Announcements(self._reader, self._r, prefix)
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
@@ -220,7 +343,7 @@ class RedisStore:
                 keys=[self.key(name, "meta"), self.key(name, "deployment"),
                       self.key(name, f"placement:{placement.version}"), self.key(name, "announce")],
                 args=[placement.version, deployment.SerializeToString(), placement.SerializeToString(),
-                      ANNOUNCE_MAXLEN, time.time(), int(only_if_newer)],
+                      ANNOUNCE_MAXLEN, time.time(), int(only_if_newer), generation(deployment)],
             )
             if written:
                 await self._r.sadd(f"{self.prefix}:deployments", name)
@@ -286,30 +409,27 @@ class RedisStore:
         if before != v - 1:
             raise Aborted(f"version {v} is not current + 1 (current is {before}); another plan won")
 
-    async def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+    async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
         stream = self.key(name, "announce")
         with _unavailable():
             async with self._r.pipeline(transaction=True) as p:
-                cur, last = await p.hget(self.key(name, "meta"), "version").xrevrange(stream, count=1).execute()
-        if cur is None:
+                cur, stored_gen, last = await (p.hget(self.key(name, "meta"), "version").hget(self.key(name, "meta"), "gen")
+                                               .xrevrange(stream, count=1).execute())
+        if cur is None or _other_generation(stored_gen, gen):
             raise NotFound(f"deployment {name!r} not found")
-        last_id = last[0][0] if last else b"0-0"
-        sent = since_version
-        if int(cur) > sent:
-            placement = await self.placement(name, int(cur))
-            sent = placement.version
-            yield placement
-        while True:
-            with _unavailable():
-                entries = await self._r.xread({stream: last_id}, count=256, block=_FOLLOW_BLOCK_MS)
-                if not entries:
-                    # A quiet stream, or a deleted deployment: only the latter ends the follow.
-                    if not await self._r.exists(self.key(name, "meta")):
-                        raise NotFound(f"deployment {name!r} was deleted")
-                    continue
-            for entry_id, fields in entries[0][1]:
-                last_id = entry_id
-                version = int(fields[b"version"])
+        sub = self._announcements.subscribe(name, stream, last[0][0] if last else b"0-0", gen)
+        try:
+            sent = since_version
+            # Resuming (a follower that lost Redis for a while): every kept version it missed,
+            # in order, so no watcher sees a gap; a fresh follower starts at the current one.
+            first = sent + 1 if sent else int(cur)
+            for version in range(max(first, int(cur) - PLACEMENTS_KEPT + 1), int(cur) + 1):
+                with contextlib.suppress(NotFound):
+                    placement = await self.placement(name, version)
+                    sent = placement.version
+                    yield placement
+            while True:
+                version = await sub.next()
                 if version <= sent:
                     continue
                 try:
@@ -320,6 +440,8 @@ class RedisStore:
                 if placement.version > sent:
                     sent = placement.version
                     yield placement
+        finally:
+            self._announcements.unsubscribe(sub)
 
     async def accept_reports(
         self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
@@ -408,4 +530,6 @@ class RedisStore:
             await self._release(keys=[self.key(name, "lease")], args=[owner])
 
     async def close(self) -> None:
+        await self._announcements.close()
+        await self._reader.aclose()
         await self._r.aclose()

@@ -67,10 +67,11 @@ class Store(Protocol):
         ``Aborted`` when another publisher got there first, ``NotFound`` when deleted.
         """
 
-    def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+    def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
         """The current placement if newer than ``since_version``, then each new version in order.
 
-        Ends with ``NotFound`` when the deployment is deleted.
+        Ends with ``NotFound`` when the deployment is deleted or re-created (a generation other
+        than ``gen``, the followed deployment's create time in nanoseconds; 0: any).
         """
 
     async def accept_reports(

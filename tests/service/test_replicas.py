@@ -104,3 +104,35 @@ async def test_watchers_on_two_replicas_see_every_version_under_load(serve, conn
     assert all(s == list(range(2, 2 + n)) for s in seen)
     for w in watches:
         w.cancel()
+
+
+async def test_a_re_created_deployment_reaches_the_other_replica_within_a_second(serve, connect, prefix):
+    import grpc
+    import numpy as np
+
+    from eplb_service.client import EngineClient
+
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    watch = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
+    assert (await watch.read()).placement.version == 1
+    await EngineClient(cb.channel, "d1", 0).report([np.ones((4, 16), dtype=np.int32)])
+    await ca.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d1"))
+    other = small_deployment()
+    other.topology.CopyFrom(pb.Topology(num_layers=2, num_experts=8, num_slots=16, num_gpus=4))
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=other))
+    start = time.monotonic()
+    # B's watcher learns the deployment it watched is gone; B serves the new one.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(watch.read(), 1.0)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    got = await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert list(got.placement.phy2log.shape) == [2, 16]
+    resp = await EngineClient(cb.channel, "d1", 3).report([np.ones((2, 8), dtype=np.int32)])
+    assert resp.accepted == 1
+    assert time.monotonic() - start < 1.0
+    fresh = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
+    assert list((await fresh.read()).placement.phy2log.shape) == [2, 16]
+    fresh.cancel()
