@@ -32,6 +32,8 @@ __all__ = [
     "FieldViolation",
     "InvalidArgument",
     "NotFound",
+    "OutOfRange",
+    "ResourceExhausted",
     "ServiceError",
     "ShuttingDown",
     "StoreUnavailable",
@@ -84,6 +86,16 @@ class Aborted(ServiceError):
     """A concurrent change won (e.g. another replica published first); retrying is safe."""
 
     code = grpc.StatusCode.ABORTED
+
+
+class ResourceExhausted(ServiceError):
+    """A documented limit (docs/service.md, "Limits") or a bounded queue is full."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfRange(ServiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
 
 
 class ShuttingDown(ServiceError):
