@@ -75,6 +75,15 @@ class Rank:
             self.ended_at = time.monotonic()
 
 
+def _ended_by_server(error: grpc.aio.AioRpcError | None) -> bool:
+    """UNAVAILABLE, or what grpc-python's asyncio client makes of a status that arrives while it
+    is still writing its stream (grpc/grpc#36066): these ranks write every 10 ms until the end."""
+    if error is None:
+        return False
+    return error.code() == grpc.StatusCode.UNAVAILABLE or (
+        error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core")
+
+
 async def _window(stub: pb_grpc.ExpertLoadBalancerServiceStub) -> pb.RebalanceResponse:
     return await stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True, force=True))
 
@@ -134,14 +143,30 @@ async def test_sigterm_drains_and_every_accepted_report_is_counted(replicas):
     # The streams ran on into the grace period (not cut at SIGTERM) and were ended with a
     # status telling the client to go elsewhere.
     for r in ranks:
-        assert r.error is not None and r.error.code() == grpc.StatusCode.UNAVAILABLE, r.error
-        assert "another replica" in r.error.details()
+        assert _ended_by_server(r.error), r.error
         assert r.ended_at - out["signalled_at"] >= GRACE_S / 2 - 0.3
+    told = [r.error for r in ranks if r.error.code() == grpc.StatusCode.UNAVAILABLE]
+    assert told and all("processed the first" in e.details() and "another replica" in e.details() for e in told)
     resent: list[pb.ReportLoadResponse] = out["resent"]
     duplicates = sum(x.duplicates for x in resent)
     accepted_b = sum(x.accepted for x in resent)
     assert duplicates + accepted_b == out["sent"]
     # What a accepted (answered to b's resend as duplicates) was counted, once.
     assert duplicates > 0
+    window: pb.RebalanceResponse = out["window"]
+    assert window.window_tokens == out["sent"] * TOKENS_PER_REPORT
+
+
+@pytest.mark.slow
+async def test_sigkill_loses_no_accepted_report(replicas):
+    a, b = replicas
+    out = await _stream_then_fail_over(a, b, signal.SIGKILL)
+    assert out["exit_code"] == -signal.SIGKILL
+    for r in out["ranks"]:
+        assert _ended_by_server(r.error), r.error
+    resent: list[pb.ReportLoadResponse] = out["resent"]
+    duplicates = sum(x.duplicates for x in resent)
+    assert duplicates > 0 and duplicates + sum(x.accepted for x in resent) == out["sent"]
+    # A resent report comes back duplicate only if a counted it: nothing accepted is lost.
     window: pb.RebalanceResponse = out["window"]
     assert window.window_tokens == out["sent"] * TOKENS_PER_REPORT
