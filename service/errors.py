@@ -244,6 +244,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if status is None:
             log.error("unhandled error in %s", call.label, exc_info=exc)
             status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
+        elif status.code == code_pb2.ABORTED:
+            # A race lost to another replica: expected, but worth seeing without debug logs.
+            log.info("%s aborted: %s", call.label, status.message)
+        else:
+            log.debug("%s failed: %s", call.label, status.message)
         call.code = _CODE_NAMES.get(status.code, "UNKNOWN")
         await context.abort_with_status(rpc_status.to_status(status))
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -20,7 +22,7 @@ from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.cli import parse_args
 from eplb_service.client import EngineClient, auth_metadata, channel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import REDIS_URL, free_port, small_deployment
+from svc_helpers import FAST, REDIS_URL, free_port, small_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,3 +219,17 @@ def test_the_token_comes_from_a_file_the_environment_or_the_flag(monkeypatch, tm
     with pytest.raises(SystemExit):
         parse_args(["--token-file", str(path)])
     assert "one token" in capsys.readouterr().err
+
+
+async def test_a_lost_planning_race_is_logged_at_info(serve, connect, prefix, caplog):
+    server = await serve(redis_url=REDIS_URL, key_prefix=prefix(), balancer=replace(FAST, lease_s=0.3))
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    # Another replica holds the planning lease for longer than this one waits (2 leases).
+    assert await server.store.acquire_lease("d1", "another-replica", 30)
+    with caplog.at_level(logging.INFO, logger="eplb_service"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    lost = [r for r in caplog.records if r.levelno == logging.INFO and "Rebalance aborted" in r.getMessage()]
+    assert len(lost) == 1 and "planning lease" in lost[0].getMessage() and lost[0].exc_info is None
