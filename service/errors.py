@@ -27,6 +27,7 @@ from .metrics import Metrics
 __all__ = [
     "Aborted",
     "AlreadyExists",
+    "DeadlineExceeded",
     "ErrorInterceptor",
     "FailedPrecondition",
     "FieldViolation",
@@ -96,6 +97,10 @@ class ResourceExhausted(ServiceError):
 
 class OutOfRange(ServiceError):
     code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class ShuttingDown(ServiceError):
