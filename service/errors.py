@@ -332,6 +332,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def each(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = _Call(label)
+            items = None
             try:
                 items = fn(self._requests(request) if client_stream else request, context)
                 while True:
@@ -343,12 +344,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 self._aborted(call, context)
                 raise
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed while sending
                 call.code = "CANCELLED"
                 raise
             except Exception as exc:  # noqa: BLE001
                 await self._fail(call, context, exc)
             finally:
+                if items is not None:
+                    # Runs the handler's own clean-up now (e.g. the watcher gauge), not at GC.
+                    await items.aclose()
                 self._finish(call, context, None, None)
 
         async def written(request: Any, context: grpc.aio.ServicerContext) -> None:

@@ -233,3 +233,20 @@ async def test_a_lost_planning_race_is_logged_at_info(serve, connect, prefix, ca
     assert err.value.code() == grpc.StatusCode.ABORTED
     lost = [r for r in caplog.records if r.levelno == logging.INFO and "Rebalance aborted" in r.getMessage()]
     assert len(lost) == 1 and "planning lease" in lost[0].getMessage() and lost[0].exc_info is None
+
+
+async def test_a_watch_the_client_cancels_is_counted_as_cancelled_and_leaves_the_gauge(serve, connect):
+    server = await serve()
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    call = c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
+    assert (await call.read()).placement.version == 1
+    assert server.metrics.watchers.labels("d1")._value.get() == 1
+    call.cancel()
+    method = "ExpertLoadBalancerService/WatchPlacements"
+    for _ in range(100):
+        if server.metrics.rpc_requests.labels(method, "CANCELLED")._value.get() == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert server.metrics.rpc_requests.labels(method, "CANCELLED")._value.get() == 1
+    assert server.metrics.watchers.labels("d1")._value.get() == 0
