@@ -25,6 +25,7 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ServiceError, StoreUnavailable
 from .hub import PlacementHub
 from .metrics import Metrics
+from .solver import Job, Solver
 from .store import Store
 from .trigger import TriggerSpec, due, gate
 from .windows import DecayWindow, SlidingWindow, WindowSpec, encode_blob, encode_sums, make_window, sum_blobs
@@ -46,6 +47,10 @@ class BalancerConfig:
     flush_s: float = 1.0
     tick_s: float = 0.5
     refresh_s: float = 2.0
+    # Worker processes for re-plans and for stateless ComputePlacement calls (service/solver.py);
+    # 0 plans in a thread of the serving process (only to measure what the pools buy).
+    plan_workers: int = limits.REPLAN_WORKERS
+    compute_workers: int = limits.COMPUTE_WORKERS
 
 
 @dataclass
@@ -113,6 +118,7 @@ class Balancer:
         self.store = store
         self.metrics = metrics or Metrics()
         self.config = config or BalancerConfig()
+        self.solver = Solver(self.config.plan_workers, self.config.compute_workers)
         self.healthy = True
         self._on_health = on_health
         self._local: dict[str, _Local] = {}
@@ -516,16 +522,26 @@ class Balancer:
         loads, reports, stale = sum_blobs(blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s)
         await self.store.drop_windows(name, stale)
         current = await self.store.placement(name)
-        previous = eplb.Placement(arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots)), topo)
-        # Planning v3-sized models takes milliseconds to seconds; keep the event loop serving.
+        previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
         options = codec.migration_options(local.deployment.migration, policy)
         budget = local.trigger.max_moves
         if not force and budget and policy in codec.MIGRATION_POLICIES and options.get("max_moves", budget) >= budget:
             # Plan within the trigger's move budget rather than plan past it and be refused.
             options["max_moves"] = budget
-        plan, before = await asyncio.to_thread(self._solve, loads, topo, policy, previous, options)
-        stats = codec.plan_stats(plan, before)
-        candidate = pb.Placement(deployment=name, phy2log=arrays.encode(plan.phy2log), stats=stats)
+        planning, notes = codec.planning_options(local.deployment.planning, policy, topo.num_layers, None)
+        fresh = await self._first_plan_is_fresh(name, current, previous, topo)
+        if fresh:
+            # Nobody loaded weights for the initial contiguous placement yet: a fresh plan, not a
+            # repair of it (moves are still counted against it).
+            options = {k: v for k, v in options.items() if k not in codec.MIGRATION_FIELDS}
+            notes.append("first plan from the initial contiguous placement: planned fresh")
+        job = Job(loads, _topology_tuple(topo), policy, None if fresh else previous, {**options, **planning},
+                  baseline=previous, expert_bytes=local.deployment.expert_bytes)
+        solved = await self.solver.replan(job)
+        stats = solved.stats
+        stats.notes.extend(notes)
+        before = stats.imbalance_before
+        candidate = pb.Placement(deployment=name, phy2log=arrays.encode(solved.phy2log), stats=stats)
         candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
         reason = ""
         if not force:
@@ -557,14 +573,13 @@ class Balancer:
                  stats.imbalance_after, stats.moves, f", version {candidate.version}" if response.published else "")
         return response
 
-    @staticmethod
-    def _solve(
-        loads: np.ndarray, topo: eplb.Topology, policy: str, previous: eplb.Placement, options: dict[str, float]
-    ) -> tuple[eplb.Plan, float]:
-        """``loads``: ``[L, E]`` → the plan (migration-aware via ``previous=``, within the deployment's
-        ``options``: tolerance, layer_tolerance) and the current mean imbalance."""
-        before = float(eplb.imbalance(eplb.gpu_loads(loads, previous)).mean())
-        return eplb.rebalance(loads, topo, policy, previous=previous, **options), before
+    async def _first_plan_is_fresh(self, name: str, current: pb.Placement, phy2log: np.ndarray, topo: eplb.Topology) -> bool:
+        """Version 1 is the contiguous placement the service made up, and no rank acked it."""
+        if current.version != 1 or current.stats.policy != "initial":
+            return False
+        if not np.array_equal(phy2log, eplb.Placement.contiguous(topo).phy2log):
+            return False  # the engines' own initial placement: keep what they loaded
+        return not await self.store.acks(name)
 
     async def _flush(self, local: _Local, now: float) -> None:
         # The blob and the entries it folds in are taken in one step: a batch accepted while
@@ -594,24 +609,35 @@ class Balancer:
             with contextlib.suppress(NotFound):
                 await self._flush(local, now)
 
-    @staticmethod
-    def compute(request: pb.ComputePlacementRequest) -> pb.ComputePlacementResponse:
-        """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan."""
+    async def compute(self, request: pb.ComputePlacementRequest, deadline_s: float | None) -> pb.ComputePlacementResponse:
+        """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan, on the
+        bounded compute pool, within ``deadline_s`` (the caller's time left; None: none)."""
         topo = codec.topology_from(request.topology, "topology")
         policy = codec.check_policy(request.policy, "policy")
         loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
         violations = codec.check_migration(request.migration, policy, "migration")
+        violations += codec.check_planning(request.planning, policy, "planning")
         if violations:
             raise InvalidArgument(violations)
+        if policy == "ilp":
+            codec.check_ilp_size(topo, "topology")
         previous = None
         if request.HasField("previous_phy2log"):
-            prev = arrays.decode(request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
+            previous = arrays.decode(request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
             try:
-                previous = eplb.Placement(prev, topo)
+                eplb.Placement(previous, topo)
             except ValueError as exc:
                 raise InvalidArgument(FieldViolation("previous_phy2log", str(exc))) from None
+            previous = previous.astype(np.int32)
         options = codec.migration_options(request.migration, policy) if previous is not None else {}
-        plan = eplb.rebalance(loads, topo, policy, previous=previous, **options)
-        before = float(eplb.imbalance(eplb.gpu_loads(loads, previous or eplb.Placement.contiguous(topo))).mean())
-        return pb.ComputePlacementResponse(phy2log=arrays.encode(plan.phy2log), logcnt=arrays.encode(plan.logcnt),
-                                           stats=codec.plan_stats(plan, before))
+        planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s)
+        job = Job(np.asarray(loads, dtype=np.float64), _topology_tuple(topo), policy, previous, {**options, **planning},
+                  expert_bytes=request.expert_bytes if previous is not None else 0)
+        solved = await self.solver.compute(job, deadline_s)
+        solved.stats.notes.extend(notes)
+        return pb.ComputePlacementResponse(phy2log=arrays.encode(solved.phy2log), logcnt=arrays.encode(solved.logcnt),
+                                           stats=solved.stats)
+
+
+def _topology_tuple(topo: eplb.Topology) -> tuple[int, int, int, int, int, int]:
+    return (topo.num_layers, topo.num_experts, topo.num_slots, topo.num_gpus, topo.num_nodes, topo.num_groups)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Collection
 
+import numpy as np
+
 import eplb
 from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE, MIGRATION_OPTIONS
 from ._gen.eplb.v1 import balancer_pb2 as pb
-from .errors import FieldViolation, InvalidArgument
+from . import limits
+from .errors import FieldViolation, InvalidArgument, ResourceExhausted
 from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
 from .windows import WindowSpec
@@ -117,6 +121,7 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     elif msg.window.decay.half_life.ToNanoseconds() <= 0:
         violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
     violations += check_migration(msg.migration, out.policy, f"{field}.migration")
+    violations += check_planning(msg.planning, out.policy, f"{field}.planning")
     if out.policy in MIGRATION_POLICIES:
         # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
         if not out.migration.HasField("tolerance"):
@@ -177,6 +182,92 @@ def window_spec(msg: pb.Deployment) -> WindowSpec:
 def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
     t = msg.trigger
     return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, t.max_moves)
+
+
+# Planning.effort values on the wire; the installed library may not know all of them yet.
+EFFORTS = ("fast", "default", "high")
+PLANNING_POLICIES = (*MIGRATION_POLICIES, "ilp")
+
+
+@functools.cache
+def library_accepts(option: str, value: object) -> bool:
+    """Whether the installed library's ``global`` policy takes ``option=value`` (feature
+    detection through the public API, on a one-expert plan, once per process)."""
+    try:
+        eplb.rebalance(np.ones((1, 2)), eplb.Topology(1, 2, 2, 1), "global", **{option: value})
+    except ValueError:
+        return False
+    return True
+
+
+def check_planning(msg: pb.Planning, policy: str, field: str) -> list[FieldViolation]:
+    """Field violations of a ``Planning`` for ``policy`` (empty when it is valid)."""
+    out = []
+    set_fields = [f.name for f, _ in msg.ListFields()]
+    if set_fields and policy not in PLANNING_POLICIES:
+        return [FieldViolation(f"{field}.{set_fields[0]}", f"policy {policy!r} takes no planning options; "
+                               f"set them only for {', '.join(PLANNING_POLICIES)}")]
+    if msg.effort:
+        if msg.effort not in EFFORTS:
+            out.append(FieldViolation(f"{field}.effort", f"{msg.effort!r} is not one of {', '.join(EFFORTS)}"))
+        elif policy == "ilp":
+            out.append(FieldViolation(f"{field}.effort", "policy 'ilp' has no effort levels; set time_limit"))
+    if msg.HasField("work_budget") and policy == "ilp":
+        out.append(FieldViolation(f"{field}.work_budget", "policy 'ilp' has no work budget; set time_limit"))
+    if msg.HasField("time_limit") and msg.time_limit.ToNanoseconds() <= 0:
+        out.append(FieldViolation(f"{field}.time_limit", "must be > 0"))
+    return out
+
+
+def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None) -> tuple[dict, list[str]]:
+    """A checked ``Planning`` → ``eplb.rebalance`` keyword options and notes on what the
+    installed library could not take. ``deadline_s``: seconds left to the caller (None: none);
+    the plan's time limit never runs past it. ``ilp`` always gets a time limit (at most
+    ``limits.ILP_MAX_SECONDS`` for the whole model) and one solver thread."""
+    options: dict[str, object] = {}
+    notes: list[str] = []
+    limit = msg.time_limit.ToNanoseconds() / 1e9 if msg.HasField("time_limit") else None
+    if deadline_s is not None:
+        # Leave room to send the answer back before the caller gives up.
+        room = max(0.05, 0.8 * deadline_s - 0.05)
+        limit = room if limit is None else min(limit, room)
+    if policy == "ilp":
+        total = min(limit or limits.ILP_MAX_SECONDS, limits.ILP_MAX_SECONDS)
+        return {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}, notes
+    if policy not in PLANNING_POLICIES:
+        return options, notes
+    if msg.effort and msg.effort != "default":
+        options["effort"] = msg.effort
+    elif msg.effort == "default" and library_accepts("effort", "default"):
+        options["effort"] = "default"
+    if msg.HasField("work_budget"):
+        if library_accepts("work_budget", 1000):
+            options["work_budget"] = msg.work_budget
+        else:
+            notes.append("planning.work_budget ignored: the installed eplb has no work budget")
+    if limit is not None:
+        options["time_limit"] = limit
+    return options, notes
+
+
+def check_ilp_size(topo: eplb.Topology, field: str) -> None:
+    """RESOURCE_EXHAUSTED when an ``ilp`` plan of ``topo`` is over the documented size."""
+    cells = topo.num_experts * topo.num_gpus
+    if cells > limits.ILP_MAX_CELLS:
+        raise ResourceExhausted(
+            f"{field}: policy 'ilp' plans layers of at most {limits.ILP_MAX_CELLS} experts x gpus; this one has "
+            f"{topo.num_experts} x {topo.num_gpus} = {cells}. Use policy 'auto'"
+        )
+
+
+def transfer_stats(old: eplb.Placement, new: eplb.Placement, topo: eplb.Topology, expert_bytes: int) -> pb.TransferStats:
+    """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer``) → ``TransferStats``."""
+    from eplb.transfer import transfer_plan
+
+    plan = transfer_plan(old, new, topo, expert_bytes=float(expert_bytes))
+    # TODO(lead): fill rounds, max_rank_round_bytes and predicted_seconds from eplb.transfer's
+    # round schedule once that helper's branch is merged; until then only bytes are known.
+    return pb.TransferStats(bytes=int(plan.sent_bytes.sum()), cross_node_bytes=int(plan.cross_node_bytes))
 
 
 def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:

@@ -7,9 +7,22 @@ same figure the checks use.
 
 from __future__ import annotations
 
-__all__ = ["MAX_REPORT_COUNT"]
+__all__ = ["COMPUTE_QUEUE", "COMPUTE_WORKERS", "ILP_MAX_CELLS", "ILP_MAX_SECONDS", "MAX_REPORT_COUNT", "REPLAN_WORKERS"]
 
 # Largest count one report may carry in one [layer, expert] (or slot) entry. A window sums at
 # most a few million reports, so its sums stay far below float64's range (and exact far beyond
 # any realistic token count): no report can make a window infinite.
 MAX_REPORT_COUNT = 1e12
+
+# Planning capacity (service/solver.py). Re-plans of deployments run in their own pool, which
+# stateless ComputePlacement calls never use: those get COMPUTE_WORKERS processes and a queue of
+# COMPUTE_QUEUE calls, and RESOURCE_EXHAUSTED beyond.
+REPLAN_WORKERS = 2
+COMPUTE_WORKERS = 2
+COMPUTE_QUEUE = 4
+
+# policy "ilp" (CP-SAT per layer) costs far more than the others: a plan may take at most
+# ILP_MAX_SECONDS in all (less when the call's deadline is nearer), on one solver thread, and
+# only for layers of at most ILP_MAX_CELLS experts x gpus.
+ILP_MAX_SECONDS = 30.0
+ILP_MAX_CELLS = 8192

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -64,5 +63,4 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         return await self.balancer.rebalance(request)
 
     async def ComputePlacement(self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext) -> pb.ComputePlacementResponse:
-        # Planning a v3-sized model takes milliseconds to seconds: keep the event loop serving.
-        return await asyncio.to_thread(self.balancer.compute, request)
+        return await self.balancer.compute(request, context.time_remaining())
