@@ -446,26 +446,54 @@ class Balancer:
 
     # planning
 
-    async def rebalance(self, request: pb.RebalanceRequest) -> pb.RebalanceResponse:
+    async def rebalance(self, request: pb.RebalanceRequest, deadline_s: float | None = None) -> pb.RebalanceResponse:
+        """Plans now; waits for another replica's plan of the deployment (its lease) for up to
+        ``deadline_s`` (the caller's time left; None: 60 s)."""
         codec.check_name(request.deployment, "deployment")
         local = await self._get_local(request.deployment)
         if request.dry_run:
             return await self._plan(local, dry_run=True, force=request.force)
         name = request.deployment
+        wait_s = 60.0 if deadline_s is None else max(0.0, deadline_s - 0.1)
         # One plan at a time per deployment: the local lock orders this replica's callers, the
         # store's lease (one owner token per attempt) orders the replicas.
         async with local.lock:
             owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
-            deadline = time.monotonic() + 2 * self.config.lease_s
+            deadline = time.monotonic() + wait_s
             while not await self.store.acquire_lease(name, owner, self.config.lease_s):
                 if time.monotonic() > deadline:
-                    raise Aborted(f"another replica has held the planning lease of {name!r} for over {2 * self.config.lease_s:g}s")
-                await asyncio.sleep(0.01)
-            try:
-                return await self._plan(local, dry_run=False, force=request.force)
-            finally:
-                with contextlib.suppress(ServiceError):
-                    await self.store.release_lease(name, owner)
+                    raise Aborted(f"another replica has been planning {name!r} for over {wait_s:g}s; retry later")
+                await asyncio.sleep(0.02)
+            async with self._renewing(name, owner):
+                try:
+                    return await self._plan(local, dry_run=False, force=request.force)
+                except Aborted as exc:
+                    log.info("plan of %s lost the race: %s", name, exc)
+                    raise
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, name: str, owner: str) -> AsyncIterator[None]:
+        """Holds the planning lease ``owner`` acquired for as long as the plan runs (renewed every
+        third of it), then releases it: a long plan never lets a second replica plan the same
+        version, and a crashed planner still blocks the others for one lease at most."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.config.lease_s / 3)
+                try:
+                    if not await self.store.renew_lease(name, owner, self.config.lease_s):
+                        log.warning("the planning lease of %s expired while planning; another replica may plan too", name)
+                        return
+                except ServiceError as exc:
+                    log.info("renewing the planning lease of %s failed: %s", name, exc)
+
+        task = asyncio.create_task(renew(), name=f"lease-{name}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(ServiceError):
+                await self.store.release_lease(name, owner)
 
     async def _trigger_all(self) -> None:
         """Re-plans every deployment whose trigger is due; one deployment's failure (a store
@@ -501,15 +529,15 @@ class Balancer:
             owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
             if not await self.store.acquire_lease(name, owner, self.config.lease_s):
                 return
-            try:
+            async with self._renewing(name, owner):
                 # Re-read under the lease: another replica may have just planned.
                 why = due(local.trigger, await self.store.marks(name), time.time())
                 if why is not None:
                     log.info("re-planning %s: %s", name, why)
-                    await self._plan(local, dry_run=False, force=False)
-            finally:
-                with contextlib.suppress(ServiceError):
-                    await self.store.release_lease(name, owner)
+                    try:
+                        await self._plan(local, dry_run=False, force=False)
+                    except Aborted as exc:
+                        log.info("triggered plan of %s lost the race: %s", name, exc)
 
     async def _plan(self, local: _Local, dry_run: bool, force: bool) -> pb.RebalanceResponse:
         name, topo = local.deployment.name, local.topology

@@ -168,6 +168,13 @@ class MemoryStore:
             return True
         return False
 
+    async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        state = self._states.get(name)
+        if state is None or state.lease is None or state.lease[0] != owner or state.lease[1] <= time.monotonic():
+            return False
+        state.lease = (owner, time.monotonic() + ttl_s)
+        return True
+
     async def release_lease(self, name: str, owner: str) -> None:
         state = self._states.get(name)
         if state is not None and state.lease is not None and state.lease[0] == owner:

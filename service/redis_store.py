@@ -170,6 +170,11 @@ if #ARGV > 2 then redis.call('XDEL', KEYS[3], unpack(ARGV, 3)) end
 return 1
 """
 
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -315,6 +320,7 @@ class RedisStore:
         self._accept = self._r.register_script(_ACCEPT)
         self._ack = self._r.register_script(_ACK)
         self._release = self._r.register_script(_RELEASE)
+        self._renew = self._r.register_script(_RENEW)
         self._put_window = self._r.register_script(_PUT_WINDOW)
         # One blocking reader over every followed deployment's announce stream, on its own
         # connection: the connections a replica holds do not grow with its deployments.
@@ -524,6 +530,10 @@ class RedisStore:
         key = self.key(name, "lease")
         with _unavailable():
             return bool(await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))))
+
+    async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        with _unavailable():
+            return bool(await self._renew(keys=[self.key(name, "lease")], args=[owner, max(1, int(ttl_s * 1000))]))
 
     async def release_lease(self, name: str, owner: str) -> None:
         with _unavailable():

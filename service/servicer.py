@@ -60,7 +60,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         return await self.balancer.ack(request)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
-        return await self.balancer.rebalance(request)
+        return await self.balancer.rebalance(request, context.time_remaining())
 
     async def ComputePlacement(self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext) -> pb.ComputePlacementResponse:
         return await self.balancer.compute(request, context.time_remaining())

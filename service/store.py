@@ -110,6 +110,9 @@ class Store(Protocol):
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         """The planning lease for ``name``: true if ``owner`` holds it now (expires after ttl)."""
 
+    async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Extends ``owner``'s lease to ``ttl_s`` from now; False if ``owner`` no longer holds it."""
+
     async def release_lease(self, name: str, owner: str) -> None: ...
 
     async def close(self) -> None: ...

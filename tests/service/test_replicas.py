@@ -136,3 +136,30 @@ async def test_a_re_created_deployment_reaches_the_other_replica_within_a_second
     fresh = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
     assert list((await fresh.read()).placement.phy2log.shape) == [2, 16]
     fresh.cancel()
+
+
+@pytest.mark.slow
+async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
+    """Replica A plans for longer than a lease (2 s here); replica B's Rebalance waits for it
+    instead of planning the same version (which would end in ABORTED)."""
+    import numpy as np
+
+    from eplb_service.arrays import encode
+
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    d = pb.Deployment(name="slow", topology=pb.Topology(num_layers=1, num_experts=64, num_slots=80, num_gpus=16),
+                      policy="ilp")
+    d.planning.time_limit.FromMilliseconds(3000)  # CP-SAT cannot prove these layers: it uses it all
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    counts = (np.random.default_rng(1).lognormal(0, 1.5, (1, 64)) * 100).astype(np.int32)
+    await ca.stub.ReportLoad(iter([pb.ReportLoadRequest(deployment="slow", rank=0, seq=1, logical=encode(counts))]))
+    first = asyncio.ensure_future(ca.stub.Rebalance(pb.RebalanceRequest(deployment="slow", force=True)))
+    await asyncio.sleep(0.5)
+    start = time.monotonic()
+    second = await cb.stub.Rebalance(pb.RebalanceRequest(deployment="slow", force=True))
+    first = await first
+    assert time.monotonic() - start > a.balancer.config.lease_s  # B really waited past one lease
+    assert first.published and second.published
+    assert sorted([first.placement.version, second.placement.version]) == [2, 3]
