@@ -171,6 +171,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         # Wrapped handlers per (method, handler): building them on every call costs as much as a
         # small RPC. The handler is kept with its wrapper so its id cannot be reused.
         self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._counts: dict[tuple[str, str], Any] = {}
+        self._latencies: dict[str, Any] = {}
         self._end_server_streams: asyncio.Future | None = None
         self._end_client_streams = False
         self._discard_until = 0.0
@@ -234,8 +236,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _finish(self, call: _Call, context: grpc.aio.ServicerContext, request: Any, audited: Callable | None) -> None:
         if self._metrics is not None:
-            self._metrics.rpc_requests.labels(call.label, call.code).inc()
-            self._metrics.rpc_latency.labels(call.label).observe(time.perf_counter() - call.start)
+            # Label children are looked up once: ``labels()`` costs more than the update itself.
+            key = (call.label, call.code)
+            count = self._counts.get(key)
+            if count is None:
+                count = self._counts[key] = self._metrics.rpc_requests.labels(*key)
+            latency = self._latencies.get(call.label)
+            if latency is None:
+                latency = self._latencies[call.label] = self._metrics.rpc_latency.labels(call.label)
+            count.inc()
+            latency.observe(time.perf_counter() - call.start)
         # A refused token is audited by auth, before the request is even decoded.
         if audited is not None and call.code != "UNAUTHENTICATED":
             name = audited(request)
