@@ -508,9 +508,6 @@ class Balancer:
                 continue
             except StoreUnavailable:
                 raise  # every deployment would fail alike: the health check reports it
-            except Aborted as exc:
-                # Another replica published first: expected with several replicas, not a failure.
-                log.info("re-plan of %s lost to another replica: %s", name, exc)
             except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
                 self.metrics.replan_failures.labels(name).inc()
                 if local.failing is None:

@@ -259,11 +259,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if status is None:
             log.error("unhandled error in %s", call.label, exc_info=exc)
             status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
-        elif status.code == code_pb2.ABORTED:
-            # A race lost to another replica: expected, but worth seeing without debug logs.
-            log.info("%s aborted: %s", call.label, status.message)
         else:
-            log.debug("%s failed: %s", call.label, status.message)
+            # Expected (the client got the reason); the balancer logs lost planning races at INFO.
+            log.debug("%s failed: %s: %s", call.label, _CODE_NAMES.get(status.code, "UNKNOWN"), status.message)
         call.code = _CODE_NAMES.get(status.code, "UNKNOWN")
         await context.abort_with_status(rpc_status.to_status(status))
 

@@ -221,18 +221,21 @@ def test_the_token_comes_from_a_file_the_environment_or_the_flag(monkeypatch, tm
     assert "one token" in capsys.readouterr().err
 
 
-async def test_a_lost_planning_race_is_logged_at_info(serve, connect, prefix, caplog):
+async def test_an_expected_error_is_logged_once_at_debug_without_traceback(serve, connect, prefix, caplog):
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix(), balancer=replace(FAST, lease_s=0.3))
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
     # Another replica holds the planning lease for longer than this call may wait (its deadline).
     assert await server.store.acquire_lease("d1", "another-replica", 30)
-    with caplog.at_level(logging.INFO, logger="eplb_service"):
+    with caplog.at_level(logging.DEBUG, logger="eplb_service"):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), timeout=1.5)
     assert err.value.code() == grpc.StatusCode.ABORTED
-    lost = [r for r in caplog.records if r.levelno == logging.INFO and "Rebalance aborted" in r.getMessage()]
-    assert len(lost) == 1 and "another replica" in lost[0].getMessage() and lost[0].exc_info is None
+    mine = [r for r in caplog.records if r.name == "eplb_service.errors"]
+    assert [(r.levelno, r.getMessage().split(":")[0]) for r in mine] == [
+        (logging.DEBUG, "ExpertLoadBalancerService/Rebalance failed")]
+    assert "ABORTED" in mine[0].getMessage() and "another replica" in mine[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
 
 
 async def test_a_watch_the_client_cancels_is_counted_as_cancelled_and_leaves_the_gauge(serve, connect):
