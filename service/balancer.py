@@ -22,7 +22,17 @@ import eplb
 from . import arrays, codec, limits
 from . import rollout as rollout_states
 from ._gen.eplb.v1 import balancer_pb2 as pb
-from .errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ServiceError, StoreUnavailable
+from .errors import (
+    Aborted,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    ServiceError,
+    StoreUnavailable,
+)
 from .hub import PlacementHub
 from .metrics import Metrics
 from .solver import Job, Solver
@@ -239,13 +249,16 @@ class Balancer:
             self._forget(name)
             local = None
         if local is None:
-            record = await self.store.get(name)
+            record = await self._known(name, lambda: self.store.get(name))
             local = self._local.get(name) or self._adopt(record.deployment)
         return local
 
     async def create(self, request: pb.CreateDeploymentRequest) -> pb.CreateDeploymentResponse:
         deployment = codec.check_deployment(request.deployment)
         topo = codec.topology_from(deployment.topology, "deployment.topology")
+        if await self.store.count() >= limits.MAX_DEPLOYMENTS:
+            raise ResourceExhausted(f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; "
+                                    "delete one first")
         if request.HasField("initial_phy2log"):
             phy2log = arrays.decode(request.initial_phy2log, "initial_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
             try:
@@ -269,7 +282,8 @@ class Balancer:
         return pb.CreateDeploymentResponse(deployment=out, placement=first)
 
     async def get(self, name: str) -> pb.GetDeploymentResponse:
-        record = await self.store.get(name)
+        codec.check_name(name, "name")
+        record = await self._known(name, lambda: self.store.get(name))
         acks = await self.store.acks(name)
         out = pb.Deployment()
         out.CopyFrom(record.deployment)
@@ -297,6 +311,7 @@ class Balancer:
     async def report(self, request: pb.ReportLoadRequest) -> bool:
         """Validates, deduplicates and windows one report; False for a duplicate ``(rank, seq)``."""
         codec.check_name(request.deployment, "deployment")
+        self._check_writable()
         if request.seq >= codec.MAX_SEQ:
             raise InvalidArgument(FieldViolation("seq", f"must be < 2^53, got {request.seq}"))
         local = await self._get_local(request.deployment)
@@ -386,22 +401,50 @@ class Balancer:
     # placements
 
     async def placement(self, name: str, version: int = 0) -> pb.Placement:
+        """The current placement (version 0) or a recent one. Served from this replica's memory
+        while it follows the deployment, and also while the store is unreachable (the last
+        version this replica saw); a deployment it knows is never NOT_FOUND after the store
+        restarted empty (it is written back first)."""
         codec.check_name(name, "deployment")
         local = self._local.get(name)
-        if local is not None and local.hub.live:
-            found = local.hub.latest if version == 0 else local.hub.ring.get(version)
-            if found is not None:
-                return found
+        remembered = None
+        if local is not None and not local.hub.deleted:
+            remembered = local.hub.latest if version == 0 else local.hub.ring.get(version)
+            if remembered is not None and (local.hub.live or not self.healthy):
+                return remembered
         try:
-            return await self.store.placement(name, version)
+            return await self._known(name, lambda: self.store.placement(name, version))
+        except StoreUnavailable:
+            if remembered is not None:
+                return remembered
+            raise
         except NotFound:
             if version:
                 await self.store.get(name)  # NOT_FOUND for the deployment itself first
             raise
 
+    def _check_writable(self) -> None:
+        """Fails at once while the store is known to be down, rather than after its timeouts."""
+        if not self.healthy:
+            raise StoreUnavailable("the store is unreachable (this replica's health is NOT_SERVING); retry later")
+
+    async def _known(self, name: str, call: Callable[[], Awaitable[object]]) -> object:
+        """``call()``; if the store says NOT_FOUND for a deployment this replica follows, checks
+        whether the store restarted empty (then writes everything back) and asks again."""
+        try:
+            return await call()
+        except NotFound:
+            if name not in self._local or await self._confirm_deleted():
+                raise
+            return await call()
+
     async def watch(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
         codec.check_name(name, "deployment")
         local = await self._get_local(name)
+        current = local.hub.version or (await self.store.get(name)).version
+        if since_version > current:
+            raise OutOfRange(f"since_version {since_version} is above {name!r}'s current version {current}; "
+                             "pass the last version you received, or 0 for the current one")
         gauge = self.metrics.watchers.labels(name)
         gauge.inc()
         try:
@@ -423,7 +466,7 @@ class Balancer:
             violations.append(FieldViolation("error", f"{len(request.error)} characters; at most 1024"))
         if violations:
             raise InvalidArgument(violations)
-        record = await self.store.get(request.deployment)
+        record = await self._known(request.deployment, lambda: self.store.get(request.deployment))
         ranks = codec.deployment_ranks(record.deployment)
         codec.check_rank(request.rank, ranks, "rank")
         if request.version > record.version:

@@ -20,13 +20,13 @@ from .windows import WindowSpec
 
 __all__ = ["check_deployment", "check_policy", "check_migration", "migration_options", "topology_from", "topology_to", "window_spec", "trigger_spec", "check_name", "plan_stats"]
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
 DEFAULT_WINDOW_S = 600.0
 
 
 def check_name(name: str, field: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidArgument(FieldViolation(field, f"{name!r} must be 1-64 letters, digits, '-', '_' or '.'"))
     return name
 
@@ -40,6 +40,21 @@ def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
     ]
     if missing:
         raise InvalidArgument(missing)
+    over = [
+        FieldViolation(f"{field}.{name}", f"{getattr(msg, name)} is over the limit of {cap}")
+        for name, cap in (("num_layers", limits.MAX_LAYERS), ("num_experts", limits.MAX_EXPERTS),
+                          ("num_slots", limits.MAX_SLOTS), ("num_gpus", limits.MAX_GPUS))
+        if getattr(msg, name) > cap
+    ]
+    if over:
+        raise InvalidArgument(over)
+    sizes = (("placement", "num_slots", 4, limits.MAX_PLACEMENT_BYTES), ("window", "num_experts", 8, limits.MAX_WINDOW_BYTES))
+    for what, width, itemsize, cap in sizes:
+        size = msg.num_layers * getattr(msg, width) * itemsize
+        if size > cap:
+            raise InvalidArgument(FieldViolation(
+                field, f"a {what} of num_layers x {width} ({msg.num_layers} x {getattr(msg, width)}) takes "
+                       f"{size} bytes, over the limit of {cap}"))
     try:
         return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
     except ValueError as exc:
@@ -146,10 +161,13 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
 def _fill_ranks(msg: pb.Deployment, out: pb.Deployment, field: str) -> list[FieldViolation]:
     """Checks ``msg.ranks`` (distinct) and fills in 0 .. num_gpus - 1 when it is empty."""
     if not msg.ranks:
-        del out.ranks[:]
-        out.ranks.extend(range(msg.topology.num_gpus))
+        if 0 < msg.topology.num_gpus <= limits.MAX_GPUS:  # else the topology's own violation says why
+            del out.ranks[:]
+            out.ranks.extend(range(msg.topology.num_gpus))
         return []
-    seen = set()
+    if len(msg.ranks) > limits.MAX_GPUS:
+        return [FieldViolation(f"{field}.ranks", f"{len(msg.ranks)} ranks, over the limit of {limits.MAX_GPUS}")]
+    seen: set[int] = set()
     dups = sorted({r for r in msg.ranks if r in seen or seen.add(r)})
     if dups:
         return [FieldViolation(f"{field}.ranks", f"ranks must be distinct; repeated: {dups[:8]}")]

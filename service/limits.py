@@ -7,7 +7,7 @@ same figure the checks use.
 
 from __future__ import annotations
 
-__all__ = ["COMPUTE_QUEUE", "COMPUTE_WORKERS", "ILP_MAX_CELLS", "ILP_MAX_SECONDS", "MAX_REPORT_COUNT", "REPLAN_WORKERS"]
+__all__ = ["COMPUTE_QUEUE", "COMPUTE_WORKERS", "ILP_MAX_CELLS", "ILP_MAX_SECONDS", "MAX_DEPLOYMENTS", "MAX_EXPERTS", "MAX_GPUS", "MAX_LAYERS", "MAX_PLACEMENT_BYTES", "MAX_REPORT_COUNT", "MAX_SLOTS", "MAX_WINDOW_BYTES", "REPLAN_WORKERS"]
 
 # Largest count one report may carry in one [layer, expert] (or slot) entry. A window sums at
 # most a few million reports, so its sums stay far below float64's range (and exact far beyond
@@ -26,3 +26,15 @@ COMPUTE_QUEUE = 4
 # only for layers of at most ILP_MAX_CELLS experts x gpus.
 ILP_MAX_SECONDS = 30.0
 ILP_MAX_CELLS = 8192
+
+# Sizes, checked on create and on every stateless call before anything is stored or planned.
+# A placement (int32 [L, P]) travels whole in every GetPlacement and WatchPlacements answer and
+# is kept 16 times per deployment; the window (float64 [L, E]) once per replica.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 8192
+MAX_SLOTS = 16384
+MAX_GPUS = 4096
+MAX_PLACEMENT_BYTES = 4 << 20
+MAX_WINDOW_BYTES = 16 << 20
+# Deployments one service (all its replicas, one Redis key prefix) holds.
+MAX_DEPLOYMENTS = 1000

@@ -70,6 +70,9 @@ class MemoryStore:
     async def list(self) -> list[DeploymentRecord]:
         return [DeploymentRecord(s.deployment, s.version) for _, s in sorted(self._states.items())]
 
+    async def count(self) -> int:
+        return len(self._states)
+
     async def delete(self, name: str) -> None:
         state = self._get(name)
         state.deleted = True

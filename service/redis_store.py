@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import redis.asyncio as redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
@@ -300,8 +300,9 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str = "eplb") -> None:
         self.prefix = prefix
-        # One quick retry covers pooled connections broken by a Redis restart; anything longer
-        # would only delay the UNAVAILABLE the caller should see while Redis is down.
+        # Three quick retries (0.1 s at most) cover pooled connections broken by a Redis
+        # restart; anything longer would only delay the UNAVAILABLE the caller should see while
+        # Redis is down.
         # A bounded pool that makes callers wait for a free connection rather than fail: a
         # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections, however
         # many deployments and calls it serves.
@@ -311,8 +312,10 @@ class RedisStore:
             timeout=2.0,
             client_name=f"eplb:{prefix}",
             socket_connect_timeout=1.0,
-            socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+            # No call on this pool blocks (the announce reader has its own connection): a hung
+            # Redis costs a call at most about this long.
+            socket_timeout=1.0,
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 3),
             health_check_interval=0,
         ))
         self._create = self._r.register_script(_CREATE)
@@ -378,6 +381,10 @@ class RedisStore:
             with contextlib.suppress(NotFound):
                 out.append(await self.get(name))
         return out
+
+    async def count(self) -> int:
+        with _unavailable():
+            return int(await self._r.scard(f"{self.prefix}:deployments"))
 
     async def delete(self, name: str) -> None:
         with _unavailable():

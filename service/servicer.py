@@ -9,8 +9,21 @@ import grpc
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from .balancer import Balancer
+from .errors import FieldViolation, InvalidArgument, ServiceError
 
 __all__ = ["BalancerServicer"]
+
+
+def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> ServiceError:
+    """``exc`` for a report stream, saying how many of the stream's earlier reports were
+    accepted and answered as duplicates: those are kept, and a client resends only the rest."""
+    if accepted == 0 and duplicates == 0:
+        return exc
+    note = (f"the {accepted + duplicates} reports before it in this stream were kept ({accepted} accepted, "
+            f"{duplicates} duplicates); resend only the failed report and those after it")
+    if isinstance(exc, InvalidArgument):
+        return InvalidArgument([*exc.violations, FieldViolation("stream", note)])
+    return type(exc)(f"{exc}; {note}")
 
 
 class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
@@ -43,7 +56,11 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     async def ReportLoad(self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
         accepted = duplicates = 0
         async for request in request_iterator:
-            if await self.balancer.report(request):
+            try:
+                fresh = await self.balancer.report(request)
+            except ServiceError as exc:
+                raise _with_progress(exc, accepted, duplicates) from None
+            if fresh:
                 accepted += 1
             else:
                 duplicates += 1

@@ -55,6 +55,9 @@ class Store(Protocol):
 
     async def list(self) -> list[DeploymentRecord]: ...
 
+    async def count(self) -> int:
+        """How many deployments there are."""
+
     async def delete(self, name: str) -> None:
         """Removes every key of the deployment; ``NotFound`` when missing."""
 
