@@ -137,7 +137,14 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
         violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
     violations += check_migration(msg.migration, out.policy, f"{field}.migration")
     violations += check_planning(msg.planning, out.policy, f"{field}.planning")
+    if msg.trigger.max_moves and msg.migration.HasField("max_moves") and msg.trigger.max_moves != msg.migration.max_moves:
+        violations.append(FieldViolation(f"{field}.trigger.max_moves", "deprecated: set migration.max_moves only "
+                                         "(the two differ here)"))
     if out.policy in MIGRATION_POLICIES:
+        if msg.trigger.max_moves and not msg.migration.HasField("max_moves"):
+            # One move budget: the deprecated Trigger.max_moves moves to Migration.max_moves
+            # (and stays readable where it was).
+            out.migration.max_moves = msg.trigger.max_moves
         # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
         if not out.migration.HasField("tolerance"):
             out.migration.tolerance = DEFAULT_TOLERANCE
@@ -198,8 +205,11 @@ def window_spec(msg: pb.Deployment) -> WindowSpec:
 
 
 def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
+    """The deployment's trigger, with its one move budget: ``Migration.max_moves``, or the
+    deprecated ``Trigger.max_moves`` where that is unset."""
     t = msg.trigger
-    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, t.max_moves)
+    budget = msg.migration.max_moves if msg.migration.HasField("max_moves") else t.max_moves
+    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, budget)
 
 
 # Planning.effort values on the wire; the installed library may not know all of them yet.
