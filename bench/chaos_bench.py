@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def _deployment(ranks: int) -> pb.Deployment:
 
 
 class _Harness:
-    def __init__(self, config: ChaosConfig, workdir: Path, log: callable) -> None:
+    def __init__(self, config: ChaosConfig, workdir: Path, log: Callable[[str], None]) -> None:
         self.cfg = config
         self.rng = random.Random(config.seed)
         self.log = log
@@ -336,7 +337,7 @@ class _Harness:
             res.tracebacks_in_logs += path.read_text(errors="replace").count("Traceback")
 
 
-def run_chaos(config: ChaosConfig, workdir: Path | None = None, log: callable = print) -> ChaosResult:
+def run_chaos(config: ChaosConfig, workdir: Path | None = None, log: Callable[[str], None] = print) -> ChaosResult:
     """Runs one chaos run (the module docstring says what it does and checks)."""
     with tempfile.TemporaryDirectory(prefix="eplb-chaos-") as tmp:
         work = Path(workdir) / time.strftime("run-%Y%m%d-%H%M%S") if workdir else Path(tmp)
