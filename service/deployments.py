@@ -18,7 +18,7 @@ import numpy as np
 
 import eplb
 
-from . import arrays, codec, limits
+from . import arrays, codec, limits, validation
 from . import rollout as rollout_states
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import (
@@ -85,7 +85,7 @@ class Deployments:
 
     def _adopt(self, deployment: pb.Deployment) -> LocalDeployment:
         name = deployment.name
-        topo = codec.topology_from(deployment.topology, "deployment.topology")
+        topo = validation.topology_from(deployment.topology, "deployment.topology")
         spec = codec.window_spec(deployment)
         gen = deployment.create_time.ToNanoseconds()
         hub = PlacementHub(self.store, name, on_version=self._seen, gen=gen,
@@ -122,8 +122,8 @@ class Deployments:
         return local
 
     async def create(self, request: pb.CreateDeploymentRequest) -> pb.CreateDeploymentResponse:
-        deployment = codec.check_deployment(request.deployment)
-        topo = codec.topology_from(deployment.topology, "deployment.topology")
+        deployment = validation.check_deployment(request.deployment)
+        topo = validation.topology_from(deployment.topology, "deployment.topology")
         if await self.store.count() >= limits.MAX_DEPLOYMENTS:
             raise ResourceExhausted(f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; "
                                     "delete one first")
@@ -150,7 +150,7 @@ class Deployments:
         return pb.CreateDeploymentResponse(deployment=out, placement=first)
 
     async def get(self, name: str) -> pb.GetDeploymentResponse:
-        codec.check_name(name, "name")
+        validation.check_name(name, "name")
         record = await self._known(name, lambda: self.store.get(name))
         acks = await self.store.acks(name)
         out = pb.Deployment()
@@ -181,7 +181,7 @@ class Deployments:
         while it follows the deployment, and also while the store is unreachable (the last
         version this replica saw); a deployment it knows is never NOT_FOUND after the store
         restarted empty (it is written back first)."""
-        codec.check_name(name, "deployment")
+        validation.check_name(name, "deployment")
         local = self._local.get(name)
         remembered = None
         if local is not None and not local.hub.deleted:
@@ -210,7 +210,7 @@ class Deployments:
             return await call()
 
     async def watch(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
-        codec.check_name(name, "deployment")
+        validation.check_name(name, "deployment")
         local = await self._get_local(name)
         current = local.hub.version or (await self.store.get(name)).version
         if since_version > current:
@@ -226,7 +226,7 @@ class Deployments:
 
     async def ack(self, request: pb.AckPlacementRequest) -> pb.AckPlacementResponse:
         """Records where a rank stands with a version and answers the version's rollout."""
-        codec.check_name(request.deployment, "deployment")
+        validation.check_name(request.deployment, "deployment")
         violations = []
         if request.version == 0:
             violations.append(FieldViolation("version", "must be >= 1"))
@@ -239,7 +239,7 @@ class Deployments:
             raise InvalidArgument(violations)
         record = await self._known(request.deployment, lambda: self.store.get(request.deployment))
         ranks = codec.deployment_ranks(record.deployment)
-        codec.check_rank(request.rank, ranks, "rank")
+        validation.check_rank(request.rank, ranks, "rank")
         if request.version > record.version:
             raise FailedPrecondition(f"version {request.version} is not published yet (current {record.version})")
         rollout = await self.store.ack(request.deployment, request.rank, request.version, request.state,

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from . import arrays, codec, limits
+from . import arrays, limits, validation
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
@@ -77,14 +77,14 @@ class Ingest:
 
     async def report(self, request: pb.ReportLoadRequest) -> bool:
         """Validates, deduplicates and windows one report; False for a duplicate ``(rank, seq)``."""
-        codec.check_name(request.deployment, "deployment")
+        validation.check_name(request.deployment, "deployment")
         self._check_writable()
-        if request.seq >= codec.MAX_SEQ:
+        if request.seq >= validation.MAX_SEQ:
             raise InvalidArgument(FieldViolation("seq", f"must be < 2^53, got {request.seq}"))
         local = await self._get_local(request.deployment)
         rejected = self.metrics.reports_rejected
         try:
-            codec.check_rank(request.rank, local.ranks, "rank")
+            validation.check_rank(request.rank, local.ranks, "rank")
         except InvalidArgument:
             rejected.labels(request.deployment, "unknown_rank").inc()
             raise

@@ -16,7 +16,7 @@ import numpy as np
 
 import eplb
 
-from . import arrays, codec
+from . import arrays, codec, validation
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
@@ -45,7 +45,7 @@ class Planner:
     async def rebalance(self, request: pb.RebalanceRequest, deadline_s: float | None = None) -> pb.RebalanceResponse:
         """Plans now; waits for another replica's plan of the deployment (its lease) for up to
         ``deadline_s`` (the caller's time left; None: 60 s)."""
-        codec.check_name(request.deployment, "deployment")
+        validation.check_name(request.deployment, "deployment")
         local = await self._get_local(request.deployment)
         if request.dry_run:
             return await self._plan(local, dry_run=True, force=request.force)
@@ -200,15 +200,15 @@ class Planner:
     async def compute(self, request: pb.ComputePlacementRequest, deadline_s: float | None) -> pb.ComputePlacementResponse:
         """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan, on the
         bounded compute pool, within ``deadline_s`` (the caller's time left; None: none)."""
-        topo = codec.topology_from(request.topology, "topology")
-        policy = codec.check_policy(request.policy, "policy")
+        topo = validation.topology_from(request.topology, "topology")
+        policy = validation.check_policy(request.policy, "policy")
         loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
-        violations = codec.check_migration(request.migration, policy, "migration")
-        violations += codec.check_planning(request.planning, policy, "planning")
+        violations = validation.check_migration(request.migration, policy, "migration")
+        violations += validation.check_planning(request.planning, policy, "planning")
         if violations:
             raise InvalidArgument(violations)
         if policy == "ilp":
-            codec.check_ilp_size(topo, "topology")
+            validation.check_ilp_size(topo, "topology")
         previous = None
         if request.HasField("previous_phy2log"):
             previous = arrays.decode(request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
