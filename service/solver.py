@@ -16,6 +16,7 @@ balancer of the process, and are daemons: they die with the server.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import multiprocessing
 import multiprocessing.pool
 from collections import deque
@@ -145,6 +146,14 @@ class _Slots:
 
 
 _SLOTS: dict[tuple[str, int], _Slots] = {}
+
+
+@atexit.register
+def _stop_workers() -> None:
+    # Before the interpreter tears down what Pool.__del__ needs (noisy tracebacks otherwise).
+    for slots in _SLOTS.values():
+        for slot in slots.free:
+            slot.kill()
 
 
 def _slots(kind: str, n: int) -> _Slots:
