@@ -132,7 +132,7 @@ async def test_sigterm_drains_and_every_accepted_report_is_counted(replicas):
     a, b = replicas
     out = await _stream_then_fail_over(a, b, signal.SIGTERM)
     assert out["exit_code"] == 0
-    assert out["exited_at"] - out["signalled_at"] < GRACE_S + 5
+    assert out["exited_at"] - out["signalled_at"] < GRACE_S + 3  # measured: 1.8-1.9 s
     # Health said NOT_SERVING (after SERVING) before any report stream was ended.
     statuses = [s for _, s in out["health"]]
     assert statuses[:1] == [health_pb2.HealthCheckResponse.SERVING]
