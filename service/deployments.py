@@ -124,6 +124,8 @@ class Deployments:
     async def create(self, request: pb.CreateDeploymentRequest) -> pb.CreateDeploymentResponse:
         deployment = validation.check_deployment(request.deployment)
         topo = validation.topology_from(deployment.topology, "deployment.topology")
+        if deployment.policy == "ilp":
+            validation.check_ilp_size(topo, "deployment.topology")
         if await self.store.count() >= limits.MAX_DEPLOYMENTS:
             raise ResourceExhausted(f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; "
                                     "delete one first")

@@ -158,7 +158,9 @@ class Planner:
             notes.append("first plan from the initial contiguous placement: planned fresh")
         job = Job(loads, _topology_tuple(topo), policy, None if fresh else previous, {**options, **planning},
                   baseline=previous, expert_bytes=local.deployment.expert_bytes)
-        solved = await self.solver.replan(job)
+        # A dry run publishes nothing, so any caller may ask for many: it plans on the bounded
+        # capacity of stateless calls, never on the re-plans' own.
+        solved = await (self.solver.compute(job, None) if dry_run else self.solver.replan(job))
         stats = solved.stats
         stats.notes.extend(notes)
         before = stats.imbalance_before

@@ -105,3 +105,13 @@ async def test_ilp_calls_keep_their_deadline_and_leave_re_plans_their_capacity(s
     allowed = {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert set(codes) <= allowed, codes
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 8 - limits.COMPUTE_WORKERS - limits.COMPUTE_QUEUE
+
+
+async def test_an_ilp_deployment_over_the_size_limit_is_refused(serve, connect):
+    c = connect(await serve())
+    d = pb.Deployment(name="big", policy="ilp",
+                      topology=pb.Topology(num_layers=1, num_experts=256, num_slots=512, num_gpus=64))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert list((await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments) == []
