@@ -4,7 +4,8 @@ Starts a balancer (in-process store) in a child process, creates a v3-sized depl
 it skewed loads, then for ``--seconds`` keeps forced Rebalance calls running back to back while
 one client calls GetPlacement in a loop, and prints the latency percentiles of GetPlacement.
 ``--workers 0`` plans in a thread of the serving process (the service before plans moved to
-worker processes); the default compares 0 and 2, ``--runs`` times each, interleaved.
+worker processes); the default compares 0 and 2, and GetPlacement with no re-plans (the floor),
+``--runs`` times each, interleaved. On a shared machine, read the per-run figures too.
 
     python -m eplb_bench.serving_latency --runs 3 --seconds 8 [--effort high]
 """
@@ -19,7 +20,6 @@ import sys
 import time
 
 import numpy as np
-
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.arrays import encode
@@ -50,8 +50,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def measure(port: int, seconds: float, effort: str) -> tuple[np.ndarray, int]:
-    """GetPlacement latencies in seconds while Rebalance runs back to back, and the plans made."""
+async def measure(port: int, seconds: float, effort: str, replans: bool) -> tuple[np.ndarray, int]:
+    """GetPlacement latencies in seconds while Rebalance runs back to back (or, without
+    ``replans``, alone: the floor), and the plans made."""
     chan = channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
     deployment = pb.Deployment(name="v3", topology=TOPOLOGY, planning=pb.Planning(effort=effort))
@@ -69,7 +70,7 @@ async def measure(port: int, seconds: float, effort: str) -> tuple[np.ndarray, i
 
     async def replan() -> None:
         nonlocal plans
-        while time.monotonic() < stop:
+        while replans and time.monotonic() < stop:
             await stub.Rebalance(pb.RebalanceRequest(deployment="v3", force=True))
             plans += 1
 
@@ -84,12 +85,12 @@ async def measure(port: int, seconds: float, effort: str) -> tuple[np.ndarray, i
     return np.array(latencies), plans
 
 
-def run(workers: int, seconds: float, effort: str) -> tuple[np.ndarray, int]:
+def run(workers: int, seconds: float, effort: str, replans: bool = True) -> tuple[np.ndarray, int]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), str(workers)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        return asyncio.run(measure(port, seconds, effort))
+        return asyncio.run(measure(port, seconds, effort, replans))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -102,18 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--effort", default="high", help="the deployment's Planning.effort (fast, default, high)")
     args = ap.parse_args(argv)
-    results: dict[int, list[tuple[float, float, int, int]]] = {w: [] for w in args.workers}
+    variants = [("no re-plans", 2, False)] + [(f"{w} workers" if w else "in-process", w, True) for w in args.workers]
+    results: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name, _, _ in variants}
     for _ in range(args.runs):
-        for w in args.workers:
-            lat, plans = run(w, args.seconds, args.effort)
-            results[w].append((np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3, lat.size, plans))
+        for name, w, replans in variants:
+            lat, plans = run(w, args.seconds, args.effort, replans)
+            results[name].append((np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3, lat.size, plans))
     print(f"GetPlacement under back-to-back re-plans of a {TOPOLOGY.num_layers}x{TOPOLOGY.num_experts} "
           f"deployment (effort {args.effort}), {args.seconds:g} s per run, medians of {args.runs} runs")
-    print("plan workers | p50 ms | p99 ms | calls | plans   (per run: p99 ms)")
-    for w, rows in results.items():
+    print("     planning | p50 ms | p99 ms | calls | plans   (per run: p99 ms)")
+    for name, rows in results.items():
         p50, p99, calls, plans = (float(np.median([r[i] for r in rows])) for i in range(4))
         per_run = ", ".join(f"{r[1]:.1f}" for r in rows)
-        print(f"{w if w else 'in-process':>12} | {p50:6.2f} | {p99:6.2f} | {calls:5.0f} | {plans:5.0f}   ({per_run})")
+        print(f"{name:>13} | {p50:6.2f} | {p99:6.2f} | {calls:5.0f} | {plans:5.0f}   ({per_run})")
     return 0
 
 
