@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 

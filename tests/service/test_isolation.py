@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Self
 
 import grpc
 import numpy as np
@@ -42,7 +43,7 @@ async def test_a_report_over_the_cap_is_refused_and_the_window_stays_finite(serv
 class grpc_error:
     """``with grpc_error() as e:`` expects an AioRpcError; ``e.code`` and ``e.details`` after."""
 
-    def __enter__(self) -> grpc_error:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, typ, exc, tb) -> bool:

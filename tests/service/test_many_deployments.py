@@ -7,10 +7,9 @@ import asyncio
 import time
 
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.redis_store import POOL_CONNECTIONS
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, small_deployment
 
 N = 130

@@ -8,13 +8,13 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-
-import eplb
-from eplb.transfer import transfer_plan
 from eplb_service import limits
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.arrays import encode
 from svc_helpers import small_deployment, status_details
+
+import eplb
+from eplb.transfer import transfer_plan
 
 TOPO = small_deployment().topology
 T = eplb.Topology(4, 16, 24, 8, 2, 4)

@@ -4,7 +4,6 @@ answer every sequence of acks alike, on real Redis."""
 from __future__ import annotations
 
 import numpy as np
-
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.memory_store import MemoryStore
 from eplb_service.redis_store import RedisStore
