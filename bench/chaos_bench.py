@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
+import subprocess
 import tempfile
 import time
 import uuid
@@ -156,10 +158,9 @@ class _Harness:
         for r in self.replicas:
             r.signal(signal.SIGTERM)
         for r in self.replicas:
-            try:
+            # Clean-up: whatever did not stop within 15 s is killed.
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 r.wait(15)
-            except Exception:  # noqa: BLE001  (clean-up: kill what did not stop)
-                pass
             r.stop()
         self.redis.stop()
 

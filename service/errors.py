@@ -220,10 +220,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return cached[1]
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
         label = short_name(method)
         audited = _AUDITED.get(method)
         if handler.unary_unary:

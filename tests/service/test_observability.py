@@ -227,9 +227,8 @@ async def test_an_expected_error_is_logged_once_at_debug_without_traceback(serve
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
     # Another replica holds the planning lease for longer than this call may wait (its deadline).
     assert await server.store.acquire_lease("d1", "another-replica", 30)
-    with caplog.at_level(logging.DEBUG, logger="eplb_service"):
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), timeout=1.5)
+    with caplog.at_level(logging.DEBUG, logger="eplb_service"), pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), timeout=1.5)
     assert err.value.code() == grpc.StatusCode.ABORTED
     mine = [r for r in caplog.records if r.name == "eplb_service.errors"]
     assert [(r.levelno, r.getMessage().split(":")[0]) for r in mine] == [

@@ -119,9 +119,9 @@ async def _stream_then_fail_over(a: ServeProcess, b: ServeProcess, sig: int) -> 
         # Fail over: every rank resends its whole stream to b; what a accepted comes back duplicate.
         resent = await asyncio.gather(*(stub_b.ReportLoad(iter(r.sent)) for r in ranks))
         window = await _window(stub_b)
-        return dict(ranks=ranks, signalled_at=signalled_at, exited_at=exited_at, exit_code=exit_code,
-                    health=health_seen, accepted_a=accepted_a, resent=resent, window=window,
-                    sent=sum(len(r.sent) for r in ranks))
+        return {"ranks": ranks, "signalled_at": signalled_at, "exited_at": exited_at, "exit_code": exit_code,
+                "health": health_seen, "accepted_a": accepted_a, "resent": resent, "window": window,
+                "sent": sum(len(r.sent) for r in ranks)}
     finally:
         await ca.close()
         await cb.close()
