@@ -81,14 +81,16 @@ def check_policy(policy: str, field: str) -> str:
     return policy
 
 
-def check_migration(msg: pb.Migration, policy: str, field: str) -> list[FieldViolation]:
-    """Field violations of a ``Migration`` for ``policy`` (empty when it is valid)."""
+def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bool = False) -> list[FieldViolation]:
+    """Field violations of a ``Migration`` for ``policy`` (empty when it is valid). With
+    ``budget_gates`` (a deployment, whose trigger gates publication), ``max_moves`` is allowed
+    for every policy: the policies that re-plan from scratch are gated by it."""
     out = []
     for name in MIGRATION_FIELDS:
         if not msg.HasField(name):
             continue
         value = getattr(msg, name)
-        if policy not in MIGRATION_POLICIES:
+        if policy not in MIGRATION_POLICIES and not (budget_gates and name == "max_moves"):
             out.append(FieldViolation(f"{field}.{name}", f"policy {policy!r} re-plans from scratch; "
                                       f"set only for {', '.join(MIGRATION_POLICIES)}"))
         elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
@@ -126,16 +128,16 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
             out.window.sliding.buckets = 10
     elif msg.window.decay.half_life.ToNanoseconds() <= 0:
         violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
-    violations += check_migration(msg.migration, out.policy, f"{field}.migration")
+    violations += check_migration(msg.migration, out.policy, f"{field}.migration", budget_gates=True)
     violations += check_planning(msg.planning, out.policy, f"{field}.planning")
     if msg.trigger.max_moves and msg.migration.HasField("max_moves") and msg.trigger.max_moves != msg.migration.max_moves:
         violations.append(FieldViolation(f"{field}.trigger.max_moves", "deprecated: set migration.max_moves only "
                                          "(the two differ here)"))
+    if msg.trigger.max_moves and not msg.migration.HasField("max_moves"):
+        # One move budget: the deprecated Trigger.max_moves moves to Migration.max_moves (and
+        # stays readable where it was).
+        out.migration.max_moves = msg.trigger.max_moves
     if out.policy in MIGRATION_POLICIES:
-        if msg.trigger.max_moves and not msg.migration.HasField("max_moves"):
-            # One move budget: the deprecated Trigger.max_moves moves to Migration.max_moves
-            # (and stays readable where it was).
-            out.migration.max_moves = msg.trigger.max_moves
         # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
         if not out.migration.HasField("tolerance"):
             out.migration.tolerance = DEFAULT_TOLERANCE

@@ -111,9 +111,9 @@ CREATE_CASES = [
         "deployment.migration.tolerance",
     ),
     (
-        "move budget for a from-scratch policy",
-        dict(policy="ilp", migration=pb.Migration(max_moves=10)),
-        "deployment.migration.max_moves",
+        "per-layer move budget for a from-scratch policy",
+        dict(policy="ilp", migration=pb.Migration(max_layer_moves=10)),
+        "deployment.migration.max_layer_moves",
     ),
 ]
 
