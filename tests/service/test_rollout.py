@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 import pytest
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.client import EngineClient
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
 P, S, F = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
@@ -101,8 +102,7 @@ async def test_every_replica_answers_the_same_switch_step(serve, connect, prefix
     assert (await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     # Default ranks: one per gpu (8); default margin 8.
     for rank in range(8):
-        out = await (ca if rank % 2 else cb).stub.AckPlacement(
-            pb.AckPlacementRequest(deployment="d1", rank=rank, version=2, state=P, step=1000 + rank))
+        out = await EngineClient((ca if rank % 2 else cb).channel, "d1", rank).rollout(2, P, step=1000 + rank)
     assert figures(out) == (0, 8, 0, 8, 1007 + 8, False)
     again = await ca.stub.AckPlacement(pb.AckPlacementRequest(deployment="d1", rank=0, version=2, state=S))
     assert figures(again) == (1, 8, 0, 8, 1015, False)
