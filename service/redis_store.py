@@ -127,9 +127,13 @@ elseif state == '1' then
   if step > last then redis.call('HSET', KEYS[2], v .. ':step', ARGV[4]) end
 elseif state == '3' then
   bump(rank .. ':f')
-  if not aborted then became_failed = 1 end
-  aborted = true
-  redis.call('HSET', KEYS[2], v .. ':aborted', 1)
+  -- A fixed switch step stands: ranks may already route with v, so a late failure is
+  -- counted, not turned into an abort that later pollers would see and others would not.
+  if redis.call('HEXISTS', KEYS[2], v .. ':switch') == 0 then
+    if not aborted then became_failed = 1 end
+    aborted = true
+    redis.call('HSET', KEYS[2], v .. ':aborted', 1)
+  end
 end
 local all = redis.call('HGETALL', KEYS[1])
 local h = {}

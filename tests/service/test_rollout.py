@@ -75,6 +75,19 @@ async def test_a_failed_rank_aborts_the_version(rollout_server):
     assert server.metrics.rollouts.labels("d1", "prepared")._value.get() == 0
 
 
+async def test_a_failure_after_the_switch_step_is_fixed_aborts_nothing(rollout_server):
+    server, c = rollout_server
+    for rank in range(3):
+        out = await ack(c, rank, 3, P, step=20 + rank)
+    assert figures(out) == (0, 3, 0, 3, 27, False)
+    await ack(c, 0, 3, S, step=27)  # rank 0 already routes with version 3
+    # Rank 2 fails afterwards (say its commit broke): counted, but the fixed step stands, so
+    # every later poller learns the same step rank 0 switched at.
+    assert figures(await ack(c, 2, 3, F, step=28, error="commit failed")) == (1, 3, 1, 3, 27, False)
+    assert figures(await ack(c, 1, 3, P, step=29)) == (1, 3, 1, 3, 27, False)
+    assert server.metrics.rollouts.labels("d1", "failed")._value.get() == 0
+
+
 async def test_unknown_ranks_are_refused(rollout_server):
     _, c = rollout_server
     with pytest.raises(grpc.aio.AioRpcError) as info:
