@@ -120,13 +120,12 @@ def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s:
 
 
 def transfer_stats(old: eplb.Placement, new: eplb.Placement, topo: eplb.Topology, expert_bytes: int) -> pb.TransferStats:
-    """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer``) → ``TransferStats``."""
-    from eplb.transfer import transfer_plan
+    """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer.transfer_schedule``:
+    one receive per gpu and expert, in rounds of at most one peer per gpu) → ``TransferStats``,
+    timed by the schedule's default bandwidth model."""
+    from eplb.transfer import transfer_schedule
 
-    plan = transfer_plan(old, new, topo, expert_bytes=float(expert_bytes))
-    # TODO(lead): fill rounds, max_rank_round_bytes and predicted_seconds from eplb.transfer's
-    # round schedule once that helper's branch is merged; until then only bytes are known.
-    return pb.TransferStats(bytes=int(plan.sent_bytes.sum()), cross_node_bytes=int(plan.cross_node_bytes))
+    return pb.TransferStats(**transfer_schedule(old, new, topo, expert_bytes=float(expert_bytes)).stats())
 
 
 def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:

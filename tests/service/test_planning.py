@@ -14,7 +14,7 @@ from eplb_service.arrays import encode
 from svc_helpers import small_deployment, status_details
 
 import eplb
-from eplb.transfer import transfer_plan
+from eplb.transfer import transfer_schedule
 
 TOPO = small_deployment().topology
 T = eplb.Topology(4, 16, 24, 8, 2, 4)
@@ -65,9 +65,15 @@ async def test_expert_bytes_give_the_transfer_figures(serve, connect):
     out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
         topology=TOPO, loads=encode(loads()), previous_phy2log=encode(previous.phy2log), expert_bytes=1 << 20))
     new = eplb.Placement(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), T)
-    want = transfer_plan(previous, new, T, expert_bytes=float(1 << 20))
-    assert out.stats.transfer.bytes == int(want.sent_bytes.sum()) > 0
-    assert out.stats.transfer.cross_node_bytes == int(want.cross_node_bytes)
+    want = transfer_schedule(previous, new, T, expert_bytes=float(1 << 20))
+    got = out.stats.transfer
+    assert got.bytes == int(round(want.bytes)) > 0
+    assert got.cross_node_bytes == int(round(want.cross_node_bytes))
+    # The schedule's rounds: each gpu talks to at most one peer per round, so a gpu receiving
+    # from k peers needs at least k rounds; the busiest rank's round moves at least one expert.
+    assert got.rounds == want.total_rounds >= 1
+    assert got.max_rank_round_bytes == int(round(want.max_rank_round_bytes)) >= 1 << 20
+    assert got.predicted_seconds == pytest.approx(want.predicted_seconds) and got.predicted_seconds > 0
     plain = await c.stub.ComputePlacement(pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads())))
     assert not plain.stats.HasField("transfer")
 
