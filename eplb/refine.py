@@ -11,12 +11,12 @@ rewrites one slot, so the same step also serves migration-aware repair.
 
 from __future__ import annotations
 
-import time
 from itertools import combinations
 from math import comb
 
 import numpy as np
 
+from .budget import Budget
 from .packing import improve, pack
 from .replicate import count_vectors, waterfill
 
@@ -48,15 +48,15 @@ def refine_counts(
     donors: int = 8,
     swap_rounds: int = 2,
     target: np.ndarray | None = None,
-    deadline: float | None = None,
+    budget: Budget | None = None,
     reverse: bool = False,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (experts per bin, no duplicates in a bin) →
     improved ``phy`` ``[X, B, S]`` with the same shape; counts change, every expert keeps >= 1
     replica and at most ``cap`` (``None``: no cap). A row stops once its busiest bin is at
     most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). ``reverse`` also tries
-    the reverse move (``_count_move_out``) each step, keeping the better. Deterministic unless
-    ``deadline`` (a ``time.perf_counter()`` value) stops it between moves.
+    the reverse move (``_count_move_out``) each step, keeping the better. ``budget`` (work units,
+    see ``eplb.budget``) stops it between moves; deterministic unless it has a deadline.
     """
     X, B, S = phy.shape
     E = loads.shape[1]
@@ -68,10 +68,12 @@ def refine_counts(
     active = np.flatnonzero(_bin_loads(loads, phy).max(axis=1) > target)
     best = np.full(X, np.inf)
     idle = np.zeros(X, dtype=np.int64)
-    clock = _Clock(deadline)
+    clock = budget or Budget()
     for _ in range(iterations):
         if active.size == 0 or B < 2 or clock.out():
             break
+        # Each (gainer, donor, bin) candidate is a few array operations: an eighth of a unit.
+        clock.spend(active.size * B * S * min(donors, E) / 8)
         before = _bin_loads(loads[active], phy[active]).max(axis=1)
         snapshot = phy[active]
         # A move may first overload the bin that keeps the donor's last replica; the swaps
@@ -337,13 +339,15 @@ def repack_search(
     cap: int | None,
     *,
     iterations: int = 12,
-    budget: int = 768,
-    deadline: float | None = None,
+    batch: int = 768,
+    target: np.ndarray | None = None,
+    budget: Budget | None = None,
 ) -> np.ndarray:
     """Steepest descent over single count moves (one replica from ``f`` to ``e``), each
     candidate judged by packing its counts from scratch, all candidates of all rows packed in
-    one batch of at most ``budget`` rows. Small layers try every (e, f) pair; larger ones the
-    heaviest experts of the busiest bin against the donors whose replicas grow least.
+    one batch of at most ``batch`` rows. Small layers try every (e, f) pair; larger ones the
+    heaviest experts of the busiest bin against the donors whose replicas grow least. Rows stop
+    at ``target`` ``[X]`` (default: within 0.1 % of the mean bin) or when ``budget`` is spent.
     ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
     X, B, S = phy.shape
     E = loads.shape[1]
@@ -351,12 +355,14 @@ def repack_search(
     best = phy.copy()
     best_max = _bin_loads(loads, best).max(axis=1)
     counts = _counts(best, E)
-    active = np.flatnonzero(best_max > loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH))
-    clock = _Clock(deadline)
+    if target is None:
+        target = loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH)
+    active = np.flatnonzero(best_max > target)
+    clock = budget or Budget()
     for _ in range(iterations):
         if active.size == 0 or clock.out():
             break
-        per_row = max(1, budget // active.size)
+        per_row = max(1, batch // active.size)
         if E * (E - 1) <= per_row:
             e, f = np.nonzero(~np.eye(E, dtype=bool))
             gain = np.broadcast_to(e, (active.size, e.size))
@@ -398,7 +404,11 @@ def repack_search(
             starts = np.r_[0, np.flatnonzero(rows[order][1:] != rows[order][:-1]) + 1]
             rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
             keep = order[rank < _SCREEN]
+            # Pairing is one sort (an eighth of a slot's packing work); a quick packing is _QUICK rounds.
+            clock.spend(quick.size * B * S * (0.125 if S == 2 else _QUICK))
             rows, cand = rows[keep], cand[keep]
+        # A packing's swap rounds cost about S times its slots; screening far less.
+        clock.spend(rows.size * B * S * S)
         packed = _pack_counts(loads[rows], cand, B)
         value = _bin_loads(loads[rows], packed).max(axis=1)
         # Best candidate per row: sort by (row, value) and take each row's first.
@@ -407,7 +417,7 @@ def repack_search(
         win = first[value[first] < best_max[rows[first]] * (1 - _REL_TOL)]
         x = rows[win]
         best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
-        active = x
+        active = x[best_max[x] > target[x]]
     return best
 
 
@@ -421,7 +431,7 @@ def _paired_max(loads: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def exhaustive_counts(
-    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000, deadline: float | None = None
+    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000, budget: Budget | None = None
 ) -> np.ndarray:
     """For small layers: every replica-count vector (at most ``limit`` of them) whose lower
     bound beats the current busiest bin is packed, lowest bound first, in batches of
@@ -445,7 +455,7 @@ def exhaustive_counts(
     rows, vec = np.nonzero(bound < best_max[:, None] * (1 - _REL_TOL))
     order = np.argsort(bound[rows, vec], kind="stable")
     rows, vec = rows[order], vec[order]
-    clock = _Clock(deadline)
+    clock = budget or Budget()
     for start in range(0, rows.size, limit):
         if clock.out():
             break
@@ -454,6 +464,7 @@ def exhaustive_counts(
         r, v = r[keep], v[keep]
         if r.size == 0:
             break
+        clock.spend(r.size * P * S)
         packed = _pack_counts(loads[r], vectors[v], B)
         value = _bin_loads(loads[r], packed).max(axis=1)
         order = np.lexsort((value, r))
@@ -463,33 +474,33 @@ def exhaustive_counts(
     return best
 
 
-def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, deadline: float | None = None) -> np.ndarray:
-    """``effort="high"``: count moves with a wider donor search, every count vector for small
-    layers (:func:`exhaustive_counts`), then :func:`repack_search`, each stopping at
-    ``deadline`` (a ``time.perf_counter()`` value; ``None``: run to the end, deterministic).
-    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
-    # Count moves get three quarters of the time left, leaving room for a repack step.
-    early = None if deadline is None else time.perf_counter() + 0.75 * (deadline - time.perf_counter())
-    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early)
+def refine_thorough(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    budget: Budget | None = None,
+    target: np.ndarray | None = None,
+    wide: bool = False,
+) -> np.ndarray:
+    """The search after the first plan: count moves with a wider donor search, every count
+    vector for small layers (:func:`exhaustive_counts`), then :func:`repack_search`, rows
+    stopping at ``target`` ``[X]`` and all of it when ``budget`` is spent (``None``: run to the
+    end). ``wide`` searches more candidates per step. ``loads`` ``[X, E]``, ``phy``
+    ``[X, B, S]`` → ``[X, B, S]``, never worse per row; deterministic unless ``budget`` has a
+    deadline."""
+    budget = budget or Budget()
+    # Count moves get three quarters of what is left, leaving room for a repack step.
+    donors = 64 if wide else 32
+    first = budget.share(0.75)
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=donors, target=target, budget=first)
+    budget.spend(first.spent)
+    budget.timed_out |= first.timed_out
     better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
-    start = exhaustive_counts(loads, start, cap, deadline=deadline)
-    return repack_search(loads, start, cap, deadline=deadline)
-
-
-class _Clock:
-    """Stops a loop before a step that would likely end past ``deadline``: each step is
-    assumed to take as long as the last one."""
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline, self.last, self.step = deadline, time.perf_counter(), 0.0
-
-    def out(self) -> bool:
-        if self.deadline is None:
-            return False
-        now = time.perf_counter()
-        self.step, self.last = now - self.last, now
-        return now + self.step > self.deadline
+    start = exhaustive_counts(loads, start, cap, budget=budget)
+    return repack_search(
+        loads, start, cap, iterations=24 if wide else 12, batch=3072 if wide else 768, target=target, budget=budget
+    )
 
 
 def separate_hot(
@@ -501,7 +512,7 @@ def separate_hot(
     refine: int = 8,
     target: np.ndarray | None = None,
     guided: bool = True,
-    deadline: float | None = None,
+    budget: Budget | None = None,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row.
 
@@ -567,7 +578,7 @@ def separate_hot(
     packed = _pack_counts(loads[rows], cand, B)
     # Water-filling the rest can still give a warm expert more replicas than the light bins
     # can take; count moves (both ways) settle that.
-    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True, deadline=deadline)
+    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True, budget=budget)
     value = _bin_loads(loads[rows], packed).max(axis=1)
     best, best_max = phy.copy(), binl.max(axis=1)
     for i in np.argsort(value, kind="stable"):  # a few rows; the best candidate per row wins

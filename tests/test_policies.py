@@ -160,10 +160,10 @@ def test_global_known_answer_counts_chosen_for_the_busiest_gpu() -> None:
     # 10 + 6 three times and 6 + 6: 16, the optimum (enumerating the count vectors shows it).
     topo = eplb.Topology(1, 4, 8, 4)
     loads = np.array([[30, 18, 6, 6]])
-    water = eplb.rebalance(loads, topo, "global", refine=0)
+    water = eplb.rebalance(loads, topo, "global", refine=0, effort="fast")
     assert water.logcnt.tolist() == [[4, 2, 1, 1]]
     assert sorted(water.gpu_load[0].tolist()) == [13.5, 13.5, 16.5, 16.5]
-    plan = eplb.rebalance(loads, topo, "global")
+    plan = eplb.rebalance(loads, topo, "global", effort="fast")
     assert plan.logcnt.tolist() == [[3, 3, 1, 1]]
     assert sorted(plan.gpu_load[0].tolist()) == [12.0, 16.0, 16.0, 16.0]
 
@@ -176,11 +176,19 @@ def test_unknown_or_bad_options_are_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", refine=-1)
     with pytest.raises(ValueError, match="donors must be an integer >= 0 or None, got 2.5"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", donors=2.5)
-    with pytest.raises(ValueError, match="effort must be 'fast' or 'high'"):
+    with pytest.raises(ValueError, match="effort must be one of 'fast', 'default', 'high'"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", effort="max")
     for bad in (0, -1.0, "1s", True):
         with pytest.raises(ValueError, match="time_limit must be a positive number of seconds or None"):
             eplb.rebalance(np.ones((1, 4)), topo, "global", effort="high", time_limit=bad)
+    for bad in (-1, "many", True):
+        with pytest.raises(ValueError, match="work_budget must be a number of work units >= 0 per layer or None"):
+            eplb.rebalance(np.ones((1, 4)), topo, "global", work_budget=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+            eplb.rebalance(np.ones((1, 4)), topo, "global", workers=bad)
+    with pytest.raises(ValueError, match="gap must be a number >= 0"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", gap=-0.1)
 
 
 def test_high_effort_reaches_the_proven_optimum_of_the_known_answer() -> None:
@@ -200,11 +208,34 @@ def test_high_effort_without_time_limit_is_deterministic_and_a_short_limit_still
     b = eplb.rebalance(loads, topo, "global", effort="high", time_limit=None)
     assert np.array_equal(a.phy2log, b.phy2log)
     # Two slots per gpu: the exhaustive re-pack (pairing) beats the fast plan.
-    fast = eplb.rebalance(loads, topo, "global")
+    fast = eplb.rebalance(loads, topo, "global", effort="fast")
     assert a.mean_imbalance < fast.mean_imbalance
     short = eplb.rebalance(loads, topo, "global", effort="high", time_limit=0.01)
     assert short.placement.topology == topo
-    assert short.imbalance.max() <= eplb.rebalance(loads, topo, "global", refine=0).imbalance.max() + 1e-12
+    assert short.imbalance.max() <= fast.imbalance.max() + 1e-12
+
+
+def test_default_effort_searches_after_the_first_plan_within_its_work_budget() -> None:
+    topo = SCALES["v3-512"].with_layers(4)
+    loads = make_loads("zipf-1.0", SCALES["v3-512"])[:4]
+    fast = eplb.rebalance(loads, topo, "global", effort="fast")
+    plan = eplb.rebalance(loads, topo, "global")
+    assert plan.search.layers_searched == 4 and not plan.search.timed_out
+    assert 0 < plan.search.work <= 4 * 100_000 * 1.5  # stops within a step of the budget
+    assert (plan.imbalance <= fast.imbalance + 1e-12).all()
+    assert plan.mean_imbalance < fast.mean_imbalance - 0.02
+    none = eplb.rebalance(loads, topo, "global", work_budget=0)
+    assert np.array_equal(none.phy2log, fast.phy2log) and none.search.work == 0
+    assert fast.search.work == 0 and fast.search.layers_searched == 0
+
+
+def test_a_plan_does_not_depend_on_the_number_of_workers() -> None:
+    topo = SCALES["qwen3-64"].with_layers(40)
+    loads = make_loads("zipf-1.5", SCALES["qwen3-64"])[:40]
+    one = eplb.rebalance(loads, topo, "global", work_budget=20_000)
+    two = eplb.rebalance(loads, topo, "global", work_budget=20_000, workers=2)
+    assert np.array_equal(one.phy2log, two.phy2log)
+    assert one.search == two.search
 
 
 @pytest.mark.parametrize("policy", ["global", "hierarchical"])

@@ -9,7 +9,7 @@ from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
 from .deepseek import deepseek_rebalance
-from .hierarchical import place_global, place_hierarchical
+from .hierarchical import SearchStats, flat_topology, plan_placement
 
 __all__: list[str] = []
 
@@ -56,20 +56,30 @@ def _split(options: dict) -> tuple[dict, dict]:
     return {k: v for k, v in options.items() if k not in migration}, migration
 
 
+def _search_notes(stats: SearchStats, opts: dict) -> tuple[str, ...]:
+    notes = []
+    if stats.timed_out:
+        notes.append(f"time_limit ({opts.get('time_limit')} s) stopped the search after the first plan early")
+    return tuple(notes)
+
+
+def _replicate_and_pack(
+    loads: np.ndarray, topology: Topology, previous: Placement | None, by_node: bool, name: str, options: dict
+) -> PolicyResult:
+    opts, mig = _split(options)
+    fresh, stats = plan_placement(loads, topology if by_node else flat_topology(topology), **opts)
+    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig)
+    return PolicyResult(phy2log, name, _search_notes(stats, opts) + notes, extra=extra, search=stats)
+
+
 @register_policy("global")
 def _global(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    opts, mig = _split(options)
-    phy2log, extra, notes = _migration_aware(place_global(loads, topology, **opts), loads, topology, previous, False, mig)
-    return PolicyResult(phy2log, "global", notes, extra=extra)
+    return _replicate_and_pack(loads, topology, previous, False, "global", options)
 
 
 @register_policy("hierarchical")
 def _hierarchical(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    opts, mig = _split(options)
-    phy2log, extra, notes = _migration_aware(
-        place_hierarchical(loads, topology, **opts), loads, topology, previous, True, mig
-    )
-    return PolicyResult(phy2log, "hierarchical", notes, extra=extra)
+    return _replicate_and_pack(loads, topology, previous, True, "hierarchical", options)
 
 
 @register_policy("auto")
@@ -83,7 +93,7 @@ def _auto(loads: np.ndarray, topology: Topology, previous: Placement | None, **o
             f"({topology.num_nodes}), so groups cannot stay whole on nodes; planned with global",
         )
     res = _global(loads, topology, previous, **options)
-    return PolicyResult(res.phy2log, "global", notes + res.notes, extra=res.extra)
+    return PolicyResult(res.phy2log, "global", notes + res.notes, extra=res.extra, search=res.search)
 
 
 @register_policy("deepseek")
