@@ -61,6 +61,52 @@ def test_plan_is_a_valid_placement(policy: str, inst) -> None:
     assert np.allclose(plan.gpu_load.sum(axis=1), loads.sum(axis=1))
 
 
+def _groups_whole_on_nodes(plan: eplb.Plan, topo: eplb.Topology) -> bool:
+    """Every node holds num_groups / num_nodes whole groups (every expert of each)."""
+    per_node = plan.phy2log.reshape(topo.num_layers, topo.num_nodes, -1)
+    for layer in range(topo.num_layers):
+        for node in range(topo.num_nodes):
+            experts = set(per_node[layer, node].tolist())
+            groups = {e // topo.experts_per_group for e in experts}
+            if len(groups) != topo.num_groups // topo.num_nodes:
+                return False
+            if any(e not in experts for g in groups for e in range(g * topo.experts_per_group, (g + 1) * topo.experts_per_group)):
+                return False
+    return True
+
+
+def _distinct_per_gpu(plan: eplb.Plan, topo: eplb.Topology) -> bool:
+    srt = np.sort(plan.phy2log.reshape(topo.num_layers, topo.num_gpus, -1), axis=2)
+    return bool((srt[:, :, 1:] != srt[:, :, :-1]).all())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@given(inst=instances(), seed=st.integers(0, 2**31 - 1), start=st.sampled_from(["contiguous", "shuffled", "own"]))
+def test_a_replan_from_any_previous_keeps_the_constraints_of_a_fresh_plan(policy: str, inst, seed: int, start: str) -> None:
+    loads, topo = inst
+    if not _feasible(policy, topo):
+        return
+    rng = np.random.default_rng(seed)
+    if start == "contiguous":
+        prev = eplb.Placement.contiguous(topo)
+    elif start == "shuffled":
+        prev = eplb.Placement(rng.permuted(eplb.Placement.contiguous(topo).phy2log, axis=1), topo)
+    else:
+        prev = eplb.rebalance(rng.permuted(loads, axis=1), topo, policy).placement
+    fresh = eplb.rebalance(loads, topo, policy)
+    plan = eplb.rebalance(loads, topo, policy, previous=prev)
+    assert plan.policy_used == fresh.policy_used
+    assert (plan.logcnt >= 1).all() and (plan.logcnt.sum(axis=1) == topo.num_slots).all()
+    assert (plan.moves == (plan.phy2log != prev.phy2log).sum(axis=1)).all()
+    if fresh.policy_used == "hierarchical":
+        assert _groups_whole_on_nodes(fresh, topo)
+        assert _groups_whole_on_nodes(plan, topo)
+    # A previous placement with two replicas of an expert on a gpu may be kept as it is.
+    prev_distinct = bool((np.diff(np.sort(prev.phy2log.reshape(topo.num_layers, topo.num_gpus, -1), axis=2), axis=2) != 0).all())
+    if policy != "deepseek" and prev_distinct and _distinct_per_gpu(fresh, topo):
+        assert _distinct_per_gpu(plan, topo)
+
+
 @pytest.mark.parametrize("policy", ["global", "hierarchical", "auto"])
 @given(inst=instances())
 def test_ours_never_put_two_replicas_of_an_expert_on_one_gpu(policy: str, inst) -> None:
