@@ -155,13 +155,29 @@ def test_policies_are_deterministic(policy: str) -> None:
     assert np.array_equal(a.phy2log, b.phy2log)
 
 
-def test_auto_picks_hierarchical_when_groups_fit_nodes_and_says_when_it_falls_back() -> None:
+def test_auto_picks_hierarchical_when_groups_fit_nodes_and_balance_allows_and_says_why() -> None:
     loads = np.arange(12 * 2, dtype=float).reshape(2, 12)
     fits = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 4), "auto")
-    assert fits.policy_used == "hierarchical" and fits.notes == ()
+    assert fits.policy_used == "hierarchical"
+    assert fits.notes[0].startswith("auto: groups fit nodes") and "within 2%" in fits.notes[0]
     falls = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 3), "auto")
     assert falls.policy_used == "global"
     assert "num_groups (3)" in falls.notes[0] and "global" in falls.notes[0]
+    one_group = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 1), "auto")
+    assert one_group.policy_used == "global" and "not group-limited" in one_group.notes[0]
+    assert eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8), "auto").notes == ()
+
+
+def test_auto_takes_global_when_hierarchical_is_clearly_worse() -> None:
+    # v3-64 has one group per node: hierarchical cannot spread a hot group (README's example).
+    topo = SCALES["v3-64"].with_layers(4)
+    loads = make_loads("zipf-1.5", SCALES["v3-64"])[:4]
+    plan = eplb.rebalance(loads, topo, "auto", effort="fast")
+    hier = eplb.rebalance(loads, topo, "hierarchical", effort="fast")
+    glob = eplb.rebalance(loads, topo, "global", effort="fast")
+    assert hier.mean_imbalance > glob.mean_imbalance * 1.02
+    assert plan.policy_used == "global" and np.array_equal(plan.phy2log, glob.phy2log)
+    assert "more than 2% above global's" in plan.notes[0]
 
 
 @pytest.mark.parametrize(
