@@ -50,6 +50,8 @@ def _topology(args: argparse.Namespace, layers: int | None, experts: int | None)
 
 
 def _place(args: argparse.Namespace) -> int:
+    if args.window is not None and args.window < 1:
+        raise ValueError(f"--window must be a number of steps >= 1, got {args.window}")
     if args.trace:
         phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
         trace = eio.read_trace(args.trace, args.trace_format, phy2log)
@@ -95,7 +97,9 @@ def _place(args: argparse.Namespace) -> int:
         previous = eplb.Placement(prev, topo)
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
-    plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds)
+    if args.out and not Path(args.out).parent.is_dir():
+        raise ValueError(f"--out {args.out}: directory {Path(args.out).parent} does not exist")
+    plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **_planning(args))
     replicated = (plan.logcnt > 1).sum(axis=1)
     print(f"loads: {source}")
     print(f"topology: {topo}")
@@ -132,6 +136,30 @@ def _place(args: argparse.Namespace) -> int:
     return 0
 
 
+# Policies that take the anytime search's options; ilp takes only the time limit and workers.
+_SEARCHING = ("global", "hierarchical", "auto")
+
+
+def _planning(args: argparse.Namespace) -> dict:
+    """The planning options of ``eplb place`` as ``rebalance`` options for ``args.policy``."""
+    given = {
+        "effort": args.effort,
+        "work_budget": args.work_budget,
+        "time_limit": args.time_limit,
+        "workers": args.workers,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    allowed = ("effort", "work_budget", "time_limit", "workers") if args.policy in _SEARCHING else ()
+    if args.policy == "ilp":
+        allowed = ("time_limit", "workers")
+    extra = sorted(set(given) - set(allowed))
+    if extra:
+        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        raise ValueError(f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
+                         + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else ""))
+    return given
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -160,6 +188,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many slots rewritten in all (a hard limit)")
     p.add_argument("--max-layer-moves", type=int, help="with --previous: at most this many slots rewritten per layer")
     p.add_argument("--expert-bytes", type=float, help="with --previous: bytes of one expert's weights; prints the transfer plan's traffic")
+    p.add_argument("--effort", choices=("fast", "default", "high"), help="fast: the first greedy plan; default: then search "
+                   "until within 0.1 %% of the bound or the work budget is spent; high: wider and longer [default]")
+    p.add_argument("--work-budget", type=float, help="work units per layer for the search after the first plan "
+                   "(deterministic; default: the effort's)")
+    p.add_argument("--time-limit", type=float, help="wall-clock seconds for the whole plan (cuts the search short; "
+                   "no limit by default; ilp: one limit over all layers)")
+    p.add_argument("--workers", type=int, help="processes planning layers in parallel [1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes bare phy2log)")
     p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log)")
