@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
     p.add_argument("--recorded-under", metavar="PLACEMENT", help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)")
     p.add_argument("--synthetic", "--workload", dest="synthetic", default="lognormal-1.0", choices=WORKLOADS, help="workload when no TRACE is given")
-    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (shared/BENCHMARKS.md)")
+    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md)")
     p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")
     for name in _TOPO_ARGS:
         p.add_argument(f"--{name}", type=int, help=f"number of {name}" + (" (default: the trace's)" if name in ("layers", "experts") else ""))
