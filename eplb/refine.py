@@ -18,6 +18,7 @@ import numpy as np
 
 from .budget import Budget
 from .packing import improve, pack
+from .pairing import pair_counts, paired_max
 from .replicate import count_vectors, waterfill
 
 __all__ = ["refine_counts", "refine_thorough", "rotate_improve", "swap_improve", "separate_hot", "pigeonhole_bound"]
@@ -397,7 +398,7 @@ def repack_search(
             # packing unless two replicas of one expert meet, so a sort gives the value.
             # Otherwise a quick packing (few swap rounds) ranks counts well enough.
             if S == 2:
-                quick = _paired_max(loads[rows], cand)
+                quick = paired_max(loads[rows], cand)
             else:
                 quick = _bin_loads(loads[rows], _pack_counts(loads[rows], cand, B, max_rounds=_QUICK)).max(axis=1)
             order = np.lexsort((quick, rows))
@@ -419,15 +420,6 @@ def repack_search(
         best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
         active = x[best_max[x] > target[x]]
     return best
-
-
-def _paired_max(loads: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``loads``, ``counts`` ``[X, E]`` → ``[X]`` busiest bin when the replicas go two to a bin,
-    heaviest with lightest (optimal for two items per bin)."""
-    X, E = loads.shape
-    ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
-    w = np.sort((loads / counts)[np.arange(X)[:, None], ids], axis=1)
-    return (w + w[:, ::-1]).max(axis=1)
 
 
 def exhaustive_counts(
@@ -489,6 +481,9 @@ def refine_thorough(
     ``[X, B, S]`` → ``[X, B, S]``, never worse per row; deterministic unless ``budget`` has a
     deadline."""
     budget = budget or Budget()
+    _, B, S = phy.shape
+    if S == 2 and B > 1:
+        phy = _pair_start(loads, phy, cap, budget)
     # Count moves get three quarters of what is left, leaving room for a repack step.
     donors = 64 if wide else 32
     first = budget.share(0.75)
@@ -501,6 +496,28 @@ def refine_thorough(
     return repack_search(
         loads, start, cap, iterations=24 if wide else 12, batch=3072 if wide else 768, target=target, budget=budget
     )
+
+
+def _pair_start(loads: np.ndarray, phy: np.ndarray, cap: int | None, budget: Budget) -> np.ndarray:
+    """Two slots per bin: counts built for a target busiest bin (``eplb.pairing``), packed,
+    where they beat ``phy`` ``[X, B, 2]``; the search goes on from the better of the two."""
+    X, B, S = phy.shape
+    now = _bin_loads(loads, phy).max(axis=1)
+    # Each bisection step builds counts for one target: about one pass over the slots.
+    budget.spend(X * _PAIR_STEPS * B * S)
+    counts = pair_counts(loads, B, cap, loads.sum(axis=1) / B, now, steps=_PAIR_STEPS)
+    rows = np.flatnonzero(counts.sum(axis=1) > 0)
+    if rows.size == 0:
+        return phy
+    packed = _pack_counts(loads[rows], counts[rows], B)
+    win = _bin_loads(loads[rows], packed).max(axis=1) < now[rows] * (1 - _REL_TOL)
+    out = phy.copy()
+    out[rows[win]] = packed[win]
+    return out
+
+
+# Bisection steps of the two-slot count construction: 2**-14 of the gap to the mean.
+_PAIR_STEPS = 14
 
 
 def separate_hot(
