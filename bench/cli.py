@@ -4,7 +4,11 @@ and ``eplb serve`` (the balancer service)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,7 @@ from eplb.transfer import transfer_plan
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import io as eio
+from .pipes import quiet_on_broken_pipe
 
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
@@ -49,9 +54,36 @@ def _topology(args: argparse.Namespace, layers: int | None, experts: int | None)
     return topo
 
 
+def _output(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """Where the placement goes and in which format, checked before planning (an ILP plan
+    can take an hour): ``(None, fmt)`` for stdout, ``(path, "phy2log")`` for a bare
+    ``.npy``, ``(None, None)`` when nothing is to be written."""
+    if args.out in (None, "-"):
+        if args.format is None:
+            return None, ("native" if args.out == "-" else None)
+        if args.format == "vllm":
+            raise ValueError("--format vllm writes an .npz archive, which is not for a terminal: give --out FILE.npz")
+        return None, args.format
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out}: is a directory; give a file name such as {out / 'placement.json'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
+    if out.suffix.lower() == ".npy" and args.format is None:
+        return out, "phy2log"
+    try:
+        return out, eio.placement_output_format(out, args.format)
+    except ValueError as exc:
+        raise ValueError(f"--out {exc}; or .npy for a bare phy2log array") from None
+
+
 def _place(args: argparse.Namespace) -> int:
     if args.window is not None and args.window < 1:
         raise ValueError(f"--window must be a number of steps >= 1, got {args.window}")
+    out, fmt = _output(args)
+    planning = _planning(args)
+    # The placement on stdout keeps stdout clean for a pipe; the report goes to stderr then.
+    report = sys.stderr if out is None and fmt is not None else sys.stdout
     if args.trace:
         phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
         trace = eio.read_trace(args.trace, args.trace_format, phy2log)
@@ -97,43 +129,87 @@ def _place(args: argparse.Namespace) -> int:
         previous = eplb.Placement(prev, topo)
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
-    if args.out and not Path(args.out).parent.is_dir():
-        raise ValueError(f"--out {args.out}: directory {Path(args.out).parent} does not exist")
-    plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **_planning(args))
+    show = args.progress or sys.stderr.isatty()
+    if args.policy == "ilp" and args.time_limit is None:
+        print(f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layers, up to 10 s of "
+              "solving each after building, no overall limit); --time-limit S caps the whole run", file=sys.stderr)
+    with _progress(show, f"{args.policy}: planning {topo.num_layers} layers",
+                   topo.num_layers if args.policy == "ilp" else None, eager=args.progress) as tick:
+        if tick is not None:
+            planning["progress"] = tick
+        plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **planning)
     replicated = (plan.logcnt > 1).sum(axis=1)
-    print(f"loads: {source}")
-    print(f"topology: {topo}")
-    print(f"policy {plan.policy} -> {plan.policy_used}")
+    say = functools.partial(print, file=report)
+    say(f"loads: {source}")
+    say(f"topology: {topo}")
+    say(f"policy {plan.policy} -> {plan.policy_used}")
     for note in plan.notes:
-        print(f"note: {note}")
-    print(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
-          f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
-    print(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
-    print(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
-    print(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
-          f"most replicas of one expert: {int(plan.logcnt.max())}")
-    print(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
+        say(f"note: {note}")
+    say(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
+        f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
+    say(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
+    say(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
+    say(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
+        f"most replicas of one expert: {int(plan.logcnt.max())}")
+    say(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if previous is not None:
         total = topo.num_layers * topo.num_slots
         ways = ", ".join(f"{k[len('layers_'):]} {v}" for k, v in plan.extra.items() if k.startswith("layers_") and v)
-        print(f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)" + (f"; layers {ways}" if ways else ""))
+        say(f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)" + (f"; layers {ways}" if ways else ""))
     if args.expert_bytes is not None:
         tp = transfer_plan(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
         kinds = tp.kind_counts()
-        print(f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
-              f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
-              f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
-              f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
-    if args.out:
-        out = Path(args.out)
-        if out.suffix == ".npy" and args.format is None:
-            np.save(out, plan.phy2log)
-            print(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
-        else:
-            stats = plan.summary() | {"source": source, "imbalance": plan.imbalance.tolist(), "imbalance_lb": plan.imbalance_lb.tolist()}
-            kind = eio.write_placement(out, plan.placement, args.format, stats=stats, loads=loads)
-            print(f"wrote {kind} placement to {out}")
+        say(f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
+            f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
+            f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
+            f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
+    stats = plan.summary() | {"source": source, "imbalance": plan.imbalance.tolist(), "imbalance_lb": plan.imbalance_lb.tolist()}
+    if fmt is None:
+        say("placement not written: give --out FILE (.json native, .npz vllm, .txt listing, .npy phy2log) "
+            "or --format FMT to print it")
+    elif out is None:
+        sys.stdout.write(eio.placement_text(plan.placement, fmt, stats, loads))
+    elif fmt == "phy2log":
+        np.save(out, plan.phy2log)
+        say(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
+    else:
+        kind = eio.write_placement(out, plan.placement, fmt, stats=stats, loads=loads)
+        say(f"wrote {kind} placement to {out}")
     return 0
+
+
+@contextmanager
+def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A tqdm bar on stderr while planning. With ``layers``, a per-layer bar whose update
+    function the policy calls (``progress(done, total)``); without, the elapsed time, ticked
+    from a thread since the policy reports nothing. Shown after half a second unless
+    ``eager`` (--progress), so fast plans print no bar. Without tqdm (the bench extra) no bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        show = False
+    if not show:
+        yield None
+        return
+    delay = 0.0 if eager else 0.5
+    if layers is not None:
+        with tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=delay) as bar:
+            yield lambda done, total: bar.update(done - bar.n)
+        return
+    stop = threading.Event()
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=delay) as bar:
+
+        def tick() -> None:
+            while not stop.wait(0.5):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield None
+        finally:
+            stop.set()
+            ticker.join()
 
 
 # Policies that take the anytime search's options; ilp takes only the time limit and workers.
@@ -157,6 +233,11 @@ def _planning(args: argparse.Namespace) -> dict:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         raise ValueError(f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
                          + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else ""))
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if args.policy == "ilp" and "time_limit" in given:
+        # One limit over all layers; a layer may use all of what is left to it.
+        given["total_time_limit"] = given["time_limit"]
     return given
 
 
@@ -196,14 +277,19 @@ def _parser() -> argparse.ArgumentParser:
                    "no limit by default; ilp: one limit over all layers)")
     p.add_argument("--workers", type=int, help="processes planning layers in parallel [1]")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes bare phy2log)")
-    p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log)")
+    p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes "
+                   "bare phy2log); without --out, native, sglang and listing print to stdout")
+    p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log; "
+                   "- for stdout, the report then going to stderr)")
+    p.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
+                   "(on a terminal it shows for plans over half a second)")
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
     s.set_defaults(fn=None)
     return ap
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args, rest = ap.parse_known_args(argv)
@@ -216,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.fn(args)
-    except ValueError as exc:
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly
+    except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
