@@ -77,9 +77,41 @@ def _output(args: argparse.Namespace) -> tuple[Path | None, str | None]:
         raise ValueError(f"--out {exc}; or .npy for a bare phy2log array") from None
 
 
+# Numeric flags: (what the value is, the comparison, the limit). Checked here so the error
+# names the flag, not the library's parameter.
+_NUMBERS = {
+    **{name: ("a number", ">=", 1) for name in _TOPO_ARGS},
+    "window": ("a number of steps", ">=", 1),
+    "half_life": ("a number of steps", ">", 0),
+    "tolerance": ("a fraction (0.01 = 1 %)", ">=", 0),
+    "layer_tolerance": ("a fraction (0.01 = 1 %)", ">=", 0),
+    "max_moves": ("a number of slots", ">=", 0),
+    "max_layer_moves": ("a number of slots", ">=", 0),
+    "expert_bytes": ("a number of bytes", ">", 0),
+    "work_budget": ("a number of work units", ">=", 0),
+    "time_limit": ("a number of seconds", ">", 0),
+    "workers": ("a number of processes", ">=", 1),
+    "seed": ("an integer", ">=", 0),
+}
+# Flags that only mean something with a TRACE, and those only without one.
+_TRACE_ONLY = ("window", "half_life", "trace_format", "recorded_under")
+_SYNTHETIC_ONLY = ("synthetic", "seed")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for name, (what, op, limit) in _NUMBERS.items():
+        value = getattr(args, name)
+        if value is not None and not (value >= limit if op == ">=" else value > limit):
+            raise ValueError(f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}")
+    unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
+    given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
+                         + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given"))
+
+
 def _place(args: argparse.Namespace) -> int:
-    if args.window is not None and args.window < 1:
-        raise ValueError(f"--window must be a number of steps >= 1, got {args.window}")
+    _check_flags(args)
     out, fmt = _output(args)
     planning = _planning(args)
     # The placement on stdout keeps stdout clean for a pipe; the report goes to stderr then.
@@ -99,8 +131,9 @@ def _place(args: argparse.Namespace) -> int:
         if args.scale is None and args.topology is None and args.slots is None:
             args.scale = "v3-prefill"
         topo = _topology(args, None, None)
-        loads = make_loads(args.synthetic, topo, args.seed)
-        source = f"synthetic {args.synthetic} (seed {args.seed})"
+        workload, seed = args.synthetic or "lognormal-1.0", args.seed or 0
+        loads = make_loads(workload, topo, seed)
+        source = f"synthetic {workload} (seed {seed})"
     bounds = {
         k: v
         for k, v in (
@@ -131,8 +164,9 @@ def _place(args: argparse.Namespace) -> int:
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     show = args.progress or sys.stderr.isatty()
     if args.policy == "ilp" and args.time_limit is None:
-        print(f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layers, up to 10 s of "
-              "solving each after building, no overall limit); --time-limit S caps the whole run", file=sys.stderr)
+        print(f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layer"
+              f"{'s' if topo.num_layers > 1 else ''}, up to 10 s of solving each after building, no overall limit); "
+              "--time-limit S caps the whole run", file=sys.stderr)
     with _progress(show, f"{args.policy}: planning {topo.num_layers} layers",
                    topo.num_layers if args.policy == "ilp" else None, eager=args.progress) as tick:
         if tick is not None:
@@ -233,8 +267,6 @@ def _planning(args: argparse.Namespace) -> dict:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         raise ValueError(f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
                          + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else ""))
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise ValueError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.policy == "ilp" and "time_limit" in given:
         # One limit over all layers; a layer may use all of what is left to it.
         given["total_time_limit"] = given["time_limit"]
@@ -253,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("trace", nargs="?", help="load trace file (.json .npy .npz .csv .pt)")
     p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
     p.add_argument("--recorded-under", metavar="PLACEMENT", help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)")
-    p.add_argument("--synthetic", "--workload", dest="synthetic", default="lognormal-1.0", choices=WORKLOADS, help="workload when no TRACE is given")
+    p.add_argument("--synthetic", "--workload", dest="synthetic", choices=WORKLOADS, help="workload when no TRACE is given [lognormal-1.0]")
     p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md)")
     p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")
     for name in _TOPO_ARGS:
@@ -276,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, help="wall-clock seconds for the whole plan (cuts the search short; "
                    "no limit by default; ilp: one limit over all layers)")
     p.add_argument("--workers", type=int, help="processes planning layers in parallel [1]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="seed of the synthetic workload [0]")
     p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes "
                    "bare phy2log); without --out, native, sglang and listing print to stdout")
     p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log; "

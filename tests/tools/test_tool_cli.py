@@ -116,7 +116,7 @@ def test_place_previous_flags_are_checked(tmp_path, capsys):
     assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--tolerance", "-1"]) == 2
     assert "tolerance must be" in capsys.readouterr().err
     assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--max-moves", "-2"]) == 2
-    assert "max_moves must be an integer >= 0 (slots rewritten)" in capsys.readouterr().err
+    assert "--max-moves must be a number of slots >= 0, got -2" in capsys.readouterr().err
     assert cli.main(["place", str(path), *flags, "--max-layer-moves", "3"]) == 2
     assert "give --previous PLACEMENT" in capsys.readouterr().err
 

@@ -120,7 +120,7 @@ def test_ilp_time_limit_is_one_limit_with_progress_and_a_note(tmp_path, capsys):
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
     assert "global: planning 4 layers: 00:0" in capsys.readouterr().err
     assert cli.main(["place", *flags, "--policy", "global", "--time-limit", "0"]) == 2
-    assert "--time-limit must be a positive number of seconds, got 0" in capsys.readouterr().err
+    assert "--time-limit must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
 
 
 def test_without_a_terminal_or_progress_flag_no_bar_is_drawn(capsys):
@@ -194,3 +194,24 @@ def test_docs_the_tools_point_at_are_in_the_repo():
     assert not [p.name for p in texts if "BENCHMARKS.md" in p.read_text()]
     scale_help = cli._parser()._subparsers._group_actions[0].choices["place"].format_help()
     assert "--scale" in scale_help and "docs/scales.md" in scale_help
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--half-life", "0"], "--half-life must be a number of steps > 0, got 0.0"),
+    (["--workers", "0"], "--workers must be a number of processes >= 1, got 0"),
+    (["--work-budget", "-1"], "--work-budget must be a number of work units >= 0, got -1.0"),
+    (["--gpus", "0"], "--gpus must be a number >= 1, got 0"),
+    (["--seed", "3"], "--seed applies to synthetic workloads, not to a TRACE"),
+    (["--synthetic", "zipf-1.0"], "--synthetic applies to synthetic workloads, not to a TRACE"),
+])
+def test_place_numeric_and_mode_flags_are_named(tmp_path, capsys, argv, message):
+    np.save(tmp_path / "t.npy", np.ones((1, 16)))
+    assert cli.main(["place", str(tmp_path / "t.npy"), *SMALL, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_flags_without_a_trace_are_refused(capsys):
+    assert cli.main(["place", *SMALL, "--window", "3", "--trace-format", "csv"]) == 2
+    assert "--window, --trace-format apply to a TRACE file; none was given" in capsys.readouterr().err
+    assert cli.main(["place", *SMALL, "--seed", "-1"]) == 2
+    assert "--seed must be an integer >= 0, got -1" in capsys.readouterr().err
