@@ -8,7 +8,10 @@ standard scales of docs/scales.md) and synthetic loads shaped like large decode 
 four experts take 3-5 % of a layer each. For every row: mean imbalance over layers of
 ``deepseek`` (eplb.py's algorithm), the first plan (``effort="fast"``), the default and
 ``effort="high"``, all with the ``global`` policy (``auto`` where the row says so), the lower
-bound (``Plan.imbalance_lb``), and each plan's median solve time over ``--repeat`` runs.
+bound (``Plan.imbalance_lb``), at two slots per gpu also the profile bound
+(``eplb.bounds.profile_bound``, "prof"), and each plan's median solve time over ``--repeat``
+runs; "work" is the default's search work per layer in units (``Plan.search``), a
+machine-independent proxy for its time.
 The machine is usually shared: compare columns of one run, not runs.
 """
 
@@ -21,6 +24,8 @@ import statistics
 import numpy as np
 
 import eplb
+from eplb.bounds import profile_bound
+from eplb.replicate import replica_cap
 from eplb.workloads import SCALES, lognormal, make_loads, zipf
 
 
@@ -71,9 +76,24 @@ def measure(topology: eplb.Topology, loads: np.ndarray, policy: str, repeat: int
         row[name] = plan.mean_imbalance
         row[f"{name}_s"] = statistics.median(secs)
         if name == "default":
+            row["work"] = plan.search.work / topology.num_layers if plan.search is not None else 0.0
+        if name == "default":
             row["bound"] = float(plan.imbalance_lb.mean())
             row["policy_used"] = plan.policy_used
+            row["profile"] = _profile(loads, topology, plan)
     return row
+
+
+def _profile(loads: np.ndarray, topology: eplb.Topology, plan: eplb.Plan) -> float:
+    """Mean over layers of the best bound with the profile bound (two slots per gpu only,
+    between the plan's bound and its busiest gpu), over mean gpu load."""
+    t = topology
+    mean = loads.sum(axis=1) / t.num_gpus
+    lb = plan.imbalance_lb * mean
+    if t.slots_per_gpu != 2:
+        return float(plan.imbalance_lb.mean())
+    cap = replica_cap(t.num_experts, t.num_slots, t.num_gpus)
+    return float((np.maximum(lb, profile_bound(loads, t.num_gpus, cap, lb, plan.gpu_load.max(axis=1))) / mean).mean())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; --list shows the names")
-    head = f"{'case':34} {'eplb.py':>8} {'fast':>8} {'default':>8} {'high':>8} {'bound':>7} | {'fast ms':>8} {'def ms':>8} {'high ms':>8}"
+    head = (
+        f"{'case':34} {'eplb.py':>8} {'fast':>8} {'default':>8} {'high':>8} {'bound':>7} {'prof':>7} | "
+        f"{'fast ms':>8} {'def ms':>8} {'high ms':>8} {'work':>6}"
+    )
     print(head)
     print("-" * len(head))
     rows = {}
@@ -101,8 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         r = measure(t, loads, policy, args.repeat, args.workers)
         rows[name] = r
         print(
-            f"{name:34} {r['deepseek']:8.4f} {r['fast']:8.4f} {r['default']:8.4f} {r['high']:8.4f} {r['bound']:7.4f} | "
-            f"{r['fast_s'] * 1e3:8.0f} {r['default_s'] * 1e3:8.0f} {r['high_s'] * 1e3:8.0f}",
+            f"{name:34} {r['deepseek']:8.4f} {r['fast']:8.4f} {r['default']:8.4f} {r['high']:8.4f} {r['bound']:7.4f} "
+            f"{r['profile']:7.4f} | {r['fast_s'] * 1e3:8.0f} {r['default_s'] * 1e3:8.0f} {r['high_s'] * 1e3:8.0f} "
+            f"{r['work'] / 1e3:5.0f}k",
             flush=True,
         )
     if args.json:
