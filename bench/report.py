@@ -352,7 +352,8 @@ def _positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed)")
+    ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed); given alone "
+                    "(without --quick or --scales), the report covers only them")
     ap.add_argument("--quick", action="store_true", help="two scales, three workloads, short sequences (under a minute)")
     ap.add_argument("--scales", type=_names("scales"), help=f"comma-separated, for every section (default: all; known: {', '.join(SCALES)})")
     ap.add_argument("--workloads", type=_names("workloads"), help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
@@ -382,6 +383,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         if unknown:
             raise ValueError(f"--scales: unknown {', '.join(map(repr, unknown))}; known: {', '.join(SCALES)} (docs/scales.md)")
         overrides |= {"scales": args.scales, "replan_scales": args.scales, "step_scales": args.scales}
+    elif args.traces and not args.quick:
+        # Trace files alone: a report on them, not also on every synthetic scale (minutes).
+        overrides |= {"scales": (), "replan_scales": (), "step_scales": ()}
     if args.workloads:
         unknown = [w for w in args.workloads if w not in WORKLOADS]
         if unknown:
@@ -396,10 +400,13 @@ def _settings(args: argparse.Namespace) -> Settings:
     settings = Settings(**(settings.__dict__ | overrides))
     if not settings.ilp_time_limit > 0:
         raise ValueError(f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}")
-    layers = min(SCALES[s].num_layers for s in settings.step_scales)
-    if not 0 <= settings.layer < layers:
-        raise ValueError(f"--layer must be between 0 and {layers - 1} (the per-step scale {', '.join(settings.step_scales)} "
-                         f"has {layers} layer{'s' if layers > 1 else ''}), got {settings.layer}")
+    if settings.layer < 0:
+        raise ValueError(f"--layer must be >= 0, got {settings.layer}")
+    for scale in settings.step_scales:
+        layers = SCALES[scale].num_layers
+        if settings.layer >= layers:
+            raise ValueError(f"--layer must be between 0 and {layers - 1} (the per-step scale {scale} has {layers} "
+                             f"layer{'s' if layers > 1 else ''}), got {settings.layer}")
     topk = settings.topk
     small = [s for s in settings.step_scales if SCALES[s].num_experts < topk]
     if small:
@@ -415,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         # Checked before the run, which takes minutes, rather than after it.
         if args.json and not Path(args.json).parent.is_dir():
             raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+        if args.json and Path(args.json).is_dir():
+            raise ValueError(f"--json {args.json}: is a directory; give a file name such as {Path(args.json) / 'report.json'}")
         report = build_report(settings, _trace_cases(args), Path(args.plots) if args.plots else None)
     except BrokenPipeError:
         raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly

@@ -215,3 +215,18 @@ def test_trace_flags_without_a_trace_are_refused(capsys):
     assert "--window, --trace-format apply to a TRACE file; none was given" in capsys.readouterr().err
     assert cli.main(["place", *SMALL, "--seed", "-1"]) == 2
     assert "--seed must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
+    topo = eplb.Topology(2, 16, 20, 4, 1, 1)
+    seq = np.round(np.stack([make_loads("zipf-1.0", topo, seed) for seed in range(4)]))
+    np.save(tmp_path / "seq.npy", seq)
+    out = tmp_path / "r.json"
+    argv = [str(tmp_path / "seq.npy"), "--slots", "20", "--gpus", "4", "--policies", "global", "--replan-every", "2", "--json", str(out)]
+    assert report.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert {r["scale"] for r in rep["placement"]} == {"trace(4 gpus)"}
+    assert {(r["sequence"], r["policy"]) for r in rep["replan"]} == {(str(tmp_path / "seq.npy"), p) for p in ("none", "global")}
+    assert rep["steps"] == []
+    assert report.main(["--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
