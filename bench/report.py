@@ -18,7 +18,7 @@ Scales and workloads: docs/scales.md. More: docs/tools.md.
 examples:
   eplb-bench --quick                          two scales, three workloads, under a minute
   eplb-bench --scales small --policies global,ilp
-  eplb-bench trace.npy --slots 288 --gpus 32 --scales small --json report.json
+  eplb-bench trace.npy --slots 288 --gpus 32 --json report.json   only the trace
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,15 +321,11 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def _names(flag: str) -> Callable[[str], tuple[str, ...]]:
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        if not names:
-            raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
-        return names
-
-    parse.__name__ = flag  # argparse names the flag's type in its error
-    return parse
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -355,13 +350,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed); given alone "
                     "(without --quick or --scales), the report covers only them")
     ap.add_argument("--quick", action="store_true", help="two scales, three workloads, short sequences (under a minute)")
-    ap.add_argument("--scales", type=_names("scales"), help=f"comma-separated, for every section (default: all; known: {', '.join(SCALES)})")
-    ap.add_argument("--workloads", type=_names("workloads"), help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
-    ap.add_argument("--policies", type=_names("policies"), help=f"comma-separated policies besides the baseline 'none' "
+    ap.add_argument("--scales", type=_names, metavar="A,B", help=f"comma-separated, for every section (default: all; known: {', '.join(SCALES)})")
+    ap.add_argument("--workloads", type=_names, metavar="A,B", help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
+    ap.add_argument("--policies", type=_names, metavar="A,B", help=f"comma-separated policies besides the baseline 'none' "
                     f"(default: deepseek and ours; registered: {', '.join(eplb.policies())})")
     ap.add_argument("--layer", type=int, default=0, help="layer for the per-gpu bars and the per-step simulation [0]")
-    ap.add_argument("--tokens-per-gpu", type=_positive_ints, help="comma-separated b for the per-step simulation")
-    ap.add_argument("--replan-every", type=_positive_int, help="K: re-plan every K steps of the drifting/shifting sequences")
+    ap.add_argument("--tokens-per-gpu", type=_positive_ints, metavar="B,B", help="comma-separated b for the per-step simulation")
+    ap.add_argument("--replan-every", type=_positive_int, metavar="K", help="K: re-plan every K steps of the drifting/shifting sequences")
     ap.add_argument("--topology", help="topology config for trace files (.json/.toml)")
     for name in ("slots", "gpus"):
         ap.add_argument(f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})")
