@@ -335,10 +335,10 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
         method.append(out["method"])
         if progress is not None:
             progress(layer + 1, t.num_layers)
-    unsolved = [str(layer) for layer, st in enumerate(status) if st == "UNKNOWN"]
+    unsolved = [layer for layer, st in enumerate(status) if st == "UNKNOWN"]
     if unsolved:
         notes.append(f"ilp: {len(unsolved)} of {t.num_layers} layers found no solution in their time "
-                     f"(layers {', '.join(unsolved)}); they keep the global policy's placement")
+                     f"(layers {_ranges(unsolved)}); they keep the global policy's placement")
     # Say where the search bought nothing over its hint, the fast policy's plan.
     busiest = [gpu_loads(loads, Placement(np.stack(r), t)).max(axis=1) for r in (rows, hints)]
     same = ~(busiest[0] < busiest[1] * (1 - 1e-9))
@@ -362,6 +362,17 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
             "solver_method": tuple(method),
         },
     )
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2, 5"``: a note that stays one line at 58 layers."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _exact_all(loads: np.ndarray, topology: Topology) -> bool:
