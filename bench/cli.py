@@ -179,6 +179,11 @@ def _place(args: argparse.Namespace) -> int:
     say(f"policy {plan.policy} -> {plan.policy_used}")
     for note in plan.notes:
         say(f"note: {note}")
+    short = plan.extra.get("solver_method", ()).count("out of time")  # only under --time-limit
+    if short:
+        say(f"hint: {short} layer{'s' if short > 1 else ''} ran out of time (--time-limit {args.time_limit:g} s over "
+            f"{topo.num_layers} layers) before CP-SAT finished building the model of {topo.num_experts} experts x "
+            f"{topo.num_gpus} gpus; ilp is a reference for small instances (docs/ilp_and_transfer.md)")
     say(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
         f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
     say(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")

@@ -113,6 +113,7 @@ def test_ilp_time_limit_is_one_limit_with_progress_and_a_note(tmp_path, capsys):
     assert cli.main(["place", *flags, "--policy", "ilp", "--time-limit", "0.2", "--workers", "1", "--progress", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "note: ilp: found nothing better than the global policy's placement on 4 of 4 layers" in captured.out
+    assert "hint: 4 layers ran out of time (--time-limit 0.2 s over 4 layers) before CP-SAT finished building" in captured.out
     assert re.search(r"ilp: planning 4 layers: 100%\|.*\| 4/4 ", captured.err)
     topo = eplb.Topology(4, 64, 80, 16)
     assert eplb.Placement(np.array(json.loads(out.read_text())["phy2log"]), topo) == eplb.rebalance(
