@@ -210,6 +210,10 @@ def solve_layer(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = int(workers)
+    # CP-SAT's own SIGINT handler would end only this layer's search and swallow Ctrl-C, so the
+    # run went on. Without it Python's handler runs when the solve returns (within the layer's
+    # time limit), where a caller's handler can record it (eplb place stops between layers).
+    solver.parameters.catch_sigint_signal = False
     status = solver.Solve(model)
     seconds = time.perf_counter() - start
     name = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE"}.get(status, "UNKNOWN")
