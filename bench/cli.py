@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from eplb.transfer import transfer_plan
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import io as eio
-from .pipes import quiet_on_broken_pipe
+from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
@@ -169,7 +170,7 @@ def _place(args: argparse.Namespace) -> int:
               "--time-limit S caps the whole run", file=sys.stderr)
     with _progress(show, f"{args.policy}: planning {topo.num_layers} layers",
                    topo.num_layers if args.policy == "ilp" else None, eager=args.progress) as tick:
-        if tick is not None:
+        if args.policy == "ilp":
             planning["progress"] = tick
         plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **planning)
     replicated = (plan.logcnt > 1).sum(axis=1)
@@ -219,24 +220,31 @@ def _place(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """A tqdm bar on stderr while planning. With ``layers``, a per-layer bar whose update
-    function the policy calls (``progress(done, total)``); without, the elapsed time, ticked
-    from a thread since the policy reports nothing. Shown after half a second unless
-    ``eager`` (--progress), so fast plans print no bar. Without tqdm (the bench extra) no bar."""
+    """A tqdm bar on stderr while planning. With ``layers``, yields the per-layer callback
+    the policy calls (``progress(done, total)``): it moves the bar and re-raises a Ctrl-C that
+    got lost (below). Without, the elapsed time, ticked from a thread since the policy reports
+    nothing. Shown after half a second unless ``eager`` (--progress), so fast plans print no
+    bar. Without tqdm (the bench extra) no bar."""
     try:
         from tqdm import tqdm
     except ImportError:
         show = False
+    if layers is not None:
+        with _remember_ctrl_c() as interrupted, tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr,
+                                                     delay=0.0 if eager else 0.5, disable=not show) as bar:
+
+            def tick(done: int, total: int) -> None:
+                if interrupted():
+                    raise KeyboardInterrupt
+                bar.update(done - bar.n)
+
+            yield tick
+        return
     if not show:
         yield None
         return
-    delay = 0.0 if eager else 0.5
-    if layers is not None:
-        with tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=delay) as bar:
-            yield lambda done, total: bar.update(done - bar.n)
-        return
     stop = threading.Event()
-    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=delay) as bar:
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=0.0 if eager else 0.5) as bar:
 
         def tick() -> None:
             while not stop.wait(0.5):
@@ -249,6 +257,28 @@ def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterato
         finally:
             stop.set()
             ticker.join()
+
+
+@contextmanager
+def _remember_ctrl_c() -> Iterator[Callable[[], bool]]:
+    """Yields ``interrupted()``: whether Ctrl-C came. A Ctrl-C during a CP-SAT solve reaches
+    Python only when the solve returns, inside protobuf code that swallows the
+    KeyboardInterrupt, so the ilp run went on to the next layer; the progress callback asks
+    this instead. Outside the main thread (where handlers cannot be set) it never reports."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        hit.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # Policies that take the anytime search's options; ilp takes only the time limit and workers.
@@ -332,8 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         # Imported here so `eplb place` works without the service extra installed.
-        from eplb_service.cli import main as serve_main
-
+        try:
+            from eplb_service.cli import main as serve_main
+        except ImportError as exc:
+            print(f"eplb serve: error: the service needs the service extra (missing: {exc.name}); "
+                  "install it with: pip install 'eplb[service]'", file=sys.stderr)
+            return 2
         return serve_main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -344,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\neplb {args.command}: interrupted; nothing written", file=sys.stderr)
+        return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

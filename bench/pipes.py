@@ -1,4 +1,4 @@
-"""Quiet exits when the reader of stdout goes away (``eplb place ... | head -1``)."""
+"""Quiet exits when the reader of stdout goes away (``eplb place ... | head -1``) or on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from functools import wraps
 
 # What a shell reports for a process that SIGPIPE ended (128 + 13), as `yes | head -1` gives.
 BROKEN_PIPE_STATUS = 141
+# And for one that SIGINT (Ctrl-C) ended: 128 + 2.
+INTERRUPTED_STATUS = 130
 
 
 def quiet_on_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:

@@ -40,7 +40,7 @@ from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
 from . import io as eio
-from .pipes import quiet_on_broken_pipe
+from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 OUR_POLICIES = ("global", "hierarchical", "auto")
 
@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
         print(f"eplb-bench: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\neplb-bench: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=float))
     print(markdown(report))

@@ -3,8 +3,10 @@
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import eplb
 from eplb import formats
 from eplb.workloads import SCALES, make_loads
 from eplb_bench import cli, report
-from eplb_bench.pipes import BROKEN_PIPE_STATUS
+from eplb_bench.pipes import BROKEN_PIPE_STATUS, INTERRUPTED_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--scale", "small", "--policy", "global"]
@@ -231,3 +233,27 @@ def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
     assert rep["steps"] == []
     assert report.main(["--json", str(tmp_path)]) == 2
     assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
+    # CP-SAT's own SIGINT handler used to end only the current layer's search, so Ctrl-C was
+    # swallowed and the run went on to the next layer. 3 s in, layer 0's model (built in
+    # about a second) is being solved, for up to 10 s.
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--policy", "ilp", "--layers", "3", "--experts", "64",
+           "--slots", "80", "--gpus", "16", "--synthetic", "zipf-1.0", "--workers", "1", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stderr.readline().startswith(b"eplb place: ilp builds and solves one CP-SAT model per layer (3 layers")
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == INTERRUPTED_STATUS
+    assert "eplb place: interrupted; nothing written" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_serve_without_the_service_extra_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "eplb_service.cli", None)  # what a missing package looks like to import
+    assert cli.main(["serve"]) == 2
+    assert "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'" in capsys.readouterr().err
