@@ -100,6 +100,8 @@ _SYNTHETIC_ONLY = ("synthetic", "seed")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if args.scale and args.topology:
+        raise ValueError("give one of --scale NAME and --topology CONFIG (flags such as --gpus then change single fields)")
     for name, (what, op, limit) in _NUMBERS.items():
         value = getattr(args, name)
         if value is not None and not (value >= limit if op == ">=" else value > limit):

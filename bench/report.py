@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         # Checked before the run, which takes minutes, rather than after it.
         if args.json and not Path(args.json).parent.is_dir():
             raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+        if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+            raise ValueError(f"--plots {args.plots}: is a file; give a directory (made if missing)")
         if args.json and Path(args.json).is_dir():
             raise ValueError(f"--json {args.json}: is a directory; give a file name such as {Path(args.json) / 'report.json'}")
         report = build_report(settings, _trace_cases(args), Path(args.plots) if args.plots else None)

@@ -214,6 +214,8 @@ def test_place_numeric_and_mode_flags_are_named(tmp_path, capsys, argv, message)
 
 
 def test_trace_flags_without_a_trace_are_refused(capsys):
+    assert cli.main(["place", *SMALL, "--topology", "t.toml"]) == 2
+    assert "give one of --scale NAME and --topology CONFIG" in capsys.readouterr().err
     assert cli.main(["place", *SMALL, "--window", "3", "--trace-format", "csv"]) == 2
     assert "--window, --trace-format apply to a TRACE file; none was given" in capsys.readouterr().err
     assert cli.main(["place", *SMALL, "--seed", "-1"]) == 2
@@ -233,6 +235,8 @@ def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
     assert rep["steps"] == []
     assert report.main(["--json", str(tmp_path)]) == 2
     assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
+    assert report.main(["--plots", str(tmp_path / "seq.npy")]) == 2
+    assert f"--plots {tmp_path / 'seq.npy'}: is a file; give a directory" in capsys.readouterr().err
 
 
 @pytest.mark.slow
