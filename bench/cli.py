@@ -26,7 +26,7 @@ _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
 
 def _topology(args: argparse.Namespace, layers: int | None, experts: int | None) -> Topology:
-    """Topology from ``--scale`` / ``--topology`` / explicit flags (later ones win), with
+    """Topology from ``--scale`` or ``--topology``, then explicit flags (which win), with
     layers and experts defaulting to the trace's."""
     base: dict[str, int] = {}
     if args.scale:
