@@ -339,14 +339,16 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
         method.append(out["method"])
         if progress is not None:
             progress(layer + 1, t.num_layers)
-    unsolved = [layer for layer, st in enumerate(status) if st == "UNKNOWN"]
-    if unsolved:
-        notes.append(f"ilp: {len(unsolved)} of {t.num_layers} layers found no solution in their time "
-                     f"(layers {_ranges(unsolved)}); they keep the global policy's placement")
     # Say where the search bought nothing over its hint, the fast policy's plan.
     busiest = [gpu_loads(loads, Placement(np.stack(r), t)).max(axis=1) for r in (rows, hints)]
     same = ~(busiest[0] < busiest[1] * (1 - 1e-9))
     proved = int((same & (np.array(status) == "OPTIMAL")).sum())
+    unknown = np.array(status) == "UNKNOWN"
+    for keeps, layers in (("the global policy's placement", unknown & same),
+                          ("the better one the exact enumeration found first", unknown & ~same)):
+        if layers.any():
+            notes.append(f"ilp: {int(layers.sum())} of {t.num_layers} layers found no solution in their time "
+                         f"(layers {_ranges(np.flatnonzero(layers).tolist())}); they keep {keeps}")
     if same.any():
         notes.append(f"ilp: found nothing better than the global policy's placement on {int(same.sum())} of "
                      f"{t.num_layers} layers" + (f" ({proved} of them proved optimal)" if proved else ""))
