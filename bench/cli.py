@@ -330,7 +330,7 @@ def _parser() -> argparse.ArgumentParser:
     window = p.add_mutually_exclusive_group()
     window.add_argument("--window", type=int, help="plan on the last N steps of a trace with a time axis")
     window.add_argument("--half-life", type=float, help="plan on an exponentially decayed sum (half-life in steps)")
-    p.add_argument("--policy", default="auto", choices=eplb.policies())
+    p.add_argument("--policy", default="auto", choices=eplb.policies(), help="a registered policy (docs/algorithms.md) [auto]")
     p.add_argument("--previous", metavar="PLACEMENT", help="the placement in service now (any placement format or .npy "
                    "phy2log): re-plan migration-aware, moving as few slots as the bounds allow")
     p.add_argument("--tolerance", type=float, help="with --previous: mean imbalance over layers within (1 + this) x a fresh plan's [0.01]")
@@ -344,7 +344,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(deterministic; default: the effort's)")
     p.add_argument("--time-limit", type=float, help="wall-clock seconds for the whole plan (cuts the search short; "
                    "no limit by default; ilp: one limit over all layers)")
-    p.add_argument("--workers", type=int, help="processes planning layers in parallel [1]")
+    p.add_argument("--workers", type=int, help="processes planning layers in parallel [1] "
+                   "(ilp: CP-SAT search threads [8])")
     p.add_argument("--seed", type=int, help="seed of the synthetic workload [0]")
     p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes "
                    "bare phy2log); without --out, native, sglang and listing print to stdout")
