@@ -183,6 +183,19 @@ def repair_previous(
     return out
 
 
+def _repairs(
+    loads: np.ndarray, previous: Placement, topology: Topology, targets: list, by_node: bool, fresh: np.ndarray
+) -> list[tuple[str, np.ndarray]]:
+    """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
+    pairs, target by target. The targets run as one stacked problem of ``K * L`` layers (rows
+    are independent): one pass of each step instead of ``K`` keeps numpy's per-call cost down."""
+    K, L = len(targets), topology.num_layers
+    stacked = topology.with_layers(K * L)
+    prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
+    out = repair_previous(np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1)))
+    return [(name, cand[k * L:(k + 1) * L]) for k in range(K) for name, cand in out.items()]
+
+
 def _repair_rows(
     loads: np.ndarray,
     phy: np.ndarray,
@@ -229,13 +242,13 @@ def _repair_rows(
         if moved.size:
             counted[moved] = _finish(row_loads[moved], c[moved], tgt[moved], cap, chains=True)
     outs.append(counted)
-    score = []
-    for c in outs:
-        # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin.
-        busiest = _bin_loads(row_loads, c).max(axis=1)
-        moved_slots = (c != phy).sum(axis=(1, 2))
-        score.append((busiest > tgt * (1 + _REL_TOL)) * 1e9 + moved_slots + busiest / (busiest.max() + 1e-300))
-    cand = np.stack(outs)[np.argmin(np.stack(score), axis=0), np.arange(rows)]
+    # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
+    # compared per row (a sort by keys), so a row's pick never depends on the other rows.
+    busiest = np.stack([_bin_loads(row_loads, c).max(axis=1) for c in outs])  # [3, R]
+    moved_slots = np.stack([(c != phy).sum(axis=(1, 2)) for c in outs])
+    missed = busiest > tgt * (1 + _REL_TOL)
+    best = np.lexsort((busiest, moved_slots, missed), axis=0)[0]
+    cand = np.stack(outs)[best, np.arange(rows)]
     if node_exp is not None:
         cand = np.take_along_axis(node_exp, cand.reshape(rows, -1), axis=1)
     # A run of swaps can take an expert off a gpu and bring it back to another slot.
@@ -439,10 +452,8 @@ def choose(
     elif keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
-        for k in _TARGETS:
-            if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance):
-                target = (1.0 + k * tolerance) * fresh_max
-                ways += repair_previous(loads, previous, topology, target, by_node, fresh).items()
+        ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
+        ways += _repairs(loads, previous, topology, [(1.0 + k * tolerance) * fresh_max for k in ks], by_node, fresh)
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
     names, cands, imb, moves = _score(ways, loads, old, topology)
     if not whole.all():
@@ -457,10 +468,8 @@ def choose(
         if missed or (max_moves is not None and moves[pick, cols].sum() > max_moves):
             # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
             kept_max = kept_load.max(axis=1)
-            partial = []
-            for f in _PARTIAL:
-                target = np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max)
-                partial += repair_previous(loads, previous, topology, target, by_node, fresh).items()
+            targets = [np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL]
+            partial = _repairs(loads, previous, topology, targets, by_node, fresh)
             ways = ways[:-1] + partial + ways[-1:]  # fresh aligned stays last
             names, cands, imb, moves = _score(ways, loads, old, topology)
             pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
