@@ -363,7 +363,10 @@ def repack_search(
     for _ in range(iterations):
         if active.size == 0 or clock.out():
             break
-        per_row = max(1, batch // active.size)
+        # A step packs its candidates in one go: hold it to the units left, so a small
+        # budget (a re-plan's) is not overrun several times by one step.
+        step = batch if clock.units is None else min(batch, int((clock.units - clock.spent) // (B * S * S)))
+        per_row = max(1, step // active.size)
         if E * (E - 1) <= per_row:
             e, f = np.nonzero(~np.eye(E, dtype=bool))
             gain = np.broadcast_to(e, (active.size, e.size))
