@@ -232,15 +232,20 @@ def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterato
     except ImportError:
         show = False
     if layers is not None:
-        with _remember_ctrl_c() as interrupted, tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr,
-                                                     delay=0.0 if eager else 0.5, disable=not show) as bar:
+        with _remember_ctrl_c() as interrupted:
+            bar = tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=0.0 if eager else 0.5) if show else None
 
             def tick(done: int, total: int) -> None:
                 if interrupted():
                     raise KeyboardInterrupt
-                bar.update(done - bar.n)
+                if bar is not None:
+                    bar.update(done - bar.n)
 
-            yield tick
+            try:
+                yield tick
+            finally:
+                if bar is not None:
+                    bar.close()
         return
     if not show:
         yield None

@@ -261,3 +261,13 @@ def test_serve_without_the_service_extra_says_what_to_install(monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "eplb_service.cli", None)  # what a missing package looks like to import
     assert cli.main(["serve"]) == 2
     assert "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'" in capsys.readouterr().err
+
+
+def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the bench extra not installed
+    flags = ["--layers", "1", "--experts", "4", "--slots", "4", "--gpus", "2", "--synthetic", "zipf-1.0"]
+    assert cli.main(["place", *flags, "--policy", "ilp", "--time-limit", "5", "--workers", "1", "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "policy ilp -> ilp" in captured.out and "planning" not in captured.err
+    assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
+    assert "planning" not in capsys.readouterr().err
