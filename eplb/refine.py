@@ -263,27 +263,27 @@ def rotate_improve(
         a_w, a_k, L1 = w[ra, h1], sub[ra, h1], load[ra, h1]  # [A, S]
         c_w, c_k, L2 = w[ra[:, None], h2s], sub[ra[:, None], h2s], load[ra[:, None], h2s]  # [A, H, S]
         b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
-        # Axes: [A, H, Q, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        aw = a_w[:, None, None, :, None, None]
-        cw = c_w[:, :, None, None, :, None]
-        bw = b_w[:, None, :, None, None, :]
-        n1 = L1[:, None, None, None, None, None] - aw + cw
-        n2 = L2[:, :, None, None, None, None] - cw + bw
-        nq = Lq[:, None, :, None, None, None] - bw + aw
-        t6 = tgt[:, None, None, None, None, None]
-        ok = (n1 <= t6) & (n2 <= t6) & (nq <= t6)
-        ok &= h2_ok[:, :, None, None, None, None]
+        # Each bin's new load depends on two of the three items: score each pair of items once
+        # (inf where that bin would go above the target or hold an expert twice), then take
+        # the max over the three on the full [A, H, Q, i, j, k] grid, one operation on it.
         # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
+        t4 = tgt[:, None, None, None]
+        in_h1 = a_k[:, None, :, None] == c_k[:, :, None, :]  # [A, H, i, j]
+        bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
+        n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
+        m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
+        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
+        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
+        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
+        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
         in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
-        ok &= ~(in_q.any(axis=3, keepdims=True) & ~in_q)[:, None, :, :, None, :]
-        in_h1 = a_k[:, None, None, :] == c_k[:, :, :, None]  # [A, H, j, i]
-        bad_c = in_h1.any(axis=3, keepdims=True) & ~in_h1  # [A, H, j, i]
-        ok &= ~np.transpose(bad_c, (0, 1, 3, 2))[:, :, None, :, :, None]
-        in_h2 = c_k[:, :, None, None, :] == b_k[:, None, :, :, None]  # [A, H, Q, k, j]
-        bad_b = in_h2.any(axis=4, keepdims=True) & ~in_h2
-        ok &= ~np.transpose(bad_b, (0, 1, 2, 4, 3))[:, :, :, None, :, :]
-        worst = np.maximum(np.maximum(n1, n2), nq)
-        score = np.where(ok, worst, np.inf).reshape(A, -1)
+        bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
+        nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
+        mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
+        # Axes: [A, H, Q, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+        score = np.maximum(m1[:, :, None, :, :, None], m2[:, :, :, None, :, :])
+        np.maximum(score, mq[:, None, :, :, None, :], out=score)
+        score = score.reshape(A, -1)
         best = score.argmin(axis=1)
         moved = np.isfinite(score[ra, best])
         if not moved.any():
