@@ -10,7 +10,7 @@ from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
 from .deepseek import deepseek_rebalance
-from .hierarchical import DEFAULT_WORK, SearchStats, flat_topology, plan_placement
+from .hierarchical import SearchStats, flat_topology, plan_placement
 
 __all__: list[str] = []
 
@@ -19,8 +19,6 @@ __all__: list[str] = []
 # mean imbalance over layers may exceed a fresh plan's by 1 %, any one layer's by 5 %.
 DEFAULT_TOLERANCE = 0.01
 DEFAULT_LAYER_TOLERANCE = 0.05
-# Work units per layer of the fresh plan's search in a re-plan with the default effort.
-REPLAN_WORK = DEFAULT_WORK // 4
 
 
 def _migration_aware(
@@ -70,11 +68,6 @@ def _replicate_and_pack(
     loads: np.ndarray, topology: Topology, previous: Placement | None, by_node: bool, name: str, options: dict
 ) -> PolicyResult:
     opts, mig = _split(options)
-    if previous is not None and opts.get("work_budget") is None and opts.get("effort", "default") == "default":
-        # A re-plan's fresh plan is the yardstick for the repairs of the previous placement,
-        # most of which keep or repair it anyway: a quarter of the search buys most of the
-        # yardstick's balance at a quarter of its time (bench/drift_bench.py).
-        opts = {**opts, "work_budget": REPLAN_WORK}
     fresh, stats = plan_placement(loads, topology if by_node else flat_topology(topology), **opts)
     phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig)
     return PolicyResult(phy2log, name, _search_notes(stats, opts) + notes, extra=extra, search=stats)
