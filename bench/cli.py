@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +20,13 @@ from eplb.transfer import transfer_plan, transfer_schedule
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import io as eio
+from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
 
 def _topology(args: argparse.Namespace, layers: int | None, experts: int | None) -> Topology:
-    """Topology from ``--scale`` / ``--topology`` / explicit flags (later ones win), with
+    """Topology from ``--scale`` or ``--topology``, then explicit flags (which win), with
     layers and experts defaulting to the trace's."""
     base: dict[str, int] = {}
     if args.scale:
@@ -49,7 +55,70 @@ def _topology(args: argparse.Namespace, layers: int | None, experts: int | None)
     return topo
 
 
+def _output(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """Where the placement goes and in which format, checked before planning (an ILP plan
+    can take an hour): ``(None, fmt)`` for stdout, ``(path, "phy2log")`` for a bare
+    ``.npy``, ``(None, None)`` when nothing is to be written."""
+    if args.out in (None, "-"):
+        if args.format is None:
+            return None, ("native" if args.out == "-" else None)
+        if args.format == "vllm":
+            raise ValueError("--format vllm writes an .npz archive, which is not for a terminal: give --out FILE.npz")
+        return None, args.format
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out}: is a directory; give a file name such as {out / 'placement.json'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
+    if out.suffix.lower() == ".npy" and args.format is None:
+        return out, "phy2log"
+    try:
+        return out, eio.placement_output_format(out, args.format)
+    except ValueError as exc:
+        raise ValueError(f"--out {exc}; or .npy for a bare phy2log array") from None
+
+
+# Numeric flags: (what the value is, the comparison, the limit). Checked here so the error
+# names the flag, not the library's parameter.
+_NUMBERS = {
+    **{name: ("a number", ">=", 1) for name in _TOPO_ARGS},
+    "window": ("a number of steps", ">=", 1),
+    "half_life": ("a number of steps", ">", 0),
+    "tolerance": ("a fraction (0.01 = 1 %)", ">=", 0),
+    "layer_tolerance": ("a fraction (0.01 = 1 %)", ">=", 0),
+    "max_moves": ("a number of slots", ">=", 0),
+    "max_layer_moves": ("a number of slots", ">=", 0),
+    "expert_bytes": ("a number of bytes", ">", 0),
+    "work_budget": ("a number of work units", ">=", 0),
+    "time_limit": ("a number of seconds", ">", 0),
+    "workers": ("a number of processes", ">=", 1),
+    "seed": ("an integer", ">=", 0),
+}
+# Flags that only mean something with a TRACE, and those only without one.
+_TRACE_ONLY = ("window", "half_life", "trace_format", "recorded_under")
+_SYNTHETIC_ONLY = ("synthetic", "seed")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.scale and args.topology:
+        raise ValueError("give one of --scale NAME and --topology CONFIG (flags such as --gpus then change single fields)")
+    for name, (what, op, limit) in _NUMBERS.items():
+        value = getattr(args, name)
+        if value is not None and not (value >= limit if op == ">=" else value > limit):
+            raise ValueError(f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}")
+    unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
+    given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
+                         + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given"))
+
+
 def _place(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    out, fmt = _output(args)
+    planning = _planning(args)
+    # The placement on stdout keeps stdout clean for a pipe; the report goes to stderr then.
+    report = sys.stderr if out is None and fmt is not None else sys.stdout
     if args.trace:
         phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
         trace = eio.read_trace(args.trace, args.trace_format, phy2log)
@@ -65,8 +134,9 @@ def _place(args: argparse.Namespace) -> int:
         if args.scale is None and args.topology is None and args.slots is None:
             args.scale = "v3-prefill"
         topo = _topology(args, None, None)
-        loads = make_loads(args.synthetic, topo, args.seed)
-        source = f"synthetic {args.synthetic} (seed {args.seed})"
+        workload, seed = args.synthetic or "lognormal-1.0", args.seed or 0
+        loads = make_loads(workload, topo, seed)
+        source = f"synthetic {workload} (seed {seed})"
     bounds = {
         k: v
         for k, v in (
@@ -95,46 +165,159 @@ def _place(args: argparse.Namespace) -> int:
         previous = eplb.Placement(prev, topo)
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
-    plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds)
+    show = args.progress or sys.stderr.isatty()
+    if args.policy == "ilp" and args.time_limit is None:
+        print(f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layer"
+              f"{'s' if topo.num_layers > 1 else ''}, up to 10 s of solving each after building, no overall limit); "
+              "--time-limit S caps the whole run", file=sys.stderr)
+    with _progress(show, f"{args.policy}: planning {topo.num_layers} layers",
+                   topo.num_layers if args.policy == "ilp" else None, eager=args.progress) as tick:
+        if args.policy == "ilp":
+            planning["progress"] = tick
+        plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **planning)
     replicated = (plan.logcnt > 1).sum(axis=1)
-    print(f"loads: {source}")
-    print(f"topology: {topo}")
-    print(f"policy {plan.policy} -> {plan.policy_used}")
+    say = functools.partial(print, file=report)
+    say(f"loads: {source}")
+    say(f"topology: {topo}")
+    say(f"policy {plan.policy} -> {plan.policy_used}")
     for note in plan.notes:
-        print(f"note: {note}")
-    print(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
-          f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
-    print(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
-    print(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
-    print(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
-          f"most replicas of one expert: {int(plan.logcnt.max())}")
-    print(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
+        say(f"note: {note}")
+    short = plan.extra.get("solver_method", ()).count("out of time")  # only under --time-limit
+    if short:
+        say(f"hint: {short} layer{'s' if short > 1 else ''} ran out of time (--time-limit {args.time_limit:g} s over "
+            f"{topo.num_layers} layers) before CP-SAT finished building the model of {topo.num_experts} experts x "
+            f"{topo.num_gpus} gpus; ilp is a reference for small instances (docs/ilp_and_transfer.md)")
+    say(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
+        f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
+    say(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
+    say(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
+    say(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
+        f"most replicas of one expert: {int(plan.logcnt.max())}")
+    say(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if previous is not None:
         total = topo.num_layers * topo.num_slots
         ways = ", ".join(f"{k[len('layers_'):]} {v}" for k, v in plan.extra.items() if k.startswith("layers_") and v)
-        print(f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)" + (f"; layers {ways}" if ways else ""))
+        say(f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)" + (f"; layers {ways}" if ways else ""))
     if args.expert_bytes is not None:
         tp = transfer_plan(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
         kinds = tp.kind_counts()
-        print(f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
-              f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
-              f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
-              f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
+        say(f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
+            f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
+            f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
+            f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
         sched = transfer_schedule(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
         bw = sched.bandwidth
-        print(f"schedule: {sched.total_rounds} rounds over {topo.num_layers} layers (each gpu with at most one peer per round), "
-              f"max {sched.max_rank_round_bytes / 1e6:.1f} MB per gpu per round; predicted {sched.predicted_seconds:.3f} s "
-              f"at {bw.intra_node_gb_s:g} GB/s same node, {bw.inter_node_gb_s:g} GB/s across nodes, {bw.local_gb_s:g} GB/s within a gpu")
-    if args.out:
-        out = Path(args.out)
-        if out.suffix == ".npy" and args.format is None:
-            np.save(out, plan.phy2log)
-            print(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
-        else:
-            stats = plan.summary() | {"source": source, "imbalance": plan.imbalance.tolist(), "imbalance_lb": plan.imbalance_lb.tolist()}
-            kind = eio.write_placement(out, plan.placement, args.format, stats=stats, loads=loads)
-            print(f"wrote {kind} placement to {out}")
+        say(f"schedule: {sched.total_rounds} rounds over {topo.num_layers} layers (each gpu with at most one peer per round), "
+            f"max {sched.max_rank_round_bytes / 1e6:.1f} MB per gpu per round; predicted {sched.predicted_seconds:.3f} s "
+            f"at {bw.intra_node_gb_s:g} GB/s same node, {bw.inter_node_gb_s:g} GB/s across nodes, {bw.local_gb_s:g} GB/s within a gpu")
+    stats = plan.summary() | {"source": source, "imbalance": plan.imbalance.tolist(), "imbalance_lb": plan.imbalance_lb.tolist()}
+    if fmt is None:
+        say("placement not written: give --out FILE (.json native, .npz vllm, .txt listing, .npy phy2log) "
+            "or --format FMT to print it")
+    elif out is None:
+        sys.stdout.write(eio.placement_text(plan.placement, fmt, stats, loads))
+    elif fmt == "phy2log":
+        np.save(out, plan.phy2log)
+        say(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
+    else:
+        kind = eio.write_placement(out, plan.placement, fmt, stats=stats, loads=loads)
+        say(f"wrote {kind} placement to {out}")
     return 0
+
+
+@contextmanager
+def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A tqdm bar on stderr while planning. With ``layers``, yields the per-layer callback
+    the policy calls (``progress(done, total)``): it moves the bar and re-raises a Ctrl-C that
+    got lost (below). Without, the elapsed time, ticked from a thread since the policy reports
+    nothing. Shown after half a second unless ``eager`` (--progress), so fast plans print no
+    bar. Without tqdm (the bench extra) no bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        show = False
+    if layers is not None:
+        with _remember_ctrl_c() as interrupted:
+            bar = tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=0.0 if eager else 0.5) if show else None
+
+            def tick(done: int, total: int) -> None:
+                if interrupted():
+                    raise KeyboardInterrupt
+                if bar is not None:
+                    bar.update(done - bar.n)
+
+            try:
+                yield tick
+            finally:
+                if bar is not None:
+                    bar.close()
+        return
+    if not show:
+        yield None
+        return
+    stop = threading.Event()
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=0.0 if eager else 0.5) as bar:
+
+        def tick() -> None:
+            while not stop.wait(0.5):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield None
+        finally:
+            stop.set()
+            ticker.join()
+
+
+@contextmanager
+def _remember_ctrl_c() -> Iterator[Callable[[], bool]]:
+    """Yields ``interrupted()``: whether Ctrl-C came. A Ctrl-C during a CP-SAT solve reaches
+    Python only when the solve returns, inside protobuf code that swallows the
+    KeyboardInterrupt, so the ilp run went on to the next layer; the progress callback asks
+    this instead. Outside the main thread (where handlers cannot be set) it never reports."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        hit.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# Policies that take the anytime search's options; ilp takes only the time limit and workers.
+_SEARCHING = ("global", "hierarchical", "auto")
+
+
+def _planning(args: argparse.Namespace) -> dict:
+    """The planning options of ``eplb place`` as ``rebalance`` options for ``args.policy``."""
+    given = {
+        "effort": args.effort,
+        "work_budget": args.work_budget,
+        "time_limit": args.time_limit,
+        "workers": args.workers,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    allowed = ("effort", "work_budget", "time_limit", "workers") if args.policy in _SEARCHING else ()
+    if args.policy == "ilp":
+        allowed = ("time_limit", "workers")
+    extra = sorted(set(given) - set(allowed))
+    if extra:
+        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        raise ValueError(f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
+                         + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else ""))
+    if args.policy == "ilp" and "time_limit" in given:
+        # One limit over all layers; a layer may use all of what is left to it.
+        given["total_time_limit"] = given["time_limit"]
+    return given
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,15 +332,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("trace", nargs="?", help="load trace file (.json .npy .npz .csv .pt)")
     p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
     p.add_argument("--recorded-under", metavar="PLACEMENT", help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)")
-    p.add_argument("--synthetic", "--workload", dest="synthetic", default="lognormal-1.0", choices=WORKLOADS, help="workload when no TRACE is given")
-    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (shared/BENCHMARKS.md)")
+    p.add_argument("--synthetic", "--workload", dest="synthetic", choices=WORKLOADS, help="workload when no TRACE is given [lognormal-1.0]")
+    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md)")
     p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")
     for name in _TOPO_ARGS:
         p.add_argument(f"--{name}", type=int, help=f"number of {name}" + (" (default: the trace's)" if name in ("layers", "experts") else ""))
     window = p.add_mutually_exclusive_group()
     window.add_argument("--window", type=int, help="plan on the last N steps of a trace with a time axis")
     window.add_argument("--half-life", type=float, help="plan on an exponentially decayed sum (half-life in steps)")
-    p.add_argument("--policy", default="auto", choices=eplb.policies())
+    p.add_argument("--policy", default="auto", choices=eplb.policies(), help="a registered policy (docs/algorithms.md) [auto]")
     p.add_argument("--previous", metavar="PLACEMENT", help="the placement in service now (any placement format or .npy "
                    "phy2log): re-plan migration-aware, moving as few slots as the bounds allow")
     p.add_argument("--tolerance", type=float, help="with --previous: mean imbalance over layers within (1 + this) x a fresh plan's [0.01]")
@@ -165,9 +348,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many slots rewritten in all (a hard limit)")
     p.add_argument("--max-layer-moves", type=int, help="with --previous: at most this many slots rewritten per layer")
     p.add_argument("--expert-bytes", type=float, help="with --previous: bytes of one expert's weights; prints the transfer plan's traffic")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes bare phy2log)")
-    p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log)")
+    p.add_argument("--effort", choices=("fast", "default", "high"), help="fast: the first greedy plan; default: then search "
+                   "until within 0.1 %% of the bound or the work budget is spent; high: wider and longer [default]")
+    p.add_argument("--work-budget", type=float, help="work units per layer for the search after the first plan "
+                   "(deterministic; default: the effort's)")
+    p.add_argument("--time-limit", type=float, help="wall-clock seconds for the whole plan (cuts the search short; "
+                   "no limit by default; ilp: one limit over all layers)")
+    p.add_argument("--workers", type=int, help="processes planning layers in parallel [1] "
+                   "(ilp: CP-SAT search threads [8])")
+    p.add_argument("--seed", type=int, help="seed of the synthetic workload [0]")
+    p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes "
+                   "bare phy2log); without --out, native, sglang and listing print to stdout")
+    p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log; "
+                   "- for stdout, the report then going to stderr)")
+    p.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
+                   "(on a terminal it shows for plans over half a second)")
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
     s.set_defaults(fn=None)
@@ -176,13 +371,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         # Imported here so `eplb place` works without the service extra installed.
-        from eplb_service.cli import main as serve_main
-
+        try:
+            from eplb_service.cli import main as serve_main
+        except ImportError as exc:
+            print(f"eplb serve: error: the service needs the service extra (missing: {exc.name}); "
+                  "install it with: pip install 'eplb[service]'", file=sys.stderr)
+            return 2
         return serve_main(rest)
     if args.command == "demo":
         # Imported here: the demo needs the service and engine extras (torch).
@@ -193,9 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.fn(args)
-    except ValueError as exc:
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly
+    except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\neplb {args.command}: interrupted; nothing written", file=sys.stderr)
+        return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import pickle
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -22,16 +23,19 @@ from eplb.placement import Placement
 from eplb.topology import Topology
 
 __all__ = [
-    "TRACE_FORMATS",
     "PLACEMENT_FORMATS",
-    "trace_format_of",
+    "PLACEMENT_SUFFIXES",
+    "TRACE_FORMATS",
     "placement_format_of",
-    "read_trace",
-    "write_trace",
-    "read_placement",
-    "write_placement",
+    "placement_output_format",
+    "placement_text",
     "read_phy2log",
+    "read_placement",
     "read_topology",
+    "read_trace",
+    "trace_format_of",
+    "write_placement",
+    "write_trace",
 ]
 
 TRACE_FORMATS = ("native", "json", "npy", "npz", "csv", "sglang-pt", "vllm")
@@ -39,6 +43,8 @@ TRACE_FORMATS = ("native", "json", "npy", "npz", "csv", "sglang-pt", "vllm")
 _WINDOW_KEYS = ("window", "expert_load_window")
 _MAP_KEYS = ("physical_to_logical", "physical_to_logical_map")
 PLACEMENT_FORMATS = ("native", "sglang", "vllm", "listing")
+# The suffix a placement file of each format has, so that reading it back by suffix works.
+PLACEMENT_SUFFIXES = {"native": ".json", "sglang": ".json", "vllm": ".npz", "listing": ".txt"}
 
 T = TypeVar("T")
 
@@ -51,19 +57,44 @@ def _in_file(path: Path, fn: Callable[[], T]) -> T:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def _read_json(path: Path) -> object:
+def _read_text(path: Path) -> str:
     try:
-        return json.loads(path.read_text())
+        return path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+
+
+def _read_json(path: Path) -> object:
+    text = _read_text(path)
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; expected a JSON object")
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
 
 
+def _empty(path: Path, what: str) -> None:
+    # numpy reports an empty or cut-short file as EOFError, with no file name.
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty; expected {what}")
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    _empty(path, "a .npy array")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable .npy array ({exc or 'cut short'})") from None
+
+
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    _empty(path, "a .npz archive")
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable .npz archive ({exc})") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive ({exc or 'cut short'})") from None
 
 
 def trace_format_of(path: Path, fmt: str | None = None) -> str:
@@ -91,7 +122,11 @@ def _load_torch(path: Path) -> object:
         import torch  # optional extra: only SGLang .pt dumps need it
     except ImportError:
         raise ValueError(f"{path}: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb[torch]'` or convert the dump to .npz") from None
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    _empty(path, "an SGLang expert-distribution dump saved by torch.save")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"{path}: not a readable torch.save file ({exc or 'cut short'})") from None
     if isinstance(obj, dict):
         return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in obj.items()}
     return obj
@@ -111,13 +146,10 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
         doc = _read_json(path)
         return _in_file(path, lambda: traces.from_counts_json(doc))
     if kind == "npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable .npy array ({exc})") from None
+        arr = _read_npy(path)
         return _in_file(path, lambda: traces.from_array(arr, "array"))
     if kind == "csv":
-        rows = list(csv.reader(io.StringIO(path.read_text())))
+        rows = list(csv.reader(io.StringIO(_read_text(path))))
         return _in_file(path, lambda: traces.from_csv_rows(rows))
     if kind == "sglang-pt":
         obj = _load_torch(path)
@@ -133,7 +165,7 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
         return _in_file(path, lambda: traces.from_vllm_window(window, p2l))
     for key in ("counts", "logical_count"):
         if key in arrays:
-            return _in_file(path, lambda: traces.from_array(arrays[key], key))
+            return _in_file(path, lambda key=key: traces.from_array(arrays[key], key))
     raise ValueError(f"{path}: field 'counts': missing; expected an array named counts or logical_count (archive has: {', '.join(arrays) or 'nothing'})")
 
 
@@ -177,6 +209,24 @@ def placement_format_of(path: Path, fmt: str | None = None) -> str:
     return by_suffix[suffix]
 
 
+def placement_output_format(path: str | Path, fmt: str | None = None) -> str:
+    """The format to write ``path`` in: ``fmt`` if given, else by suffix (``.json`` native).
+    Raises ``ValueError`` when ``fmt`` and the suffix disagree (a vLLM ``.npz`` archive in a
+    ``.json``), naming the suffix that fits."""
+    path = Path(path)
+    if fmt is None:
+        return "native" if path.suffix.lower() == ".json" else placement_format_of(path)
+    kind = placement_format_of(path, fmt)
+    want = PLACEMENT_SUFFIXES[kind]
+    if path.suffix.lower() != want:
+        others = ", ".join(f"{s} {k}" for k, s in PLACEMENT_SUFFIXES.items() if s == path.suffix.lower())
+        raise ValueError(
+            f"{path}: a {kind} placement is written as a {want} file, not {path.suffix or 'a file without a suffix'}; "
+            f"name it {path.with_suffix(want).name}" + (f" or choose a {path.suffix} format ({others})" if others else "")
+        )
+    return kind
+
+
 def write_placement(
     path: str | Path,
     placement: Placement,
@@ -187,17 +237,25 @@ def write_placement(
     """Write ``placement``; returns the format used. ``stats`` go into native files,
     ``loads [L, E]`` into the listing's per-gpu tokens."""
     path = Path(path)
-    kind = placement_format_of(path, fmt)
-    if kind == "native":
-        path.write_text(json.dumps(formats.to_native(placement, stats)))
-    elif kind == "sglang":
-        path.write_text(json.dumps(formats.to_sglang(placement)))
-    elif kind == "vllm":
+    kind = placement_output_format(path, fmt)
+    if kind == "vllm":
         with path.open("wb") as f:
             np.savez(f, **formats.to_vllm(placement))
     else:
-        path.write_text(formats.to_listing(placement, loads))
+        path.write_text(placement_text(placement, kind, stats, loads))
     return kind
+
+
+def placement_text(placement: Placement, fmt: str, stats: dict | None = None, loads: np.ndarray | None = None) -> str:
+    """``placement`` in a text format (native, sglang, listing), e.g. for stdout; ``stats`` go
+    into native files, ``loads [L, E]`` into the listing's per-gpu tokens."""
+    if fmt == "native":
+        return json.dumps(formats.to_native(placement, stats)) + "\n"
+    if fmt == "sglang":
+        return json.dumps(formats.to_sglang(placement)) + "\n"
+    if fmt == "listing":
+        return formats.to_listing(placement, loads)
+    raise ValueError(f"{fmt} placements are not text (vllm: an .npz archive); text formats: native, sglang, listing")
 
 
 def read_placement(path: str | Path, fmt: str | None = None, num_gpus: int | None = None, num_nodes: int = 1, num_groups: int = 1) -> Placement:
@@ -217,7 +275,7 @@ def read_placement(path: str | Path, fmt: str | None = None, num_gpus: int | Non
     if kind == "vllm":
         arrays = _read_npz(path)
         return _in_file(path, lambda: formats.from_vllm(arrays, num_gpus, num_nodes, num_groups))
-    text = path.read_text()
+    text = _read_text(path)
     return _in_file(path, lambda: formats.from_listing(text))
 
 
@@ -226,10 +284,9 @@ def read_phy2log(path: str | Path) -> np.ndarray:
     (the gpu count does not matter for the map, so engine formats are read with one gpu)."""
     path = Path(path)
     if path.suffix.lower() == ".npy":
-        try:
-            return np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable .npy array ({exc})") from None
+        if not path.is_file():
+            raise ValueError(f"{path}: no such placement file")
+        return _read_npy(path)
     return read_placement(path, num_gpus=1).phy2log
 
 
@@ -241,7 +298,7 @@ def read_topology(path: str | Path) -> Topology:
         raise ValueError(f"{path}: no such topology config")
     if path.suffix.lower() == ".toml":
         try:
-            doc = tomllib.loads(path.read_text())
+            doc = tomllib.loads(_read_text(path))
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: not valid TOML ({exc})") from None
     else:

@@ -1,19 +1,24 @@
-"""``eplb-bench``: imbalance report over policies × workloads × scales (and trace files).
+"""eplb-bench: imbalance report over policies x workloads x scales (and trace files).
 
-    eplb-bench [--quick] [TRACE ...] [--topology CONFIG | --slots P --gpus G ...]
-               [--scales ...] [--workloads ...] [--policies ...] [--json FILE] [--plots DIR]
+Three sections, each a Markdown table on stdout (and a list in --json):
 
-Three sections, each a Markdown table on stdout (and a list in ``--json``):
+  placement     per (scale, workload): the baselines none (contiguous placement) and
+                deepseek, our policies, ilp on the small scale, and the lower bound:
+                imbalance (mean over layers, worst layer), gap to the lower bound, gap to
+                the ILP, solve time per full-model plan.
+  re-planning   imbalance over a drifting and a shifting sequence when each policy
+                re-plans every K steps on the last K steps (migration-aware), and the
+                slots each re-plan moves. Runs at v3-prefill, or at each of --scales.
+  per-step      realized max/mean gpu load of sampled decode steps at b tokens per gpu,
+                mean and p99, next to the placement's expected imbalance. Runs at
+                v4flash-ep64, or at each of --scales.
 
-- **placement**: per (scale, workload) the baselines ``none`` (contiguous placement) and
-  ``deepseek``, our policies, ``ilp`` on the ``small`` scale when registered, and the lower
-  bound: imbalance (mean over layers and worst layer), gap to the lower bound, gap to the ILP,
-  solve time per full-model plan;
-- **re-planning**: imbalance over a drifting and a shifting sequence when each policy
-  re-plans every K steps on the last K steps (migration-aware, ``previous=``), and the slots
-  each re-plan moves;
-- **per-step**: realized max/mean gpu load of sampled decode steps (``eplb.simulate``) at
-  ``b`` tokens per gpu, mean and p99, next to the placement's expected imbalance.
+Scales and workloads: docs/scales.md. More: docs/tools.md.
+
+examples:
+  eplb-bench --quick                          two scales, three workloads, under a minute
+  eplb-bench --scales small --policies global,ilp
+  eplb-bench trace.npy --slots 288 --gpus 32 --json report.json   only the trace
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
 from . import io as eio
+from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 OUR_POLICIES = ("global", "hierarchical", "auto")
 
@@ -52,17 +58,27 @@ class Case:
 
 
 def policies_for(topology: Topology, scale: str, requested: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """``none`` (contiguous) and ``deepseek`` always, then ours, then ``ilp`` on ``small``."""
-    names = requested or ("deepseek", *OUR_POLICIES)
-    names = tuple(n for n in names if n in eplb.policies() and n != "ilp")
-    if "ilp" in eplb.policies() and scale == "small" and (requested is None or "ilp" in requested):
-        names += ("ilp",)
-    return ("none", *names)
+    """``none`` (contiguous) always, then ``requested`` (default: ``deepseek`` and ours, and
+    ``ilp`` on ``small`` when registered). ``ilp`` asked for elsewhere gets a skipped row."""
+    if requested is None:
+        requested = ("deepseek", *OUR_POLICIES) + (("ilp",) if scale == "small" and "ilp" in eplb.policies() else ())
+    return ("none", *(n for n in requested if n != "none"))
 
 
-def _skip_reason(policy: str, topology: Topology) -> str | None:
+def check_policies(requested: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming any of ``requested`` the registry does not know."""
+    unknown = [n for n in requested if n not in eplb.policies() and n != "none"]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; registered policies: "
+                         f"{', '.join(eplb.policies())} (the contiguous baseline 'none' always runs)")
+
+
+def _skip_reason(policy: str, topology: Topology, scale: str = "") -> str | None:
     if policy == "hierarchical" and not topology.hierarchical_ok:
         return f"num_groups ({topology.num_groups}) % num_nodes ({topology.num_nodes}) != 0"
+    if policy == "ilp" and scale != "small" and not scale.startswith("trace"):
+        # One CP-SAT model per layer: minutes to hours at the model scales.
+        return "ilp runs on the small scale and trace files only"
     return None
 
 
@@ -73,7 +89,7 @@ def plan_case(case: Case, policy: str, ilp_time_limit: float = 10.0) -> tuple[di
     row: dict = {"scale": case.scale, "workload": case.workload, "policy": policy}
     lb = eplb.imbalance_lb(loads, topo)
     row["imbalance_lb_mean"] = float(lb.mean())
-    reason = _skip_reason(policy, topo)
+    reason = _skip_reason(policy, topo, case.scale)
     if reason:
         return row | {"skipped": reason}, None, None
     if policy == "none":
@@ -136,7 +152,7 @@ def replan_series(topology: Topology, seq: np.ndarray, policy: str, every: int) 
 def replan_rows(scale: str, topology: Topology, name: str, seq: np.ndarray, policies: tuple[str, ...], every: int) -> tuple[list[dict], dict]:
     rows, series = [], {}
     for policy in policies:
-        if policy == "ilp" or _skip_reason(policy, topology):
+        if policy == "ilp" or _skip_reason(policy, topology, scale):
             continue
         s = replan_series(topology, seq, policy, every)
         series[policy] = s
@@ -197,10 +213,10 @@ class Settings:
     scales: tuple[str, ...]
     workloads: tuple[str, ...]
     policies: tuple[str, ...] | None
-    replan_scale: str
+    replan_scales: tuple[str, ...]
     replan_steps: int
     replan_every: int
-    step_scale: str
+    step_scales: tuple[str, ...]
     tokens_per_gpu: tuple[int, ...]
     sim_steps: int
     topk: int
@@ -210,8 +226,8 @@ class Settings:
 
 
 QUICK = Settings(("v3-prefill", "small"), ("zipf-1.0", "lognormal-1.0", "group-limited"), None,
-                 "v3-prefill", 16, 4, "v4flash-ep64", (32, 240), 50, 6, 0, 2.0)
-FULL = Settings(tuple(SCALES), WORKLOADS, None, "v3-prefill", 64, 8, "v4flash-ep64", (32, 240, 1024), 200, 6, 0, 10.0)
+                 ("v3-prefill",), 16, 4, ("v4flash-ep64",), (32, 240), 50, 6, 0, 2.0)
+FULL = Settings(tuple(SCALES), WORKLOADS, None, ("v3-prefill",), 64, 8, ("v4flash-ep64",), (32, 240, 1024), 200, 6, 0, 10.0)
 
 
 def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path | None = None) -> dict:
@@ -227,10 +243,11 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
             per_case.setdefault((case.scale, case.workload), {})[policy] = (placement, imb)
     add_ilp_gap(rows)
 
-    topo = SCALES[settings.replan_scale]
-    base = make_loads("lognormal-1.0", topo)
-    sequences = [(settings.replan_scale, topo, "drift-0.05", drift(base, 0.05, settings.replan_steps)),
-                 (settings.replan_scale, topo, "shift", shift(base, settings.replan_steps))]
+    sequences = []
+    for scale in settings.replan_scales:
+        base = make_loads("lognormal-1.0", SCALES[scale])
+        sequences += [(scale, SCALES[scale], "drift-0.05", drift(base, 0.05, settings.replan_steps)),
+                      (scale, SCALES[scale], "shift", shift(base, settings.replan_steps))]
     sequences += [(c.scale, c.topology, c.workload, c.sequence) for c in trace_cases if c.sequence is not None and len(c.sequence) > 1]
     replan, series = [], {}
     for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
@@ -240,14 +257,16 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
         replan += r
         series[(scale, name)] = s
 
-    stopo = SCALES[settings.step_scale]
-    uniform = np.ones(stopo.num_experts)
-    balanced = {"global": eplb.rebalance(uniform[None].repeat(stopo.num_layers, 0), stopo, "global").placement}
-    steps = step_rows(settings.step_scale, stopo, "uniform", uniform, balanced, settings.tokens_per_gpu, settings.topk, settings.sim_steps, settings.layer)
-    loads = make_loads("lognormal-1.0", stopo)
-    placed = {p: eplb.rebalance(loads, stopo, p).placement for p in ("deepseek", "global")}
-    steps += step_rows(settings.step_scale, stopo, "lognormal-1.0", loads[settings.layer], placed, settings.tokens_per_gpu[:1],
-                       settings.topk, settings.sim_steps, settings.layer)
+    steps = []
+    for scale in settings.step_scales:
+        stopo = SCALES[scale]
+        uniform = np.ones(stopo.num_experts)
+        balanced = {"global": eplb.rebalance(uniform[None].repeat(stopo.num_layers, 0), stopo, "global").placement}
+        steps += step_rows(scale, stopo, "uniform", uniform, balanced, settings.tokens_per_gpu, settings.topk, settings.sim_steps, settings.layer)
+        loads = make_loads("lognormal-1.0", stopo)
+        placed = {p: eplb.rebalance(loads, stopo, p).placement for p in ("deepseek", "global")}
+        steps += step_rows(scale, stopo, "lognormal-1.0", loads[settings.layer], placed, settings.tokens_per_gpu[:1],
+                           settings.topk, settings.sim_steps, settings.layer)
 
     report = {"placement": rows, "replan": replan, "steps": steps, "plots": []}
     if plots is not None:
@@ -302,16 +321,42 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def main(argv: list[str] | None = None) -> int:
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = _positive_ints(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
+    return value[0]
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed)")
+    ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed); given alone "
+                    "(without --quick or --scales), the report covers only them")
     ap.add_argument("--quick", action="store_true", help="two scales, three workloads, short sequences (under a minute)")
-    ap.add_argument("--scales", help=f"comma-separated (default: all; known: {', '.join(SCALES)})")
-    ap.add_argument("--workloads", help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
-    ap.add_argument("--policies", help="comma-separated policies besides the baselines (default: deepseek and ours)")
-    ap.add_argument("--layer", type=int, default=0, help="layer for the per-gpu bars and the per-step simulation")
-    ap.add_argument("--tokens-per-gpu", help="comma-separated b for the per-step simulation")
-    ap.add_argument("--replan-every", type=int, help="K: re-plan every K steps of the drifting/shifting sequences")
+    ap.add_argument("--scales", type=_names, metavar="A,B", help=f"comma-separated, for every section (default: all; known: {', '.join(SCALES)})")
+    ap.add_argument("--workloads", type=_names, metavar="A,B", help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
+    ap.add_argument("--policies", type=_names, metavar="A,B", help=f"comma-separated policies besides the baseline 'none' "
+                    f"(default: deepseek and ours; registered: {', '.join(eplb.policies())})")
+    ap.add_argument("--layer", type=int, default=0, help="layer for the per-gpu bars and the per-step simulation [0]")
+    ap.add_argument("--tokens-per-gpu", type=_positive_ints, metavar="B,B", help="comma-separated b for the per-step simulation")
+    ap.add_argument("--replan-every", type=_positive_int, metavar="K", help="K: re-plan every K steps of the drifting/shifting sequences")
     ap.add_argument("--topology", help="topology config for trace files (.json/.toml)")
     for name in ("slots", "gpus"):
         ap.add_argument(f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})")
@@ -321,38 +366,75 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-bytes", type=float, help="bytes of one expert's weights: adds moved bytes per re-plan")
     ap.add_argument("--json", help="also write the report as JSON to this file")
     ap.add_argument("--plots", help="write PNG plots into this directory")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """``--quick`` or the full settings with the flags applied; ``ValueError`` on bad names."""
     settings = QUICK if args.quick else FULL
-    overrides = {}
+    overrides: dict = {"layer": args.layer}
     if args.scales:
-        overrides["scales"] = tuple(args.scales.split(","))
-    if args.workloads:
-        overrides["workloads"] = tuple(args.workloads.split(","))
-    if args.policies:
-        overrides["policies"] = tuple(args.policies.split(","))
-    if args.tokens_per_gpu:
-        overrides["tokens_per_gpu"] = tuple(int(b) for b in args.tokens_per_gpu.split(","))
-    if args.replan_every:
-        overrides["replan_every"] = args.replan_every
-    if args.ilp_time_limit:
-        overrides["ilp_time_limit"] = args.ilp_time_limit
-    if args.expert_bytes:
-        overrides["expert_bytes"] = args.expert_bytes
-    overrides["layer"] = args.layer
-    settings = Settings(**(settings.__dict__ | overrides))
-    try:
-        unknown = [s for s in settings.scales if s not in SCALES] + [w for w in settings.workloads if w not in WORKLOADS]
+        unknown = [s for s in args.scales if s not in SCALES]
         if unknown:
-            raise ValueError(f"unknown scales/workloads: {', '.join(unknown)}; known scales: {', '.join(SCALES)}; workloads: {', '.join(WORKLOADS)}")
+            raise ValueError(f"--scales: unknown {', '.join(map(repr, unknown))}; known: {', '.join(SCALES)} (docs/scales.md)")
+        overrides |= {"scales": args.scales, "replan_scales": args.scales, "step_scales": args.scales}
+    elif args.traces and not args.quick:
+        # Trace files alone: a report on them, not also on every synthetic scale (minutes).
+        overrides |= {"scales": (), "replan_scales": (), "step_scales": ()}
+    if args.workloads:
+        unknown = [w for w in args.workloads if w not in WORKLOADS]
+        if unknown:
+            raise ValueError(f"--workloads: unknown {', '.join(map(repr, unknown))}; known: {', '.join(WORKLOADS)} (docs/scales.md)")
+        overrides["workloads"] = args.workloads
+    if args.policies:
+        check_policies(args.policies)
+        overrides["policies"] = args.policies
+    for name in ("tokens_per_gpu", "replan_every", "ilp_time_limit", "expert_bytes"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    settings = Settings(**(settings.__dict__ | overrides))
+    if not settings.ilp_time_limit > 0:
+        raise ValueError(f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}")
+    if settings.layer < 0:
+        raise ValueError(f"--layer must be >= 0, got {settings.layer}")
+    for scale in settings.step_scales:
+        layers = SCALES[scale].num_layers
+        if settings.layer >= layers:
+            raise ValueError(f"--layer must be between 0 and {layers - 1} (the per-step scale {scale} has {layers} "
+                             f"layer{'s' if layers > 1 else ''}), got {settings.layer}")
+    topk = settings.topk
+    small = [s for s in settings.step_scales if SCALES[s].num_experts < topk]
+    if small:
+        raise ValueError(f"the per-step simulation routes each token to {topk} experts; scale {small[0]} has fewer")
+    return settings
+
+
+@quiet_on_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+        # Checked before the run, which takes minutes, rather than after it.
+        if args.json and not Path(args.json).parent.is_dir():
+            raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+        if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+            raise ValueError(f"--plots {args.plots}: is a file; give a directory (made if missing)")
+        if args.json and Path(args.json).is_dir():
+            raise ValueError(f"--json {args.json}: is a directory; give a file name such as {Path(args.json) / 'report.json'}")
         report = build_report(settings, _trace_cases(args), Path(args.plots) if args.plots else None)
-    except ValueError as exc:
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly
+    except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
         print(f"eplb-bench: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\neplb-bench: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
     print(markdown(report))
     if report["plots"]:
         print("\nplots:\n" + "\n".join(report["plots"]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
     return 0
 
 

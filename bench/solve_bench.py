@@ -8,7 +8,7 @@ A policy may carry an effort, ``global:high``. For each scale × workload × pol
 median over ``--repeat`` runs of the policy's own solve time (``Plan.solve_seconds``, without
 the metrics ``rebalance`` adds), mean and worst imbalance over layers and the mean lower bound,
 then a summary: per policy, the worst solve time per scale and how often it is worse than
-``deepseek``. Pin to one core (``taskset -c 0``) for the figures in BENCHMARKS.md.
+``deepseek``. Pin to one core (``taskset -c 0``) for the figures in the README (scales: docs/scales.md).
 
 ``--reference`` times DeepSeek's own eplb.py (needs torch; the file is not part of eplb) on the
 same inputs in the same run, for speed-up ratios.

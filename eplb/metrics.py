@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import bounds
 from .placement import Placement
-from .replicate import replica_cap, waterfill
 from .topology import Topology
 
 __all__ = ["gpu_loads", "imbalance", "balancedness", "lower_bound", "imbalance_lb", "moves"]
@@ -38,11 +38,10 @@ def lower_bound(loads: np.ndarray, topology: Topology) -> np.ndarray:
     """``loads``: ``[L, E]`` → ``[L]``: no placement's busiest gpu can carry less.
 
     ``max(mean gpu load, min over replica counts of max_e loads[e] / count[e])`` with counts
-    summing to the slot count and capped at the gpu count (water-filling gives the min).
+    summing to the slot count and capped at the gpu count (water-filling gives the min), and
+    with two slots per gpu the pairing bound (``eplb.bounds``).
     """
-    loads = np.asarray(loads, dtype=np.float64)
-    counts = waterfill(loads, topology.num_slots, replica_cap(topology.num_experts, topology.num_slots, topology.num_gpus))
-    return np.maximum(loads.sum(axis=1) / topology.num_gpus, (loads / counts).max(axis=1))
+    return bounds.lower_bound(np.asarray(loads, dtype=np.float64), topology)
 
 
 def imbalance_lb(loads: np.ndarray, topology: Topology) -> np.ndarray:

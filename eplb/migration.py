@@ -89,8 +89,14 @@ def _align_slots(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     """``new``, ``old``: ``[X, S]`` experts of matched gpus → ``new`` reordered so experts that
     stay keep their slot and the incoming ones fill the freed slots in order."""
     S = new.shape[1]
-    stays = (old[:, :, None] == new[:, None, :]).any(axis=2)  # old slot keeps its expert
-    incoming = ~(new[:, :, None] == old[:, None, :]).any(axis=2)  # new expert not there yet
+    # As multisets, so a gpu holding an expert twice keeps as many copies as the new one has:
+    # the r-th copy of an expert stays if the other side has more than r of it.
+    earlier = np.tril(np.ones((S, S), dtype=bool), -1)
+    same_old = old[:, :, None] == old[:, None, :]
+    same_new = new[:, :, None] == new[:, None, :]
+    cross = old[:, :, None] == new[:, None, :]  # [X, old slot, new slot]
+    stays = (same_old & earlier).sum(axis=2) < cross.sum(axis=2)  # old slot keeps its expert
+    incoming = (same_new & earlier).sum(axis=2) >= cross.sum(axis=1)  # new copy not there yet
     out = np.where(stays, old, -1)
     # Free slots, in order, get the incoming experts, in order.
     free_rank = np.cumsum(~stays, axis=1) - 1
@@ -177,6 +183,19 @@ def repair_previous(
     return out
 
 
+def _repairs(
+    loads: np.ndarray, previous: Placement, topology: Topology, targets: list, by_node: bool, fresh: np.ndarray
+) -> list[tuple[str, np.ndarray]]:
+    """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
+    pairs, target by target. The targets run as one stacked problem of ``K * L`` layers (rows
+    are independent): one pass of each step instead of ``K`` keeps numpy's per-call cost down."""
+    K, L = len(targets), topology.num_layers
+    stacked = topology.with_layers(K * L)
+    prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
+    out = repair_previous(np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1)))
+    return [(name, cand[k * L:(k + 1) * L]) for k in range(K) for name, cand in out.items()]
+
+
 def _repair_rows(
     loads: np.ndarray,
     phy: np.ndarray,
@@ -223,13 +242,13 @@ def _repair_rows(
         if moved.size:
             counted[moved] = _finish(row_loads[moved], c[moved], tgt[moved], cap, chains=True)
     outs.append(counted)
-    score = []
-    for c in outs:
-        # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin.
-        busiest = _bin_loads(row_loads, c).max(axis=1)
-        moved_slots = (c != phy).sum(axis=(1, 2))
-        score.append((busiest > tgt * (1 + _REL_TOL)) * 1e9 + moved_slots + busiest / (busiest.max() + 1e-300))
-    cand = np.stack(outs)[np.argmin(np.stack(score), axis=0), np.arange(rows)]
+    # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
+    # compared per row (a sort by keys), so a row's pick never depends on the other rows.
+    busiest = np.stack([_bin_loads(row_loads, c).max(axis=1) for c in outs])  # [3, R]
+    moved_slots = np.stack([(c != phy).sum(axis=(1, 2)) for c in outs])
+    missed = busiest > tgt * (1 + _REL_TOL)
+    best = np.lexsort((busiest, moved_slots, missed), axis=0)[0]
+    cand = np.stack(outs)[best, np.arange(rows)]
     if node_exp is not None:
         cand = np.take_along_axis(node_exp, cand.reshape(rows, -1), axis=1)
     # A run of swaps can take an expert off a gpu and bring it back to another slot.
@@ -346,6 +365,20 @@ def _recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np
     return flat.reshape(R, B, S), ok
 
 
+def _groups_whole(phy2log: np.ndarray, t: Topology) -> np.ndarray:
+    """``[L, P]`` → ``[L]`` bool: every node holds only whole groups, ``num_groups / num_nodes`` of
+    them, each expert of those groups at least once (what a hierarchical plan guarantees)."""
+    L, N, K, gs = phy2log.shape[0], t.num_nodes, t.num_groups // t.num_nodes, t.experts_per_group
+    nodes = phy2log.reshape(L * N, t.slots_per_node)
+    present = np.zeros((L * N, t.num_experts), dtype=bool)
+    present[np.arange(L * N)[:, None], nodes] = True
+    per_group = present.reshape(L * N, t.num_groups, gs)
+    touched = per_group.any(axis=2)
+    full = per_group.all(axis=2)
+    ok = (touched == full).all(axis=1) & (full.sum(axis=1) == K)
+    return ok.reshape(L, N).all(axis=1)
+
+
 def _distinct_per_bin(phy: np.ndarray) -> bool:
     srt = np.sort(phy, axis=2)
     return not (srt[:, :, 1:] == srt[:, :, :-1]).any()
@@ -410,15 +443,23 @@ def choose(
     budget = (1.0 + tolerance) * fresh_imb.sum() * (1 + _REL_TOL)
     cap = (1.0 + layer_tolerance) * fresh_imb * (1 + _REL_TOL)
     ways = [("kept", old)]
-    if keep_imb.sum() > budget or (keep_imb > cap).any():
+    # A hierarchical plan keeps every group whole on one node; a previous placement that does
+    # not (e.g. the contiguous first version) cannot be kept or repaired within nodes, so
+    # those layers take the fresh plan aligned onto it.
+    whole = _groups_whole(old, topology) if by_node and topology.num_nodes > 1 else np.ones(L, dtype=bool)
+    if not whole.all():
+        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
+    elif keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
-        for k in _TARGETS:
-            if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance):
-                target = (1.0 + k * tolerance) * fresh_max
-                ways += repair_previous(loads, previous, topology, target, by_node, fresh).items()
+        ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
+        ways += _repairs(loads, previous, topology, [(1.0 + k * tolerance) * fresh_max for k in ks], by_node, fresh)
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
     names, cands, imb, moves = _score(ways, loads, old, topology)
+    if not whole.all():
+        # Only the fresh plan keeps groups whole there: no move budget can hold it back.
+        pick = np.where(whole, _pick_within(moves, imb, cap, budget, max_layer_moves), len(ways) - 1)
+        return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, False, whole)
     pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
     cols = np.arange(L)
     limited = False
@@ -427,10 +468,8 @@ def choose(
         if missed or (max_moves is not None and moves[pick, cols].sum() > max_moves):
             # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
             kept_max = kept_load.max(axis=1)
-            partial = []
-            for f in _PARTIAL:
-                target = np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max)
-                partial += repair_previous(loads, previous, topology, target, by_node, fresh).items()
+            targets = [np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL]
+            partial = _repairs(loads, previous, topology, targets, by_node, fresh)
             ways = ways[:-1] + partial + ways[-1:]  # fresh aligned stays last
             names, cands, imb, moves = _score(ways, loads, old, topology)
             pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
@@ -439,15 +478,38 @@ def choose(
                 fits[0] = True  # kept: no moves
                 pick = _pick(np.where(fits, imb, np.inf), moves, max_moves)
             limited = True
+    return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, limited, whole)
+
+
+def _result(
+    names: list,
+    cands: np.ndarray,
+    pick: np.ndarray,
+    imb: np.ndarray,
+    moves: np.ndarray,
+    fresh_imb: np.ndarray,
+    tolerance: float,
+    max_moves: int | None,
+    max_layer_moves: int | None,
+    limited: bool,
+    whole: np.ndarray,
+) -> tuple[np.ndarray, dict, tuple[str, ...]]:
+    """The picked candidate per layer, how many layers took each way, and notes."""
+    cols = np.arange(pick.size)
     out = cands[pick, cols]
     taken = {f"layers_{n}": 0 for n in ("kept", "repaired", "recounted", "regrouped", "replanned")}
     for i, name in enumerate(names):
         taken[f"layers_{name}"] += int((pick == i).sum())
     taken["budget_limited"] = int(limited)
     notes: tuple[str, ...] = ()
+    if not whole.all():
+        notes += (
+            f"previous placement splits expert groups across nodes in {int((~whole).sum())} layers: "
+            "those layers take the fresh hierarchical plan, whatever the move budget",
+        )
     if limited:
         got = imb[pick, cols]
-        notes = (
+        notes += (
             f"move budget (max_moves={max_moves}, max_layer_moves={max_layer_moves}) held the re-plan to "
             f"{int(moves[pick, cols].sum())} moves: mean imbalance {got.mean():.4f} against "
             f"{(1 + tolerance) * fresh_imb.mean():.4f} allowed by the tolerance (fresh plan {fresh_imb.mean():.4f})",
@@ -460,6 +522,13 @@ def _score(ways: list, loads: np.ndarray, old: np.ndarray, topology: Topology) -
     imbalance and moves ``[C, L]``."""
     names = [name for name, _ in ways]
     cands = np.stack([c for _, c in ways])
+    # A repair from a previous placement with two replicas of an expert on one gpu can lose an
+    # expert; such a layer falls back to the kept one rather than publish an invalid plan.
+    E = topology.num_experts
+    C, L, P = cands.shape
+    keys = (np.arange(C * L)[:, None] * E + cands.reshape(C * L, P)).ravel()
+    lost = (np.bincount(keys, minlength=C * L * E).reshape(C, L, E) == 0).any(axis=2)
+    cands = np.where(lost[:, :, None], old[None], cands)
     imb = np.stack([imbalance(gpu_loads(loads, Placement(c, topology))) for c in cands])
     moves = (cands != old[None]).sum(axis=2).astype(np.float64)
     return names, cands, imb, moves

@@ -188,6 +188,8 @@ def _improve(
     target: np.ndarray | None = None,
 ) -> None:
     rows, num_bins, per_bin = assign.shape
+    if num_bins < 2:
+        return  # one bin (e.g. a node of one gpu): nothing to swap with
     # Only the heaviest bins decide the objective; pairing a few of them is most of the gain.
     half = min(num_bins // 2, pairs)
     r3 = np.arange(rows)[:, None, None]

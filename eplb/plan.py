@@ -22,7 +22,10 @@ class Plan:
     - ``gpu_load``: ``[L, G]`` tokens per gpu.
     ``policy`` is the policy asked for, ``policy_used`` what ran (``auto`` resolves to one),
     ``notes`` say why (e.g. a fallback). ILP plans fill ``solver_status`` and
-    ``solver_bound`` (``[L]`` proven lower bound on the busiest gpu's load).
+    ``solver_bound`` (``[L]`` proven lower bound on the busiest gpu's load). ``search`` is
+    what the anytime search after the first plan did (``SearchStats``: work units spent,
+    layers searched, layers within the gap of their bound, whether ``time_limit`` cut it),
+    ``None`` for policies without one.
     """
 
     placement: Placement
@@ -38,6 +41,7 @@ class Plan:
     solver_status: tuple[str, ...] | None = None
     solver_bound: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
+    search: object | None = None
 
     @property
     def phy2log(self) -> np.ndarray:

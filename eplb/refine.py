@@ -11,13 +11,14 @@ rewrites one slot, so the same step also serves migration-aware repair.
 
 from __future__ import annotations
 
-import time
 from itertools import combinations
 from math import comb
 
 import numpy as np
 
+from .budget import Budget
 from .packing import improve, pack
+from .pairing import pair_counts, paired_max
 from .replicate import count_vectors, waterfill
 
 __all__ = ["refine_counts", "refine_thorough", "rotate_improve", "swap_improve", "separate_hot", "pigeonhole_bound"]
@@ -48,15 +49,15 @@ def refine_counts(
     donors: int = 8,
     swap_rounds: int = 2,
     target: np.ndarray | None = None,
-    deadline: float | None = None,
+    budget: Budget | None = None,
     reverse: bool = False,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (experts per bin, no duplicates in a bin) →
     improved ``phy`` ``[X, B, S]`` with the same shape; counts change, every expert keeps >= 1
     replica and at most ``cap`` (``None``: no cap). A row stops once its busiest bin is at
     most ``target[row]`` (``[X]``, default: within 0.1 % of the mean). ``reverse`` also tries
-    the reverse move (``_count_move_out``) each step, keeping the better. Deterministic unless
-    ``deadline`` (a ``time.perf_counter()`` value) stops it between moves.
+    the reverse move (``_count_move_out``) each step, keeping the better. ``budget`` (work units,
+    see ``eplb.budget``) stops it between moves; deterministic unless it has a deadline.
     """
     X, B, S = phy.shape
     E = loads.shape[1]
@@ -68,10 +69,12 @@ def refine_counts(
     active = np.flatnonzero(_bin_loads(loads, phy).max(axis=1) > target)
     best = np.full(X, np.inf)
     idle = np.zeros(X, dtype=np.int64)
-    clock = _Clock(deadline)
+    clock = budget or Budget()
     for _ in range(iterations):
         if active.size == 0 or B < 2 or clock.out():
             break
+        # Each (gainer, donor, bin) candidate is a few array operations: an eighth of a unit.
+        clock.spend(active.size * B * S * min(donors, E) / 8)
         before = _bin_loads(loads[active], phy[active]).max(axis=1)
         snapshot = phy[active]
         # A move may first overload the bin that keeps the donor's last replica; the swaps
@@ -260,27 +263,27 @@ def rotate_improve(
         a_w, a_k, L1 = w[ra, h1], sub[ra, h1], load[ra, h1]  # [A, S]
         c_w, c_k, L2 = w[ra[:, None], h2s], sub[ra[:, None], h2s], load[ra[:, None], h2s]  # [A, H, S]
         b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
-        # Axes: [A, H, Q, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        aw = a_w[:, None, None, :, None, None]
-        cw = c_w[:, :, None, None, :, None]
-        bw = b_w[:, None, :, None, None, :]
-        n1 = L1[:, None, None, None, None, None] - aw + cw
-        n2 = L2[:, :, None, None, None, None] - cw + bw
-        nq = Lq[:, None, :, None, None, None] - bw + aw
-        t6 = tgt[:, None, None, None, None, None]
-        ok = (n1 <= t6) & (n2 <= t6) & (nq <= t6)
-        ok &= h2_ok[:, :, None, None, None, None]
+        # Each bin's new load depends on two of the three items: score each pair of items once
+        # (inf where that bin would go above the target or hold an expert twice), then take
+        # the max over the three on the full [A, H, Q, i, j, k] grid, one operation on it.
         # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
+        t4 = tgt[:, None, None, None]
+        in_h1 = a_k[:, None, :, None] == c_k[:, :, None, :]  # [A, H, i, j]
+        bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
+        n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
+        m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
+        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
+        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
+        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
+        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
         in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
-        ok &= ~(in_q.any(axis=3, keepdims=True) & ~in_q)[:, None, :, :, None, :]
-        in_h1 = a_k[:, None, None, :] == c_k[:, :, :, None]  # [A, H, j, i]
-        bad_c = in_h1.any(axis=3, keepdims=True) & ~in_h1  # [A, H, j, i]
-        ok &= ~np.transpose(bad_c, (0, 1, 3, 2))[:, :, None, :, :, None]
-        in_h2 = c_k[:, :, None, None, :] == b_k[:, None, :, :, None]  # [A, H, Q, k, j]
-        bad_b = in_h2.any(axis=4, keepdims=True) & ~in_h2
-        ok &= ~np.transpose(bad_b, (0, 1, 2, 4, 3))[:, :, :, None, :, :]
-        worst = np.maximum(np.maximum(n1, n2), nq)
-        score = np.where(ok, worst, np.inf).reshape(A, -1)
+        bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
+        nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
+        mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
+        # Axes: [A, H, Q, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+        score = np.maximum(m1[:, :, None, :, :, None], m2[:, :, :, None, :, :])
+        np.maximum(score, mq[:, None, :, :, None, :], out=score)
+        score = score.reshape(A, -1)
         best = score.argmin(axis=1)
         moved = np.isfinite(score[ra, best])
         if not moved.any():
@@ -337,13 +340,15 @@ def repack_search(
     cap: int | None,
     *,
     iterations: int = 12,
-    budget: int = 768,
-    deadline: float | None = None,
+    batch: int = 768,
+    target: np.ndarray | None = None,
+    budget: Budget | None = None,
 ) -> np.ndarray:
     """Steepest descent over single count moves (one replica from ``f`` to ``e``), each
     candidate judged by packing its counts from scratch, all candidates of all rows packed in
-    one batch of at most ``budget`` rows. Small layers try every (e, f) pair; larger ones the
-    heaviest experts of the busiest bin against the donors whose replicas grow least.
+    one batch of at most ``batch`` rows. Small layers try every (e, f) pair; larger ones the
+    heaviest experts of the busiest bin against the donors whose replicas grow least. Rows stop
+    at ``target`` ``[X]`` (default: within 0.1 % of the mean bin) or when ``budget`` is spent.
     ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
     X, B, S = phy.shape
     E = loads.shape[1]
@@ -351,12 +356,17 @@ def repack_search(
     best = phy.copy()
     best_max = _bin_loads(loads, best).max(axis=1)
     counts = _counts(best, E)
-    active = np.flatnonzero(best_max > loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH))
-    clock = _Clock(deadline)
+    if target is None:
+        target = loads.sum(axis=1) / B * (1 + _GOOD_ENOUGH)
+    active = np.flatnonzero(best_max > target)
+    clock = budget or Budget()
     for _ in range(iterations):
         if active.size == 0 or clock.out():
             break
-        per_row = max(1, budget // active.size)
+        # A step packs its candidates in one go: hold it to the units left, so a small
+        # budget (a re-plan's) is not overrun several times by one step.
+        step = batch if clock.units is None else min(batch, int((clock.units - clock.spent) // (B * S * S)))
+        per_row = max(1, step // active.size)
         if E * (E - 1) <= per_row:
             e, f = np.nonzero(~np.eye(E, dtype=bool))
             gain = np.broadcast_to(e, (active.size, e.size))
@@ -391,14 +401,18 @@ def repack_search(
             # packing unless two replicas of one expert meet, so a sort gives the value.
             # Otherwise a quick packing (few swap rounds) ranks counts well enough.
             if S == 2:
-                quick = _paired_max(loads[rows], cand)
+                quick = paired_max(loads[rows], cand)
             else:
                 quick = _bin_loads(loads[rows], _pack_counts(loads[rows], cand, B, max_rounds=_QUICK)).max(axis=1)
             order = np.lexsort((quick, rows))
             starts = np.r_[0, np.flatnonzero(rows[order][1:] != rows[order][:-1]) + 1]
             rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
             keep = order[rank < _SCREEN]
+            # Pairing is one sort (an eighth of a slot's packing work); a quick packing is _QUICK rounds.
+            clock.spend(quick.size * B * S * (0.125 if S == 2 else _QUICK))
             rows, cand = rows[keep], cand[keep]
+        # A packing's swap rounds cost about S times its slots; screening far less.
+        clock.spend(rows.size * B * S * S)
         packed = _pack_counts(loads[rows], cand, B)
         value = _bin_loads(loads[rows], packed).max(axis=1)
         # Best candidate per row: sort by (row, value) and take each row's first.
@@ -407,21 +421,12 @@ def repack_search(
         win = first[value[first] < best_max[rows[first]] * (1 - _REL_TOL)]
         x = rows[win]
         best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
-        active = x
+        active = x[best_max[x] > target[x]]
     return best
 
 
-def _paired_max(loads: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``loads``, ``counts`` ``[X, E]`` → ``[X]`` busiest bin when the replicas go two to a bin,
-    heaviest with lightest (optimal for two items per bin)."""
-    X, E = loads.shape
-    ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
-    w = np.sort((loads / counts)[np.arange(X)[:, None], ids], axis=1)
-    return (w + w[:, ::-1]).max(axis=1)
-
-
 def exhaustive_counts(
-    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000, deadline: float | None = None
+    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000, budget: Budget | None = None
 ) -> np.ndarray:
     """For small layers: every replica-count vector (at most ``limit`` of them) whose lower
     bound beats the current busiest bin is packed, lowest bound first, in batches of
@@ -445,7 +450,7 @@ def exhaustive_counts(
     rows, vec = np.nonzero(bound < best_max[:, None] * (1 - _REL_TOL))
     order = np.argsort(bound[rows, vec], kind="stable")
     rows, vec = rows[order], vec[order]
-    clock = _Clock(deadline)
+    clock = budget or Budget()
     for start in range(0, rows.size, limit):
         if clock.out():
             break
@@ -454,6 +459,7 @@ def exhaustive_counts(
         r, v = r[keep], v[keep]
         if r.size == 0:
             break
+        clock.spend(r.size * P * S)
         packed = _pack_counts(loads[r], vectors[v], B)
         value = _bin_loads(loads[r], packed).max(axis=1)
         order = np.lexsort((value, r))
@@ -463,33 +469,61 @@ def exhaustive_counts(
     return best
 
 
-def refine_thorough(loads: np.ndarray, phy: np.ndarray, cap: int | None, deadline: float | None = None) -> np.ndarray:
-    """``effort="high"``: count moves with a wider donor search, every count vector for small
-    layers (:func:`exhaustive_counts`), then :func:`repack_search`, each stopping at
-    ``deadline`` (a ``time.perf_counter()`` value; ``None``: run to the end, deterministic).
-    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
-    # Count moves get three quarters of the time left, leaving room for a repack step.
-    early = None if deadline is None else time.perf_counter() + 0.75 * (deadline - time.perf_counter())
-    cand = refine_counts(loads, phy, cap, iterations=32, donors=32, deadline=early)
+def refine_thorough(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    budget: Budget | None = None,
+    target: np.ndarray | None = None,
+    wide: bool = False,
+) -> np.ndarray:
+    """The search after the first plan: count moves with a wider donor search, every count
+    vector for small layers (:func:`exhaustive_counts`), then :func:`repack_search`, rows
+    stopping at ``target`` ``[X]`` and all of it when ``budget`` is spent (``None``: run to the
+    end). ``wide`` searches more candidates per step. ``loads`` ``[X, E]``, ``phy``
+    ``[X, B, S]`` → ``[X, B, S]``, never worse per row; deterministic unless ``budget`` has a
+    deadline."""
+    budget = budget or Budget()
+    _, B, S = phy.shape
+    if S == 2 and B > 1:
+        phy = _pair_start(loads, phy, cap, budget)
+    # Count moves get three quarters of what is left, leaving room for a repack step.
+    # Two slots per bin: the wide search's donors and steps at every effort, the pairing screen
+    # keeps them cheap (v3-512 zipf 1.0: 1.0209 -> 1.0196 for the same work).
+    donors = 64 if wide or S == 2 else 32
+    first = budget.share(0.75)
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=donors, target=target, budget=first)
+    budget.spend(first.spent)
+    budget.timed_out |= first.timed_out
     better = _bin_loads(loads, cand).max(axis=1) < _bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
-    start = exhaustive_counts(loads, start, cap, deadline=deadline)
-    return repack_search(loads, start, cap, deadline=deadline)
+    start = exhaustive_counts(loads, start, cap, budget=budget)
+    # Two slots per bin: candidates are ranked by a sort (``paired_max``) and only the best few
+    # packed, so the wide batch costs little more (v3-512 zipf 1.0: 1.023 -> 1.021, +6 % work).
+    batch = 3072 if wide or S == 2 else 768
+    return repack_search(loads, start, cap, iterations=24 if wide or S == 2 else 12, batch=batch, target=target, budget=budget)
 
 
-class _Clock:
-    """Stops a loop before a step that would likely end past ``deadline``: each step is
-    assumed to take as long as the last one."""
+def _pair_start(loads: np.ndarray, phy: np.ndarray, cap: int | None, budget: Budget) -> np.ndarray:
+    """Two slots per bin: counts built for a target busiest bin (``eplb.pairing``), packed,
+    where they beat ``phy`` ``[X, B, 2]``; the search goes on from the better of the two."""
+    X, B, S = phy.shape
+    now = _bin_loads(loads, phy).max(axis=1)
+    # Each bisection step builds counts for one target: about one pass over the slots.
+    budget.spend(X * _PAIR_STEPS * B * S)
+    counts = pair_counts(loads, B, cap, loads.sum(axis=1) / B, now, steps=_PAIR_STEPS)
+    rows = np.flatnonzero(counts.sum(axis=1) > 0)
+    if rows.size == 0:
+        return phy
+    packed = _pack_counts(loads[rows], counts[rows], B)
+    win = _bin_loads(loads[rows], packed).max(axis=1) < now[rows] * (1 - _REL_TOL)
+    out = phy.copy()
+    out[rows[win]] = packed[win]
+    return out
 
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline, self.last, self.step = deadline, time.perf_counter(), 0.0
 
-    def out(self) -> bool:
-        if self.deadline is None:
-            return False
-        now = time.perf_counter()
-        self.step, self.last = now - self.last, now
-        return now + self.step > self.deadline
+# Bisection steps of the two-slot count construction: 2**-14 of the gap to the mean.
+_PAIR_STEPS = 14
 
 
 def separate_hot(
@@ -501,7 +535,7 @@ def separate_hot(
     refine: int = 8,
     target: np.ndarray | None = None,
     guided: bool = True,
-    deadline: float | None = None,
+    budget: Budget | None = None,
 ) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row.
 
@@ -567,7 +601,7 @@ def separate_hot(
     packed = _pack_counts(loads[rows], cand, B)
     # Water-filling the rest can still give a warm expert more replicas than the light bins
     # can take; count moves (both ways) settle that.
-    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True, deadline=deadline)
+    packed = refine_counts(loads[rows], packed, cap, iterations=refine, reverse=True, budget=budget)
     value = _bin_loads(loads[rows], packed).max(axis=1)
     best, best_max = phy.copy(), binl.max(axis=1)
     for i in np.argsort(value, kind="stable"):  # a few rows; the best candidate per row wins

@@ -28,6 +28,7 @@ class PolicyResult:
     solver_status: tuple[str, ...] | None = None
     solver_bound: np.ndarray | None = None
     extra: dict | None = None
+    search: object | None = None
 
 
 class Policy(Protocol):
@@ -97,6 +98,7 @@ def rebalance(
         policy_used=result.policy_used,
         imbalance=metrics.imbalance(load),
         imbalance_lb=metrics.imbalance_lb(arr, topology),
+        search=result.search,
         balancedness=metrics.balancedness(load),
         moves=moves,
         gpu_load=load,

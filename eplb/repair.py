@@ -189,7 +189,8 @@ def count_repair(
         ok &= (d_h > 0)[:, :, None, None] & t_ok[:, None, :, None]
         ok &= cnt_q <= (n_over - min_fixed)[:, None, None, None]
         ok &= tot_q < excess.sum(axis=1)[:, None, None, None] * (1 - 1e-9)
-        scale = excess.sum(axis=1).max() + 1.0
+        # Per row, so a row's choice never depends on which rows it is planned with.
+        scale = excess.sum(axis=1)[:, None, None, None] + 1.0
         score = np.where(ok, cnt_q + tot_q / scale, np.inf).reshape(A, -1)
         best = score.argmin(axis=1)
         moved = np.isfinite(score[ra, best])

@@ -1,4 +1,4 @@
-"""The standard scales and seeded synthetic workloads of ``shared/BENCHMARKS.md``.
+"""The standard scales and seeded synthetic workloads of ``docs/scales.md``.
 
 Every generator returns float64 loads ``[L, E]`` (or ``[T, L, E]`` for sequences) and is
 reproducible from its ``seed``.

@@ -61,6 +61,52 @@ def test_plan_is_a_valid_placement(policy: str, inst) -> None:
     assert np.allclose(plan.gpu_load.sum(axis=1), loads.sum(axis=1))
 
 
+def _groups_whole_on_nodes(plan: eplb.Plan, topo: eplb.Topology) -> bool:
+    """Every node holds num_groups / num_nodes whole groups (every expert of each)."""
+    per_node = plan.phy2log.reshape(topo.num_layers, topo.num_nodes, -1)
+    for layer in range(topo.num_layers):
+        for node in range(topo.num_nodes):
+            experts = set(per_node[layer, node].tolist())
+            groups = {e // topo.experts_per_group for e in experts}
+            if len(groups) != topo.num_groups // topo.num_nodes:
+                return False
+            if any(e not in experts for g in groups for e in range(g * topo.experts_per_group, (g + 1) * topo.experts_per_group)):
+                return False
+    return True
+
+
+def _distinct_per_gpu(plan: eplb.Plan, topo: eplb.Topology) -> bool:
+    srt = np.sort(plan.phy2log.reshape(topo.num_layers, topo.num_gpus, -1), axis=2)
+    return bool((srt[:, :, 1:] != srt[:, :, :-1]).all())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@given(inst=instances(), seed=st.integers(0, 2**31 - 1), start=st.sampled_from(["contiguous", "shuffled", "own"]))
+def test_a_replan_from_any_previous_keeps_the_constraints_of_a_fresh_plan(policy: str, inst, seed: int, start: str) -> None:
+    loads, topo = inst
+    if not _feasible(policy, topo):
+        return
+    rng = np.random.default_rng(seed)
+    if start == "contiguous":
+        prev = eplb.Placement.contiguous(topo)
+    elif start == "shuffled":
+        prev = eplb.Placement(rng.permuted(eplb.Placement.contiguous(topo).phy2log, axis=1), topo)
+    else:
+        prev = eplb.rebalance(rng.permuted(loads, axis=1), topo, policy).placement
+    fresh = eplb.rebalance(loads, topo, policy)
+    plan = eplb.rebalance(loads, topo, policy, previous=prev)
+    assert plan.policy_used == fresh.policy_used
+    assert (plan.logcnt >= 1).all() and (plan.logcnt.sum(axis=1) == topo.num_slots).all()
+    assert (plan.moves == (plan.phy2log != prev.phy2log).sum(axis=1)).all()
+    if fresh.policy_used == "hierarchical":
+        assert _groups_whole_on_nodes(fresh, topo)
+        assert _groups_whole_on_nodes(plan, topo)
+    # A previous placement with two replicas of an expert on a gpu may be kept as it is.
+    prev_distinct = bool((np.diff(np.sort(prev.phy2log.reshape(topo.num_layers, topo.num_gpus, -1), axis=2), axis=2) != 0).all())
+    if policy != "deepseek" and prev_distinct and _distinct_per_gpu(fresh, topo):
+        assert _distinct_per_gpu(plan, topo)
+
+
 @pytest.mark.parametrize("policy", ["global", "hierarchical", "auto"])
 @given(inst=instances())
 def test_ours_never_put_two_replicas_of_an_expert_on_one_gpu(policy: str, inst) -> None:
@@ -109,13 +155,29 @@ def test_policies_are_deterministic(policy: str) -> None:
     assert np.array_equal(a.phy2log, b.phy2log)
 
 
-def test_auto_picks_hierarchical_when_groups_fit_nodes_and_says_when_it_falls_back() -> None:
+def test_auto_picks_hierarchical_when_groups_fit_nodes_and_balance_allows_and_says_why() -> None:
     loads = np.arange(12 * 2, dtype=float).reshape(2, 12)
     fits = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 4), "auto")
-    assert fits.policy_used == "hierarchical" and fits.notes == ()
+    assert fits.policy_used == "hierarchical"
+    assert fits.notes[0].startswith("auto: groups fit nodes") and "within 2%" in fits.notes[0]
     falls = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 3), "auto")
     assert falls.policy_used == "global"
     assert "num_groups (3)" in falls.notes[0] and "global" in falls.notes[0]
+    one_group = eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8, 2, 1), "auto")
+    assert one_group.policy_used == "global" and "not group-limited" in one_group.notes[0]
+    assert eplb.rebalance(loads, eplb.Topology(2, 12, 16, 8), "auto").notes == ()
+
+
+def test_auto_takes_global_when_hierarchical_is_clearly_worse() -> None:
+    # v3-64 has one group per node: hierarchical cannot spread a hot group (README's example).
+    topo = SCALES["v3-64"].with_layers(4)
+    loads = make_loads("zipf-1.5", SCALES["v3-64"])[:4]
+    plan = eplb.rebalance(loads, topo, "auto", effort="fast")
+    hier = eplb.rebalance(loads, topo, "hierarchical", effort="fast")
+    glob = eplb.rebalance(loads, topo, "global", effort="fast")
+    assert hier.mean_imbalance > glob.mean_imbalance * 1.02
+    assert plan.policy_used == "global" and np.array_equal(plan.phy2log, glob.phy2log)
+    assert "more than 2% above global's" in plan.notes[0]
 
 
 @pytest.mark.parametrize(
@@ -160,10 +222,10 @@ def test_global_known_answer_counts_chosen_for_the_busiest_gpu() -> None:
     # 10 + 6 three times and 6 + 6: 16, the optimum (enumerating the count vectors shows it).
     topo = eplb.Topology(1, 4, 8, 4)
     loads = np.array([[30, 18, 6, 6]])
-    water = eplb.rebalance(loads, topo, "global", refine=0)
+    water = eplb.rebalance(loads, topo, "global", refine=0, effort="fast")
     assert water.logcnt.tolist() == [[4, 2, 1, 1]]
     assert sorted(water.gpu_load[0].tolist()) == [13.5, 13.5, 16.5, 16.5]
-    plan = eplb.rebalance(loads, topo, "global")
+    plan = eplb.rebalance(loads, topo, "global", effort="fast")
     assert plan.logcnt.tolist() == [[3, 3, 1, 1]]
     assert sorted(plan.gpu_load[0].tolist()) == [12.0, 16.0, 16.0, 16.0]
 
@@ -176,11 +238,19 @@ def test_unknown_or_bad_options_are_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", refine=-1)
     with pytest.raises(ValueError, match="donors must be an integer >= 0 or None, got 2.5"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", donors=2.5)
-    with pytest.raises(ValueError, match="effort must be 'fast' or 'high'"):
+    with pytest.raises(ValueError, match="effort must be one of 'fast', 'default', 'high'"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", effort="max")
     for bad in (0, -1.0, "1s", True):
         with pytest.raises(ValueError, match="time_limit must be a positive number of seconds or None"):
             eplb.rebalance(np.ones((1, 4)), topo, "global", effort="high", time_limit=bad)
+    for bad in (-1, "many", True):
+        with pytest.raises(ValueError, match="work_budget must be a number of work units >= 0 per layer or None"):
+            eplb.rebalance(np.ones((1, 4)), topo, "global", work_budget=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+            eplb.rebalance(np.ones((1, 4)), topo, "global", workers=bad)
+    with pytest.raises(ValueError, match="gap must be a number >= 0"):
+        eplb.rebalance(np.ones((1, 4)), topo, "global", gap=-0.1)
 
 
 def test_high_effort_reaches_the_proven_optimum_of_the_known_answer() -> None:
@@ -200,11 +270,34 @@ def test_high_effort_without_time_limit_is_deterministic_and_a_short_limit_still
     b = eplb.rebalance(loads, topo, "global", effort="high", time_limit=None)
     assert np.array_equal(a.phy2log, b.phy2log)
     # Two slots per gpu: the exhaustive re-pack (pairing) beats the fast plan.
-    fast = eplb.rebalance(loads, topo, "global")
+    fast = eplb.rebalance(loads, topo, "global", effort="fast")
     assert a.mean_imbalance < fast.mean_imbalance
     short = eplb.rebalance(loads, topo, "global", effort="high", time_limit=0.01)
     assert short.placement.topology == topo
-    assert short.imbalance.max() <= eplb.rebalance(loads, topo, "global", refine=0).imbalance.max() + 1e-12
+    assert short.imbalance.max() <= fast.imbalance.max() + 1e-12
+
+
+def test_default_effort_searches_after_the_first_plan_within_its_work_budget() -> None:
+    topo = SCALES["v3-512"].with_layers(4)
+    loads = make_loads("zipf-1.0", SCALES["v3-512"])[:4]
+    fast = eplb.rebalance(loads, topo, "global", effort="fast")
+    plan = eplb.rebalance(loads, topo, "global")
+    assert plan.search.layers_searched == 4 and not plan.search.timed_out
+    assert 0 < plan.search.work <= 4 * 100_000 * 1.5  # stops within a step of the budget
+    assert (plan.imbalance <= fast.imbalance + 1e-12).all()
+    assert plan.mean_imbalance < fast.mean_imbalance - 0.02
+    none = eplb.rebalance(loads, topo, "global", work_budget=0)
+    assert np.array_equal(none.phy2log, fast.phy2log) and none.search.work == 0
+    assert fast.search.work == 0 and fast.search.layers_searched == 0
+
+
+def test_a_plan_does_not_depend_on_the_number_of_workers() -> None:
+    topo = SCALES["qwen3-64"].with_layers(40)
+    loads = make_loads("zipf-1.5", SCALES["qwen3-64"])[:40]
+    one = eplb.rebalance(loads, topo, "global", work_budget=20_000)
+    two = eplb.rebalance(loads, topo, "global", work_budget=20_000, workers=2)
+    assert np.array_equal(one.phy2log, two.phy2log)
+    assert one.search == two.search
 
 
 @pytest.mark.parametrize("policy", ["global", "hierarchical"])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..metrics import gpu_loads, imbalance
 from ..migration import choose
 from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
 from .deepseek import deepseek_rebalance
-from .hierarchical import place_global, place_hierarchical
+from .hierarchical import SearchStats, flat_topology, plan_placement
 
 __all__: list[str] = []
 
@@ -56,34 +57,71 @@ def _split(options: dict) -> tuple[dict, dict]:
     return {k: v for k, v in options.items() if k not in migration}, migration
 
 
+def _search_notes(stats: SearchStats, opts: dict) -> tuple[str, ...]:
+    notes = []
+    if stats.timed_out:
+        notes.append(f"time_limit ({opts.get('time_limit')} s) stopped the search after the first plan early")
+    return tuple(notes)
+
+
+def _replicate_and_pack(
+    loads: np.ndarray, topology: Topology, previous: Placement | None, by_node: bool, name: str, options: dict
+) -> PolicyResult:
+    opts, mig = _split(options)
+    fresh, stats = plan_placement(loads, topology if by_node else flat_topology(topology), **opts)
+    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig)
+    return PolicyResult(phy2log, name, _search_notes(stats, opts) + notes, extra=extra, search=stats)
+
+
 @register_policy("global")
 def _global(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    opts, mig = _split(options)
-    phy2log, extra, notes = _migration_aware(place_global(loads, topology, **opts), loads, topology, previous, False, mig)
-    return PolicyResult(phy2log, "global", notes, extra=extra)
+    return _replicate_and_pack(loads, topology, previous, False, "global", options)
 
 
 @register_policy("hierarchical")
 def _hierarchical(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    opts, mig = _split(options)
-    phy2log, extra, notes = _migration_aware(
-        place_hierarchical(loads, topology, **opts), loads, topology, previous, True, mig
-    )
-    return PolicyResult(phy2log, "hierarchical", notes, extra=extra)
+    return _replicate_and_pack(loads, topology, previous, True, "hierarchical", options)
+
+
+# auto keeps hierarchical (a token's experts on few nodes) while its first plan's mean
+# imbalance is within this fraction of global's; beyond it the busiest gpu costs more than the
+# saved inter-node traffic (README's example: 1.070 hierarchical against 1.001 global).
+AUTO_TOLERANCE = 0.02
 
 
 @register_policy("auto")
 def _auto(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    if topology.num_nodes > 1 and topology.hierarchical_ok:
-        return _hierarchical(loads, topology, previous, **options)
-    notes: tuple[str, ...] = ()
-    if topology.num_nodes > 1:
-        notes = (
-            f"auto: num_groups ({topology.num_groups}) is not a multiple of num_nodes "
-            f"({topology.num_nodes}), so groups cannot stay whole on nodes; planned with global",
+    t = topology
+    if t.num_nodes > 1 and t.num_groups > 1 and t.hierarchical_ok:
+        # Group-limited routing: compare the first plans (cheap), then plan the one chosen in full.
+        opts, _ = _split(options)
+        quick = {**opts, "effort": "fast", "workers": 1, "time_limit": None}
+        hier, _ = plan_placement(loads, t, **quick)
+        flat, _ = plan_placement(loads, flat_topology(t), **quick)
+        h = float(imbalance(gpu_loads(loads, Placement(hier, t))).mean())
+        g = float(imbalance(gpu_loads(loads, Placement(flat, t))).mean())
+        if h <= g * (1 + AUTO_TOLERANCE):
+            res = _hierarchical(loads, t, previous, **options)
+            note = (
+                f"auto: groups fit nodes and hierarchical's first plan ({h:.4f}) is within "
+                f"{AUTO_TOLERANCE:.0%} of global's ({g:.4f}); planned with hierarchical",
+            )
+            return PolicyResult(res.phy2log, "hierarchical", note + res.notes, extra=res.extra, search=res.search)
+        why = (
+            f"auto: hierarchical's first plan ({h:.4f}) is more than {AUTO_TOLERANCE:.0%} above global's "
+            f"({g:.4f}); planned with global (tokens may reach more nodes)",
         )
-    res = _global(loads, topology, previous, **options)
-    return PolicyResult(res.phy2log, "global", notes + res.notes, extra=res.extra)
+    elif t.num_nodes > 1 and t.num_groups > 1:
+        why = (
+            f"auto: num_groups ({t.num_groups}) is not a multiple of num_nodes ({t.num_nodes}), so groups "
+            "cannot stay whole on nodes; planned with global",
+        )
+    elif t.num_nodes > 1:
+        why = ("auto: one expert group, so routing is not group-limited; planned with global",)
+    else:
+        why = ()
+    res = _global(loads, t, previous, **options)
+    return PolicyResult(res.phy2log, "global", why + res.notes, extra=res.extra, search=res.search)
 
 
 @register_policy("deepseek")

@@ -8,24 +8,62 @@ deal instead of a per-item greedy, and a swap step that lowers the busiest gpu.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from multiprocessing import get_context
 
 import numpy as np
 
+from ..bounds import row_bound
+from ..budget import Budget
 from ..packing import pack
 from ..refine import refine_counts, refine_thorough, separate_hot
 from ..replicate import replica_cap, waterfill
 from ..topology import Topology
 
-__all__ = ["place_hierarchical", "place_global", "OPTIONS"]
+__all__ = ["place_hierarchical", "place_global", "plan_placement", "SearchStats", "OPTIONS", "EFFORTS"]
 
 # Options both policies take, with their defaults.
 OPTIONS: dict[str, object] = {
     "max_rounds": 16,  # swap rounds after the deal
-    "refine": 8,  # count moves per layer (0: keep water-filling counts)
+    "refine": 8,  # count moves per layer in the first plan (0: keep water-filling counts)
     "donors": None,  # donor experts a count move considers (None: 8, or 4 with <= 2 slots per gpu)
-    "effort": "fast",  # "high": wide count search alternated with re-packing
-    "time_limit": 1.0,  # seconds effort="high" may spend per plan (None: no limit)
+    "effort": "default",  # "fast": the first plan only; "high": a wider, longer search
+    "work_budget": None,  # work units per layer after the first plan (None: the effort's default)
+    "gap": 0.001,  # a layer's search stops within this fraction of its lower bound
+    "time_limit": None,  # wall-clock seconds for the whole plan (None: no limit; not deterministic)
+    "workers": 1,  # processes planning layer chunks in parallel
 }
+EFFORTS = ("fast", "default", "high")
+# Work units per layer of the search after the first plan: one unit is one slot of one candidate
+# looked at (eplb.budget). Chosen so a full-model default plan stays under a second on one core
+# at the standard scales (bench/default_bench.py); "high" searches wider and four times longer.
+DEFAULT_WORK = 100_000
+HIGH_WORK = 400_000
+# Layers searched together. Fixed so that a plan does not depend on `workers`: each chunk has
+# its own budget and the same chunks run whichever process takes them.
+CHUNK = 16
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    """What the search after the first plan did: ``work`` units spent, ``layers_searched``
+    (layers not within ``gap`` of their bound after the first plan), ``layers_at_bound``
+    (within ``gap`` at the end) and whether ``time_limit`` cut it short."""
+
+    work: float = 0.0
+    layers_searched: int = 0
+    layers_at_bound: int = 0
+    timed_out: bool = False
+
+    def __add__(self, other: "SearchStats") -> "SearchStats":
+        return SearchStats(
+            self.work + other.work,
+            self.layers_searched + other.layers_searched,
+            self.layers_at_bound + other.layers_at_bound,
+            self.timed_out or other.timed_out,
+        )
 
 
 def _options(options: dict) -> dict:
@@ -43,8 +81,17 @@ def _options(options: dict) -> dict:
     limit = out["time_limit"]
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
         raise ValueError(f"option time_limit must be a positive number of seconds or None, got {limit!r}")
-    if out["effort"] not in ("fast", "high"):
-        raise ValueError(f"option effort must be 'fast' or 'high', got {out['effort']!r}")
+    if out["effort"] not in EFFORTS:
+        raise ValueError(f"option effort must be one of {', '.join(map(repr, EFFORTS))}, got {out['effort']!r}")
+    work = out["work_budget"]
+    if work is not None and (isinstance(work, bool) or not isinstance(work, (int, float, np.integer)) or not work >= 0):
+        raise ValueError(f"option work_budget must be a number of work units >= 0 per layer or None, got {work!r}")
+    gap = out["gap"]
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
+        raise ValueError(f"option gap must be a number >= 0 (a fraction, 0.001 = 0.1 %), got {gap!r}")
+    workers = out["workers"]
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ValueError(f"option workers must be an integer >= 1 (processes), got {workers!r}")
     return out
 
 
@@ -57,24 +104,82 @@ def _donors(donors: object, slots_per_gpu: int) -> int:
     return 4 if slots_per_gpu <= 2 else 8
 
 
-def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
-    """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]``.
+def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> tuple[np.ndarray, SearchStats]:
+    """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]`` and what the search did.
 
+    Hierarchical (groups → nodes → gpus) when the topology has nodes and groups, else global.
     1. pack expert groups onto nodes (equal group count per node);
     2. give each node's experts that node's slots by water-filling, at most one replica per gpu
        of the node;
-    3. pack each node's replicas onto its gpus.
+    3. pack each node's replicas onto its gpus, then count moves: the first plan
+       (``effort="fast"`` stops here);
+    4. anytime search (``refine_thorough``) on the (layer, node) rows whose busiest gpu is
+       more than ``gap`` above what they can reach (their lower bound, or the layer's busiest
+       node), until ``work_budget`` units per layer are spent or ``time_limit`` is up.
     Requires ``num_groups % num_nodes == 0``.
     """
     topo = topology
+    if topo.num_groups % topo.num_nodes:
+        raise ValueError(
+            f"hierarchical needs num_groups ({topo.num_groups}) to be a multiple of num_nodes "
+            f"({topo.num_nodes}); use policy 'global'"
+        )
+    opts = _options(options)
+    deadline = None if opts["time_limit"] is None else time.perf_counter() + float(opts["time_limit"])
+    workers = int(opts["workers"])
+    L = topo.num_layers
+    if workers == 1 or L <= CHUNK:
+        return _plan_chunks(loads, topo, opts, deadline)
+    starts = list(range(0, L, CHUNK))
+    jobs = [(loads[a:a + CHUNK], topo.with_layers(min(CHUNK, L - a)), opts, deadline) for a in starts]
+    parts = list(_pool(workers).map(_plan_job, jobs))
+    stats = SearchStats()
+    for _, st in parts:
+        stats += st
+    return np.concatenate([p for p, _ in parts]), stats
+
+
+def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
+    return _plan_chunks(*job)
+
+
+@lru_cache(maxsize=4)
+def _pool(workers: int) -> ProcessPoolExecutor:
+    # forkserver: safe when the caller runs threads (a gRPC server); the pool is kept for the
+    # next plan, whose start would otherwise cost more than a plan.
+    return ProcessPoolExecutor(workers, mp_context=get_context("forkserver"))
+
+
+def _plan_chunks(loads: np.ndarray, topo: Topology, opts: dict, deadline: float | None) -> tuple[np.ndarray, SearchStats]:
+    rows = _first_plan(loads, topo, opts)
+    stats = SearchStats()
+    if opts["effort"] != "fast":
+        for a in range(0, topo.num_layers, CHUNK):
+            stats += _search(rows, slice(a, min(a + CHUNK, topo.num_layers)), topo, opts, deadline)
+    return rows.finish(), stats
+
+
+@dataclass
+class _Rows:
+    """The per-node packing problem: ``loads`` ``[L*N, E/N]``, ``phy`` ``[L*N, gpn, S]`` local
+    expert ids, ``node_experts`` ``[L, N, E/N]``, ``floor`` ``[L*N]`` (the busiest node's mean
+    gpu load, below which no gpu of the layer needs to go) and the replica ``cap``."""
+
+    loads: np.ndarray
+    phy: np.ndarray
+    node_experts: np.ndarray
+    floor: np.ndarray
+    cap: int | None
+
+    def finish(self) -> np.ndarray:
+        L, N, _ = self.node_experts.shape
+        local = np.sort(self.phy, axis=2).reshape(L, N, -1)
+        return np.take_along_axis(self.node_experts, local, axis=2).reshape(L, -1).astype(np.int32)
+
+
+def _first_plan(loads: np.ndarray, topo: Topology, opts: dict) -> _Rows:
     L, E, P = topo.num_layers, topo.num_experts, topo.num_slots
     N, G, groups = topo.num_nodes, topo.num_gpus, topo.num_groups
-    if groups % N:
-        raise ValueError(
-            f"hierarchical needs num_groups ({groups}) to be a multiple of num_nodes ({N}); use policy 'global'"
-        )
-    start = time.perf_counter()
-    opts = _options(options)
     max_rounds = int(opts["max_rounds"])
     group_size = E // groups
     # Step 1: groups → nodes. node_groups[l, n, :] lists the groups of node n.
@@ -86,7 +191,8 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     # Step 2: replicate within each node, rows are (layer, node).
     local_loads = np.take_along_axis(loads, node_experts.reshape(L, E), axis=1).reshape(L * N, E // N)
     gpn = G // N
-    counts = waterfill(local_loads, P // N, replica_cap(E // N, P // N, gpn))
+    cap = replica_cap(E // N, P // N, gpn)
+    counts = waterfill(local_loads, P // N, cap)
     # Replicas as items: local expert id repeated count times, each carrying load / count.
     local_ids = np.repeat(np.tile(np.arange(E // N), L * N), counts.ravel()).reshape(L * N, P // N)
     rows = np.arange(L * N)[:, None]
@@ -98,33 +204,73 @@ def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object)
     floor = np.repeat(node_mean.max(axis=1), N)
     assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds, floor=floor)  # [L*N, gpn, S]
     slot_local = local_ids[rows[:, :, None], assign]
-    cap = replica_cap(E // N, P // N, gpn)
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
-    limit = opts["time_limit"] if opts["effort"] == "high" else None
-    deadline = None if limit is None else start + limit
-    if cap is not None and gpn > 1:
-        if opts["effort"] == "high":
-            slot_local = refine_thorough(local_loads, slot_local, cap, deadline)
-        elif opts["refine"]:
-            slot_local = refine_counts(
-                local_loads,
-                slot_local,
-                cap,
-                iterations=int(opts["refine"]),
-                donors=_donors(opts["donors"], P // G),
-                target=np.maximum(floor, local_loads.sum(axis=1) / gpn * 1.001),
-            )
+    if cap is not None and gpn > 1 and opts["refine"]:
+        slot_local = refine_counts(
+            local_loads,
+            slot_local,
+            cap,
+            iterations=int(opts["refine"]),
+            donors=_donors(opts["donors"], P // G),
+            target=np.maximum(floor, local_loads.sum(axis=1) / gpn * 1.001),
+        )
     # With few gpus per node, water-filling can make two hot experts share gpus; only nodes
     # whose busiest gpu is above the floor matter. The global policy's cap is the whole gpu
-    # count, where this does not arise at the standard scales; effort="high" tries anyway.
-    if cap is not None and gpn > 1 and (N > 1 or opts["effort"] == "high"):
-        slot_local = separate_hot(local_loads, slot_local, cap, target=floor, deadline=deadline)
-    slot_local = np.sort(slot_local, axis=2).reshape(L, N, P // N)
-    phy2log = np.take_along_axis(node_experts, slot_local, axis=2).reshape(L, P)
-    return phy2log.astype(np.int32)
+    # count, where this does not arise at the standard scales (the search after the first
+    # plan tries anyway).
+    if cap is not None and gpn > 1 and N > 1:
+        slot_local = separate_hot(local_loads, slot_local, cap, target=floor)
+    return _Rows(local_loads, slot_local, node_experts, floor, cap)
+
+
+def _search(rows: _Rows, layers: slice, topo: Topology, opts: dict, deadline: float | None) -> SearchStats:
+    """The anytime search on the rows of ``layers``, in place on ``rows.phy``."""
+    N = topo.num_nodes
+    n_layers = layers.stop - layers.start
+    sel = slice(layers.start * N, layers.stop * N)
+    loads, phy, cap = rows.loads[sel], rows.phy[sel], rows.cap
+    X, B, S = phy.shape
+    if cap is None or B < 2:
+        return SearchStats()
+    per_layer = opts["work_budget"]
+    if per_layer is None:
+        per_layer = HIGH_WORK if opts["effort"] == "high" else DEFAULT_WORK
+    busiest = _busiest(loads, phy)
+    reach = np.maximum(row_bound(loads, B, S, cap, busiest), rows.floor[sel])
+    target = reach * (1 + float(opts["gap"]))
+    todo = np.flatnonzero(busiest > target)
+    budget = Budget(float(per_layer) * n_layers, deadline)
+    if todo.size == 0 or per_layer == 0:
+        return SearchStats(0.0, 0, n_layers, False)
+    wide = opts["effort"] == "high"
+    best = refine_thorough(loads[todo], phy[todo], cap, budget, target[todo], wide=wide)
+    if not budget.out():
+        best = separate_hot(loads[todo], best, cap, target=target[todo], budget=budget)
+    rows.phy[sel.start + todo] = best
+    after = _busiest(loads, rows.phy[sel])
+    layer_ok = (after <= target).reshape(n_layers, N).all(axis=1)
+    searched = np.unique(todo // N).size
+    return SearchStats(budget.spent, searched, int(layer_ok.sum()), budget.timed_out)
+
+
+def _busiest(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
+    """``loads`` ``[X, n]``, ``phy`` ``[X, B, S]`` → ``[X]`` busiest bin."""
+    cnt = np.zeros_like(loads, dtype=np.int64)
+    np.add.at(cnt, (np.arange(len(loads))[:, None, None], phy), 1)
+    w = loads / np.maximum(cnt, 1)
+    return w[np.arange(len(loads))[:, None, None], phy].sum(axis=2).max(axis=1)
+
+
+def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
+    """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]`` (see :func:`plan_placement`)."""
+    return plan_placement(loads, topology, **options)[0]
 
 
 def place_global(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
     """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]``, ignoring nodes and groups."""
-    flat = Topology(topology.num_layers, topology.num_experts, topology.num_slots, topology.num_gpus)
-    return place_hierarchical(loads, flat, **options)
+    return place_hierarchical(loads, flat_topology(topology), **options)
+
+
+def flat_topology(topology: Topology) -> Topology:
+    """The same gpus and slots as one node and one group: what ``global`` plans for."""
+    return Topology(topology.num_layers, topology.num_experts, topology.num_slots, topology.num_gpus)

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from ..metrics import lower_bound
+from ..metrics import gpu_loads, lower_bound
 from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
@@ -53,7 +53,7 @@ _EXACT_MAX = 1 << 40
 # Units of the largest expert load when loads must be rounded.
 _ROUNDED_UNITS = float(1 << 24)
 
-_OPTIONS = ("time_limit", "workers")
+_OPTIONS = ("time_limit", "workers", "total_time_limit", "progress")
 
 
 def _units(loads: np.ndarray, max_count: int) -> tuple[np.ndarray, float, bool]:
@@ -93,6 +93,7 @@ def solve_layer(
     *,
     time_limit: float = 10.0,
     workers: int = 8,
+    deadline: float | None = None,
 ) -> dict:
     """``loads``: ``[E]`` one layer; ``hint``: ``[P]`` a valid ``phy2log`` row → the solve.
 
@@ -102,6 +103,10 @@ def solve_layer(
     load units as the solver counts them), ``exact``, ``seconds`` and ``method``
     (``"enumeration"`` when the exact enumeration of ``_enumerate`` settled it within half of
     ``time_limit``, else ``"cp-sat"``).
+
+    ``deadline`` (a ``time.perf_counter()`` value) also bounds building the model, which at
+    full scale takes longer than the solve: past it the layer keeps ``hint`` (status
+    ``UNKNOWN``, method ``"out of time"``). Without it only the solve is limited.
     """
     try:
         from ortools.sat.python import cp_model
@@ -135,11 +140,33 @@ def solve_layer(
                 "method": "enumeration",
             }
     time_limit = max(time_limit - (time.perf_counter() - start), 0.01)
+
+    def out_of_time() -> dict | None:
+        if deadline is None or time.perf_counter() < deadline:
+            return None
+        if hint is None:
+            raise ValueError("policy 'ilp' ran out of time while building its model; raise the time limit")
+        return {
+            "phy2log": np.asarray(hint, dtype=np.int32),
+            "status": "UNKNOWN",
+            "bound": max(0.0, (lb - (0.0 if exact else S / 2)) / scale),
+            "objective": float("nan"),
+            "exact": exact,
+            "seconds": time.perf_counter() - start,
+            "method": "out of time",
+        }
+
     # Zero-weight (e, c) pairs are common (idle experts); they still take slots.
     model = cp_model.CpModel()
     use = [[model.NewBoolVar(f"use_{e}_{c + 1}") for c in range(C)] for e in range(E)]
-    y = [[[model.NewBoolVar(f"y_{e}_{c + 1}_{g}") for g in range(G)] for c in range(C)] for e in range(E)]
+    y = []
+    for e in range(E):  # building checks the deadline once per expert / gpu
+        if late := out_of_time():
+            return late
+        y.append([[model.NewBoolVar(f"y_{e}_{c + 1}_{g}") for g in range(G)] for c in range(C)])
     for e in range(E):
+        if late := out_of_time():
+            return late
         model.AddExactlyOne(use[e])
         for c in range(C):
             model.Add(sum(y[e][c]) == (c + 1) * use[e][c])
@@ -149,6 +176,8 @@ def solve_layer(
     gpu_load = [model.NewIntVar(0, hi, f"load_{g}") for g in range(G)]
     z = model.NewIntVar(lb, max(lb, hi), "z")
     for g in range(G):
+        if late := out_of_time():
+            return late
         model.Add(sum(y[e][c][g] for e in range(E) for c in range(C)) == S)
         model.Add(gpu_load[g] == sum(int(w[e, c]) * y[e][c][g] for e in range(E) for c in range(C)))
         model.Add(gpu_load[g] <= z)
@@ -166,15 +195,25 @@ def solve_layer(
     model.Add(sum(gpu_load) == sum(int((c + 1) * w[e, c]) * use[e][c] for e in range(E) for c in range(C)))
 
     hint_value = None
+    if late := out_of_time():
+        return late
     if hint is not None:
         hint_value = _add_hint(model, hint, w, use, y, gpu_load, z, topology)
         if hint_value is not None:
             model.Add(z <= hint_value)
     model.Minimize(z)
+    if late := out_of_time():
+        return late
+    if deadline is not None:
+        time_limit = max(min(time_limit, deadline - time.perf_counter()), 0.01)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = int(workers)
+    # CP-SAT's own SIGINT handler would end only this layer's search and swallow Ctrl-C, so the
+    # run went on. Without it Python's handler runs when the solve returns (within the layer's
+    # time limit), where a caller's handler can record it (eplb place stops between layers).
+    solver.parameters.catch_sigint_signal = False
     status = solver.Solve(model)
     seconds = time.perf_counter() - start
     name = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE"}.get(status, "UNKNOWN")
@@ -252,9 +291,13 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
     """``loads``: float64 ``[L, E]`` → the min-max placement of each layer by CP-SAT.
 
     Options: ``time_limit`` (seconds per layer, default 10), ``workers`` (CP-SAT search
-    workers, default 8). Fills ``solver_status`` (per layer), ``solver_bound`` (``[L]``) and
+    workers, default 8), ``total_time_limit`` (seconds for all layers, default none: each
+    layer gets at most what is left over the layers left, ``time_limit`` at most, and one that
+    runs out keeps the global policy's placement) and ``progress`` (called as
+    ``progress(layers_done, num_layers)`` after each layer). Fills ``solver_status`` (per
+    layer), ``solver_bound`` (``[L]``) and
     ``extra["solver_objective"]``, ``extra["solver_seconds"]`` (``[L]``) and
-    ``extra["solver_method"]`` (per layer: ``"enumeration"`` or ``"cp-sat"``).
+    ``extra["solver_method"]`` (per layer: ``"enumeration"``, ``"cp-sat"`` or ``"out of time"``).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -265,6 +308,13 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
     workers = options.get("workers", 8)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    total = options.get("total_time_limit")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total > 0):
+        raise ValueError(f"total_time_limit must be a positive number of seconds or None, got {total!r}")
+    progress = options.get("progress")
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be a callable (layers done, layers) or None, got {progress!r}")
+    end = None if total is None else time.perf_counter() + float(total)
     t = topology
     if t.num_experts * t.num_gpus < t.num_slots:
         raise ValueError(
@@ -276,15 +326,32 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
     notes: list[str] = []
     one = t.with_layers(1)
     for layer in range(t.num_layers):  # one CP-SAT solve per layer; the solve dominates
-        out = solve_layer(loads[layer], one, hints[layer], time_limit=float(time_limit), workers=workers)
+        limit, deadline = float(time_limit), None
+        if end is not None:  # this layer's share of what is left
+            share = max(end - time.perf_counter(), 0.0) / (t.num_layers - layer)
+            limit, deadline = max(min(limit, share), 0.01), time.perf_counter() + min(limit, share)
+        out = solve_layer(loads[layer], one, hints[layer], time_limit=limit, workers=workers, deadline=deadline)
         rows.append(out["phy2log"])
         status.append(out["status"])
         bound.append(out["bound"])
         objective.append(out["objective"])
         seconds.append(out["seconds"])
         method.append(out["method"])
-        if out["status"] == "UNKNOWN":
-            notes.append(f"ilp: layer {layer} found no solution in {time_limit} s; kept the global policy's placement")
+        if progress is not None:
+            progress(layer + 1, t.num_layers)
+    # Say where the search bought nothing over its hint, the fast policy's plan.
+    busiest = [gpu_loads(loads, Placement(np.stack(r), t)).max(axis=1) for r in (rows, hints)]
+    same = ~(busiest[0] < busiest[1] * (1 - 1e-9))
+    proved = int((same & (np.array(status) == "OPTIMAL")).sum())
+    unknown = np.array(status) == "UNKNOWN"
+    for keeps, layers in (("the global policy's placement", unknown & same),
+                          ("the better one the exact enumeration found first", unknown & ~same)):
+        if layers.any():
+            notes.append(f"ilp: {int(layers.sum())} of {t.num_layers} layers found no solution in their time "
+                         f"(layers {_ranges(np.flatnonzero(layers).tolist())}); they keep {keeps}")
+    if same.any():
+        notes.append(f"ilp: found nothing better than the global policy's placement on {int(same.sum())} of "
+                     f"{t.num_layers} layers" + (f" ({proved} of them proved optimal)" if proved else ""))
     if rows and not _exact_all(loads, t):
         notes.append("ilp: loads were rounded to integer units; plans are optimal to within slots_per_gpu / 2**24 of the largest load")
     # The water-filling bound holds for the true loads; the solver's may lose S / 2 units to rounding.
@@ -301,6 +368,17 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
             "solver_method": tuple(method),
         },
     )
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2, 5"``: a note that stays one line at 58 layers."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _exact_all(loads: np.ndarray, topology: Topology) -> bool:

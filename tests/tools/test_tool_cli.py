@@ -119,6 +119,36 @@ def test_place_previous_flags_are_checked(tmp_path, capsys):
     assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--tolerance", "-1"]) == 2
     assert "tolerance must be" in capsys.readouterr().err
     assert cli.main(["place", str(path), *flags, "--previous", str(tmp_path / "old.npy"), "--max-moves", "-2"]) == 2
-    assert "max_moves must be an integer >= 0 (slots rewritten)" in capsys.readouterr().err
+    assert "--max-moves must be a number of slots >= 0, got -2" in capsys.readouterr().err
     assert cli.main(["place", str(path), *flags, "--max-layer-moves", "3"]) == 2
     assert "give --previous PLACEMENT" in capsys.readouterr().err
+
+
+def test_place_takes_effort_budget_time_limit_and_workers(tmp_path, capsys):
+    path, seq = _trace(tmp_path)
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4", "--policy", "global"]
+    loads = seq.sum(axis=0)
+    for extra, options in (
+        (["--effort", "fast"], {"effort": "fast"}),
+        (["--effort", "high", "--workers", "2"], {"effort": "high"}),
+        (["--work-budget", "0"], {"work_budget": 0}),
+    ):
+        out = tmp_path / "p.json"
+        assert cli.main(["place", str(path), *flags, *extra, "--out", str(out)]) == 0
+        expect = eplb.rebalance(loads, TOPO, "global", **options)
+        assert eio.read_placement(out, num_gpus=4, num_nodes=2, num_groups=4) == expect.placement
+    assert cli.main(["place", str(path), *flags, "--time-limit", "5"]) == 0
+    capsys.readouterr()
+    assert cli.main(["place", str(path), *flags[:-1], "deepseek", "--effort", "high"]) == 2
+    assert "--effort do(es) not apply to --policy deepseek" in capsys.readouterr().err
+
+
+def test_place_names_its_own_flags_in_errors(tmp_path, capsys):
+    path, _ = _trace(tmp_path)
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4"]
+    assert cli.main(["place", str(path), *flags, "--window", "0"]) == 2
+    assert "--window must be a number of steps >= 1, got 0" in capsys.readouterr().err
+    missing = tmp_path / "no" / "such" / "p.json"
+    assert cli.main(["place", str(path), *flags, "--out", str(missing)]) == 2
+    assert f"directory {missing.parent} does not exist" in capsys.readouterr().err
+    assert not missing.parent.exists()

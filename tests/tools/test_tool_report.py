@@ -8,12 +8,11 @@ import pytest
 
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
-from eplb_bench import io as eio
 from eplb_bench import plots, report
 
 TINY = report.Settings(
     scales=("small",), workloads=("zipf-1.0",), policies=("deepseek", "global", "hierarchical"),
-    replan_scale="small", replan_steps=6, replan_every=2, step_scale="small", tokens_per_gpu=(8, 64),
+    replan_scales=("small",), replan_steps=6, replan_every=2, step_scales=("small",), tokens_per_gpu=(8, 64),
     sim_steps=20, topk=2, layer=0, ilp_time_limit=1.0,
 )
 
@@ -22,7 +21,7 @@ def test_placement_rows_equal_library_metrics():
     topo = eplb.Topology(3, 16, 20, 4, 2, 4)
     loads = make_loads("lognormal-1.0", topo)
     case = report.Case("mine", "lognormal-1.0", topo, loads)
-    row, placement, imb = report.plan_case(case, "global")
+    row, placement, _ = report.plan_case(case, "global")
     plan = eplb.rebalance(loads, topo, "global")
     expect = eplb.imbalance(eplb.gpu_loads(loads, plan.placement))
     assert placement == plan.placement

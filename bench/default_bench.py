@@ -1,0 +1,138 @@
+"""The default plan against ``effort="high"``, the first greedy plan and eplb.py, with the bound.
+
+    python -m eplb_bench.default_bench [--cases NAME,...] [--repeat 3] [--workers 1] [--json out.json]
+
+Rows are the cases of issue 13's target table (seeded workloads of ``eplb.workloads`` at the
+standard scales of docs/scales.md) and synthetic loads shaped like large decode deployments:
+128-256 experts at two slots per gpu, zipf 0.8-1.2, lognormal sigma 1-1.5, and mixtures where
+four experts take 3-5 % of a layer each. For every row: mean imbalance over layers of
+``deepseek`` (eplb.py's algorithm), the first plan (``effort="fast"``), the default and
+``effort="high"``, all with the ``global`` policy (``auto`` where the row says so), the lower
+bound (``Plan.imbalance_lb``), at two slots per gpu also the profile bound
+(``eplb.bounds.profile_bound``, "prof"), and each plan's median solve time over ``--repeat``
+runs; "work" is the default's search work per layer in units (``Plan.search``), a
+machine-independent proxy for its time.
+The machine is usually shared: compare columns of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import numpy as np
+
+import eplb
+from eplb.bounds import profile_bound
+from eplb.replicate import replica_cap
+from eplb.workloads import SCALES, lognormal, make_loads, zipf
+
+
+def hot_mix(num_layers: int, num_experts: int, seed: int = 0) -> np.ndarray:
+    """``[L, E]``: lognormal(1.0) loads with four experts per layer taking 3-5 % of it each."""
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(0.0, 1.0, (num_layers, num_experts))
+    x /= x.sum(axis=1, keepdims=True)
+    hot = np.argsort(rng.random((num_layers, num_experts)), axis=1)[:, :4]
+    share = rng.uniform(0.03, 0.05, (num_layers, 4))
+    x *= 1 - share.sum(axis=1, keepdims=True)
+    np.put_along_axis(x, hot, np.take_along_axis(x, hot, axis=1) + share, axis=1)
+    return x * (1 << 20)
+
+
+def cases() -> dict[str, tuple[eplb.Topology, np.ndarray, str]]:
+    """Name → (topology, loads ``[L, E]``, policy)."""
+    out: dict[str, tuple[eplb.Topology, np.ndarray, str]] = {}
+    for scale in ("v3-64", "v3-prefill"):
+        t = SCALES[scale]
+        out[f"{scale} group-limited"] = (t, make_loads("group-limited", t), "global")
+    out["v3-512 zipf-1.0"] = (SCALES["v3-512"], make_loads("zipf-1.0", SCALES["v3-512"]), "global")
+    for scale in ("v3-prefill", "v3-64", "qwen3-64", "kimi-64"):
+        out[f"{scale} zipf-1.5"] = (SCALES[scale], make_loads("zipf-1.5", SCALES[scale]), "global")
+    out["v3-prefill lognormal-1.0 auto"] = (SCALES["v3-prefill"], make_loads("lognormal-1.0", SCALES["v3-prefill"]), "auto")
+    L = 58
+    for E, P, G in ((128, 256, 128), (256, 512, 256), (256, 384, 192)):
+        t = eplb.Topology(L, E, P, G)
+        tag = f"{E}e/{G}gpu/{P // G}spg"
+        out[f"{tag} zipf-0.8"] = (t, zipf(L, E, 0.8, 11), "global")
+        out[f"{tag} zipf-1.0"] = (t, zipf(L, E, 1.0, 12), "global")
+        out[f"{tag} zipf-1.2"] = (t, zipf(L, E, 1.2, 13), "global")
+        out[f"{tag} lognormal-1.0"] = (t, lognormal(L, E, 1.0, 14), "global")
+        out[f"{tag} lognormal-1.5"] = (t, lognormal(L, E, 1.5, 15), "global")
+        out[f"{tag} hot-mix"] = (t, hot_mix(L, E, 16), "global")
+    return out
+
+
+def measure(topology: eplb.Topology, loads: np.ndarray, policy: str, repeat: int, workers: int) -> dict:
+    row: dict = {}
+    runs = [("deepseek", "deepseek", {}), ("fast", policy, {"effort": "fast"}), ("default", policy, {"workers": workers}),
+            ("high", policy, {"effort": "high", "workers": workers})]
+    for name, pol, opts in runs:
+        secs, plan = [], None
+        for _ in range(repeat):
+            plan = eplb.rebalance(loads, topology, pol, **opts)
+            secs.append(plan.solve_seconds)
+        row[name] = plan.mean_imbalance
+        row[f"{name}_s"] = statistics.median(secs)
+        if name == "default":
+            row["work"] = plan.search.work / topology.num_layers if plan.search is not None else 0.0
+        if name == "default":
+            row["bound"] = float(plan.imbalance_lb.mean())
+            row["policy_used"] = plan.policy_used
+            row["profile"] = _profile(loads, topology, plan)
+    return row
+
+
+def _profile(loads: np.ndarray, topology: eplb.Topology, plan: eplb.Plan) -> float:
+    """Mean over layers of the best bound with the profile bound (two slots per gpu only,
+    between the plan's bound and its busiest gpu), over mean gpu load."""
+    t = topology
+    mean = loads.sum(axis=1) / t.num_gpus
+    lb = plan.imbalance_lb * mean
+    if t.slots_per_gpu != 2:
+        return float(plan.imbalance_lb.mean())
+    cap = replica_cap(t.num_experts, t.num_slots, t.num_gpus)
+    return float((np.maximum(lb, profile_bound(loads, t.num_gpus, cap, lb, plan.gpu_load.max(axis=1))) / mean).mean())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", help="comma-separated case names (default: all); see --list")
+    ap.add_argument("--list", action="store_true", help="print the case names and exit")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per plan; solve times are medians (default 1)")
+    ap.add_argument("--workers", type=int, default=1, help="processes for the default and high plans (default 1)")
+    ap.add_argument("--json", help="write the rows as JSON to this file")
+    args = ap.parse_args(argv)
+    table = cases()
+    if args.list:
+        print("\n".join(table))
+        return
+    names = list(table) if not args.cases else args.cases.split(",")
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; --list shows the names")
+    head = (
+        f"{'case':34} {'eplb.py':>8} {'fast':>8} {'default':>8} {'high':>8} {'bound':>7} {'prof':>7} | "
+        f"{'fast ms':>8} {'def ms':>8} {'high ms':>8} {'work':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    rows = {}
+    for name in names:
+        t, loads, policy = table[name]
+        r = measure(t, loads, policy, args.repeat, args.workers)
+        rows[name] = r
+        print(
+            f"{name:34} {r['deepseek']:8.4f} {r['fast']:8.4f} {r['default']:8.4f} {r['high']:8.4f} {r['bound']:7.4f} "
+            f"{r['profile']:7.4f} | {r['fast_s'] * 1e3:8.0f} {r['default_s'] * 1e3:8.0f} {r['high_s'] * 1e3:8.0f} "
+            f"{r['work'] / 1e3:5.0f}k",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Lower bounds on the busiest gpu: what no placement can beat.
+
+- the mean gpu load;
+- the largest replica: replica counts sum to the slot count and (capped at the gpu count)
+  water-filling minimises the largest ``loads[e] / count[e]``;
+- with two slots per gpu, the pairing bound: every gpu holds exactly two replicas, so a
+  replica heavier than half the target needs a gpu of its own and a light partner;
+- with two slots per gpu, the profile bound: the pairing condition at every threshold, mixed
+  two thresholds at a time (``profile_bound``). It is tighter where replicas cannot all find
+  partners (1.5 experts per gpu under a steep zipf) but takes about a second per full model,
+  so ``row_bound`` and ``Plan.imbalance_lb`` leave it out; benchmarks report it.
+
+``row_bound`` works on rows of any packing problem (a layer, or one node of a layer);
+``lower_bound`` on a topology's layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .replicate import replica_cap, waterfill
+from .topology import Topology
+
+__all__ = ["lower_bound", "pairing_bound", "profile_bound", "row_bound", "simple_bound"]
+
+# Bisection steps of the pairing bound: 2**-40 of the starting interval is far below float noise
+# in any figure we report.
+_STEPS = 40
+# Rounding allowance that keeps the pairing test permissive (a bound must never be too high).
+_EPS = 1e-9
+
+
+def simple_bound(loads: np.ndarray, bins: int, slots: int, cap: int | None) -> np.ndarray:
+    """``loads`` ``[X, n]`` → ``[X]``: the larger of the mean bin and the largest replica of the
+    water-filled counts (``slots`` replicas in all, at most ``cap`` per expert)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    counts = waterfill(loads, slots, cap)
+    return np.maximum(loads.sum(axis=1) / bins, (loads / counts).max(axis=1))
+
+
+def pairing_bound(loads: np.ndarray, bins: int, cap: int | None, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """``loads`` ``[X, n]`` with two slots per bin (``2 * bins`` replicas) → ``[X]`` lower bound on
+    the busiest bin, between ``start`` (a known bound) and ``stop`` (a known feasible value).
+
+    If the busiest bin is at most ``T``, every replica weighs at most ``T`` (expert ``e`` has at
+    least ``h_e = ceil(l_e / T)`` replicas) and a replica above ``T / 2`` shares its bin with one
+    below it, so at most ``bins`` replicas are above ``T / 2``. An expert either keeps heavy
+    replicas (at least ``h_e`` of them, each using up a bin) or has only light ones (at least
+    ``m_e = ceil(2 l_e / T)``). ``T`` is impossible when even the best such choice — solved as
+    a fractional knapsack, which only relaxes it — needs more than ``2 * bins`` replicas. The
+    largest ``T`` found impossible by bisection is the bound.
+    """
+    loads = np.asarray(loads, dtype=np.float64)
+    lo = np.asarray(start, dtype=np.float64).copy()
+    hi = np.maximum(np.asarray(stop, dtype=np.float64), lo)
+    live = hi > lo * (1 + 1e-6)
+    for _ in range(_STEPS):
+        if not live.any():
+            break
+        mid = (lo + hi) / 2
+        bad = _impossible(loads, mid, bins, cap)
+        lo = np.where(live & bad, mid, lo)
+        hi = np.where(live & ~bad, mid, hi)
+    return lo
+
+
+def _impossible(loads: np.ndarray, T: np.ndarray, bins: int, cap: int | None) -> np.ndarray:
+    """``[X]``: whether no replica counts let every bin (two replicas) stay at most ``T`` ``[X]``."""
+    t = T[:, None]
+    h = np.maximum(np.ceil(loads / t - _EPS), 1.0)
+    m = np.maximum(np.ceil(2 * loads / t - _EPS), 1.0)
+    heavy_able = loads / h > t / 2 * (1 + _EPS)  # h replicas are heavy; else h == m
+    limit = np.inf if cap is None else cap
+    too_many = (h > limit).any(axis=1)
+    forced = heavy_able & (m > limit)  # light would need more replicas than allowed
+    room = bins - np.where(forced, h, 0.0).sum(axis=1)
+    saved_forced = np.where(forced, m - h, 0.0).sum(axis=1)
+    # The rest: heavy saves m - h replicas for h bins; take the best ratios first, fractionally.
+    free = heavy_able & ~forced
+    cost = np.where(free, h, 0.0)
+    gain = np.where(free, m - h, 0.0)
+    ratio = np.where(free, gain / np.maximum(cost, 1.0), -1.0)
+    order = np.argsort(-ratio, axis=1, kind="stable")
+    cost_s = np.take_along_axis(cost, order, axis=1)
+    gain_s = np.take_along_axis(gain, order, axis=1)
+    before = np.cumsum(cost_s, axis=1) - cost_s
+    take = np.clip((np.maximum(room, 0.0)[:, None] - before) / np.maximum(cost_s, 1.0), 0.0, 1.0)
+    saved = saved_forced + (take * gain_s).sum(axis=1)
+    need = m.sum(axis=1) - saved
+    return too_many | (room < 0) | (need > 2 * bins * (1 + _EPS))
+
+
+# Thresholds y / T and mixing weights the profile bound tries (more: tighter and slower).
+_Y = np.linspace(0.5, 0.96, 12)
+_ALPHA = np.linspace(0.0, 1.0, 7)
+
+
+def profile_bound(loads: np.ndarray, bins: int, cap: int | None, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """``loads`` ``[X, n]`` with two slots per bin → ``[X]`` lower bound on the busiest bin,
+    between ``start`` (a known bound) and ``stop`` (a known feasible value), by bisection.
+
+    If every bin is at most ``T``, the replicas sorted and paired i-th heaviest with i-th
+    lightest stay within ``T``, which holds iff for every threshold ``y`` in ``[T/2, T]`` the
+    replicas above ``y`` are at most those of at most ``T - y``. Counting all ``2 bins`` slots,
+    that reads ``F(y) = #(T - y, y] + 2 #(y, T] <= 2 bins``, and ``F`` adds up over experts: an
+    expert of ``c`` replicas of ``p = l / c`` adds ``c + c [y < p]`` when ``p > T / 2`` and
+    ``c [y >= T - p]`` otherwise. Any weighted mean of ``F(T)`` (all replicas) and ``F(y)``
+    must be at most ``2 bins`` too, and its least value splits into a choice of ``c`` per
+    expert; ``T`` is impossible when that least value exceeds ``2 bins`` for some ``y`` and
+    weight. Two replicas of one expert may share a bin here, which only relaxes it.
+    """
+    loads = np.asarray(loads, dtype=np.float64)
+    lo = np.asarray(start, dtype=np.float64).copy()
+    hi = np.maximum(np.asarray(stop, dtype=np.float64), lo)
+    live = hi > lo * (1 + 1e-6)
+    limit = np.inf if cap is None else float(cap)
+    for _ in range(_STEPS // 2):
+        if not live.any():
+            break
+        rows = np.flatnonzero(live)
+        mid = (lo[rows] + hi[rows]) / 2
+        bad = _profile_impossible(loads[rows], mid, bins, limit)
+        lo[rows] = np.where(bad, mid, lo[rows])
+        hi[rows] = np.where(bad, hi[rows], mid)
+        live = hi > lo * (1 + 1e-5)
+    return lo
+
+
+def _profile_impossible(loads: np.ndarray, T: np.ndarray, bins: int, cap: float) -> np.ndarray:
+    """``loads`` ``[X, n]``, ``T`` ``[X]`` → ``[X]``: whether some mix of ``F(T)`` and ``F(y)``
+    proves ``T`` impossible (see ``profile_bound``)."""
+    t = T[:, None, None]  # [X, 1, 1]
+    y = _Y[None, :, None] * t  # [X, Y, 1]
+    l = loads[:, None, :]  # [X, 1, n]
+    c0 = np.maximum(np.ceil(l / t * (1 - _EPS)), 1.0)
+    # The per-expert cost is increasing in c between the starts of the regions where F's form
+    # changes (p <= y, p < T - y); the least value is at one of them (neighbours guard against
+    # rounding, and any extra candidate only keeps the bound lower).
+    ca = np.ceil(l / y)
+    cb = np.floor(l / (t - y)) + 1
+    cands = [np.broadcast_to(c0, ca.shape)] + [np.maximum(c, c0) for c in (ca - 1, ca, cb - 1, cb)]
+    best = None
+    for c in cands:
+        p = l / c
+        heavy = p > t / 2 * (1 + _EPS)
+        fy = np.where(heavy, c + c * (y < p * (1 - _EPS)), c * (y >= (t - p) * (1 + _EPS)))  # [X, Y, n]
+        ok = c <= cap
+        # cost for each mixing weight a: a * c + (1 - a) * f(y)  -> [X, Y, A, n]
+        cost = _ALPHA[None, None, :, None] * c[:, :, None, :] + (1 - _ALPHA)[None, None, :, None] * fy[:, :, None, :]
+        cost = np.where(ok[:, :, None, :], cost, np.inf)
+        best = cost if best is None else np.minimum(best, cost)
+    need = best.sum(axis=3)  # [X, Y, A]
+    return (need > 2 * bins * (1 + _EPS)).any(axis=(1, 2)) | (c0 > cap).any(axis=(1, 2))
+
+
+def row_bound(
+    loads: np.ndarray, bins: int, slots_per_bin: int, cap: int | None, feasible: np.ndarray | None = None
+) -> np.ndarray:
+    """``loads`` ``[X, n]`` packed into ``bins`` bins of ``slots_per_bin`` replicas (at most
+    ``cap`` per expert) → ``[X]``: the best bound we can prove on the busiest bin. With two
+    slots per bin and ``feasible`` (``[X]``, a busiest bin some placement reaches; default:
+    twice the simple bound) the pairing bound joins in."""
+    loads = np.asarray(loads, dtype=np.float64)
+    simple = simple_bound(loads, bins, bins * slots_per_bin, cap)
+    if slots_per_bin != 2 or bins < 2:
+        return simple
+    stop = 2 * simple if feasible is None else feasible
+    return np.maximum(simple, pairing_bound(loads, bins, cap, simple, stop))
+
+
+def lower_bound(loads: np.ndarray, topology: Topology) -> np.ndarray:
+    """``loads`` ``[L, E]`` → ``[L]``: no placement's busiest gpu can carry less (see module doc)."""
+    t = topology
+    cap = replica_cap(t.num_experts, t.num_slots, t.num_gpus)
+    return row_bound(loads, t.num_gpus, t.slots_per_gpu, cap)

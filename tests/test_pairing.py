@@ -1,0 +1,107 @@
+"""Two replicas per gpu: the pairing value and counts built for a target busiest gpu."""
+
+from itertools import permutations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import eplb
+from eplb.bounds import pairing_bound, profile_bound, simple_bound
+from eplb.pairing import pair_counts, paired_max
+from eplb.replicate import waterfill
+from eplb.workloads import lognormal, zipf
+
+
+def _best_pairing(w: np.ndarray) -> float:
+    """Brute force: the least busiest pair over every way to pair the items."""
+    best = np.inf
+    for perm in permutations(range(len(w))):
+        pairs = w[list(perm)].reshape(-1, 2).sum(axis=1)
+        best = min(best, pairs.max())
+    return float(best)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), experts=st.integers(2, 6))
+def test_paired_max_is_the_best_pairing_of_the_replicas(seed: int, experts: int) -> None:
+    rng = np.random.default_rng(seed)
+    counts = np.ones(experts, dtype=np.int64)
+    while counts.sum() < 6:
+        counts[rng.integers(experts)] += 1
+    loads = rng.lognormal(0.0, 1.0, experts)
+    w = np.repeat(loads / counts, counts)
+    assert np.isclose(paired_max(loads[None], counts[None])[0], _best_pairing(w))
+
+
+def test_pair_counts_known_answer_beats_water_filling() -> None:
+    # 3 gpus, 6 slots. Water-filling gives the heavy expert 3 replicas (1.33 each), and one of
+    # them must sit with the 2.0 replica: 2.67. Two replicas each of the two heavy experts pair
+    # 2 + 0.5, 2 + 0.5, 1 + 1: 2.5.
+    loads = np.array([[4.0, 2.0, 0.5, 0.5]])
+    wf = waterfill(loads, 6, 3)
+    assert wf.tolist() == [[3, 1, 1, 1]]
+    assert np.isclose(paired_max(loads, wf)[0], 8 / 3)
+    counts = pair_counts(loads, 3, 3, loads.sum(axis=1) / 3, paired_max(loads, wf))
+    assert counts.tolist() == [[2, 2, 1, 1]]
+    assert np.isclose(paired_max(loads, counts)[0], 2.5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bins=st.integers(2, 12), extra=st.integers(0, 12))
+def test_pair_counts_are_valid_replica_counts(seed: int, bins: int, extra: int) -> None:
+    rng = np.random.default_rng(seed)
+    experts = max(2, 2 * bins - extra)
+    loads = rng.lognormal(0.0, 1.5, (3, experts))
+    cap = bins
+    start = paired_max(loads, waterfill(loads, 2 * bins, cap))
+    counts = pair_counts(loads, bins, cap, loads.sum(axis=1) / bins, start)
+    built = counts.sum(axis=1) > 0
+    assert (counts[built].sum(axis=1) == 2 * bins).all()
+    assert (counts[built] >= 1).all() and (counts[built] <= cap).all()
+    assert (counts[~built] == 0).all()
+
+
+def test_default_plan_at_two_slots_per_gpu_is_at_least_as_good_as_the_built_counts() -> None:
+    # The search starts from the better of the first plan and the counts built for the
+    # pairing, and never gets worse.
+    t = eplb.Topology(4, 48, 96, 48)
+    loads = lognormal(4, 48, 1.5, seed=3)
+    fast = eplb.rebalance(loads, t, "global", effort="fast")
+    default = eplb.rebalance(loads, t, "global")
+    busiest = fast.gpu_load.max(axis=1)
+    counts = pair_counts(loads, 48, 48, loads.sum(axis=1) / 48, busiest)
+    built = np.where(counts.sum(axis=1) > 0, paired_max(loads, np.maximum(counts, 1)), np.inf)
+    assert (built < busiest).any()
+    assert (default.gpu_load.max(axis=1) <= np.minimum(built, busiest) * (1 + 1e-9)).all()
+
+
+def _best_over_counts(loads: np.ndarray, bins: int) -> float:
+    """Brute force: the least paired busiest bin over every count vector (one row)."""
+    from eplb.replicate import count_vectors
+
+    vectors = count_vectors(loads.size, 2 * bins, bins)
+    return float(paired_max(np.broadcast_to(loads, vectors.shape), vectors).min())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bins=st.integers(2, 5), experts=st.integers(2, 6), sigma=st.sampled_from([0.5, 1.5, 3.0]))
+def test_profile_bound_never_exceeds_the_best_counts(seed: int, bins: int, experts: int, sigma: float) -> None:
+    experts = min(experts, 2 * bins)
+    loads = np.random.default_rng(seed).lognormal(0.0, sigma, (1, experts))
+    best = _best_over_counts(loads[0], bins)
+    start = simple_bound(loads, bins, 2 * bins, bins)
+    bound = profile_bound(loads, bins, bins, start, np.array([best]))
+    assert bound[0] <= best * (1 + 1e-9)
+
+
+def test_profile_bound_is_tighter_than_the_pairing_bound_when_partners_run_out() -> None:
+    # 192 gpus, 256 experts, zipf 1.2: the heavy experts' replicas outnumber the light
+    # partners that would fit them.
+    loads = zipf(2, 256, 1.2, seed=13)
+    simple = simple_bound(loads, 192, 384, 192)
+    pairing = np.maximum(simple, pairing_bound(loads, 192, 192, simple, 2 * simple))
+    profile = profile_bound(loads, 192, 192, pairing, 2 * simple)
+    mean = loads.sum(axis=1) / 192
+    assert (profile > pairing * 1.02).all()
+    assert (profile / mean > 1.05).all()

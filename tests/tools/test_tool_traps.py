@@ -1,0 +1,273 @@
+"""What a new user trips on in `eplb place` and `eplb-bench`: each gives a named error (exit
+2) or does what the flag says, never a traceback."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb import formats
+from eplb.workloads import SCALES, make_loads
+from eplb_bench import cli, report
+from eplb_bench.pipes import BROKEN_PIPE_STATUS, INTERRUPTED_STATUS
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--scale", "small", "--policy", "global"]
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.npz", "t.json", "t.csv", "t.pt"])
+def test_an_empty_trace_file_is_named(tmp_path, capsys, name):
+    (tmp_path / name).touch()
+    assert cli.main(["place", str(tmp_path / name), "--slots", "20", "--gpus", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eplb place: error: {tmp_path / name}: ")
+    assert "empty" in err and "Traceback" not in err
+
+
+def test_a_cut_short_or_binary_file_is_named(tmp_path, capsys):
+    np.save(tmp_path / "full.npy", np.ones((2, 16)))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "full.npy").read_bytes()[:100])
+    assert cli.main(["place", str(tmp_path / "cut.npy"), "--slots", "20", "--gpus", "4"]) == 2
+    assert f"{tmp_path / 'cut.npy'}: not a readable .npy array (" in capsys.readouterr().err
+    (tmp_path / "b.csv").write_bytes(b"\xff\xfe\x00layer")
+    assert cli.main(["place", str(tmp_path / "b.csv"), "--slots", "20", "--gpus", "4"]) == 2
+    assert f"{tmp_path / 'b.csv'}: not a UTF-8 text file (byte 0" in capsys.readouterr().err
+    (tmp_path / "prev.npy").touch()
+    assert cli.main(["place", *SMALL, "--previous", str(tmp_path / "prev.npy")]) == 2
+    assert f"{tmp_path / 'prev.npy'}: the file is empty; expected a .npy array" in capsys.readouterr().err
+
+
+def _quiet(proc: subprocess.Popen) -> str:
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err
+    return err
+
+
+def test_a_closed_pipe_ends_eplb_place_quietly():
+    # The reader is gone before the first write: every write fails.
+    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()
+    _quiet(proc)
+    assert proc.wait(timeout=120) == BROKEN_PIPE_STATUS
+    # `eplb place ... --format listing | head -1`: 1,856 lines, more than a pipe holds. The
+    # listing is one write, which CPython may end early without an error when the reader goes.
+    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--scale", "v3-prefill", "--policy", "global",
+           "--effort", "fast", "--format", "listing"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    assert "imbalance after:" in _quiet(proc)
+    assert proc.wait(timeout=120) in (0, BROKEN_PIPE_STATUS)
+    assert first.startswith(b"# eplb placement v1: layers=58")
+
+
+def test_a_closed_pipe_ends_eplb_bench_quietly():
+    cmd = [sys.executable, "-m", "eplb_bench.report", "--quick", "--scales", "small", "--workloads", "zipf-1.0",
+           "--policies", "global", "--tokens-per-gpu", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # the reader is gone before the report is printed
+    _quiet(proc)
+    assert proc.wait(timeout=300) == BROKEN_PIPE_STATUS
+
+
+def test_format_and_out_suffix_must_agree_before_planning(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert cli.main(["place", *SMALL, "--format", "vllm", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "a vllm placement is written as a .npz file, not .json; name it p.npz or choose a .json format (.json native, .json sglang)" in captured.err
+    assert captured.out == "" and not out.exists()  # refused before planning
+    assert cli.main(["place", *SMALL, "--format", "listing", "--out", str(tmp_path / "p.npy")]) == 2
+    assert "name it p.txt" in capsys.readouterr().err
+    assert cli.main(["place", *SMALL, "--out", str(tmp_path / "p.yaml")]) == 2
+    assert "cannot tell the placement format from suffix '.yaml'; use .json .npz .txt" in capsys.readouterr().err
+    assert cli.main(["place", *SMALL, "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: is a directory" in capsys.readouterr().err
+    assert cli.main(["place", *SMALL, "--format", "vllm"]) == 2
+    assert "give --out FILE.npz" in capsys.readouterr().err
+
+
+def test_a_format_without_out_prints_the_placement_and_sends_the_report_to_stderr(capsys):
+    expect = eplb.rebalance(make_loads("lognormal-1.0", SCALES["small"]), SCALES["small"], "global")
+    assert cli.main(["place", *SMALL, "--format", "listing"]) == 0
+    captured = capsys.readouterr()
+    assert formats.from_listing(captured.out) == expect.placement
+    assert "imbalance after:" in captured.err and "imbalance after:" not in captured.out
+    assert cli.main(["place", *SMALL, "--out", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert formats.from_native(doc) == expect.placement and doc["stats"]["imbalance"] == expect.imbalance.tolist()
+    assert cli.main(["place", *SMALL]) == 0
+    assert "placement not written: give --out FILE" in capsys.readouterr().out
+
+
+def test_ilp_time_limit_is_one_limit_with_progress_and_a_note(tmp_path, capsys):
+    # 4 layers whose CP-SAT models take far longer to build than 0.2 s / 4: every layer keeps
+    # the global plan, and the note says the ILP found nothing better.
+    flags = ["--layers", "4", "--experts", "64", "--slots", "80", "--gpus", "16", "--synthetic", "zipf-1.0"]
+    out = tmp_path / "p.json"
+    assert cli.main(["place", *flags, "--policy", "ilp", "--time-limit", "0.2", "--workers", "1", "--progress", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "note: ilp: found nothing better than the global policy's placement on 4 of 4 layers" in captured.out
+    assert "hint: 4 layers ran out of time (--time-limit 0.2 s over 4 layers) before CP-SAT finished building" in captured.out
+    assert re.search(r"ilp: planning 4 layers: 100%\|.*\| 4/4 ", captured.err)
+    topo = eplb.Topology(4, 64, 80, 16)
+    assert eplb.Placement(np.array(json.loads(out.read_text())["phy2log"]), topo) == eplb.rebalance(
+        make_loads("zipf-1.0", topo), topo, "global").placement
+    assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
+    assert "global: planning 4 layers: 00:0" in capsys.readouterr().err
+    assert cli.main(["place", *flags, "--policy", "global", "--time-limit", "0"]) == 2
+    assert "--time-limit must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_without_a_terminal_or_progress_flag_no_bar_is_drawn(capsys):
+    assert cli.main(["place", *SMALL]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_bench_unknown_policy_names_the_registered_ones(capsys):
+    assert report.main(["--quick", "--scales", "small", "--policies", "greedy,global"]) == 2
+    err = capsys.readouterr().err
+    assert f"--policies: unknown 'greedy'; registered policies: {', '.join(eplb.policies())}" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--scales", "smal"], "--scales: unknown 'smal'; known: v3-prefill"),
+    (["--workloads", "zipf"], "--workloads: unknown 'zipf'; known:"),
+    (["--scales", "small", "--layer", "3"], "--layer must be between 0 and 0 (the per-step scale small has 1 layer), got 3"),
+    (["--ilp-time-limit", "0"], "--ilp-time-limit must be a positive number of seconds, got 0"),
+    (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: directory /no/such/dir does not exist"),
+])
+def test_bench_bad_flags_are_named_before_the_run(capsys, argv, message):
+    assert report.main(["--quick", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tokens-per-gpu", "x"], "argument --tokens-per-gpu: expected comma-separated integers >= 1, got 'x'"),
+    (["--replan-every", "0"], "argument --replan-every: expected comma-separated integers >= 1, got '0'"),
+    (["--policies", ","], "argument --policies: expected comma-separated names, got ','"),
+])
+def test_bench_malformed_values_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        report.main(["--quick", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_scales_rule_every_section(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--quick", "--scales", "small", "--workloads", "zipf-1.0", "--policies", "global, ilp", "--tokens-per-gpu", "8",
+            "--ilp-time-limit", "1", "--json", str(out)]
+    assert report.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert {r["policy"] for r in rep["placement"]} == {"none", "global", "ilp"}
+    for section in ("placement", "replan", "steps"):
+        assert rep[section] and {r["scale"] for r in rep[section]} == {"small"}, section
+    assert "| small | drift-0.05 | global |" in capsys.readouterr().out
+
+
+def test_bench_ilp_asked_for_at_a_model_scale_says_why_it_is_skipped():
+    rows = [report.plan_case(report.Case("v3-prefill", "w", SCALES["v3-prefill"], np.ones((58, 256))), "ilp")[0]]
+    assert rows[0]["skipped"] == "ilp runs on the small scale and trace files only"
+    assert report.policies_for(SCALES["v3-prefill"], "v3-prefill", ("global", "ilp")) == ("none", "global", "ilp")
+
+
+def test_bench_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit) as exc:
+        report.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "**" not in text and ":func:" not in text
+    assert "re-planning   imbalance over a drifting" in text and "docs/scales.md" in text
+
+
+def test_docs_the_tools_point_at_are_in_the_repo():
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench").glob("*.py")),
+             *sorted((ROOT / "eplb").rglob("*.py"))]
+    cited = {m for path in texts for m in re.findall(r"docs/[\w.-]+\.md", path.read_text())}
+    assert "docs/scales.md" in cited
+    assert [c for c in sorted(cited) if not (ROOT / c).is_file()] == []
+    assert not [p.name for p in texts if "BENCHMARKS.md" in p.read_text()]
+    scale_help = cli._parser()._subparsers._group_actions[0].choices["place"].format_help()
+    assert "--scale" in scale_help and "docs/scales.md" in scale_help
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--half-life", "0"], "--half-life must be a number of steps > 0, got 0.0"),
+    (["--workers", "0"], "--workers must be a number of processes >= 1, got 0"),
+    (["--work-budget", "-1"], "--work-budget must be a number of work units >= 0, got -1.0"),
+    (["--gpus", "0"], "--gpus must be a number >= 1, got 0"),
+    (["--seed", "3"], "--seed applies to synthetic workloads, not to a TRACE"),
+    (["--synthetic", "zipf-1.0"], "--synthetic applies to synthetic workloads, not to a TRACE"),
+])
+def test_place_numeric_and_mode_flags_are_named(tmp_path, capsys, argv, message):
+    np.save(tmp_path / "t.npy", np.ones((1, 16)))
+    assert cli.main(["place", str(tmp_path / "t.npy"), *SMALL, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_flags_without_a_trace_are_refused(capsys):
+    assert cli.main(["place", *SMALL, "--topology", "t.toml"]) == 2
+    assert "give one of --scale NAME and --topology CONFIG" in capsys.readouterr().err
+    assert cli.main(["place", *SMALL, "--window", "3", "--trace-format", "csv"]) == 2
+    assert "--window, --trace-format apply to a TRACE file; none was given" in capsys.readouterr().err
+    assert cli.main(["place", *SMALL, "--seed", "-1"]) == 2
+    assert "--seed must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
+    topo = eplb.Topology(2, 16, 20, 4, 1, 1)
+    seq = np.round(np.stack([make_loads("zipf-1.0", topo, seed) for seed in range(4)]))
+    np.save(tmp_path / "seq.npy", seq)
+    out = tmp_path / "r.json"
+    argv = [str(tmp_path / "seq.npy"), "--slots", "20", "--gpus", "4", "--policies", "global", "--replan-every", "2", "--json", str(out)]
+    assert report.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert {r["scale"] for r in rep["placement"]} == {"trace(4 gpus)"}
+    assert {(r["sequence"], r["policy"]) for r in rep["replan"]} == {(str(tmp_path / "seq.npy"), p) for p in ("none", "global")}
+    assert rep["steps"] == []
+    assert report.main(["--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
+    assert report.main(["--plots", str(tmp_path / "seq.npy")]) == 2
+    assert f"--plots {tmp_path / 'seq.npy'}: is a file; give a directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
+    # CP-SAT's own SIGINT handler used to end only the current layer's search, so Ctrl-C was
+    # swallowed and the run went on to the next layer. 3 s in, layer 0's model (built in
+    # about a second) is being solved, for up to 10 s.
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--policy", "ilp", "--layers", "3", "--experts", "64",
+           "--slots", "80", "--gpus", "16", "--synthetic", "zipf-1.0", "--workers", "1", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stderr.readline().startswith(b"eplb place: ilp builds and solves one CP-SAT model per layer (3 layers")
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == INTERRUPTED_STATUS
+    assert "eplb place: interrupted; nothing written" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_serve_without_the_service_extra_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "eplb_service.cli", None)  # what a missing package looks like to import
+    assert cli.main(["serve"]) == 2
+    assert "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'" in capsys.readouterr().err
+
+
+def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the bench extra not installed
+    flags = ["--layers", "1", "--experts", "4", "--slots", "4", "--gpus", "2", "--synthetic", "zipf-1.0"]
+    assert cli.main(["place", *flags, "--policy", "ilp", "--time-limit", "5", "--workers", "1", "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "policy ilp -> ilp" in captured.out and "planning" not in captured.err
+    assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
+    assert "planning" not in capsys.readouterr().err
