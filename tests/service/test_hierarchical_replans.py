@@ -20,9 +20,6 @@ def straddling(phy2log: np.ndarray) -> list[tuple[int, int]]:
             if len(set(node_of_slot[group_of[layer] == g])) > 1]
 
 
-# The fix is in the library (eplb's migration-aware re-plan, the planner helper's branch); until
-# it is merged the service path fails this, strictly: remove the mark when merging that fix.
-@pytest.mark.xfail(strict=True, reason="eplb re-plans from previous= do not yet keep groups on nodes (issue 11)")
 @pytest.mark.parametrize("policy", ["hierarchical", "auto"])
 async def test_re_plans_keep_every_group_on_one_node(serve, connect, policy):
     c = connect(await serve())
@@ -38,4 +35,11 @@ async def test_re_plans_keep_every_group_on_one_node(serve, connect, policy):
         out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="h", force=True))
         assert out.published
         phy2log = np.frombuffer(out.placement.phy2log.data, "<i4").reshape(L, P)
-        assert straddling(phy2log) == [], f"re-plan {step + 1} ({out.placement.stats.policy_used})"
+        used = out.placement.stats.policy_used
+        if used == "global":
+            # auto may choose global (hierarchical's plan more than its tolerance worse); then
+            # groups are free to spread, and the notes say why.
+            assert policy == "auto" and any("global" in n for n in out.placement.stats.notes)
+            continue
+        assert used == "hierarchical"
+        assert straddling(phy2log) == [], f"re-plan {step + 1} ({used})"
