@@ -101,8 +101,10 @@ class WeightMover:
     every receive of the transition held at once); one layer that alone does not fit raises
     ``ValueError`` with the bytes it needs, before anything moves. Direct mode: a cap, below
     ``staging_bytes_needed("direct")`` raises ``ValueError`` before anything moves.
-    ``layers_per_call``: layers per ``prepare()`` / ``step()`` (``None``: all; ``prepare()``
-    never goes past the end of the current chunk).
+    ``chunk_layers``: at most this many layers a chunk (``None``: as many as fit), which
+    spreads the switch's copies within the gpu (``commit()``, a stall between two steps)
+    over several steps. ``layers_per_call``: layers per ``prepare()`` / ``step()`` (``None``:
+    all; ``prepare()`` never goes past the end of the current chunk).
     ``round_experts``: cap on the experts a pair exchanges each way per round.
     ``verify``: compare a checksum of every written slot with its source's.
     ``batch_copies``: copy the small tensors (under 1 MiB a slot: scales) of each wave of
@@ -123,6 +125,7 @@ class WeightMover:
         *,
         transport: Transport | None = None,
         staging_bytes: int | None = None,
+        chunk_layers: int | None = None,
         layers_per_call: int | None = None,
         round_experts: int | None = None,
         bandwidth: Bandwidth | None = None,
@@ -155,6 +158,7 @@ class WeightMover:
         self._work = _rank_work(self.schedule, self.rank)
         self._spare_needed = int(any(dst == SPARE for work in self._work for _, dst in work.local))
         self._staging_cap = staging_bytes
+        self._chunk_layers = chunk_layers
         self._chunks: tuple[range, ...] | None = None
         self._chunk = 0  # staged: the chunk being prepared / committed next
         self._closed = False  # rolled back after committing chunks: nothing more to do
@@ -174,7 +178,7 @@ class WeightMover:
         prepared into the receive buffers, then committed, before the next reuses them.
         ``ValueError`` when one layer alone does not fit ``staging_bytes``."""
         if self._chunks is None:
-            self._chunks = staged_chunks(self.schedule, self.slot_bytes, self._staging_cap)
+            self._chunks = staged_chunks(self.schedule, self.slot_bytes, self._staging_cap, self._chunk_layers)
         return self._chunks
 
     def staging_bytes_needed(self, mode: str) -> int:
@@ -448,14 +452,19 @@ def staged_slots(schedule: TransferSchedule) -> np.ndarray:
     return recv + (schedule.cycles > 0)
 
 
-def staged_chunks(schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None) -> tuple[range, ...]:
+def staged_chunks(schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None,
+                  chunk_layers: int | None = None) -> tuple[range, ...]:
     """The layers ``0..L-1`` cut greedily into consecutive chunks whose staged receives (plus
-    one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu; every rank
-    computes the same chunks from the schedule. ``None``: one chunk of every layer.
-    ``ValueError`` when one layer alone does not fit on some gpu (with the bytes it needs)."""
+    one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu, at most
+    ``chunk_layers`` layers each; every rank computes the same chunks from the schedule.
+    ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
+    when one layer alone does not fit on some gpu (with the bytes it needs)."""
     L = schedule.topology.num_layers
+    if chunk_layers is not None and (isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1):
+        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
     if staging_bytes is None:
-        return (range(L),) if L else ()
+        step = chunk_layers or max(L, 1)
+        return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
     if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
         raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
     topo = schedule.topology
@@ -475,7 +484,8 @@ def staged_chunks(schedule: TransferSchedule, slot_bytes: int, staging_bytes: in
                 f"{int(alone[g]) * slot_bytes} bytes ({int(alone[g])} slots of {slot_bytes} bytes); the smallest budget "
                 f"for this transition is {int((recv + spare).max()) * slot_bytes} bytes"
             )
-        if int((held + recv[layer] + (cyc | spare[layer])).max()) * slot_bytes > staging_bytes:
+        full = chunk_layers is not None and layer - start == chunk_layers
+        if full or int((held + recv[layer] + (cyc | spare[layer])).max()) * slot_bytes > staging_bytes:
             chunks.append(range(start, layer))
             start, held, cyc = layer, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=bool)
         held = held + recv[layer]

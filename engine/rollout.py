@@ -556,5 +556,13 @@ class Rollout:
         if self.on_event is not None:
             self.on_event(event)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Waits up to ``timeout_s`` for a prepare in flight (its transfers are collective: peers
+        closing at the same step finish theirs) and rolls it back, then closes the barrier."""
+        prep = self._prep
+        if prep is not None and prep.thread is not None:
+            prep.thread.join(timeout_s)
+            if not prep.thread.is_alive():
+                self.applier.rollback()
+                self._prep = None
         self.barrier.close()

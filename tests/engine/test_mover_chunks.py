@@ -89,6 +89,10 @@ def test_a_layer_that_alone_does_not_fit_is_refused_with_the_bytes_it_needs() ->
     with pytest.raises(ValueError, match="staging_bytes must be an integer >= 0 or None"):
         staged_chunks(s, SLOT, -1)
     assert staged_chunks(s, SLOT, None) == (range(0, 2),)
+    # at most chunk_layers layers a chunk, with or without a budget
+    assert staged_chunks(s, SLOT, None, 1) == staged_chunks(s, SLOT, 100 * SLOT, 1) == (range(0, 1), range(1, 2))
+    with pytest.raises(ValueError, match="chunk_layers must be a positive integer or None"):
+        staged_chunks(s, SLOT, None, 0)
     layers = encoded_layers(old, 0)
     mover = WeightMover(layers, old, new, transport=ThreadWorld(2).transport(0), staging_bytes=SLOT)
     with pytest.raises(ValueError, match="layer 1 alone"):
