@@ -2,6 +2,7 @@
 
     python -m eplb_bench.mover_bench [--layers 58] [--rank worst] [--repeats 3] [--json FILE]
     python -m eplb_bench.mover_bench --schedule-times     # no GPU: schedule build time per scale
+    python -m eplb_bench.mover_bench --staging-chunks     # no GPU: staged chunks per receive-buffer budget
 
 One rank of a DeepSeek-V3 deployment (58 layers, 256 experts, 288 slots on 32 gpus over 4
 nodes: 9 slots per gpu) holds FP8 experts ``w13 [9, 4096, 7168]`` and ``w2 [9, 7168, 2048]``
@@ -32,7 +33,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 from eplb_engine.checksum import slot_checksum
-from eplb_engine.mover import WeightMover
+from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
 from eplb_engine.transport import P2P
 
 import eplb
@@ -329,6 +330,29 @@ def schedule_times(repeats: int) -> None:
                   f"{s.bytes / 1e9:.1f} GB between gpus, predicted {s.predicted_seconds:.3f} s")
 
 
+def staging_chunks(layers: int, seed: int) -> None:
+    """Staged mode's chunks for a range of receive-buffer budgets (CPU only): the mover_bench
+    transitions at v3-prefill scale; per budget the chunks, their layers, and the receive
+    buffers of the rank that needs the most, the chunk that needs the most."""
+    topo = SCALES["v3-prefill"].with_layers(layers)
+    slot = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
+    old, transitions = plans(topo, seed)
+    print(f"topology: {topo}; one expert = {slot / 1e6:.2f} MB")
+    for name, (new, _) in transitions.items():
+        sched = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=float(slot))
+        need = staged_slots(sched)  # [L, G]
+        smallest = int(need.max()) * slot
+        print(f"\n{name}: every receive at once: {int(need.sum(axis=0).max()) * slot / 1e9:.2f} GB on the busiest rank; "
+              f"smallest budget (one layer): {smallest / 1e6:.0f} MB")
+        for budget in (None, 4 << 30, 2 << 30, 1 << 30, 512 << 20, smallest):
+            chunks = staged_chunks(sched, slot, budget)
+            per = [int(max(need[list(c)].sum(axis=0).max(), 0)) * slot for c in chunks]
+            sizes = [len(c) for c in chunks]
+            label = "None (one chunk)" if budget is None else f"{budget / 2**30:.2f} GiB"
+            print(f"  staging_bytes {label:>17}: {len(chunks):>3} chunks of {min(sizes)}-{max(sizes)} layers; "
+                  f"receive buffers of the busiest rank: at most {max(per) / 1e9:.2f} GB, median chunk {statistics.median(per) / 1e9:.2f} GB")
+
+
 def _round_bound(s) -> int:
     """Sum over layers of the most distinct peers one gpu has: no schedule with one peer per
     gpu per round needs fewer rounds."""
@@ -348,7 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--schedule-times", action="store_true", help="only time transfer_schedule at the standard scales (no GPU)")
+    p.add_argument("--staging-chunks", action="store_true", help="only print staged chunks per receive-buffer budget (no GPU)")
     args = p.parse_args(argv)
+    if args.staging_chunks:
+        staging_chunks(args.layers, args.seed)
+        return
     if args.schedule_times:
         schedule_times(args.repeats)
         return
