@@ -46,7 +46,7 @@ def test_random_transitions_in_chunks_switch_layer_by_layer_correctly() -> None:
                                 layers_per_call=per_call, verify=True)
             assert mover.staging_bytes_needed("staged") <= budget
             assert max(mover._chunk_slots(c) for c in mover.chunks) * SLOT <= budget
-            for k, chunk in enumerate(mover.chunks):
+            for chunk in mover.chunks:
                 while mover.prepare():
                     pass
                 assert mover.chunk_prepared
