@@ -3,6 +3,8 @@ committed one after the other, the old map staying correct for every layer not y
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from mover_sim import TENSORS, ThreadWorld, check_layers, encoded_layers
 
 import eplb
 
+DEVICE = os.environ.get("EPLB_TEST_DEVICE", "cpu")
 SLOT = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
 
 
@@ -41,7 +44,7 @@ def test_random_transitions_in_chunks_switch_layer_by_layer_correctly() -> None:
         world = ThreadWorld(G)
 
         def rank(r: int):
-            layers = encoded_layers(old, r)
+            layers = encoded_layers(old, r, device=DEVICE)
             mover = WeightMover(layers, old, new, transport=world.transport(r), staging_bytes=budget,
                                 layers_per_call=per_call, verify=True)
             assert mover.staging_bytes_needed("staged") <= budget
@@ -54,6 +57,7 @@ def test_random_transitions_in_chunks_switch_layer_by_layer_correctly() -> None:
                 report = mover.commit()
                 assert report.ok and report.layers == tuple(chunk)
                 assert mover.committed_layers == chunk.stop
+                mover.synchronize()
                 check_layers(layers, mixed(old, new, chunk.stop), r)
             assert mover.done
             return mover.chunks
