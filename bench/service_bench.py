@@ -162,7 +162,8 @@ def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, r
 
 # ---- orchestration ----
 
-def _create(target: str, name: str) -> None:
+def _create(target: str, name: str, ranks: int = 0) -> None:
+    """Creates the v3-prefill deployment with ranks 0 .. max(ranks, num_gpus) - 1."""
     import grpc
 
     from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
@@ -170,7 +171,8 @@ def _create(target: str, name: str) -> None:
 
     with grpc.insecure_channel(target) as ch:
         pb_grpc.ExpertLoadBalancerServiceStub(ch).CreateDeployment(
-            pb.CreateDeploymentRequest(deployment=pb.Deployment(name=name, topology=pb.Topology(**V3))))
+            pb.CreateDeploymentRequest(deployment=pb.Deployment(
+                name=name, topology=pb.Topology(**V3), ranks=range(max(ranks, V3["num_gpus"])))))
 
 
 def _rebalance(target: str, name: str) -> float:
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     try:
         target = servers[0][1]
-        _create(target, name)
+        _create(target, name, args.ranks)  # the deployment names every reporting rank
         print(f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus, "
               f"load average {os.getloadavg()[0]:.1f} at start")
         if "ingest" in parts:

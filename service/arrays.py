@@ -45,11 +45,15 @@ def decode(msg: pb.Array, field: str, shape: tuple[int, ...], kinds: str = "iuf"
     return np.frombuffer(msg.data, dtype=dt).reshape(shape)
 
 
-def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Load counters ``shape`` → float64, rejecting NaN, infinities and negatives."""
+def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float | None = None) -> np.ndarray:
+    """Load counters ``shape`` → float64, rejecting NaN, infinities, negatives and (with ``cap``)
+    any count above ``cap``."""
     arr = decode(msg, field, shape)
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise InvalidArgument(FieldViolation(f"{field}.data", "counts must be finite (found NaN or infinity)"))
     if arr.size and arr.min() < 0:
         raise InvalidArgument(FieldViolation(f"{field}.data", f"counts must be >= 0 (found {arr.min()})"))
+    if cap is not None and arr.size and arr.max() > cap:
+        raise InvalidArgument(FieldViolation(
+            f"{field}.data", f"a count of {arr.max():g} is over the per-report cap of {cap:g} tokens per entry"))
     return arr.astype(np.float64)

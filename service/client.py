@@ -80,8 +80,15 @@ class EngineClient:
                 await asyncio.sleep(0.5)
 
     async def ack(self, version: int) -> int:
-        """Says this rank applied ``version``; returns how many ranks have it."""
-        response = await self.stub.AckPlacement(
-            pb.AckPlacementRequest(deployment=self.deployment, rank=self.rank, version=version), metadata=self.metadata
+        """Says this rank switched to ``version``; returns how many ranks have it."""
+        return (await self.rollout(version, pb.ACK_STATE_SWITCHED)).ranks_acked
+
+    async def rollout(self, version: int, state: int, step: int = 0, error: str = "") -> pb.AckPlacementResponse:
+        """Says where this rank stands with ``version`` (``pb.ACK_STATE_PREPARED`` at engine step
+        ``step``, ``SWITCHED`` or ``FAILED`` with ``error``); returns the version's rollout, with
+        the switch step once every rank prepared."""
+        return await self.stub.AckPlacement(
+            pb.AckPlacementRequest(deployment=self.deployment, rank=self.rank, version=version, state=state,
+                                   step=step, error=error),
+            metadata=self.metadata,
         )
-        return response.ranks_acked

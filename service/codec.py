@@ -1,45 +1,25 @@
-"""Wire messages ↔ core objects: deployments, topologies and plan stats, with field checks."""
+"""Wire messages <-> core objects: topologies, windows, triggers, library options and plan stats.
+
+Only conversions: every check of what a client sent lives in :mod:`.validation`.
+"""
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Collection
+import functools
+
+import numpy as np
 
 import eplb
-from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE, MIGRATION_OPTIONS
+from eplb.policies import MIGRATION_OPTIONS
+
+from . import limits
 from ._gen.eplb.v1 import balancer_pb2 as pb
-from .errors import FieldViolation, InvalidArgument
 from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
 from .windows import WindowSpec
 
-__all__ = ["check_deployment", "check_policy", "check_migration", "migration_options", "topology_from", "topology_to", "window_spec", "trigger_spec", "check_name", "plan_stats"]
-
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
-DEFAULT_WINDOW_S = 600.0
-
-
-def check_name(name: str, field: str) -> str:
-    if not _NAME.match(name):
-        raise InvalidArgument(FieldViolation(field, f"{name!r} must be 1-64 letters, digits, '-', '_' or '.'"))
-    return name
-
-
-def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
-    """``Topology`` message → ``eplb.Topology``; 0 nodes/groups mean 1."""
-    missing = [
-        FieldViolation(f"{field}.{name}", "must be >= 1")
-        for name in ("num_layers", "num_experts", "num_slots", "num_gpus")
-        if getattr(msg, name) == 0
-    ]
-    if missing:
-        raise InvalidArgument(missing)
-    try:
-        return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
-    except ValueError as exc:
-        raise InvalidArgument(FieldViolation(field, str(exc))) from None
+__all__ = ["deployment_ranks", "library_accepts", "migration_options", "plan_stats", "planning_options",
+           "switch_margin", "topology_to", "transfer_stats", "trigger_spec", "window_spec"]
 
 
 def topology_to(topo: eplb.Topology) -> pb.Topology:
@@ -49,33 +29,13 @@ def topology_to(topo: eplb.Topology) -> pb.Topology:
     )
 
 
-def check_policy(policy: str, field: str) -> str:
-    policy = policy or "auto"
-    if policy not in eplb.policies():
-        raise InvalidArgument(FieldViolation(field, f"unknown policy {policy!r}; registered: {', '.join(eplb.policies())}"))
-    return policy
-
-
 # Policies that re-plan migration-aware (eplb.rebalance's tolerance, layer_tolerance,
 # max_moves and max_layer_moves); the others take no such options and re-plan from scratch.
 MIGRATION_POLICIES = ("auto", "global", "hierarchical")
+
+
 # Migration's fields are named as the library's options.
 MIGRATION_FIELDS = MIGRATION_OPTIONS
-
-
-def check_migration(msg: pb.Migration, policy: str, field: str) -> list[FieldViolation]:
-    """Field violations of a ``Migration`` for ``policy`` (empty when it is valid)."""
-    out = []
-    for name in MIGRATION_FIELDS:
-        if not msg.HasField(name):
-            continue
-        value = getattr(msg, name)
-        if policy not in MIGRATION_POLICIES:
-            out.append(FieldViolation(f"{field}.{name}", f"policy {policy!r} re-plans from scratch; "
-                                      f"set only for {', '.join(MIGRATION_POLICIES)}"))
-        elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
-            out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
-    return out
 
 
 def migration_options(msg: pb.Migration, policy: str) -> dict[str, float]:
@@ -86,81 +46,9 @@ def migration_options(msg: pb.Migration, policy: str) -> dict[str, float]:
     return {name: getattr(msg, name) for name in MIGRATION_FIELDS if msg.HasField(name)}
 
 
-def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deployment:
-    """Validates a deployment to create and returns it normalized (defaults filled in)."""
-    out = pb.Deployment()
-    out.CopyFrom(msg)
-    violations: list[FieldViolation] = []
-    for check in (
-        lambda: check_name(msg.name, f"{field}.name"),
-        lambda: out.topology.CopyFrom(topology_to(topology_from(msg.topology, f"{field}.topology"))),
-        lambda: setattr(out, "policy", check_policy(msg.policy, f"{field}.policy")),
-    ):
-        try:
-            check()
-        except InvalidArgument as exc:
-            violations += exc.violations
-    kind = msg.window.WhichOneof("kind")
-    if kind is None:
-        out.window.sliding.duration.FromSeconds(int(DEFAULT_WINDOW_S))
-        out.window.sliding.buckets = 10
-    elif kind == "sliding":
-        s = msg.window.sliding
-        if s.duration.ToNanoseconds() < 0:
-            violations.append(FieldViolation(f"{field}.window.sliding.duration", "must be >= 0"))
-        if s.duration.ToNanoseconds() == 0 and s.report_count == 0:
-            violations.append(FieldViolation(f"{field}.window.sliding", "set duration and/or report_count"))
-        if s.buckets > 1000:
-            violations.append(FieldViolation(f"{field}.window.sliding.buckets", "must be <= 1000"))
-        if s.buckets == 0:
-            out.window.sliding.buckets = 10
-    elif msg.window.decay.half_life.ToNanoseconds() <= 0:
-        violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
-    violations += check_migration(msg.migration, out.policy, f"{field}.migration")
-    if out.policy in MIGRATION_POLICIES:
-        # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
-        if not out.migration.HasField("tolerance"):
-            out.migration.tolerance = DEFAULT_TOLERANCE
-        if not out.migration.HasField("layer_tolerance"):
-            out.migration.layer_tolerance = DEFAULT_LAYER_TOLERANCE
-    violations += _fill_ranks(msg, out, field)
-    if not out.HasField("switch_margin_steps"):
-        out.switch_margin_steps = DEFAULT_SWITCH_MARGIN
-    t = msg.trigger
-    if t.interval.ToNanoseconds() < 0:
-        violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))
-    if not (0.0 <= t.min_gain_percent <= 100.0):
-        violations.append(FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]"))
-    if violations:
-        raise InvalidArgument(violations)
-    out.ClearField("create_time")
-    out.version = 0
-    return out
-
-
-def _fill_ranks(msg: pb.Deployment, out: pb.Deployment, field: str) -> list[FieldViolation]:
-    """Checks ``msg.ranks`` (distinct) and fills in 0 .. num_gpus - 1 when it is empty."""
-    if not msg.ranks:
-        del out.ranks[:]
-        out.ranks.extend(range(msg.topology.num_gpus))
-        return []
-    seen = set()
-    dups = sorted({r for r in msg.ranks if r in seen or seen.add(r)})
-    if dups:
-        return [FieldViolation(f"{field}.ranks", f"ranks must be distinct; repeated: {dups[:8]}")]
-    return []
-
-
 def deployment_ranks(msg: pb.Deployment) -> list[int]:
     """The ranks that report and acknowledge (deployments stored before ranks existed: one per gpu)."""
     return list(msg.ranks) if msg.ranks else list(range(msg.topology.num_gpus))
-
-
-def check_rank(rank: int, ranks: Collection[int], field: str) -> None:
-    if rank not in ranks:
-        ranks = sorted(ranks)
-        shown = f"{ranks[0]} .. {ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks[:16])
-        raise InvalidArgument(FieldViolation(field, f"rank {rank} is not one of the deployment's ranks ({shown})"))
 
 
 def switch_margin(msg: pb.Deployment) -> int:
@@ -175,8 +63,69 @@ def window_spec(msg: pb.Deployment) -> WindowSpec:
 
 
 def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
+    """The deployment's trigger, with its one move budget: ``Migration.max_moves``, or the
+    deprecated ``Trigger.max_moves`` where that is unset."""
     t = msg.trigger
-    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, t.max_moves)
+    budget = msg.migration.max_moves if msg.migration.HasField("max_moves") else t.max_moves
+    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, budget)
+
+
+# Planning.effort values on the wire; the installed library may not know all of them yet.
+EFFORTS = ("fast", "default", "high")
+
+
+PLANNING_POLICIES = (*MIGRATION_POLICIES, "ilp")
+
+
+@functools.cache
+def library_accepts(option: str, value: object) -> bool:
+    """Whether the installed library's ``global`` policy takes ``option=value`` (feature
+    detection through the public API, on a one-expert plan, once per process)."""
+    try:
+        eplb.rebalance(np.ones((1, 2)), eplb.Topology(1, 2, 2, 1), "global", **{option: value})
+    except ValueError:
+        return False
+    return True
+
+
+def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None) -> tuple[dict, list[str]]:
+    """A checked ``Planning`` → ``eplb.rebalance`` keyword options and notes on what the
+    installed library could not take. ``deadline_s``: seconds left to the caller (None: none);
+    the plan's time limit never runs past it. ``ilp`` always gets a time limit (at most
+    ``limits.ILP_MAX_SECONDS`` for the whole model) and one solver thread."""
+    options: dict[str, object] = {}
+    notes: list[str] = []
+    limit = msg.time_limit.ToNanoseconds() / 1e9 if msg.HasField("time_limit") else None
+    if deadline_s is not None:
+        # Leave room to send the answer back before the caller gives up.
+        room = max(0.05, 0.8 * deadline_s - 0.05)
+        limit = room if limit is None else min(limit, room)
+    if policy == "ilp":
+        total = min(limit or limits.ILP_MAX_SECONDS, limits.ILP_MAX_SECONDS)
+        return {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}, notes
+    if policy not in PLANNING_POLICIES:
+        return options, notes
+    if msg.effort and msg.effort != "default":
+        options["effort"] = msg.effort
+    elif msg.effort == "default" and library_accepts("effort", "default"):
+        options["effort"] = "default"
+    if msg.HasField("work_budget"):
+        if library_accepts("work_budget", 1000):
+            options["work_budget"] = msg.work_budget
+        else:
+            notes.append("planning.work_budget ignored: the installed eplb has no work budget")
+    if limit is not None:
+        options["time_limit"] = limit
+    return options, notes
+
+
+def transfer_stats(old: eplb.Placement, new: eplb.Placement, topo: eplb.Topology, expert_bytes: int) -> pb.TransferStats:
+    """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer.transfer_schedule``:
+    one receive per gpu and expert, in rounds of at most one peer per gpu) → ``TransferStats``,
+    timed by the schedule's default bandwidth model."""
+    from eplb.transfer import transfer_schedule
+
+    return pb.TransferStats(**transfer_schedule(old, new, topo, expert_bytes=float(expert_bytes)).stats())
 
 
 def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:

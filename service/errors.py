@@ -2,11 +2,17 @@
 
 Library code raises the exceptions below; :class:`ErrorInterceptor` turns them, and any
 ``ValueError`` from the core, into statuses, so servicers never build a status themselves.
+The same interceptor sees every call end, so it also counts calls by method and status code,
+times them, writes the audit lines of deployment changes, and ends open streams when the
+server shuts down (see :meth:`ErrorInterceptor.end_server_streams`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,20 +22,27 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from .metrics import Metrics
+
 __all__ = [
-    "ServiceError",
+    "Aborted",
+    "AlreadyExists",
+    "DeadlineExceeded",
+    "ErrorInterceptor",
+    "FailedPrecondition",
     "FieldViolation",
     "InvalidArgument",
     "NotFound",
-    "AlreadyExists",
-    "FailedPrecondition",
+    "OutOfRange",
+    "ResourceExhausted",
+    "ServiceError",
+    "ShuttingDown",
     "StoreUnavailable",
-    "Aborted",
-    "ErrorInterceptor",
     "to_status",
 ]
 
 log = logging.getLogger(__name__)
+audit = logging.getLogger("eplb_service.audit")
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,26 @@ class Aborted(ServiceError):
     code = grpc.StatusCode.ABORTED
 
 
+class ResourceExhausted(ServiceError):
+    """A documented limit (docs/service.md, "Limits") or a bounded queue is full."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfRange(ServiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ShuttingDown(ServiceError):
+    """This replica is stopping: the client should call another replica (resending what it must)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 def to_status(exc: BaseException) -> status_pb2.Status | None:
     """The rich status for ``exc``, or None when it is not ours to map (a bug: INTERNAL)."""
     if isinstance(exc, InvalidArgument):
@@ -100,49 +133,76 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
     return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    status = to_status(exc)
-    if status is None:
-        log.exception("unhandled error in %s", getattr(context, "_method", "rpc"), exc_info=exc)
-        status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
-    await context.abort_with_status(rpc_status.to_status(status))
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+# Successful or refused, these are written as one audit line each (logger ``eplb_service.audit``).
+_AUDITED = {
+    "/eplb.v1.ExpertLoadBalancerService/CreateDeployment": lambda request: request.deployment.name,
+    "/eplb.v1.ExpertLoadBalancerService/DeleteDeployment": lambda request: request.name,
+}
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def call(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await fn(request_or_iterator, context)
-        except (ServiceError, ValueError) as exc:
-            await _abort(context, exc)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001  (mapped to INTERNAL and logged once, here)
-            await _abort(context, exc)
-
-    return call
+def short_name(method: str) -> str:
+    """``/eplb.v1.ExpertLoadBalancerService/ReportLoad`` → ``ExpertLoadBalancerService/ReportLoad``."""
+    service, _, name = method.rpartition("/")
+    return f"{service.rpartition('.')[2]}/{name}"
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for item in fn(request, context):
-                yield item
-        except (ServiceError, ValueError) as exc:
-            await _abort(context, exc)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+class _Call:
+    """One call's bookkeeping: its method label, start time and final status code."""
 
-    return call
+    __slots__ = ("code", "label", "start")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.start = time.perf_counter()
+        self.code = "OK"
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions raised by any handler to statuses, in one place."""
+    """Maps exceptions raised by any handler to statuses, in one place; counts and times every call.
 
-    def __init__(self) -> None:
-        # Wrapped handlers per method: building them on every call costs as much as a small RPC.
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+    Put it first in the server's interceptor list, so it also sees the calls that later
+    interceptors (auth) refuse.
+    """
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self._metrics = metrics
+        # Wrapped handlers per (method, handler): building them on every call costs as much as a
+        # small RPC. The handler is kept with its wrapper so its id cannot be reused.
+        self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._counts: dict[tuple[str, str], Any] = {}
+        self._latencies: dict[str, Any] = {}
+        self._end_server_streams: asyncio.Future | None = None
+        self._end_client_streams = False
+        self._discard_until = 0.0
+
+    # shutdown
+
+    def _server_streams_end(self) -> asyncio.Future:
+        if self._end_server_streams is None:
+            self._end_server_streams = asyncio.get_running_loop().create_future()
+        return self._end_server_streams
+
+    def end_server_streams(self) -> None:
+        """Ends every open server stream (watches, health watches) with UNAVAILABLE, now and from now on."""
+        fut = self._server_streams_end()
+        if not fut.done():
+            fut.set_result(None)
+
+    def end_client_streams(self, discard_s: float = 0.5) -> None:
+        """Ends every client stream (ReportLoad) with UNAVAILABLE before it processes another message.
+
+        The message in hand is processed first, so what a stream accepted stays accepted and the
+        client resends the rest, with the same seqs, to another replica. Messages the client is
+        still sending are read and dropped, for up to ``discard_s``, so the status goes out after
+        the client half-closed: grpc-python's asyncio client reports a status that arrives while
+        it is still writing as ``INTERNAL: Internal error from Core`` (grpc/grpc#36066).
+        """
+        self._discard_until = time.monotonic() + discard_s
+        self._end_client_streams = True
+
+    # interception
 
     async def intercept_service(
         self,
@@ -153,21 +213,169 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        cached = self._wrapped.get(method)
+        key = (method, id(handler))
+        cached = self._wrapped.get(key)
         if cached is None:
-            cached = self._wrapped[method] = self._wrap(handler)
-        return cached
+            cached = self._wrapped[key] = (handler, self._wrap(method, handler))
+        return cached[1]
 
-    @staticmethod
-    def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        label = short_name(method)
+        audited = _AUDITED.get(method)
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **kw)
+            return grpc.unary_unary_rpc_method_handler(self._unary(label, handler.unary_unary, audited), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **kw)
+            return grpc.stream_unary_rpc_method_handler(self._unary(label, handler.stream_unary, None, True), **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **kw)
-        return handler
+            return grpc.unary_stream_rpc_method_handler(self._stream(label, handler.unary_stream), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._stream(label, handler.stream_stream, True), **kw)
+
+    def _finish(self, call: _Call, context: grpc.aio.ServicerContext, request: Any, audited: Callable | None) -> None:
+        if self._metrics is not None:
+            # Label children are looked up once: ``labels()`` costs more than the update itself.
+            key = (call.label, call.code)
+            count = self._counts.get(key)
+            if count is None:
+                count = self._counts[key] = self._metrics.rpc_requests.labels(*key)
+            latency = self._latencies.get(call.label)
+            if latency is None:
+                latency = self._latencies[call.label] = self._metrics.rpc_latency.labels(call.label)
+            count.inc()
+            latency.observe(time.perf_counter() - call.start)
+        # A refused token is audited by auth, before the request is even decoded.
+        if audited is not None and call.code != "UNAUTHENTICATED":
+            name = audited(request)
+            audit.info("audit: %s %r by %s: %s", call.label.rpartition("/")[2], name, context.peer(), call.code,
+                       extra={"audit": call.label.rpartition("/")[2], "deployment": name, "peer": context.peer(),
+                              "code": call.code})
+
+    async def _fail(self, call: _Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        """Aborts the call with ``exc``'s status (INTERNAL, logged with its traceback, if not ours)."""
+        status = to_status(exc)
+        if status is None:
+            log.error("unhandled error in %s", call.label, exc_info=exc)
+            status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
+        else:
+            # Expected (the client got the reason); the balancer logs lost planning races at INFO.
+            log.debug("%s failed: %s: %s", call.label, _CODE_NAMES.get(status.code, "UNKNOWN"), status.message)
+        call.code = _CODE_NAMES.get(status.code, "UNKNOWN")
+        await context.abort_with_status(rpc_status.to_status(status))
+
+    def _aborted(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """The handler aborted the call itself (e.g. auth, health ``Check`` of an unknown service)."""
+        code = context.code()
+        call.code = code.name if isinstance(code, grpc.StatusCode) else _CODE_NAMES.get(code, "UNKNOWN")
+
+    def _requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async def read() -> AsyncIterator[Any]:
+            processed = 0
+            while True:
+                # Checked before each read: the message in hand has been processed by now.
+                if self._end_client_streams:
+                    dropped = await self._discard(requests)
+                    raise ShuttingDown(
+                        f"server shutting down: processed the first {processed} messages of this stream, "
+                        f"not the {dropped} after them; resend those to another replica (same seqs)"
+                    )
+                try:
+                    request = await anext(requests)
+                except StopAsyncIteration:
+                    return
+                processed += 1
+                yield request
+
+        return read()
+
+    async def _discard(self, requests: AsyncIterator[Any]) -> int:
+        """Reads and drops ``requests`` until the client half-closes or the discard time is up."""
+        dropped = 0
+        while (left := self._discard_until - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(anext(requests), left)
+            except (StopAsyncIteration, TimeoutError):
+                break
+            dropped += 1
+        return dropped
+
+    def _unary(self, label: str, fn: Callable[..., Awaitable[Any]], audited: Callable | None,
+               client_stream: bool = False) -> Callable[..., Awaitable[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = _Call(label)
+            try:
+                return await fn(self._requests(request) if client_stream else request, context)
+            except grpc.aio.AbortError:
+                self._aborted(call, context)
+                raise
+            except asyncio.CancelledError:
+                call.code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001  (ours map to their status; others to INTERNAL, logged once)
+                await self._fail(call, context, exc)
+            finally:
+                self._finish(call, context, request, audited)
+
+        return handle
+
+    def _stream(self, label: str, fn: Callable[..., Any], client_stream: bool = False) -> Callable[..., AsyncIterator[Any]]:
+        # Handlers either yield (async generators) or write to the context and return (the
+        # health servicer's Watch); the wrapper keeps the handler's kind.
+        generator = inspect.isasyncgenfunction(fn)
+
+        async def until_end(aw: Awaitable[Any]) -> Any:
+            """``aw``'s result, or ShuttingDown once server streams are told to end."""
+            task = asyncio.ensure_future(aw)
+            try:
+                await asyncio.wait({task, self._server_streams_end()}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
+            if task.cancelled():
+                raise ShuttingDown("server shutting down: reconnect to another replica")
+            return task.result()
+
+        async def each(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call = _Call(label)
+            items = None
+            try:
+                items = fn(self._requests(request) if client_stream else request, context)
+                while True:
+                    try:
+                        item = await until_end(anext(items))
+                    except StopAsyncIteration:
+                        return
+                    yield item
+            except grpc.aio.AbortError:
+                self._aborted(call, context)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed while sending
+                call.code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._fail(call, context, exc)
+            finally:
+                if items is not None:
+                    # Runs the handler's own clean-up now (e.g. the watcher gauge), not at GC.
+                    await items.aclose()
+                self._finish(call, context, None, None)
+
+        async def written(request: Any, context: grpc.aio.ServicerContext) -> None:
+            call = _Call(label)
+            try:
+                await until_end(fn(self._requests(request) if client_stream else request, context))
+            except grpc.aio.AbortError:
+                self._aborted(call, context)
+                raise
+            except asyncio.CancelledError:
+                call.code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._fail(call, context, exc)
+            finally:
+                self._finish(call, context, None, None)
+
+        return each if generator else written

@@ -30,9 +30,11 @@ class PlacementHub:
         name: str,
         on_version: Callable[[pb.Placement], None] | None = None,
         confirm_deleted: Callable[[], Awaitable[bool]] | None = None,
+        gen: int = 0,
     ) -> None:
         self.store = store
         self.name = name
+        self.gen = gen
         self.ring: OrderedDict[int, pb.Placement] = OrderedDict()
         self.live = False
         self.deleted = False
@@ -70,7 +72,7 @@ class PlacementHub:
         backoff = 0.05
         while not self._closed:
             try:
-                async for placement in self.store.follow(self.name, self.version):
+                async for placement in self.store.follow(self.name, self.version, self.gen):
                     self.live = True
                     backoff = 0.05
                     self._add(placement)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
@@ -70,6 +70,9 @@ class MemoryStore:
     async def list(self) -> list[DeploymentRecord]:
         return [DeploymentRecord(s.deployment, s.version) for _, s in sorted(self._states.items())]
 
+    async def count(self) -> int:
+        return len(self._states)
+
     async def delete(self, name: str) -> None:
         state = self._get(name)
         state.deleted = True
@@ -96,12 +99,19 @@ class MemoryStore:
         async with self._changed:
             self._changed.notify_all()
 
-    async def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+    async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
+        # A deleted or re-created deployment is a new _State: the old one's ``deleted`` ends this.
         state = self._get(name)
+        if gen and state.deployment.create_time.ToNanoseconds() != gen:
+            raise NotFound(f"deployment {name!r} not found")
         sent = since_version
         if state.version > sent:
-            sent = state.version
+            # Resuming: every kept version missed, in order; a fresh follower starts at the current.
+            sent = max(sent + 1, state.version - PLACEMENTS_KEPT + 1) if sent else state.version
             yield state.placements[sent]
+            while sent < state.version:
+                sent += 1
+                yield state.placements[sent]
         while True:
             async with self._changed:
                 await self._changed.wait_for(lambda: state.deleted or state.version > sent)
@@ -112,7 +122,10 @@ class MemoryStore:
                 sent = max(sent + 1, state.version - PLACEMENTS_KEPT + 1)
                 yield state.placements[sent]
 
-    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
+    async def accept_reports(
+        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+    ) -> tuple[list[bool], str | None]:
+        # One process: the windows in memory die with the seqs, so no write-ahead entry is kept.
         state = self._get(name)
         out = []
         for rank, seq in pairs:
@@ -121,7 +134,7 @@ class MemoryStore:
                 state.seq[rank] = seq
                 state.reports += 1
             out.append(fresh)
-        return out
+        return out, None
 
     async def marks(self, name: str) -> PlanMarks:
         state = self._get(name)
@@ -131,14 +144,14 @@ class MemoryStore:
         state = self._get(name)
         state.planned_reports, state.planned_at = reports, at
 
-    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
         self._get(name).windows[replica] = blob
 
     async def windows(self, name: str) -> dict[str, bytes]:
         return dict(self._get(name).windows)
 
-    async def drop_windows(self, name: str, replicas: list[str]) -> None:
-        for r in replicas:
+    async def drop_windows(self, name: str, keys: list[str]) -> None:
+        for r in keys:
             self._get(name).windows.pop(r, None)
 
     async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
@@ -157,6 +170,13 @@ class MemoryStore:
             state.lease = (owner, now + ttl_s)
             return True
         return False
+
+    async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        state = self._states.get(name)
+        if state is None or state.lease is None or state.lease[0] != owner or state.lease[1] <= time.monotonic():
+            return False
+        state.lease = (owner, time.monotonic() + ttl_s)
+        return True
 
     async def release_lease(self, name: str, owner: str) -> None:
         state = self._states.get(name)

@@ -127,7 +127,7 @@ class TimedStore:
         attr = getattr(self._store, name)
         if not inspect.iscoroutinefunction(attr):
             return attr
-        from .errors import StoreUnavailable  # errors imports this module
+        from .errors import ServiceError, StoreUnavailable  # errors imports this module
 
         latency = self._metrics.store_latency.labels(name)
         errors = self._metrics.store_errors.labels(name)
@@ -140,6 +140,9 @@ class TimedStore:
             except StoreUnavailable:
                 errors.inc()
                 up.set(0)
+                raise
+            except ServiceError:  # NotFound, Aborted, …: the store answered
+                up.set(1)
                 raise
             finally:
                 latency.observe(time.perf_counter() - start)

@@ -8,26 +8,29 @@ below touch one slot only):
 |---|---|---|
 | ``P:deployments`` | set | deployment names (the only key outside a deployment's slot) |
 | ``P:{d}:deployment`` | string | the ``eplb.v1.Deployment`` message, serialized |
-| ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at`` |
+| ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at``, ``gen`` (generation) |
 | ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
 | ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries; replicas tail it |
 | ``P:{d}:seq`` | hash | rank → last accepted report seq (idempotent retries) |
 | ``P:{d}:acks`` | hash | ``<rank>`` → latest switched version, ``<rank>:p`` prepared, ``<rank>:f`` failed |
 | ``P:{d}:rollout`` | hash | ``<v>:step`` largest PREPARED step, ``<v>:switch`` switch step, ``<v>:aborted`` (recent versions) |
 | ``P:{d}:windows`` | hash | replica id → that replica's window blob (see ``windows.py``) |
+| ``P:{d}:wal`` | stream | ``b=<blob>``: the sums of one accepted batch of reports, until its replica's next flush folds it in |
 | ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import redis.asyncio as redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
@@ -37,17 +40,21 @@ from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
 __all__ = ["RedisStore"]
 
 ANNOUNCE_MAXLEN = 64
-_FOLLOW_BLOCK_MS = 2000
+POOL_CONNECTIONS = 32
+# The shared reader blocks this long per XREAD, and checks the followed deployments' generations
+# between reads: a deletion or re-creation reaches every replica's followers within about this.
+_FOLLOW_BLOCK_MS = 500
 
 # KEYS: meta, deployment, placement:<v>, announce; ARGV: version, deployment, placement,
-# maxlen, now, only_if_newer. Returns 1 if written.
+# maxlen, now, only_if_newer, generation (the deployment's create time: a re-created deployment
+# gets a new one, a restored one keeps it). Returns 1 if written.
 _CREATE = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if ARGV[6] == '1' and cur >= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[3])
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5])
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5], 'gen', ARGV[7])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'version', ARGV[1])
 return 1
 """
@@ -67,24 +74,35 @@ redis.call('DEL', KEYS[4])
 return cur
 """
 
-# KEYS: seq, meta; ARGV: rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below
-# 2^53 (the servicer rejects larger). Returns one 0/1 per pair, or -1 when the deployment is gone.
+# Accepts a batch of reports only together with its counts: KEYS: seq, meta, wal; ARGV: the
+# write-ahead blob of the batch's sums, the MINID below which old entries are trimmed, then
+# rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below 2^53 (the servicer
+# rejects larger). If every pair is new: marks the seqs, counts them, appends the blob to the
+# wal stream and returns {1, flags, id}; otherwise writes nothing and returns {0, flags} (one
+# 0/1 per pair, in order), and the caller retries with the new ones' sums. -1 when the
+# deployment is gone.
 _ACCEPT = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+local last = {}
 local out = {}
-local n = 0
-for i = 1, #ARGV, 2 do
-  local last = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '-1')
-  if tonumber(ARGV[i + 1]) > last then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+local all = 1
+for i = 3, #ARGV, 2 do
+  local r = ARGV[i]
+  if last[r] == nil then last[r] = tonumber(redis.call('HGET', KEYS[1], r) or '-1') end
+  local s = tonumber(ARGV[i + 1])
+  if s > last[r] then
+    last[r] = s
     out[#out + 1] = 1
-    n = n + 1
   else
     out[#out + 1] = 0
+    all = 0
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'reports', n) end
-return out
+if all == 0 then return {0, out} end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HINCRBY', KEYS[2], 'reports', #out)
+local id = redis.call('XADD', KEYS[3], 'MINID', '~', ARGV[2], '*', 'b', ARGV[1])
+return {1, out, id}
 """
 
 # The rules of rollout.apply_ack, atomically. KEYS: acks, rollout, meta; ARGV: rank, version,
@@ -109,9 +127,13 @@ elseif state == '1' then
   if step > last then redis.call('HSET', KEYS[2], v .. ':step', ARGV[4]) end
 elseif state == '3' then
   bump(rank .. ':f')
-  if not aborted then became_failed = 1 end
-  aborted = true
-  redis.call('HSET', KEYS[2], v .. ':aborted', 1)
+  -- A fixed switch step stands: ranks may already route with v, so a late failure is
+  -- counted, not turned into an abort that later pollers would see and others would not.
+  if redis.call('HEXISTS', KEYS[2], v .. ':switch') == 0 then
+    if not aborted then became_failed = 1 end
+    aborted = true
+    redis.call('HSET', KEYS[2], v .. ':aborted', 1)
+  end
 end
 local all = redis.call('HGETALL', KEYS[1])
 local h = {}
@@ -142,18 +164,129 @@ if switch and not aborted then out_switch = tonumber(switch) end
 return {acked, prepared, failed, n, out_switch, aborted and 1 or 0, became_prepared, became_switched, became_failed}
 """
 
-# KEYS: windows, meta; ARGV: replica, blob. A replica that has not yet noticed a deletion must
-# not re-create the windows key of a deleted deployment.
+# KEYS: windows, meta, wal; ARGV: replica, blob, then the wal ids folded into the blob. A
+# replica that has not yet noticed a deletion must not re-create the windows key of a deleted
+# deployment.
 _PUT_WINDOW = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if #ARGV > 2 then redis.call('XDEL', KEYS[3], unpack(ARGV, 3)) end
 return 1
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
 """
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def generation(deployment: pb.Deployment) -> int:
+    """A deployment's generation: its create time in nanoseconds (re-creating gives a new one)."""
+    return deployment.create_time.ToNanoseconds()
+
+
+def _other_generation(stored: bytes | None, gen: int) -> bool:
+    # Deployments written before generations were stored have none: they match any follower.
+    return bool(gen) and stored is not None and int(stored) != gen
+
+
+@dataclass(eq=False)
+class _Subscription:
+    """One follower of one deployment: its stream cursor and the versions announced since."""
+
+    name: str
+    stream: str
+    cursor: bytes
+    gen: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def next(self) -> int:
+        """The next announced version; raises NotFound once the deployment is gone (deleted, or
+        re-created as a new generation) and StoreUnavailable when Redis stopped answering."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class _Announcements:
+    """Tails every followed deployment's announce stream with one blocking XREAD at a time."""
+
+    def __init__(self, reader: redis.Redis, r: redis.Redis, prefix: str) -> None:
+        self._reader = reader
+        self._r = r
+        self._prefix = prefix
+        self._subs: set[_Subscription] = set()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    def subscribe(self, name: str, stream: str, cursor: bytes, gen: int) -> _Subscription:
+        sub = _Subscription(name, stream, cursor, gen)
+        self._subs.add(sub)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="redis-announcements")
+        return sub
+
+    def unsubscribe(self, sub: _Subscription) -> None:
+        self._subs.discard(sub)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=2.0)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while self._subs and not self._closed:
+            try:
+                await self._read_once()
+                await self._check_generations()
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                # Every follower ends with UNAVAILABLE and re-subscribes once Redis answers.
+                for sub in list(self._subs):
+                    sub.queue.put_nowait(StoreUnavailable(f"redis unavailable: {exc}"))
+                self._subs.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+
+    async def _read_once(self) -> None:
+        cursors: dict[str, bytes] = {}
+        for sub in self._subs:
+            cursors[sub.stream] = min(cursors.get(sub.stream, sub.cursor), sub.cursor, key=_stream_id)
+        entries = await self._reader.xread(cursors, count=256, block=_FOLLOW_BLOCK_MS)
+        for stream, items in entries or []:
+            stream = stream.decode()
+            for sub in [s for s in self._subs if s.stream == stream]:
+                for entry_id, fields in items:
+                    if _stream_id(entry_id) > _stream_id(sub.cursor):
+                        sub.cursor = entry_id
+                        sub.queue.put_nowait(int(fields[b"version"]))
+
+    async def _check_generations(self) -> None:
+        subs = list(self._subs)
+        if not subs:
+            return
+        async with self._r.pipeline(transaction=False) as p:
+            for sub in subs:
+                p.exists(f"{self._prefix}:{{{sub.name}}}:meta").hget(f"{self._prefix}:{{{sub.name}}}:meta", "gen")
+            out = await p.execute()
+        for i, sub in enumerate(subs):
+            exists, gen = out[2 * i], out[2 * i + 1]
+            if not exists or _other_generation(gen, sub.gen):
+                self._subs.discard(sub)
+                sub.queue.put_nowait(NotFound(f"deployment {sub.name!r} was deleted"))
+
+
+def _stream_id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 @contextlib.contextmanager
@@ -171,28 +304,45 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str = "eplb") -> None:
         self.prefix = prefix
-        # One quick retry covers pooled connections broken by a Redis restart; anything longer
-        # would only delay the UNAVAILABLE the caller should see while Redis is down.
-        self._r = redis.Redis.from_url(
+        # Three quick retries (0.1 s at most) cover pooled connections broken by a Redis
+        # restart; anything longer would only delay the UNAVAILABLE the caller should see while
+        # Redis is down.
+        # A bounded pool that makes callers wait for a free connection rather than fail: a
+        # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections, however
+        # many deployments and calls it serves.
+        self._r = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
             url,
+            max_connections=POOL_CONNECTIONS,
+            timeout=2.0,
+            client_name=f"eplb:{prefix}",
             socket_connect_timeout=1.0,
-            socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+            # No call on this pool blocks (the announce reader has its own connection): a hung
+            # Redis costs a call at most about this long.
+            socket_timeout=1.0,
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 3),
             health_check_interval=0,
-        )
+        ))
         self._create = self._r.register_script(_CREATE)
         self._publish = self._r.register_script(_PUBLISH)
         self._accept = self._r.register_script(_ACCEPT)
         self._ack = self._r.register_script(_ACK)
         self._release = self._r.register_script(_RELEASE)
+        self._renew = self._r.register_script(_RENEW)
         self._put_window = self._r.register_script(_PUT_WINDOW)
+        # One blocking reader over every followed deployment's announce stream, on its own
+        # connection: the connections a replica holds do not grow with its deployments.
+        self._reader = redis.Redis.from_url(
+            url, socket_connect_timeout=1.0, socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
+            health_check_interval=0, max_connections=1, client_name=f"eplb:{prefix}",
+        )
+        self._announcements = _Announcements(self._reader, self._r, prefix)
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
 
     def keys_of(self, name: str) -> list[str]:
         """Every fixed key of a deployment (placements are per version, see ``delete``)."""
-        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "lease")]
+        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "lease")]
 
     async def ping(self) -> str:
         with _unavailable():
@@ -206,7 +356,7 @@ class RedisStore:
                 keys=[self.key(name, "meta"), self.key(name, "deployment"),
                       self.key(name, f"placement:{placement.version}"), self.key(name, "announce")],
                 args=[placement.version, deployment.SerializeToString(), placement.SerializeToString(),
-                      ANNOUNCE_MAXLEN, time.time(), int(only_if_newer)],
+                      ANNOUNCE_MAXLEN, time.time(), int(only_if_newer), generation(deployment)],
             )
             if written:
                 await self._r.sadd(f"{self.prefix}:deployments", name)
@@ -235,6 +385,10 @@ class RedisStore:
             with contextlib.suppress(NotFound):
                 out.append(await self.get(name))
         return out
+
+    async def count(self) -> int:
+        with _unavailable():
+            return int(await self._r.scard(f"{self.prefix}:deployments"))
 
     async def delete(self, name: str) -> None:
         with _unavailable():
@@ -272,30 +426,27 @@ class RedisStore:
         if before != v - 1:
             raise Aborted(f"version {v} is not current + 1 (current is {before}); another plan won")
 
-    async def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+    async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
         stream = self.key(name, "announce")
         with _unavailable():
             async with self._r.pipeline(transaction=True) as p:
-                cur, last = await p.hget(self.key(name, "meta"), "version").xrevrange(stream, count=1).execute()
-        if cur is None:
+                cur, stored_gen, last = await (p.hget(self.key(name, "meta"), "version").hget(self.key(name, "meta"), "gen")
+                                               .xrevrange(stream, count=1).execute())
+        if cur is None or _other_generation(stored_gen, gen):
             raise NotFound(f"deployment {name!r} not found")
-        last_id = last[0][0] if last else b"0-0"
-        sent = since_version
-        if int(cur) > sent:
-            placement = await self.placement(name, int(cur))
-            sent = placement.version
-            yield placement
-        while True:
-            with _unavailable():
-                entries = await self._r.xread({stream: last_id}, count=256, block=_FOLLOW_BLOCK_MS)
-                if not entries:
-                    # A quiet stream, or a deleted deployment: only the latter ends the follow.
-                    if not await self._r.exists(self.key(name, "meta")):
-                        raise NotFound(f"deployment {name!r} was deleted")
-                    continue
-            for entry_id, fields in entries[0][1]:
-                last_id = entry_id
-                version = int(fields[b"version"])
+        sub = self._announcements.subscribe(name, stream, last[0][0] if last else b"0-0", gen)
+        try:
+            sent = since_version
+            # Resuming (a follower that lost Redis for a while): every kept version it missed,
+            # in order, so no watcher sees a gap; a fresh follower starts at the current one.
+            first = sent + 1 if sent else int(cur)
+            for version in range(max(first, int(cur) - PLACEMENTS_KEPT + 1), int(cur) + 1):
+                with contextlib.suppress(NotFound):
+                    placement = await self.placement(name, version)
+                    sent = placement.version
+                    yield placement
+            while True:
+                version = await sub.next()
                 if version <= sent:
                     continue
                 try:
@@ -306,16 +457,30 @@ class RedisStore:
                 if placement.version > sent:
                     sent = placement.version
                     yield placement
+        finally:
+            self._announcements.unsubscribe(sub)
 
-    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
-        args: list[int] = []
-        for rank, seq in pairs:
-            args += [rank, seq]
-        with _unavailable():
-            out = await self._accept(keys=[self.key(name, "seq"), self.key(name, "meta")], args=args)
-        if out == -1:
-            raise NotFound(f"deployment {name!r} not found")
-        return [bool(x) for x in out]
+    async def accept_reports(
+        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+    ) -> tuple[list[bool], str | None]:
+        fresh = [True] * len(pairs)
+        keys = [self.key(name, "seq"), self.key(name, "meta"), self.key(name, "wal")]
+        # Duplicates are rare (client retries): send the batch as if all were new, and only when
+        # the script finds some were not, once more with the sums of the new ones.
+        while any(fresh):
+            args: list[object] = [journal(fresh), int((time.time() - keep_s) * 1000)]
+            for (rank, seq), f in zip(pairs, fresh):
+                if f:
+                    args += [rank, seq]
+            with _unavailable():
+                out = await self._accept(keys=keys, args=args)
+            if out == -1:
+                raise NotFound(f"deployment {name!r} not found")
+            flags = iter(out[1])
+            fresh = [f and bool(next(flags)) for f in fresh]
+            if out[0] == 1:
+                return fresh, out[2].decode()
+        return fresh, None
 
     async def marks(self, name: str) -> PlanMarks:
         with _unavailable():
@@ -328,21 +493,29 @@ class RedisStore:
         with _unavailable():
             await self._r.hset(self.key(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
 
-    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
         with _unavailable():
-            out = await self._put_window(keys=[self.key(name, "windows"), self.key(name, "meta")], args=[replica, blob])
+            out = await self._put_window(keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal")],
+                                         args=[replica, blob, *folded])
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
 
     async def windows(self, name: str) -> dict[str, bytes]:
         with _unavailable():
-            raw = await self._r.hgetall(self.key(name, "windows"))
-        return {k.decode(): v for k, v in raw.items()}
+            async with self._r.pipeline(transaction=True) as p:
+                raw, wal = await p.hgetall(self.key(name, "windows")).xrange(self.key(name, "wal")).execute()
+        out = {k.decode(): v for k, v in raw.items()}
+        out.update((f"wal:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in wal)
+        return out
 
-    async def drop_windows(self, name: str, replicas: list[str]) -> None:
-        if replicas:
-            with _unavailable():
+    async def drop_windows(self, name: str, keys: list[str]) -> None:
+        replicas = [k for k in keys if not k.startswith("wal:")]
+        wal = [k[4:] for k in keys if k.startswith("wal:")]
+        with _unavailable():
+            if replicas:
                 await self._r.hdel(self.key(name, "windows"), *replicas)
+            if wal:
+                await self._r.xdel(self.key(name, "wal"), *wal)
 
     async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
         with _unavailable():
@@ -369,9 +542,15 @@ class RedisStore:
         with _unavailable():
             return bool(await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))))
 
+    async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        with _unavailable():
+            return bool(await self._renew(keys=[self.key(name, "lease")], args=[owner, max(1, int(ttl_s * 1000))]))
+
     async def release_lease(self, name: str, owner: str) -> None:
         with _unavailable():
             await self._release(keys=[self.key(name, "lease")], args=[owner])
 
     async def close(self) -> None:
+        await self._announcements.close()
+        await self._reader.aclose()
         await self._r.aclose()

@@ -5,7 +5,9 @@ weights are in place, it still routes with the previous map), SWITCHED (it route
 version's map) and FAILED (preparing failed; it keeps the previous map). Once every rank of
 the deployment prepared a version, the service fixes the version's switch step, the largest
 PREPARED step plus ``switch_margin_steps``; every rank switches at that step. The switch step is
-stored, so every replica answers the same one. A FAILED ack aborts the version's rollout.
+stored, so every replica answers the same one. A FAILED ack before the switch step is fixed
+aborts the version's rollout; after it, the step stands (some ranks may already route with the
+version) and the failure is only counted.
 
 The Redis store applies these rules in one Lua script; :func:`apply_ack` is the same rules on
 plain dicts, for the in-process store and for unit tests.
@@ -85,8 +87,11 @@ def apply_ack(
         acked += s.switched >= version
         prepared += max(s.switched, s.prepared) >= version
         failed += s.failed == version
-    became_failed = state == FAILED and not vr.aborted
-    vr.aborted = vr.aborted or state == FAILED
+    # A fixed switch step stands: ranks may already route with the version, so a late failure
+    # is counted (ranks_failed) but aborts nothing.
+    aborts = state == FAILED and vr.switch_step is None
+    became_failed = aborts and not vr.aborted
+    vr.aborted = vr.aborted or aborts
     became_prepared = vr.switch_step is None and not vr.aborted and prepared == len(ranks)
     if became_prepared:
         vr.switch_step = max(vr.max_step, 0) + margin

@@ -1,8 +1,24 @@
-"""Server lifecycle: grpc.aio server, health, reflection, interceptors, limits, graceful stop."""
+"""Server lifecycle: grpc.aio server, health, reflection, interceptors, limits, graceful stop.
+
+Shutdown (``RunningServer.stop``, what ``eplb serve`` does on SIGTERM or SIGINT), in order:
+
+1. health goes NOT_SERVING for every service; ``Health/Watch`` streams get it at once;
+2. new calls are refused with UNAVAILABLE; after ``_HEALTH_FLUSH_S`` open server streams (placement
+   and health watches) end with UNAVAILABLE, so watchers reconnect to another replica;
+3. unary calls and ``ReportLoad`` streams get half the grace period to finish; a report stream
+   still open then ends with UNAVAILABLE once the message in hand is processed (what it accepted
+   stays accepted; the status says how many messages were processed, and the client resends the
+   rest, with the same seqs, elsewhere); messages still arriving are dropped for up to a quarter
+   of the grace period first, so the status reaches a client that has finished writing;
+4. whatever still runs at the end of the grace period is cancelled;
+5. the balancer stops its loops and flushes again, so nothing accepted during the grace is lost;
+6. the store connection closes.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,18 +32,21 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from .auth import TokenAuthInterceptor
 from .balancer import Balancer, BalancerConfig
-from .errors import ErrorInterceptor
+from .errors import ErrorInterceptor, ServiceError
 from .memory_store import MemoryStore
-from .metrics import Metrics
+from .metrics import Metrics, TimedStore
 from .redis_store import RedisStore
 from .servicer import BalancerServicer
 from .store import Store
 
-__all__ = ["ServerConfig", "RunningServer", "start_server", "SERVICE_NAME"]
+__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "start_server"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"].full_name
+
+# Time for NOT_SERVING to reach Health/Watch streams before server streams are ended.
+_HEALTH_FLUSH_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -72,7 +91,9 @@ class RunningServer:
     metrics: Metrics
     port: int
     grace_s: float
+    calls: ErrorInterceptor
     metrics_httpd: object | None = None
+    _stopped: bool = False
 
     @property
     def metrics_port(self) -> int | None:
@@ -83,14 +104,27 @@ class RunningServer:
         return f"127.0.0.1:{self.port}"
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING first so balancers drain us, then let in-flight calls finish."""
+        """Drains and stops (the steps in the module docstring); a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
+        stopping = asyncio.create_task(self.server.stop(grace))
+        await asyncio.sleep(min(_HEALTH_FLUSH_S, grace))
+        self.calls.end_server_streams()
+        done, _ = await asyncio.wait({stopping}, timeout=grace / 2)
+        if not done:
+            self.calls.end_client_streams(discard_s=grace / 4)
+            await stopping
+        # Stops the loops and flushes what the calls of the grace period accepted.
         await self.balancer.stop()
-        await self.server.stop(self.grace_s if grace_s is None else grace_s)
-        await self.store.close()
+        with contextlib.suppress(ServiceError):
+            await self.store.close()
         if self.metrics_httpd is not None:
             self.metrics_httpd.shutdown()
             self.metrics_httpd.server_close()
+        log.info("stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
@@ -101,6 +135,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     if store is None:
         store = RedisStore(config.redis_url, config.key_prefix) if config.redis_url else MemoryStore()
     metrics = Metrics()
+    store = TimedStore(store, metrics)
     health_servicer = health.aio.HealthServicer()
 
     def on_health(ok: bool) -> None:
@@ -109,16 +144,21 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
             asyncio.ensure_future(health_servicer.set(service, status))
 
     balancer = Balancer(store, metrics, config.balancer, on_health=on_health)
-    interceptors: list[grpc.aio.ServerInterceptor] = []
+    # First, so it also counts (and maps) the calls auth refuses.
+    calls = ErrorInterceptor(metrics)
+    interceptors: list[grpc.aio.ServerInterceptor] = [calls]
+    tls = bool(config.tls_cert and config.tls_key)
     if config.token:
         interceptors.append(TokenAuthInterceptor(config.token))
-    interceptors.append(ErrorInterceptor())
+        if not tls:
+            log.warning("a bearer token is required but TLS is off: the token crosses the network in clear text "
+                        "(set --tls-cert and --tls-key)")
     server = grpc.aio.server(interceptors=interceptors, options=_options(config))
     pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(BalancerServicer(balancer), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    if config.tls_cert and config.tls_key:
+    if tls:
         creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
         port = server.add_secure_port(address, creds)
     else:
@@ -127,7 +167,9 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     ok = True
     try:
         await store.ping()
-    except Exception:  # noqa: BLE001  (serve anyway; health says NOT_SERVING until the store answers)
+    except ServiceError as exc:
+        # Serve anyway: health says NOT_SERVING until the store answers, and the balancer retries.
+        log.warning("store unreachable at start (%s); serving with health NOT_SERVING until it answers", exc)
         ok = False
     balancer.healthy = ok
     on_health(ok)
@@ -135,5 +177,6 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     httpd = None
     if config.metrics_port is not None:
         httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
-    log.info("serving eplb.v1 on %s:%d (%s store)", config.host, port, "redis" if config.redis_url else "in-memory")
-    return RunningServer(server, balancer, store, health_servicer, metrics, port, config.grace_s, httpd)
+    log.info("serving eplb.v1 on %s:%d (%s store%s)", config.host, port, "redis" if config.redis_url else "in-memory",
+             ", TLS" if tls else "")
+    return RunningServer(server, balancer, store, health_servicer, metrics, port, config.grace_s, calls, httpd)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,8 +9,21 @@ import grpc
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from .balancer import Balancer
+from .errors import FieldViolation, InvalidArgument, ServiceError
 
 __all__ = ["BalancerServicer"]
+
+
+def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> ServiceError:
+    """``exc`` for a report stream, saying how many of the stream's earlier reports were
+    accepted and answered as duplicates: those are kept, and a client resends only the rest."""
+    if accepted == 0 and duplicates == 0:
+        return exc
+    note = (f"the {accepted + duplicates} reports before it in this stream were kept ({accepted} accepted, "
+            f"{duplicates} duplicates); resend only the failed report and those after it")
+    if isinstance(exc, InvalidArgument):
+        return InvalidArgument([*exc.violations, FieldViolation("stream", note)])
+    return type(exc)(f"{exc}; {note}")
 
 
 class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
@@ -44,7 +56,11 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     async def ReportLoad(self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
         accepted = duplicates = 0
         async for request in request_iterator:
-            if await self.balancer.report(request):
+            try:
+                fresh = await self.balancer.report(request)
+            except ServiceError as exc:
+                raise _with_progress(exc, accepted, duplicates) from None
+            if fresh:
                 accepted += 1
             else:
                 duplicates += 1
@@ -61,8 +77,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         return await self.balancer.ack(request)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
-        return await self.balancer.rebalance(request)
+        return await self.balancer.rebalance(request, context.time_remaining())
 
     async def ComputePlacement(self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext) -> pb.ComputePlacementResponse:
-        # Planning a v3-sized model takes milliseconds to seconds: keep the event loop serving.
-        return await asyncio.to_thread(self.balancer.compute, request)
+        return await self.balancer.compute(request, context.time_remaining())

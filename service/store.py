@@ -9,7 +9,7 @@ Every method may raise ``StoreUnavailable`` when the backing store cannot be rea
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +55,9 @@ class Store(Protocol):
 
     async def list(self) -> list[DeploymentRecord]: ...
 
+    async def count(self) -> int:
+        """How many deployments there are."""
+
     async def delete(self, name: str) -> None:
         """Removes every key of the deployment; ``NotFound`` when missing."""
 
@@ -67,29 +70,38 @@ class Store(Protocol):
         ``Aborted`` when another publisher got there first, ``NotFound`` when deleted.
         """
 
-    def follow(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
+    def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
         """The current placement if newer than ``since_version``, then each new version in order.
 
-        Ends with ``NotFound`` when the deployment is deleted.
+        Ends with ``NotFound`` when the deployment is deleted or re-created (a generation other
+        than ``gen``, the followed deployment's create time in nanoseconds; 0: any).
         """
 
-    async def accept_reports(self, name: str, pairs: list[tuple[int, int]]) -> list[bool]:
-        """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted).
+    async def accept_reports(
+        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+    ) -> tuple[list[bool], str | None]:
+        """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted), and
+        the id of the write-ahead entry holding the new reports' counts.
 
-        Counts accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
+        ``journal(fresh)`` is the window blob of the reports flagged fresh; a store shared by
+        replicas writes it in the same atomic step as the seqs, so a report is never marked seen
+        without its counts (kept ``keep_s`` at most, until ``put_window`` folds it). Counts
+        accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
         """
 
     async def marks(self, name: str) -> PlanMarks: ...
 
     async def mark_planned(self, name: str, reports: int, at: float) -> None: ...
 
-    async def put_window(self, name: str, replica: str, blob: bytes) -> None:
-        """This replica's window aggregate (see :mod:`.windows`), replacing its previous one."""
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
+        """This replica's window aggregate (see :mod:`.windows`), replacing its previous one, and
+        the deletion of the write-ahead entries ``folded`` into it, atomically."""
 
     async def windows(self, name: str) -> dict[str, bytes]:
-        """Every replica's window blob."""
+        """Every replica's window blob, and every write-ahead entry not folded yet (``wal:<id>``)."""
 
-    async def drop_windows(self, name: str, replicas: list[str]) -> None: ...
+    async def drop_windows(self, name: str, keys: list[str]) -> None:
+        """Drops stale blobs (replica ids) and write-ahead entries (``wal:<id>``)."""
 
     async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
         """Records where ``rank`` stands with ``version`` and returns the version's rollout over
@@ -100,6 +112,9 @@ class Store(Protocol):
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         """The planning lease for ``name``: true if ``owner`` holds it now (expires after ttl)."""
+
+    async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Extends ``owner``'s lease to ``ttl_s`` from now; False if ``owner`` no longer holds it."""
 
     async def release_lease(self, name: str, owner: str) -> None: ...
 

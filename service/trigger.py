@@ -1,4 +1,11 @@
-"""When to re-plan on our own, and which plans are worth publishing."""
+"""When to re-plan on our own (``due``), and whether a plan is published (``decide``).
+
+``decide`` is the one place for the publication rules: an empty window, the gain gate
+(``Trigger.min_gain_percent``) and the move budget (``Migration.max_moves``; the deprecated
+``Trigger.max_moves`` where that is unset). The migration-aware policies also plan within the
+move budget (:mod:`.planner`), so for them the budget rule only refuses what the budget could
+not hold back; a forced Rebalance skips every rule.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,13 @@ from dataclasses import dataclass
 
 from .store import PlanMarks
 
-__all__ = ["TriggerSpec", "due", "gate"]
+__all__ = ["TriggerSpec", "decide", "due"]
 
 
 @dataclass(frozen=True)
 class TriggerSpec:
     """``interval_s`` and/or ``report_count`` start a plan (0 disables either); ``min_gain_percent``
-    and ``max_moves`` (0: no budget) decide whether it is published."""
+    and ``max_moves`` (the deployment's one move budget, 0: none) decide whether it is published."""
 
     interval_s: float = 0.0
     report_count: int = 0
@@ -33,8 +40,12 @@ def due(spec: TriggerSpec, marks: PlanMarks, now: float) -> str | None:
     return None
 
 
-def gate(spec: TriggerSpec, gain_percent: float, moves: int) -> str | None:
+def decide(spec: TriggerSpec, window_tokens: float, gain_percent: float, moves: int, force: bool) -> str | None:
     """Why a plan must not be published, or None when it may."""
+    if force:
+        return None
+    if window_tokens <= 0:
+        return "the load window is empty"
     if gain_percent < spec.min_gain_percent:
         return f"predicted gain {gain_percent:.2f}% is below min_gain_percent {spec.min_gain_percent:g}%"
     if spec.max_moves and moves > spec.max_moves:

@@ -2,7 +2,9 @@
 
 Each replica sums the reports it receives into a window in memory and periodically flushes
 one blob per deployment to the store (``Store.put_window``); the planner sums every
-replica's blob. Store memory is therefore ``replicas × L × E × 8`` bytes per deployment,
+replica's blob. A batch of reports is accepted together with a write-ahead blob of its sums
+(``Store.accept_reports``), which the next flush of that replica deletes as it folds it in: the
+blobs plus the write-ahead entries always hold every accepted report, whenever a replica dies. Store memory is therefore ``replicas × L × E × 8`` bytes per deployment,
 whatever the number of reporting ranks, the report rate or the window length.
 
 Blob layout (little-endian): magic ``b"EPW1"``, kind ``u8`` (0 sliding, 1 decay),
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WindowSpec", "SlidingWindow", "DecayWindow", "make_window", "encode_blob", "sum_blobs"]
+__all__ = ["WindowSpec", "SlidingWindow", "DecayWindow", "make_window", "encode_blob", "encode_sums", "sum_blobs"]
 
 _HEADER = struct.Struct("<4sBdQd")
 _MAGIC = b"EPW1"
@@ -122,16 +124,23 @@ def make_window(shape: tuple[int, int], spec: WindowSpec) -> SlidingWindow | Dec
 def encode_blob(window: SlidingWindow | DecayWindow, now: float) -> bytes:
     """The window as of ``now`` → the blob flushed to the store (layout in the module doc)."""
     sums, n = window.total(now)
-    decay = isinstance(window, DecayWindow)
-    header = _HEADER.pack(_MAGIC, int(decay), now, n, window.spec.half_life_s if decay else 0.0)
-    return header + sums.astype("<f8").tobytes()
+    return encode_sums(sums, n, now, window.spec)
+
+
+def encode_sums(sums: np.ndarray, reports: int, at: float, spec: WindowSpec) -> bytes:
+    """``sums``: float64 ``[L, E]`` of ``reports`` reports as of ``at`` → a blob (also the
+    write-ahead entry the store keeps with a batch of accepted reports until a flush folds it)."""
+    decay = spec.kind == "decay"
+    header = _HEADER.pack(_MAGIC, int(decay), at, reports, spec.half_life_s if decay else 0.0)
+    return header + np.asarray(sums, dtype="<f8").tobytes()
 
 
 def sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale_after_s: float) -> tuple[np.ndarray, int, list[str]]:
     """Replica blobs → float64 ``[L, E]`` summed as of ``now``, reports, and stale replica ids.
 
     Decay sums are decayed from their flush time to ``now``; blobs older than ``stale_after_s``
-    belong to replicas that stopped flushing and are left out.
+    belong to replicas that stopped flushing and are left out, and so are blobs holding a NaN
+    or an infinity (written before reports were capped): one bad blob never poisons a window.
     """
     total = np.zeros(shape)
     reports = 0
@@ -146,6 +155,9 @@ def sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale
             stale.append(replica)
             continue
         sums = np.frombuffer(blob, dtype="<f8", offset=_HEADER.size).reshape(shape)
+        if not np.isfinite(sums).all():
+            stale.append(replica)
+            continue
         total += sums * (2.0 ** (-max(0.0, now - at) / half_life)) if kind == 1 else sums
         reports += n
     return total, reports, stale

@@ -111,9 +111,9 @@ CREATE_CASES = [
         "deployment.migration.tolerance",
     ),
     (
-        "move budget for a from-scratch policy",
-        dict(policy="ilp", migration=pb.Migration(max_moves=10)),
-        "deployment.migration.max_moves",
+        "per-layer move budget for a from-scratch policy",
+        dict(policy="ilp", migration=pb.Migration(max_layer_moves=10)),
+        "deployment.migration.max_layer_moves",
     ),
 ]
 
@@ -211,3 +211,72 @@ async def test_bad_token_is_unauthenticated(serve, connect, prefix):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     resp = await good.stub.ReportLoad(iter([logical(GOOD, seq=1)]), metadata=good.metadata)
     assert (resp.accepted, resp.duplicates) == (1, 0)  # the rejected reports left no trace
+
+
+LIMIT_CASES = [
+    ("newline after the name", dict(name="nl\n"), "deployment.name"),
+    ("20,000 layers", dict(topology=pb.Topology(num_layers=20_000, num_experts=16, num_slots=24, num_gpus=8)),
+     "deployment.topology.num_layers"),
+    ("2^32 - 1 layers", dict(topology=pb.Topology(num_layers=2**32 - 1, num_experts=16, num_slots=24, num_gpus=8)),
+     "deployment.topology.num_layers"),
+    ("2^32 - 1 gpus", dict(topology=pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=2**32 - 1)),
+     "deployment.topology.num_gpus"),
+    ("placement over 4 MiB", dict(topology=pb.Topology(num_layers=1000, num_experts=256, num_slots=2048, num_gpus=8)),
+     "deployment.topology"),
+    ("repeated ranks", dict(ranks=[0, 1, 1]), "deployment.ranks"),
+]
+
+
+@pytest.mark.parametrize("case,fields,field", LIMIT_CASES, ids=[c[0] for c in LIMIT_CASES])
+async def test_limits_are_enforced_before_anything_is_stored(primed, case, fields, field):
+    _, c = primed
+    deployment = small_deployment("d2")
+    for k, v in fields.items():
+        if isinstance(v, str):
+            setattr(deployment, k, v)
+        elif isinstance(v, list):
+            getattr(deployment, k).extend(v)
+        else:
+            getattr(deployment, k).CopyFrom(v)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))
+    assert info.value.code() == INVALID, info.value.details()
+    assert field in [f for f, _ in status_details(info.value)]
+    names = [d.name for d in (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments]
+    assert names == ["d1"]
+
+
+async def test_deployments_per_service_are_limited(serve, connect, monkeypatch):
+    from eplb_service import limits
+
+    monkeypatch.setattr(limits, "MAX_DEPLOYMENTS", 2)
+    c = connect(await serve())
+    for name in ("a", "b"):
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(name)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("c")))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [d.name for d in (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments] == ["a", "b"]
+
+
+async def test_watch_from_a_version_above_the_current_is_out_of_range(primed):
+    _, c = primed
+    watch = c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1", since_version=5))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(watch.read(), 5)
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "current version 1" in info.value.details()
+
+
+async def test_a_broken_stream_says_how_many_of_its_reports_were_kept(primed):
+    _, c = primed
+    before = await state(c)
+    nan = np.full((L, E), np.nan)
+    stream = [logical(GOOD, seq=10), logical(GOOD, seq=11), logical(nan, seq=12), logical(GOOD, seq=13)]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.ReportLoad(iter(stream))
+    details = dict(status_details(info.value))
+    assert info.value.code() == INVALID and set(details) == {"logical.data", "stream"}
+    assert "2 accepted, 0 duplicates" in details["stream"]
+    version, tokens, reports = await state(c)
+    assert (tokens, reports) == (before[1] + 2 * GOOD.sum(), before[2] + 2)

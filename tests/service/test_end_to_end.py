@@ -72,8 +72,11 @@ async def test_two_replicas_report_rebalance_watch_ack(serve, connect, prefix):
     first = await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1"))
     assert first.published and first.placement.version == 2
     assert first.placement.stats.imbalance_after == pytest.approx(dry.placement.stats.imbalance_after)
-    expected = eplb.rebalance(total, topo, "auto", previous=eplb.Placement.contiguous(topo))
+    # Nobody loaded weights for the made-up contiguous version 1: the first plan is a fresh one.
+    expected = eplb.rebalance(total, topo, "auto")
     assert np.array_equal(np.frombuffer(first.placement.phy2log.data, "<i4").reshape(4, 24), expected.phy2log)
+    assert first.placement.stats.moves == int(eplb.moves(eplb.Placement.contiguous(topo), expected.placement).sum())
+    assert "planned fresh" in first.placement.stats.notes[-1]
     second = await cb.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     assert second.published and second.placement.version == 3
 

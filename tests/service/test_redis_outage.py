@@ -73,3 +73,39 @@ async def test_redis_restart_loses_no_committed_placement(serve, connect, privat
 
 async def _is(coro, want: int) -> bool:
     return (await coro) == want
+
+
+async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_ever_not_found(
+        serve, connect, private_redis):
+    a = await serve(redis_url=private_redis.url, key_prefix="outage-reads")
+    c = connect(a)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    await eventually(lambda: _placement_is(c, 2))
+    rank = EngineClient(c.channel, "d1", rank=0)
+    loads = np.ones((4, 16), dtype=np.int32)
+
+    private_redis.stop()
+    try:
+        await eventually(lambda: _is(health_of(c), health_pb2.HealthCheckResponse.NOT_SERVING))
+        # The current placement is in this replica's memory: reads go on.
+        got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"), timeout=2)
+        assert got.placement.version == 2
+        # Writes fail at once instead of waiting on Redis.
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await rank.report([loads])
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 0.5
+    finally:
+        private_redis.start()  # empty: no persistence
+    # Straight after the empty restart, before any health tick wrote the state back: the
+    # replica knows d1, so it never answers NOT_FOUND.
+    got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    assert got.deployment.version == 2
+    got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert got.placement.version == 2
+
+
+async def _placement_is(c, version: int) -> bool:
+    return (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))).placement.version == version

@@ -104,3 +104,62 @@ async def test_watchers_on_two_replicas_see_every_version_under_load(serve, conn
     assert all(s == list(range(2, 2 + n)) for s in seen)
     for w in watches:
         w.cancel()
+
+
+async def test_a_re_created_deployment_reaches_the_other_replica_within_a_second(serve, connect, prefix):
+    import grpc
+    import numpy as np
+
+    from eplb_service.client import EngineClient
+
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    watch = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
+    assert (await watch.read()).placement.version == 1
+    await EngineClient(cb.channel, "d1", 0).report([np.ones((4, 16), dtype=np.int32)])
+    await ca.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d1"))
+    other = small_deployment()
+    other.topology.CopyFrom(pb.Topology(num_layers=2, num_experts=8, num_slots=16, num_gpus=4))
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=other))
+    start = time.monotonic()
+    # B's watcher learns the deployment it watched is gone; B serves the new one.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(watch.read(), 1.0)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    got = await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert list(got.placement.phy2log.shape) == [2, 16]
+    resp = await EngineClient(cb.channel, "d1", 3).report([np.ones((2, 8), dtype=np.int32)])
+    assert resp.accepted == 1
+    assert time.monotonic() - start < 1.0
+    fresh = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
+    assert list((await fresh.read()).placement.phy2log.shape) == [2, 16]
+    fresh.cancel()
+
+
+@pytest.mark.slow
+async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
+    """Replica A plans for longer than a lease (2 s here); replica B's Rebalance waits for it
+    instead of planning the same version (which would end in ABORTED)."""
+    import numpy as np
+
+    from eplb_service.arrays import encode
+
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    d = pb.Deployment(name="slow", topology=pb.Topology(num_layers=1, num_experts=64, num_slots=80, num_gpus=16),
+                      policy="ilp")
+    d.planning.time_limit.FromMilliseconds(3000)  # CP-SAT cannot prove these layers: it uses it all
+    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    counts = (np.random.default_rng(1).lognormal(0, 1.5, (1, 64)) * 100).astype(np.int32)
+    await ca.stub.ReportLoad(iter([pb.ReportLoadRequest(deployment="slow", rank=0, seq=1, logical=encode(counts))]))
+    first = asyncio.ensure_future(ca.stub.Rebalance(pb.RebalanceRequest(deployment="slow", force=True)))
+    await asyncio.sleep(0.5)
+    start = time.monotonic()
+    second = await cb.stub.Rebalance(pb.RebalanceRequest(deployment="slow", force=True))
+    first = await first
+    assert time.monotonic() - start > a.balancer.config.lease_s  # B really waited past one lease
+    assert first.published and second.published
+    assert sorted([first.placement.version, second.placement.version]) == [2, 3]

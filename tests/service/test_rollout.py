@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 import pytest
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.client import EngineClient
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
 P, S, F = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
@@ -74,6 +75,19 @@ async def test_a_failed_rank_aborts_the_version(rollout_server):
     assert server.metrics.rollouts.labels("d1", "prepared")._value.get() == 0
 
 
+async def test_a_failure_after_the_switch_step_is_fixed_aborts_nothing(rollout_server):
+    server, c = rollout_server
+    for rank in range(3):
+        out = await ack(c, rank, 3, P, step=20 + rank)
+    assert figures(out) == (0, 3, 0, 3, 27, False)
+    await ack(c, 0, 3, S, step=27)  # rank 0 already routes with version 3
+    # Rank 2 fails afterwards (say its commit broke): counted, but the fixed step stands, so
+    # every later poller learns the same step rank 0 switched at.
+    assert figures(await ack(c, 2, 3, F, step=28, error="commit failed")) == (1, 3, 1, 3, 27, False)
+    assert figures(await ack(c, 1, 3, P, step=29)) == (1, 3, 1, 3, 27, False)
+    assert server.metrics.rollouts.labels("d1", "failed")._value.get() == 0
+
+
 async def test_unknown_ranks_are_refused(rollout_server):
     _, c = rollout_server
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -101,8 +115,7 @@ async def test_every_replica_answers_the_same_switch_step(serve, connect, prefix
     assert (await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     # Default ranks: one per gpu (8); default margin 8.
     for rank in range(8):
-        out = await (ca if rank % 2 else cb).stub.AckPlacement(
-            pb.AckPlacementRequest(deployment="d1", rank=rank, version=2, state=P, step=1000 + rank))
+        out = await EngineClient((ca if rank % 2 else cb).channel, "d1", rank).rollout(2, P, step=1000 + rank)
     assert figures(out) == (0, 8, 0, 8, 1007 + 8, False)
     again = await ca.stub.AckPlacement(pb.AckPlacementRequest(deployment="d1", rank=0, version=2, state=S))
     assert figures(again) == (1, 8, 0, 8, 1015, False)

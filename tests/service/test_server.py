@@ -115,6 +115,9 @@ async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
     skewed = (np.random.default_rng(7).lognormal(0, 1.5, (4, 16)) * 100).astype(np.int32)
     out = {}
     for name in ("loose", "strict", "budget"):
+        # An ack of version 1 says the engines loaded it: re-plans keep it within the bounds
+        # (without one, the first plan from the made-up contiguous version 1 is a fresh plan).
+        await EngineClient(c.channel, name, 0).ack(1)
         await EngineClient(c.channel, name, 0).report([skewed] * 3)
         out[name] = await c.stub.Rebalance(pb.RebalanceRequest(deployment=name, force=True))
     assert out["loose"].placement.stats.moves == 0
@@ -131,6 +134,7 @@ async def test_the_trigger_move_budget_is_planned_within_or_refused(serve, conne
     d.policy = policy
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     skewed = (np.random.default_rng(7).lognormal(0, 1.5, (4, 16)) * 100).astype(np.int32)
+    await EngineClient(c.channel, "gated", 0).ack(1)  # the engines run version 1: moves cost
     await EngineClient(c.channel, "gated", 0).report([skewed] * 3)
     out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="gated"))
     if policy == "auto":
@@ -143,7 +147,15 @@ async def test_the_trigger_move_budget_is_planned_within_or_refused(serve, conne
         assert not out.published and out.placement.stats.moves > 3
         assert "over the move budget max_moves 3" in out.reason
     forced = await c.stub.Rebalance(pb.RebalanceRequest(deployment="gated", force=True))
-    assert forced.published and forced.placement.stats.moves > 3
+    got = (await c.stub.GetDeployment(pb.GetDeploymentRequest(name="gated"))).deployment
+    # One budget: the deprecated Trigger.max_moves became Migration.max_moves, and stays readable.
+    assert (got.trigger.max_moves, got.migration.max_moves) == (3, 3)
+    if policy == "auto":
+        # Every re-plan stays within it, forced or not.
+        assert forced.published and 0 < forced.placement.stats.moves <= 3
+    else:
+        # A from-scratch policy has no budget to plan within: force skips the gate.
+        assert forced.published and forced.placement.stats.moves > 3
 
 
 async def test_decay_window_deployment(serve, connect):

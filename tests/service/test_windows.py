@@ -47,3 +47,15 @@ def test_blobs_sum_across_replicas_and_drop_stale_ones():
     assert len(blobs["a"]) == 29 + 6 * 8  # header: magic, kind, time, reports, half-life
     sums, n, stale = sum_blobs(blobs, SHAPE, now=101.0, stale_after_s=60.0)
     assert np.allclose(sums, 1.0 + 2.0) and n == 2 and sorted(stale) == ["junk", "old"]
+
+
+def test_a_blob_with_an_infinite_sum_is_left_out():
+    a = make_window(SHAPE, WindowSpec(duration_s=60.0))
+    a.add(np.ones(SHAPE), now=100.0)
+    poisoned = make_window(SHAPE, WindowSpec(duration_s=60.0))
+    with np.errstate(over="ignore"):  # what two uncapped reports of 1e308 did to a window
+        poisoned.add(np.full(SHAPE, 1e308), now=100.0)
+        poisoned.add(np.full(SHAPE, 1e308), now=100.0)
+    blobs = {"a": encode_blob(a, 100.0), "poisoned": encode_blob(poisoned, 100.0)}
+    sums, n, stale = sum_blobs(blobs, SHAPE, now=101.0, stale_after_s=60.0)
+    assert np.array_equal(sums, np.ones(SHAPE)) and n == 1 and stale == ["poisoned"]

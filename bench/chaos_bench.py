@@ -1,0 +1,386 @@
+"""Chaos run: replicas and Redis killed and restarted at random under steady load, then checked.
+
+    python -m eplb_bench.chaos_bench --seconds 300 [--replicas 3] [--ranks 16] [--watchers 50]
+                                     [--lease-seconds 5] [--seed 0] [--json FILE]
+
+Starts a private ``redis-server`` (free port, temp directory, AOF with ``appendfsync always``,
+so every write Redis acknowledged survives a kill of Redis: without persistence a Redis kill
+loses the state by design, see docs/service.md) and ``--replicas`` ``eplb serve`` processes on
+it. One deployment; ``--ranks`` ranks stream a batch of reports every ``--report-period`` seconds
+each, retrying a failed batch with the same seqs on another replica until one answers OK;
+``--watchers`` ``WatchPlacements`` streams reconnect to any replica with ``since_version`` set
+to the last version they saw; a planner forces a ``Rebalance`` through a random replica every
+0.5 s. For ``--seconds``, one event at a time at random moments: SIGKILL a replica, SIGTERM a
+replica, or SIGKILL Redis, then restart it after a random pause.
+
+Checks, each printed with its figures (exit code 1 if one fails):
+- every report is counted exactly once: the window (a dry-run ``Rebalance``) holds exactly the
+  reports sent, and resending every report afterwards finds each one already accepted;
+- every watcher saw consecutive versions (no gap, no duplicate) and ends at the last version;
+- every replica answers SERVING within one lease (``--lease-seconds``) of its restart, or of
+  Redis answering again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from eplb_service import arrays
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .processes import RedisProcess, ServeProcess
+
+__all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos"]
+
+SERVICE = "eplb.v1.ExpertLoadBalancerService"
+NAME = "chaos"
+LAYERS, EXPERTS = 4, 32
+BATCH = 5
+# Reconnect at once to a restarted replica instead of gRPC's default backoff (1 s, growing).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED", "INTERNAL_client"}
+# grpc-python's asyncio client turns a status that arrives while it still writes a stream (a
+# replica killed mid-stream) into this INTERNAL (grpc/grpc#36066): a transport failure, retried.
+CORE_INTERNAL = "Internal error from Core"
+
+
+def _code(exc: grpc.aio.AioRpcError) -> str:
+    """The status code's name; the client-side INTERNAL above as ``INTERNAL_client``."""
+    name = exc.code().name
+    return "INTERNAL_client" if name == "INTERNAL" and exc.details() == CORE_INTERNAL else name
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    seconds: float = 300.0
+    replicas: int = 3
+    ranks: int = 16
+    watchers: int = 50
+    lease_s: float = 5.0
+    report_period_s: float = 0.25
+    seed: int = 0
+
+
+@dataclass
+class ChaosResult:
+    config: ChaosConfig
+    events: Counter = field(default_factory=Counter)
+    reports_sent: int = 0
+    window_reports: float = 0.0
+    resent_accepted: int = 0
+    report_retries: Counter = field(default_factory=Counter)
+    versions: int = 0
+    plans: Counter = field(default_factory=Counter)
+    watcher_gaps: int = 0
+    watcher_duplicates: int = 0
+    watcher_reconnects: Counter = field(default_factory=Counter)
+    watchers_behind: int = 0
+    serving_s: list[tuple[str, float]] = field(default_factory=list)
+    tracebacks_in_logs: int = 0
+    load_average: float = 0.0
+    wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        serving = [s for _, s in self.serving_s]
+        out = {k: dict(v) if isinstance(v, Counter) else v for k, v in vars(self).items()}
+        out["config"] = asdict(self.config)
+        out["serving_s"] = {"n": len(serving), "max": max(serving, default=0.0),
+                            "p50": float(np.median(serving)) if serving else 0.0,
+                            "max_by_event": {k: max(s for e, s in self.serving_s if e == k)
+                                             for k in sorted({e for e, _ in self.serving_s})}}
+        return out
+
+
+def _deployment(ranks: int) -> pb.Deployment:
+    d = pb.Deployment(name=NAME, policy="global",
+                      topology=pb.Topology(num_layers=LAYERS, num_experts=EXPERTS, num_slots=3 * ranks,
+                                           num_gpus=ranks, num_nodes=2, num_groups=4))
+    # Longer than any run, so the window still holds every report at the end.
+    d.window.sliding.duration.FromSeconds(6 * 3600)
+    return d
+
+
+class _Harness:
+    def __init__(self, config: ChaosConfig, workdir: Path, log: Callable[[str], None]) -> None:
+        self.cfg = config
+        self.rng = random.Random(config.seed)
+        self.log = log
+        self.result = ChaosResult(config)
+        self.redis = RedisProcess(workdir)
+        self.counts = arrays.encode(np.ones((LAYERS, EXPERTS), np.int32))
+        self.workdir = workdir
+        self.replicas: list[ServeProcess] = []
+        self.stubs: list[pb_grpc.ExpertLoadBalancerServiceStub] = []
+        self.channels: list[grpc.aio.Channel] = []
+        self.sent: dict[int, list[pb.ReportLoadRequest]] = {}
+        self.last_seen: list[int] = []
+        self.stop_load = asyncio.Event()
+        self.stop_plans = asyncio.Event()
+
+    # processes
+
+    def start_processes(self) -> None:
+        self.redis.start()
+        flags = ("--lease-seconds", str(self.cfg.lease_s), "--flush-seconds", "0.2", "--grace-seconds", "1",
+                 "--log-level", "WARNING")
+        prefix = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.replicas = [ServeProcess(self.redis.url, prefix, self.workdir / f"replica{i}.log", flags)
+                         for i in range(self.cfg.replicas)]
+        for r in self.replicas:
+            r.start()
+        for r in self.replicas:
+            r.wait_listening()
+
+    def stop_processes(self) -> None:
+        for r in self.replicas:
+            r.signal(signal.SIGTERM)
+        for r in self.replicas:
+            # Clean-up: whatever did not stop within 15 s is killed.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.wait(15)
+            r.stop()
+        self.redis.stop()
+
+    async def serving_within(self, i: int, since: float, event: str) -> None:
+        """Polls replica ``i``'s health until SERVING; records the time from ``since``."""
+        async with grpc.aio.insecure_channel(self.replicas[i].target, options=CHANNEL_OPTIONS) as chan:
+            stub = health_pb2_grpc.HealthStub(chan)
+            while True:
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=0.5)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() - since > 60:
+                    self.result.failures.append(f"replica {i} not SERVING 60 s after {event}")
+                    return
+                await asyncio.sleep(0.05)
+        took = time.monotonic() - since
+        self.result.serving_s.append((event, took))
+        if took > self.cfg.lease_s:
+            self.result.failures.append(f"replica {i} SERVING {took:.2f}s after {event}, over one lease ({self.cfg.lease_s:g}s)")
+
+    # load
+
+    def _stub(self) -> tuple[int, pb_grpc.ExpertLoadBalancerServiceStub]:
+        i = self.rng.randrange(len(self.stubs))
+        return i, self.stubs[i]
+
+    async def deliver(self, batch: list[pb.ReportLoadRequest]) -> pb.ReportLoadResponse:
+        """Sends ``batch`` until a replica answers OK (the same seqs each time)."""
+        attempt = 0
+        while True:
+            _, stub = self._stub()
+            try:
+                return await stub.ReportLoad(iter(batch), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                code = _code(exc)
+                self.result.report_retries[code] += 1
+                if code not in RETRYABLE:
+                    self.result.failures.append(f"{time.strftime('%X')} ReportLoad: unexpected {code}: {exc.details()}")
+                attempt += 1
+                await asyncio.sleep(min(0.5, 0.02 * attempt))
+
+    async def rank(self, r: int) -> None:
+        sent = self.sent.setdefault(r, [])
+        while not self.stop_load.is_set():
+            batch = [pb.ReportLoadRequest(deployment=NAME, rank=r, seq=len(sent) + i + 1, logical=self.counts)
+                     for i in range(BATCH)]
+            sent.extend(batch)
+            await self.deliver(batch)
+            await asyncio.sleep(self.cfg.report_period_s * (0.5 + self.rng.random()))
+
+    async def watcher(self, w: int) -> None:
+        while True:
+            i, stub = self._stub()
+            try:
+                call = stub.WatchPlacements(pb.WatchPlacementsRequest(deployment=NAME, since_version=self.last_seen[w]))
+                async for reply in call:
+                    v, last = reply.placement.version, self.last_seen[w]
+                    if last and v <= last:
+                        self.result.watcher_duplicates += 1
+                    elif last and v != last + 1:
+                        self.result.watcher_gaps += 1
+                        self.log(f"watcher {w}: version {v} after {last} (replica {i})")
+                    self.last_seen[w] = max(v, last)
+            except grpc.aio.AioRpcError as exc:
+                code = _code(exc)
+                self.result.watcher_reconnects[code] += 1
+                if code not in RETRYABLE:
+                    self.result.failures.append(f"{time.strftime('%X')} WatchPlacements: unexpected {code}: {exc.details()}")
+            await asyncio.sleep(0.05 + 0.1 * self.rng.random())
+
+    async def planner(self) -> None:
+        while not self.stop_plans.is_set():
+            _, stub = self._stub()
+            try:
+                out = await stub.Rebalance(pb.RebalanceRequest(deployment=NAME, force=True), timeout=10)
+                self.result.plans["published" if out.published else "skipped"] += 1
+            except grpc.aio.AioRpcError as exc:
+                code = _code(exc)
+                self.result.plans[code] += 1
+                if code not in RETRYABLE:
+                    self.result.failures.append(f"{time.strftime('%X')} Rebalance: unexpected {code}: {exc.details()}")
+            await asyncio.sleep(0.5)
+
+    # chaos
+
+    async def chaos(self, until: float) -> None:
+        kinds: list[str] = []
+        while True:
+            await asyncio.sleep(self.rng.uniform(1.0, 3.0))
+            if time.monotonic() >= until:
+                return
+            if not kinds:  # every kind once per round, in random order, so short runs see each
+                kinds = ["sigkill_replica", "sigterm_replica", "sigkill_redis"]
+                self.rng.shuffle(kinds)
+            kind = kinds.pop()
+            self.result.events[kind] += 1
+            down_s = self.rng.uniform(0.2, 2.0)
+            if kind == "sigkill_redis":
+                self.log(f"{time.strftime('%X')} chaos: SIGKILL redis, back in {down_s:.1f}s")
+                await asyncio.to_thread(self.redis.kill)
+                await asyncio.sleep(down_s)
+                await asyncio.to_thread(self.redis.start)
+                back = time.monotonic()
+                await asyncio.gather(*(self.serving_within(i, back, kind) for i in range(len(self.replicas))))
+            else:
+                i = self.rng.randrange(len(self.replicas))
+                replica = self.replicas[i]
+                self.log(f"{time.strftime('%X')} chaos: {kind} replica {i}, back in {down_s:.1f}s")
+                replica.signal(signal.SIGKILL if kind == "sigkill_replica" else signal.SIGTERM)
+                await asyncio.to_thread(replica.wait, 30)
+                await asyncio.sleep(down_s)
+                started = time.monotonic()
+                replica.start()
+                await asyncio.to_thread(replica.wait_listening)
+                await self.serving_within(i, started, kind)
+
+    # the run
+
+    async def run(self) -> ChaosResult:
+        res = self.result
+        self.channels = [grpc.aio.insecure_channel(r.target, options=CHANNEL_OPTIONS) for r in self.replicas]
+        self.stubs = [pb_grpc.ExpertLoadBalancerServiceStub(c) for c in self.channels]
+        try:
+            await self.stubs[0].CreateDeployment(pb.CreateDeploymentRequest(deployment=_deployment(self.cfg.ranks)))
+            self.last_seen = [0] * self.cfg.watchers
+            watchers = [asyncio.create_task(self.watcher(w)) for w in range(self.cfg.watchers)]
+            ranks = [asyncio.create_task(self.rank(r)) for r in range(self.cfg.ranks)]
+            planner = asyncio.create_task(self.planner())
+            start = time.monotonic()
+            await self.chaos(start + self.cfg.seconds)
+            await asyncio.gather(*(self.serving_within(i, time.monotonic(), "end") for i in range(len(self.replicas))))
+            self.stop_load.set()
+            self.stop_plans.set()
+            await asyncio.gather(*ranks, planner)
+            res.wall_s = time.monotonic() - start
+            res.reports_sent = sum(len(s) for s in self.sent.values())
+            # Watchers catch up to the last version.
+            final = (await self.stubs[0].GetPlacement(pb.GetPlacementRequest(deployment=NAME), timeout=10)).placement.version
+            res.versions = final
+            for _ in range(200):
+                if min(self.last_seen) >= final:
+                    break
+                await asyncio.sleep(0.05)
+            res.watchers_behind = sum(v < final for v in self.last_seen)
+            for w in watchers:
+                w.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            # Counted exactly once: the window holds every report, and each is known as accepted.
+            await asyncio.sleep(1.0)  # every replica's last flush
+            window = await self.stubs[0].Rebalance(pb.RebalanceRequest(deployment=NAME, dry_run=True, force=True), timeout=30)
+            res.window_reports = window.window_tokens / (LAYERS * EXPERTS)
+            for sent in self.sent.values():
+                for k in range(0, len(sent), 500):
+                    res.resent_accepted += (await self.deliver(sent[k:k + 500])).accepted
+        finally:
+            for c in self.channels:
+                await c.close()
+        self._check()
+        return res
+
+    def _check(self) -> None:
+        res = self.result
+        if res.window_reports != res.reports_sent:
+            res.failures.append(f"window holds {res.window_reports:g} reports, {res.reports_sent} were sent and acknowledged")
+        if res.resent_accepted:
+            res.failures.append(f"{res.resent_accepted} reports were accepted again when resent (their seqs were lost)")
+        if res.watcher_gaps or res.watcher_duplicates:
+            res.failures.append(f"watchers saw {res.watcher_gaps} version gaps and {res.watcher_duplicates} duplicates")
+        if res.watchers_behind:
+            res.failures.append(f"{res.watchers_behind} watchers did not reach version {res.versions}")
+        for path in self.workdir.glob("replica*.log"):
+            res.tracebacks_in_logs += path.read_text(errors="replace").count("Traceback")
+
+
+def run_chaos(config: ChaosConfig, workdir: Path | None = None, log: Callable[[str], None] = print) -> ChaosResult:
+    """Runs one chaos run (the module docstring says what it does and checks)."""
+    with tempfile.TemporaryDirectory(prefix="eplb-chaos-") as tmp:
+        work = Path(workdir) / time.strftime("run-%Y%m%d-%H%M%S") if workdir else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        harness = _Harness(config, work, log)
+        load = os.getloadavg()[0]
+        harness.start_processes()
+        try:
+            result = asyncio.run(harness.run())
+        finally:
+            harness.stop_processes()
+        result.load_average = load
+        if result.failures and workdir is None:
+            log(f"replica logs: {work} (deleted at exit; pass --workdir to keep them)")
+            for path in sorted(work.glob("replica*.log")):
+                log(f"--- {path.name} (last lines)")
+                log("\n".join(path.read_text(errors="replace").splitlines()[-20:]))
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eplb_bench.chaos_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=16)
+    ap.add_argument("--watchers", type=int, default=50)
+    ap.add_argument("--lease-seconds", type=float, default=5.0)
+    ap.add_argument("--report-period", type=float, default=0.25, help="seconds between a rank's batches of 5 reports")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep Redis files and replica logs here")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    config = ChaosConfig(seconds=args.seconds, replicas=args.replicas, ranks=args.ranks, watchers=args.watchers,
+                         lease_s=args.lease_seconds, report_period_s=args.report_period, seed=args.seed)
+    result = run_chaos(config, args.workdir)
+    summary = result.summary()
+    print(json.dumps(summary, indent=2, default=dict))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2, default=dict))
+    print("PASS" if not result.failures else "FAIL:\n  " + "\n  ".join(result.failures))
+    return 0 if not result.failures else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Ingestion: a report is checked, mapped to logical experts, deduplicated on ``(rank, seq)``
+and, batched with the reports that arrive meanwhile, made durable in the store with its counts
+(a write-ahead entry) before it is acknowledged; then it enters this replica's window, which
+``_flush`` writes to the store, folding the write-ahead entries it covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from . import arrays, limits, validation
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .deployments import LocalDeployment
+from .errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+)
+from .windows import (
+    encode_blob,
+    encode_sums,
+)
+
+# Write-ahead entries a replica lets pile up before it flushes its window early.
+_UNFOLDED_MAX = 64
+
+__all__ = ['Ingest']
+
+log = logging.getLogger(__name__)
+
+class _Batcher:
+    """Coalesces concurrent calls into one: while a call is in flight, new items queue for the next."""
+
+    def __init__(self, fn: Callable[[list], Awaitable[list]]) -> None:
+        self._fn = fn
+        self._pending: list[tuple[object, asyncio.Future]] = []
+        self._running = False
+
+    async def submit(self, item: object) -> object:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((item, fut))
+        if not self._running:
+            self._running = True
+            asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    results = await self._fn([item for item, _ in batch])
+                except Exception as exc:  # noqa: BLE001  (handed to every waiter)
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                for (_, fut), result in zip(batch, results):
+                    if not fut.done():
+                        fut.set_result(result)
+        finally:
+            self._running = False
+
+
+class Ingest:
+    """Mixin of :class:`.balancer.Balancer`: reports in, windows out to the store."""
+
+    # reports
+
+    async def report(self, request: pb.ReportLoadRequest) -> bool:
+        """Validates, deduplicates and windows one report; False for a duplicate ``(rank, seq)``."""
+        validation.check_name(request.deployment, "deployment")
+        self._check_writable()
+        if request.seq >= validation.MAX_SEQ:
+            raise InvalidArgument(FieldViolation("seq", f"must be < 2^53, got {request.seq}"))
+        local = await self._get_local(request.deployment)
+        rejected = self.metrics.reports_rejected
+        try:
+            validation.check_rank(request.rank, local.ranks, "rank")
+        except InvalidArgument:
+            rejected.labels(request.deployment, "unknown_rank").inc()
+            raise
+        topo = local.topology
+        kind = request.WhichOneof("counts")
+        try:
+            if kind == "logical":
+                counts = arrays.decode_counts(request.logical, "logical", (topo.num_layers, topo.num_experts),
+                                              cap=limits.MAX_REPORT_COUNT)
+            elif kind == "physical":
+                phys = arrays.decode_counts(request.physical.counts, "physical.counts",
+                                            (topo.num_layers, topo.num_slots), cap=limits.MAX_REPORT_COUNT)
+                counts = await self._to_logical(local, phys, request.physical.placement_version)
+            else:
+                raise InvalidArgument(FieldViolation("counts", "set logical or physical"))
+        except InvalidArgument as exc:
+            over = any("report cap" in v.description for v in exc.violations)
+            rejected.labels(request.deployment, "over_cap" if over else "invalid").inc()
+            raise
+        except FailedPrecondition:
+            rejected.labels(request.deployment, "stale_version").inc()
+            raise
+        if local.batcher is None:
+            local.batcher = _Batcher(lambda items, local=local: self._accept(local, items))
+        fresh = await local.batcher.submit((request.rank, request.seq, counts))
+        self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
+        return bool(fresh)
+
+    async def _accept(self, local: LocalDeployment, items: list[tuple[int, int, np.ndarray]]) -> list[bool]:
+        """One store call for a batch of reports; the new ones enter the window as soon as the
+        store has them (with their write-ahead entry), in the same step."""
+        name, spec = local.deployment.name, local.window_spec
+
+        def journal(fresh: list[bool]) -> bytes:
+            sums = sum((c for (_, _, c), f in zip(items, fresh) if f), np.zeros(local.window.shape))
+            return encode_sums(sums, sum(fresh), time.time(), spec)
+
+        pairs = [(rank, seq) for rank, seq, _ in items]
+        try:
+            fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
+        except NotFound:
+            if await self._confirm_deleted(name):
+                raise
+            fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
+        now = time.time()
+        for (_, _, counts), f in zip(items, fresh):
+            if f:
+                local.window.add(counts, now)
+                local.dirty = True
+        if entry is not None:
+            local.unfolded.append(entry)
+            if len(local.unfolded) >= _UNFOLDED_MAX and (local.flushing is None or local.flushing.done()):
+                # Fold early under a high report rate, so the write-ahead stream stays short.
+                local.flushing = asyncio.create_task(self._flush(local, now))
+        return fresh
+
+    async def _to_logical(self, local: LocalDeployment, phys: np.ndarray, version: int) -> np.ndarray:
+        """``phys``: ``[L, P]`` counts recorded under ``version`` → ``[L, E]`` per logical expert."""
+        if version == 0:
+            raise InvalidArgument(FieldViolation("physical.placement_version", "required: the version the counts were recorded under"))
+        phy2log = local.phy2log.get(version)
+        if phy2log is None:
+            placement = local.hub.ring.get(version)
+            if placement is None:
+                try:
+                    placement = await self.store.placement(local.deployment.name, version)
+                except NotFound:
+                    raise FailedPrecondition(
+                        f"counts are tagged with placement version {version}, which {local.deployment.name!r} "
+                        f"does not have (current {local.hub.version}; the last 16 versions are kept)"
+                    ) from None
+            topo = local.topology
+            phy2log = arrays.decode(placement.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
+            local.phy2log[version] = phy2log
+            while len(local.phy2log) > 16:
+                local.phy2log.pop(next(iter(local.phy2log)))
+        L, E = local.topology.num_layers, local.topology.num_experts
+        index = phy2log.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[:, None]
+        return np.bincount(index.ravel(), weights=phys.ravel(), minlength=L * E).reshape(L, E)
+    def _check_writable(self) -> None:
+        """Fails at once while the store is known to be down, rather than after its timeouts."""
+        if not self.healthy:
+            raise StoreUnavailable("the store is unreachable (this replica's health is NOT_SERVING); retry later")
+
+    async def _flush(self, local: LocalDeployment, now: float) -> None:
+        # The blob and the entries it folds in are taken in one step: a batch accepted while
+        # the write is under way stays in ``unfolded`` for the next flush.
+        async with local.flush_lock:
+            folded, local.unfolded = local.unfolded, []
+            local.dirty = False
+            local.flushed_at = now
+            try:
+                await self.store.put_window(local.deployment.name, self.config.replica_id,
+                                            encode_blob(local.window, time.time()), folded)
+            except BaseException:
+                local.unfolded[:0] = folded
+                local.dirty = True
+                raise
+
+    async def _flush_all(self) -> None:
+        now = time.time()
+        for local in list(self._local.values()):
+            spec = local.window_spec
+            # Unchanged windows only change when a bucket expires (decay is applied by the reader),
+            # so re-flushing them every flush_s would only cost Redis bandwidth and loop time.
+            expiry = spec.duration_s / spec.buckets if spec.kind == "sliding" and spec.duration_s > 0 else float("inf")
+            stale = local.flushed_at > 0 and now - local.flushed_at >= expiry
+            if local.hub.deleted or not (local.dirty or stale):
+                continue
+            with contextlib.suppress(NotFound):
+                await self._flush(local, now)

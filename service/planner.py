@@ -1,0 +1,233 @@
+"""Planning: the trigger loop, Rebalance and ComputePlacement. One replica plans a deployment at
+a time (the store's lease, renewed while the plan runs); the plan itself runs in a worker
+process (:mod:`.solver`); :func:`.trigger.decide` says whether it is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+import eplb
+
+from . import arrays, codec, validation
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .deployments import LocalDeployment
+from .errors import (
+    Aborted,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    StoreUnavailable,
+)
+from .solver import Job
+from .trigger import decide, due
+from .windows import (
+    sum_blobs,
+)
+
+__all__ = ['Planner']
+
+log = logging.getLogger(__name__)
+
+class Planner:
+    """Mixin of :class:`.balancer.Balancer`: re-plans of deployments and stateless plans."""
+
+    # planning
+
+    async def rebalance(self, request: pb.RebalanceRequest, deadline_s: float | None = None) -> pb.RebalanceResponse:
+        """Plans now; waits for another replica's plan of the deployment (its lease) for up to
+        ``deadline_s`` (the caller's time left; None: 60 s)."""
+        validation.check_name(request.deployment, "deployment")
+        local = await self._get_local(request.deployment)
+        if request.dry_run:
+            return await self._plan(local, dry_run=True, force=request.force)
+        name = request.deployment
+        wait_s = 60.0 if deadline_s is None else max(0.0, deadline_s - 0.1)
+        # One plan at a time per deployment: the local lock orders this replica's callers, the
+        # store's lease (one owner token per attempt) orders the replicas.
+        async with local.lock:
+            owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
+            deadline = time.monotonic() + wait_s
+            while not await self.store.acquire_lease(name, owner, self.config.lease_s):
+                if time.monotonic() > deadline:
+                    raise Aborted(f"another replica has been planning {name!r} for over {wait_s:g}s; retry later")
+                await asyncio.sleep(0.02)
+            async with self._renewing(name, owner):
+                try:
+                    return await self._plan(local, dry_run=False, force=request.force)
+                except Aborted as exc:
+                    log.info("plan of %s lost the race: %s", name, exc)
+                    raise
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, name: str, owner: str) -> AsyncIterator[None]:
+        """Holds the planning lease ``owner`` acquired for as long as the plan runs (renewed every
+        third of it), then releases it: a long plan never lets a second replica plan the same
+        version, and a crashed planner still blocks the others for one lease at most."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.config.lease_s / 3)
+                try:
+                    if not await self.store.renew_lease(name, owner, self.config.lease_s):
+                        log.warning("the planning lease of %s expired while planning; another replica may plan too", name)
+                        return
+                except ServiceError as exc:
+                    log.info("renewing the planning lease of %s failed: %s", name, exc)
+
+        task = asyncio.create_task(renew(), name=f"lease-{name}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(ServiceError):
+                await self.store.release_lease(name, owner)
+
+    async def _trigger_all(self) -> None:
+        """Re-plans every deployment whose trigger is due; one deployment's failure (a store
+        error, a window the planner refuses) never keeps the others from re-planning."""
+        now = time.time()
+        for name, local in list(self._local.items()):
+            if not local.trigger.enabled or local.hub.deleted or local.lock.locked():
+                continue
+            try:
+                await self._trigger_one(name, local, now)
+            except NotFound:
+                continue
+            except StoreUnavailable:
+                raise  # every deployment would fail alike: the health check reports it
+            except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
+                self.metrics.replan_failures.labels(name).inc()
+                if local.failing is None:
+                    log.warning("triggered re-plan of %s failed: %s: %s (logged once until it succeeds)",
+                                name, type(exc).__name__, exc)
+                local.failing = f"{type(exc).__name__}: {exc}"
+            else:
+                if local.failing is not None:
+                    log.info("triggered re-plans of %s succeed again", name)
+                    local.failing = None
+
+    async def _trigger_one(self, name: str, local: LocalDeployment, now: float) -> None:
+        if due(local.trigger, await self.store.marks(name), now) is None:
+            return
+        async with local.lock:
+            owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
+            if not await self.store.acquire_lease(name, owner, self.config.lease_s):
+                return
+            async with self._renewing(name, owner):
+                # Re-read under the lease: another replica may have just planned.
+                why = due(local.trigger, await self.store.marks(name), time.time())
+                if why is not None:
+                    log.info("re-planning %s: %s", name, why)
+                    try:
+                        await self._plan(local, dry_run=False, force=False)
+                    except Aborted as exc:
+                        log.info("triggered plan of %s lost the race: %s", name, exc)
+
+    async def _plan(self, local: LocalDeployment, dry_run: bool, force: bool) -> pb.RebalanceResponse:
+        name, topo = local.deployment.name, local.topology
+        policy = local.deployment.policy
+        start = time.perf_counter()
+        now = time.time()
+        marks = await self.store.marks(name)
+        await self._flush(local, now)
+        blobs = await self.store.windows(name)
+        loads, reports, stale = sum_blobs(blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s)
+        await self.store.drop_windows(name, stale)
+        current = await self.store.placement(name)
+        previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
+        options = codec.migration_options(local.deployment.migration, policy)
+        if policy in codec.MIGRATION_POLICIES and local.trigger.max_moves:
+            # Plan within the move budget rather than plan past it and be refused (deployments
+            # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
+            options.setdefault("max_moves", local.trigger.max_moves)
+        planning, notes = codec.planning_options(local.deployment.planning, policy, topo.num_layers, None)
+        fresh = await self._first_plan_is_fresh(name, current, previous, topo)
+        if fresh:
+            # Nobody loaded weights for the initial contiguous placement yet: a fresh plan, not a
+            # repair of it (moves are still counted against it).
+            options = {k: v for k, v in options.items() if k not in codec.MIGRATION_FIELDS}
+            notes.append("first plan from the initial contiguous placement: planned fresh")
+        job = Job(loads, _topology_tuple(topo), policy, None if fresh else previous, {**options, **planning},
+                  baseline=previous, expert_bytes=local.deployment.expert_bytes)
+        # A dry run publishes nothing, so any caller may ask for many: it plans on the bounded
+        # capacity of stateless calls, never on the re-plans' own.
+        solved = await (self.solver.compute(job, None) if dry_run else self.solver.replan(job))
+        stats = solved.stats
+        stats.notes.extend(notes)
+        before = stats.imbalance_before
+        candidate = pb.Placement(deployment=name, phy2log=arrays.encode(solved.phy2log), stats=stats)
+        candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
+        reason = decide(local.trigger, float(loads.sum()), stats.gain_percent, stats.moves, force) or ""
+        response = pb.RebalanceResponse(window_tokens=float(loads.sum()), window_reports=reports)
+        if dry_run:
+            outcome = "dry_run"
+            response.reason = reason or "dry run"
+        elif reason:
+            outcome = "skipped"
+            response.reason = reason
+            await self.store.mark_planned(name, marks.reports, now)
+        else:
+            candidate.version = current.version + 1
+            await self.store.publish(name, candidate)
+            await self.store.mark_planned(name, marks.reports, now)
+            self._seen(candidate)
+            response.published = True
+            outcome = "published"
+            if stats.budget_limited:
+                self.metrics.budget_limited.labels(name).inc()
+        response.placement.CopyFrom(candidate)
+        self.metrics.rebalances.labels(name, policy, outcome).inc()
+        self.metrics.rebalance_seconds.labels(name, policy).observe(time.perf_counter() - start)
+        log.info("plan %s: %s, imbalance %.4f -> %.4f, %d moves%s", name, outcome, before,
+                 stats.imbalance_after, stats.moves, f", version {candidate.version}" if response.published else "")
+        return response
+
+    async def _first_plan_is_fresh(self, name: str, current: pb.Placement, phy2log: np.ndarray, topo: eplb.Topology) -> bool:
+        """Version 1 is the contiguous placement the service made up, and no rank acked it."""
+        if current.version != 1 or current.stats.policy != "initial":
+            return False
+        if not np.array_equal(phy2log, eplb.Placement.contiguous(topo).phy2log):
+            return False  # the engines' own initial placement: keep what they loaded
+        return not await self.store.acks(name)
+
+    async def compute(self, request: pb.ComputePlacementRequest, deadline_s: float | None) -> pb.ComputePlacementResponse:
+        """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan, on the
+        bounded compute pool, within ``deadline_s`` (the caller's time left; None: none)."""
+        topo = validation.topology_from(request.topology, "topology")
+        policy = validation.check_policy(request.policy, "policy")
+        loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
+        violations = validation.check_migration(request.migration, policy, "migration")
+        violations += validation.check_planning(request.planning, policy, "planning")
+        if violations:
+            raise InvalidArgument(violations)
+        if policy == "ilp":
+            validation.check_ilp_size(topo, "topology")
+        previous = None
+        if request.HasField("previous_phy2log"):
+            previous = arrays.decode(request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
+            try:
+                eplb.Placement(previous, topo)
+            except ValueError as exc:
+                raise InvalidArgument(FieldViolation("previous_phy2log", str(exc))) from None
+            previous = previous.astype(np.int32)
+        options = codec.migration_options(request.migration, policy) if previous is not None else {}
+        planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s)
+        job = Job(np.asarray(loads, dtype=np.float64), _topology_tuple(topo), policy, previous, {**options, **planning},
+                  expert_bytes=request.expert_bytes if previous is not None else 0)
+        solved = await self.solver.compute(job, deadline_s)
+        solved.stats.notes.extend(notes)
+        return pb.ComputePlacementResponse(phy2log=arrays.encode(solved.phy2log), logcnt=arrays.encode(solved.logcnt),
+                                           stats=solved.stats)
+
+
+def _topology_tuple(topo: eplb.Topology) -> tuple[int, int, int, int, int, int]:
+    return (topo.num_layers, topo.num_experts, topo.num_slots, topo.num_gpus, topo.num_nodes, topo.num_groups)

@@ -1,0 +1,210 @@
+"""Every check of what a client sent, in one place: names, topologies and the documented limits,
+policies, migration and planning options, deployments, ranks. Each failure is an
+``InvalidArgument`` naming the field and what is allowed (``ResourceExhausted`` for sizes a
+stateless call may not ask for), raised before any state is written.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection
+
+import eplb
+from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE
+
+from . import limits
+from ._gen.eplb.v1 import balancer_pb2 as pb
+from .codec import (
+    EFFORTS,
+    MIGRATION_FIELDS,
+    MIGRATION_POLICIES,
+    PLANNING_POLICIES,
+    topology_to,
+)
+from .errors import FieldViolation, InvalidArgument, ResourceExhausted
+from .rollout import DEFAULT_SWITCH_MARGIN
+
+__all__ = ["MAX_SEQ", "check_deployment", "check_ilp_size", "check_migration", "check_name", "check_planning",
+           "check_policy", "check_rank", "topology_from"]
+
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
+
+
+DEFAULT_WINDOW_S = 600.0
+
+
+def check_name(name: str, field: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise InvalidArgument(FieldViolation(field, f"{name!r} must be 1-64 letters, digits, '-', '_' or '.'"))
+    return name
+
+
+def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
+    """``Topology`` message → ``eplb.Topology``; 0 nodes/groups mean 1."""
+    missing = [
+        FieldViolation(f"{field}.{name}", "must be >= 1")
+        for name in ("num_layers", "num_experts", "num_slots", "num_gpus")
+        if getattr(msg, name) == 0
+    ]
+    if missing:
+        raise InvalidArgument(missing)
+    over = [
+        FieldViolation(f"{field}.{name}", f"{getattr(msg, name)} is over the limit of {cap}")
+        for name, cap in (("num_layers", limits.MAX_LAYERS), ("num_experts", limits.MAX_EXPERTS),
+                          ("num_slots", limits.MAX_SLOTS), ("num_gpus", limits.MAX_GPUS))
+        if getattr(msg, name) > cap
+    ]
+    if over:
+        raise InvalidArgument(over)
+    sizes = (("placement", "num_slots", 4, limits.MAX_PLACEMENT_BYTES), ("window", "num_experts", 8, limits.MAX_WINDOW_BYTES))
+    for what, width, itemsize, cap in sizes:
+        size = msg.num_layers * getattr(msg, width) * itemsize
+        if size > cap:
+            raise InvalidArgument(FieldViolation(
+                field, f"a {what} of num_layers x {width} ({msg.num_layers} x {getattr(msg, width)}) takes "
+                       f"{size} bytes, over the limit of {cap}"))
+    try:
+        return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
+    except ValueError as exc:
+        raise InvalidArgument(FieldViolation(field, str(exc))) from None
+
+
+def check_policy(policy: str, field: str) -> str:
+    policy = policy or "auto"
+    if policy not in eplb.policies():
+        raise InvalidArgument(FieldViolation(field, f"unknown policy {policy!r}; registered: {', '.join(eplb.policies())}"))
+    return policy
+
+
+def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bool = False) -> list[FieldViolation]:
+    """Field violations of a ``Migration`` for ``policy`` (empty when it is valid). With
+    ``budget_gates`` (a deployment, whose trigger gates publication), ``max_moves`` is allowed
+    for every policy: the policies that re-plan from scratch are gated by it."""
+    out = []
+    for name in MIGRATION_FIELDS:
+        if not msg.HasField(name):
+            continue
+        value = getattr(msg, name)
+        if policy not in MIGRATION_POLICIES and not (budget_gates and name == "max_moves"):
+            out.append(FieldViolation(f"{field}.{name}", f"policy {policy!r} re-plans from scratch; "
+                                      f"set only for {', '.join(MIGRATION_POLICIES)}"))
+        elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
+            out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
+    return out
+
+
+def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deployment:
+    """Validates a deployment to create and returns it normalized (defaults filled in)."""
+    out = pb.Deployment()
+    out.CopyFrom(msg)
+    violations: list[FieldViolation] = []
+    for check in (
+        lambda: check_name(msg.name, f"{field}.name"),
+        lambda: out.topology.CopyFrom(topology_to(topology_from(msg.topology, f"{field}.topology"))),
+        lambda: setattr(out, "policy", check_policy(msg.policy, f"{field}.policy")),
+    ):
+        try:
+            check()
+        except InvalidArgument as exc:
+            violations += exc.violations
+    kind = msg.window.WhichOneof("kind")
+    if kind is None:
+        out.window.sliding.duration.FromSeconds(int(DEFAULT_WINDOW_S))
+        out.window.sliding.buckets = 10
+    elif kind == "sliding":
+        s = msg.window.sliding
+        if s.duration.ToNanoseconds() < 0:
+            violations.append(FieldViolation(f"{field}.window.sliding.duration", "must be >= 0"))
+        if s.duration.ToNanoseconds() == 0 and s.report_count == 0:
+            violations.append(FieldViolation(f"{field}.window.sliding", "set duration and/or report_count"))
+        if s.buckets > 1000:
+            violations.append(FieldViolation(f"{field}.window.sliding.buckets", "must be <= 1000"))
+        if s.buckets == 0:
+            out.window.sliding.buckets = 10
+    elif msg.window.decay.half_life.ToNanoseconds() <= 0:
+        violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
+    violations += check_migration(msg.migration, out.policy, f"{field}.migration", budget_gates=True)
+    violations += check_planning(msg.planning, out.policy, f"{field}.planning")
+    if msg.trigger.max_moves and msg.migration.HasField("max_moves") and msg.trigger.max_moves != msg.migration.max_moves:
+        violations.append(FieldViolation(f"{field}.trigger.max_moves", "deprecated: set migration.max_moves only "
+                                         "(the two differ here)"))
+    if msg.trigger.max_moves and not msg.migration.HasField("max_moves"):
+        # One move budget: the deprecated Trigger.max_moves moves to Migration.max_moves (and
+        # stays readable where it was).
+        out.migration.max_moves = msg.trigger.max_moves
+    if out.policy in MIGRATION_POLICIES:
+        # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
+        if not out.migration.HasField("tolerance"):
+            out.migration.tolerance = DEFAULT_TOLERANCE
+        if not out.migration.HasField("layer_tolerance"):
+            out.migration.layer_tolerance = DEFAULT_LAYER_TOLERANCE
+    violations += _fill_ranks(msg, out, field)
+    if not out.HasField("switch_margin_steps"):
+        out.switch_margin_steps = DEFAULT_SWITCH_MARGIN
+    t = msg.trigger
+    if t.interval.ToNanoseconds() < 0:
+        violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))
+    if not (0.0 <= t.min_gain_percent <= 100.0):
+        violations.append(FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]"))
+    if violations:
+        raise InvalidArgument(violations)
+    out.ClearField("create_time")
+    out.version = 0
+    return out
+
+
+def _fill_ranks(msg: pb.Deployment, out: pb.Deployment, field: str) -> list[FieldViolation]:
+    """Checks ``msg.ranks`` (distinct) and fills in 0 .. num_gpus - 1 when it is empty."""
+    if not msg.ranks:
+        if 0 < msg.topology.num_gpus <= limits.MAX_GPUS:  # else the topology's own violation says why
+            del out.ranks[:]
+            out.ranks.extend(range(msg.topology.num_gpus))
+        return []
+    if len(msg.ranks) > limits.MAX_GPUS:
+        return [FieldViolation(f"{field}.ranks", f"{len(msg.ranks)} ranks, over the limit of {limits.MAX_GPUS}")]
+    seen: set[int] = set()
+    dups = sorted({r for r in msg.ranks if r in seen or seen.add(r)})
+    if dups:
+        return [FieldViolation(f"{field}.ranks", f"ranks must be distinct; repeated: {dups[:8]}")]
+    return []
+
+
+def check_rank(rank: int, ranks: Collection[int], field: str) -> None:
+    if rank not in ranks:
+        ranks = sorted(ranks)
+        shown = f"{ranks[0]} .. {ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks[:16])
+        raise InvalidArgument(FieldViolation(field, f"rank {rank} is not one of the deployment's ranks ({shown})"))
+
+
+def check_planning(msg: pb.Planning, policy: str, field: str) -> list[FieldViolation]:
+    """Field violations of a ``Planning`` for ``policy`` (empty when it is valid)."""
+    out = []
+    set_fields = [f.name for f, _ in msg.ListFields()]
+    if set_fields and policy not in PLANNING_POLICIES:
+        return [FieldViolation(f"{field}.{set_fields[0]}", f"policy {policy!r} takes no planning options; "
+                               f"set them only for {', '.join(PLANNING_POLICIES)}")]
+    if msg.effort:
+        if msg.effort not in EFFORTS:
+            out.append(FieldViolation(f"{field}.effort", f"{msg.effort!r} is not one of {', '.join(EFFORTS)}"))
+        elif policy == "ilp":
+            out.append(FieldViolation(f"{field}.effort", "policy 'ilp' has no effort levels; set time_limit"))
+    if msg.HasField("work_budget") and policy == "ilp":
+        out.append(FieldViolation(f"{field}.work_budget", "policy 'ilp' has no work budget; set time_limit"))
+    if msg.HasField("time_limit") and msg.time_limit.ToNanoseconds() <= 0:
+        out.append(FieldViolation(f"{field}.time_limit", "must be > 0"))
+    return out
+
+
+def check_ilp_size(topo: eplb.Topology, field: str) -> None:
+    """RESOURCE_EXHAUSTED when an ``ilp`` plan of ``topo`` is over the documented size."""
+    cells = topo.num_experts * topo.num_gpus
+    if cells > limits.ILP_MAX_CELLS:
+        raise ResourceExhausted(
+            f"{field}: policy 'ilp' plans layers of at most {limits.ILP_MAX_CELLS} experts x gpus; this one has "
+            f"{topo.num_experts} x {topo.num_gpus} = {cells}. Use policy 'auto'"
+        )

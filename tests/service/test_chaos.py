@@ -1,0 +1,27 @@
+"""A short chaos run (``bench/chaos_bench.py`` runs the long one): 16 ranks and 50 watchers over
+2 replicas and a private Redis (AOF, ``appendfsync always``), replicas SIGKILLed and SIGTERMed
+and Redis SIGKILLed at random moments for 20 s, each restarted after a random pause."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from eplb_bench.chaos_bench import ChaosConfig, run_chaos
+
+
+@pytest.mark.slow
+def test_chaos_loses_no_report_and_skips_no_version(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH")
+    result = run_chaos(ChaosConfig(seconds=20, replicas=2, ranks=16, watchers=50, lease_s=5.0, seed=11))
+    # Each kind of failure happened, under load, and the service kept publishing through them.
+    assert set(result.events) == {"sigkill_replica", "sigterm_replica", "sigkill_redis"}
+    assert result.reports_sent > 1000 and sum(result.report_retries.values()) > 0
+    assert result.versions > 5 and sum(result.watcher_reconnects.values()) > 0
+    # Exactly once, consecutive, SERVING within a lease (the harness's checks, with figures).
+    assert result.failures == []
+    assert result.window_reports == result.reports_sent and result.resent_accepted == 0
+    assert result.watcher_gaps == result.watcher_duplicates == result.watchers_behind == 0
+    assert result.serving_s and max(s for _, s in result.serving_s) <= result.config.lease_s
+    assert result.tracebacks_in_logs == 0

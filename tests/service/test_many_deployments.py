@@ -1,0 +1,62 @@
+"""130 deployments over 2 replicas, then a third joining: every replica serves every deployment
+(one announce reader per replica, a bounded connection pool), and the API can still delete."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.redis_store import POOL_CONNECTIONS
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_helpers import REDIS_URL, small_deployment
+
+N = 130
+
+
+async def all_live(server, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(1 for local in server.balancer._local.values() if local.hub.live) < n:
+        assert time.monotonic() < deadline, "the replica never followed every deployment"
+        await asyncio.sleep(0.1)
+
+
+def connections_named(name: str) -> int:
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        return sum(1 for c in r.client_list() if c.get("name") == name)
+    finally:
+        r.close()
+
+
+async def test_130_deployments_on_two_replicas_and_a_third_joining(serve, connect, prefix):
+    p = prefix()
+    a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
+    ca, cb = connect(a), connect(b)
+    names = [f"m{i:03d}" for i in range(N)]
+    await asyncio.gather(*(ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
+                           for n in names))
+    await all_live(a, N)
+    await all_live(b, N)
+    c = await serve(redis_url=REDIS_URL, key_prefix=p)
+    cc = connect(c)
+    await all_live(c, N)
+    for client in (ca, cb, cc):
+        health = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        got = await asyncio.gather(*(client.stub.GetPlacement(pb.GetPlacementRequest(deployment=n)) for n in names))
+        assert [g.placement.version for g in got] == [1] * N
+    # A re-plan through the newcomer reaches the others' followers.
+    out = await cc.stub.Rebalance(pb.RebalanceRequest(deployment="m129", force=True))
+    assert out.published and out.placement.version == 2
+    deadline = time.monotonic() + 5
+    while (await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="m129"))).placement.version != 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await cb.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="m000"))
+    listed = await cc.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert [d.name for d in listed.deployments] == names[1:]
+    # Connections stay bounded whatever the number of deployments (each replica names its
+    # connections eplb:<prefix>): at most the pool plus the announce reader per replica.
+    assert 3 <= connections_named(f"eplb:{p}") <= 3 * (POOL_CONNECTIONS + 1)

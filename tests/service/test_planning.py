@@ -1,0 +1,123 @@
+"""Planning over the wire: the library's effort and budgets, transfer figures, and the limits
+that keep stateless ComputePlacement calls from taking the service's planning capacity."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from eplb_service import limits
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.arrays import encode
+from svc_helpers import small_deployment, status_details
+
+import eplb
+from eplb.transfer import transfer_schedule
+
+TOPO = small_deployment().topology
+T = eplb.Topology(4, 16, 24, 8, 2, 4)
+
+
+def loads(seed: int = 7, shape: tuple[int, int] = (4, 16)) -> np.ndarray:
+    return np.random.default_rng(seed).lognormal(0, 1.5, shape) * 100
+
+
+async def test_planning_options_are_checked(serve, connect):
+    c = connect(await serve())
+    cases = [
+        (pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort="turbo")),
+         "planning.effort"),
+        (pb.ComputePlacementRequest(topology=TOPO, policy="deepseek", loads=encode(loads()),
+                                    planning=pb.Planning(effort="high")), "planning.effort"),
+        (pb.ComputePlacementRequest(topology=TOPO, policy="ilp", loads=encode(loads()),
+                                    planning=pb.Planning(work_budget=5)), "planning.work_budget"),
+    ]
+    for request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.ComputePlacement(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in status_details(info.value)] == [field]
+    bad = small_deployment("bad")
+    bad.planning.effort = "turbo"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=bad))
+    assert [f for f, _ in status_details(info.value)] == ["deployment.planning.effort"]
+
+
+async def test_effort_reaches_the_library(serve, connect):
+    c = connect(await serve())
+    for effort in ("fast", "high"):
+        out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
+            topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort=effort)))
+        want = eplb.rebalance(loads(), T, "auto", effort=effort)
+        assert np.array_equal(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), want.phy2log)
+    # "default" is the library's default, whether or not the installed eplb names it.
+    out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
+        topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort="default")))
+    assert np.array_equal(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), eplb.rebalance(loads(), T).phy2log)
+
+
+async def test_expert_bytes_give_the_transfer_figures(serve, connect):
+    c = connect(await serve())
+    previous = eplb.Placement.contiguous(T)
+    out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
+        topology=TOPO, loads=encode(loads()), previous_phy2log=encode(previous.phy2log), expert_bytes=1 << 20))
+    new = eplb.Placement(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), T)
+    want = transfer_schedule(previous, new, T, expert_bytes=float(1 << 20))
+    got = out.stats.transfer
+    assert got.bytes == int(round(want.bytes)) > 0
+    assert got.cross_node_bytes == int(round(want.cross_node_bytes))
+    # The schedule's rounds: each gpu talks to at most one peer per round, so a gpu receiving
+    # from k peers needs at least k rounds; the busiest rank's round moves at least one expert.
+    assert got.rounds == want.total_rounds >= 1
+    assert got.max_rank_round_bytes == int(round(want.max_rank_round_bytes)) >= 1 << 20
+    assert got.predicted_seconds == pytest.approx(want.predicted_seconds) and got.predicted_seconds > 0
+    plain = await c.stub.ComputePlacement(pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads())))
+    assert not plain.stats.HasField("transfer")
+
+
+async def test_an_ilp_over_the_size_limit_is_refused(serve, connect):
+    c = connect(await serve())
+    big = pb.Topology(num_layers=1, num_experts=256, num_slots=512, num_gpus=64)
+    assert 256 * 64 > limits.ILP_MAX_CELLS
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.ComputePlacement(pb.ComputePlacementRequest(topology=big, policy="ilp", loads=encode(loads(1, (1, 256)))))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(limits.ILP_MAX_CELLS) in info.value.details()
+
+
+@pytest.mark.slow
+async def test_ilp_calls_keep_their_deadline_and_leave_re_plans_their_capacity(serve, connect):
+    """Eight ILP calls at once on layers CP-SAT cannot finish in time: each ends by its deadline,
+    those beyond the compute queue are refused at once, and a deployment re-plans meanwhile."""
+    server = await serve()
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    hard = pb.Topology(num_layers=4, num_experts=128, num_slots=160, num_gpus=32)
+    request = pb.ComputePlacementRequest(topology=hard, policy="ilp", loads=encode(loads(1, (4, 128))))
+    calls = [c.stub.ComputePlacement(request, timeout=3.0) for _ in range(8)]
+    await asyncio.sleep(0.2)
+    replan = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), timeout=30)
+    assert replan.published
+    codes = []
+    for call in calls:
+        try:
+            await call
+            codes.append(grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as exc:
+            codes.append(exc.code())
+    allowed = {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert set(codes) <= allowed, codes
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 8 - limits.COMPUTE_WORKERS - limits.COMPUTE_QUEUE
+
+
+async def test_an_ilp_deployment_over_the_size_limit_is_refused(serve, connect):
+    c = connect(await serve())
+    d = pb.Deployment(name="big", policy="ilp",
+                      topology=pb.Topology(num_layers=1, num_experts=256, num_slots=512, num_gpus=64))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert list((await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments) == []

@@ -1,0 +1,23 @@
+"""``trigger.decide``: the one place for the publication rules (pure logic)."""
+
+from __future__ import annotations
+
+from eplb_service.store import PlanMarks
+from eplb_service.trigger import TriggerSpec, decide, due
+
+SPEC = TriggerSpec(interval_s=60.0, report_count=10, min_gain_percent=5.0, max_moves=8)
+
+
+def test_decide_applies_the_rules_in_order_and_force_skips_them():
+    assert decide(SPEC, 0.0, 50.0, 1, force=False) == "the load window is empty"
+    assert "below min_gain_percent 5%" in decide(SPEC, 100.0, 4.99, 1, force=False)
+    assert "over the move budget max_moves 8" in decide(SPEC, 100.0, 6.0, 9, force=False)
+    assert decide(SPEC, 100.0, 5.0, 8, force=False) is None
+    assert decide(SPEC, 0.0, 0.0, 100, force=True) is None
+    assert decide(TriggerSpec(), 1.0, 0.0, 10**6, force=False) is None  # no gate, no budget
+
+
+def test_due_by_interval_or_report_count():
+    assert due(SPEC, PlanMarks(reports=9, planned_reports=0, planned_at=100.0), now=159.0) is None
+    assert due(SPEC, PlanMarks(reports=10, planned_reports=0, planned_at=100.0), now=120.0) == "10 reports since the last plan"
+    assert due(SPEC, PlanMarks(reports=0, planned_reports=0, planned_at=100.0), now=160.0) == "interval 60s elapsed"
