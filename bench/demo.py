@@ -5,7 +5,9 @@ each its own process in one gloo group, route tokens whose expert popularity dri
 shifts (``eplb.workloads.shift``), report what they routed through the real ``LoadReporter``,
 receive placements through the real ``PlacementWatcher``, move their expert weights with the
 real ``WeightMover`` and switch maps at one step on every rank through the rollout protocol
-(``Rollout`` with the process-group barrier, or ``--barrier service``).
+(``Rollout`` with the process-group barrier, or ``--barrier service``). With the process-group
+barrier each re-plan is switched in chunks of at most two layers, each chunk's receives within
+a budget of one gpu's worth of slots and each chunk switched at its own agreed step.
 
 Every expert weight encodes its (layer, expert, tensor) in its values. At every step the
 ranks all-reduce a histogram of where their tokens went (layer, slot, expert), like an
@@ -166,7 +168,12 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     client = ServiceClient(cfg.address)
     initial = client.get_placement(cfg.deployment, topology=topo)
     layers = make_weights(topo, rank, initial.placement)
-    applier = MoverApplier(layers, mover_group, verify=True)
+    # Chunks of at most two layers within a small receive-buffer budget (one gpu's slots: any
+    # one layer fits), so CI runs the chunked rollout; the service barrier agrees one step per
+    # version, so it moves versions whole.
+    slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
+    staging, chunk_layers = (S * slot_bytes, 2) if cfg.barrier == "group" else (None, None)
+    applier = MoverApplier(layers, mover_group, staging_bytes=staging, chunk_layers=chunk_layers, verify=True)
     if cfg.barrier == "service":
         barrier = ServiceBarrier(client, cfg.deployment, rank)
     else:
@@ -181,7 +188,8 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         if event.kind == "switched":
             sched, report = applier.schedule, applier.report
             item.update(bytes=sched.bytes, rounds=sched.total_rounds, predicted_s=sched.predicted_seconds,
-                        commit_s=applier.commit_seconds, checked_slots=report.checked_slots, mismatches=len(report.mismatches))
+                        commit_s=applier.commit_seconds, checked_slots=report.checked_slots, mismatches=len(report.mismatches),
+                        chunks=event.chunks, staged_bytes=applier.staged_bytes, staging_bytes=staging)
         pending.append(item)
 
     rollout = Rollout(initial, applier, barrier, timeout_s=30.0, on_event=on_event)
@@ -202,7 +210,10 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         current = rollout.step(step)
         counts = rng.multinomial(cfg.tokens * cfg.topk, pop[step * len(pop) // cfg.steps])
         hist = route(counts, current.placement, offset=step + rank)
-        reporter.add(hist.sum(axis=2), version=current.version, copy=False)
+        if rollout.mixed:  # between chunks no published version describes the map: report per expert
+            reporter.add(counts)
+        else:
+            reporter.add(hist.sum(axis=2), version=current.version, copy=False)
         # The dispatch: every rank learns what reached the slots it holds, and checks them.
         total = torch.from_numpy(hist.reshape(-1).astype(np.int64))
         dist.all_reduce(total)
@@ -284,7 +295,14 @@ def _line(e: dict) -> str:
         f"{e['measured_before']:.3f} -> {e['measured_after']:.3f} measured | moves {e.get('moves', '?')} "
         f"{e['bytes'] / 1e3:.1f} kB in {e['rounds']} rounds | move predicted {e['predicted_s'] * 1e3:.2f} ms (GPU model), "
         f"measured {e['prepare_s'] * 1e3:.0f} ms prepare, {e['wait_s'] * 1e3:.0f} ms to the switch, {e['commit_s'] * 1e3:.1f} ms commit"
+        f"{_chunks(e)}"
     )
+
+
+def _chunks(e: dict) -> str:
+    if e.get("staging_bytes") is None:
+        return f" | whole version, {e.get('staged_bytes', 0)} B staged"
+    return f" | {e['chunks']} chunks, {e['staged_bytes']} B staged on rank 0 (budget {e['staging_bytes']} B)"
 
 
 def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
@@ -367,6 +385,8 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
         "bytes_moved": float(sum(e["bytes"] for e in switched)),
         "move_seconds_measured": float(sum(e["prepare_s"] + e["commit_s"] for e in switched)),
         "move_seconds_predicted": float(sum(e["predicted_s"] for e in switched)),
+        "chunks_per_replan": [int(e.get("chunks", 1)) for e in switched],
+        "staged_bytes_max": int(max((e.get("staged_bytes", 0) for e in switched), default=0)),
         "checksum_mismatches": int(sum(e.get("mismatches", 0) for r in results.values() for e in r["events"])),
         "reports_accepted": int(sum(r["reporter"]["accepted"] for r in results.values())),
         "reports_dropped": int(sum(r["reporter"]["dropped_reports"] + r["reporter"]["dropped_adds"] for r in results.values())),
@@ -380,12 +400,13 @@ def _print_summary(s: dict, out: object) -> None:
         f"summary: {s['steps']} steps in {s['routing_seconds']:.1f} s ({s['seconds']:.1f} s with start-up), "
         f"{s['tokens_routed']} tokens routed through "
         f"{s['config']['layers']} layers: {s['dispatches_checked']} (token, layer, expert) dispatches checked, "
-        f"{s['misrouted_dispatches']} reached a slot without their expert's weights\n  {s['replans_applied']} re-plans applied on every rank at one step, "
+        f"{s['misrouted_dispatches']} reached a slot without their expert's weights\n  {s['replans_applied']} re-plans applied on every rank at the same steps, "
         f"{s['rollouts_failed']} rolled back, {s['late_switches']} late\n"
         f"  mean imbalance (max / mean gpu load): {s['imbalance_initial']:.3f} on the contiguous placement, "
         f"{s['imbalance_balanced']:.3f} once balanced, {s['imbalance_final']:.3f} over the last fifth "
         f"(popularity shifted at step {s['shift_step']})\n"
-        f"  {s['moves']} slots moved, {s['bytes_moved'] / 1e3:.1f} kB, {s['move_seconds_measured'] * 1e3:.0f} ms measured; "
+        f"  {s['moves']} slots moved, {s['bytes_moved'] / 1e3:.1f} kB, {s['move_seconds_measured'] * 1e3:.0f} ms measured, "
+        f"switched in {s['chunks_per_replan']} chunks, at most {s['staged_bytes_max']} B of receive buffers; "
         f"{s['reports_accepted']} load reports accepted, {s['reports_dropped']} dropped; "
         f"{s['checksum_mismatches']} checksum mismatches; the service has the ranks at versions "
         f"{s['service_acked_versions']}",

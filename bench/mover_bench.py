@@ -2,6 +2,7 @@
 
     python -m eplb_bench.mover_bench [--layers 58] [--rank worst] [--repeats 3] [--json FILE]
     python -m eplb_bench.mover_bench --schedule-times     # no GPU: schedule build time per scale
+    python -m eplb_bench.mover_bench --staging-chunks     # no GPU: staged chunks per receive-buffer budget
 
 One rank of a DeepSeek-V3 deployment (58 layers, 256 experts, 288 slots on 32 gpus over 4
 nodes: 9 slots per gpu) holds FP8 experts ``w13 [9, 4096, 7168]`` and ``w2 [9, 7168, 2048]``
@@ -32,7 +33,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 from eplb_engine.checksum import slot_checksum
-from eplb_engine.mover import WeightMover
+from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
 from eplb_engine.transport import P2P
 
 import eplb
@@ -272,7 +273,59 @@ def run_transition(name, old, new, plan_s, rank, layers, device, bw, repeats) ->
         out[f"direct_{per_call}_max_call_seconds"] = max(calls)
         out[f"direct_{per_call}_total_seconds"] = sum(calls)
     out["graph_reads_new_weights"] = _graph_check(layers, old, new, rank, sched, bw)
+    out["chunked"] = [run_chunked(name, old, new, rank, layers, sched, bw, b) for b in CHUNK_BUDGETS]
     return out
+
+
+# receive-buffer budgets of the chunked runs: one chunk, MoverApplier's default, the smallest sensible
+CHUNK_BUDGETS = (None, 1 << 30, 512 << 20)
+
+
+def _print_chunked(runs: list[dict]) -> None:
+    for c in runs:
+        label = "one chunk" if c["budget"] is None else f"staging_bytes {c['budget'] / 2**30:.2f} GiB"
+        print(f"  staged, {label}: {c['chunks']} chunks ({min(c['layers_per_chunk'])}-{max(c['layers_per_chunk'])} layers), "
+              f"receive buffers {c['staged_bytes'] / 1e9:.2f} GB, GPU memory added at peak {(c['peak_extra_bytes'] or 0) / 1e9:.2f} GB; "
+              f"prepare {c['prepare_seconds'] * 1e3:.0f} ms, commits {c['commit_seconds'] * 1e3:.1f} ms in all, "
+              f"longest {c['longest_commit_seconds'] * 1e3:.2f} ms")
+
+
+def run_chunked(name, old, new, rank, layers, sched, bw, budget: int | None) -> dict:
+    """Staged mode in chunks within ``budget`` bytes of receive buffers (``None``: one chunk):
+    the GPU memory the move adds (peak over the weights), each chunk's ``commit()`` stall,
+    and the weights checked after a middle chunk (a mix of new and old layers) and at the end."""
+    topo = old.topology
+    cuda = next(iter(layers[0].values())).is_cuda  # the logic also runs on CPU tensors (no memory figure)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    reset(layers, old, rank)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, topo.num_gpus), bandwidth=bw, staging_bytes=budget)
+    prepares, commits = [], []
+    middle = len(m.chunks) // 2
+    for k, chunk in enumerate(m.chunks):
+        t = time.perf_counter()
+        while m.prepare():
+            pass
+        sync()
+        prepares.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        m.commit()
+        sync()
+        commits.append(time.perf_counter() - t)
+        if k == middle and k + 1 < len(m.chunks):
+            rows = old.phy2log.copy()
+            rows[: chunk.stop] = new.phy2log[: chunk.stop]
+            bad = check(layers, eplb.Placement(rows, topo), rank)
+            assert bad == 0, f"{name}: {bad} slots wrong after chunk {k}"
+    assert check(layers, new, rank) == 0, f"{name}: slots wrong after the chunked move"
+    return {
+        "budget": budget, "chunks": len(m.chunks), "layers_per_chunk": [len(c) for c in m.chunks],
+        "staged_bytes": m.staging_bytes_needed("staged"), "peak_extra_bytes": torch.cuda.max_memory_allocated() - base if cuda else None,
+        "prepare_seconds": sum(prepares), "commit_seconds": sum(commits), "longest_commit_seconds": max(commits),
+    }
 
 
 class _Placeholder:
@@ -329,6 +382,29 @@ def schedule_times(repeats: int) -> None:
                   f"{s.bytes / 1e9:.1f} GB between gpus, predicted {s.predicted_seconds:.3f} s")
 
 
+def staging_chunks(layers: int, seed: int) -> None:
+    """Staged mode's chunks for a range of receive-buffer budgets (CPU only): the mover_bench
+    transitions at v3-prefill scale; per budget the chunks, their layers, and the receive
+    buffers of the rank that needs the most, the chunk that needs the most."""
+    topo = SCALES["v3-prefill"].with_layers(layers)
+    slot = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
+    old, transitions = plans(topo, seed)
+    print(f"topology: {topo}; one expert = {slot / 1e6:.2f} MB")
+    for name, (new, _) in transitions.items():
+        sched = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=float(slot))
+        need = staged_slots(sched)  # [L, G]
+        smallest = int(need.max()) * slot
+        print(f"\n{name}: every receive at once: {int(need.sum(axis=0).max()) * slot / 1e9:.2f} GB on the busiest rank; "
+              f"smallest budget (one layer): {smallest / 1e6:.0f} MB")
+        for budget in (None, 4 << 30, 2 << 30, 1 << 30, 512 << 20, smallest):
+            chunks = staged_chunks(sched, slot, budget)
+            per = [int(max(need[list(c)].sum(axis=0).max(), 0)) * slot for c in chunks]
+            sizes = [len(c) for c in chunks]
+            label = "None (one chunk)" if budget is None else f"{budget / 2**30:.2f} GiB"
+            print(f"  staging_bytes {label:>17}: {len(chunks):>3} chunks of {min(sizes)}-{max(sizes)} layers; "
+                  f"receive buffers of the busiest rank: at most {max(per) / 1e9:.2f} GB, median chunk {statistics.median(per) / 1e9:.2f} GB")
+
+
 def _round_bound(s) -> int:
     """Sum over layers of the most distinct peers one gpu has: no schedule with one peer per
     gpu per round needs fewer rounds."""
@@ -348,7 +424,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--schedule-times", action="store_true", help="only time transfer_schedule at the standard scales (no GPU)")
+    p.add_argument("--staging-chunks", action="store_true", help="only print staged chunks per receive-buffer budget (no GPU)")
+    p.add_argument("--chunked-only", action="store_true", help="on the GPU, only the staged runs in chunks (memory, commit stalls)")
     args = p.parse_args(argv)
+    if args.staging_chunks:
+        staging_chunks(args.layers, args.seed)
+        return
     if args.schedule_times:
         schedule_times(args.repeats)
         return
@@ -373,6 +454,13 @@ def main(argv: list[str] | None = None) -> None:
     layers = make_layers(old, rank, device)
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "slot_bytes": slot_bytes, "rank": rank, **ceil, "transitions": []}
     for name, (new, plan_s) in transitions.items():
+        if args.chunked_only:
+            sched = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=float(slot_bytes), bandwidth=bw)
+            print(f"\n{name}: rank {rank}")
+            runs = [run_chunked(name, old, new, rank, layers, sched, bw, b) for b in CHUNK_BUDGETS]
+            _print_chunked(runs)
+            results["transitions"].append({"transition": name, "chunked": runs})
+            continue
         r = run_transition(name, old, new, plan_s, rank, layers, device, bw, args.repeats)
         results["transitions"].append(r)
         L = topo.num_layers
@@ -393,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  direct, {per_call} layer(s) per call: {r[f'direct_{per_call}_calls']} calls, longest {r[f'direct_{per_call}_max_call_seconds'] * 1e3:.1f} ms, "
                   f"all {r[f'direct_{per_call}_total_seconds'] * 1e3:.1f} ms")
         print(f"  planning vs copying: {(r['plan_seconds'] + r['schedule_seconds']) * 1e3:.0f} ms vs commit {r['commit_seconds'] * 1e3:.1f} ms")
+        _print_chunked(r["chunked"])
         print(f"  weights checked after every move: ok; CUDA graph captured before the move reads the new weights: {r['graph_reads_new_weights']}")
     if args.json:
         with open(args.json, "w") as f:

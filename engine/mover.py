@@ -3,12 +3,15 @@
 Two ways to run one old -> new transition (one mover per transition, one per rank; every
 rank of the group makes the same calls in the same order):
 
-- staged (the rollout protocol): ``prepare()`` receives every expert this rank lacks into
+- staged (the rollout protocol): ``prepare()`` receives the experts this rank lacks into
   receive buffers, a few layers per call, while the engine keeps serving with the old map:
   no live slot is written, sends only read live slots. ``commit()`` (at the agreed switch
   step, engine between steps) writes the live slots with copies within the gpu only: local
   moves, landings from the receive buffers, fills. ``rollback()`` drops the buffers; the
-  live weights were never touched.
+  live weights of uncommitted layers were never touched. With ``staging_bytes`` the layers
+  go in **chunks** (``chunks``: consecutive layers whose receives fit the budget on every
+  rank): prepare chunk k, commit it (those layers switch maps), reuse the buffers for chunk
+  k + 1. Each MoE layer routes with its own map, so switching chunk by chunk is correct.
 - direct (engine paused, or switching maps layer by layer): ``step()`` moves the next layers
   completely in place; a receive lands straight in its slot when nothing reads that slot's
   old content, else in the staging buffer, which is reused layer after layer.
@@ -39,7 +42,7 @@ from .checksum import slot_checksum
 from .local_order import SPARE, order_local_copies
 from .transport import P2P, DistTransport, Transport
 
-__all__ = ["MoveReport", "WeightMover"]
+__all__ = ["MoveReport", "WeightMover", "staged_chunks", "staged_slots"]
 
 # Below this many bytes a slot's copy is launch-bound: batch such copies into one kernel.
 _SMALL_SLOT_BYTES = 1 << 20
@@ -93,9 +96,15 @@ class WeightMover:
     topology. ``group``: the process group whose rank ``g`` is gpu ``g`` of the topology
     (default: the world); or ``transport`` to bring your own.
 
-    ``staging_bytes``: cap on the receive buffers (``None``: what the transition needs, see
-    ``staging_bytes_needed``); a cap below the need raises ``ValueError`` before anything moves.
-    ``layers_per_call``: layers per ``prepare()`` / ``step()`` (``None``: all).
+    ``staging_bytes``: budget for the receive buffers. Staged mode cuts the layers into
+    ``chunks`` whose receives fit it on every rank (``staged_chunks``; ``None``: one chunk,
+    every receive of the transition held at once); one layer that alone does not fit raises
+    ``ValueError`` with the bytes it needs, before anything moves. Direct mode: a cap, below
+    ``staging_bytes_needed("direct")`` raises ``ValueError`` before anything moves.
+    ``chunk_layers``: at most this many layers a chunk (``None``: as many as fit), which
+    spreads the switch's copies within the gpu (``commit()``, a stall between two steps)
+    over several steps. ``layers_per_call``: layers per ``prepare()`` / ``step()`` (``None``:
+    all; ``prepare()`` never goes past the end of the current chunk).
     ``round_experts``: cap on the experts a pair exchanges each way per round.
     ``verify``: compare a checksum of every written slot with its source's.
     ``batch_copies``: copy the small tensors (under 1 MiB a slot: scales) of each wave of
@@ -116,6 +125,7 @@ class WeightMover:
         *,
         transport: Transport | None = None,
         staging_bytes: int | None = None,
+        chunk_layers: int | None = None,
         layers_per_call: int | None = None,
         round_experts: int | None = None,
         bandwidth: Bandwidth | None = None,
@@ -148,6 +158,10 @@ class WeightMover:
         self._work = _rank_work(self.schedule, self.rank)
         self._spare_needed = int(any(dst == SPARE for work in self._work for _, dst in work.local))
         self._staging_cap = staging_bytes
+        self._chunk_layers = chunk_layers
+        self._chunks: tuple[range, ...] | None = None
+        self._chunk = 0  # staged: the chunk being prepared / committed next
+        self._closed = False  # rolled back after committing chunks: nothing more to do
         self._mode: str | None = None
         self._next = 0  # next layer to prepare / step
         self._committed = False
@@ -158,19 +172,34 @@ class WeightMover:
 
     # -- sizes ---------------------------------------------------------------------------
 
-    def staging_bytes_needed(self, mode: str) -> int:
-        """Receive-buffer bytes this rank needs: ``"staged"`` holds every receive of the
-        transition until ``commit()``; ``"direct"`` only one layer's receives whose slot is
-        still read, the layer with the most. Both add one spare slot when a cycle of local
-        moves needs it."""
-        return (self._buffers_needed(mode) + self._spare_needed) * self.slot_bytes
+    @property
+    def chunks(self) -> tuple[range, ...]:
+        """Staged mode's chunks of consecutive layers (the same on every rank): each is
+        prepared into the receive buffers, then committed, before the next reuses them.
+        ``ValueError`` when one layer alone does not fit ``staging_bytes``."""
+        if self._chunks is None:
+            self._chunks = staged_chunks(self.schedule, self.slot_bytes, self._staging_cap, self._chunk_layers)
+        return self._chunks
 
-    def _buffers_needed(self, mode: str) -> int:
+    def staging_bytes_needed(self, mode: str) -> int:
+        """Receive-buffer bytes this rank allocates: ``"staged"`` the receives of the largest
+        chunk (every receive of the transition when ``staging_bytes`` is ``None``);
+        ``"direct"`` only one layer's receives whose slot is still read, the layer with the
+        most. Both add one spare slot when a cycle of local moves needs it."""
+        return self._pool_slots(mode) * self.slot_bytes
+
+    def _pool_slots(self, mode: str) -> int:
         if mode == "staged":
-            return sum(len(rnd) for w in self._work for rnd in w.recvs)
+            return max((self._chunk_slots(chunk) for chunk in self.chunks), default=0)
         if mode == "direct":
-            return max((sum(1 for rnd in w.recvs for _, d in rnd if d in w.read_slots) for w in self._work), default=0)
+            reads = max((sum(1 for rnd in w.recvs for _, d in rnd if d in w.read_slots) for w in self._work), default=0)
+            return reads + self._spare_needed
         raise ValueError(f"mode must be 'staged' or 'direct', got {mode!r}")
+
+    def _chunk_slots(self, chunk: range) -> int:
+        works = [self._work[layer] for layer in chunk]
+        recvs = sum(len(rnd) for w in works for rnd in w.recvs)
+        return recvs + int(any(dst == SPARE for w in works for _, dst in w.local))
 
     @property
     def prepared_layers(self) -> int:
@@ -182,14 +211,22 @@ class WeightMover:
         """Every layer is in place (direct), or committed (staged)."""
         return self._committed or (self._mode == "direct" and self._next == self.topology.num_layers)
 
+    @property
+    def committed_layers(self) -> int:
+        """Staged: layers ``0 .. committed_layers - 1`` hold the new placement (whole chunks)."""
+        return self.chunks[self._chunk - 1].stop if self._mode == "staged" and self._chunk else 0
+
     # -- staged: prepare / commit / rollback ----------------------------------------------
 
     def prepare(self, num_layers: int | None = None) -> int:
-        """Receive the next ``num_layers`` (default ``layers_per_call``) layers' incoming experts
-        into receive buffers and send what peers need from this rank; live slots are only read.
-        Collective over the group. Returns the layers prepared by this call (0 when all are)."""
+        """Receive the next ``num_layers`` (default ``layers_per_call``) layers of the current
+        chunk into receive buffers and send what peers need from this rank; live slots are
+        only read. Collective over the group. Returns the layers prepared by this call (0 once
+        the current chunk is prepared: ``commit()`` it, then prepare the next)."""
         self._enter("staged")
-        layers = self._take(num_layers)
+        if self._chunk >= len(self.chunks):
+            return 0
+        layers = self._take(num_layers, self.chunks[self._chunk].stop)
         with self._on_stream():
             for layer in layers:
                 self._exchange_layer(layer, direct=False)
@@ -198,39 +235,60 @@ class WeightMover:
 
     @property
     def fully_prepared(self) -> bool:
+        """Every layer is prepared (with several chunks: the last chunk is)."""
         return self._mode == "staged" and self._next == self.topology.num_layers
 
+    @property
+    def chunk_prepared(self) -> bool:
+        """The current chunk is prepared: ``commit()`` may run."""
+        return self._mode == "staged" and self._chunk < len(self.chunks) and self._next == self.chunks[self._chunk].stop
+
     def commit(self) -> MoveReport:
-        """Write every prepared layer's live slots (copies within this gpu only, no peer
-        traffic): call it at the switch step, between two engine steps, on every rank. The
-        engine's current stream waits for the writes, so the next step reads new weights."""
-        if self._mode != "staged" or self._committed:
+        """Write the current chunk's live slots (copies within this gpu only, no peer
+        traffic): call it at the chunk's switch step, between two engine steps, on every rank;
+        from that step on those layers route with the new map. The engine's current stream
+        waits for the writes, so the next step reads new weights. The receive buffers are then
+        free for the next chunk; after the last, the mover is ``done``."""
+        if self._mode != "staged" or self._committed or self._closed:
             raise ValueError("commit() needs a prepared, not yet committed or rolled back mover")
-        if not self.fully_prepared:
-            raise ValueError(f"commit() before every layer is prepared ({self._next} of {self.topology.num_layers})")
+        chunk = self.chunks[self._chunk]
+        if self._next != chunk.stop:
+            raise ValueError(f"commit() before chunk {self._chunk} (layers {chunk.start}..{chunk.stop - 1}) is prepared "
+                             f"({self._next - chunk.start} of {len(chunk)} layers)")
         with self._on_stream():
-            for layer in range(self.topology.num_layers):
+            for layer in chunk:
                 self._local_layer(layer)
+                self._pool_index[layer] = {}
         self._finish()
-        self._committed = True
-        self._pool = None
-        return self._report(range(self.topology.num_layers))
+        self._chunk += 1
+        self._free = 0  # the next chunk's receives reuse the buffers (stream order keeps it safe)
+        if self._chunk == len(self.chunks):
+            self._committed = True
+            self._pool = None
+        return self._report(chunk)
 
     def rollback(self) -> None:
         """Drop the receive buffers of a prepare that will not be committed; the live weights
-        were never written, so the old map stays correct. Not possible after ``commit()``."""
+        of uncommitted layers were never written, so the old map stays correct for them.
+        Layers of chunks already committed keep the new placement (``committed_layers``):
+        the mover is then finished; moving them back is a new transition. Not possible after
+        the last ``commit()``."""
         if self._committed:
             raise ValueError("rollback() after commit(): the live weights already hold the new placement")
         if self._mode == "direct" and self._next:
             raise ValueError("rollback() after direct step(): those layers were written in place")
         self.synchronize()
         self._pool = None
-        self._next = 0
-        self._mode = None
         self._pool_index = [{} for _ in range(self.topology.num_layers)]
         for work in self._work:
             work.expected.clear()
             work.launches = []
+        if self._mode == "staged" and self._chunk:
+            self._closed = True
+            self._next = self.committed_layers
+            return
+        self._next = 0
+        self._mode = None
 
     # -- direct: step / run ---------------------------------------------------------------
 
@@ -261,8 +319,8 @@ class WeightMover:
     # -- internals ------------------------------------------------------------------------
 
     def _enter(self, mode: str) -> None:
-        if self._committed:
-            raise ValueError("this mover already committed; make a new WeightMover for the next transition")
+        if self._committed or self._closed:
+            raise ValueError("this mover already committed or rolled back committed chunks; make a new WeightMover for the next transition")
         if self._mode not in (None, mode):
             raise ValueError(f"this mover runs {self._mode}; prepare()/commit() and step() do not mix")
         if self._mode is None:
@@ -272,7 +330,7 @@ class WeightMover:
                     f"staging_bytes={self._staging_cap} is below what {mode} mode needs on rank {self.rank}: "
                     f"{need} bytes ({need // self.slot_bytes} slots of {self.slot_bytes} bytes)"
                 )
-            n = self._buffers_needed(mode) + self._spare_needed
+            n = self._pool_slots(mode)
             with self._on_stream():
                 self._pool = {
                     name: torch.empty((n, *shape), dtype=dt, device=self.device).unbind(0)
@@ -283,12 +341,12 @@ class WeightMover:
             self._transport.start(self.device)
             self._mode = mode
 
-    def _take(self, num_layers: int | None) -> range:
+    def _take(self, num_layers: int | None, stop: int | None = None) -> range:
         n = self.layers_per_call if num_layers is None else num_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
         start = self._next
-        self._next = min(self.topology.num_layers, start + n)
+        self._next = min(self.topology.num_layers if stop is None else stop, start + n)
         return range(start, self._next)
 
     def _on_stream(self):
@@ -383,6 +441,57 @@ class WeightMover:
             checked_slots=len(checked),
             mismatches=tuple((layer, slot) for layer, slot, ok in checked if not ok),
         )
+
+
+def staged_slots(schedule: TransferSchedule) -> np.ndarray:
+    """int64 ``[L, G]``: receive-buffer slots gpu ``g`` needs to stage layer ``l``: its
+    receives, plus one spare slot where its local copies of the layer form a cycle."""
+    topo = schedule.topology
+    L, G = topo.num_layers, topo.num_gpus
+    recv = np.bincount(schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu, minlength=L * G).reshape(L, G)
+    return recv + (schedule.cycles > 0)
+
+
+def staged_chunks(schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None,
+                  chunk_layers: int | None = None) -> tuple[range, ...]:
+    """The layers ``0..L-1`` cut greedily into consecutive chunks whose staged receives (plus
+    one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu, at most
+    ``chunk_layers`` layers each; every rank computes the same chunks from the schedule.
+    ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
+    when one layer alone does not fit on some gpu (with the bytes it needs)."""
+    L = schedule.topology.num_layers
+    if chunk_layers is not None and (isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1):
+        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
+    if staging_bytes is None:
+        step = chunk_layers or max(L, 1)
+        return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
+        raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
+    topo = schedule.topology
+    G = topo.num_gpus
+    recv = np.bincount(schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu, minlength=L * G).reshape(L, G)
+    spare = schedule.cycles > 0
+    chunks: list[range] = []
+    start = 0
+    held = np.zeros(G, dtype=np.int64)
+    cyc = np.zeros(G, dtype=bool)
+    for layer in range(L):
+        alone = recv[layer] + spare[layer]
+        if int(alone.max()) * slot_bytes > staging_bytes:
+            g = int(alone.argmax())
+            raise ValueError(
+                f"staging_bytes={staging_bytes} is below what layer {layer} alone needs staged on gpu {g}: "
+                f"{int(alone[g]) * slot_bytes} bytes ({int(alone[g])} slots of {slot_bytes} bytes); the smallest budget "
+                f"for this transition is {int((recv + spare).max()) * slot_bytes} bytes"
+            )
+        full = chunk_layers is not None and layer - start == chunk_layers
+        if full or int((held + recv[layer] + (cyc | spare[layer])).max()) * slot_bytes > staging_bytes:
+            chunks.append(range(start, layer))
+            start, held, cyc = layer, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=bool)
+        held = held + recv[layer]
+        cyc = cyc | spare[layer]
+    chunks.append(range(start, L))
+    return tuple(chunks)
 
 
 class _nullcontext:

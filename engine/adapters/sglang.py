@@ -23,6 +23,7 @@ Its layer axis counts model layers (dense ones too); the MoE layers are the keys
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,13 +118,16 @@ def from_sglang(physical_to_logical_map: torch.Tensor, topology: eplb.Topology) 
     return eplb.Placement(physical_to_logical_map.detach().cpu().numpy(), topology)
 
 
-def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list[int] | None = None, ep_rank: int | None = None) -> None:
+def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list[int] | None = None, ep_rank: int | None = None,
+                    layers: Sequence[int] | None = None) -> None:
     """Switch a live ``ExpertLocationMetadata`` to ``placement`` in place (what its
     ``update(other, layer_ids)`` does). ``layer_ids``: the metadata rows the placement's
     ``L`` layers go to (SGLang numbers model layers, dense ones included: DeepSeek-V3's 58
     MoE layers are rows 3..60 of 61); default ``0..L-1``. Other rows are left alone. Call it
     at the switch step, after the weights are in place, on every rank; pass ``ep_rank`` when
-    the metadata has a static dispatch table."""
+    the metadata has a static dispatch table. ``layers``: write only these placement layers
+    (the chunk ``Rollout``'s ``on_switch`` names; default all). The dispatch table is drawn
+    from the whole ``placement`` (a mixed one between chunks): every rank draws the same."""
     has_dispatch = getattr(metadata, "logical_to_rank_dispatch_physical_map", None) is not None
     if has_dispatch and ep_rank is None:
         raise ValueError("the metadata has a static dispatch table (logical_to_rank_dispatch_physical_map): pass ep_rank")
@@ -131,15 +135,30 @@ def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list
     rows = list(range(L)) if layer_ids is None else [int(i) for i in layer_ids]
     if len(rows) != L or len(set(rows)) != L:
         raise ValueError(f"layer_ids must name {L} distinct metadata rows, one per placement layer; got {layer_ids!r}")
+    chosen = _chosen_layers(layers, L)
+    rows = [rows[i] for i in chosen]
     maps = to_sglang(placement, ep_rank=ep_rank if has_dispatch else None)
-    for name, src in maps.fields().items():
+    for name, full in maps.fields().items():
+        src = full[chosen] if full is not None else None
         dst = getattr(metadata, name)
         if dst is None:
+            continue
+        if not rows:
             continue
         if dst.shape[1:] != src.shape[1:] or max(rows) >= dst.shape[0]:
             raise ValueError(f"{name} of the live metadata has shape {list(dst.shape)}; the placement gives {L} rows of {list(src.shape[1:])} for rows {rows[0]}..{rows[-1]}")
         index = torch.tensor(rows, device=dst.device)
         dst.index_copy_(0, index, src.to(device=dst.device, dtype=dst.dtype))
+
+
+def _chosen_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    """``layers`` (placement layers to write) → a sorted list; ``ValueError`` outside ``0..L-1``."""
+    if layers is None:
+        return list(range(num_layers))
+    chosen = sorted({int(i) for i in layers})
+    if chosen and (chosen[0] < 0 or chosen[-1] >= num_layers):
+        raise ValueError(f"layers must be placement layers in 0..{num_layers - 1}, got {list(layers)!r}")
+    return chosen
 
 
 def sglang_expert_loads(logical_count: torch.Tensor, layer_ids: list[int] | None = None) -> np.ndarray:

@@ -16,6 +16,7 @@ holds (all int64 on the device unless said):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,16 +60,24 @@ def from_vllm(physical_to_logical_map: torch.Tensor, topology: eplb.Topology) ->
     return eplb.Placement(physical_to_logical_map.detach().cpu().numpy(), topology)
 
 
-def apply_to_vllm(model_state: Any, placement: eplb.Placement) -> None:
+def apply_to_vllm(model_state: Any, placement: eplb.Placement, *, layers: Sequence[int] | None = None) -> None:
     """Switch a live ``EplbModelState`` to ``placement``: ``copy_`` into its three maps, in
     place (the MoE layers' views stay valid). Call it at the switch step, after the weights
-    are in place (``WeightMover.commit()``), on every rank."""
+    are in place (``WeightMover.commit()``), on every rank. ``layers``: write only these
+    layers' rows (the chunk ``Rollout``'s ``on_switch`` names; default all)."""
+    from .sglang import _chosen_layers
+
     live = (model_state.physical_to_logical_map, model_state.logical_to_physical_map, model_state.logical_replica_count)
     maps = to_vllm(placement, width=live[1].shape[-1], device=live[0].device)
+    chosen = _chosen_layers(layers, placement.topology.num_layers)
+    index = torch.tensor(chosen, dtype=torch.int64, device=live[0].device)
     for name, dst, src in zip(("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count"), live, (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count)):
         if dst.shape != src.shape:
             raise ValueError(f"{name} of the live state has shape {list(dst.shape)}; the placement gives {list(src.shape)}")
-        dst.copy_(src.to(dst.dtype))
+        if len(chosen) == src.shape[0]:
+            dst.copy_(src.to(dst.dtype))
+        else:
+            dst.index_copy_(0, index, src[index].to(dst.dtype))
 
 
 def vllm_slot_loads(expert_load_window: torch.Tensor) -> np.ndarray:

@@ -177,3 +177,31 @@ def test_apply_to_sglang_writes_the_moe_rows_of_a_model_with_dense_layers() -> N
     counts = torch.arange(2 * (L + 2) * E, dtype=torch.int64).reshape(2, L + 2, E)
     assert sglang_expert_loads(counts, list(range(2, L + 2))).tolist() == (counts.sum(0)[2:]).double().tolist()
     assert sglang_expert_loads(counts[0]).shape == (L + 2, E)
+
+
+def test_adapters_write_only_the_layers_of_a_chunk() -> None:
+    """A chunked rollout switches some layers at a step: only their rows change."""
+    rng = np.random.default_rng(4)
+    old = _random_placement(rng, 4)
+    new = eplb.Placement(rng.permuted(old.phy2log, axis=1), old.topology)
+    L = old.topology.num_layers
+    assert L > 1
+    chunk = [1]
+    rest = [i for i in range(L) if i not in chunk]
+    # SGLang, MoE layers at rows 2.. of the metadata
+    trivial = np.concatenate([old.phy2log[:1], old.phy2log[:1], old.phy2log])
+    live = SimpleNamespace(**to_sglang(eplb.Placement(trivial, old.topology.with_layers(L + 2)), ep_rank=1).fields())
+    apply_to_sglang(live, new, layer_ids=list(range(2, L + 2)), ep_rank=1, layers=chunk)
+    got = live.physical_to_logical_map[2:]
+    assert got[chunk].tolist() == new.phy2log[chunk].tolist() and got[rest].tolist() == old.phy2log[rest].tolist()
+    assert live.logical_to_rank_dispatch_physical_map[2:][chunk].tolist() == to_sglang(new, ep_rank=1).logical_to_rank_dispatch_physical_map[chunk].tolist()
+    assert live.physical_to_logical_map[:2].tolist() == trivial[:2].tolist()
+    with pytest.raises(ValueError, match=f"layers must be placement layers in 0..{L - 1}"):
+        apply_to_sglang(live, new, layer_ids=list(range(2, L + 2)), ep_rank=1, layers=[L])
+    # vLLM
+    state = SimpleNamespace(**{k: v.clone() for k, v in vars(to_vllm(old, width=8)).items()})
+    apply_to_vllm(state, new, layers=chunk)
+    want_new, want_old = to_vllm(new, width=8), to_vllm(old, width=8)
+    for name in ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count"):
+        assert torch.equal(getattr(state, name)[chunk], getattr(want_new, name)[chunk])
+        assert torch.equal(getattr(state, name)[rest], getattr(want_old, name)[rest])

@@ -184,7 +184,7 @@ def test_a_staging_cap_below_the_need_is_refused_before_anything_moves() -> None
     world = ThreadWorld(2)
     layers = encoded_layers(old, 0)
     mover = WeightMover(layers, old, new, transport=world.transport(0), staging_bytes=10)
-    with pytest.raises(ValueError, match="staging_bytes=10 is below what staged mode needs on rank 0"):
+    with pytest.raises(ValueError, match="staging_bytes=10 is below what layer 0 alone needs staged on gpu"):
         mover.prepare()
     check_layers(layers, old, 0)
 

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from eplb_engine import WeightMover
+from eplb_engine.mover import staged_slots
 from mover_sim import check_layers, encoded_layers
 
 import eplb
@@ -25,14 +26,15 @@ def _transitions(size: int, seed: int) -> list[tuple[eplb.Placement, eplb.Placem
     """Random old -> new pairs over two nodes (when 4 ranks), with replica gains and losses."""
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(6):
+    for i in range(8):
         topo = eplb.Topology(3, 2 * size + 1, 3 * size, size, 2 if size == 4 else 1)
         L, E, P = topo.num_layers, topo.num_experts, topo.num_slots
         pl = []
         for _ in range(2):
             rows = np.concatenate([np.tile(np.arange(E), (L, 1)), rng.integers(0, E, (L, P - E))], axis=1)
             pl.append(eplb.Placement(rng.permuted(rows, axis=1), topo))
-        out.append((pl[0], pl[1], "staged" if i % 2 else "direct", 1 + i % 3, 1 + i % 2))
+        mode = "direct" if i % 2 == 0 else "staged" if i % 4 == 1 else "chunked"
+        out.append((pl[0], pl[1], mode, 1 + i % 3, 1 + i % 2))
     return out
 
 
@@ -41,6 +43,7 @@ def _worker(rank: int, size: int, port: int, seed: int, errors) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         # a subgroup, as an engine would give the mover its own group
         group = dist.new_group(list(range(size)), backend="gloo")
+        chunked: list[int] = []
         for old, new, mode, per_call, round_experts in _transitions(size, seed):
             layers = encoded_layers(old, rank)
             storage = [t.data_ptr() for layer in layers for t in layer.values()]
@@ -53,11 +56,23 @@ def _worker(rank: int, size: int, port: int, seed: int, errors) -> None:
                 check_layers(layers, old, rank)
                 report = mover.commit()
                 assert report.ok, report.mismatches
+            elif mode == "chunked":  # the smallest budget: chunks of about a layer, buffers reused
+                budget = int(staged_slots(mover.schedule).max()) * mover.slot_bytes
+                mover = WeightMover(layers, old, new, group, staging_bytes=budget, verify=True)
+                for chunk in mover.chunks:
+                    while mover.prepare():
+                        pass
+                    assert mover.commit().ok
+                    rows = old.phy2log.copy()
+                    rows[: chunk.stop] = new.phy2log[: chunk.stop]
+                    check_layers(layers, eplb.Placement(rows, old.topology), rank)
+                chunked.append(len(mover.chunks))
             else:
                 while not mover.done:
                     assert mover.step().ok
             check_layers(layers, new, rank)
             assert [t.data_ptr() for layer in layers for t in layer.values()] == storage
+        assert max(chunked) > 1, chunked
         dist.destroy_process_group()
     except BaseException:  # reported to the parent, which fails the test with it
         errors.put(f"rank {rank}: {traceback.format_exc()}")

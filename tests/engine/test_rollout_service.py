@@ -88,3 +88,24 @@ def test_a_failed_prepare_is_reported_and_aborts_every_rank(server):
         assert reply.aborted and reply.ranks_failed == 1 and reply.switch_step == 0
         got = client.call("GetDeployment", pb.GetDeploymentRequest(name="d1")).acks
         assert [(a.rank, a.failed_version) for a in got if a.failed_version] == [(1, 2)]
+
+
+class Chunked(Recorder):
+    """A chunked applier: its prepare leaves two chunks to switch one after the other."""
+
+    chunks = ((0,), (1,))
+
+    def prepare_next(self) -> None:
+        self.calls.append("prepare_next")
+
+
+def test_the_service_barrier_refuses_a_version_that_needs_several_chunks(server):
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO, switch_margin_steps=MARGIN)
+        out = run_ranks(server.address, [Chunked() for _ in range(3)], steps=100, publish_after_s=0.2)
+        for r in range(3):
+            routed, calls, events = out[r]
+            assert set(routed) == {1} and calls == ["prepare", "rollback"]
+            assert events[0][0] == "failed" and "ServiceBarrier switches whole versions only" in events[0][3]
+        got = client.call("GetDeployment", pb.GetDeploymentRequest(name="d1")).acks
+        assert sorted(a.failed_version for a in got) == [2, 2, 2]

@@ -32,6 +32,13 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
     assert s["reports_accepted"] > 0 and s["reports_dropped"] == 0
     # The service saw every rank switch to the last version applied (the ranks' acks).
     assert s["service_acked_versions"] == [s["replans"][-1]["version"]] * 3 and s["service_failed_versions"] == []
+    # The group barrier's run caps the receive buffers at one gpu's slots: big re-plans go in chunks.
+    topo = DemoConfig(ranks=3).topology
+    if barrier == "group":
+        assert max(s["chunks_per_replan"]) > 1
+        assert 0 < s["staged_bytes_max"] <= topo.slots_per_gpu * 200 == s["replans"][0]["staging_bytes"]
+    else:
+        assert set(s["chunks_per_replan"]) == {1} and "whole version" in proc.stdout
     first = s["replans"][0]
     assert first["bytes"] > 0 and first["moves"] > 0 and first["measured_after"] < first["measured_before"]
     assert f"v{first['version']}" in proc.stdout and "summary:" in proc.stdout
