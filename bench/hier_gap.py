@@ -60,7 +60,7 @@ def node_pigeonhole_bound(loads: np.ndarray, gpus: int, slots: int, k: int = 4) 
 def grouped_bound(loads: np.ndarray, topo: eplb.Topology) -> np.ndarray:
     """``[L, E]`` → ``[L]`` lower bound on the busiest gpu of any placement keeping groups whole
     on nodes (equal groups per node, at most one replica of an expert per gpu)."""
-    L, N, K = topo.num_layers, topo.num_nodes, topo.num_groups // topo.num_nodes
+    L, K = topo.num_layers, topo.num_groups // topo.num_nodes
     gs = topo.experts_per_group
     node = eplb.Topology(L, K * gs, topo.slots_per_node, topo.gpus_per_node)
     splits = _partitions(tuple(range(topo.num_groups)), K)

@@ -108,7 +108,6 @@ class LoopbackPeers:
 
     def __init__(self, mover_schedule, new: eplb.Placement, rank: int, size: int, verify: bool = False) -> None:
         self.rank, self.size = rank, size
-        S = new.topology.slots_per_gpu
         s = mover_schedule
         order = np.flatnonzero(s.recv_dst_gpu == rank)  # schedule order is the mover's
         self._queue = [(int(s.recv_layer[i]), int(new.phy2log[s.recv_layer[i], s.recv_dst_slot[i]])) for i in order]
@@ -175,7 +174,7 @@ def copy_bandwidth(device: torch.device, slot_bytes: int, repeats: int) -> dict[
 
     one = timed(lambda: dst.copy_(big))
     chunks = timed(lambda: [dst[i * n : (i + 1) * n].copy_(big[i * n : (i + 1) * n]) for i in range(k)])
-    del big, dst
+    big = dst = None  # free the 8 GiB before the runs
     torch.cuda.empty_cache()
     return {"copy_gb_s": (4 << 30) / one / 1e9, "expert_copy_gb_s": k * n / chunks / 1e9}
 

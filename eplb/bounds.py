@@ -131,17 +131,17 @@ def _profile_impossible(loads: np.ndarray, T: np.ndarray, bins: int, cap: float)
     proves ``T`` impossible (see ``profile_bound``)."""
     t = T[:, None, None]  # [X, 1, 1]
     y = _Y[None, :, None] * t  # [X, Y, 1]
-    l = loads[:, None, :]  # [X, 1, n]
-    c0 = np.maximum(np.ceil(l / t * (1 - _EPS)), 1.0)
+    ld = loads[:, None, :]  # [X, 1, n]
+    c0 = np.maximum(np.ceil(ld / t * (1 - _EPS)), 1.0)
     # The per-expert cost is increasing in c between the starts of the regions where F's form
     # changes (p <= y, p < T - y); the least value is at one of them (neighbours guard against
     # rounding, and any extra candidate only keeps the bound lower).
-    ca = np.ceil(l / y)
-    cb = np.floor(l / (t - y)) + 1
+    ca = np.ceil(ld / y)
+    cb = np.floor(ld / (t - y)) + 1
     cands = [np.broadcast_to(c0, ca.shape)] + [np.maximum(c, c0) for c in (ca - 1, ca, cb - 1, cb)]
     best = None
     for c in cands:
-        p = l / c
+        p = ld / c
         heavy = p > t / 2 * (1 + _EPS)
         fy = np.where(heavy, c + c * (y < p * (1 - _EPS)), c * (y >= (t - p) * (1 + _EPS)))  # [X, Y, n]
         ok = c <= cap

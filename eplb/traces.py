@@ -214,11 +214,11 @@ def _is_number(text: str) -> bool:
 
 def to_csv_rows(trace: LoadTrace) -> list[list[str]]:
     """Trace → long-layout rows ``step,layer,expert,count`` (header first)."""
-    t, l, e = np.indices(trace.counts.shape).reshape(3, -1)
+    t, layer, e = np.indices(trace.counts.shape).reshape(3, -1)
     vals = trace.counts.ravel()
     fmt = (lambda v: str(int(v))) if np.array_equal(vals, np.round(vals)) else repr
     return [["step", "layer", "expert", "count"]] + [
-        [str(a), str(b), str(c), fmt(float(v))] for a, b, c, v in zip(t, l, e, vals)
+        [str(a), str(b), str(c), fmt(float(v))] for a, b, c, v in zip(t, layer, e, vals)
     ]
 
 

@@ -6,6 +6,7 @@ import pytest
 import eplb
 from eplb.transfer import INTER_NODE, INTRA_NODE, LOCAL, transfer_plan
 from eplb.workloads import make_loads
+from eplb.transfer import Bandwidth, transfer_schedule
 
 
 def _plans(seed: int = 0) -> tuple[eplb.Topology, eplb.Placement, eplb.Placement]:
@@ -113,7 +114,6 @@ def test_bad_inputs_are_rejected() -> None:
 
 # -- transfer_schedule ---------------------------------------------------------------------
 
-from eplb.transfer import Bandwidth, transfer_schedule
 
 
 def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Placement:

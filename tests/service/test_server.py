@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -208,5 +209,5 @@ async def test_tls(serve, connect, tmp_path):
     out = await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
     assert out.placement.version == 1
     plain = connect(server)
-    with pytest.raises(Exception):
+    with pytest.raises(grpc.aio.AioRpcError):
         await plain.stub.ListDeployments(pb.ListDeploymentsRequest(), timeout=2)
