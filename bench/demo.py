@@ -168,6 +168,9 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     client = ServiceClient(cfg.address)
     initial = client.get_placement(cfg.deployment, topology=topo)
     layers = make_weights(topo, rank, initial.placement)
+    # The rank holds the initial version's weights: say so before any load is reported, so the
+    # service's first re-plan keeps what it can (without an ack it plans v2 fresh: docs/service.md).
+    client.ack(cfg.deployment, rank, initial.version, "switched")
     # Chunks of at most two layers within a small receive-buffer budget (one gpu's slots: any
     # one layer fits), so CI runs the chunked rollout; the service barrier agrees one step per
     # version, so it moves versions whole.

@@ -41,6 +41,9 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
         assert set(s["chunks_per_replan"]) == {1} and "whole version" in proc.stdout
     first = s["replans"][0]
     assert first["bytes"] > 0 and first["moves"] > 0 and first["measured_after"] < first["measured_before"]
+    # The ranks acked v1 when they started on it, so the first re-plan keeps what it can (a fresh
+    # plan from the contiguous v1 rewrites ~90 % of the slots): a quarter at most.
+    assert first["version"] == 2 and first["moves"] <= topo.num_layers * topo.num_slots // 4
     assert f"v{first['version']}" in proc.stdout and "summary:" in proc.stdout
     assert (tmp_path / "imbalance.png").stat().st_size > 10_000
 
