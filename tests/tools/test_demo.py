@@ -53,6 +53,20 @@ def test_demo_refuses_bad_flags():
     assert proc.returncode == 2 and "--ranks must be in [2, 16]" in proc.stderr
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--plots", "/proc/nope"], "--plots /proc/nope: cannot write in /proc/nope (No such file or directory); give a writable directory"),
+    (["--json", "/proc/nope/s.json"], "--json /proc/nope/s.json: cannot write in /proc/nope (No such file or directory); give a writable file path"),
+    (["--json", "{tmp}"], "--json {tmp}: is a directory; give a file path"),
+    (["--plots", "{tmp}/file"], "--plots {tmp}/file: is a file; give a directory"),
+])
+def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, flags, message):
+    (tmp_path / "file").write_text("")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    proc = subprocess.run([sys.executable, "-m", "eplb_bench.cli", "demo", *flags], capture_output=True, text=True, timeout=60)
+    # One line, before any service or rank starts (nothing on stdout).
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
+
+
 def test_the_check_counts_tokens_routed_with_a_map_the_weights_do_not_hold():
     topo = DemoConfig(ranks=2).topology
     held = eplb.Placement.contiguous(topo)
