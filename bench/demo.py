@@ -25,6 +25,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -168,6 +169,9 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     client = ServiceClient(cfg.address)
     initial = client.get_placement(cfg.deployment, topology=topo)
     layers = make_weights(topo, rank, initial.placement)
+    # The rank holds the initial version's weights: say so before any load is reported, so the
+    # service's first re-plan keeps what it can (without an ack it plans v2 fresh: docs/service.md).
+    client.ack(cfg.deployment, rank, initial.version, "switched")
     # Chunks of at most two layers within a small receive-buffer budget (one gpu's slots: any
     # one layer fits), so CI runs the chunked rollout; the service barrier agrees one step per
     # version, so it moves versions whole.
@@ -440,6 +444,23 @@ def write_plot(summary: dict, directory: Path) -> Path:
     return path
 
 
+def _unwritable(flag: str, path: Path, *, file: bool = False) -> str:
+    """What stops the demo writing ``path`` (a directory, or with ``file`` a file), "" if nothing:
+    creates the directory (the file's parent) and writes a scratch file in it."""
+    directory = path.parent if file else path
+    if file and path.is_dir():
+        return f"{flag} {path}: is a directory; give a file path"
+    if not file and path.exists() and not path.is_dir():
+        return f"{flag} {path}: is a file; give a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return f"{flag} {path}: cannot write in {directory} ({exc.strerror or exc}); give a writable {'file path' if file else 'directory'}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     d = DemoConfig()
     ap = argparse.ArgumentParser(prog="eplb demo", description="The balancer service, simulated engine ranks and the "
@@ -454,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 2 <= args.ranks <= 16 or args.seconds <= 0:
         ap.error("--ranks must be in [2, 16] and --seconds > 0")
+    # Checked before the run, not found out after it: one line on stderr, like a usage error.
+    problem = (args.plots and _unwritable("--plots", args.plots)) or (args.json and _unwritable("--json", args.json, file=True))
+    if problem:
+        print(f"eplb demo: error: {problem}", file=sys.stderr)
+        return 2
     summary = run(DemoConfig(ranks=args.ranks, seconds=args.seconds, barrier=args.barrier, seed=args.seed))
     if args.plots:
         print(f"wrote {write_plot(summary, args.plots)}")

@@ -1,10 +1,16 @@
 """``LoadReporter``: per-step expert counts in on the engine's thread, streamed to the service
 in the background.
 
-``add`` only checks the shape and appends to a bounded queue, so a step never waits on the
-network. A background thread sums the queue every ``interval_s`` into one report per placement
-version (logical ``[L, E]`` counts in one report, physical ``[L, P]`` counts one per version they
-were recorded under), gives each report the next ``seq`` and keeps it in a bounded outbox until
+``add`` checks the shape and the values and appends to a bounded queue, so a step never waits
+on the network. Counts must be finite and in ``[0, MAX_REPORT_COUNT]`` (the service's limit): one
+bad array summed into a report would make the service refuse the whole report, and the valid
+counts of the interval with it. Host arrays are checked in ``add`` (a min and a max, vectorised:
+``ValueError``, nothing queued); a CUDA tensor is checked on the reporter's thread (checking it in
+``add`` would wait for the device), and dropped there, counted in ``stats().invalid_adds``.
+
+A background thread sums the queue every ``interval_s`` into one report per placement version
+(logical ``[L, E]`` counts in one report, physical ``[L, P]`` counts one per version they were
+recorded under), gives each report the next ``seq`` and keeps it in a bounded outbox until
 the service has answered the ``ReportLoad`` stream it went out in. A failed stream is sent again
 with the same seqs (the service drops a ``(rank, seq)`` it has accepted, so nothing counts
 twice), at the next address after an unavailable one, with exponential backoff. While the
@@ -26,6 +32,7 @@ import numpy as np
 
 import eplb
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.limits import MAX_REPORT_COUNT
 
 from . import wire
 from .client import TRANSIENT, Backoff, Endpoints
@@ -40,7 +47,9 @@ class ReporterStats:
     """Counters since the reporter started.
 
     ``added``: arrays accepted by ``add``; ``dropped_adds``: arrays refused because the queue
-    was full (the background thread fell ``max_queued`` arrays behind); ``sent``: reports the
+    was full (the background thread fell ``max_queued`` arrays behind); ``invalid_adds``: arrays
+    refused for their values (negative, non-finite or above ``MAX_REPORT_COUNT``: raised by
+    ``add`` for host arrays, dropped by the reporter's thread for CUDA tensors); ``sent``: reports the
     service answered for; ``accepted`` / ``duplicates``: what it said of them (a duplicate is a
     retry of a report it already had); ``rejected``: reports it refused as invalid (e.g.
     counts tagged with a version it no longer keeps), dropped; ``dropped_reports`` /
@@ -51,6 +60,7 @@ class ReporterStats:
 
     added: int
     dropped_adds: int
+    invalid_adds: int
     sent: int
     accepted: int
     duplicates: int
@@ -107,7 +117,7 @@ class LoadReporter:
         self._stop = False
         # Microseconds since the epoch: a restarted rank's seqs keep increasing past its last run's.
         self._seq = time.time_ns() // 1000
-        self._counts = dict(added=0, dropped_adds=0, sent=0, accepted=0, duplicates=0, rejected=0, dropped_reports=0)
+        self._counts = dict(added=0, dropped_adds=0, invalid_adds=0, sent=0, accepted=0, duplicates=0, rejected=0, dropped_reports=0)
         self._dropped_tokens = 0.0
         self._pending_tokens = 0.0
         self._last_error = ""
@@ -124,7 +134,13 @@ class LoadReporter:
         device; copied there without a sync, moved to the host in the background). ``copy=False``
         hands the array over: the caller must not write to it afterwards.
 
-        O(1) on the caller's thread; returns False (and counts it) if the queue is full.
+        Every count must be finite and in ``[0, MAX_REPORT_COUNT]``: a numpy array or a CPU
+        tensor that breaks the rule raises ``ValueError`` here (nothing queued, the pending sum
+        untouched); a CUDA tensor is checked on the reporter's thread and dropped there if it
+        breaks it (``stats().invalid_adds``, ``last_error``), so ``add`` never waits for the device.
+
+        O(1) on the caller's thread (plus a vectorised min and max of host arrays); returns
+        False (and counts it) if the queue is full.
         """
         shape = tuple(getattr(counts, "shape", ()))
         if version is None:
@@ -148,6 +164,12 @@ class LoadReporter:
                 ready.record(torch.cuda.current_stream(item.device))
         else:
             item = np.array(counts, copy=True) if copy else np.asarray(counts)
+        if ready is None:
+            problem = _bad_values(item)
+            if problem:
+                with self._lock:
+                    self._counts["invalid_adds"] += 1
+                raise ValueError(f"counts{'' if version is None else f' (version={version})'}: {problem}")
         with self._lock:
             if len(self._queue) >= self.max_queued:
                 self._counts["dropped_adds"] += 1
@@ -227,6 +249,12 @@ class LoadReporter:
                 ready.synchronize()
             arr = counts.cpu().numpy() if hasattr(counts, "cpu") else counts
             arr = np.asarray(arr, dtype=np.float64)
+            if ready is not None and (problem := _bad_values(arr)):  # host arrays were checked in add()
+                log.warning("rank %d: dropped a CUDA counts tensor: %s", self.rank, problem)
+                with self._lock:
+                    self._counts["invalid_adds"] += 1
+                    self._last_error = f"counts: {problem}"
+                continue
             if version in sums:
                 sums[version] += arr
             else:
@@ -301,6 +329,17 @@ class LoadReporter:
     def _note_error(self, exc: grpc.RpcError) -> None:
         with self._lock:
             self._last_error = f"{exc.code().name}: {exc.details()}"
+
+
+def _bad_values(counts: object) -> str:
+    """``counts`` (a numpy array or a CPU tensor, any shape) → what breaks the rule, "" if none."""
+    if counts.shape and 0 in counts.shape:
+        return ""
+    lo, hi = float(counts.min()), float(counts.max())
+    if lo >= 0 and hi <= MAX_REPORT_COUNT:  # False for NaN too
+        return ""
+    found = "NaN" if np.isnan(lo) or np.isnan(hi) else f"values from {lo:g} to {hi:g}"
+    return f"every count must be finite and in [0, {MAX_REPORT_COUNT:g}] tokens; got {found}"
 
 
 def _tokens(msg: pb.ReportLoadRequest) -> float:

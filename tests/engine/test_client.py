@@ -110,6 +110,46 @@ def test_reporter_refuses_wrong_shapes_on_the_callers_thread(server):
         reporter.add(np.zeros((4, 24)), version=0)
 
 
+@pytest.mark.parametrize("bad", [
+    -np.ones((4, 16)),
+    np.full((4, 16), np.nan),
+    np.full((4, 16), np.inf),
+    np.full((4, 16), 2e12),  # above the service's limit on one count
+    torch.full((4, 16), -1, dtype=torch.int32),
+])
+def test_reporter_refuses_bad_counts_and_keeps_the_intervals_good_ones(server, bad):
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO)
+        with LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=10) as reporter:
+            assert reporter.add(np.full((4, 16), 2.0))
+            with pytest.raises(ValueError, match=r"every count must be finite and in \[0, 1e\+12\] tokens; got "):
+                reporter.add(bad)
+            physical = np.ones((4, 24))
+            physical[1, 3] = -5
+            with pytest.raises(ValueError, match=r"counts \(version=1\): .* got values from -5 to 1"):
+                reporter.add(physical, version=1)
+            assert reporter.add(np.ones((4, 24)), version=1)
+            assert reporter.stats().pending_tokens == 0  # nothing summed yet; the bad arrays never queued
+            assert reporter.flush(10)
+            stats = reporter.stats()
+        assert stats.invalid_adds == 2 and stats.added == 2 and stats.rejected == 0 and stats.accepted == 2
+        assert stats.pending_tokens == 0 and stats.last_error == ""
+        assert window_tokens(client)[0] == 2.0 * 64 + 96
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA tensor's values are checked on the reporter's thread")
+def test_reporter_drops_a_bad_cuda_tensor_on_its_thread_and_sends_the_rest(server):
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO)
+        with LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=10) as reporter:
+            assert reporter.add(torch.full((4, 16), float("nan"), device="cuda"))
+            assert reporter.add(torch.full((4, 16), 3.0, device="cuda"))
+            assert reporter.flush(10)
+            stats = reporter.stats()
+        assert stats.invalid_adds == 1 and stats.accepted == 1 and stats.rejected == 0 and "NaN" in stats.last_error
+        assert window_tokens(client)[0] == 3.0 * 64
+
+
 def test_reporter_drops_a_report_the_service_refuses_and_keeps_the_rest(server):
     with ServiceClient(server.address) as client:
         client.create_deployment("d1", TOPO)
