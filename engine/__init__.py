@@ -28,6 +28,7 @@ _LAZY: dict[str, str] = {
     "AsyncServiceClient": "aio",
     "ServiceBarrier": "rollout",
     "ProcessGroupBarrier": "rollout",
+    "AckSender": "rollout",
 }
 
 __all__ = sorted(_LAZY)
