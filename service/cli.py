@@ -11,11 +11,12 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 from .balancer import BalancerConfig
 from .logs import LOG_FORMATS, setup_logging
-from .server import ServerConfig, start_server
+from .server import ServerConfig, StartError, start_server
 
 __all__ = ["main", "parse_args"]
 
@@ -97,5 +98,9 @@ async def _serve(config: ServerConfig) -> None:
 def main(argv: list[str]) -> int:
     config, level, fmt = parse_args(argv)
     setup_logging(level, fmt)
-    asyncio.run(_serve(config))
+    try:
+        asyncio.run(_serve(config))
+    except StartError as exc:
+        print(f"eplb serve: error: --{exc.field.replace('_', '-')}: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -1,0 +1,96 @@
+"""``eplb serve`` as a user runs it: a real process, its exit status, stdout and stderr."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPLB_")}
+    return env | extra
+
+
+def run_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``eplb serve args`` that is expected to exit by itself (a start-up error)."""
+    return subprocess.run([sys.executable, "-m", "eplb_bench.cli", "serve", *args], cwd=ROOT, env=_env(**env), check=False,
+                          capture_output=True, text=True, timeout=30)
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A running ``eplb serve args`` and the first line it wrote to stdout; SIGTERM at exit, after
+    which ``proc.stderr_text`` holds what it wrote to stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "eplb_bench.cli", "serve", *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.stderr_text = proc.stderr.read()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit 2, nothing on stdout, one line on stderr holding every fragment, no traceback."""
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("eplb serve: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def health_status(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_a_second_server_on_a_taken_port_fails_and_the_first_keeps_serving():
+    port = free_port()
+    with serving("--port", str(port)) as (first, line):
+        assert f"listening on 127.0.0.1:{port}" in line
+        second = run_serve("--port", str(port))
+        assert_one_line_error(second, "--port", f"127.0.0.1:{port}", "in use")
+        assert first.poll() is None
+        assert health_status(port) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_taken_metrics_port_fails_cleanly():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run_serve("--port", "0", "--metrics-port", str(taken.getsockname()[1]))
+    # Before the fix: OSError, then "Event loop is closed" and "coroutine ... was never awaited".
+    assert_one_line_error(out, "--metrics-port", "in use")
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--redis-url", "http://x"], ["--redis-url", "redis://, rediss://, unix://"]),
+    (["--redis-url", "redis://127.0.0.1:notaport/0"], ["--redis-url", "port"]),
+    (["--host", "10.255.255.1"], ["--host", "10.255.255.1", "Cannot assign requested address"]),
+])
+def test_a_start_up_error_is_one_line_naming_the_flag(args, fragments):
+    assert_one_line_error(run_serve("--port", "0", *args), *fragments)
+
+
