@@ -19,7 +19,7 @@ from typing import NoReturn
 from urllib.parse import urlsplit
 
 from .balancer import BalancerConfig
-from .logs import LOG_FORMATS, setup_logging
+from .logs import LOG_FORMATS, JsonFormatter, setup_logging
 from .server import ServerConfig, StartError, start_server
 
 __all__ = ["main", "parse_args"]
@@ -155,13 +155,22 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
     return config, args.log_level, args.log_format
 
 
-async def _serve(config: ServerConfig) -> None:
+def _listening_line(fmt: str, host: str, port: int) -> str:
+    """The stdout line that says the server is up (scripts read the port from it), in ``fmt``."""
+    if fmt == "plain":
+        return f"eplb serve: listening on {host}:{port}"
+    record = logging.getLogger(__name__).makeRecord(
+        __name__, logging.INFO, __file__, 0, "listening on %s:%d", (host, port), None, extra={"host": host, "port": port})
+    return JsonFormatter().format(record)
+
+
+async def _serve(config: ServerConfig, fmt: str) -> None:
     running = await start_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"eplb serve: listening on {config.host}:{running.port}", flush=True)
+    print(_listening_line(fmt, config.host, running.port), flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %.1fs)", config.grace_s)
     await running.stop()
@@ -171,7 +180,7 @@ def main(argv: list[str]) -> int:
     config, level, fmt = parse_args(argv)
     setup_logging(level, fmt)
     try:
-        asyncio.run(_serve(config))
+        asyncio.run(_serve(config, fmt))
     except StartError as exc:
         print(f"eplb serve: error: --{exc.field.replace('_', '-')}: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -123,3 +124,16 @@ def test_a_flag_wins_over_a_bad_variable():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         proc.stdout.close()
+
+
+def test_json_log_format_writes_json_to_stdout_too():
+    with serving("--port", "0", "--log-format", "json") as (proc, line):
+        record = json.loads(line)
+        assert record["level"] == "INFO" and record["logger"] == "eplb_service.cli"
+        assert record["host"] == "127.0.0.1" and record["port"] > 0
+        assert record["msg"] == f"listening on 127.0.0.1:{record['port']}"
+        assert health_status(record["port"]) == health_pb2.HealthCheckResponse.SERVING
+    # Everything it logged on stderr is JSON as well, the shutdown lines included.
+    assert proc.returncode == 0
+    records = [json.loads(text) for text in proc.stderr_text.splitlines()]
+    assert any(r["msg"] == "stopped" for r in records), proc.stderr_text
