@@ -22,6 +22,7 @@ import contextlib
 import errno
 import logging
 import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,6 +218,13 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
         except OSError as exc:
             which = "tls_key" if exc.filename == str(config.tls_key) else "tls_cert"
             raise StartError(which, f"cannot read {exc.filename} ({exc.strerror})") from None
+        try:
+            # gRPC refuses bad PEM only when binding, as a bare "Failed to bind"; ssl says why.
+            # (An empty password: a key that needs one fails here, as gRPC cannot take one.)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key, "")
+        except ssl.SSLError as exc:
+            raise StartError("tls_cert", f"{config.tls_cert} and {config.tls_key} are not a PEM certificate chain "
+                             f"and its unencrypted private key ({exc.reason or exc})") from None
         add = lambda: server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     else:
         add = lambda: server.add_insecure_port(address)

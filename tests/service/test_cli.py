@@ -99,6 +99,9 @@ def test_a_taken_metrics_port_fails_cleanly():
     (["--redis-url", "http://x"], ["--redis-url", "redis://, rediss:// or unix://", "'http://x'"]),  # used to be a ValueError traceback
     (["--redis-url", "redis://127.0.0.1:notaport/0"], ["--redis-url", "port"]),
     (["--host", "10.255.255.1"], ["--host", "10.255.255.1", "Cannot assign requested address"]),
+    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"],
+     ["--tls-key", "cannot read /nonexistent/key.pem", "No such file"]),
+    (["--tls-cert", __file__, "--tls-key", __file__], ["--tls-cert", "not a PEM certificate chain"]),
 ])
 def test_a_bad_flag_is_one_line_naming_it_and_what_is_allowed(args, fragments):
     assert_one_line_error(run_serve("--port", "0", *args), *fragments)
