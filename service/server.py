@@ -211,7 +211,9 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
 
 def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
     """Adds the listening port; ``StartError`` when it is taken or the address is not this host's."""
-    address = f"{config.host}:{config.port}"
+    # An IPv6 literal such as :: needs brackets, or gRPC reads ":::50051" as a malformed name.
+    host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+    address = f"{host}:{config.port}"
     if tls:
         try:
             key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
@@ -228,7 +230,7 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
         add = lambda: server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     else:
         add = lambda: server.add_insecure_port(address)
-    _probe(config.host, config.port)
+    _probe(config.host.strip("[]"), config.port)
     try:
         port = add()
     except RuntimeError:  # "Failed to bind", the reason only in gRPC's own log
@@ -248,13 +250,13 @@ def _probe(host: str, port: int) -> None:
         raise StartError("host", f"cannot resolve {host!r} ({exc.strerror})") from None
     errors = []
     for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(addr)
-                return  # gRPC serves if any resolved address binds
-            except OSError as exc:
-                errors.append(exc)
+            return  # gRPC serves if any resolved address binds
+        except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
+            errors.append(exc)
     first = errors[0]
     which = "host" if first.errno == errno.EADDRNOTAVAIL else "port"
     raise StartError(which, f"cannot listen on {host}:{port} ({first.strerror or first})")

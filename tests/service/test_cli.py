@@ -140,3 +140,11 @@ def test_json_log_format_writes_json_to_stdout_too():
     assert proc.returncode == 0
     records = [json.loads(text) for text in proc.stderr_text.splitlines()]
     assert any(r["msg"] == "stopped" for r in records), proc.stderr_text
+
+
+def test_an_ipv6_host_serves():
+    # "::" used to reach gRPC as ":::50051", a malformed name: docs/service.md offers it for all hosts.
+    with serving("--host", "::", "--port", "0") as (_, line):
+        assert line.startswith("eplb serve: listening on :::"), line
+        port = int(line.rsplit(":", 1)[1])
+        assert health_status(port) == health_pb2.HealthCheckResponse.SERVING  # via 127.0.0.1, dual stack
