@@ -9,19 +9,100 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
+from urllib.parse import urlsplit
 
 from .balancer import BalancerConfig
-from .logs import LOG_FORMATS, setup_logging
-from .server import ServerConfig, start_server
+from .logs import LOG_FORMATS, JsonFormatter, setup_logging
+from .server import ServerConfig, StartError, start_server
 
 __all__ = ["main", "parse_args"]
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"EPLB_{name}", default)
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr, exit 2: the message names the flag and what it takes."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_in(lo: int, hi: int, allowed: str) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+    return convert
+
+
+def _seconds(zero_ok: bool) -> Callable[[str], float]:
+    allowed = "a number of seconds >= 0" if zero_ok else "a number of seconds > 0"
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+    return convert
+
+
+def _one_of(names: tuple[str, ...], normalise: Callable[[str], str] = str) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        if normalise(text) not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {text!r}")
+        return normalise(text)
+    return convert
+
+
+def _redis_url(text: str) -> str:
+    if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
+        raise argparse.ArgumentTypeError(f"must be a redis://, rediss:// or unix:// URL, got {text!r}")
+    return text
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# grpc.max_*_message_length is a C int; below a few KiB not even health checks fit.
+_MESSAGE_BYTES = (4096, 2**31 - 1)
+
+# dest: (flag, EPLB_ variable, default as text or None for unset, converter, help).
+_OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] = {
+    "host": ("--host", "HOST", "127.0.0.1", str, "bind address; 0.0.0.0 or :: to serve other hosts"),
+    "port": ("--port", "PORT", "50051", _int_in(0, 65535, "a port 0-65535 (0 picks a free one)"),
+             "gRPC port 0-65535, 0 picks one"),
+    "redis_url": ("--redis-url", "REDIS_URL", None, _redis_url,
+                  "redis://… for state shared by replicas; unset: embedded in-memory store"),
+    "key_prefix": ("--key-prefix", "KEY_PREFIX", "eplb", str, "Redis key prefix"),
+    "token_file": ("--token-file", "TOKEN_FILE", None, Path,
+                   "read the token from this file (surrounding whitespace stripped)"),
+    "tls_cert": ("--tls-cert", "TLS_CERT", None, Path, "PEM certificate chain"),
+    "tls_key": ("--tls-key", "TLS_KEY", None, Path, "PEM private key"),
+    "max_message_bytes": ("--max-message-bytes", "MAX_MESSAGE_BYTES", str(16 << 20),
+                          _int_in(*_MESSAGE_BYTES, f"a number of bytes {_MESSAGE_BYTES[0]}-{_MESSAGE_BYTES[1]}"),
+                          "largest gRPC message either way, 4096-2147483647 bytes (16777216 = 16 MiB)"),
+    "metrics_port": ("--metrics-port", "METRICS_PORT", "-1", _int_in(-1, 65535, "-1 (off) or a port 0-65535"),
+                     "Prometheus /metrics port 0-65535, -1 off"),
+    "lease_seconds": ("--lease-seconds", "LEASE_SECONDS", "10", _seconds(zero_ok=False),
+                      "planning lease (> 0); a crashed planner is replaced within it"),
+    "flush_seconds": ("--flush-seconds", "FLUSH_SECONDS", "1", _seconds(zero_ok=False),
+                      "how often windows are flushed to the store (> 0)"),
+    "grace_seconds": ("--grace-seconds", "GRACE_SECONDS", "5", _seconds(zero_ok=True),
+                      "graceful shutdown time on SIGTERM (>= 0)"),
+    "log_level": ("--log-level", "LOG_LEVEL", "INFO", _one_of(_LOG_LEVELS, str.upper), "/".join(_LOG_LEVELS)),
+    "log_format": ("--log-format", "LOG_FORMAT", "plain", _one_of(LOG_FORMATS),
+                   "plain text, or one JSON object per line"),
+}
 
 
 def _read_token(path: Path) -> str:
@@ -35,39 +116,31 @@ def _read_token(path: Path) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
-    """``argv`` → the server's config, the log level and the log format."""
-    ap = argparse.ArgumentParser(prog="eplb serve", description="Run the eplb balancer service (gRPC, package eplb.v1).")
-    ap.add_argument("--host", default=_env("HOST", "127.0.0.1"),
-                    help="bind address; 0.0.0.0 or :: to serve other hosts [EPLB_HOST, 127.0.0.1]")
-    ap.add_argument("--port", type=int, default=int(_env("PORT", "50051")), help="gRPC port, 0 picks one [EPLB_PORT, 50051]")
-    ap.add_argument("--redis-url", default=_env("REDIS_URL"),
-                    help="redis://… for state shared by replicas; unset: embedded in-memory store [EPLB_REDIS_URL]")
-    ap.add_argument("--key-prefix", default=_env("KEY_PREFIX", "eplb"), help="Redis key prefix [EPLB_KEY_PREFIX, eplb]")
-    ap.add_argument("--token", default=None,
-                    help="require 'authorization: Bearer <token>'; visible in ps, prefer --token-file [EPLB_TOKEN]")
-    ap.add_argument("--token-file", type=Path, default=_env("TOKEN_FILE"),
-                    help="read the token from this file (surrounding whitespace stripped) [EPLB_TOKEN_FILE]")
-    ap.add_argument("--tls-cert", type=Path, default=_env("TLS_CERT"), help="PEM certificate chain [EPLB_TLS_CERT]")
-    ap.add_argument("--tls-key", type=Path, default=_env("TLS_KEY"), help="PEM private key [EPLB_TLS_KEY]")
-    ap.add_argument("--max-message-bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(16 << 20))),
-                    help="largest gRPC message either way [EPLB_MAX_MESSAGE_BYTES, 16 MiB]")
-    ap.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
-                    help="Prometheus /metrics port, -1 off [EPLB_METRICS_PORT, -1]")
-    ap.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", "10")),
-                    help="planning lease; a crashed planner is replaced within it [EPLB_LEASE_SECONDS, 10]")
-    ap.add_argument("--flush-seconds", type=float, default=float(_env("FLUSH_SECONDS", "1")),
-                    help="how often windows are flushed to the store [EPLB_FLUSH_SECONDS, 1]")
-    ap.add_argument("--grace-seconds", type=float, default=float(_env("GRACE_SECONDS", "5")),
-                    help="graceful shutdown time on SIGTERM [EPLB_GRACE_SECONDS, 5]")
-    ap.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="[EPLB_LOG_LEVEL, INFO]")
-    ap.add_argument("--log-format", default=_env("LOG_FORMAT", "plain"), choices=LOG_FORMATS,
-                    help="plain text, or one JSON object per line [EPLB_LOG_FORMAT, plain]")
+    """``argv`` → the server's config, the log level and the log format.
+
+    A flag wins over its ``EPLB_*`` variable; a bad value of either exits 2 with one line naming it.
+    """
+    ap = _Parser(prog="eplb serve", description="Run the eplb balancer service (gRPC, package eplb.v1).")
+    for dest, (flag, env, default, convert, help_) in _OPTIONS.items():
+        ap.add_argument(flag, dest=dest, type=convert, default=None, help=f"{help_} [EPLB_{env}, {default or 'unset'}]")
+        if dest == "key_prefix":
+            ap.add_argument("--token", default=None,
+                            help="require 'authorization: Bearer <token>'; visible in ps, prefer --token-file [EPLB_TOKEN]")
     args = ap.parse_args(argv)
+    # Defaults and variables are converted only now, so a bad variable is reported like a bad flag.
+    for dest, (_, env, default, convert, _) in _OPTIONS.items():
+        if getattr(args, dest) is not None:
+            continue
+        raw = os.environ.get(f"EPLB_{env}", default)
+        try:
+            setattr(args, dest, None if raw is None else convert(raw))
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"EPLB_{env}: {exc}")
     if bool(args.tls_cert) != bool(args.tls_key):
         ap.error("--tls-cert and --tls-key go together")
     if args.token is not None and args.token_file is not None:
         ap.error("give --token or --token-file, not both")
-    token = args.token or _env("TOKEN") or None
+    token = args.token or os.environ.get("EPLB_TOKEN") or None
     if args.token_file is not None:
         try:
             token = _read_token(args.token_file)
@@ -82,13 +155,22 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
     return config, args.log_level, args.log_format
 
 
-async def _serve(config: ServerConfig) -> None:
+def _listening_line(fmt: str, host: str, port: int) -> str:
+    """The stdout line that says the server is up (scripts read the port from it), in ``fmt``."""
+    if fmt == "plain":
+        return f"eplb serve: listening on {host}:{port}"
+    record = logging.getLogger(__name__).makeRecord(
+        __name__, logging.INFO, __file__, 0, "listening on %s:%d", (host, port), None, extra={"host": host, "port": port})
+    return JsonFormatter().format(record)
+
+
+async def _serve(config: ServerConfig, fmt: str) -> None:
     running = await start_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"eplb serve: listening on {config.host}:{running.port}", flush=True)
+    print(_listening_line(fmt, config.host, running.port), flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %.1fs)", config.grace_s)
     await running.stop()
@@ -97,5 +179,9 @@ async def _serve(config: ServerConfig) -> None:
 def main(argv: list[str]) -> int:
     config, level, fmt = parse_args(argv)
     setup_logging(level, fmt)
-    asyncio.run(_serve(config))
+    try:
+        asyncio.run(_serve(config, fmt))
+    except StartError as exc:
+        print(f"eplb serve: error: --{exc.field.replace('_', '-')}: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -70,7 +70,7 @@ class Metrics:
             ["deployment", "reason"], registry=r,
         ))
         set_("rollouts", Counter(
-            "eplb_rollout", "Placement rollouts reaching a state (e.g. started, applied, aborted)",
+            "eplb_rollout", "Placement versions whose rollout reached a state: prepared (every rank), switched (every rank), failed (aborted)",
             ["deployment", "state"], registry=r,
         ))
         # Per RPC method (short name, e.g. ReportLoad) and status code name (e.g. OK, UNAVAILABLE).

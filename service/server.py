@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +42,7 @@ from .redis_store import RedisStore
 from .servicer import BalancerServicer
 from .store import Store
 
-__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "start_server"]
+__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "StartError", "start_server"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"].full_
 
 # Time for NOT_SERVING to reach Health/Watch streams before server streams are ended.
 _HEALTH_FLUSH_S = 0.1
+
+
+class StartError(Exception):
+    """The server cannot start as configured; ``field`` names the ``ServerConfig`` field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,9 @@ class ServerConfig:
 
 def _options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
+        # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on a
+        # taken port starts too, the kernel splitting clients between two unrelated states.
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         # Engines hold watch streams for hours: ping idle connections so dead peers are noticed,
@@ -131,9 +145,16 @@ class RunningServer:
 
 
 async def start_server(config: ServerConfig, store: Store | None = None) -> RunningServer:
-    """Starts serving; ``port`` 0 picks a free port (``RunningServer.port`` says which)."""
+    """Starts serving; ``port`` 0 picks a free port (``RunningServer.port`` says which).
+
+    Raises ``StartError`` (what was started so far stopped again) when the Redis URL is malformed,
+    the gRPC or metrics address cannot be bound, or the TLS files cannot be read.
+    """
     if store is None:
-        store = RedisStore(config.redis_url, config.key_prefix) if config.redis_url else MemoryStore()
+        try:
+            store = RedisStore(config.redis_url, config.key_prefix) if config.redis_url else MemoryStore()
+        except ValueError as exc:  # redis-py's message names the schemes it takes
+            raise StartError("redis_url", str(exc)) from None
     metrics = Metrics()
     store = TimedStore(store, metrics)
     health_servicer = health.aio.HealthServicer()
@@ -157,12 +178,21 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(BalancerServicer(balancer), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{config.host}:{config.port}"
-    if tls:
-        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    httpd = None
+    try:
+        port = _bind(server, config, tls)
+        # Bound before anything runs, so a taken port leaves nothing to stop but the store.
+        if config.metrics_port is not None:
+            try:
+                httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+            except OSError as exc:
+                raise StartError("metrics_port", f"cannot serve /metrics on {config.host}:{config.metrics_port} "
+                                 f"({exc.strerror or exc})") from None
+    except StartError:
+        await server.stop(None)
+        with contextlib.suppress(ServiceError):
+            await store.close()
+        raise
     await balancer.start()
     ok = True
     try:
@@ -174,9 +204,59 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     balancer.healthy = ok
     on_health(ok)
     await server.start()
-    httpd = None
-    if config.metrics_port is not None:
-        httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
     log.info("serving eplb.v1 on %s:%d (%s store%s)", config.host, port, "redis" if config.redis_url else "in-memory",
              ", TLS" if tls else "")
     return RunningServer(server, balancer, store, health_servicer, metrics, port, config.grace_s, calls, httpd)
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
+    """Adds the listening port; ``StartError`` when it is taken or the address is not this host's."""
+    # An IPv6 literal such as :: needs brackets, or gRPC reads ":::50051" as a malformed name.
+    host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+    address = f"{host}:{config.port}"
+    if tls:
+        try:
+            key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+        except OSError as exc:
+            which = "tls_key" if exc.filename == str(config.tls_key) else "tls_cert"
+            raise StartError(which, f"cannot read {exc.filename} ({exc.strerror})") from None
+        try:
+            # gRPC refuses bad PEM only when binding, as a bare "Failed to bind"; ssl says why.
+            # (An empty password: a key that needs one fails here, as gRPC cannot take one.)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key, "")
+        except ssl.SSLError as exc:
+            raise StartError("tls_cert", f"{config.tls_cert} and {config.tls_key} are not a PEM certificate chain "
+                             f"and its unencrypted private key ({exc.reason or exc})") from None
+        add = lambda: server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        add = lambda: server.add_insecure_port(address)
+    _probe(config.host.strip("[]"), config.port)
+    try:
+        port = add()
+    except RuntimeError:  # "Failed to bind", the reason only in gRPC's own log
+        port = 0
+    if port == 0:  # taken between the probe and here
+        raise StartError("port", f"cannot listen on {address}: the port is in use or {config.host} is not "
+                         "an address of this host")
+    return port
+
+
+def _probe(host: str, port: int) -> None:
+    """Binds ``host:port`` the way gRPC does (SO_REUSEADDR), to refuse a taken port with its reason
+    before gRPC fails with a bare "Failed to bind" and logs the reason to stderr itself."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartError("host", f"cannot resolve {host!r} ({exc.strerror})") from None
+    errors = []
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(addr)
+            return  # gRPC serves if any resolved address binds
+        except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
+            errors.append(exc)
+    first = errors[0]
+    which = "host" if first.errno == errno.EADDRNOTAVAIL else "port"
+    raise StartError(which, f"cannot listen on {host}:{port} ({first.strerror or first})")

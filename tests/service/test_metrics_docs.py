@@ -1,0 +1,62 @@
+"""The metrics the docs name are the ones the service registers, with the same labels."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from eplb_service.metrics import Metrics
+from prometheus_client import Counter
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("docs/service.md", "docs/rollout.md")
+PACKAGES = {"eplb_service", "eplb_engine", "eplb_bench"}  # named in the same docs
+
+
+def registered() -> dict[str, tuple[str, ...]]:
+    """Series name as scraped (counters end in ``_total``) → label names, for the eplb_ series."""
+    out = {}
+    for metric in vars(Metrics()).values():
+        if hasattr(metric, "_labelnames"):  # prometheus_client offers no public label listing
+            name = metric._name + ("_total" if isinstance(metric, Counter) else "")
+            out[name] = tuple(metric._labelnames)
+    return out
+
+
+def documented_table() -> dict[str, tuple[str, ...]]:
+    """docs/service.md §Metrics: series → labels, from its table rows."""
+    text = (ROOT / "docs/service.md").read_text()
+    section = text[text.index("### Metrics"):text.index("### Logs")]
+    rows = re.findall(r"^\| `(eplb_\w+)` \|([^|]*)\|", section, re.MULTILINE)
+    return {name: tuple(re.findall(r"`(\w+)`", labels)) for name, labels in rows}
+
+
+def test_the_metrics_table_lists_every_series_with_its_labels():
+    assert documented_table() == registered()
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_series_a_doc_names_exists(doc):
+    text = (ROOT / doc).read_text()
+    names = set(re.findall(r"`(eplb_\w+)[{`]", text)) - PACKAGES
+    assert names, doc
+    assert names <= set(registered()), sorted(names - set(registered()))
+    for name, labels in re.findall(r"`(eplb_\w+)\{([^}]*)\}", text):
+        used = set(re.findall(r"(\w+)=", labels) or re.findall(r"\w+", labels))
+        assert used <= set(registered()[name]), (doc, name, used)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_test_file_a_doc_names_exists(doc):
+    paths = re.findall(r"`(tests/[\w/]+\.py)", (ROOT / doc).read_text())
+    assert all((ROOT / p).is_file() for p in paths), [p for p in paths if not (ROOT / p).is_file()]
+
+
+def test_rollout_help_names_the_states_the_service_counts():
+    # service/deployments.py counts these three; the help used to say "started, applied, aborted".
+    source = (ROOT / "service/deployments.py").read_text()
+    states = set(re.findall(r'\("(\w+)", rollout\.became_\w+', source))
+    assert states == {"prepared", "switched", "failed"}
+    help_text = Metrics().rollouts._documentation
+    assert all(state in help_text for state in states), help_text
