@@ -113,7 +113,9 @@ class PlacementHub:
     async def watch(self, since_version: int) -> AsyncIterator[pb.Placement]:
         """The latest version (or, resuming, the one after ``since_version``), then each new one in order.
 
-        A watcher whose next version already left the ring gets the latest instead of a backlog.
+        A resuming watcher whose next version is not in the ring (this replica started after it
+        was published) gets it from the store, which keeps ``PLACEMENTS_KEPT`` versions; only
+        one whose next version left the store too gets the latest instead of a backlog.
         """
         sent = since_version
         while True:
@@ -121,6 +123,17 @@ class PlacementHub:
                 await self._changed.wait_for(lambda: self.deleted or self.version > sent)
             if self.deleted:
                 raise NotFound(f"deployment {self.name!r} was deleted")
-            nxt = (self.ring.get(sent + 1) if sent else None) or self.latest
+            nxt = (self.ring.get(sent + 1) or await self._from_store(sent + 1)) if sent else None
+            nxt = nxt or self.latest
             sent = nxt.version
             yield nxt
+
+    async def _from_store(self, version: int) -> pb.Placement | None:
+        """``version`` from the store when it is still kept there, else None (then: the latest)."""
+        if version > self.version or version <= self.version - PLACEMENTS_KEPT:
+            return None
+        try:
+            placement = await self.store.placement(self.name, version)
+        except ServiceError:  # gone from the store, or the store is down: the latest is all we have
+            return None
+        return placement if placement.version == version else None

@@ -163,3 +163,19 @@ async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
     assert time.monotonic() - start > a.balancer.config.lease_s  # B really waited past one lease
     assert first.published and second.published
     assert sorted([first.placement.version, second.placement.version]) == [2, 3]
+
+
+async def test_a_watcher_resuming_at_a_replica_started_later_misses_no_version(serve, connect, prefix):
+    """A replica that started after versions 2..5 were published has only the latest in its
+    ring; a watcher resuming there after version 2 (its old replica died) still gets 3, 4, 5."""
+    p = prefix()
+    first = connect(await serve(redis_url=REDIS_URL, key_prefix=p))
+    await first.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    for _ in range(4):
+        assert (await first.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
+    late = connect(await serve(redis_url=REDIS_URL, key_prefix=p))
+    call = late.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1", since_version=2))
+    assert await asyncio.wait_for(read_versions(call, 3), 10) == [3, 4, 5]
+    assert (await first.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
+    assert await asyncio.wait_for(read_versions(call, 1), 10) == [6]
+    call.cancel()
