@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..loads import check_layer_sums
 from ..metrics import gpu_loads, imbalance
 from ..migration import choose
 from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
-from .deepseek import deepseek_rebalance
+from .deepseek import FLOAT32_LAYER_SUM, deepseek_rebalance
 from .hierarchical import SearchStats, flat_topology, plan_placement
 
 __all__: list[str] = []
@@ -140,6 +141,7 @@ def _auto(loads: np.ndarray, topology: Topology, previous: Placement | None, **o
 def _deepseek(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
     if options:
         raise ValueError(f"policy 'deepseek' takes no options, got {sorted(options)}")
+    check_layer_sums(loads, FLOAT32_LAYER_SUM, "loads", "policy 'deepseek' computes in float32 as eplb.py does")
     t = topology
     phy2log, _, _, hier = deepseek_rebalance(loads, t.num_slots, t.num_groups, t.num_nodes, t.num_gpus, exact_ranks=False)
     notes = () if hier else ("deepseek: num_groups % num_nodes != 0, eplb.py's global fallback ran",)
