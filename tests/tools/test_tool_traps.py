@@ -198,6 +198,11 @@ def test_docs_the_tools_point_at_are_in_the_repo():
     assert not [p.name for p in texts if "BENCHMARKS.md" in p.read_text()]
     scale_help = cli._parser()._subparsers._group_actions[0].choices["place"].format_help()
     assert "--scale" in scale_help and "docs/scales.md" in scale_help
+    # A command the docs say the README runs must be in the README.
+    readme = (ROOT / "README.md").read_text()
+    claimed = [line.split("#")[0].strip() for path in texts for line in path.read_text().splitlines()
+               if "what the README runs" in line]
+    assert [c for c in claimed if c not in readme] == []
 
 
 @pytest.mark.parametrize(("argv", "message"), [
