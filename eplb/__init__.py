@@ -31,8 +31,9 @@ __all__ = [
     "moves",
 ]
 
-# Modules reachable as eplb.<name> after `import eplb`, loaded on first access: together they
-# would add about 11 ms (a tenth) to `import eplb`, which an engine pays at start-up.
+# Modules reachable as eplb.<name> after `import eplb`, loaded on first access: imported eagerly
+# they added 10-30 ms to the ~110 ms of `import eplb` (python -X importtime, shared 2-core VM),
+# which every engine rank pays at start-up.
 _LAZY = ("compat", "formats", "simulate", "traces", "transfer", "workloads")
 
 

@@ -20,8 +20,9 @@ def max_layer_sum(topology: Topology) -> float:
 
 
 def check_layer_sums(arr: np.ndarray, limit: float, name: str, why: str) -> None:
-    """``arr``: ``[L, E]`` finite, >= 0 (summed in float64, so integer sums cannot wrap). Raises ``ValueError`` naming ``name``, the first layer whose
-    sum is above ``limit`` (or overflows) and ``why`` that is the limit."""
+    """``arr``: ``[L, E]`` finite, >= 0, summed in float64 (integer sums cannot wrap). Raises
+    ``ValueError`` naming ``name``, the first layer whose sum is above ``limit`` (or overflows)
+    and ``why`` that is the limit."""
     with np.errstate(over="ignore"):  # a sum that overflows is inf, which the test below catches
         sums = arr.sum(axis=1, dtype=np.float64)
     over = ~(sums <= limit)
