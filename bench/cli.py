@@ -111,6 +111,13 @@ def _check_flags(args: argparse.Namespace) -> None:
     if given:
         raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
                          + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given"))
+    if not args.trace and not args.synthetic:
+        # Planning a default workload nobody asked for, and writing nothing, helps no one.
+        raise ValueError(
+            "nothing to plan: give a TRACE file, or --synthetic NAME for a built-in workload "
+            f"({', '.join(WORKLOADS)}), e.g. eplb place --synthetic lognormal-1.0 --scale v3-prefill --out p.json; "
+            "eplb place --help lists the flags"
+        )
 
 
 def _place(args: argparse.Namespace) -> int:
@@ -134,7 +141,7 @@ def _place(args: argparse.Namespace) -> int:
         if args.scale is None and args.topology is None and args.slots is None:
             args.scale = "v3-prefill"
         topo = _topology(args, None, None)
-        workload, seed = args.synthetic or "lognormal-1.0", args.seed or 0
+        workload, seed = args.synthetic, args.seed or 0
         loads = make_loads(workload, topo, seed)
         source = f"synthetic {workload} (seed {seed})"
     bounds = {
@@ -326,14 +333,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "place",
         help="plan a placement from a load trace (or a synthetic workload) and write it",
-        description="Plan a placement from TRACE (formats: docs/tools.md) or, without TRACE, from a "
-        "built-in synthetic workload, print a short report and write the placement.",
+        description="Plan a placement from TRACE (formats: docs/tools.md) or, with --synthetic NAME instead, from a "
+        "built-in workload, print a short report and write the placement.",
     )
     p.add_argument("trace", nargs="?", help="load trace file (.json .npy .npz .csv .pt)")
     p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
     p.add_argument("--recorded-under", metavar="PLACEMENT", help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)")
-    p.add_argument("--synthetic", "--workload", dest="synthetic", choices=WORKLOADS, help="workload when no TRACE is given [lognormal-1.0]")
-    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md)")
+    p.add_argument("--synthetic", "--workload", dest="synthetic", choices=WORKLOADS, help="plan this built-in workload instead of a TRACE (docs/scales.md)")
+    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md) [v3-prefill with --synthetic]")
     p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")
     for name in _TOPO_ARGS:
         p.add_argument(f"--{name}", type=int, help=f"number of {name}" + (" (default: the trace's)" if name in ("layers", "experts") else ""))

@@ -1,5 +1,7 @@
 """Bad input gets a ValueError saying what is wrong and what is allowed."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,59 @@ TOPO = eplb.Topology(2, 4, 8, 4)
 def test_bad_loads_are_rejected(loads, match: str, policy: str) -> None:
     with pytest.raises(ValueError, match=match):
         eplb.rebalance(loads, TOPO, policy)
+
+
+FMAX = np.finfo(np.float64).max
+
+
+@pytest.mark.parametrize("policy", ["global", "hierarchical", "auto", "deepseek"])
+@pytest.mark.parametrize(
+    "loads",
+    [
+        np.full((2, 4), 1e308),  # the sum overflows float64
+        np.array([[1.0, 1, 1, 1], [FMAX / 4, 0, 0, 0]]),  # a finite sum, but x num_slots overflows
+    ],
+)
+def test_loads_too_large_to_plan_are_rejected_naming_the_limit(loads: np.ndarray, policy: str) -> None:
+    topo = eplb.Topology(2, 4, 8, 4, 2, 2)
+    assert eplb.loads.max_layer_sum(topo) == FMAX / 8
+    match = rf"loads too large: layer \d sums to .*, above the limit of {re.escape(f'{FMAX / 8:.4g}')} per layer"
+    with np.errstate(all="raise"), pytest.raises(ValueError, match=match):
+        eplb.rebalance(loads, topo, policy)
+
+
+def test_deepseek_refuses_loads_eplb_py_cannot_sum_in_float32() -> None:
+    loads = np.array([[1.0, 1, 1, 1], [1e38, 1e38, 1e38, 1e38]])
+    eplb.rebalance(loads, TOPO, "global")  # well within float64
+    with pytest.raises(ValueError, match=r"loads too large: layer 1 sums to 4e\+38, above the limit of 1.701e\+38 .*float32"):
+        eplb.rebalance(loads, TOPO, "deepseek")
+
+
+def test_loads_just_within_the_limit_plan_without_overflow() -> None:
+    topo = eplb.Topology(4, 32, 48, 8, 2, 4)
+    base = np.random.default_rng(0).lognormal(0, 2, (4, 32))
+    base /= base.sum(axis=1, keepdims=True)
+    small = eplb.rebalance(base, topo, "auto")
+    with np.errstate(all="raise"):
+        for policy in ("global", "hierarchical", "auto"):
+            loads = base * eplb.loads.max_layer_sum(topo) * (1 - 1e-9)
+            plan = eplb.rebalance(loads, topo, policy)
+            again = eplb.rebalance(loads[:, ::-1].copy(), topo, policy, previous=plan.placement)
+            assert np.isfinite(plan.imbalance).all() and np.isfinite(again.imbalance).all()
+        plan = eplb.rebalance(base * 2.0**127 * (1 - 1e-9), topo, "deepseek")
+        assert np.isfinite(plan.imbalance).all()
+    # The same placement as the loads at their usual scale: only the ratios matter here.
+    assert np.array_equal(eplb.rebalance(base * eplb.loads.max_layer_sum(topo) * 0.5, topo, "auto").phy2log, small.phy2log)
+
+
+def test_compat_rejects_weights_eplb_py_cannot_sum_in_float32() -> None:
+    from eplb.compat.deepseek import rebalance_experts
+
+    with pytest.raises(ValueError, match=r"weight too large: layer 1 sums to 4e\+38.*eplb.py computes in float32"):
+        rebalance_experts(np.array([[1.0, 1, 1, 1], [1e38, 1e38, 1e38, 1e38]]), 8, 2, 2, 4)
+    big_int = np.full((1, 4), 2**62, dtype=np.int64)  # fits float32, and an int64 sum would wrap
+    phy2log, _, _ = rebalance_experts(big_int, 8, 2, 2, 4)
+    assert sorted(np.bincount(phy2log[0])) == [2, 2, 2, 2]
 
 
 def test_unknown_policy_lists_the_known_ones() -> None:

@@ -76,6 +76,34 @@ def test_bad_tolerance_is_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", previous=prev, layer_tolerance="5%")
 
 
+@pytest.mark.parametrize("policy", ["global", "hierarchical", "auto"])
+@pytest.mark.parametrize(
+    "option, value, match",
+    [
+        ("tolerance", -1, r"tolerance must be a number >= 0 .*got -1"),
+        ("tolerance", float("nan"), r"tolerance must be a number >= 0 .*got nan"),
+        ("layer_tolerance", "5%", r"layer_tolerance must be a number >= 0 .*got '5%'"),
+        ("max_moves", -3, r"max_moves must be an integer >= 0 .*got -3"),
+        ("max_layer_moves", 1.5, r"max_layer_moves must be an integer >= 0 .*got 1.5"),
+    ],
+)
+def test_bad_replan_options_are_rejected_without_previous_too(policy: str, option: str, value: object, match: str) -> None:
+    topo = eplb.Topology(2, 8, 16, 4, 2, 2)
+    with pytest.raises(ValueError, match=match):
+        eplb.rebalance(np.ones((2, 8)), topo, policy, **{option: value})
+
+
+def test_an_unbounded_tolerance_keeps_the_previous_placement_without_overflow() -> None:
+    topo = eplb.Topology(4, 32, 48, 8)
+    loads = np.random.default_rng(0).lognormal(0, 1, (4, 32)) * 1e300
+    prev = eplb.rebalance(loads, topo, "global").placement
+    with np.errstate(all="raise"):  # (1 + k tolerance) x a gpu's load must not overflow
+        for tol in (1e300, float("inf")):
+            plan = eplb.rebalance(loads[::-1].copy(), topo, "global", previous=prev, tolerance=tol, layer_tolerance=tol)
+            assert plan.total_moves == 0
+            assert np.array_equal(plan.phy2log, prev.phy2log)
+
+
 def _random_replan(data: st.DataObject, drifts: list[float]) -> tuple[eplb.Topology, np.ndarray, eplb.Placement]:
     """A small random topology, loads after one drift step of a drawn sigma, and the ``global``
     plan of the loads before it."""

@@ -6,7 +6,8 @@ import numbers
 
 import numpy as np
 
-from ..policies.deepseek import deepseek_log2phy, deepseek_rebalance
+from ..loads import check_layer_sums
+from ..policies.deepseek import FLOAT32_LAYER_SUM, deepseek_log2phy, deepseek_rebalance
 
 __all__ = ["rebalance_experts"]
 
@@ -34,6 +35,7 @@ def rebalance_experts(
         raise ValueError(f"weight must be a numeric [layers, num_logical_experts] array, got shape {w.shape} dtype {w.dtype}")
     if not np.isfinite(w).all() or (w < 0).any():
         raise ValueError("weight must be finite and >= 0")
+    check_layer_sums(w, FLOAT32_LAYER_SUM, "weight", "eplb.py computes in float32")
     num_replicas, num_groups = _count("num_replicas", num_replicas), _count("num_groups", num_groups)
     num_nodes, num_gpus = _count("num_nodes", num_nodes), _count("num_gpus", num_gpus)
     num_log = w.shape[1]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..loads import check_layer_sums
 from ..metrics import gpu_loads, imbalance
 from ..migration import choose
 from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
-from .deepseek import deepseek_rebalance
+from .deepseek import FLOAT32_LAYER_SUM, deepseek_rebalance
 from .hierarchical import SearchStats, flat_topology, plan_placement
 
 __all__: list[str] = []
@@ -21,40 +22,52 @@ DEFAULT_TOLERANCE = 0.01
 DEFAULT_LAYER_TOLERANCE = 0.05
 
 
+# Options that shape a re-plan from `previous=` rather than the fresh plan.
+MIGRATION_OPTIONS = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
+
+
+def _migration_options(options: dict) -> dict:
+    """The re-plan options with defaults filled in, checked whether or not ``previous=`` is given
+    (a caller that passes them on every call learns of a bad value on the first plan)."""
+    out: dict = {}
+    for name, default in (("tolerance", DEFAULT_TOLERANCE), ("layer_tolerance", DEFAULT_LAYER_TOLERANCE)):
+        value = options.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0 (a fraction, 0.01 = 1 %), got {value!r}")
+        out[name] = float(value)
+    for name in ("max_moves", "max_layer_moves"):
+        value = options.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
+        out[name] = None if value is None else int(value)
+    return out
+
+
 def _migration_aware(
     phy2log: np.ndarray,
     loads: np.ndarray,
     topology: Topology,
     previous: Placement | None,
     by_node: bool,
-    options: dict,
+    mig: dict,
 ) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration), how
-    many layers took each way, and notes."""
+    many layers took each way, and notes. ``mig``: checked ``_migration_options``."""
     if previous is None:
         return phy2log, {}, ()
-    tol = {}
-    for name, default in (("tolerance", DEFAULT_TOLERANCE), ("layer_tolerance", DEFAULT_LAYER_TOLERANCE)):
-        value = options.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number >= 0 (a fraction, 0.01 = 1 %), got {value!r}")
-        tol[name] = float(value)
-    limits: dict[str, int | None] = {}
-    for name in ("max_moves", "max_layer_moves"):
-        value = options.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
-            raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
-        limits[name] = None if value is None else int(value)
-    return choose(loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node, **limits)
-
-
-# Options that shape a re-plan from `previous=` rather than the fresh plan.
-MIGRATION_OPTIONS = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
+    # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
+    # num_gpus - 1 already allows every placement; capping there keeps the repair targets
+    # ((1 + k tolerance) x the busiest gpu's load) finite for any tolerance, inf included.
+    most = float(topology.num_gpus - 1)
+    tol, layer_tol = min(mig["tolerance"], most), min(mig["layer_tolerance"], most)
+    return choose(loads, previous, phy2log, topology, tol, layer_tol, by_node,
+                  max_moves=mig["max_moves"], max_layer_moves=mig["max_layer_moves"])
 
 
 def _split(options: dict) -> tuple[dict, dict]:
+    """Options → (the fresh plan's, checked re-plan options)."""
     migration = {k: options[k] for k in MIGRATION_OPTIONS if k in options}
-    return {k: v for k, v in options.items() if k not in migration}, migration
+    return {k: v for k, v in options.items() if k not in migration}, _migration_options(migration)
 
 
 def _search_notes(stats: SearchStats, opts: dict) -> tuple[str, ...]:
@@ -128,6 +141,7 @@ def _auto(loads: np.ndarray, topology: Topology, previous: Placement | None, **o
 def _deepseek(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
     if options:
         raise ValueError(f"policy 'deepseek' takes no options, got {sorted(options)}")
+    check_layer_sums(loads, FLOAT32_LAYER_SUM, "loads", "policy 'deepseek' computes in float32 as eplb.py does")
     t = topology
     phy2log, _, _, hier = deepseek_rebalance(loads, t.num_slots, t.num_groups, t.num_nodes, t.num_gpus, exact_ranks=False)
     notes = () if hier else ("deepseek: num_groups % num_nodes != 0, eplb.py's global fallback ran",)

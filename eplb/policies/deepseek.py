@@ -12,7 +12,12 @@ import numpy as np
 
 from ._stdsort import argsort_desc_like_torch
 
-__all__ = ["deepseek_rebalance", "deepseek_log2phy"]
+__all__ = ["deepseek_rebalance", "deepseek_log2phy", "FLOAT32_LAYER_SUM"]
+
+# Largest sum of one layer's loads eplb.py's float32 arithmetic can take: every sum it forms
+# (group, node, gpu loads) is at most the layer's, and 2**127 leaves a factor of two below
+# float32's largest value (about 2**128) for rounding in any summation order.
+FLOAT32_LAYER_SUM = 2.0**127
 
 
 def _balanced_packing(weight: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -69,7 +69,7 @@ class SearchStats:
 def _options(options: dict) -> dict:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown}; allowed: {sorted(OPTIONS)} (and 'tolerance', 'layer_tolerance', 'max_moves', 'max_layer_moves' with previous=)")
+        raise ValueError(f"unknown option(s) {unknown}; allowed: {sorted(OPTIONS)} (and the re-plan options 'tolerance', 'layer_tolerance', 'max_moves', 'max_layer_moves')")
     out = {**OPTIONS, **options}
     for name in ("max_rounds", "refine", "donors"):
         v = out[name]

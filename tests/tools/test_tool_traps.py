@@ -19,7 +19,8 @@ from eplb_bench import cli, report
 from eplb_bench.pipes import BROKEN_PIPE_STATUS, INTERRUPTED_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--scale", "small", "--policy", "global"]
+SMALL_TOPO = ["--scale", "small", "--policy", "global"]
+SMALL = [*SMALL_TOPO, "--synthetic", "lognormal-1.0"]
 
 
 @pytest.mark.parametrize("name", ["t.npy", "t.npz", "t.json", "t.csv", "t.pt"])
@@ -59,8 +60,8 @@ def test_a_closed_pipe_ends_eplb_place_quietly():
     assert proc.wait(timeout=120) == BROKEN_PIPE_STATUS
     # `eplb place ... --format listing | head -1`: 1,856 lines, more than a pipe holds. The
     # listing is one write, which CPython may end early without an error when the reader goes.
-    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--scale", "v3-prefill", "--policy", "global",
-           "--effort", "fast", "--format", "listing"]
+    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--scale", "v3-prefill", "--synthetic", "lognormal-1.0",
+           "--policy", "global", "--effort", "fast", "--format", "listing"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     first = proc.stdout.readline()
     proc.stdout.close()
@@ -197,6 +198,11 @@ def test_docs_the_tools_point_at_are_in_the_repo():
     assert not [p.name for p in texts if "BENCHMARKS.md" in p.read_text()]
     scale_help = cli._parser()._subparsers._group_actions[0].choices["place"].format_help()
     assert "--scale" in scale_help and "docs/scales.md" in scale_help
+    # A command the docs say the README runs must be in the README.
+    readme = (ROOT / "README.md").read_text()
+    claimed = [line.split("#")[0].strip() for path in texts for line in path.read_text().splitlines()
+               if "what the README runs" in line]
+    assert [c for c in claimed if c not in readme] == []
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -209,8 +215,24 @@ def test_docs_the_tools_point_at_are_in_the_repo():
 ])
 def test_place_numeric_and_mode_flags_are_named(tmp_path, capsys, argv, message):
     np.save(tmp_path / "t.npy", np.ones((1, 16)))
-    assert cli.main(["place", str(tmp_path / "t.npy"), *SMALL, *argv]) == 2
+    assert cli.main(["place", str(tmp_path / "t.npy"), *SMALL_TOPO, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--scale", "small"], ["--slots", "20", "--gpus", "4", "--seed", "1"]])
+def test_place_without_a_trace_or_a_workload_says_what_it_needs(tmp_path, capsys, argv):
+    out = tmp_path / "p.json"
+    assert cli.main(["place", *argv, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "eplb place: error: nothing to plan: give a TRACE file, or --synthetic NAME for a built-in workload (zipf-0.5, " in captured.err
+    assert "e.g. eplb place --synthetic lognormal-1.0 --scale v3-prefill --out p.json" in captured.err
+    assert captured.out == "" and not out.exists()  # refused before planning
+
+
+def test_place_with_only_a_workload_plans_it_at_v3_prefill(capsys):
+    assert cli.main(["place", "--synthetic", "zipf-1.0", "--policy", "global", "--effort", "fast"]) == 0
+    out = capsys.readouterr().out
+    assert "loads: synthetic zipf-1.0 (seed 0)" in out and f"topology: {SCALES['v3-prefill']}" in out
 
 
 def test_trace_flags_without_a_trace_are_refused(capsys):
