@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
-import redis
 
 import eplb
 from eplb_engine.client import ServiceClient
@@ -17,17 +15,6 @@ from eplb_engine.watcher import PlacementWatcher
 from svc_thread import REDIS_URL, ServerThread
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
-
-
-@pytest.fixture
-def prefix():
-    p = f"eplb-engine-test-{uuid.uuid4().hex[:10]}"
-    yield p
-    r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
 
 
 class Steps:
