@@ -24,6 +24,12 @@ def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Pla
     return eplb.Placement(rng.permuted(rows, axis=1), topo)
 
 
+def _random_pair(topo: eplb.Topology, seed: int) -> tuple[eplb.Placement, eplb.Placement]:
+    """Two random placements (old, new) of ``topo`` from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return _random_placement(topo, rng), _random_placement(topo, rng)
+
+
 DEVICE = os.environ.get("EPLB_TEST_DEVICE", "cpu")
 
 
@@ -69,9 +75,7 @@ def test_random_transitions_put_every_expert_in_place(mode: str) -> None:
 
 
 def test_staged_prepare_leaves_live_slots_untouched_until_commit() -> None:
-    rng = np.random.default_rng(3)
-    topo = eplb.Topology(3, 6, 12, 3)
-    old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+    old, new = _random_pair(eplb.Topology(3, 6, 12, 3), 3)
     world = ThreadWorld(3)
 
     def rank(r: int):
@@ -88,9 +92,7 @@ def test_staged_prepare_leaves_live_slots_untouched_until_commit() -> None:
 
 
 def test_rollback_keeps_the_old_weights_and_a_new_mover_can_run() -> None:
-    rng = np.random.default_rng(4)
-    topo = eplb.Topology(2, 4, 8, 2)
-    old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+    old, new = _random_pair(eplb.Topology(2, 4, 8, 2), 4)
     world = ThreadWorld(2)
 
     def rank(r: int):
@@ -190,9 +192,7 @@ def test_a_staging_cap_below_the_need_is_refused_before_anything_moves() -> None
 
 
 def test_schedule_is_available_before_anything_moves() -> None:
-    topo = eplb.Topology(2, 4, 8, 2, 2)
-    rng = np.random.default_rng(5)
-    old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+    old, new = _random_pair(eplb.Topology(2, 4, 8, 2, 2), 5)
     mover = WeightMover(encoded_layers(old, 0), old, new, transport=ThreadWorld(2).transport(0))
     stats = mover.schedule.stats()
     assert stats["bytes"] == mover.schedule.received_bytes.sum() and stats["rounds"] == mover.schedule.total_rounds
