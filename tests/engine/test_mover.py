@@ -30,6 +30,12 @@ def _random_pair(topo: eplb.Topology, seed: int) -> tuple[eplb.Placement, eplb.P
     return _random_placement(topo, rng), _random_placement(topo, rng)
 
 
+def _cross_gpu_swap() -> tuple[eplb.Placement, eplb.Placement]:
+    """One layer of 4 experts on 2 gpus, old -> new: slot 0 (gpu 0) and slot 2 (gpu 1) swap."""
+    topo = eplb.Topology(1, 4, 4, 2)
+    return eplb.Placement(np.array([[0, 1, 2, 3]]), topo), eplb.Placement(np.array([[2, 1, 0, 3]]), topo)
+
+
 DEVICE = os.environ.get("EPLB_TEST_DEVICE", "cpu")
 
 
@@ -128,9 +134,7 @@ class _Corrupting:
 
 
 def test_verify_reports_a_slot_that_differs_from_its_source() -> None:
-    topo = eplb.Topology(1, 4, 4, 2)
-    old = eplb.Placement(np.array([[0, 1, 2, 3]]), topo)
-    new = eplb.Placement(np.array([[2, 1, 0, 3]]), topo)
+    old, new = _cross_gpu_swap()
     world = ThreadWorld(2)
 
     def rank(r: int):
@@ -143,9 +147,7 @@ def test_verify_reports_a_slot_that_differs_from_its_source() -> None:
 
 
 def test_direct_mode_receives_into_unread_slots_and_needs_less_staging() -> None:
-    topo = eplb.Topology(1, 4, 4, 2)
-    old = eplb.Placement(np.array([[0, 1, 2, 3]]), topo)
-    new = eplb.Placement(np.array([[2, 1, 0, 3]]), topo)  # slot 0 and slot 2 swap across gpus
+    old, new = _cross_gpu_swap()
     world = ThreadWorld(2)
     slot = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
 
@@ -180,9 +182,7 @@ def test_direct_mode_receives_into_unread_slots_and_needs_less_staging() -> None
 
 
 def test_a_staging_cap_below_the_need_is_refused_before_anything_moves() -> None:
-    topo = eplb.Topology(1, 4, 4, 2)
-    old = eplb.Placement(np.array([[0, 1, 2, 3]]), topo)
-    new = eplb.Placement(np.array([[2, 1, 0, 3]]), topo)
+    old, new = _cross_gpu_swap()
     world = ThreadWorld(2)
     layers = encoded_layers(old, 0)
     mover = WeightMover(layers, old, new, transport=world.transport(0), staging_bytes=10)
