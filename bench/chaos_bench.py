@@ -190,6 +190,13 @@ class _Harness:
         i = self.rng.randrange(len(self.stubs))
         return i, self.stubs[i]
 
+    def _count_failure(self, rpc: str, exc: grpc.aio.AioRpcError, counts: Counter) -> None:
+        """Counts ``exc`` in ``counts`` by its code; a code no chaos event explains is a failure."""
+        code = _code(exc)
+        counts[code] += 1
+        if code not in RETRYABLE:
+            self.result.failures.append(f"{time.strftime('%X')} {rpc}: unexpected {code}: {exc.details()}")
+
     async def deliver(self, batch: list[pb.ReportLoadRequest]) -> pb.ReportLoadResponse:
         """Sends ``batch`` until a replica answers OK (the same seqs each time)."""
         attempt = 0
@@ -198,10 +205,7 @@ class _Harness:
             try:
                 return await stub.ReportLoad(iter(batch), timeout=5)
             except grpc.aio.AioRpcError as exc:
-                code = _code(exc)
-                self.result.report_retries[code] += 1
-                if code not in RETRYABLE:
-                    self.result.failures.append(f"{time.strftime('%X')} ReportLoad: unexpected {code}: {exc.details()}")
+                self._count_failure("ReportLoad", exc, self.result.report_retries)
                 attempt += 1
                 await asyncio.sleep(min(0.5, 0.02 * attempt))
 
@@ -228,10 +232,7 @@ class _Harness:
                         self.log(f"watcher {w}: version {v} after {last} (replica {i})")
                     self.last_seen[w] = max(v, last)
             except grpc.aio.AioRpcError as exc:
-                code = _code(exc)
-                self.result.watcher_reconnects[code] += 1
-                if code not in RETRYABLE:
-                    self.result.failures.append(f"{time.strftime('%X')} WatchPlacements: unexpected {code}: {exc.details()}")
+                self._count_failure("WatchPlacements", exc, self.result.watcher_reconnects)
             await asyncio.sleep(0.05 + 0.1 * self.rng.random())
 
     async def planner(self) -> None:
@@ -241,10 +242,7 @@ class _Harness:
                 out = await stub.Rebalance(pb.RebalanceRequest(deployment=NAME, force=True), timeout=10)
                 self.result.plans["published" if out.published else "skipped"] += 1
             except grpc.aio.AioRpcError as exc:
-                code = _code(exc)
-                self.result.plans[code] += 1
-                if code not in RETRYABLE:
-                    self.result.failures.append(f"{time.strftime('%X')} Rebalance: unexpected {code}: {exc.details()}")
+                self._count_failure("Rebalance", exc, self.result.plans)
             await asyncio.sleep(0.5)
 
     # chaos

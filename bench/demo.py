@@ -23,7 +23,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import tempfile
 import threading
@@ -36,6 +35,8 @@ import numpy as np
 
 import eplb
 from eplb.workloads import shift, zipf
+
+from .processes import free_port
 
 __all__ = ["DemoConfig", "run", "main"]
 
@@ -284,12 +285,6 @@ def _pb() -> object:
     return balancer_pb2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _line(e: dict) -> str:
     if e["kind"] != "switched":
         return f"  v{e['version']:<3} {e['kind']} at step {e['step']}: {e['error'] or 'another rank failed'}; kept the previous map"
@@ -317,7 +312,7 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
     from eplb_engine.client import ServiceClient
 
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
-    cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": _free_port()})
+    cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": free_port()})
     with ServiceClient(service.address) as client:
         client.create_deployment(cfg.deployment, topo, window_s=cfg.window_s, interval_s=cfg.replan_s,
                                  min_gain_percent=cfg.min_gain_percent, expert_bytes=slot_bytes,

@@ -45,7 +45,6 @@ from eplb_engine.mover import WeightMover
 
 import eplb
 from eplb.transfer import Bandwidth, transfer_schedule
-from eplb.workloads import drift, make_loads
 
 from . import mover_bench as mb
 
@@ -135,15 +134,8 @@ def copy_bandwidth(device, nbytes: int, repeats: int) -> float:
 
 def throughput(rank: int, size: int, device, layers_n: int, repeats: int, bw: Bandwidth, out: dict) -> None:
     topo = eplb.Topology(layers_n, 8 * size, 9 * size, size)
-    base = make_loads("lognormal-1.0", topo, 0)
-    nxt = drift(base, 0.2, 1, 1)[0]
-    old = eplb.rebalance(base, topo, "auto").placement
-    t = time.perf_counter()
-    full = eplb.rebalance(nxt, topo, "deepseek").placement
-    t_full = time.perf_counter() - t
-    t = time.perf_counter()
-    mig = eplb.rebalance(nxt, topo, "auto", previous=old).placement
-    t_mig = time.perf_counter() - t
+    old, transitions = mb.plans(topo, 0)
+    (full, t_full), (mig, t_mig) = transitions.values()
     layers = mb.make_layers(old, rank, device)
     slot_bytes = sum(int(np.prod(s)) * torch.empty(0, dtype=d).element_size() for s, d in mb.TENSORS.values())
     for name, new, plan_s in (("full", full, t_full), ("migration", mig, t_mig)):

@@ -12,7 +12,6 @@ the last version yielded when the stream breaks or a replica goes away.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -23,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import eplb
 
 from . import wire
-from .client import ACK_STATES, TRANSIENT, Backoff, parse_addresses
+from .client import (TRANSIENT, Backoff, Retry, ack_request, channel_options, create_request, parse_addresses,
+                     same_topology)
 
 __all__ = ["AsyncServiceClient"]
 
@@ -44,14 +44,7 @@ class AsyncServiceClient:
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
         self._root_certificates = root_certificates
-        self._options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1_000),
-        ]
+        self._options = channel_options(max_message_bytes)
         self._index = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ExpertLoadBalancerServiceStub | None = None
@@ -83,34 +76,26 @@ class AsyncServiceClient:
 
     async def call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         """Unary ``method``, failing over and retrying transient failures until ``timeout_s``."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        backoff = Backoff()
+        retry = Retry(self.timeout_s if timeout_s is None else timeout_s)
         while True:
             stub = self.stub()
-            left = deadline - time.monotonic()
             try:
-                return await getattr(stub, method)(request, timeout=max(0.05, min(left, 5.0)), metadata=self.metadata)
+                return await getattr(stub, method)(request, timeout=retry.attempt_timeout(), metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in TRANSIENT or time.monotonic() + 0.05 >= deadline:
+                if not retry.retryable(exc.code()):
                     raise
                 await self.failover(stub)
-                await asyncio.sleep(min(backoff.delay(), max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(retry.pause_s())
 
     async def create_deployment(self, name: str, topology: eplb.Topology, *, initial: eplb.Placement | None = None,
                                 exist_ok: bool = False, **options: object) -> pb.Deployment:
         """As ``ServiceClient.create_deployment``."""
-        request = pb.CreateDeploymentRequest(deployment=wire.deployment_pb(name, topology, **options))
-        if initial is not None:
-            request.initial_phy2log.CopyFrom(wire.encode_array(initial.phy2log))
         try:
-            return (await self.call("CreateDeployment", request)).deployment
+            return (await self.call("CreateDeployment", create_request(name, topology, initial, options))).deployment
         except grpc.aio.AioRpcError as exc:
             if not (exist_ok and exc.code() == grpc.StatusCode.ALREADY_EXISTS):
                 raise
-        existing = await self.get_deployment(name)
-        if wire.topology_from_pb(existing.topology) != topology:
-            raise ValueError(f"deployment {name!r} exists with {wire.topology_from_pb(existing.topology)}, not {topology}")
-        return existing
+        return same_topology(name, await self.get_deployment(name), topology)
 
     async def get_deployment(self, name: str) -> pb.Deployment:
         return (await self.call("GetDeployment", pb.GetDeploymentRequest(name=name))).deployment
@@ -125,11 +110,7 @@ class AsyncServiceClient:
     async def ack(self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0,
                   error: str = "") -> pb.AckPlacementResponse:
         """As ``ServiceClient.ack``."""
-        if state not in ACK_STATES:
-            raise ValueError(f"state {state!r} is not one of {', '.join(ACK_STATES)}")
-        request = pb.AckPlacementRequest(deployment=deployment, rank=rank, version=version, state=ACK_STATES[state],
-                                         step=step, error=error[:1024])
-        return await self.call("AckPlacement", request)
+        return await self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error))
 
     async def rebalance(self, deployment: str, *, dry_run: bool = False, force: bool = False) -> pb.RebalanceResponse:
         return await self.call("Rebalance", pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force))

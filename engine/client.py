@@ -23,7 +23,8 @@ from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
 
-__all__ = ["Endpoints", "Backoff", "ServiceClient", "ACK_STATES", "TRANSIENT", "parse_addresses"]
+__all__ = ["Endpoints", "Backoff", "Retry", "ServiceClient", "ACK_STATES", "TRANSIENT", "parse_addresses",
+           "channel_options"]
 
 # Failures that another attempt (later, or at another replica) can cure: the replica is down or
 # restarting, the stream was cut, or its store is away. Everything else is the request's fault.
@@ -70,6 +71,65 @@ class Backoff:
         return out
 
 
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The gRPC options of every engine channel (sync and asyncio): message limits, keepalive,
+    and quick reconnects."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Reconnect quickly after a replica restarts instead of gRPC's default (up to 2 min).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+    ]
+
+
+class Retry:
+    """The retry policy of one unary call, shared by the sync and asyncio faces: attempts of at
+    most 5 s each until ``timeout_s`` has passed, transient failures retried after a backoff."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self.backoff = Backoff()
+
+    def attempt_timeout(self) -> float:
+        """Seconds the next attempt may take (at least 50 ms, so a last attempt is still made)."""
+        return max(0.05, min(self.deadline - time.monotonic(), 5.0))
+
+    def retryable(self, code: grpc.StatusCode) -> bool:
+        """Whether a failure with ``code`` is worth another attempt before the deadline."""
+        return code in TRANSIENT and time.monotonic() + 0.05 < self.deadline
+
+    def pause_s(self) -> float:
+        """The wait before the next attempt, never past the deadline."""
+        return min(self.backoff.delay(), max(0.0, self.deadline - time.monotonic()))
+
+
+def create_request(name: str, topology: eplb.Topology, initial: eplb.Placement | None,
+                   options: dict[str, object]) -> pb.CreateDeploymentRequest:
+    """The ``CreateDeployment`` request of ``create_deployment`` (both faces)."""
+    request = pb.CreateDeploymentRequest(deployment=wire.deployment_pb(name, topology, **options))
+    if initial is not None:
+        request.initial_phy2log.CopyFrom(wire.encode_array(initial.phy2log))
+    return request
+
+
+def same_topology(name: str, existing: pb.Deployment, topology: eplb.Topology) -> pb.Deployment:
+    """``existing`` if it has ``topology``, else ``ValueError`` (``create_deployment(exist_ok=True)``)."""
+    if wire.topology_from_pb(existing.topology) != topology:
+        raise ValueError(f"deployment {name!r} exists with {wire.topology_from_pb(existing.topology)}, not {topology}")
+    return existing
+
+
+def ack_request(deployment: str, rank: int, version: int, state: str, step: int, error: str) -> pb.AckPlacementRequest:
+    """The ``AckPlacement`` request of ``ack`` (both faces); ``ValueError`` for an unknown ``state``."""
+    if state not in ACK_STATES:
+        raise ValueError(f"state {state!r} is not one of {', '.join(ACK_STATES)}")
+    return pb.AckPlacementRequest(deployment=deployment, rank=rank, version=version, state=ACK_STATES[state],
+                                  step=step, error=error[:1024])
+
+
 class Endpoints:
     """Channels to the addresses of one service (its replicas), one in use at a time.
 
@@ -89,15 +149,7 @@ class Endpoints:
         self.addresses = parse_addresses(addresses)
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._root_certificates = root_certificates
-        self._options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            # Reconnect quickly after a replica restarts instead of gRPC's default (up to 2 min).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1_000),
-        ]
+        self._options = channel_options(max_message_bytes)
         self._lock = threading.Lock()
         self._index = 0
         self._channel: grpc.Channel | None = None
@@ -171,18 +223,16 @@ class ServiceClient:
     def call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         """Calls unary ``method`` (e.g. ``"GetPlacement"``), failing over and retrying transient
         failures until ``timeout_s`` (default: the client's) has passed."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        backoff = Backoff()
+        retry = Retry(self.timeout_s if timeout_s is None else timeout_s)
         while True:
             stub = self.endpoints.stub()
-            left = deadline - time.monotonic()
             try:
-                return getattr(stub, method)(request, timeout=max(0.05, min(left, 5.0)), metadata=self.endpoints.metadata)
+                return getattr(stub, method)(request, timeout=retry.attempt_timeout(), metadata=self.endpoints.metadata)
             except grpc.RpcError as exc:
-                if exc.code() not in TRANSIENT or time.monotonic() + 0.05 >= deadline:
+                if not retry.retryable(exc.code()):
                     raise
                 self.endpoints.failover(stub)
-                time.sleep(min(backoff.delay(), max(0.0, deadline - time.monotonic())))
+                time.sleep(retry.pause_s())
 
     def create_deployment(
         self, name: str, topology: eplb.Topology, *, initial: eplb.Placement | None = None, exist_ok: bool = False, **options: object
@@ -190,18 +240,12 @@ class ServiceClient:
         """Creates deployment ``name`` for ``topology`` (``options``: ``wire.deployment_pb``'s) and
         returns it as stored. ``exist_ok``: an existing deployment of the same topology is
         returned instead of ``ALREADY_EXISTS`` (a different topology raises ``ValueError``)."""
-        request = pb.CreateDeploymentRequest(deployment=wire.deployment_pb(name, topology, **options))
-        if initial is not None:
-            request.initial_phy2log.CopyFrom(wire.encode_array(initial.phy2log))
         try:
-            return self.call("CreateDeployment", request).deployment
+            return self.call("CreateDeployment", create_request(name, topology, initial, options)).deployment
         except grpc.RpcError as exc:
             if not (exist_ok and exc.code() == grpc.StatusCode.ALREADY_EXISTS):
                 raise
-        existing = self.get_deployment(name)
-        if wire.topology_from_pb(existing.topology) != topology:
-            raise ValueError(f"deployment {name!r} exists with {wire.topology_from_pb(existing.topology)}, not {topology}")
-        return existing
+        return same_topology(name, self.get_deployment(name), topology)
 
     def get_deployment(self, name: str) -> pb.Deployment:
         return self.call("GetDeployment", pb.GetDeploymentRequest(name=name)).deployment
@@ -218,10 +262,7 @@ class ServiceClient:
         """Says where ``rank`` stands with ``version``: ``"prepared"``, ``"switched"`` or
         ``"failed"`` (with ``error``, cut to 1024 characters); returns the rollout as the service
         sees it (ranks prepared, switch step once all did, aborted)."""
-        if state not in ACK_STATES:
-            raise ValueError(f"state {state!r} is not one of {', '.join(ACK_STATES)}")
-        request = pb.AckPlacementRequest(deployment=deployment, rank=rank, version=version, state=ACK_STATES[state], step=step, error=error[:1024])
-        return self.call("AckPlacement", request)
+        return self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error))
 
     def rebalance(self, deployment: str, *, dry_run: bool = False, force: bool = False) -> pb.RebalanceResponse:
         return self.call("Rebalance", pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force))

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import grpc
 import pytest
-import redis
 
 import eplb
 from eplb_engine.aio import AsyncServiceClient
 from svc_thread import REDIS_URL, ServerThread, free_port
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
-
-
-@pytest.fixture
-def prefix():
-    p = f"eplb-engine-aio-{uuid.uuid4().hex[:10]}"
-    yield p
-    r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
 
 
 async def test_calls_and_a_watch_that_resumes_after_a_restart(prefix):

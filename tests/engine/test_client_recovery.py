@@ -4,30 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import redis
 
 import eplb
 from eplb_engine.client import ServiceClient
-from eplb_engine.reporter import LoadReporter
+from eplb_engine.reporter import LoadReporter, ReporterStats
 from eplb_engine.watcher import PlacementWatcher
 from svc_thread import REDIS_URL, ServerThread
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
-
-
-@pytest.fixture
-def prefix():
-    p = f"eplb-engine-test-{uuid.uuid4().hex[:10]}"
-    yield p
-    r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
 
 
 class Steps:
@@ -54,61 +43,71 @@ class Steps:
         self._thread.join()
 
 
-def test_restart_mid_stream_loses_nothing_and_counts_nothing_twice(prefix):
-    server = ServerThread(redis_url=REDIS_URL, key_prefix=prefix).start()
+@dataclass(frozen=True)
+class Run:
+    """What one reporter and one watcher saw through an outage (``through_outage``)."""
+
+    stats: ReporterStats
+    window_tokens: float
+    tokens_added: float
+    slowest_add_s: float
+    versions: list[int]
+    reconnects: int
+
+
+def through_outage(addresses: str | list[str], rank: int, outage: Callable[[LoadReporter], None]) -> Run:
+    """Reports from ``rank`` every 2 ms and watches ``d1``; once version 1 arrived, runs
+    ``outage(reporter)`` (which must leave a replica serving), forces version 2 and flushes."""
     seen: list[int] = []
-    with ServiceClient(server.address, timeout_s=15) as client:
+    with ServiceClient(addresses, timeout_s=15) as client:
         client.create_deployment("d1", TOPO)
-        reporter = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.02)
-        watcher = PlacementWatcher(server.address, "d1", lambda p: seen.append(p.version), rank=0)
+        reporter = LoadReporter(addresses, "d1", rank=rank, topology=TOPO, interval_s=0.02)
+        watcher = PlacementWatcher(addresses, "d1", lambda p: seen.append(p.version), rank=rank)
         steps = Steps(reporter)
         assert watcher.wait_for(1)
+        outage(reporter)
+        client.rebalance("d1", force=True)
+        assert watcher.wait_for(2, timeout_s=15)
+        time.sleep(0.3)
+        steps.stop()
+        assert reporter.flush(15)
+        stats = reporter.stats()
+        reporter.close()
+        watcher.close()
+        tokens = client.rebalance("d1", dry_run=True).window_tokens
+    return Run(stats, tokens, steps.total, steps.slowest, seen, watcher.reconnects)
+
+
+def test_restart_mid_stream_loses_nothing_and_counts_nothing_twice(prefix):
+    server = ServerThread(redis_url=REDIS_URL, key_prefix=prefix).start()
+
+    def restart(reporter: LoadReporter) -> None:
         time.sleep(0.3)
         server.stop(grace_s=1.0)
         time.sleep(0.5)  # reports pile up in the outbox while the service is away
         assert reporter.stats().pending >= 1
         server.start()
-        client.rebalance("d1", force=True)
-        assert watcher.wait_for(2, timeout_s=15)
-        time.sleep(0.3)
-        steps.stop()
-        assert reporter.flush(15)
-        stats = reporter.stats()
-        reporter.close()
-        watcher.close()
-        tokens = client.rebalance("d1", dry_run=True).window_tokens
+
+    run = through_outage(server.address, 0, restart)
     server.stop()
-    assert stats.dropped_reports == 0 and stats.rejected == 0 and stats.dropped_adds == 0
-    assert tokens == pytest.approx(steps.total)
-    assert seen == [1, 2] and watcher.reconnects >= 1
-    assert steps.slowest < 0.05
+    assert run.stats.dropped_reports == 0 and run.stats.rejected == 0 and run.stats.dropped_adds == 0
+    assert run.window_tokens == pytest.approx(run.tokens_added)
+    assert run.versions == [1, 2] and run.reconnects >= 1
+    assert run.slowest_add_s < 0.05
 
 
 def test_failover_between_two_replicas(prefix):
     a = ServerThread(redis_url=REDIS_URL, key_prefix=prefix).start()
     b = ServerThread(redis_url=REDIS_URL, key_prefix=prefix).start()
-    addresses = [a.address, b.address]
-    seen: list[int] = []
-    with ServiceClient(addresses, timeout_s=15) as client:
-        client.create_deployment("d1", TOPO)
-        reporter = LoadReporter(addresses, "d1", rank=2, topology=TOPO, interval_s=0.02)
-        watcher = PlacementWatcher(addresses, "d1", lambda p: seen.append(p.version), rank=2)
-        steps = Steps(reporter)
-        assert watcher.wait_for(1)
+
+    def lose_a(reporter: LoadReporter) -> None:
         assert reporter.stats().address == a.address
         time.sleep(0.3)
         a.stop(grace_s=0.5)  # a is gone for good: everything continues through b
-        client.rebalance("d1", force=True)
-        assert watcher.wait_for(2, timeout_s=15)
-        time.sleep(0.3)
-        steps.stop()
-        assert reporter.flush(15)
-        stats = reporter.stats()
-        reporter.close()
-        watcher.close()
-        tokens = client.rebalance("d1", dry_run=True).window_tokens
+
+    run = through_outage([a.address, b.address], 2, lose_a)
     b.stop()
-    assert stats.address == b.address and stats.failovers >= 1
-    assert stats.dropped_reports == 0 and stats.rejected == 0
-    assert tokens == pytest.approx(steps.total)
-    assert seen == [1, 2]
+    assert run.stats.address == b.address and run.stats.failovers >= 1
+    assert run.stats.dropped_reports == 0 and run.stats.rejected == 0
+    assert run.window_tokens == pytest.approx(run.tokens_added)
+    assert run.versions == [1, 2]

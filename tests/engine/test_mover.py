@@ -24,6 +24,18 @@ def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Pla
     return eplb.Placement(rng.permuted(rows, axis=1), topo)
 
 
+def _random_pair(topo: eplb.Topology, seed: int) -> tuple[eplb.Placement, eplb.Placement]:
+    """Two random placements (old, new) of ``topo`` from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return _random_placement(topo, rng), _random_placement(topo, rng)
+
+
+def _cross_gpu_swap() -> tuple[eplb.Placement, eplb.Placement]:
+    """One layer of 4 experts on 2 gpus, old -> new: slot 0 (gpu 0) and slot 2 (gpu 1) swap."""
+    topo = eplb.Topology(1, 4, 4, 2)
+    return eplb.Placement(np.array([[0, 1, 2, 3]]), topo), eplb.Placement(np.array([[2, 1, 0, 3]]), topo)
+
+
 DEVICE = os.environ.get("EPLB_TEST_DEVICE", "cpu")
 
 
@@ -69,9 +81,7 @@ def test_random_transitions_put_every_expert_in_place(mode: str) -> None:
 
 
 def test_staged_prepare_leaves_live_slots_untouched_until_commit() -> None:
-    rng = np.random.default_rng(3)
-    topo = eplb.Topology(3, 6, 12, 3)
-    old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+    old, new = _random_pair(eplb.Topology(3, 6, 12, 3), 3)
     world = ThreadWorld(3)
 
     def rank(r: int):
@@ -88,9 +98,7 @@ def test_staged_prepare_leaves_live_slots_untouched_until_commit() -> None:
 
 
 def test_rollback_keeps_the_old_weights_and_a_new_mover_can_run() -> None:
-    rng = np.random.default_rng(4)
-    topo = eplb.Topology(2, 4, 8, 2)
-    old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+    old, new = _random_pair(eplb.Topology(2, 4, 8, 2), 4)
     world = ThreadWorld(2)
 
     def rank(r: int):
@@ -126,9 +134,7 @@ class _Corrupting:
 
 
 def test_verify_reports_a_slot_that_differs_from_its_source() -> None:
-    topo = eplb.Topology(1, 4, 4, 2)
-    old = eplb.Placement(np.array([[0, 1, 2, 3]]), topo)
-    new = eplb.Placement(np.array([[2, 1, 0, 3]]), topo)
+    old, new = _cross_gpu_swap()
     world = ThreadWorld(2)
 
     def rank(r: int):
@@ -141,9 +147,7 @@ def test_verify_reports_a_slot_that_differs_from_its_source() -> None:
 
 
 def test_direct_mode_receives_into_unread_slots_and_needs_less_staging() -> None:
-    topo = eplb.Topology(1, 4, 4, 2)
-    old = eplb.Placement(np.array([[0, 1, 2, 3]]), topo)
-    new = eplb.Placement(np.array([[2, 1, 0, 3]]), topo)  # slot 0 and slot 2 swap across gpus
+    old, new = _cross_gpu_swap()
     world = ThreadWorld(2)
     slot = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
 
@@ -178,9 +182,7 @@ def test_direct_mode_receives_into_unread_slots_and_needs_less_staging() -> None
 
 
 def test_a_staging_cap_below_the_need_is_refused_before_anything_moves() -> None:
-    topo = eplb.Topology(1, 4, 4, 2)
-    old = eplb.Placement(np.array([[0, 1, 2, 3]]), topo)
-    new = eplb.Placement(np.array([[2, 1, 0, 3]]), topo)
+    old, new = _cross_gpu_swap()
     world = ThreadWorld(2)
     layers = encoded_layers(old, 0)
     mover = WeightMover(layers, old, new, transport=world.transport(0), staging_bytes=10)
@@ -190,9 +192,7 @@ def test_a_staging_cap_below_the_need_is_refused_before_anything_moves() -> None
 
 
 def test_schedule_is_available_before_anything_moves() -> None:
-    topo = eplb.Topology(2, 4, 8, 2, 2)
-    rng = np.random.default_rng(5)
-    old, new = _random_placement(topo, rng), _random_placement(topo, rng)
+    old, new = _random_pair(eplb.Topology(2, 4, 8, 2, 2), 5)
     mover = WeightMover(encoded_layers(old, 0), old, new, transport=ThreadWorld(2).transport(0))
     stats = mover.schedule.stats()
     assert stats["bytes"] == mover.schedule.received_bytes.sum() and stats["rounds"] == mover.schedule.total_rounds

@@ -154,29 +154,30 @@ def test_a_version_switches_chunk_by_chunk_at_the_same_steps_everywhere(outcome)
     assert runs[0]["routed"][steps[-1]] == 2 and set(runs[0]["routed"][:steps[-1]]) == {1}
 
 
+def _failure_runs(outcome, scenario: str, failing_rank: int, failed: int, then: list[tuple[str, int]]) -> list[dict]:
+    """Each rank's run of ``scenario``, checked for what a failed version leaves on every rank:
+    ``failed`` failed on ``failing_rank`` and was aborted on the others, then came ``then``
+    (ending with the version every rank holds at the end), at the same switch steps everywhere."""
+    world, res = outcome
+    final = published(then[-1][1], topology(world)).placement.phy2log.tolist()
+    runs = [res[r][scenario] for r in range(world)]
+    for r, run in enumerate(runs):
+        kinds = [(k, ver) for k, ver, _, _ in run["events"]]
+        assert kinds == [("failed" if r == failing_rank else "aborted", failed), *then], run["events"]
+        assert run["final"] == final and run["switches"] == runs[0]["switches"]
+    return runs
+
+
 @pytest.mark.slow
 def test_a_failure_after_chunks_switched_moves_them_back_everywhere(outcome):
-    world, res = outcome
-    topo = topology(world)
-    for r in range(world):
-        run = res[r]["revert"]
-        kinds = [(k, ver) for k, ver, _, _ in run["events"]]
-        assert kinds == [("failed" if r == 1 else "aborted", 3), ("reverted", 2), ("switched", 4)], run["events"]
+    for r, run in enumerate(_failure_runs(outcome, "revert", 1, 3, [("reverted", 2), ("switched", 4)])):
         assert run["events"][0][2] == 1 and len(run["switches"]) > 2  # chunk 0 had switched when chunk 1 failed
         if r == 1:
             assert run["events"][0][3] == "RuntimeError: injected failure in chunk 1 of transition 1"
-        assert run["final"] == published(4, topo).placement.phy2log.tolist() and run["current"] == 4
-        assert run["switches"] == res[0]["revert"]["switches"]
-        assert 3 not in run["routed"]
+        assert run["current"] == 4 and 3 not in run["routed"]
 
 
 @pytest.mark.slow
 def test_a_failed_move_back_leaves_a_mixed_map_that_the_next_version_moves_from(outcome):
-    world, res = outcome
-    topo = topology(world)
-    for r in range(world):
-        run = res[r]["partial"]
-        kinds = [(k, ver) for k, ver, _, _ in run["events"]]
-        assert kinds == [("failed" if r == 0 else "aborted", 5), ("partial", 4), ("switched", 6)], run["events"]
-        assert run["final"] == published(6, topo).placement.phy2log.tolist() and not run["mixed"]
-        assert run["switches"] == res[0]["partial"]["switches"]
+    for run in _failure_runs(outcome, "partial", 0, 5, [("partial", 4), ("switched", 6)]):
+        assert not run["mixed"]
