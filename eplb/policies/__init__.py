@@ -10,7 +10,7 @@ from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
 from .deepseek import deepseek_rebalance
-from .hierarchical import SearchStats, flat_topology, plan_placement
+from .hierarchical import SearchStats, flat_topology, plan_placement, worker_pool
 
 __all__: list[str] = []
 
@@ -28,9 +28,11 @@ def _migration_aware(
     previous: Placement | None,
     by_node: bool,
     options: dict,
+    workers: int = 1,
 ) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration), how
-    many layers took each way, and notes."""
+    many layers took each way, and notes. ``workers`` > 1: each layer's candidates are made in
+    the fresh plan's process pool."""
     if previous is None:
         return phy2log, {}, ()
     tol = {}
@@ -45,7 +47,10 @@ def _migration_aware(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
         limits[name] = None if value is None else int(value)
-    return choose(loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node, **limits)
+    pool = worker_pool(workers) if workers > 1 else None
+    return choose(
+        loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node, **limits, pool=pool
+    )
 
 
 # Options that shape a re-plan from `previous=` rather than the fresh plan.
@@ -69,7 +74,7 @@ def _replicate_and_pack(
 ) -> PolicyResult:
     opts, mig = _split(options)
     fresh, stats = plan_placement(loads, topology if by_node else flat_topology(topology), **opts)
-    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig)
+    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig, int(opts.get("workers", 1)))
     return PolicyResult(phy2log, name, _search_notes(stats, opts) + notes, extra=extra, search=stats)
 
 

@@ -22,7 +22,7 @@ from ..refine import refine_counts, refine_thorough, separate_hot
 from ..replicate import replica_cap, waterfill
 from ..topology import Topology
 
-__all__ = ["place_hierarchical", "place_global", "plan_placement", "SearchStats", "OPTIONS", "EFFORTS"]
+__all__ = ["place_hierarchical", "place_global", "plan_placement", "worker_pool", "SearchStats", "OPTIONS", "EFFORTS"]
 
 # Options both policies take, with their defaults.
 OPTIONS: dict[str, object] = {
@@ -132,7 +132,7 @@ def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> 
         return _plan_chunks(loads, topo, opts, deadline)
     starts = list(range(0, L, CHUNK))
     jobs = [(loads[a:a + CHUNK], topo.with_layers(min(CHUNK, L - a)), opts, deadline) for a in starts]
-    parts = list(_pool(workers).map(_plan_job, jobs))
+    parts = list(worker_pool(workers).map(_plan_job, jobs))
     stats = SearchStats()
     for _, st in parts:
         stats += st
@@ -144,7 +144,7 @@ def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
 
 
 @lru_cache(maxsize=4)
-def _pool(workers: int) -> ProcessPoolExecutor:
+def worker_pool(workers: int) -> ProcessPoolExecutor:
     # forkserver: safe when the caller runs threads (a gRPC server); the pool is kept for the
     # next plan, whose start would otherwise cost more than a plan.
     return ProcessPoolExecutor(workers, mp_context=get_context("forkserver"))
