@@ -9,9 +9,10 @@ Each case plans drift-0.2 snapshot 0 fresh (lognormal σ=1 base, as ``drift_benc
 ``max_moves`` = 5 % of all slots (the budget binds, so partial repairs run). Runs of all worker
 counts alternate, so a busy machine slows each alike; the table prints the median and the
 fastest of ``--repeats`` and a hash of the placement, which must be the same for every count.
-``--profile`` adds, per case, the share of a one-process re-plan spent in per-layer work (the
-fresh plan and the candidates of each layer chunk): ``p``, from which Amdahl's law gives the
-speed-up on ``k`` cores as ``1 / ((1 - p) + p / k)``.
+``--profile`` adds, per case, the shares of a one-process re-plan spent in the fresh plan, in the
+layers' candidates and in the serial rest (the pick across layers), and the speed-up they
+give on 2, 4 and 16 processes by Amdahl's law (see ``amdahl``: the fresh plan's layers go in
+fixed chunks of 16, so at most ``ceil(L / 16)`` processes share it).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ CASES = {
     "kimi-64-budget": ("kimi-64", "auto", 0.05),
     "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05),
 }
-# The functions that do per-layer work in a re-plan, whichever process runs them.
-PER_LAYER = ("_plan_chunks", "_chunk_candidates")
+# Layers per job of the fresh plan's pool (eplb.policies.hierarchical.CHUNK): its chunks are
+# fixed, so the fresh plan runs in at most ceil(L / 16) processes; candidates split any way.
+FRESH_CHUNK = 16
 
 
 def setup(case: str) -> tuple:
@@ -55,8 +57,9 @@ def digest(plan: eplb.Plan) -> str:
     return hashlib.sha256(np.ascontiguousarray(plan.placement.phy2log).tobytes()).hexdigest()[:12]
 
 
-def per_layer_share(args: tuple) -> float:
-    """Share of a one-process re-plan's time inside ``PER_LAYER`` functions (cProfile)."""
+def shares(args: tuple) -> tuple[float, float, float]:
+    """Shares of a one-process re-plan's time in the fresh plan's layer chunks, in the layers'
+    candidates and in neither (the cross-layer pick and set-up), by cProfile."""
     prof = cProfile.Profile()
     prof.enable()
     t0 = time.perf_counter()
@@ -64,8 +67,17 @@ def per_layer_share(args: tuple) -> float:
     total = time.perf_counter() - t0
     prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
-    inside = sum(v[3] for k, v in stats.items() if k[2] in PER_LAYER)
-    return min(inside / total, 1.0)
+    fresh, cands = (sum(v[3] for k, v in stats.items() if k[2] == name) / total for name in ("_plan_chunks", "_ways"))
+    return fresh, cands, max(1.0 - fresh - cands, 0.0)
+
+
+def amdahl(fresh: float, cands: float, serial: float, layers: int, k: int) -> float:
+    """Speed-up on ``k`` processes, taking work per layer as even: the fresh plan's critical path
+    is the ``ceil(chunks / k)`` chunks of 16 layers one process runs, the candidates' is
+    ``ceil(L / k)`` layers; the serial part stays. Pool traffic is left out."""
+    chunks = -(-layers // FRESH_CHUNK)
+    path = min(1.0, -(-chunks // k) * FRESH_CHUNK / layers)
+    return 1.0 / (serial + fresh * path + cands * -(-layers // k) / layers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{p.total_moves} | {p.mean_imbalance:.4f} | {digest(p)} |"
             )
         if args.profile:
-            share = per_layer_share(job)
-            amdahl = ", ".join(f"{k}: {1 / ((1 - share) + share / k):.1f}x" for k in (2, 4, 16))
-            print(f"|  | per-layer share p = {share:.3f} | Amdahl {amdahl} | | | | |")
+            fresh, cands, serial = shares(job)
+            est = ", ".join(f"{k}: {amdahl(fresh, cands, serial, job[1].num_layers, k):.1f}x" for k in (2, 4, 16))
+            print(f"|  | one process: fresh plan {fresh:.1%}, candidates {cands:.1%}, serial {serial:.1%} | estimate {est} | | | | |")
     return 0
 
 

@@ -27,8 +27,6 @@ that stays on a gpu keeps its slot.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
-
 import numpy as np
 
 from .metrics import gpu_loads, imbalance
@@ -37,6 +35,7 @@ from .refine import _bin_loads, _counts, refine_counts, rotate_improve, swap_imp
 from .repair import chain_improve, count_repair
 from .replicate import replica_cap, waterfill
 from .topology import Topology
+from .workers import worker_pool
 
 _REL_TOL = 1e-12
 # Repair targets above fresh's busiest gpu, in units of the tolerance: the Lagrangian pick gets
@@ -46,9 +45,6 @@ _TARGETS = (0.5, 1.0, 3.0)
 # When move budgets bind: repairs going this share of the way from the current busiest gpu to
 # fresh's, the cheaper steps a tight budget can still afford.
 _PARTIAL = (0.75, 0.5, 0.25)
-# Layers per job when candidates are made in a pool: any size gives the same candidates (layers
-# are independent there); the fresh plan's chunk size.
-_CHUNK = 16
 
 __all__ = ["align_to_previous", "repair_previous", "choose"]
 
@@ -239,18 +235,19 @@ def _candidates(
     targets: list,
     by_node: bool,
     ends: bool,
-    pool: Executor | None,
+    workers: int,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``:
-    in this process, or in ``pool`` by chunks of ``_CHUNK`` layers (the same result)."""
+    in this process, or in ``workers`` processes, each taking an equal share of the layers (the
+    same result: any split gives it)."""
     L = topology.num_layers
-    step = _CHUNK if pool is not None and L > _CHUNK else L
+    step = -(-L // min(workers, L))
     jobs, pad = [], step < L
     for a in range(0, L, step):
         b = min(a + step, L)
         chunk = topology.with_layers(b - a)
         jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, [t[a:b] for t in targets], by_node, ends, pad))
-    parts = list(pool.map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
+    parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
     names = parts[0][0]
     keep = np.ones(len(names), dtype=bool)
     if not any(p[4] for p in parts):
@@ -478,7 +475,7 @@ def choose(
     by_node: bool,
     max_moves: int | None = None,
     max_layer_moves: int | None = None,
-    pool: Executor | None = None,
+    workers: int = 1,
 ) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
     few slots from ``previous`` as it can while the mean imbalance over layers stays within
@@ -499,9 +496,9 @@ def choose(
     busiest gpu to fresh's (a quarter, half, three quarters) join the candidates and the pick
     turns round: the lowest mean imbalance the budgets allow (``budget_limited`` in the result).
 
-    ``pool``: a process pool making the candidates of chunks of layers in parallel (each
-    layer's candidates depend on that layer alone); only the pick, which couples layers through
-    the mean and ``max_moves``, runs here. The result is the same with or without it.
+    ``workers`` > 1: that many processes make the candidates, each for a share of the layers
+    (a layer's candidates depend on that layer alone); only the pick, which couples layers
+    through the mean and ``max_moves``, runs here. The result is the same for any ``workers``.
     """
     old = previous.phy2log
     L = topology.num_layers
@@ -516,13 +513,13 @@ def choose(
     # those layers take the fresh plan aligned onto it.
     whole = _groups_whole(old, topology) if by_node and topology.num_nodes > 1 else np.ones(L, dtype=bool)
     if not whole.all():
-        names, cands, imb, moves = _candidates(loads, old, fresh, topology, [], by_node, True, pool)
+        names, cands, imb, moves = _candidates(loads, old, fresh, topology, [], by_node, True, workers)
     elif keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
         ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
         targets = [(1.0 + k * tolerance) * fresh_max for k in ks]
-        names, cands, imb, moves = _candidates(loads, old, fresh, topology, targets, by_node, True, pool)
+        names, cands, imb, moves = _candidates(loads, old, fresh, topology, targets, by_node, True, workers)
     else:
         names, cands, imb, moves = _score([("kept", old)], loads, old, topology)
     if not whole.all():
@@ -538,7 +535,7 @@ def choose(
             # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
             kept_max = kept_load.max(axis=1)
             targets = [np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL]
-            more = _candidates(loads, old, fresh, topology, targets, by_node, False, pool)
+            more = _candidates(loads, old, fresh, topology, targets, by_node, False, workers)
             # Fresh aligned stays last.
             names = names[:-1] + more[0] + names[-1:]
             cands, imb, moves = (np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:]))

@@ -10,7 +10,7 @@ from ..placement import Placement
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
 from .deepseek import deepseek_rebalance
-from .hierarchical import SearchStats, flat_topology, plan_placement, worker_pool
+from .hierarchical import SearchStats, flat_topology, plan_placement
 
 __all__: list[str] = []
 
@@ -31,8 +31,7 @@ def _migration_aware(
     workers: int = 1,
 ) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration), how
-    many layers took each way, and notes. ``workers`` > 1: each layer's candidates are made in
-    the fresh plan's process pool."""
+    many layers took each way, and notes. ``workers``: processes making the layers' candidates."""
     if previous is None:
         return phy2log, {}, ()
     tol = {}
@@ -47,9 +46,8 @@ def _migration_aware(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
         limits[name] = None if value is None else int(value)
-    pool = worker_pool(workers) if workers > 1 else None
     return choose(
-        loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node, **limits, pool=pool
+        loads, previous, phy2log, topology, tol["tolerance"], tol["layer_tolerance"], by_node, **limits, workers=workers
     )
 
 

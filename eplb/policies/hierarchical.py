@@ -8,10 +8,7 @@ deal instead of a per-item greedy, and a swap step that lowers the busiest gpu.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
-from multiprocessing import get_context
 
 import numpy as np
 
@@ -21,8 +18,9 @@ from ..packing import pack
 from ..refine import refine_counts, refine_thorough, separate_hot
 from ..replicate import replica_cap, waterfill
 from ..topology import Topology
+from ..workers import worker_pool
 
-__all__ = ["place_hierarchical", "place_global", "plan_placement", "worker_pool", "SearchStats", "OPTIONS", "EFFORTS"]
+__all__ = ["place_hierarchical", "place_global", "plan_placement", "SearchStats", "OPTIONS", "EFFORTS"]
 
 # Options both policies take, with their defaults.
 OPTIONS: dict[str, object] = {
@@ -141,13 +139,6 @@ def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> 
 
 def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
     return _plan_chunks(*job)
-
-
-@lru_cache(maxsize=4)
-def worker_pool(workers: int) -> ProcessPoolExecutor:
-    # forkserver: safe when the caller runs threads (a gRPC server); the pool is kept for the
-    # next plan, whose start would otherwise cost more than a plan.
-    return ProcessPoolExecutor(workers, mp_context=get_context("forkserver"))
 
 
 def _plan_chunks(loads: np.ndarray, topo: Topology, opts: dict, deadline: float | None) -> tuple[np.ndarray, SearchStats]:
