@@ -175,23 +175,27 @@ def count_repair(
             + np.where(Hf[:, None, :, :], t_f[:, None, :, None], 0.0)
         )  # [A, H, D, B], before q's own change
         over_new = np.maximum(new - tgt[:, :, None, None], 0.0)
-        tot = over_new.sum(axis=3, keepdims=True)
-        cnt_over = (over_new > 0).sum(axis=3, keepdims=True)
-        # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
-        w_h_new = (lo[ra[:, None], gain] / (cnt[ra[:, None], gain] + 1))[:, :, None, None]
-        w_f = w[ra[:, None], don][:, None, :, None]
-        at_q = new - t_f[:, None, :, None] - w_f + w_h_new
-        q_over = np.maximum(at_q - tgt[:, :, None, None], 0.0)
-        tot_q = tot - over_new + q_over  # [A, H, D, B]: with q = each bin
-        cnt_q = cnt_over - (over_new > 0) + (q_over > 0)
+        tot = over_new.sum(axis=3)  # [A, H, D]
+        cnt_over = (over_new > 0).sum(axis=3)
+        # Moves (h, f, q) that can be made: q holds f and not h. Few bins hold a given donor,
+        # so what q's own change does is worked out for those entries only.
         ok = Hf[:, None, :, :] & ~Hh[:, :, None, :]
         ok &= (gain[:, :, None] != don[:, None, :])[:, :, :, None]
         ok &= (d_h > 0)[:, :, None, None] & t_ok[:, None, :, None]
-        ok &= cnt_q <= (n_over - min_fixed)[:, None, None, None]
-        ok &= tot_q < excess.sum(axis=1)[:, None, None, None] * (1 - 1e-9)
+        a_, h_, d_, q_ = np.nonzero(ok)
+        # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
+        w_h_new = lo[a_, gain[a_, h_]] / (cnt[a_, gain[a_, h_]] + 1)
+        at_q = new[a_, h_, d_, q_] - t_f[a_, d_] - w[a_, don[a_, d_]] + w_h_new
+        q_over = np.maximum(at_q - tgt[a_, 0], 0.0)
+        o_q = over_new[a_, h_, d_, q_]
+        tot_q = tot[a_, h_, d_] - o_q + q_over  # with q = that bin
+        cnt_q = cnt_over[a_, h_, d_] - (o_q > 0) + (q_over > 0)
+        good = cnt_q <= (n_over - min_fixed)[a_]
+        good &= tot_q < excess.sum(axis=1)[a_] * (1 - 1e-9)
         # Per row, so a row's choice never depends on which rows it is planned with.
-        scale = excess.sum(axis=1)[:, None, None, None] + 1.0
-        score = np.where(ok, cnt_q + tot_q / scale, np.inf).reshape(A, -1)
+        scale = excess.sum(axis=1)[a_] + 1.0
+        score = np.full((A, H * D * B), np.inf)
+        score[a_[good], ((h_ * D + d_) * B + q_)[good]] = (cnt_q + tot_q / scale)[good]
         best = score.argmin(axis=1)
         moved = np.isfinite(score[ra, best])
         if not moved.any():
