@@ -108,7 +108,8 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
         flat = code + rc * n
         sums[r, hi] = sums[r, last]
         sums[r, lo] = new_sum
-    return np.argsort(code, axis=1, kind="stable").reshape(X, m, S)
+    # Codes are now bins (< m): as the smallest integer type they sort by radix, not by merges.
+    return np.argsort(code.astype(np.min_scalar_type(m)), axis=1, kind="stable").reshape(X, m, S)
 
 
 def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
