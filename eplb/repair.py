@@ -86,27 +86,31 @@ def _chain(
     length = np.zeros(A, dtype=np.int64)
     going = free.any(axis=1) & (room > 0)
     n = 0
-    while going.any() and n < B:
+    while n < B:
+        # Rows whose chain still grows; the others are done.
+        x = np.flatnonzero(going)
+        if x.size == 0:
+            break
+        wx, ex, cw = w[x], excess[x], cur_w[x]
         # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
         # incoming expert.
-        ok = free[:, :, None] & (w >= cur_w[:, None, None] + excess[:, :, None])
-        ok &= (w - b_w[:, None, None]) <= room[:, None, None]
-        ok &= ~has[ra, :, cur_e][:, :, None]
-        ok &= going[:, None, None]
+        ok = free[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
+        ok &= (wx - b_w[x][:, None, None]) <= room[x][:, None, None]
+        ok &= ~has[x, :, cur_e[x]][:, :, None]
         # The item that sheds the excess with the least to spare first: the room below the
         # target is what limits a chain (measured: fewer slots than the lightest item).
-        waste = w - cur_w[:, None, None] - excess[:, :, None]
-        score = np.where(ok, waste - 1e-6 * excess[:, :, None], np.inf).reshape(A, -1)
+        waste = wx - cw[:, None, None] - ex[:, :, None]
+        score = np.where(ok, waste - 1e-6 * ex[:, :, None], np.inf).reshape(x.size, -1)
         pick = score.argmin(axis=1)
-        going &= np.isfinite(score[ra, pick])
-        g, s = np.divmod(pick, S)
-        steps_g[going, n], steps_s[going, n] = g[going], s[going]
-        cur_w = np.where(going, w[ra, g, s], cur_w)
-        cur_e = np.where(going, sub[ra, g, s], cur_e)
-        free[ra[going], g[going]] = False
+        found = np.isfinite(score[np.arange(x.size), pick])
+        going[x[~found]] = False
+        x, (g, s) = x[found], np.divmod(pick[found], S)
+        steps_g[x, n], steps_s[x, n] = g, s
+        cur_w[x], cur_e[x] = w[x, g, s], sub[x, g, s]
+        free[x, g] = False
         n += 1
         # The chain closes when u may take the last item.
-        length[going & ~has[ra, u, cur_e]] = n
+        length[x[~has[x, u[x], cur_e[x]]]] = n
     return length, steps_g, steps_s, u, k0
 
 
