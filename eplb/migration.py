@@ -35,6 +35,7 @@ from .refine import _bin_loads, _counts, refine_counts, rotate_improve, swap_imp
 from .repair import chain_improve, count_repair
 from .replicate import replica_cap, waterfill
 from .topology import Topology
+from .workers import worker_pool
 
 _REL_TOL = 1e-12
 # Repair targets above fresh's busiest gpu, in units of the tolerance: the Lagrangian pick gets
@@ -184,16 +185,76 @@ def repair_previous(
 
 
 def _repairs(
-    loads: np.ndarray, previous: Placement, topology: Topology, targets: list, by_node: bool, fresh: np.ndarray
-) -> list[tuple[str, np.ndarray]]:
+    loads: np.ndarray,
+    previous: Placement,
+    topology: Topology,
+    targets: list,
+    by_node: bool,
+    fresh: np.ndarray,
+    pad: bool = False,
+) -> tuple[list[tuple[str, np.ndarray]], bool]:
     """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
-    pairs, target by target. The targets run as one stacked problem of ``K * L`` layers (rows
-    are independent): one pass of each step instead of ``K`` keeps numpy's per-call cost down."""
+    pairs, target by target, and whether any layer swapped groups between nodes. The targets
+    run as one stacked problem of ``K * L`` layers (rows are independent): one pass of each step
+    instead of ``K`` keeps numpy's per-call cost down. With ``pad``, hierarchical repairs always
+    carry a ``regrouped`` candidate (the ``recounted`` one where no layer swapped), so every
+    chunk of layers has the same candidates; the caller drops them when no chunk swapped."""
     K, L = len(targets), topology.num_layers
     stacked = topology.with_layers(K * L)
     prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
     out = repair_previous(np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1)))
-    return [(name, cand[k * L:(k + 1) * L]) for k in range(K) for name, cand in out.items()]
+    swapped = "regrouped" in out
+    if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
+        out["regrouped"] = out["recounted"]
+    return [(name, cand[k * L:(k + 1) * L]) for k in range(K) for name, cand in out.items()], swapped
+
+
+def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """One chunk of layers' candidates, scored (see ``_score``): ``job`` is ``loads`` ``[l, E]``,
+    ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
+    ``ends`` (kept first and fresh aligned last) and ``pad`` (see ``_repairs``). Also whether
+    any layer swapped groups.
+    Layers are independent here, so a chunk's rows equal those of all layers at once."""
+    loads, old, fresh, topology, targets, by_node, ends, pad = job
+    previous = Placement(old, topology)
+    ways = [("kept", old)] if ends else []
+    swapped = False
+    if targets:
+        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad)
+        ways += repaired
+    if ends:
+        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
+    return (*_score(ways, loads, old, topology), swapped)
+
+
+def _candidates(
+    loads: np.ndarray,
+    old: np.ndarray,
+    fresh: np.ndarray,
+    topology: Topology,
+    targets: list,
+    by_node: bool,
+    ends: bool,
+    workers: int,
+) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``:
+    in this process, or in ``workers`` processes, each taking an equal share of the layers (the
+    same result: any split gives it)."""
+    L = topology.num_layers
+    step = -(-L // min(workers, L))
+    jobs, pad = [], step < L
+    for a in range(0, L, step):
+        b = min(a + step, L)
+        chunk = topology.with_layers(b - a)
+        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, [t[a:b] for t in targets], by_node, ends, pad))
+    parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
+    names = parts[0][0]
+    keep = np.ones(len(names), dtype=bool)
+    if not any(p[4] for p in parts):
+        keep = np.array([n != "regrouped" for n in names])
+    names = [n for n, k in zip(names, keep) if k]
+    cands, imb, moves = (np.concatenate([p[i][keep] for p in parts], axis=1) for i in (1, 2, 3))
+    return names, cands, imb, moves
 
 
 def _repair_rows(
@@ -414,6 +475,7 @@ def choose(
     by_node: bool,
     max_moves: int | None = None,
     max_layer_moves: int | None = None,
+    workers: int = 1,
 ) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
     few slots from ``previous`` as it can while the mean imbalance over layers stays within
@@ -433,6 +495,10 @@ def choose(
     stop the tolerances from being met, repairs that go only part of the way from the current
     busiest gpu to fresh's (a quarter, half, three quarters) join the candidates and the pick
     turns round: the lowest mean imbalance the budgets allow (``budget_limited`` in the result).
+
+    ``workers`` > 1: that many processes make the candidates, each for a share of the layers
+    (a layer's candidates depend on that layer alone); only the pick, which couples layers
+    through the mean and ``max_moves``, runs here. The result is the same for any ``workers``.
     """
     old = previous.phy2log
     L = topology.num_layers
@@ -442,23 +508,23 @@ def choose(
     keep_imb = imbalance(kept_load)
     budget = (1.0 + tolerance) * fresh_imb.sum() * (1 + _REL_TOL)
     cap = (1.0 + layer_tolerance) * fresh_imb * (1 + _REL_TOL)
-    ways = [("kept", old)]
     # A hierarchical plan keeps every group whole on one node; a previous placement that does
     # not (e.g. the contiguous first version) cannot be kept or repaired within nodes, so
     # those layers take the fresh plan aligned onto it.
     whole = _groups_whole(old, topology) if by_node and topology.num_nodes > 1 else np.ones(L, dtype=bool)
     if not whole.all():
-        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
+        names, cands, imb, moves = _candidates(loads, old, fresh, topology, [], by_node, True, workers)
     elif keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
         ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
-        ways += _repairs(loads, previous, topology, [(1.0 + k * tolerance) * fresh_max for k in ks], by_node, fresh)
-        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
-    names, cands, imb, moves = _score(ways, loads, old, topology)
+        targets = [(1.0 + k * tolerance) * fresh_max for k in ks]
+        names, cands, imb, moves = _candidates(loads, old, fresh, topology, targets, by_node, True, workers)
+    else:
+        names, cands, imb, moves = _score([("kept", old)], loads, old, topology)
     if not whole.all():
         # Only the fresh plan keeps groups whole there: no move budget can hold it back.
-        pick = np.where(whole, _pick_within(moves, imb, cap, budget, max_layer_moves), len(ways) - 1)
+        pick = np.where(whole, _pick_within(moves, imb, cap, budget, max_layer_moves), len(names) - 1)
         return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, False, whole)
     pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
     cols = np.arange(L)
@@ -469,9 +535,10 @@ def choose(
             # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
             kept_max = kept_load.max(axis=1)
             targets = [np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL]
-            partial = _repairs(loads, previous, topology, targets, by_node, fresh)
-            ways = ways[:-1] + partial + ways[-1:]  # fresh aligned stays last
-            names, cands, imb, moves = _score(ways, loads, old, topology)
+            more = _candidates(loads, old, fresh, topology, targets, by_node, False, workers)
+            # Fresh aligned stays last.
+            names = names[:-1] + more[0] + names[-1:]
+            cands, imb, moves = (np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:]))
             pick = _pick_within(moves, imb, cap, budget, max_layer_moves)
             if max_moves is not None and moves[pick, cols].sum() > max_moves:
                 fits = np.ones_like(moves, dtype=bool) if max_layer_moves is None else moves <= max_layer_moves

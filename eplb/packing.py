@@ -108,7 +108,8 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
         flat = code + rc * n
         sums[r, hi] = sums[r, last]
         sums[r, lo] = new_sum
-    return np.argsort(code, axis=1, kind="stable").reshape(X, m, S)
+    # Codes are now bins (< m): as the smallest integer type they sort by radix, not by merges.
+    return np.argsort(code.astype(np.min_scalar_type(m)), axis=1, kind="stable").reshape(X, m, S)
 
 
 def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
@@ -248,45 +249,50 @@ def _swap_best(
     per_bin = w.shape[2]
     A, H = heavy.shape
     C = partners.shape[2]
-    ri = np.arange(A)[:, None]
-    xr = rows[:, None]
-    wh, kh = w[xr, heavy], k[xr, heavy]  # [A, H, S]
-    wp, kp = w[xr[:, :, None], partners], k[xr[:, :, None], partners]  # [A, H, C, S]
-    lh = load[ri, heavy][:, :, None, None, None]
-    lp = load[ri[:, :, None], partners][:, :, None, :, None]
+    lh_all = load[np.arange(A)[:, None], heavy]  # [A, H]
+    hit = np.zeros((A, H), dtype=bool)
+    # Only (row, heavy bin) pairs above the floor can swap (a re-plan's targets leave few):
+    # the item grids are built for those pairs alone.
+    pa, ph = np.nonzero(lh_all > floor[:, None]) if floor is not None else np.nonzero(hit == 0)
+    if pa.size == 0:
+        return hit
+    P = pa.size
+    ar = np.arange(P)
+    xr, hb, pb = rows[pa], heavy[pa, ph], partners[pa, ph]  # [P], [P], [P, C]
+    wh, kh = w[xr, hb], k[xr, hb]  # [P, S]
+    wp, kp = w[xr[:, None], pb], k[xr[:, None], pb]  # [P, C, S]
+    lh = lh_all[pa, ph][:, None, None, None]
+    lp = load[pa[:, None], pb][:, None, :, None]
     # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
     # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
     # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
     half = (lh - lp) * 0.5 - _REL_TOL * lh
-    if floor is not None:
-        half = np.where(lh > floor[:, None, None, None, None], half, -np.inf)
-    dev = wh[:, :, :, None, None] - wp[:, :, None, :, :]  # [A, H, S(heavy item), C, S(partner item)]
+    dev = wh[:, :, None, None] - wp[:, None, :, :]  # [P, S(heavy item), C, S(partner item)]
     dev -= (lh - lp) * 0.5
     np.abs(dev, out=dev)
-    score = np.where(dev < half, dev + lp * 0.5, np.inf).reshape(A, H, -1)
+    score = np.where(dev < half, dev + lp * 0.5, np.inf).reshape(P, -1)
     # Key clashes are rare: check the best swap, and only where it clashes try the next best.
-    a2, h2 = np.arange(A)[:, None], np.arange(H)[None, :]
-    best = score.argmin(axis=2)
-    hit = np.isfinite(np.take_along_axis(score, best[:, :, None], axis=2)[:, :, 0])
+    best = score.argmin(axis=1)
+    found = np.isfinite(score[ar, best])
     for attempt in range(_CANDIDATES):
         i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
-        key_h = kh[a2, h2, i]
-        key_p = kp[a2, h2, c, j]
-        clash = hit & ((kp[a2, h2, c] == key_h[..., None]).any(axis=2) | (kh == key_p[..., None]).any(axis=2))
+        key_h = kh[ar, i]
+        key_p = kp[ar, c, j]
+        clash = found & ((kp[ar, c] == key_h[:, None]).any(axis=1) | (kh == key_p[:, None]).any(axis=1))
         if not clash.any():
             break
         if attempt == _CANDIDATES - 1:
-            hit &= ~clash
+            found &= ~clash
             break
-        ca, ch = np.nonzero(clash)
-        score[ca, ch, best[ca, ch]] = np.inf
-        best[ca, ch] = score[ca, ch].argmin(axis=1)
-        hit[ca, ch] = np.isfinite(score[ca, ch, best[ca, ch]])
-    if hit.any():
-        a_idx, h_idx = np.nonzero(hit)
-        i, c, j = np.unravel_index(best[a_idx, h_idx], (per_bin, C, per_bin))
-        x = rows[a_idx]
-        bh, bp = heavy[a_idx, h_idx], partners[a_idx, h_idx, c]
+        cp = np.flatnonzero(clash)
+        score[cp, best[cp]] = np.inf
+        best[cp] = score[cp].argmin(axis=1)
+        found[cp] = np.isfinite(score[cp, best[cp]])
+    hit[pa, ph] = found
+    if found.any():
+        sel = np.flatnonzero(found)
+        i, c, j = np.unravel_index(best[sel], (per_bin, C, per_bin))
+        x, bh, bp = xr[sel], hb[sel], pb[sel, c]
         for arr in (assign, w, k):
             tmp = arr[x, bh, i].copy()
             arr[x, bh, i] = arr[x, bp, j]

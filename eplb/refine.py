@@ -265,7 +265,7 @@ def rotate_improve(
         b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
         # Each bin's new load depends on two of the three items: score each pair of items once
         # (inf where that bin would go above the target or hold an expert twice), then take
-        # the max over the three on the full [A, H, Q, i, j, k] grid, one operation on it.
+        # the max over the three on the [H, Q, i, j, k] grid of each row.
         # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
         t4 = tgt[:, None, None, None]
         in_h1 = a_k[:, None, :, None] == c_k[:, :, None, :]  # [A, H, i, j]
@@ -280,23 +280,37 @@ def rotate_improve(
         bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
         nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
         mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
-        # Axes: [A, H, Q, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        score = np.maximum(m1[:, :, None, :, :, None], m2[:, :, :, None, :, :])
-        np.maximum(score, mq[:, None, :, :, None, :], out=score)
-        score = score.reshape(A, -1)
-        best = score.argmin(axis=1)
-        moved = np.isfinite(score[ra, best])
-        if not moved.any():
+        # A rotation needs a feasible pair on each of the three bins: the grid is built only for
+        # the (row, h2, q) triples that have all three (few, after the first rounds).
+        f1 = np.isfinite(m1).any(axis=(2, 3))  # [A, H]
+        f2 = np.isfinite(m2).any(axis=(3, 4))  # [A, H, Q]
+        fq = np.isfinite(mq).any(axis=(2, 3))  # [A, Q]
+        pa, ph, pq = np.nonzero(f1[:, :, None] & f2 & fq[:, None, :])
+        if pa.size == 0:
             return
-        x = ra[moved]
-        hi_, qi, i, j, k = np.unravel_index(best[moved], (H, Q, S, S, S))
+        # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+        score = np.maximum(m1[pa, ph][:, :, :, None], m2[pa, ph, pq][:, None, :, :])
+        np.maximum(score, mq[pa, pq][:, :, None, :], out=score)
+        score = score.reshape(pa.size, -1)
+        inner = score.argmin(axis=1)
+        value = score[np.arange(pa.size), inner]
+        # Per row the least value, ties to the first (h2, q) and then the first slots: what an
+        # argmin over the row's whole [H, Q, S, S, S] grid gives.
+        order = np.lexsort((np.arange(pa.size), value, pa))
+        first = order[np.r_[True, pa[order][1:] != pa[order][:-1]]]
+        first = first[np.isfinite(value[first])]
+        if first.size == 0:
+            return
+        x = pa[first]
+        hi_, qi = ph[first], pq[first]
+        i, j, k = np.unravel_index(inner[first], (S, S, S))
         h2, q = h2s[x, hi_], qs[x, qi]
         rows_ = active[x]
         a_e, c_e, b_e = a_k[x, i], c_k[x, hi_, j], b_k[x, qi, k]
         phy[rows_, h1[x], i] = c_e
         phy[rows_, h2, j] = b_e
         phy[rows_, q, k] = a_e
-        active = active[moved]
+        active = active[x]
 
 
 def swap_improve(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None) -> None:

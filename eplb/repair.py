@@ -86,27 +86,31 @@ def _chain(
     length = np.zeros(A, dtype=np.int64)
     going = free.any(axis=1) & (room > 0)
     n = 0
-    while going.any() and n < B:
+    while n < B:
+        # Rows whose chain still grows; the others are done.
+        x = np.flatnonzero(going)
+        if x.size == 0:
+            break
+        wx, ex, cw = w[x], excess[x], cur_w[x]
         # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
         # incoming expert.
-        ok = free[:, :, None] & (w >= cur_w[:, None, None] + excess[:, :, None])
-        ok &= (w - b_w[:, None, None]) <= room[:, None, None]
-        ok &= ~has[ra, :, cur_e][:, :, None]
-        ok &= going[:, None, None]
+        ok = free[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
+        ok &= (wx - b_w[x][:, None, None]) <= room[x][:, None, None]
+        ok &= ~has[x, :, cur_e[x]][:, :, None]
         # The item that sheds the excess with the least to spare first: the room below the
         # target is what limits a chain (measured: fewer slots than the lightest item).
-        waste = w - cur_w[:, None, None] - excess[:, :, None]
-        score = np.where(ok, waste - 1e-6 * excess[:, :, None], np.inf).reshape(A, -1)
+        waste = wx - cw[:, None, None] - ex[:, :, None]
+        score = np.where(ok, waste - 1e-6 * ex[:, :, None], np.inf).reshape(x.size, -1)
         pick = score.argmin(axis=1)
-        going &= np.isfinite(score[ra, pick])
-        g, s = np.divmod(pick, S)
-        steps_g[going, n], steps_s[going, n] = g[going], s[going]
-        cur_w = np.where(going, w[ra, g, s], cur_w)
-        cur_e = np.where(going, sub[ra, g, s], cur_e)
-        free[ra[going], g[going]] = False
+        found = np.isfinite(score[np.arange(x.size), pick])
+        going[x[~found]] = False
+        x, (g, s) = x[found], np.divmod(pick[found], S)
+        steps_g[x, n], steps_s[x, n] = g, s
+        cur_w[x], cur_e[x] = w[x, g, s], sub[x, g, s]
+        free[x, g] = False
         n += 1
         # The chain closes when u may take the last item.
-        length[going & ~has[ra, u, cur_e]] = n
+        length[x[~has[x, u[x], cur_e[x]]]] = n
     return length, steps_g, steps_s, u, k0
 
 
@@ -175,23 +179,27 @@ def count_repair(
             + np.where(Hf[:, None, :, :], t_f[:, None, :, None], 0.0)
         )  # [A, H, D, B], before q's own change
         over_new = np.maximum(new - tgt[:, :, None, None], 0.0)
-        tot = over_new.sum(axis=3, keepdims=True)
-        cnt_over = (over_new > 0).sum(axis=3, keepdims=True)
-        # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
-        w_h_new = (lo[ra[:, None], gain] / (cnt[ra[:, None], gain] + 1))[:, :, None, None]
-        w_f = w[ra[:, None], don][:, None, :, None]
-        at_q = new - t_f[:, None, :, None] - w_f + w_h_new
-        q_over = np.maximum(at_q - tgt[:, :, None, None], 0.0)
-        tot_q = tot - over_new + q_over  # [A, H, D, B]: with q = each bin
-        cnt_q = cnt_over - (over_new > 0) + (q_over > 0)
+        tot = over_new.sum(axis=3)  # [A, H, D]
+        cnt_over = (over_new > 0).sum(axis=3)
+        # Moves (h, f, q) that can be made: q holds f and not h. Few bins hold a given donor,
+        # so what q's own change does is worked out for those entries only.
         ok = Hf[:, None, :, :] & ~Hh[:, :, None, :]
         ok &= (gain[:, :, None] != don[:, None, :])[:, :, :, None]
         ok &= (d_h > 0)[:, :, None, None] & t_ok[:, None, :, None]
-        ok &= cnt_q <= (n_over - min_fixed)[:, None, None, None]
-        ok &= tot_q < excess.sum(axis=1)[:, None, None, None] * (1 - 1e-9)
+        a_, h_, d_, q_ = np.nonzero(ok)
+        # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
+        w_h_new = lo[a_, gain[a_, h_]] / (cnt[a_, gain[a_, h_]] + 1)
+        at_q = new[a_, h_, d_, q_] - t_f[a_, d_] - w[a_, don[a_, d_]] + w_h_new
+        q_over = np.maximum(at_q - tgt[a_, 0], 0.0)
+        o_q = over_new[a_, h_, d_, q_]
+        tot_q = tot[a_, h_, d_] - o_q + q_over  # with q = that bin
+        cnt_q = cnt_over[a_, h_, d_] - (o_q > 0) + (q_over > 0)
+        good = cnt_q <= (n_over - min_fixed)[a_]
+        good &= tot_q < excess.sum(axis=1)[a_] * (1 - 1e-9)
         # Per row, so a row's choice never depends on which rows it is planned with.
-        scale = excess.sum(axis=1)[:, None, None, None] + 1.0
-        score = np.where(ok, cnt_q + tot_q / scale, np.inf).reshape(A, -1)
+        scale = excess.sum(axis=1)[a_] + 1.0
+        score = np.full((A, H * D * B), np.inf)
+        score[a_[good], ((h_ * D + d_) * B + q_)[good]] = (cnt_q + tot_q / scale)[good]
         best = score.argmin(axis=1)
         moved = np.isfinite(score[ra, best])
         if not moved.any():

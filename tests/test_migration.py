@@ -438,3 +438,49 @@ def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
     assert (over(after) <= over(bins) - moved).all()
     excess = lambda x: np.maximum(x - target[:, None] * (1 + 1e-12), 0).sum(axis=1)  # noqa: E731
     assert (excess(after) <= excess(bins) + 1e-9).all()
+
+
+def _same_plan(one: eplb.Plan, two: eplb.Plan) -> None:
+    assert np.array_equal(one.phy2log, two.phy2log)
+    assert one.extra == two.extra and one.notes == two.notes
+
+
+def test_replans_in_worker_processes_equal_one_process_where_only_some_chunks_regroup() -> None:
+    # 40 layers: three chunks of layers in the pool. Only the first 10 layers (chunk 0) get a
+    # node far above the other; chunk 1 swaps groups in no pass (measured), so it pads the
+    # "regrouped" candidate with its "recounted" one, which must not change any pick.
+    topo = eplb.Topology(40, 64, 80, 8, 2, 4)
+    rng = np.random.default_rng(9)
+    base = rng.lognormal(0, 0.3, (40, 64))
+    prev = eplb.rebalance(base, topo, "hierarchical").placement
+    loads = base * rng.lognormal(0, 0.02, base.shape)
+    for layer in range(10):
+        for g in set((prev.phy2log[layer].reshape(2, -1)[0] // 16).tolist()):
+            loads[layer, g * 16 : (g + 1) * 16] *= 1.5
+    for budget in ({}, {"max_moves": 200}):
+        one = eplb.rebalance(loads, topo, "hierarchical", previous=prev, layer_tolerance=0.01, **budget)
+        two = eplb.rebalance(loads, topo, "hierarchical", previous=prev, layer_tolerance=0.01, workers=2, **budget)
+        _same_plan(one, two)
+        assert one.extra["layers_regrouped"] > 0
+    assert one.extra["budget_limited"] == 1 and one.total_moves <= 200
+    # A previous placement that splits groups across nodes: those layers take fresh aligned.
+    contiguous = eplb.Placement.contiguous(topo)
+    one = eplb.rebalance(loads, topo, "hierarchical", previous=contiguous)
+    two = eplb.rebalance(loads, topo, "hierarchical", previous=contiguous, workers=2)
+    _same_plan(one, two)
+    assert one.extra["layers_replanned"] == topo.num_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scale", "policy"), [("kimi-64", "auto"), ("v3-prefill", "hierarchical")])
+@pytest.mark.parametrize("share", [None, 0.05])
+def test_replans_in_worker_processes_equal_one_process_at_full_scale(scale: str, policy: str, share: float) -> None:
+    topo = SCALES[scale]
+    seq = drift(make_loads("lognormal-1.0", topo), 0.2, 2)
+    prev = eplb.rebalance(seq[0], topo, policy).placement
+    budget = {} if share is None else {"max_moves": int(share * topo.num_slots * topo.num_layers)}
+    one = eplb.rebalance(seq[1], topo, policy, previous=prev, **budget)
+    two = eplb.rebalance(seq[1], topo, policy, previous=prev, workers=2, **budget)
+    _same_plan(one, two)
+    assert one.total_moves > 0
+    assert one.extra["budget_limited"] == (share is not None)

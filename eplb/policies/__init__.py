@@ -50,9 +50,11 @@ def _migration_aware(
     previous: Placement | None,
     by_node: bool,
     mig: dict,
+    workers: int = 1,
 ) -> tuple[np.ndarray, dict, tuple[str, ...]]:
     """Fresh ``phy2log`` ``[L, P]`` → what to publish given ``previous`` (see eplb.migration), how
-    many layers took each way, and notes. ``mig``: checked ``_migration_options``."""
+    many layers took each way, and notes. ``mig``: checked ``_migration_options``; ``workers``:
+    processes making the layers' candidates."""
     if previous is None:
         return phy2log, {}, ()
     # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
@@ -61,7 +63,7 @@ def _migration_aware(
     most = float(topology.num_gpus - 1)
     tol, layer_tol = min(mig["tolerance"], most), min(mig["layer_tolerance"], most)
     return choose(loads, previous, phy2log, topology, tol, layer_tol, by_node,
-                  max_moves=mig["max_moves"], max_layer_moves=mig["max_layer_moves"])
+                  max_moves=mig["max_moves"], max_layer_moves=mig["max_layer_moves"], workers=workers)
 
 
 def _split(options: dict) -> tuple[dict, dict]:
@@ -82,7 +84,7 @@ def _replicate_and_pack(
 ) -> PolicyResult:
     opts, mig = _split(options)
     fresh, stats = plan_placement(loads, topology if by_node else flat_topology(topology), **opts)
-    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig)
+    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig, int(opts.get("workers", 1)))
     return PolicyResult(phy2log, name, _search_notes(stats, opts) + notes, extra=extra, search=stats)
 
 

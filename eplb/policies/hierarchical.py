@@ -8,10 +8,7 @@ deal instead of a per-item greedy, and a swap step that lowers the busiest gpu.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
-from multiprocessing import get_context
 
 import numpy as np
 
@@ -21,6 +18,7 @@ from ..packing import pack
 from ..refine import refine_counts, refine_thorough, separate_hot
 from ..replicate import replica_cap, waterfill
 from ..topology import Topology
+from ..workers import worker_pool
 
 __all__ = ["place_hierarchical", "place_global", "plan_placement", "SearchStats", "OPTIONS", "EFFORTS"]
 
@@ -132,7 +130,7 @@ def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> 
         return _plan_chunks(loads, topo, opts, deadline)
     starts = list(range(0, L, CHUNK))
     jobs = [(loads[a:a + CHUNK], topo.with_layers(min(CHUNK, L - a)), opts, deadline) for a in starts]
-    parts = list(_pool(workers).map(_plan_job, jobs))
+    parts = list(worker_pool(workers).map(_plan_job, jobs))
     stats = SearchStats()
     for _, st in parts:
         stats += st
@@ -141,13 +139,6 @@ def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> 
 
 def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
     return _plan_chunks(*job)
-
-
-@lru_cache(maxsize=4)
-def _pool(workers: int) -> ProcessPoolExecutor:
-    # forkserver: safe when the caller runs threads (a gRPC server); the pool is kept for the
-    # next plan, whose start would otherwise cost more than a plan.
-    return ProcessPoolExecutor(workers, mp_context=get_context("forkserver"))
 
 
 def _plan_chunks(loads: np.ndarray, topo: Topology, opts: dict, deadline: float | None) -> tuple[np.ndarray, SearchStats]:

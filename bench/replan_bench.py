@@ -1,0 +1,121 @@
+"""Time of one migration-aware re-plan, by number of worker processes, with placement hashes.
+
+    python -m eplb_bench.replan_bench [--cases v3-prefill,kimi-64,kimi-64-budget] [--workers 1,2]
+                                      [--repeats 7] [--profile]
+
+Each case plans drift-0.2 snapshot 0 fresh (lognormal σ=1 base, as ``drift_bench``), then times
+``eplb.rebalance(snapshot 1, previous=that plan)``: ``v3-prefill`` with ``hierarchical``,
+``kimi-64`` with ``auto`` (global: one group), ``kimi-64-budget`` the same under
+``max_moves`` = 5 % of all slots (the budget binds, so partial repairs run). Runs of all worker
+counts alternate, so a busy machine slows each alike; the table prints the median and the
+fastest wall time of ``--repeats``, the median cpu time of this process (with one worker, the
+whole re-plan's work, steadier than wall time on a shared machine; with more, what stays in
+the parent) and a hash of the placement, which must be the same for every count.
+``--profile`` adds, per case, the shares of a one-process re-plan spent in the fresh plan, in the
+layers' candidates and in the serial rest (the pick across layers), and the speed-up they
+give on 2, 4 and 16 processes by Amdahl's law (see ``amdahl``: the fresh plan's layers go in
+fixed chunks of 16, so at most ``ceil(L / 16)`` processes share it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import pstats
+import time
+
+import numpy as np
+
+import eplb
+from eplb.workloads import SCALES, drift, make_loads
+
+CASES = {
+    "v3-prefill": ("v3-prefill", "hierarchical", None),
+    "kimi-64": ("kimi-64", "auto", None),
+    "kimi-64-budget": ("kimi-64", "auto", 0.05),
+    "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05),
+}
+# Layers per job of the fresh plan's pool (eplb.policies.hierarchical.CHUNK): its chunks are
+# fixed, so the fresh plan runs in at most ceil(L / 16) processes; candidates split any way.
+FRESH_CHUNK = 16
+
+
+def setup(case: str) -> tuple:
+    scale, policy, share = CASES[case]
+    topo = SCALES[scale]
+    seq = drift(make_loads("lognormal-1.0", topo), 0.2, 2)
+    prev = eplb.rebalance(seq[0], topo, policy).placement
+    budget = {} if share is None else {"max_moves": int(share * topo.num_slots * topo.num_layers)}
+    return seq[1], topo, policy, prev, budget
+
+
+def replan(args: tuple, workers: int) -> eplb.Plan:
+    loads, topo, policy, prev, budget = args
+    return eplb.rebalance(loads, topo, policy, previous=prev, workers=workers, **budget)
+
+
+def digest(plan: eplb.Plan) -> str:
+    return hashlib.sha256(np.ascontiguousarray(plan.placement.phy2log).tobytes()).hexdigest()[:12]
+
+
+def shares(args: tuple) -> tuple[float, float, float]:
+    """Shares of a one-process re-plan's time in the fresh plan's layer chunks, in the layers'
+    candidates and in neither (the cross-layer pick and set-up), by cProfile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    replan(args, 1)
+    total = time.perf_counter() - t0
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    fresh, cands = (sum(v[3] for k, v in stats.items() if k[2] == name) / total for name in ("_plan_chunks", "_ways"))
+    return fresh, cands, max(1.0 - fresh - cands, 0.0)
+
+
+def amdahl(fresh: float, cands: float, serial: float, layers: int, k: int) -> float:
+    """Speed-up on ``k`` processes, taking work per layer as even: the fresh plan's critical path
+    is the ``ceil(chunks / k)`` chunks of 16 layers one process runs, the candidates' is
+    ``ceil(L / k)`` layers; the serial part stays. Pool traffic is left out."""
+    chunks = -(-layers // FRESH_CHUNK)
+    path = min(1.0, -(-chunks // k) * FRESH_CHUNK / layers)
+    return 1.0 / (serial + fresh * path + cands * -(-layers // k) / layers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="v3-prefill,kimi-64,kimi-64-budget")
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="also measure the per-layer share (Amdahl)")
+    args = ap.parse_args(argv)
+    counts = [int(w) for w in args.workers.split(",")]
+    print("| case | workers | median ms | fastest ms | parent cpu ms | moves | mean imbalance | placement hash |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case in args.cases.split(","):
+        job = setup(case)
+        plans = {w: replan(job, w) for w in counts}  # warm-up: starts the pools
+        times: dict[int, list[float]] = {w: [] for w in counts}
+        cpu: dict[int, list[float]] = {w: [] for w in counts}
+        for _ in range(args.repeats):
+            for w in counts:
+                t0, c0 = time.perf_counter(), time.process_time()
+                replan(job, w)
+                times[w].append(time.perf_counter() - t0)
+                cpu[w].append(time.process_time() - c0)
+        for w in counts:
+            p = plans[w]
+            print(
+                f"| {case} | {w} | {np.median(times[w]) * 1e3:.0f} | {min(times[w]) * 1e3:.0f} | "
+                f"{np.median(cpu[w]) * 1e3:.0f} | "
+                f"{p.total_moves} | {p.mean_imbalance:.4f} | {digest(p)} |"
+            )
+        if args.profile:
+            fresh, cands, serial = shares(job)
+            est = ", ".join(f"{k}: {amdahl(fresh, cands, serial, job[1].num_layers, k):.1f}x" for k in (2, 4, 16))
+            print(f"|  | one process: fresh plan {fresh:.1%}, candidates {cands:.1%}, serial {serial:.1%} | estimate {est} | | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
