@@ -41,10 +41,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from eplb_service import arrays
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .processes import RedisProcess, ServeProcess
 
@@ -107,17 +108,25 @@ class ChaosResult:
         serving = [s for _, s in self.serving_s]
         out = {k: dict(v) if isinstance(v, Counter) else v for k, v in vars(self).items()}
         out["config"] = asdict(self.config)
-        out["serving_s"] = {"n": len(serving), "max": max(serving, default=0.0),
-                            "p50": float(np.median(serving)) if serving else 0.0,
-                            "max_by_event": {k: max(s for e, s in self.serving_s if e == k)
-                                             for k in sorted({e for e, _ in self.serving_s})}}
+        out["serving_s"] = {
+            "n": len(serving),
+            "max": max(serving, default=0.0),
+            "p50": float(np.median(serving)) if serving else 0.0,
+            "max_by_event": {
+                k: max(s for e, s in self.serving_s if e == k) for k in sorted({e for e, _ in self.serving_s})
+            },
+        }
         return out
 
 
 def _deployment(ranks: int) -> pb.Deployment:
-    d = pb.Deployment(name=NAME, policy="global",
-                      topology=pb.Topology(num_layers=LAYERS, num_experts=EXPERTS, num_slots=3 * ranks,
-                                           num_gpus=ranks, num_nodes=2, num_groups=4))
+    d = pb.Deployment(
+        name=NAME,
+        policy="global",
+        topology=pb.Topology(
+            num_layers=LAYERS, num_experts=EXPERTS, num_slots=3 * ranks, num_gpus=ranks, num_nodes=2, num_groups=4
+        ),
+    )
     # Longer than any run, so the window still holds every report at the end.
     d.window.sliding.duration.FromSeconds(6 * 3600)
     return d
@@ -144,11 +153,21 @@ class _Harness:
 
     def start_processes(self) -> None:
         self.redis.start()
-        flags = ("--lease-seconds", str(self.cfg.lease_s), "--flush-seconds", "0.2", "--grace-seconds", "1",
-                 "--log-level", "WARNING")
+        flags = (
+            "--lease-seconds",
+            str(self.cfg.lease_s),
+            "--flush-seconds",
+            "0.2",
+            "--grace-seconds",
+            "1",
+            "--log-level",
+            "WARNING",
+        )
         prefix = f"chaos-{uuid.uuid4().hex[:8]}"
-        self.replicas = [ServeProcess(self.redis.url, prefix, self.workdir / f"replica{i}.log", flags)
-                         for i in range(self.cfg.replicas)]
+        self.replicas = [
+            ServeProcess(self.redis.url, prefix, self.workdir / f"replica{i}.log", flags)
+            for i in range(self.cfg.replicas)
+        ]
         for r in self.replicas:
             r.start()
         for r in self.replicas:
@@ -182,7 +201,9 @@ class _Harness:
         took = time.monotonic() - since
         self.result.serving_s.append((event, took))
         if took > self.cfg.lease_s:
-            self.result.failures.append(f"replica {i} SERVING {took:.2f}s after {event}, over one lease ({self.cfg.lease_s:g}s)")
+            self.result.failures.append(
+                f"replica {i} SERVING {took:.2f}s after {event}, over one lease ({self.cfg.lease_s:g}s)"
+            )
 
     # load
 
@@ -212,8 +233,10 @@ class _Harness:
     async def rank(self, r: int) -> None:
         sent = self.sent.setdefault(r, [])
         while not self.stop_load.is_set():
-            batch = [pb.ReportLoadRequest(deployment=NAME, rank=r, seq=len(sent) + i + 1, logical=self.counts)
-                     for i in range(BATCH)]
+            batch = [
+                pb.ReportLoadRequest(deployment=NAME, rank=r, seq=len(sent) + i + 1, logical=self.counts)
+                for i in range(BATCH)
+            ]
             sent.extend(batch)
             await self.deliver(batch)
             await asyncio.sleep(self.cfg.report_period_s * (0.5 + self.rng.random()))
@@ -299,7 +322,9 @@ class _Harness:
             res.wall_s = time.monotonic() - start
             res.reports_sent = sum(len(s) for s in self.sent.values())
             # Watchers catch up to the last version.
-            final = (await self.stubs[0].GetPlacement(pb.GetPlacementRequest(deployment=NAME), timeout=10)).placement.version
+            final = (
+                await self.stubs[0].GetPlacement(pb.GetPlacementRequest(deployment=NAME), timeout=10)
+            ).placement.version
             res.versions = final
             for _ in range(200):
                 if min(self.last_seen) >= final:
@@ -311,11 +336,13 @@ class _Harness:
             await asyncio.gather(*watchers, return_exceptions=True)
             # Counted exactly once: the window holds every report, and each is known as accepted.
             await asyncio.sleep(1.0)  # every replica's last flush
-            window = await self.stubs[0].Rebalance(pb.RebalanceRequest(deployment=NAME, dry_run=True, force=True), timeout=30)
+            window = await self.stubs[0].Rebalance(
+                pb.RebalanceRequest(deployment=NAME, dry_run=True, force=True), timeout=30
+            )
             res.window_reports = window.window_tokens / (LAYERS * EXPERTS)
             for sent in self.sent.values():
                 for k in range(0, len(sent), 500):
-                    res.resent_accepted += (await self.deliver(sent[k:k + 500])).accepted
+                    res.resent_accepted += (await self.deliver(sent[k : k + 500])).accepted
         finally:
             for c in self.channels:
                 await c.close()
@@ -325,7 +352,9 @@ class _Harness:
     def _check(self) -> None:
         res = self.result
         if res.window_reports != res.reports_sent:
-            res.failures.append(f"window holds {res.window_reports:g} reports, {res.reports_sent} were sent and acknowledged")
+            res.failures.append(
+                f"window holds {res.window_reports:g} reports, {res.reports_sent} were sent and acknowledged"
+            )
         if res.resent_accepted:
             res.failures.append(f"{res.resent_accepted} reports were accepted again when resent (their seqs were lost)")
         if res.watcher_gaps or res.watcher_duplicates:
@@ -369,8 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="keep Redis files and replica logs here")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    config = ChaosConfig(seconds=args.seconds, replicas=args.replicas, ranks=args.ranks, watchers=args.watchers,
-                         lease_s=args.lease_seconds, report_period_s=args.report_period, seed=args.seed)
+    config = ChaosConfig(
+        seconds=args.seconds,
+        replicas=args.replicas,
+        ranks=args.ranks,
+        watchers=args.watchers,
+        lease_s=args.lease_seconds,
+        report_period_s=args.report_period,
+        seed=args.seed,
+    )
     result = run_chaos(config, args.workdir)
     summary = result.summary()
     print(json.dumps(summary, indent=2, default=dict))

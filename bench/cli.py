@@ -101,7 +101,9 @@ _SYNTHETIC_ONLY = ("synthetic", "seed")
 
 def _check_flags(args: argparse.Namespace) -> None:
     if args.scale and args.topology:
-        raise ValueError("give one of --scale NAME and --topology CONFIG (flags such as --gpus then change single fields)")
+        raise ValueError(
+            "give one of --scale NAME and --topology CONFIG (flags such as --gpus then change single fields)"
+        )
     for name, (what, op, limit) in _NUMBERS.items():
         value = getattr(args, name)
         if value is not None and not (value >= limit if op == ">=" else value > limit):
@@ -109,8 +111,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
     given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
-                         + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given"))
+        raise ValueError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
+            + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given")
+        )
     if not args.trace and not args.synthetic:
         # Planning a default workload nobody asked for, and writing nothing, helps no one.
         raise ValueError(
@@ -174,11 +178,18 @@ def _place(args: argparse.Namespace) -> int:
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     show = args.progress or sys.stderr.isatty()
     if args.policy == "ilp" and args.time_limit is None:
-        print(f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layer"
-              f"{'s' if topo.num_layers > 1 else ''}, up to 10 s of solving each after building, no overall limit); "
-              "--time-limit S caps the whole run", file=sys.stderr)
-    with _progress(show, f"{args.policy}: planning {topo.num_layers} layers",
-                   topo.num_layers if args.policy == "ilp" else None, eager=args.progress) as tick:
+        print(
+            f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layer"
+            f"{'s' if topo.num_layers > 1 else ''}, up to 10 s of solving each after building, no overall limit); "
+            "--time-limit S caps the whole run",
+            file=sys.stderr,
+        )
+    with _progress(
+        show,
+        f"{args.policy}: planning {topo.num_layers} layers",
+        topo.num_layers if args.policy == "ilp" else None,
+        eager=args.progress,
+    ) as tick:
         if args.policy == "ilp":
             planning["progress"] = tick
         plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **planning)
@@ -191,36 +202,55 @@ def _place(args: argparse.Namespace) -> int:
         say(f"note: {note}")
     short = plan.extra.get("solver_method", ()).count("out of time")  # only under --time-limit
     if short:
-        say(f"hint: {short} layer{'s' if short > 1 else ''} ran out of time (--time-limit {args.time_limit:g} s over "
+        say(
+            f"hint: {short} layer{'s' if short > 1 else ''} ran out of time (--time-limit {args.time_limit:g} s over "
             f"{topo.num_layers} layers) before CP-SAT finished building the model of {topo.num_experts} experts x "
-            f"{topo.num_gpus} gpus; ilp is a reference for small instances (docs/ilp_and_transfer.md)")
-    say(f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
-        f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}")
+            f"{topo.num_gpus} gpus; ilp is a reference for small instances (docs/ilp_and_transfer.md)"
+        )
+    say(
+        f"imbalance before ({'previous' if previous is not None else 'contiguous'}): "
+        f"{'  ' if previous is not None else ''}mean {before.mean():.4f}  worst {before.max():.4f}"
+    )
     say(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
     say(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
-    say(f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
-        f"most replicas of one expert: {int(plan.logcnt.max())}")
+    say(
+        f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
+        f"most replicas of one expert: {int(plan.logcnt.max())}"
+    )
     say(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if previous is not None:
         total = topo.num_layers * topo.num_slots
-        ways = ", ".join(f"{k[len('layers_'):]} {v}" for k, v in plan.extra.items() if k.startswith("layers_") and v)
-        say(f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)" + (f"; layers {ways}" if ways else ""))
+        ways = ", ".join(f"{k[len('layers_') :]} {v}" for k, v in plan.extra.items() if k.startswith("layers_") and v)
+        say(
+            f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)"
+            + (f"; layers {ways}" if ways else "")
+        )
     if args.expert_bytes is not None:
         tp = transfer_plan(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
         kinds = tp.kind_counts()
-        say(f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
+        say(
+            f"transfers: {tp.num_transfers} ({kinds['local']} local, {kinds['intra-node']} intra-node, "
             f"{kinds['inter-node']} inter-node); per gpu sent max {tp.sent_bytes.max() / 1e6:.1f} MB "
             f"(mean {tp.sent_bytes.mean() / 1e6:.1f}), received max {tp.received_bytes.max() / 1e6:.1f} MB; "
-            f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB")
+            f"cross-node {tp.cross_node_bytes / 1e9:.2f} GB"
+        )
         sched = transfer_schedule(previous, plan.placement, topo, expert_bytes=args.expert_bytes)
         bw = sched.bandwidth
-        say(f"schedule: {sched.total_rounds} rounds over {topo.num_layers} layers (each gpu with at most one peer per round), "
+        say(
+            f"schedule: {sched.total_rounds} rounds over {topo.num_layers} layers (each gpu with at most one peer per round), "
             f"max {sched.max_rank_round_bytes / 1e6:.1f} MB per gpu per round; predicted {sched.predicted_seconds:.3f} s "
-            f"at {bw.intra_node_gb_s:g} GB/s same node, {bw.inter_node_gb_s:g} GB/s across nodes, {bw.local_gb_s:g} GB/s within a gpu")
-    stats = plan.summary() | {"source": source, "imbalance": plan.imbalance.tolist(), "imbalance_lb": plan.imbalance_lb.tolist()}
+            f"at {bw.intra_node_gb_s:g} GB/s same node, {bw.inter_node_gb_s:g} GB/s across nodes, {bw.local_gb_s:g} GB/s within a gpu"
+        )
+    stats = plan.summary() | {
+        "source": source,
+        "imbalance": plan.imbalance.tolist(),
+        "imbalance_lb": plan.imbalance_lb.tolist(),
+    }
     if fmt is None:
-        say("placement not written: give --out FILE (.json native, .npz vllm, .txt listing, .npy phy2log) "
-            "or --format FMT to print it")
+        say(
+            "placement not written: give --out FILE (.json native, .npz vllm, .txt listing, .npy phy2log) "
+            "or --format FMT to print it"
+        )
     elif out is None:
         sys.stdout.write(eio.placement_text(plan.placement, fmt, stats, loads))
     elif fmt == "phy2log":
@@ -245,7 +275,11 @@ def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterato
         show = False
     if layers is not None:
         with _remember_ctrl_c() as interrupted:
-            bar = tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=0.0 if eager else 0.5) if show else None
+            bar = (
+                tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=0.0 if eager else 0.5)
+                if show
+                else None
+            )
 
             def tick(done: int, total: int) -> None:
                 if interrupted():
@@ -319,8 +353,10 @@ def _planning(args: argparse.Namespace) -> dict:
     extra = sorted(set(given) - set(allowed))
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
-        raise ValueError(f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
-                         + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else ""))
+        raise ValueError(
+            f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
+            + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else "")
+        )
     if args.policy == "ilp" and "time_limit" in given:
         # One limit over all layers; a layer may use all of what is left to it.
         given["total_time_limit"] = given["time_limit"]
@@ -338,42 +374,105 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("trace", nargs="?", help="load trace file (.json .npy .npz .csv .pt)")
     p.add_argument("--trace-format", choices=eio.TRACE_FORMATS, help="trace format (default: by suffix)")
-    p.add_argument("--recorded-under", metavar="PLACEMENT", help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)")
-    p.add_argument("--synthetic", "--workload", dest="synthetic", choices=WORKLOADS, help="plan this built-in workload instead of a TRACE (docs/scales.md)")
-    p.add_argument("--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md) [v3-prefill with --synthetic]")
-    p.add_argument("--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)")
+    p.add_argument(
+        "--recorded-under",
+        metavar="PLACEMENT",
+        help="placement a vLLM window of physical counts was recorded under (any placement format or .npy phy2log)",
+    )
+    p.add_argument(
+        "--synthetic",
+        "--workload",
+        dest="synthetic",
+        choices=WORKLOADS,
+        help="plan this built-in workload instead of a TRACE (docs/scales.md)",
+    )
+    p.add_argument(
+        "--scale", choices=sorted(SCALES), help="standard topology (docs/scales.md) [v3-prefill with --synthetic]"
+    )
+    p.add_argument(
+        "--topology", help="topology config file (.json or .toml: layers, experts, slots, gpus, nodes, groups)"
+    )
     for name in _TOPO_ARGS:
-        p.add_argument(f"--{name}", type=int, help=f"number of {name}" + (" (default: the trace's)" if name in ("layers", "experts") else ""))
+        p.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"number of {name}" + (" (default: the trace's)" if name in ("layers", "experts") else ""),
+        )
     window = p.add_mutually_exclusive_group()
     window.add_argument("--window", type=int, help="plan on the last N steps of a trace with a time axis")
     window.add_argument("--half-life", type=float, help="plan on an exponentially decayed sum (half-life in steps)")
-    p.add_argument("--policy", default="auto", choices=eplb.policies(), help="a registered policy (docs/algorithms.md) [auto]")
-    p.add_argument("--previous", metavar="PLACEMENT", help="the placement in service now (any placement format or .npy "
-                   "phy2log): re-plan migration-aware, moving as few slots as the bounds allow")
-    p.add_argument("--tolerance", type=float, help="with --previous: mean imbalance over layers within (1 + this) x a fresh plan's [0.01]")
-    p.add_argument("--layer-tolerance", type=float, help="with --previous: every layer within (1 + this) x fresh's [0.05]")
-    p.add_argument("--max-moves", type=int, help="with --previous: at most this many slots rewritten in all (a hard limit)")
+    p.add_argument(
+        "--policy", default="auto", choices=eplb.policies(), help="a registered policy (docs/algorithms.md) [auto]"
+    )
+    p.add_argument(
+        "--previous",
+        metavar="PLACEMENT",
+        help="the placement in service now (any placement format or .npy "
+        "phy2log): re-plan migration-aware, moving as few slots as the bounds allow",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        help="with --previous: mean imbalance over layers within (1 + this) x a fresh plan's [0.01]",
+    )
+    p.add_argument(
+        "--layer-tolerance", type=float, help="with --previous: every layer within (1 + this) x fresh's [0.05]"
+    )
+    p.add_argument(
+        "--max-moves", type=int, help="with --previous: at most this many slots rewritten in all (a hard limit)"
+    )
     p.add_argument("--max-layer-moves", type=int, help="with --previous: at most this many slots rewritten per layer")
-    p.add_argument("--expert-bytes", type=float, help="with --previous: bytes of one expert's weights; prints the transfer plan's traffic")
-    p.add_argument("--effort", choices=("fast", "default", "high"), help="fast: the first greedy plan; default: then search "
-                   "until within 0.1 %% of the bound or the work budget is spent; high: wider and longer [default]")
-    p.add_argument("--work-budget", type=float, help="work units per layer for the search after the first plan "
-                   "(deterministic; default: the effort's)")
-    p.add_argument("--time-limit", type=float, help="wall-clock seconds for the whole plan (cuts the search short; "
-                   "no limit by default; ilp: one limit over all layers)")
-    p.add_argument("--workers", type=int, help="processes planning layers in parallel [1] "
-                   "(ilp: CP-SAT search threads [8])")
+    p.add_argument(
+        "--expert-bytes",
+        type=float,
+        help="with --previous: bytes of one expert's weights; prints the transfer plan's traffic",
+    )
+    p.add_argument(
+        "--effort",
+        choices=("fast", "default", "high"),
+        help="fast: the first greedy plan; default: then search "
+        "until within 0.1 %% of the bound or the work budget is spent; high: wider and longer [default]",
+    )
+    p.add_argument(
+        "--work-budget",
+        type=float,
+        help="work units per layer for the search after the first plan (deterministic; default: the effort's)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        help="wall-clock seconds for the whole plan (cuts the search short; "
+        "no limit by default; ilp: one limit over all layers)",
+    )
+    p.add_argument(
+        "--workers", type=int, help="processes planning layers in parallel [1] (ilp: CP-SAT search threads [8])"
+    )
     p.add_argument("--seed", type=int, help="seed of the synthetic workload [0]")
-    p.add_argument("--format", choices=eio.PLACEMENT_FORMATS, help="placement format (default: by --out suffix; .npy writes "
-                   "bare phy2log); without --out, native, sglang and listing print to stdout")
-    p.add_argument("--out", help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log; "
-                   "- for stdout, the report then going to stderr)")
-    p.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
-                   "(on a terminal it shows for plans over half a second)")
+    p.add_argument(
+        "--format",
+        choices=eio.PLACEMENT_FORMATS,
+        help="placement format (default: by --out suffix; .npy writes "
+        "bare phy2log); without --out, native, sglang and listing print to stdout",
+    )
+    p.add_argument(
+        "--out",
+        help="write the placement here (.json native, .npz vllm, .txt listing, .npy phy2log; "
+        "- for stdout, the report then going to stderr)",
+    )
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show progress on stderr even when it is not a terminal "
+        "(on a terminal it shows for plans over half a second)",
+    )
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
     s.set_defaults(fn=None)
-    d = sub.add_parser("demo", help="the service, simulated engine ranks and the weight mover on CPU (eplb demo --help)", add_help=False)
+    d = sub.add_parser(
+        "demo",
+        help="the service, simulated engine ranks and the weight mover on CPU (eplb demo --help)",
+        add_help=False,
+    )
     d.set_defaults(fn=None)
     return ap
 
@@ -387,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from eplb_service.cli import main as serve_main
         except ImportError as exc:
-            print(f"eplb serve: error: the service needs the service extra (missing: {exc.name}); "
-                  "install it with: pip install 'eplb[service]'", file=sys.stderr)
+            print(
+                f"eplb serve: error: the service needs the service extra (missing: {exc.name}); "
+                "install it with: pip install 'eplb[service]'",
+                file=sys.stderr,
+            )
             return 2
         return serve_main(rest)
     if args.command == "demo":

@@ -27,7 +27,9 @@ def _serve():
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = asyncio.run_coroutine_threadsafe(start_server(ServerConfig(port=0, balancer=BalancerConfig())), loop).result(10)
+    server = asyncio.run_coroutine_threadsafe(
+        start_server(ServerConfig(port=0, balancer=BalancerConfig())), loop
+    ).result(10)
     return loop, server
 
 
@@ -49,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
             client.create_deployment("bench", topo)
         counts = np.random.default_rng(0).integers(0, 100, (topo.num_layers, topo.num_slots))
         tensor = torch.from_numpy(counts)
-        print(f"scale {args.scale}: one add is [L, P] = [{topo.num_layers}, {topo.num_slots}] counts; machine shared, medians of {args.adds}")
-        for name, arr, copy in (("numpy int64, copied", counts, True), ("numpy int64, handed over", counts, False),
-                                ("torch int64 (CPU), cloned", tensor, True)):
+        print(
+            f"scale {args.scale}: one add is [L, P] = [{topo.num_layers}, {topo.num_slots}] counts; machine shared, medians of {args.adds}"
+        )
+        for name, arr, copy in (
+            ("numpy int64, copied", counts, True),
+            ("numpy int64, handed over", counts, False),
+            ("torch int64 (CPU), cloned", tensor, True),
+        ):
             reporter = LoadReporter(server.target, "bench", 0, topo, interval_s=0.05, max_queued=args.adds + 1)
             times = np.empty(args.adds)
             for i in range(args.adds):
@@ -59,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.add(arr, version=1, copy=copy)
                 times[i] = time.perf_counter() - start
             reporter.close(timeout_s=60)
-            print(f"  add, {name:28s} median {np.median(times) * 1e6:6.1f} us   p99 {np.percentile(times, 99) * 1e6:6.1f} us")
+            print(
+                f"  add, {name:28s} median {np.median(times) * 1e6:6.1f} us   p99 {np.percentile(times, 99) * 1e6:6.1f} us"
+            )
         for rate in (args.rate, None):
             reporter = LoadReporter(server.target, "bench", 0, topo, interval_s=1.0)
             start = time.perf_counter()
@@ -74,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             st = reporter.stats()
             reporter.close()
             what = f"paced at {rate}/s" if rate else "unpaced (a tight loop)"
-            print(f"  {what:24s} {n} adds in {args.seconds:g} s, all sent after {took:.1f} s: {done}; "
-                  f"{st.added} summed into {st.accepted} reports accepted; {st.dropped_adds} adds and {st.dropped_reports} reports dropped")
+            print(
+                f"  {what:24s} {n} adds in {args.seconds:g} s, all sent after {took:.1f} s: {done}; "
+                f"{st.added} summed into {st.accepted} reports accepted; {st.dropped_adds} adds and {st.dropped_reports} reports dropped"
+            )
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)

@@ -50,7 +50,11 @@ def cases() -> dict[str, tuple[eplb.Topology, np.ndarray, str]]:
     out["v3-512 zipf-1.0"] = (SCALES["v3-512"], make_loads("zipf-1.0", SCALES["v3-512"]), "global")
     for scale in ("v3-prefill", "v3-64", "qwen3-64", "kimi-64"):
         out[f"{scale} zipf-1.5"] = (SCALES[scale], make_loads("zipf-1.5", SCALES[scale]), "global")
-    out["v3-prefill lognormal-1.0 auto"] = (SCALES["v3-prefill"], make_loads("lognormal-1.0", SCALES["v3-prefill"]), "auto")
+    out["v3-prefill lognormal-1.0 auto"] = (
+        SCALES["v3-prefill"],
+        make_loads("lognormal-1.0", SCALES["v3-prefill"]),
+        "auto",
+    )
     L = 58
     for E, P, G in ((128, 256, 128), (256, 512, 256), (256, 384, 192)):
         t = eplb.Topology(L, E, P, G)
@@ -66,8 +70,12 @@ def cases() -> dict[str, tuple[eplb.Topology, np.ndarray, str]]:
 
 def measure(topology: eplb.Topology, loads: np.ndarray, policy: str, repeat: int, workers: int) -> dict:
     row: dict = {}
-    runs = [("deepseek", "deepseek", {}), ("fast", policy, {"effort": "fast"}), ("default", policy, {"workers": workers}),
-            ("high", policy, {"effort": "high", "workers": workers})]
+    runs = [
+        ("deepseek", "deepseek", {}),
+        ("fast", policy, {"effort": "fast"}),
+        ("default", policy, {"workers": workers}),
+        ("high", policy, {"effort": "high", "workers": workers}),
+    ]
     for name, pol, opts in runs:
         secs, plan = [], None
         for _ in range(repeat):
@@ -97,7 +105,9 @@ def _profile(loads: np.ndarray, topology: eplb.Topology, plan: eplb.Plan) -> flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--cases", help="comma-separated case names (default: all); see --list")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
     ap.add_argument("--repeat", type=int, default=1, help="runs per plan; solve times are medians (default 1)")

@@ -98,7 +98,7 @@ def make_weights(topo: eplb.Topology, rank: int, placement: eplb.Placement) -> l
     S = topo.slots_per_gpu
     out = []
     for layer in range(topo.num_layers):
-        experts = torch.from_numpy(placement.phy2log[layer, rank * S:(rank + 1) * S].astype(np.float32))
+        experts = torch.from_numpy(placement.phy2log[layer, rank * S : (rank + 1) * S].astype(np.float32))
         tensors = {}
         for t, (name, shape) in enumerate(sorted(_TENSORS.items())):
             code = layer * _CODE_LAYER + experts * _CODE_EXPERT + t
@@ -130,7 +130,7 @@ def misrouted_here(dispatched: np.ndarray, layers: list[dict], topo: eplb.Topolo
     how many of those reaching this rank's slots found another expert's weights there (or a
     torn copy)."""
     S = topo.slots_per_gpu
-    mine = dispatched[:, rank * S:(rank + 1) * S]
+    mine = dispatched[:, rank * S : (rank + 1) * S]
     holds = slot_experts(layers, topo)
     right = np.take_along_axis(mine, np.maximum(holds, 0)[..., None], axis=2)[..., 0] * (holds >= 0)
     return int(mine.sum() - right.sum())
@@ -188,13 +188,27 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     done_events: list[dict] = []
 
     def on_event(event: object) -> None:
-        item = {"kind": event.kind, "version": event.version, "step": event.step, "prepare_s": event.prepare_seconds,
-                "wait_s": event.wait_seconds, "error": event.error}
+        item = {
+            "kind": event.kind,
+            "version": event.version,
+            "step": event.step,
+            "prepare_s": event.prepare_seconds,
+            "wait_s": event.wait_seconds,
+            "error": event.error,
+        }
         if event.kind == "switched":
             sched, report = applier.schedule, applier.report
-            item.update(bytes=sched.bytes, rounds=sched.total_rounds, predicted_s=sched.predicted_seconds,
-                        commit_s=applier.commit_seconds, checked_slots=report.checked_slots, mismatches=len(report.mismatches),
-                        chunks=event.chunks, staged_bytes=applier.staged_bytes, staging_bytes=staging)
+            item.update(
+                bytes=sched.bytes,
+                rounds=sched.total_rounds,
+                predicted_s=sched.predicted_seconds,
+                commit_s=applier.commit_seconds,
+                checked_slots=report.checked_slots,
+                mismatches=len(report.mismatches),
+                chunks=event.chunks,
+                staged_bytes=applier.staged_bytes,
+                staging_bytes=staging,
+            )
         pending.append(item)
 
     rollout = Rollout(initial, applier, barrier, timeout_s=30.0, on_event=on_event)
@@ -231,11 +245,15 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
                 pending.remove(item)
                 if item["kind"] == "switched":
                     s = item["step"]
-                    item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS):s] or [np.nan]))
-                    item["measured_after"] = float(np.mean(series[s:s + _AFTER_STEPS]))
+                    item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
+                    item["measured_after"] = float(np.mean(series[s : s + _AFTER_STEPS]))
                     stats = plans.get(item["version"])
                     if stats is not None:
-                        item.update(planned_before=stats.imbalance_before, planned_after=stats.imbalance_after, moves=stats.moves)
+                        item.update(
+                            planned_before=stats.imbalance_before,
+                            planned_after=stats.imbalance_after,
+                            moves=stats.moves,
+                        )
                 item["t"] = time.perf_counter() - start
                 events.put(("event", item))
                 done_events.append(item)
@@ -252,11 +270,21 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     client.close()
     dist.barrier()
     dist.destroy_process_group()
-    events.put(("done", {
-        "rank": rank, "misrouted": misrouted, "routed": routed, "seconds": elapsed, "series": series,
-        "events": done_events + pending, "reporter": asdict(stats),
-        "late": getattr(barrier, "late", 0),
-    }))
+    events.put(
+        (
+            "done",
+            {
+                "rank": rank,
+                "misrouted": misrouted,
+                "routed": routed,
+                "seconds": elapsed,
+                "series": series,
+                "events": done_events + pending,
+                "reporter": asdict(stats),
+                "late": getattr(barrier, "late", 0),
+            },
+        )
+    )
 
 
 class _Service:
@@ -314,12 +342,22 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
     cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": free_port()})
     with ServiceClient(service.address) as client:
-        client.create_deployment(cfg.deployment, topo, window_s=cfg.window_s, interval_s=cfg.replan_s,
-                                 min_gain_percent=cfg.min_gain_percent, expert_bytes=slot_bytes,
-                                 switch_margin_steps=cfg.switch_margin_steps)
-    print(f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
-          f"{topo.num_experts} experts on {topo.num_slots} slots; {cfg.steps} steps of {cfg.step_ms:g} ms, "
-          f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier", file=out, flush=True)
+        client.create_deployment(
+            cfg.deployment,
+            topo,
+            window_s=cfg.window_s,
+            interval_s=cfg.replan_s,
+            min_gain_percent=cfg.min_gain_percent,
+            expert_bytes=slot_bytes,
+            switch_margin_steps=cfg.switch_margin_steps,
+        )
+    print(
+        f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
+        f"{topo.num_experts} experts on {topo.num_slots} slots; {cfg.steps} steps of {cfg.step_ms:g} ms, "
+        f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier",
+        file=out,
+        flush=True,
+    )
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, events), daemon=True) for r in range(cfg.ranks)]
@@ -343,8 +381,10 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
             p.join(10)
         # Where the service saw each rank end up (the ranks' acks, sent before they finished).
         with ServiceClient(service.address) as client:
-            acks = {a.rank: (a.version, a.failed_version) for a in client.call(
-                "GetDeployment", _pb().GetDeploymentRequest(name=cfg.deployment)).acks}
+            acks = {
+                a.rank: (a.version, a.failed_version)
+                for a in client.call("GetDeployment", _pb().GetDeploymentRequest(name=cfg.deployment)).acks
+            }
     finally:
         for p in procs:
             if p.is_alive():
@@ -363,8 +403,8 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
     others = [e for r in results.values() for e in r["events"] if e["kind"] != "switched"]
     shift_step = cfg.steps // 2
     first = switched[0]["step"] if switched else len(series)
-    last_q = series[int(0.8 * len(series)):]
-    balanced = series[first + _AFTER_STEPS // 5:shift_step] if first < shift_step else series[first:]
+    last_q = series[int(0.8 * len(series)) :]
+    balanced = series[first + _AFTER_STEPS // 5 : shift_step] if first < shift_step else series[first:]
     return {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("address", "gloo_port")},
         "seconds": round(wall_s, 2),
@@ -388,7 +428,9 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
         "staged_bytes_max": int(max((e.get("staged_bytes", 0) for e in switched), default=0)),
         "checksum_mismatches": int(sum(e.get("mismatches", 0) for r in results.values() for e in r["events"])),
         "reports_accepted": int(sum(r["reporter"]["accepted"] for r in results.values())),
-        "reports_dropped": int(sum(r["reporter"]["dropped_reports"] + r["reporter"]["dropped_adds"] for r in results.values())),
+        "reports_dropped": int(
+            sum(r["reporter"]["dropped_reports"] + r["reporter"]["dropped_adds"] for r in results.values())
+        ),
         "replans": switched,
         "series": series.tolist(),
     }
@@ -409,7 +451,8 @@ def _print_summary(s: dict, out: object) -> None:
         f"{s['reports_accepted']} load reports accepted, {s['reports_dropped']} dropped; "
         f"{s['checksum_mismatches']} checksum mismatches; the service has the ranks at versions "
         f"{s['service_acked_versions']}",
-        file=out, flush=True,
+        file=out,
+        flush=True,
     )
 
 
@@ -426,7 +469,9 @@ def write_plot(summary: dict, directory: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(np.arange(len(series)) * step_s, series, lw=0.8, label="measured imbalance (mean over layers)")
     for i, e in enumerate(summary["replans"]):
-        ax.axvline(e["step"] * step_s, color="tab:green", ls="--", lw=0.8, label="placement switched" if i == 0 else None)
+        ax.axvline(
+            e["step"] * step_s, color="tab:green", ls="--", lw=0.8, label="placement switched" if i == 0 else None
+        )
     ax.axvline(summary["shift_step"] * step_s, color="tab:red", lw=0.8, label="popularity shift")
     ax.set_xlabel("seconds")
     ax.set_ylabel("max / mean gpu load")
@@ -458,12 +503,19 @@ def _unwritable(flag: str, path: Path, *, file: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     d = DemoConfig()
-    ap = argparse.ArgumentParser(prog="eplb demo", description="The balancer service, simulated engine ranks and the "
-                                 "weight mover on loopback, on CPU, in under a minute.")
+    ap = argparse.ArgumentParser(
+        prog="eplb demo",
+        description="The balancer service, simulated engine ranks and the "
+        "weight mover on loopback, on CPU, in under a minute.",
+    )
     ap.add_argument("--ranks", type=int, default=d.ranks, help=f"engine ranks (processes, one gpu each) [{d.ranks}]")
     ap.add_argument("--seconds", type=float, default=d.seconds, help=f"how long the ranks route tokens [{d.seconds:g}]")
-    ap.add_argument("--barrier", choices=("group", "service"), default=d.barrier,
-                    help="agree the switch step through the ranks' process group or the service's AckPlacement [group]")
+    ap.add_argument(
+        "--barrier",
+        choices=("group", "service"),
+        default=d.barrier,
+        help="agree the switch step through the ranks' process group or the service's AckPlacement [group]",
+    )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--plots", type=Path, metavar="DIR", help="write DIR/imbalance.png")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
@@ -471,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 2 <= args.ranks <= 16 or args.seconds <= 0:
         ap.error("--ranks must be in [2, 16] and --seconds > 0")
     # Checked before the run, not found out after it: one line on stderr, like a usage error.
-    problem = (args.plots and _unwritable("--plots", args.plots)) or (args.json and _unwritable("--json", args.json, file=True))
+    problem = (args.plots and _unwritable("--plots", args.plots)) or (
+        args.json and _unwritable("--json", args.json, file=True)
+    )
     if problem:
         print(f"eplb demo: error: {problem}", file=sys.stderr)
         return 2

@@ -57,7 +57,12 @@ def floor_at(items: np.ndarray, cap: np.ndarray, nodes: int = 1, regroup: float 
 
 
 def kept_count_floor(
-    items: np.ndarray, fresh_max: np.ndarray, fresh_imb: np.ndarray, tolerance: float, nodes: int = 1, regroup: float = np.inf
+    items: np.ndarray,
+    fresh_max: np.ndarray,
+    fresh_imb: np.ndarray,
+    tolerance: float,
+    nodes: int = 1,
+    regroup: float = np.inf,
 ) -> float:
     """``items`` ``[L, G, S]`` replica loads of the current placement under the new loads,
     ``fresh_max``, ``fresh_imb`` ``[L]`` → a lower bound on the slots any re-plan that keeps every

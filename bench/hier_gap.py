@@ -76,8 +76,11 @@ def grouped_bound(loads: np.ndarray, topo: eplb.Topology) -> np.ndarray:
                 cache[block] = np.max(
                     [
                         eplb.lower_bound(node_loads, node),
-                    # Each k gives a valid bound, and a larger k is not always tighter.
-                        *(node_pigeonhole_bound(node_loads, topo.gpus_per_node, topo.slots_per_node, k) for k in (2, 3, 4)),
+                        # Each k gives a valid bound, and a larger k is not always tighter.
+                        *(
+                            node_pigeonhole_bound(node_loads, topo.gpus_per_node, topo.slots_per_node, k)
+                            for k in (2, 3, 4)
+                        ),
                     ],
                     axis=0,
                 )
@@ -116,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     if topo.num_nodes < 2 or not topo.hierarchical_ok:
         ap.error(f"scale {args.scale} has no groups to keep on nodes")
     rows = [run(args.scale, w) for w in args.workloads.split(",")]
-    print("| scale | workload | hierarchical | best found (effort high) | grouped lower bound | gap to best found | gap to bound | best found to bound |")
+    print(
+        "| scale | workload | hierarchical | best found (effort high) | grouped lower bound | gap to best found | gap to bound | best found to bound |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

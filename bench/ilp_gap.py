@@ -29,7 +29,16 @@ WORKLOADS: tuple[str, ...] = ("zipf-1.0", "zipf-1.5", "lognormal-0.5", "lognorma
 DEFAULT_POLICIES = ("deepseek", "global", "hierarchical")
 
 
-def instance_rows(experts: int, gpus: int, per_gpu: int, workload: str, seed: int, policies: list[str], time_limit: float, workers: int) -> list[dict]:
+def instance_rows(
+    experts: int,
+    gpus: int,
+    per_gpu: int,
+    workload: str,
+    seed: int,
+    policies: list[str],
+    time_limit: float,
+    workers: int,
+) -> list[dict]:
     topo = eplb.Topology(1, experts, gpus * per_gpu, gpus, 2, 4)
     loads = make_loads(workload, topo, seed)
     ilp = eplb.rebalance(loads, topo, "ilp", time_limit=time_limit, workers=workers)
@@ -53,7 +62,16 @@ def instance_rows(experts: int, gpus: int, per_gpu: int, workload: str, seed: in
             continue
         plan = eplb.rebalance(loads, topo, name, **({"effort": effort} if effort else {}))
         value = float(plan.gpu_load.max())
-        rows.append({**base, "policy": policy, "max_load": value, "gap": value / best - 1, "status": ilp.solver_status[0], "seconds": plan.solve_seconds})
+        rows.append(
+            {
+                **base,
+                "policy": policy,
+                "max_load": value,
+                "gap": value / best - 1,
+                "status": ilp.solver_status[0],
+                "seconds": plan.solve_seconds,
+            }
+        )
     return rows
 
 
@@ -85,7 +103,10 @@ def table(rows: list[dict]) -> str:
 
 
 def by_topology(rows: list[dict]) -> str:
-    out = ["| experts | gpus | slots | ILP proved | " + " | ".join(f"{p} mean gap" for p in DEFAULT_POLICIES) + " |", "|---|---|---|---|" + "---|" * len(DEFAULT_POLICIES)]
+    out = [
+        "| experts | gpus | slots | ILP proved | " + " | ".join(f"{p} mean gap" for p in DEFAULT_POLICIES) + " |",
+        "|---|---|---|---|" + "---|" * len(DEFAULT_POLICIES),
+    ]
     for e, g, s in TOPOLOGIES:
         mine = [r for r in rows if (r["experts"], r["gpus"], r["slots"]) == (e, g, g * s)]
         if not mine:
@@ -105,7 +126,11 @@ def proof_cases() -> list[tuple[str, np.ndarray, eplb.Topology]]:
     t8, t16 = eplb.Topology(1, 8, 16, 8), eplb.Topology(1, 16, 20, 4)
     return [
         ("known answer, 8 / 8 / 16", np.array([[600.0, 560, 120, 120, 20, 10, 10, 10]]), t8),
-        ("16 / 4 / 20, round(lognormal(0, 1) * 10), default_rng(0)", np.round(np.random.default_rng(0).lognormal(0, 1, (1, 16)) * 10), t16),
+        (
+            "16 / 4 / 20, round(lognormal(0, 1) * 10), default_rng(0)",
+            np.round(np.random.default_rng(0).lognormal(0, 1, (1, 16)) * 10),
+            t16,
+        ),
         ("8 / 8 / 16, lognormal-1.0 seed 0", make_loads("lognormal-1.0", t8, 0), t8),
         ("8 / 8 / 16, zipf-1.0 seed 0", make_loads("zipf-1.0", t8, 0), t8),
         ("16 / 4 / 20, zipf-1.0 seed 0 (float loads)", make_loads("zipf-1.0", t16, 0), t16),
@@ -113,7 +138,10 @@ def proof_cases() -> list[tuple[str, np.ndarray, eplb.Topology]]:
 
 
 def proofs(time_limit: float, workers: int) -> str:
-    out = ["| instance | status | solver s | ILP max / mean | bound / mean | global max / mean |", "|---|---|---|---|---|---|"]
+    out = [
+        "| instance | status | solver s | ILP max / mean | bound / mean | global max / mean |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, loads, topo in proof_cases():
         plan = eplb.rebalance(loads, topo, "ilp", time_limit=time_limit, workers=workers)
         mean = loads.sum() / topo.num_gpus
@@ -129,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="seeds per (topology, workload)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per instance")
-    ap.add_argument("--workers", type=int, default=8, help="CP-SAT search workers (8 proves more than 2 even on 2 cores)")
+    ap.add_argument(
+        "--workers", type=int, default=8, help="CP-SAT search workers (8 proves more than 2 even on 2 cores)"
+    )
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--json", help="also write the rows as JSON to this file")
-    ap.add_argument("--proofs", action="store_true", help="instead: time to prove the reference instances (use --time-limit 60)")
+    ap.add_argument(
+        "--proofs", action="store_true", help="instead: time to prove the reference instances (use --time-limit 60)"
+    )
     args = ap.parse_args(argv)
     if args.proofs:
         print(proofs(args.time_limit, args.workers))

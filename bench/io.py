@@ -113,7 +113,9 @@ def trace_format_of(path: Path, fmt: str | None = None) -> str:
         return "vllm" if set(_read_npz(path)) & set(_WINDOW_KEYS) else "npz"
     by_suffix = {".npy": "npy", ".csv": "csv", ".pt": "sglang-pt"}
     if suffix not in by_suffix:
-        raise ValueError(f"{path}: cannot tell the trace format from suffix {suffix!r}; use one of .json .npy .npz .csv .pt or pass a format ({', '.join(TRACE_FORMATS)})")
+        raise ValueError(
+            f"{path}: cannot tell the trace format from suffix {suffix!r}; use one of .json .npy .npz .csv .pt or pass a format ({', '.join(TRACE_FORMATS)})"
+        )
     return by_suffix[suffix]
 
 
@@ -121,7 +123,9 @@ def _load_torch(path: Path) -> object:
     try:
         import torch  # optional extra: only SGLang .pt dumps need it
     except ImportError:
-        raise ValueError(f"{path}: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb[torch]'` or convert the dump to .npz") from None
+        raise ValueError(
+            f"{path}: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb[torch]'` or convert the dump to .npz"
+        ) from None
     _empty(path, "an SGLang expert-distribution dump saved by torch.save")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -158,15 +162,21 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
     if kind == "vllm":
         window = next((arrays[k] for k in _WINDOW_KEYS if k in arrays), None)
         if window is None:
-            raise ValueError(f"{path}: field 'window': missing; expected [W, layers, slots] physical counts named window or expert_load_window")
+            raise ValueError(
+                f"{path}: field 'window': missing; expected [W, layers, slots] physical counts named window or expert_load_window"
+            )
         p2l = next((arrays[k] for k in _MAP_KEYS if k in arrays), phy2log)
         if p2l is None:
-            raise ValueError(f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under (--recorded-under)")
+            raise ValueError(
+                f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under (--recorded-under)"
+            )
         return _in_file(path, lambda: traces.from_vllm_window(window, p2l))
     for key in ("counts", "logical_count"):
         if key in arrays:
             return _in_file(path, lambda key=key: traces.from_array(arrays[key], key))
-    raise ValueError(f"{path}: field 'counts': missing; expected an array named counts or logical_count (archive has: {', '.join(arrays) or 'nothing'})")
+    raise ValueError(
+        f"{path}: field 'counts': missing; expected an array named counts or logical_count (archive has: {', '.join(arrays) or 'nothing'})"
+    )
 
 
 def write_trace(path: str | Path, trace: traces.LoadTrace, fmt: str = "native") -> None:
@@ -205,7 +215,9 @@ def placement_format_of(path: Path, fmt: str | None = None) -> str:
         return "native"
     by_suffix = {".npz": "vllm", ".txt": "listing"}
     if suffix not in by_suffix:
-        raise ValueError(f"{path}: cannot tell the placement format from suffix {suffix!r}; use .json .npz .txt or pass a format ({', '.join(PLACEMENT_FORMATS)})")
+        raise ValueError(
+            f"{path}: cannot tell the placement format from suffix {suffix!r}; use .json .npz .txt or pass a format ({', '.join(PLACEMENT_FORMATS)})"
+        )
     return by_suffix[suffix]
 
 
@@ -222,7 +234,8 @@ def placement_output_format(path: str | Path, fmt: str | None = None) -> str:
         others = ", ".join(f"{s} {k}" for k, s in PLACEMENT_SUFFIXES.items() if s == path.suffix.lower())
         raise ValueError(
             f"{path}: a {kind} placement is written as a {want} file, not {path.suffix or 'a file without a suffix'}; "
-            f"name it {path.with_suffix(want).name}" + (f" or choose a {path.suffix} format ({others})" if others else "")
+            f"name it {path.with_suffix(want).name}"
+            + (f" or choose a {path.suffix} format ({others})" if others else "")
         )
     return kind
 
@@ -258,7 +271,9 @@ def placement_text(placement: Placement, fmt: str, stats: dict | None = None, lo
     raise ValueError(f"{fmt} placements are not text (vllm: an .npz archive); text formats: native, sglang, listing")
 
 
-def read_placement(path: str | Path, fmt: str | None = None, num_gpus: int | None = None, num_nodes: int = 1, num_groups: int = 1) -> Placement:
+def read_placement(
+    path: str | Path, fmt: str | None = None, num_gpus: int | None = None, num_nodes: int = 1, num_groups: int = 1
+) -> Placement:
     """Read a placement. SGLang and vLLM files do not carry the gpu count: pass ``num_gpus``."""
     path = Path(path)
     if not path.is_file():

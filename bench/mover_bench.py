@@ -32,13 +32,13 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from eplb_engine.checksum import slot_checksum
-from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
-from eplb_engine.transport import P2P
 
 import eplb
 from eplb.transfer import Bandwidth
 from eplb.workloads import SCALES, drift, make_loads
+from eplb_engine.checksum import slot_checksum
+from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
+from eplb_engine.transport import P2P
 
 FP8 = torch.float8_e4m3fn
 HIDDEN, INTER, BLOCK = 7168, 2048, 128
@@ -130,14 +130,18 @@ class LoopbackPeers:
                 recvs[k + n - 1].tensor.copy_(slot_checksum(slot, 0))
 
 
-def make_layers(old: eplb.Placement, rank: int, device: torch.device, kinds: dict | None = None) -> list[dict[str, torch.Tensor]]:
+def make_layers(
+    old: eplb.Placement, rank: int, device: torch.device, kinds: dict | None = None
+) -> list[dict[str, torch.Tensor]]:
     """This rank's tensors per layer (``kinds``: name -> (slot shape, dtype), default ``TENSORS``),
     every slot filled with its expert's code."""
     topo = old.topology
     S = topo.slots_per_gpu
     layers = []
     for layer in range(topo.num_layers):
-        tensors = {name: torch.empty((S, *shape), dtype=dt, device=device) for name, (shape, dt) in (kinds or TENSORS).items()}
+        tensors = {
+            name: torch.empty((S, *shape), dtype=dt, device=device) for name, (shape, dt) in (kinds or TENSORS).items()
+        }
         for s in range(S):
             fill_slot(tensors, s, layer, int(old.phy2log[layer, rank * S + s]))
         layers.append(tensors)
@@ -220,7 +224,9 @@ def run_transition(name, old, new, plan_s, rank, layers, device, bw, repeats) ->
         for _ in range(repeats):
             reset(layers, old, rank)
             torch.cuda.synchronize()
-            m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, size), bandwidth=bw, batch_copies=batch)
+            m = WeightMover(
+                layers, old, new, transport=LoopbackPeers(sched, new, rank, size), bandwidth=bw, batch_copies=batch
+            )
             t = time.perf_counter()
             m.prepare()
             torch.cuda.synchronize()
@@ -245,7 +251,9 @@ def run_transition(name, old, new, plan_s, rank, layers, device, bw, repeats) ->
     # the canary: checksums of every moved slot against its source's, once
     reset(layers, old, rank)
     torch.cuda.synchronize()
-    m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, size, verify=True), bandwidth=bw, verify=True)
+    m = WeightMover(
+        layers, old, new, transport=LoopbackPeers(sched, new, rank, size, verify=True), bandwidth=bw, verify=True
+    )
     m.prepare()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -260,7 +268,9 @@ def run_transition(name, old, new, plan_s, rank, layers, device, bw, repeats) ->
         calls = []
         reset(layers, old, rank)
         torch.cuda.synchronize()
-        m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, size), bandwidth=bw, layers_per_call=per_call)
+        m = WeightMover(
+            layers, old, new, transport=LoopbackPeers(sched, new, rank, size), bandwidth=bw, layers_per_call=per_call
+        )
         while not m.done:
             t = time.perf_counter()
             m.step()
@@ -283,10 +293,12 @@ CHUNK_BUDGETS = (None, 1 << 30, 512 << 20)
 def _print_chunked(runs: list[dict]) -> None:
     for c in runs:
         label = "one chunk" if c["budget"] is None else f"staging_bytes {c['budget'] / 2**30:.2f} GiB"
-        print(f"  staged, {label}: {c['chunks']} chunks ({min(c['layers_per_chunk'])}-{max(c['layers_per_chunk'])} layers), "
-              f"receive buffers {c['staged_bytes'] / 1e9:.2f} GB, GPU memory added at peak {(c['peak_extra_bytes'] or 0) / 1e9:.2f} GB; "
-              f"prepare {c['prepare_seconds'] * 1e3:.0f} ms, commits {c['commit_seconds'] * 1e3:.1f} ms in all, "
-              f"longest {c['longest_commit_seconds'] * 1e3:.2f} ms")
+        print(
+            f"  staged, {label}: {c['chunks']} chunks ({min(c['layers_per_chunk'])}-{max(c['layers_per_chunk'])} layers), "
+            f"receive buffers {c['staged_bytes'] / 1e9:.2f} GB, GPU memory added at peak {(c['peak_extra_bytes'] or 0) / 1e9:.2f} GB; "
+            f"prepare {c['prepare_seconds'] * 1e3:.0f} ms, commits {c['commit_seconds'] * 1e3:.1f} ms in all, "
+            f"longest {c['longest_commit_seconds'] * 1e3:.2f} ms"
+        )
 
 
 def run_chunked(name, old, new, rank, layers, sched, bw, budget: int | None) -> dict:
@@ -301,7 +313,9 @@ def run_chunked(name, old, new, rank, layers, sched, bw, budget: int | None) -> 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    m = WeightMover(layers, old, new, transport=LoopbackPeers(sched, new, rank, topo.num_gpus), bandwidth=bw, staging_bytes=budget)
+    m = WeightMover(
+        layers, old, new, transport=LoopbackPeers(sched, new, rank, topo.num_gpus), bandwidth=bw, staging_bytes=budget
+    )
     prepares, commits = [], []
     middle = len(m.chunks) // 2
     for k, chunk in enumerate(m.chunks):
@@ -321,9 +335,14 @@ def run_chunked(name, old, new, rank, layers, sched, bw, budget: int | None) -> 
             assert bad == 0, f"{name}: {bad} slots wrong after chunk {k}"
     assert check(layers, new, rank) == 0, f"{name}: slots wrong after the chunked move"
     return {
-        "budget": budget, "chunks": len(m.chunks), "layers_per_chunk": [len(c) for c in m.chunks],
-        "staged_bytes": m.staging_bytes_needed("staged"), "peak_extra_bytes": torch.cuda.max_memory_allocated() - base if cuda else None,
-        "prepare_seconds": sum(prepares), "commit_seconds": sum(commits), "longest_commit_seconds": max(commits),
+        "budget": budget,
+        "chunks": len(m.chunks),
+        "layers_per_chunk": [len(c) for c in m.chunks],
+        "staged_bytes": m.staging_bytes_needed("staged"),
+        "peak_extra_bytes": torch.cuda.max_memory_allocated() - base if cuda else None,
+        "prepare_seconds": sum(prepares),
+        "commit_seconds": sum(commits),
+        "longest_commit_seconds": max(commits),
     }
 
 
@@ -369,16 +388,21 @@ def schedule_times(repeats: int) -> None:
         base = make_loads("lognormal-1.0", topo, 0)
         nxt = drift(base, 0.2, 1, 1)[0]
         old = eplb.rebalance(base, topo, "auto").placement
-        news = {"full re-plan": eplb.rebalance(nxt, topo, "deepseek").placement, "migration-aware": eplb.rebalance(nxt, topo, "auto", previous=old).placement}
+        news = {
+            "full re-plan": eplb.rebalance(nxt, topo, "deepseek").placement,
+            "migration-aware": eplb.rebalance(nxt, topo, "auto", previous=old).placement,
+        }
         for label, new in news.items():
             times = []
             for _ in range(repeats):
                 t = time.perf_counter()
                 s = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=44e6)
                 times.append(time.perf_counter() - t)
-            print(f"{name} ({topo.num_gpus} gpus, {topo.num_nodes} nodes) {label}: schedule {statistics.median(times) * 1e3:.0f} ms; "
-                  f"{s.total_rounds} rounds (max {int(s.rounds.max(initial=0))} in a layer; lower bound {_round_bound(s)}), "
-                  f"{s.bytes / 1e9:.1f} GB between gpus, predicted {s.predicted_seconds:.3f} s")
+            print(
+                f"{name} ({topo.num_gpus} gpus, {topo.num_nodes} nodes) {label}: schedule {statistics.median(times) * 1e3:.0f} ms; "
+                f"{s.total_rounds} rounds (max {int(s.rounds.max(initial=0))} in a layer; lower bound {_round_bound(s)}), "
+                f"{s.bytes / 1e9:.1f} GB between gpus, predicted {s.predicted_seconds:.3f} s"
+            )
 
 
 def staging_chunks(layers: int, seed: int) -> None:
@@ -393,15 +417,19 @@ def staging_chunks(layers: int, seed: int) -> None:
         sched = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=float(slot))
         need = staged_slots(sched)  # [L, G]
         smallest = int(need.max()) * slot
-        print(f"\n{name}: every receive at once: {int(need.sum(axis=0).max()) * slot / 1e9:.2f} GB on the busiest rank; "
-              f"smallest budget (one layer): {smallest / 1e6:.0f} MB")
+        print(
+            f"\n{name}: every receive at once: {int(need.sum(axis=0).max()) * slot / 1e9:.2f} GB on the busiest rank; "
+            f"smallest budget (one layer): {smallest / 1e6:.0f} MB"
+        )
         for budget in (None, 4 << 30, 2 << 30, 1 << 30, 512 << 20, smallest):
             chunks = staged_chunks(sched, slot, budget)
             per = [int(max(need[list(c)].sum(axis=0).max(), 0)) * slot for c in chunks]
             sizes = [len(c) for c in chunks]
             label = "None (one chunk)" if budget is None else f"{budget / 2**30:.2f} GiB"
-            print(f"  staging_bytes {label:>17}: {len(chunks):>3} chunks of {min(sizes)}-{max(sizes)} layers; "
-                  f"receive buffers of the busiest rank: at most {max(per) / 1e9:.2f} GB, median chunk {statistics.median(per) / 1e9:.2f} GB")
+            print(
+                f"  staging_bytes {label:>17}: {len(chunks):>3} chunks of {min(sizes)}-{max(sizes)} layers; "
+                f"receive buffers of the busiest rank: at most {max(per) / 1e9:.2f} GB, median chunk {statistics.median(per) / 1e9:.2f} GB"
+            )
 
 
 def _round_bound(s) -> int:
@@ -418,13 +446,23 @@ def _round_bound(s) -> int:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=58, help="MoE layers (DeepSeek-V3: 58)")
-    p.add_argument("--rank", default="worst", help="the rank to run: an id, or 'worst' (most bytes copied within its gpu in the full re-plan)")
+    p.add_argument(
+        "--rank",
+        default="worst",
+        help="the rank to run: an id, or 'worst' (most bytes copied within its gpu in the full re-plan)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (medians are printed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures to this file")
-    p.add_argument("--schedule-times", action="store_true", help="only time transfer_schedule at the standard scales (no GPU)")
-    p.add_argument("--staging-chunks", action="store_true", help="only print staged chunks per receive-buffer budget (no GPU)")
-    p.add_argument("--chunked-only", action="store_true", help="on the GPU, only the staged runs in chunks (memory, commit stalls)")
+    p.add_argument(
+        "--schedule-times", action="store_true", help="only time transfer_schedule at the standard scales (no GPU)"
+    )
+    p.add_argument(
+        "--staging-chunks", action="store_true", help="only print staged chunks per receive-buffer budget (no GPU)"
+    )
+    p.add_argument(
+        "--chunked-only", action="store_true", help="on the GPU, only the staged runs in chunks (memory, commit stalls)"
+    )
     args = p.parse_args(argv)
     if args.staging_chunks:
         staging_chunks(args.layers, args.seed)
@@ -440,7 +478,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
     print(f"topology: {topo}; one expert = {slot_bytes / 1e6:.2f} MB ({', '.join(TENSORS)})")
     ceil = copy_bandwidth(device, slot_bytes, args.repeats)
-    print(f"device-to-device copy: {ceil['copy_gb_s']:.0f} GB/s one 4 GiB copy, {ceil['expert_copy_gb_s']:.0f} GB/s in copies of one expert")
+    print(
+        f"device-to-device copy: {ceil['copy_gb_s']:.0f} GB/s one 4 GiB copy, {ceil['expert_copy_gb_s']:.0f} GB/s in copies of one expert"
+    )
     bw = replace(Bandwidth(), local_gb_s=ceil["expert_copy_gb_s"])
     old, transitions = plans(topo, args.seed)
     if args.rank == "worst":
@@ -449,9 +489,18 @@ def main(argv: list[str] | None = None) -> None:
         rank = int(s.local_copy_bytes.sum(axis=0).argmax())
     else:
         rank = int(args.rank)
-    print(f"rank {rank}: {topo.num_layers} layers x {topo.slots_per_gpu} slots = {topo.num_layers * topo.slots_per_gpu * slot_bytes / 1e9:.1f} GB of experts")
+    print(
+        f"rank {rank}: {topo.num_layers} layers x {topo.slots_per_gpu} slots = {topo.num_layers * topo.slots_per_gpu * slot_bytes / 1e9:.1f} GB of experts"
+    )
     layers = make_layers(old, rank, device)
-    results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "slot_bytes": slot_bytes, "rank": rank, **ceil, "transitions": []}
+    results = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "slot_bytes": slot_bytes,
+        "rank": rank,
+        **ceil,
+        "transitions": [],
+    }
     for name, (new, plan_s) in transitions.items():
         if args.chunked_only:
             sched = eplb.transfer.transfer_schedule(old, new, topo, expert_bytes=float(slot_bytes), bandwidth=bw)
@@ -463,25 +512,45 @@ def main(argv: list[str] | None = None) -> None:
         r = run_transition(name, old, new, plan_s, rank, layers, device, bw, args.repeats)
         results["transitions"].append(r)
         L = topo.num_layers
-        print(f"\n{name}: {r['moves']} moves of {L * topo.num_slots} slots; rank {rank}: {r['rank_changed_slots']} slots change")
+        print(
+            f"\n{name}: {r['moves']} moves of {L * topo.num_slots} slots; rank {rank}: {r['rank_changed_slots']} slots change"
+        )
         print(f"  planning: policy {r['plan_seconds'] * 1e3:.0f} ms + schedule {r['schedule_seconds'] * 1e3:.0f} ms")
-        print(f"  schedule (all ranks): {r['schedule']['bytes'] / 1e9:.1f} GB between gpus, {r['schedule']['cross_node_bytes'] / 1e9:.1f} GB cross-node, "
-              f"{r['schedule']['rounds']} rounds, max {r['schedule']['max_rank_round_bytes'] / 1e6:.0f} MB per rank per round, "
-              f"predicted {r['schedule']['predicted_seconds']:.3f} s (default link speeds, measured local copy)")
-        print(f"  rank's copies within the gpu: {r['rank_local_copy_bytes'] / 1e9:.2f} GB; receive buffers staged {r['staging_bytes_staged'] / 1e9:.2f} GB, direct {r['staging_bytes_direct'] / 1e9:.2f} GB")
-        print(f"  commit (copies within the gpu): {r['commit_seconds'] * 1e3:.1f} ms = {r['commit_seconds'] / L * 1e3:.2f} ms per layer, "
-              f"{r['commit_gb_s']:.0f} GB/s = {100 * r['commit_gb_s'] / ceil['expert_copy_gb_s']:.0f} % of the expert-sized copy bandwidth "
-              f"({100 * r['commit_gb_s'] / ceil['copy_gb_s']:.0f} % of one big copy); predicted {r['rank_predicted_local_seconds'] * 1e3:.1f} ms")
-        print(f"  commit, one copy_ per tensor instead: {r['commit_unbatched_seconds'] * 1e3:.1f} ms ({r['commit_unbatched_gb_s']:.0f} GB/s); "
-              f"stream time of the commits: batched {r['commit_gpu_seconds'] * 1e3:.1f} ms, one per tensor {r['commit_unbatched_gpu_seconds'] * 1e3:.1f} ms")
-        print(f"  commit with verify=True: {r['commit_verify_seconds'] * 1e3:.1f} ms, {r['verify_checked_slots']} slots checked, {r['verify_mismatches']} mismatches")
-        print(f"  prepare (loopback receives): {r['prepare_seconds'] * 1e3:.1f} ms for {r['rank_received_bytes'] / 1e9:.2f} GB")
+        print(
+            f"  schedule (all ranks): {r['schedule']['bytes'] / 1e9:.1f} GB between gpus, {r['schedule']['cross_node_bytes'] / 1e9:.1f} GB cross-node, "
+            f"{r['schedule']['rounds']} rounds, max {r['schedule']['max_rank_round_bytes'] / 1e6:.0f} MB per rank per round, "
+            f"predicted {r['schedule']['predicted_seconds']:.3f} s (default link speeds, measured local copy)"
+        )
+        print(
+            f"  rank's copies within the gpu: {r['rank_local_copy_bytes'] / 1e9:.2f} GB; receive buffers staged {r['staging_bytes_staged'] / 1e9:.2f} GB, direct {r['staging_bytes_direct'] / 1e9:.2f} GB"
+        )
+        print(
+            f"  commit (copies within the gpu): {r['commit_seconds'] * 1e3:.1f} ms = {r['commit_seconds'] / L * 1e3:.2f} ms per layer, "
+            f"{r['commit_gb_s']:.0f} GB/s = {100 * r['commit_gb_s'] / ceil['expert_copy_gb_s']:.0f} % of the expert-sized copy bandwidth "
+            f"({100 * r['commit_gb_s'] / ceil['copy_gb_s']:.0f} % of one big copy); predicted {r['rank_predicted_local_seconds'] * 1e3:.1f} ms"
+        )
+        print(
+            f"  commit, one copy_ per tensor instead: {r['commit_unbatched_seconds'] * 1e3:.1f} ms ({r['commit_unbatched_gb_s']:.0f} GB/s); "
+            f"stream time of the commits: batched {r['commit_gpu_seconds'] * 1e3:.1f} ms, one per tensor {r['commit_unbatched_gpu_seconds'] * 1e3:.1f} ms"
+        )
+        print(
+            f"  commit with verify=True: {r['commit_verify_seconds'] * 1e3:.1f} ms, {r['verify_checked_slots']} slots checked, {r['verify_mismatches']} mismatches"
+        )
+        print(
+            f"  prepare (loopback receives): {r['prepare_seconds'] * 1e3:.1f} ms for {r['rank_received_bytes'] / 1e9:.2f} GB"
+        )
         for per_call in (1, 4, L):
-            print(f"  direct, {per_call} layer(s) per call: {r[f'direct_{per_call}_calls']} calls, longest {r[f'direct_{per_call}_max_call_seconds'] * 1e3:.1f} ms, "
-                  f"all {r[f'direct_{per_call}_total_seconds'] * 1e3:.1f} ms")
-        print(f"  planning vs copying: {(r['plan_seconds'] + r['schedule_seconds']) * 1e3:.0f} ms vs commit {r['commit_seconds'] * 1e3:.1f} ms")
+            print(
+                f"  direct, {per_call} layer(s) per call: {r[f'direct_{per_call}_calls']} calls, longest {r[f'direct_{per_call}_max_call_seconds'] * 1e3:.1f} ms, "
+                f"all {r[f'direct_{per_call}_total_seconds'] * 1e3:.1f} ms"
+            )
+        print(
+            f"  planning vs copying: {(r['plan_seconds'] + r['schedule_seconds']) * 1e3:.0f} ms vs commit {r['commit_seconds'] * 1e3:.1f} ms"
+        )
         _print_chunked(r["chunked"])
-        print(f"  weights checked after every move: ok; CUDA graph captured before the move reads the new weights: {r['graph_reads_new_weights']}")
+        print(
+            f"  weights checked after every move: ok; CUDA graph captured before the move reads the new weights: {r['graph_reads_new_weights']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -34,17 +34,21 @@ import traceback
 from dataclasses import replace
 
 # Before torch: the workers inherit these, and NCCL reads them at its first communicator.
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ[_name] = _value
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from eplb_engine.mover import WeightMover
 
 import eplb
 from eplb.transfer import Bandwidth, transfer_schedule
+from eplb_engine.mover import WeightMover
 
 from . import mover_bench as mb
 
@@ -140,9 +144,14 @@ def throughput(rank: int, size: int, device, layers_n: int, repeats: int, bw: Ba
     slot_bytes = sum(int(np.prod(s)) * torch.empty(0, dtype=d).element_size() for s, d in mb.TENSORS.values())
     for name, new, plan_s in (("full", full, t_full), ("migration", mig, t_mig)):
         sched = transfer_schedule(old, new, topo, expert_bytes=float(slot_bytes), bandwidth=bw)
-        res = {"plan_seconds": plan_s, "moves": int((old.phy2log != new.phy2log).sum()), "schedule": sched.stats(),
-               "rank_received_bytes": float(sched.received_bytes[:, rank].sum()), "predicted_comm_seconds": float(sched.predicted_comm_seconds.sum()),
-               "predicted_local_seconds": float(sched.predicted_local_seconds.sum())}
+        res = {
+            "plan_seconds": plan_s,
+            "moves": int((old.phy2log != new.phy2log).sum()),
+            "schedule": sched.stats(),
+            "rank_received_bytes": float(sched.received_bytes[:, rank].sum()),
+            "predicted_comm_seconds": float(sched.predicted_comm_seconds.sum()),
+            "predicted_local_seconds": float(sched.predicted_local_seconds.sum()),
+        }
         for per_call in (1, 4, layers_n):
             totals, longest = [], []
             for _ in range(repeats):
@@ -194,7 +203,13 @@ def worker(rank: int, size: int, port: int, args, results) -> None:
         device = torch.device("cpu") if cpu else torch.device("cuda", rank)
         if not cpu:
             torch.cuda.set_device(device)
-        dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, device_id=None if cpu else device)
+        dist.init_process_group(
+            "gloo" if cpu else "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            device_id=None if cpu else device,
+        )
         out: dict = {}
         if cpu:
             mb.TENSORS.clear()
@@ -221,26 +236,37 @@ def worker(rank: int, size: int, port: int, args, results) -> None:
 
 
 def report(out: dict, size: int, layers_n: int, slot_bytes: int) -> None:
-    print(f"correctness: 2 ranks {out['correctness_2_transitions']} transitions ({out['correctness_2_slots_checked_rank0']} slots checked by rank 0)"
-          + (f", {size} ranks {out[f'correctness_{size}_transitions']} transitions" if size > 2 else "") + ": every slot right, canary clean")
+    print(
+        f"correctness: 2 ranks {out['correctness_2_transitions']} transitions ({out['correctness_2_slots_checked_rank0']} slots checked by rank 0)"
+        + (f", {size} ranks {out[f'correctness_{size}_transitions']} transitions" if size > 2 else "")
+        + ": every slot right, canary clean"
+    )
     ceiling = out["sendrecv_gb_s"]
-    print(f"send/recv between ranks 0 and 1: {ceiling:.0f} GB/s per direction (both at once); device copy {out['copy_gb_s']:.0f} GB/s")
+    print(
+        f"send/recv between ranks 0 and 1: {ceiling:.0f} GB/s per direction (both at once); device copy {out['copy_gb_s']:.0f} GB/s"
+    )
     for name in ("full", "migration"):
         ranks = out[name]
         r0 = ranks[0]
-        print(f"\n{name} re-plan: {r0['moves']} moves; schedule: {r0['schedule']['bytes'] / 1e9:.1f} GB between gpus, {r0['schedule']['rounds']} rounds, "
-              f"predicted {r0['predicted_comm_seconds'] * 1e3:.0f} ms rounds + {r0['predicted_local_seconds'] * 1e3:.0f} ms local; planning {r0['plan_seconds'] * 1e3:.0f} ms")
+        print(
+            f"\n{name} re-plan: {r0['moves']} moves; schedule: {r0['schedule']['bytes'] / 1e9:.1f} GB between gpus, {r0['schedule']['rounds']} rounds, "
+            f"predicted {r0['predicted_comm_seconds'] * 1e3:.0f} ms rounds + {r0['predicted_local_seconds'] * 1e3:.0f} ms local; planning {r0['plan_seconds'] * 1e3:.0f} ms"
+        )
         for per_call in (1, 4, layers_n):
             total = max(r[f"direct_{per_call}_seconds"] for r in ranks)
             longest = max(r[f"direct_{per_call}_longest_call_seconds"] for r in ranks)
             busiest = max(r["rank_received_bytes"] for r in ranks)
             gbs = busiest / total / 1e9
-            print(f"  direct, {per_call} layer(s) per call: all {total * 1e3:.0f} ms ({total / layers_n * 1e3:.2f} ms per layer), longest call {longest * 1e3:.1f} ms; "
-                  f"busiest receiver {busiest / 1e9:.2f} GB at {gbs:.0f} GB/s = {100 * gbs / ceiling:.0f} % of send/recv; "
-                  f"predicted {(r0['predicted_comm_seconds'] + r0['predicted_local_seconds']) * 1e3:.0f} ms ({100 * (r0['predicted_comm_seconds'] + r0['predicted_local_seconds']) / total:.0f} % of measured)")
+            print(
+                f"  direct, {per_call} layer(s) per call: all {total * 1e3:.0f} ms ({total / layers_n * 1e3:.2f} ms per layer), longest call {longest * 1e3:.1f} ms; "
+                f"busiest receiver {busiest / 1e9:.2f} GB at {gbs:.0f} GB/s = {100 * gbs / ceiling:.0f} % of send/recv; "
+                f"predicted {(r0['predicted_comm_seconds'] + r0['predicted_local_seconds']) * 1e3:.0f} ms ({100 * (r0['predicted_comm_seconds'] + r0['predicted_local_seconds']) / total:.0f} % of measured)"
+            )
         prep = max(r["staged_prepare_seconds"] for r in ranks)
         com = max(r["staged_commit_seconds"] for r in ranks)
-        print(f"  staged: prepare {prep * 1e3:.0f} ms (serving goes on), commit {com * 1e3:.1f} ms (the stall at the switch)")
+        print(
+            f"  staged: prepare {prep * 1e3:.0f} ms (serving goes on), commit {com * 1e3:.1f} ms (the stall at the switch)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=58)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transitions", type=int, default=20, help="random transitions per correctness world")
-    p.add_argument("--cpu-check", action="store_true", help="gloo on CPU with tiny tensors: the script's logic without GPUs")
+    p.add_argument(
+        "--cpu-check", action="store_true", help="gloo on CPU with tiny tensors: the script's logic without GPUs"
+    )
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args(argv)
     size = args.gpus or (2 if args.cpu_check else torch.cuda.device_count())
@@ -268,8 +296,13 @@ def main(argv: list[str] | None = None) -> None:
         proc.join()
     if "error" in out:
         raise SystemExit(out["error"])
-    slot_bytes = sum(int(np.prod(s)) * torch.empty(0, dtype=d).element_size() for s, d in (SMALL if args.cpu_check else mb.TENSORS).values())
-    print(f"{size} {'CPU processes (gloo)' if args.cpu_check else 'GPUs: ' + torch.cuda.get_device_name(0)}; one expert = {slot_bytes / 1e6:.3f} MB")
+    slot_bytes = sum(
+        int(np.prod(s)) * torch.empty(0, dtype=d).element_size()
+        for s, d in (SMALL if args.cpu_check else mb.TENSORS).values()
+    )
+    print(
+        f"{size} {'CPU processes (gloo)' if args.cpu_check else 'GPUs: ' + torch.cuda.get_device_name(0)}; one expert = {slot_bytes / 1e6:.3f} MB"
+    )
     report(out, size, 3 if args.cpu_check else args.layers, slot_bytes)
     if args.json:
         with open(args.json, "w") as f:

@@ -82,7 +82,9 @@ def fewest_moves(w: np.ndarray, prev: np.ndarray, cap: int, limit: float, time_l
     }
 
 
-def instance(experts: int, gpus: int, per_gpu: int, sigma: float, seed: int, tolerance: float, time_limit: float) -> dict:
+def instance(
+    experts: int, gpus: int, per_gpu: int, sigma: float, seed: int, tolerance: float, time_limit: float
+) -> dict:
     topo = eplb.Topology(1, experts, gpus * per_gpu, gpus)
     base = make_loads("lognormal-1.0", topo, seed)
     loads = base * np.random.default_rng(seed + 1000).lognormal(0.0, sigma, base.shape)
@@ -93,11 +95,19 @@ def instance(experts: int, gpus: int, per_gpu: int, sigma: float, seed: int, tol
     items = (loads / prev.logcnt)[0, prev.phy2log[0]].reshape(1, gpus, per_gpu)
     cap = replica_cap(experts, gpus * per_gpu, gpus) or 1
     best = fewest_moves(
-        loads[0], prev.phy2log[0].reshape(gpus, per_gpu), cap, limit * (1 + 1e-12), time_limit,
+        loads[0],
+        prev.phy2log[0].reshape(gpus, per_gpu),
+        cap,
+        limit * (1 + 1e-12),
+        time_limit,
         ours.placement.phy2log[0].reshape(gpus, per_gpu),
     )
     return {
-        "experts": experts, "gpus": gpus, "slots": gpus * per_gpu, "sigma": sigma, "seed": seed,
+        "experts": experts,
+        "gpus": gpus,
+        "slots": gpus * per_gpu,
+        "sigma": sigma,
+        "seed": seed,
         "over": int((eplb.gpu_loads(loads, prev)[0] > limit).sum()),
         "ours": int(ours.total_moves),
         "ours_ok": bool(ours.gpu_load.max() <= limit * (1 + 1e-9)),
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("| experts / gpus / slots | drift | gpus over | counts-kept floor | fewest (proved) | ours | ours / fewest |")
     print("|---|---|---|---|---|---|---|")
-    for (e, g, s) in TOPOLOGIES:
+    for e, g, s in TOPOLOGIES:
         for sigma in SIGMAS:
             rs = [r for r in rows if (r["experts"], r["gpus"], r["sigma"]) == (e, g, sigma) and "ilp_moves" in r]
             if not rs:

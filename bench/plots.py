@@ -15,7 +15,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 
-__all__ = ["FIGSIZE", "DPI", "PIXELS", "gpu_load_bars", "imbalance_per_layer", "imbalance_over_time", "solve_time_by_scale"]
+__all__ = [
+    "FIGSIZE",
+    "DPI",
+    "PIXELS",
+    "gpu_load_bars",
+    "imbalance_per_layer",
+    "imbalance_over_time",
+    "solve_time_by_scale",
+]
 
 FIGSIZE = (10.0, 5.0)
 DPI = 100
@@ -38,13 +46,17 @@ def gpu_load_bars(path: Path, loads_by_policy: dict[str, np.ndarray], title: str
     x = np.arange(num_gpus)
     for i, name in enumerate(names):
         ax.bar(x + i * width - 0.4 + width / 2, loads_by_policy[name], width, label=name)
-    ax.axhline(float(np.mean(next(iter(loads_by_policy.values())))), color="black", linestyle="--", linewidth=1, label="mean")
+    ax.axhline(
+        float(np.mean(next(iter(loads_by_policy.values())))), color="black", linestyle="--", linewidth=1, label="mean"
+    )
     ax.set(xlabel="gpu", ylabel="tokens", title=title)
     ax.legend(fontsize="small", ncols=min(len(names) + 1, 6))
     return _save(fig, path)
 
 
-def imbalance_per_layer(path: Path, imbalance_by_policy: dict[str, np.ndarray], lower_bound: np.ndarray, title: str) -> Path:
+def imbalance_per_layer(
+    path: Path, imbalance_by_policy: dict[str, np.ndarray], lower_bound: np.ndarray, title: str
+) -> Path:
     """``imbalance_by_policy``: name → ``[L]`` max/mean gpu load; ``lower_bound``: ``[L]``."""
     fig, ax = plt.subplots(figsize=FIGSIZE)
     layers = np.arange(len(lower_bound))
@@ -57,7 +69,11 @@ def imbalance_per_layer(path: Path, imbalance_by_policy: dict[str, np.ndarray], 
 
 
 def imbalance_over_time(
-    path: Path, imbalance_by_policy: dict[str, np.ndarray], moves_by_policy: dict[str, np.ndarray], replan_steps: np.ndarray, title: str
+    path: Path,
+    imbalance_by_policy: dict[str, np.ndarray],
+    moves_by_policy: dict[str, np.ndarray],
+    replan_steps: np.ndarray,
+    title: str,
 ) -> Path:
     """``imbalance_by_policy``: name → ``[T]`` mean-over-layers imbalance per step;
     ``moves_by_policy``: name → ``[R]`` slots moved at each re-plan (steps ``replan_steps``)."""

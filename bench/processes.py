@@ -49,9 +49,24 @@ class ServeProcess:
         """Starts the process; it serves once its stdout says ``listening on`` (see ``wait_listening``)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "eplb_bench.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--redis-url", self.redis_url, "--key-prefix", self.prefix, *self.args],
-                stdout=subprocess.PIPE, stderr=log, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "eplb_bench.cli",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--redis-url",
+                    self.redis_url,
+                    "--key-prefix",
+                    self.prefix,
+                    *self.args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
             )
 
     def wait_listening(self, timeout: float = 30.0) -> None:
@@ -101,12 +116,24 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
-        persistence = (["--appendonly", "yes", "--appendfsync", self.appendfsync] if self.appendfsync
-                       else ["--appendonly", "no"])
+        persistence = (
+            ["--appendonly", "yes", "--appendfsync", self.appendfsync] if self.appendfsync else ["--appendonly", "no"]
+        )
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--save", "", *persistence],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--save",
+                "",
+                *persistence,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + timeout

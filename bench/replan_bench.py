@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             fresh, cands, serial = shares(job)
             est = ", ".join(f"{k}: {amdahl(fresh, cands, serial, job[1].num_layers, k):.1f}x" for k in (2, 4, 16))
-            print(f"|  | one process: fresh plan {fresh:.1%}, candidates {cands:.1%}, serial {serial:.1%} | estimate {est} | | | | | |")
+            print(
+                f"|  | one process: fresh plan {fresh:.1%}, candidates {cands:.1%}, serial {serial:.1%} | estimate {est} | | | | | |"
+            )
     return 0
 
 

@@ -34,7 +34,9 @@ _SCALE = 1e6  # loads in units of 1e-6 of a gpu's mean load
 _HOT = 40  # the hottest experts may gain a replica in any neighbourhood
 
 
-def improve_once(w: np.ndarray, prev: np.ndarray, cur: np.ndarray, limit: float, free: np.ndarray, time_limit: float) -> np.ndarray | None:
+def improve_once(
+    w: np.ndarray, prev: np.ndarray, cur: np.ndarray, limit: float, free: np.ndarray, time_limit: float
+) -> np.ndarray | None:
     """``w`` ``[E]`` loads, ``prev`` and ``cur`` ``[G, S]`` experts per gpu (the placement in
     service and a re-plan of it with every gpu at most ``limit``), ``free`` gpu ids → ``cur``
     with the ``free`` gpus rewritten to keep most of ``prev`` (CP-SAT), or ``None`` if it found
@@ -51,7 +53,9 @@ def improve_once(w: np.ndarray, prev: np.ndarray, cur: np.ndarray, limit: float,
     fixed = [g for g in range(G) if g not in free_set]
     cnt = np.bincount(cur.ravel(), minlength=E)
     c_fixed = np.bincount(cur[fixed].ravel(), minlength=E)
-    cand = sorted(set(cur[free].ravel().tolist()) | set(prev[free].ravel().tolist()) | set(np.argsort(-w)[:_HOT].tolist()))
+    cand = sorted(
+        set(cur[free].ravel().tolist()) | set(prev[free].ravel().tolist()) | set(np.argsort(-w)[:_HOT].tolist())
+    )
     m = cp_model.CpModel()
     x = {(e, g): m.NewBoolVar("") for e in cand for g in free}
     options: dict[int, list[tuple[int, object]]] = {}
@@ -103,7 +107,16 @@ def _gpu_loads(w: np.ndarray, phy: np.ndarray) -> np.ndarray:
     return (w / np.bincount(phy.ravel(), minlength=w.size))[phy].sum(axis=1)
 
 
-def search(w: np.ndarray, prev: np.ndarray, start: np.ndarray, limit: float, rounds: int, size: int, time_limit: float, seed: int = 0) -> np.ndarray:
+def search(
+    w: np.ndarray,
+    prev: np.ndarray,
+    start: np.ndarray,
+    limit: float,
+    rounds: int,
+    size: int,
+    time_limit: float,
+    seed: int = 0,
+) -> np.ndarray:
     """``start`` ``[G, S]`` (a re-plan of ``prev`` with every gpu at most ``limit``) → a re-plan
     rewriting no more slots, by ``rounds`` of ``improve_once`` on ``size`` gpus each."""
     rng = np.random.default_rng(seed)
@@ -121,7 +134,11 @@ def search(w: np.ndarray, prev: np.ndarray, start: np.ndarray, limit: float, rou
         if new is None:
             continue
         moves = int((new != prev).sum())
-        if moves <= best and _gpu_loads(w, new).max() <= limit * (1 + 1e-6) and (np.bincount(new.ravel(), minlength=w.size) >= 1).all():
+        if (
+            moves <= best
+            and _gpu_loads(w, new).max() <= limit * (1 + 1e-6)
+            and (np.bincount(new.ravel(), minlength=w.size) >= 1).all()
+        ):
             cur, best = new, moves
     return cur
 
@@ -164,9 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=2.0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    out = [run(args.scale, float(s), args.layers, args.rounds, args.size, args.time_limit) for s in args.sigmas.split(",")]
+    out = [
+        run(args.scale, float(s), args.layers, args.rounds, args.size, args.time_limit) for s in args.sigmas.split(",")
+    ]
     slots = SCALES[args.scale].num_slots
-    print("| scale | drift | layers | ours | after search | floor, counts kept | ours / search | search, share of slots | s per layer |")
+    print(
+        "| scale | drift | layers | ours | after search | floor, counts kept | ours / search | search, share of slots | s per layer |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in out:
         rs = r["rows"]

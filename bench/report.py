@@ -69,8 +69,10 @@ def check_policies(requested: tuple[str, ...]) -> None:
     """Raise ``ValueError`` naming any of ``requested`` the registry does not know."""
     unknown = [n for n in requested if n not in eplb.policies() and n != "none"]
     if unknown:
-        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; registered policies: "
-                         f"{', '.join(eplb.policies())} (the contiguous baseline 'none' always runs)")
+        raise ValueError(
+            f"--policies: unknown {', '.join(map(repr, unknown))}; registered policies: "
+            f"{', '.join(eplb.policies())} (the contiguous baseline 'none' always runs)"
+        )
 
 
 def _skip_reason(policy: str, topology: Topology, scale: str = "") -> str | None:
@@ -82,7 +84,9 @@ def _skip_reason(policy: str, topology: Topology, scale: str = "") -> str | None
     return None
 
 
-def plan_case(case: Case, policy: str, ilp_time_limit: float = 10.0) -> tuple[dict, eplb.Placement | None, np.ndarray | None]:
+def plan_case(
+    case: Case, policy: str, ilp_time_limit: float = 10.0
+) -> tuple[dict, eplb.Placement | None, np.ndarray | None]:
     """One row: ``policy`` on ``case``, figures from ``eplb.metrics``; also the placement and
     its per-layer imbalance ``[L]`` (None when skipped)."""
     topo, loads = case.topology, case.loads
@@ -118,7 +122,9 @@ def plan_case(case: Case, policy: str, ilp_time_limit: float = 10.0) -> tuple[di
 
 def add_ilp_gap(rows: list[dict]) -> None:
     """Fill ``gap_to_ilp`` (mean imbalance over the ILP's, minus 1) where an ILP row exists."""
-    ilp = {(r["scale"], r["workload"]): r["imbalance_mean"] for r in rows if r["policy"] == "ilp" and "skipped" not in r}
+    ilp = {
+        (r["scale"], r["workload"]): r["imbalance_mean"] for r in rows if r["policy"] == "ilp" and "skipped" not in r
+    }
     for r in rows:
         key = (r["scale"], r["workload"])
         if key in ilp and "skipped" not in r:
@@ -146,27 +152,51 @@ def replan_series(topology: Topology, seq: np.ndarray, policy: str, every: int) 
         elif placement is None:
             placement = eplb.Placement.contiguous(topology)
         imbalance[t] = eplb.imbalance(eplb.gpu_loads(seq[t], placement)).mean()
-    return {"imbalance": imbalance, "replan_steps": steps[1:], "moves": np.array(moves if policy != "none" else [0] * (len(steps) - 1))}
+    return {
+        "imbalance": imbalance,
+        "replan_steps": steps[1:],
+        "moves": np.array(moves if policy != "none" else [0] * (len(steps) - 1)),
+    }
 
 
-def replan_rows(scale: str, topology: Topology, name: str, seq: np.ndarray, policies: tuple[str, ...], every: int) -> tuple[list[dict], dict]:
+def replan_rows(
+    scale: str, topology: Topology, name: str, seq: np.ndarray, policies: tuple[str, ...], every: int
+) -> tuple[list[dict], dict]:
     rows, series = [], {}
     for policy in policies:
         if policy == "ilp" or _skip_reason(policy, topology, scale):
             continue
         s = replan_series(topology, seq, policy, every)
         series[policy] = s
-        rows.append({
-            "scale": scale, "sequence": name, "policy": policy, "steps": int(seq.shape[0]), "replan_every": every,
-            "imbalance_mean": float(s["imbalance"].mean()), "imbalance_max": float(s["imbalance"].max()),
-            "moves_per_replan": float(s["moves"].mean()) if s["moves"].size else 0.0,
-            "moved_fraction": float(s["moves"].mean() / topology.num_slots / topology.num_layers) if s["moves"].size else 0.0,
-        })
+        rows.append(
+            {
+                "scale": scale,
+                "sequence": name,
+                "policy": policy,
+                "steps": int(seq.shape[0]),
+                "replan_every": every,
+                "imbalance_mean": float(s["imbalance"].mean()),
+                "imbalance_max": float(s["imbalance"].max()),
+                "moves_per_replan": float(s["moves"].mean()) if s["moves"].size else 0.0,
+                "moved_fraction": float(s["moves"].mean() / topology.num_slots / topology.num_layers)
+                if s["moves"].size
+                else 0.0,
+            }
+        )
     return rows, series
 
 
-def step_rows(scale: str, topology: Topology, workload: str, popularity: np.ndarray, placements: dict[str, eplb.Placement],
-              tokens_per_gpu: tuple[int, ...], topk: int, steps: int, layer: int) -> list[dict]:
+def step_rows(
+    scale: str,
+    topology: Topology,
+    workload: str,
+    popularity: np.ndarray,
+    placements: dict[str, eplb.Placement],
+    tokens_per_gpu: tuple[int, ...],
+    topk: int,
+    steps: int,
+    layer: int,
+) -> list[dict]:
     """Per-step realized imbalance of ``layer`` under ``popularity [E]`` for each placement."""
     rows = []
     for policy, placement in placements.items():
@@ -182,29 +212,48 @@ def _fmt(row: dict, key: str, spec: str = ".4f", scale: float = 1.0) -> str:
 
 def markdown(report: dict) -> str:
     """The three tables of a report dict (``build_report``'s output)."""
-    out = ["## placement", "",
-           "| scale | workload | policy | imbalance mean | imbalance worst | lower bound | gap to lb % | gap to ilp % | solve ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "## placement",
+        "",
+        "| scale | workload | policy | imbalance mean | imbalance worst | lower bound | gap to lb % | gap to ilp % | solve ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["placement"]:
         if "skipped" in r:
-            out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | {r['imbalance_lb_mean']:.4f} | | | |")
+            out.append(
+                f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | {r['imbalance_lb_mean']:.4f} | | | |"
+            )
             continue
-        out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | {_fmt(r, 'imbalance_mean')} | {_fmt(r, 'imbalance_worst')} | "
-                   f"{_fmt(r, 'imbalance_lb_mean')} | {_fmt(r, 'gap_to_lb', '.2f', 100)} | {_fmt(r, 'gap_to_ilp', '.2f', 100)} | "
-                   f"{_fmt(r, 'solve_seconds', '.2f', 1e3)} |")
-    out += ["", "## re-planning", "",
-            "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction | moved GB per re-plan |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['scale']} | {r['workload']} | {r['policy']} | {_fmt(r, 'imbalance_mean')} | {_fmt(r, 'imbalance_worst')} | "
+            f"{_fmt(r, 'imbalance_lb_mean')} | {_fmt(r, 'gap_to_lb', '.2f', 100)} | {_fmt(r, 'gap_to_ilp', '.2f', 100)} | "
+            f"{_fmt(r, 'solve_seconds', '.2f', 1e3)} |"
+        )
+    out += [
+        "",
+        "## re-planning",
+        "",
+        "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction | moved GB per re-plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["replan"]:
         gb = f"{r['moved_bytes_per_replan'] / 1e9:.2f}" if r.get("moved_bytes_per_replan") else ""
-        out.append(f"| {r['scale']} | {r['sequence']} | {r['policy']} | {r['steps']} | {r['replan_every']} | {r['imbalance_mean']:.4f} | "
-                   f"{r['imbalance_max']:.4f} | {r['moves_per_replan']:.1f} | {r['moved_fraction']:.3f} | {gb} |")
-    out += ["", "## per-step (sampled routing)", "",
-            "| scale | workload | policy | layer | tokens/gpu b | top-k | steps | expected max/mean | realized mean | realized p99 |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['scale']} | {r['sequence']} | {r['policy']} | {r['steps']} | {r['replan_every']} | {r['imbalance_mean']:.4f} | "
+            f"{r['imbalance_max']:.4f} | {r['moves_per_replan']:.1f} | {r['moved_fraction']:.3f} | {gb} |"
+        )
+    out += [
+        "",
+        "## per-step (sampled routing)",
+        "",
+        "| scale | workload | policy | layer | tokens/gpu b | top-k | steps | expected max/mean | realized mean | realized p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["steps"]:
-        out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['layer']} | {r['tokens_per_gpu']} | {r['topk']} | {r['steps']} | "
-                   f"{r['expected_ratio']:.4f} | {r['ratio_mean']:.4f} | {r['ratio_p99']:.4f} |")
+        out.append(
+            f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['layer']} | {r['tokens_per_gpu']} | {r['topk']} | {r['steps']} | "
+            f"{r['expected_ratio']:.4f} | {r['ratio_mean']:.4f} | {r['ratio_p99']:.4f} |"
+        )
     return "\n".join(out)
 
 
@@ -225,9 +274,23 @@ class Settings:
     expert_bytes: float = 0.0
 
 
-QUICK = Settings(("v3-prefill", "small"), ("zipf-1.0", "lognormal-1.0", "group-limited"), None,
-                 ("v3-prefill",), 16, 4, ("v4flash-ep64",), (32, 240), 50, 6, 0, 2.0)
-FULL = Settings(tuple(SCALES), WORKLOADS, None, ("v3-prefill",), 64, 8, ("v4flash-ep64",), (32, 240, 1024), 200, 6, 0, 10.0)
+QUICK = Settings(
+    ("v3-prefill", "small"),
+    ("zipf-1.0", "lognormal-1.0", "group-limited"),
+    None,
+    ("v3-prefill",),
+    16,
+    4,
+    ("v4flash-ep64",),
+    (32, 240),
+    50,
+    6,
+    0,
+    2.0,
+)
+FULL = Settings(
+    tuple(SCALES), WORKLOADS, None, ("v3-prefill",), 64, 8, ("v4flash-ep64",), (32, 240, 1024), 200, 6, 0, 10.0
+)
 
 
 def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path | None = None) -> dict:
@@ -246,12 +309,20 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
     sequences = []
     for scale in settings.replan_scales:
         base = make_loads("lognormal-1.0", SCALES[scale])
-        sequences += [(scale, SCALES[scale], "drift-0.05", drift(base, 0.05, settings.replan_steps)),
-                      (scale, SCALES[scale], "shift", shift(base, settings.replan_steps))]
-    sequences += [(c.scale, c.topology, c.workload, c.sequence) for c in trace_cases if c.sequence is not None and len(c.sequence) > 1]
+        sequences += [
+            (scale, SCALES[scale], "drift-0.05", drift(base, 0.05, settings.replan_steps)),
+            (scale, SCALES[scale], "shift", shift(base, settings.replan_steps)),
+        ]
+    sequences += [
+        (c.scale, c.topology, c.workload, c.sequence)
+        for c in trace_cases
+        if c.sequence is not None and len(c.sequence) > 1
+    ]
     replan, series = [], {}
     for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
-        r, s = replan_rows(scale, stopo, name, seq, policies_for(stopo, scale, settings.policies), settings.replan_every)
+        r, s = replan_rows(
+            scale, stopo, name, seq, policies_for(stopo, scale, settings.policies), settings.replan_every
+        )
         for row in r:
             row["moved_bytes_per_replan"] = row["moves_per_replan"] * settings.expert_bytes
         replan += r
@@ -262,11 +333,30 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
         stopo = SCALES[scale]
         uniform = np.ones(stopo.num_experts)
         balanced = {"global": eplb.rebalance(uniform[None].repeat(stopo.num_layers, 0), stopo, "global").placement}
-        steps += step_rows(scale, stopo, "uniform", uniform, balanced, settings.tokens_per_gpu, settings.topk, settings.sim_steps, settings.layer)
+        steps += step_rows(
+            scale,
+            stopo,
+            "uniform",
+            uniform,
+            balanced,
+            settings.tokens_per_gpu,
+            settings.topk,
+            settings.sim_steps,
+            settings.layer,
+        )
         loads = make_loads("lognormal-1.0", stopo)
         placed = {p: eplb.rebalance(loads, stopo, p).placement for p in ("deepseek", "global")}
-        steps += step_rows(scale, stopo, "lognormal-1.0", loads[settings.layer], placed, settings.tokens_per_gpu[:1],
-                           settings.topk, settings.sim_steps, settings.layer)
+        steps += step_rows(
+            scale,
+            stopo,
+            "lognormal-1.0",
+            loads[settings.layer],
+            placed,
+            settings.tokens_per_gpu[:1],
+            settings.topk,
+            settings.sim_steps,
+            settings.layer,
+        )
 
     report = {"placement": rows, "replan": replan, "steps": steps, "plots": []}
     if plots is not None:
@@ -274,7 +364,9 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
     return report
 
 
-def write_plots(out: Path, cases: list[Case], per_case: dict, rows: list[dict], series: dict, settings: Settings) -> list[Path]:
+def write_plots(
+    out: Path, cases: list[Case], per_case: dict, rows: list[dict], series: dict, settings: Settings
+) -> list[Path]:
     from . import plots  # matplotlib only when plots are asked for
 
     paths = []
@@ -285,16 +377,31 @@ def write_plots(out: Path, cases: list[Case], per_case: dict, rows: list[dict], 
         layer = min(settings.layer, case.topology.num_layers - 1)
         tag = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{case.scale}_{Path(case.workload).name}")
         bars = {p: eplb.gpu_loads(case.loads, pl)[layer] for p, (pl, _) in placed.items()}
-        paths.append(plots.gpu_load_bars(out / f"gpu_load_{tag}_layer{layer}.png", bars, f"{case.scale} {case.workload}: gpu load, layer {layer}"))
-        paths.append(plots.imbalance_per_layer(out / f"imbalance_per_layer_{tag}.png", {p: imb for p, (_, imb) in placed.items()},
-                                               eplb.imbalance_lb(case.loads, case.topology), f"{case.scale} {case.workload}: imbalance per layer"))
+        paths.append(
+            plots.gpu_load_bars(
+                out / f"gpu_load_{tag}_layer{layer}.png", bars, f"{case.scale} {case.workload}: gpu load, layer {layer}"
+            )
+        )
+        paths.append(
+            plots.imbalance_per_layer(
+                out / f"imbalance_per_layer_{tag}.png",
+                {p: imb for p, (_, imb) in placed.items()},
+                eplb.imbalance_lb(case.loads, case.topology),
+                f"{case.scale} {case.workload}: imbalance per layer",
+            )
+        )
     for (scale, name), by_policy in series.items():
         steps = next(iter(by_policy.values()))["replan_steps"] if by_policy else np.array([])
         tag = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{scale}_{Path(name).name}")
-        paths.append(plots.imbalance_over_time(
-            out / f"imbalance_over_time_{tag}.png", {p: s["imbalance"] for p, s in by_policy.items()},
-            {p: s["moves"] for p, s in by_policy.items()}, steps,
-            f"{scale} {name}: re-plan every {settings.replan_every} steps"))
+        paths.append(
+            plots.imbalance_over_time(
+                out / f"imbalance_over_time_{tag}.png",
+                {p: s["imbalance"] for p, s in by_policy.items()},
+                {p: s["moves"] for p, s in by_policy.items()},
+                steps,
+                f"{scale} {name}: re-plan every {settings.replan_every} steps",
+            )
+        )
     seconds: dict[str, dict[str, float]] = {}
     for r in rows:
         if "solve_seconds" in r and r["policy"] != "none":
@@ -313,10 +420,14 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
         elif args.slots and args.gpus:
             topo = Topology(trace.num_layers, trace.num_experts, args.slots, args.gpus, args.nodes, args.groups)
         else:
-            raise ValueError(f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus")
+            raise ValueError(
+                f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus"
+            )
         if (topo.num_layers, topo.num_experts) != (trace.num_layers, trace.num_experts):
-            raise ValueError(f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
-                             f"{topo.num_layers} x {topo.num_experts}")
+            raise ValueError(
+                f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
+                f"{topo.num_layers} x {topo.num_experts}"
+            )
         cases.append(Case(f"trace({topo.num_gpus} gpus)", str(path), topo, trace.window(), trace.counts))
     return cases
 
@@ -346,20 +457,49 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="*", help="load trace files to add as workloads (all steps summed); given alone "
-                    "(without --quick or --scales), the report covers only them")
-    ap.add_argument("--quick", action="store_true", help="two scales, three workloads, short sequences (under a minute)")
-    ap.add_argument("--scales", type=_names, metavar="A,B", help=f"comma-separated, for every section (default: all; known: {', '.join(SCALES)})")
-    ap.add_argument("--workloads", type=_names, metavar="A,B", help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})")
-    ap.add_argument("--policies", type=_names, metavar="A,B", help=f"comma-separated policies besides the baseline 'none' "
-                    f"(default: deepseek and ours; registered: {', '.join(eplb.policies())})")
+    ap = argparse.ArgumentParser(
+        prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "traces",
+        nargs="*",
+        help="load trace files to add as workloads (all steps summed); given alone "
+        "(without --quick or --scales), the report covers only them",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="two scales, three workloads, short sequences (under a minute)"
+    )
+    ap.add_argument(
+        "--scales",
+        type=_names,
+        metavar="A,B",
+        help=f"comma-separated, for every section (default: all; known: {', '.join(SCALES)})",
+    )
+    ap.add_argument(
+        "--workloads", type=_names, metavar="A,B", help=f"comma-separated (default: all; known: {', '.join(WORKLOADS)})"
+    )
+    ap.add_argument(
+        "--policies",
+        type=_names,
+        metavar="A,B",
+        help=f"comma-separated policies besides the baseline 'none' "
+        f"(default: deepseek and ours; registered: {', '.join(eplb.policies())})",
+    )
     ap.add_argument("--layer", type=int, default=0, help="layer for the per-gpu bars and the per-step simulation [0]")
-    ap.add_argument("--tokens-per-gpu", type=_positive_ints, metavar="B,B", help="comma-separated b for the per-step simulation")
-    ap.add_argument("--replan-every", type=_positive_int, metavar="K", help="K: re-plan every K steps of the drifting/shifting sequences")
+    ap.add_argument(
+        "--tokens-per-gpu", type=_positive_ints, metavar="B,B", help="comma-separated b for the per-step simulation"
+    )
+    ap.add_argument(
+        "--replan-every",
+        type=_positive_int,
+        metavar="K",
+        help="K: re-plan every K steps of the drifting/shifting sequences",
+    )
     ap.add_argument("--topology", help="topology config for trace files (.json/.toml)")
     for name in ("slots", "gpus"):
-        ap.add_argument(f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})")
+        ap.add_argument(
+            f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})"
+        )
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--ilp-time-limit", type=float, help="seconds per layer for the ilp policy (quick: 2, full: 10)")
@@ -376,7 +516,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.scales:
         unknown = [s for s in args.scales if s not in SCALES]
         if unknown:
-            raise ValueError(f"--scales: unknown {', '.join(map(repr, unknown))}; known: {', '.join(SCALES)} (docs/scales.md)")
+            raise ValueError(
+                f"--scales: unknown {', '.join(map(repr, unknown))}; known: {', '.join(SCALES)} (docs/scales.md)"
+            )
         overrides |= {"scales": args.scales, "replan_scales": args.scales, "step_scales": args.scales}
     elif args.traces and not args.quick:
         # Trace files alone: a report on them, not also on every synthetic scale (minutes).
@@ -384,7 +526,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.workloads:
         unknown = [w for w in args.workloads if w not in WORKLOADS]
         if unknown:
-            raise ValueError(f"--workloads: unknown {', '.join(map(repr, unknown))}; known: {', '.join(WORKLOADS)} (docs/scales.md)")
+            raise ValueError(
+                f"--workloads: unknown {', '.join(map(repr, unknown))}; known: {', '.join(WORKLOADS)} (docs/scales.md)"
+            )
         overrides["workloads"] = args.workloads
     if args.policies:
         check_policies(args.policies)
@@ -400,8 +544,10 @@ def _settings(args: argparse.Namespace) -> Settings:
     for scale in settings.step_scales:
         layers = SCALES[scale].num_layers
         if settings.layer >= layers:
-            raise ValueError(f"--layer must be between 0 and {layers - 1} (the per-step scale {scale} has {layers} "
-                             f"layer{'s' if layers > 1 else ''}), got {settings.layer}")
+            raise ValueError(
+                f"--layer must be between 0 and {layers - 1} (the per-step scale {scale} has {layers} "
+                f"layer{'s' if layers > 1 else ''}), got {settings.layer}"
+            )
     topk = settings.topk
     small = [s for s in settings.step_scales if SCALES[s].num_experts < topk]
     if small:
@@ -420,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
             raise ValueError(f"--plots {args.plots}: is a file; give a directory (made if missing)")
         if args.json and Path(args.json).is_dir():
-            raise ValueError(f"--json {args.json}: is a directory; give a file name such as {Path(args.json) / 'report.json'}")
+            raise ValueError(
+                f"--json {args.json}: is a directory; give a file name such as {Path(args.json) / 'report.json'}"
+            )
         report = build_report(settings, _trace_cases(args), Path(args.plots) if args.plots else None)
     except BrokenPipeError:
         raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly

@@ -40,9 +40,24 @@ def _free_port() -> int:
 def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--redis-url", redis_url, "--key-prefix", prefix, "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "eplb_bench.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            prefix,
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     proc.stdout.readline()  # "listening on …" once serving
     return proc, f"127.0.0.1:{port}"
@@ -54,9 +69,10 @@ def _pct(values: list[float], q: float) -> float:
 
 # ---- client processes (each runs its own event loop) ----
 
+
 def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: float, out: mp.Queue) -> None:
     from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_service.client import channel, EngineClient
+    from eplb_service.client import EngineClient, channel
 
     rng = np.random.default_rng(0)
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
@@ -75,8 +91,12 @@ def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: fl
                     seqs[rank] += 1
                     k += 1
                     yield pb.ReportLoadRequest(
-                        deployment=name, rank=rank, seq=seqs[rank],
-                        logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]))
+                        deployment=name,
+                        rank=rank,
+                        seq=seqs[rank],
+                        logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]),
+                    )
+
             resp = await stub.ReportLoad(requests())
             return resp.accepted, resp.duplicates
 
@@ -91,7 +111,7 @@ def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: fl
 
 def _latency_worker(target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue) -> None:
     from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_service.client import channel, EngineClient
+    from eplb_service.client import EngineClient, channel
 
     async def main() -> None:
         chan = channel(target)
@@ -124,7 +144,7 @@ def _latency_worker(target: str, name: str, callers: int, seconds: float, pace_s
 
 def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, ready: mp.Queue, out: mp.Queue) -> None:
     from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_service.client import channel, EngineClient
+    from eplb_service.client import EngineClient, channel
 
     async def main() -> None:
         chans = [channel(t) for t in targets]
@@ -162,6 +182,7 @@ def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, r
 
 # ---- orchestration ----
 
+
 def _create(target: str, name: str, ranks: int = 0) -> None:
     """Creates the v3-prefill deployment with ranks 0 .. max(ranks, num_gpus) - 1."""
     import grpc
@@ -171,8 +192,10 @@ def _create(target: str, name: str, ranks: int = 0) -> None:
 
     with grpc.insecure_channel(target) as ch:
         pb_grpc.ExpertLoadBalancerServiceStub(ch).CreateDeployment(
-            pb.CreateDeploymentRequest(deployment=pb.Deployment(
-                name=name, topology=pb.Topology(**V3), ranks=range(max(ranks, V3["num_gpus"])))))
+            pb.CreateDeploymentRequest(
+                deployment=pb.Deployment(name=name, topology=pb.Topology(**V3), ranks=range(max(ranks, V3["num_gpus"])))
+            )
+        )
 
 
 def _rebalance(target: str, name: str) -> float:
@@ -208,6 +231,7 @@ def _memory(redis_url: str, prefix: str, name: str, replicas: int, ranks: int) -
     usage = {k.split(":", 1)[1]: int(r.memory_usage(k, samples=0) or 0) for k in keys}
     r.close()
     L, E, P = V3["num_layers"], V3["num_experts"], V3["num_slots"]
+
     # Bound (see docs/service.md): one [L, E] float64 window blob per replica, 16 placements of
     # [L, P] int32, each rounded up to jemalloc's size class (16 KiB steps in this range);
     # seq and acks hashes at most 64 bytes per rank each; the stream ~64 small entries; 8 KiB rest.
@@ -241,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = servers[0][1]
         _create(target, name, args.ranks)  # the deployment names every reporting rank
-        print(f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus, "
-              f"load average {os.getloadavg()[0]:.1f} at start")
+        print(
+            f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus, "
+            f"load average {os.getloadavg()[0]:.1f} at start"
+        )
         if "ingest" in parts:
             q = ctx.Queue()
             p = ctx.Process(target=_ingest_worker, args=(target, name, args.streams, args.ranks, args.seconds, q))
@@ -250,23 +276,39 @@ def main(argv: list[str] | None = None) -> int:
             accepted, dup, elapsed = q.get()
             p.join()
             rate = accepted / elapsed
-            figures["ingest"] = {"accepted": accepted, "duplicates": dup, "seconds": elapsed, "reports_per_s": rate,
-                                 "streams": args.streams, "ranks": args.ranks}
-            print(f"ingest: {accepted} reports [58, 256] int32 from {args.ranks} ranks over {args.streams} streams "
-                  f"in {elapsed:.1f} s = {rate:,.0f} reports/s ({rate * 58 * 256 * 4 / 1e6:.0f} MB/s), {dup} duplicates")
+            figures["ingest"] = {
+                "accepted": accepted,
+                "duplicates": dup,
+                "seconds": elapsed,
+                "reports_per_s": rate,
+                "streams": args.streams,
+                "ranks": args.ranks,
+            }
+            print(
+                f"ingest: {accepted} reports [58, 256] int32 from {args.ranks} ranks over {args.streams} streams "
+                f"in {elapsed:.1f} s = {rate:,.0f} reports/s ({rate * 58 * 256 * 4 / 1e6:.0f} MB/s), {dup} duplicates"
+            )
         if "latency" in parts:
-            modes = [("closed loop", 0.0)] + [(f"each every {float(ms):g} ms", float(ms) / 1000) for ms in args.pace_ms.split(",")]
+            modes = [("closed loop", 0.0)] + [
+                (f"each every {float(ms):g} ms", float(ms) / 1000) for ms in args.pace_ms.split(",")
+            ]
             for label, pace in modes:
                 q = ctx.Queue()
                 p = ctx.Process(target=_latency_worker, args=(target, name, args.callers, args.seconds, pace, q))
                 p.start()
                 lat, elapsed = q.get()
                 p.join()
-                row = {"calls": len(lat), "calls_per_s": len(lat) / elapsed,
-                       "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3}
+                row = {
+                    "calls": len(lat),
+                    "calls_per_s": len(lat) / elapsed,
+                    "p50_ms": _pct(lat, 50) * 1e3,
+                    "p99_ms": _pct(lat, 99) * 1e3,
+                }
                 figures[f"get_placement_{'closed' if not pace else f'paced_{pace * 1e3:g}ms'}"] = row
-                print(f"GetPlacement, {args.callers} callers, {label}: {row['calls_per_s']:,.0f} calls/s, "
-                      f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms")
+                print(
+                    f"GetPlacement, {args.callers} callers, {label}: {row['calls_per_s']:,.0f} calls/s, "
+                    f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms"
+                )
         if "watch" in parts:
             servers.append(_start_server(args.redis_url, prefix))
             targets = [s[1] for s in servers[:2]]
@@ -281,15 +323,22 @@ def main(argv: list[str] | None = None) -> int:
             p.join()
             all_have = [max(v) for v in got.values() if len(v) == args.watchers]
             each = [x for v in got.values() for x in v]
-            row = {"versions": len(got), "complete_versions": len(all_have),
-                   "all_have_p50_ms": _pct(all_have, 50) * 1e3, "all_have_p99_ms": _pct(all_have, 99) * 1e3,
-                   "all_have_max_ms": max(all_have) * 1e3 if all_have else float("nan"),
-                   "per_watcher_p50_ms": _pct(each, 50) * 1e3, "per_watcher_p99_ms": _pct(each, 99) * 1e3}
+            row = {
+                "versions": len(got),
+                "complete_versions": len(all_have),
+                "all_have_p50_ms": _pct(all_have, 50) * 1e3,
+                "all_have_p99_ms": _pct(all_have, 99) * 1e3,
+                "all_have_max_ms": max(all_have) * 1e3 if all_have else float("nan"),
+                "per_watcher_p50_ms": _pct(each, 50) * 1e3,
+                "per_watcher_p99_ms": _pct(each, 99) * 1e3,
+            }
             figures["watch"] = row
-            print(f"watch: {args.watchers} watchers on 2 replicas, {row['complete_versions']}/{args.versions} versions "
-                  f"reached every watcher; commit -> all have it: p50 {row['all_have_p50_ms']:.0f} ms, "
-                  f"p99 {row['all_have_p99_ms']:.0f} ms (max {row['all_have_max_ms']:.0f} ms); "
-                  f"per watcher p50 {row['per_watcher_p50_ms']:.0f} ms, p99 {row['per_watcher_p99_ms']:.0f} ms")
+            print(
+                f"watch: {args.watchers} watchers on 2 replicas, {row['complete_versions']}/{args.versions} versions "
+                f"reached every watcher; commit -> all have it: p50 {row['all_have_p50_ms']:.0f} ms, "
+                f"p99 {row['all_have_p99_ms']:.0f} ms (max {row['all_have_max_ms']:.0f} ms); "
+                f"per watcher p50 {row['per_watcher_p50_ms']:.0f} ms, p99 {row['per_watcher_p99_ms']:.0f} ms"
+            )
         if "ingest" in parts:
             # Worst case for the bound: every rank reported and acked on every replica, and at
             # least 16 versions published (the watch part publishes --versions).
@@ -297,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.5)  # let every replica flush its window
             mem = _memory(args.redis_url, prefix, name, replicas=len(servers), ranks=args.ranks)
             figures["redis_memory"] = mem
-            print(f"redis memory of the deployment's keys, {len(servers)} replica(s), {args.ranks} ranks, "
-                  f"10-minute window: {mem['total_bytes']:,} bytes (stated bound {mem['bound_bytes']:,})")
+            print(
+                f"redis memory of the deployment's keys, {len(servers)} replica(s), {args.ranks} ranks, "
+                f"10-minute window: {mem['total_bytes']:,} bytes (stated bound {mem['bound_bytes']:,})"
+            )
             for k, v in mem["keys"].items():
                 print(f"  {k:40s} {v:>10,}")
     finally:

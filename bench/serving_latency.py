@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.arrays import encode
@@ -58,9 +59,12 @@ async def measure(port: int, seconds: float, effort: str, replans: bool) -> tupl
     deployment = pb.Deployment(name="v3", topology=TOPOLOGY, planning=pb.Planning(effort=effort))
     await stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))
     rng = np.random.default_rng(0)
-    reports = [pb.ReportLoadRequest(deployment="v3", rank=r, seq=1,
-                                    logical=encode((rng.lognormal(0, 1.5, (58, 256)) * 100).astype(np.int32)))
-               for r in range(8)]
+    reports = [
+        pb.ReportLoadRequest(
+            deployment="v3", rank=r, seq=1, logical=encode((rng.lognormal(0, 1.5, (58, 256)) * 100).astype(np.int32))
+        )
+        for r in range(8)
+    ]
     await stub.ReportLoad(iter(reports))
     for _ in range(20):  # warm-up: connection, response cache, the workers' first plan
         await stub.GetPlacement(pb.GetPlacementRequest(deployment="v3"))
@@ -109,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, w, replans in variants:
             lat, plans = run(w, args.seconds, args.effort, replans)
             results[name].append((np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3, lat.size, plans))
-    print(f"GetPlacement under back-to-back re-plans of a {TOPOLOGY.num_layers}x{TOPOLOGY.num_experts} "
-          f"deployment (effort {args.effort}), {args.seconds:g} s per run, medians of {args.runs} runs")
+    print(
+        f"GetPlacement under back-to-back re-plans of a {TOPOLOGY.num_layers}x{TOPOLOGY.num_experts} "
+        f"deployment (effort {args.effort}), {args.seconds:g} s per run, medians of {args.runs} runs"
+    )
     print("     planning | p50 ms | p99 ms | calls | plans   (per run: p99 ms)")
     for name, rows in results.items():
         p50, p99, calls, plans = (float(np.median([r[i] for r in rows])) for i in range(4))

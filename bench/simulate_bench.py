@@ -44,20 +44,34 @@ def run(steps: int, seed: int = 0, tokens_per_request: int = TOKENS_PER_REQUEST)
         b = tokens_per_request * requests
         t0 = time.perf_counter()
         st = simulate_steps(uniform, placement, b, TOPK, steps, seed=seed)
-        rows.append({
-            "experts": experts, "slots": slots, "gpus": gpus, "requests_per_gpu": requests, "tokens_per_gpu": b,
-            "published_excess": published, "excess_mean": st.mean - 1.0, "excess_p99": st.p99 - 1.0,
-            "expected_ratio": st.expected_ratio, "steps": steps, "seconds": time.perf_counter() - t0,
-        })
+        rows.append(
+            {
+                "experts": experts,
+                "slots": slots,
+                "gpus": gpus,
+                "requests_per_gpu": requests,
+                "tokens_per_gpu": b,
+                "published_excess": published,
+                "excess_mean": st.mean - 1.0,
+                "excess_p99": st.p99 - 1.0,
+                "expected_ratio": st.expected_ratio,
+                "steps": steps,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| EP (gpus) | slots | requests/gpu | b tokens/gpu | steps | published | realized mean | realized p99 | sim s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| EP (gpus) | slots | requests/gpu | b tokens/gpu | steps | published | realized mean | realized p99 | sim s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['gpus']} | {r['slots']} | {r['requests_per_gpu']} | {r['tokens_per_gpu']} | {r['steps']} | "
-                   f"~{r['published_excess']:.0%} | {r['excess_mean']:.1%} | {r['excess_p99']:.1%} | {r['seconds']:.1f} |")
+        out.append(
+            f"| {r['gpus']} | {r['slots']} | {r['requests_per_gpu']} | {r['tokens_per_gpu']} | {r['steps']} | "
+            f"~{r['published_excess']:.0%} | {r['excess_mean']:.1%} | {r['excess_p99']:.1%} | {r['seconds']:.1f} |"
+        )
     return "\n".join(out)
 
 
@@ -65,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400, help="sampled decode steps per row")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokens-per-request", type=int, default=TOKENS_PER_REQUEST, help="tokens each request routes per step (4: the check's)")
+    ap.add_argument(
+        "--tokens-per-request",
+        type=int,
+        default=TOKENS_PER_REQUEST,
+        help="tokens each request routes per step (4: the check's)",
+    )
     ap.add_argument("--json", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     rows = run(args.steps, args.seed, args.tokens_per_request)

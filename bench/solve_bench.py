@@ -104,7 +104,11 @@ def table(rows: list[dict]) -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    ds = {(r["scale"], r["workload"]): r["mean_imbalance"] for r in rows if r["policy"] == "deepseek" and "skipped" not in r}
+    ds = {
+        (r["scale"], r["workload"]): r["mean_imbalance"]
+        for r in rows
+        if r["policy"] == "deepseek" and "skipped" not in r
+    }
     by = defaultdict(list)
     for r in rows:
         if "skipped" not in r:

@@ -15,15 +15,23 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import eplb
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
-from .client import (TRANSIENT, Backoff, Retry, ack_request, channel_options, create_request, parse_addresses,
-                     same_topology)
+from .client import (
+    TRANSIENT,
+    Backoff,
+    Retry,
+    ack_request,
+    channel_options,
+    create_request,
+    parse_addresses,
+    same_topology,
+)
 
 __all__ = ["AsyncServiceClient"]
 
@@ -87,8 +95,15 @@ class AsyncServiceClient:
                 await self.failover(stub)
                 await asyncio.sleep(retry.pause_s())
 
-    async def create_deployment(self, name: str, topology: eplb.Topology, *, initial: eplb.Placement | None = None,
-                                exist_ok: bool = False, **options: object) -> pb.Deployment:
+    async def create_deployment(
+        self,
+        name: str,
+        topology: eplb.Topology,
+        *,
+        initial: eplb.Placement | None = None,
+        exist_ok: bool = False,
+        **options: object,
+    ) -> pb.Deployment:
         """As ``ServiceClient.create_deployment``."""
         try:
             return (await self.call("CreateDeployment", create_request(name, topology, initial, options))).deployment
@@ -103,12 +118,17 @@ class AsyncServiceClient:
     async def topology(self, name: str) -> eplb.Topology:
         return wire.topology_from_pb((await self.get_deployment(name)).topology)
 
-    async def get_placement(self, deployment: str, version: int = 0, topology: eplb.Topology | None = None) -> wire.PublishedPlacement:
-        msg = (await self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version))).placement
+    async def get_placement(
+        self, deployment: str, version: int = 0, topology: eplb.Topology | None = None
+    ) -> wire.PublishedPlacement:
+        msg = (
+            await self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version))
+        ).placement
         return wire.placement_from_pb(msg, topology or await self.topology(deployment))
 
-    async def ack(self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0,
-                  error: str = "") -> pb.AckPlacementResponse:
+    async def ack(
+        self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0, error: str = ""
+    ) -> pb.AckPlacementResponse:
         """As ``ServiceClient.ack``."""
         return await self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error))
 
@@ -120,12 +140,15 @@ class AsyncServiceClient:
         self.stub()
         try:
             response = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def watch(self, deployment: str, since_version: int = 0, topology: eplb.Topology | None = None) -> AsyncIterator[wire.PublishedPlacement]:
+    async def watch(
+        self, deployment: str, since_version: int = 0, topology: eplb.Topology | None = None
+    ) -> AsyncIterator[wire.PublishedPlacement]:
         """Each new version of ``deployment`` after ``since_version``, decoded; reconnects (at the
         next address after a transient failure) and resumes after the last version yielded.
         Ends only when the caller stops iterating or with an error that is the request's fault."""
@@ -136,7 +159,9 @@ class AsyncServiceClient:
             try:
                 if topology is None:
                     topology = await self.topology(deployment)
-                call = stub.WatchPlacements(pb.WatchPlacementsRequest(deployment=deployment, since_version=version), metadata=self.metadata)
+                call = stub.WatchPlacements(
+                    pb.WatchPlacementsRequest(deployment=deployment, since_version=version), metadata=self.metadata
+                )
                 try:
                     async for response in call:
                         backoff.reset()

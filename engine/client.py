@@ -23,20 +23,30 @@ from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
 
-__all__ = ["Endpoints", "Backoff", "Retry", "ServiceClient", "ACK_STATES", "TRANSIENT", "parse_addresses",
-           "channel_options"]
+__all__ = [
+    "Endpoints",
+    "Backoff",
+    "Retry",
+    "ServiceClient",
+    "ACK_STATES",
+    "TRANSIENT",
+    "parse_addresses",
+    "channel_options",
+]
 
 # Failures that another attempt (later, or at another replica) can cure: the replica is down or
 # restarting, the stream was cut, or its store is away. Everything else is the request's fault.
-TRANSIENT = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-})
+TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 
 ACK_STATES: dict[str, int] = {
     "prepared": pb.ACK_STATE_PREPARED,
@@ -106,8 +116,9 @@ class Retry:
         return min(self.backoff.delay(), max(0.0, self.deadline - time.monotonic()))
 
 
-def create_request(name: str, topology: eplb.Topology, initial: eplb.Placement | None,
-                   options: dict[str, object]) -> pb.CreateDeploymentRequest:
+def create_request(
+    name: str, topology: eplb.Topology, initial: eplb.Placement | None, options: dict[str, object]
+) -> pb.CreateDeploymentRequest:
     """The ``CreateDeployment`` request of ``create_deployment`` (both faces)."""
     request = pb.CreateDeploymentRequest(deployment=wire.deployment_pb(name, topology, **options))
     if initial is not None:
@@ -126,8 +137,9 @@ def ack_request(deployment: str, rank: int, version: int, state: str, step: int,
     """The ``AckPlacement`` request of ``ack`` (both faces); ``ValueError`` for an unknown ``state``."""
     if state not in ACK_STATES:
         raise ValueError(f"state {state!r} is not one of {', '.join(ACK_STATES)}")
-    return pb.AckPlacementRequest(deployment=deployment, rank=rank, version=version, state=ACK_STATES[state],
-                                  step=step, error=error[:1024])
+    return pb.AckPlacementRequest(
+        deployment=deployment, rank=rank, version=version, state=ACK_STATES[state], step=step, error=error[:1024]
+    )
 
 
 class Endpoints:
@@ -235,7 +247,13 @@ class ServiceClient:
                 time.sleep(retry.pause_s())
 
     def create_deployment(
-        self, name: str, topology: eplb.Topology, *, initial: eplb.Placement | None = None, exist_ok: bool = False, **options: object
+        self,
+        name: str,
+        topology: eplb.Topology,
+        *,
+        initial: eplb.Placement | None = None,
+        exist_ok: bool = False,
+        **options: object,
     ) -> pb.Deployment:
         """Creates deployment ``name`` for ``topology`` (``options``: ``wire.deployment_pb``'s) and
         returns it as stored. ``exist_ok``: an existing deployment of the same topology is
@@ -253,12 +271,16 @@ class ServiceClient:
     def topology(self, name: str) -> eplb.Topology:
         return wire.topology_from_pb(self.get_deployment(name).topology)
 
-    def get_placement(self, deployment: str, version: int = 0, topology: eplb.Topology | None = None) -> wire.PublishedPlacement:
+    def get_placement(
+        self, deployment: str, version: int = 0, topology: eplb.Topology | None = None
+    ) -> wire.PublishedPlacement:
         """The current placement (``version`` 0) or a recent version, decoded."""
         msg = self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version)).placement
         return wire.placement_from_pb(msg, topology or self.topology(deployment))
 
-    def ack(self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0, error: str = "") -> pb.AckPlacementResponse:
+    def ack(
+        self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0, error: str = ""
+    ) -> pb.AckPlacementResponse:
         """Says where ``rank`` stands with ``version``: ``"prepared"``, ``"switched"`` or
         ``"failed"`` (with ``error``, cut to 1024 characters); returns the rollout as the service
         sees it (ranks prepared, switch step once all did, aborted)."""
@@ -278,7 +300,7 @@ class ServiceClient:
         if self._owned:
             self.endpoints.close()
 
-    def __enter__(self) -> "ServiceClient":
+    def __enter__(self) -> ServiceClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -137,21 +137,34 @@ class WeightMover:
         if old.topology != new.topology:
             raise ValueError(f"old placement is for {old.topology}, new for {new.topology}: they must match")
         topo = old.topology
-        self._names, self._slot_shapes, self._dtypes, self.device = _check_layers(layers, topo.num_layers, topo.slots_per_gpu)
+        self._names, self._slot_shapes, self._dtypes, self.device = _check_layers(
+            layers, topo.num_layers, topo.slots_per_gpu
+        )
         # slot views made once (unbind is one call per tensor), not per copy
         self._views = [{name: layer[name].unbind(0) for name in self._names} for layer in layers]
         self.batch_copies = batch_copies
-        self._small = {n for n, shape, dt in zip(self._names, self._slot_shapes, self._dtypes) if math.prod(shape) * torch.empty(0, dtype=dt).element_size() < _SMALL_SLOT_BYTES}
-        if layers_per_call is not None and (isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1):
+        self._small = {
+            n
+            for n, shape, dt in zip(self._names, self._slot_shapes, self._dtypes)
+            if math.prod(shape) * torch.empty(0, dtype=dt).element_size() < _SMALL_SLOT_BYTES
+        }
+        if layers_per_call is not None and (
+            isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1
+        ):
             raise ValueError(f"layers_per_call must be a positive integer or None, got {layers_per_call!r}")
         self._transport = transport if transport is not None else DistTransport(group)
         if self._transport.size != topo.num_gpus:
-            raise ValueError(f"the process group has {self._transport.size} ranks; the topology has num_gpus = {topo.num_gpus}")
+            raise ValueError(
+                f"the process group has {self._transport.size} ranks; the topology has num_gpus = {topo.num_gpus}"
+            )
         self.rank = self._transport.rank
         self.topology = topo
         self.layers_per_call = layers_per_call or topo.num_layers
         self.verify = verify
-        self.slot_bytes = sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in zip(self._slot_shapes, self._dtypes))
+        self.slot_bytes = sum(
+            math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+            for shape, dt in zip(self._slot_shapes, self._dtypes)
+        )
         self.schedule: TransferSchedule = transfer_schedule(
             old, new, topo, expert_bytes=float(self.slot_bytes), bandwidth=bandwidth, round_experts=round_experts
         )
@@ -253,8 +266,10 @@ class WeightMover:
             raise ValueError("commit() needs a prepared, not yet committed or rolled back mover")
         chunk = self.chunks[self._chunk]
         if self._next != chunk.stop:
-            raise ValueError(f"commit() before chunk {self._chunk} (layers {chunk.start}..{chunk.stop - 1}) is prepared "
-                             f"({self._next - chunk.start} of {len(chunk)} layers)")
+            raise ValueError(
+                f"commit() before chunk {self._chunk} (layers {chunk.start}..{chunk.stop - 1}) is prepared "
+                f"({self._next - chunk.start} of {len(chunk)} layers)"
+            )
         with self._on_stream():
             for layer in chunk:
                 self._local_layer(layer)
@@ -320,7 +335,9 @@ class WeightMover:
 
     def _enter(self, mode: str) -> None:
         if self._committed or self._closed:
-            raise ValueError("this mover already committed or rolled back committed chunks; make a new WeightMover for the next transition")
+            raise ValueError(
+                "this mover already committed or rolled back committed chunks; make a new WeightMover for the next transition"
+            )
         if self._mode not in (None, mode):
             raise ValueError(f"this mover runs {self._mode}; prepare()/commit() and step() do not mix")
         if self._mode is None:
@@ -452,15 +469,18 @@ def staged_slots(schedule: TransferSchedule) -> np.ndarray:
     return recv + (schedule.cycles > 0)
 
 
-def staged_chunks(schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None,
-                  chunk_layers: int | None = None) -> tuple[range, ...]:
+def staged_chunks(
+    schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None, chunk_layers: int | None = None
+) -> tuple[range, ...]:
     """The layers ``0..L-1`` cut greedily into consecutive chunks whose staged receives (plus
     one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu, at most
     ``chunk_layers`` layers each; every rank computes the same chunks from the schedule.
     ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
     when one layer alone does not fit on some gpu (with the bytes it needs)."""
     L = schedule.topology.num_layers
-    if chunk_layers is not None and (isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1):
+    if chunk_layers is not None and (
+        isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1
+    ):
         raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
     if staging_bytes is None:
         step = chunk_layers or max(L, 1)
@@ -529,15 +549,21 @@ def _check_layers(layers: Sequence[Mapping[str, torch.Tensor]], num_layers: int,
     device = first[names[0]].device
     for i, layer in enumerate(layers):
         if sorted(layer) != names:
-            raise ValueError(f"layer {i} has tensors {sorted(layer)}; layer 0 has {names}: every layer needs the same names")
+            raise ValueError(
+                f"layer {i} has tensors {sorted(layer)}; layer 0 has {names}: every layer needs the same names"
+            )
         for name in names:
             t = layer[name]
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"layers[{i}][{name!r}] must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() < 1 or t.shape[0] != slots:
-                raise ValueError(f"layers[{i}][{name!r}] has shape {list(t.shape)}; its leading dimension must be the {slots} local slots")
+                raise ValueError(
+                    f"layers[{i}][{name!r}] has shape {list(t.shape)}; its leading dimension must be the {slots} local slots"
+                )
             if t.shape != first[name].shape or t.dtype != first[name].dtype:
-                raise ValueError(f"layers[{i}][{name!r}] is {list(t.shape)} {t.dtype}; layer 0 has {list(first[name].shape)} {first[name].dtype}")
+                raise ValueError(
+                    f"layers[{i}][{name!r}] is {list(t.shape)} {t.dtype}; layer 0 has {list(first[name].shape)} {first[name].dtype}"
+                )
             if t.device != device:
                 raise ValueError(f"layers[{i}][{name!r}] is on {t.device}; the others on {device}: one device per rank")
             if not t.is_contiguous():

@@ -103,7 +103,12 @@ class LoadReporter:
         else:
             self.endpoints, self._owned = Endpoints(addresses, token=token), True
         self.deployment, self.rank, self.topology = deployment, rank, topology
-        self.interval_s, self.max_queued, self.max_pending, self.max_batch = interval_s, max_queued, max_pending, max_batch
+        self.interval_s, self.max_queued, self.max_pending, self.max_batch = (
+            interval_s,
+            max_queued,
+            max_pending,
+            max_batch,
+        )
         self.rpc_timeout_s = rpc_timeout_s
         self._logical = (topology.num_layers, topology.num_experts)
         self._physical = (topology.num_layers, topology.num_slots)
@@ -117,7 +122,9 @@ class LoadReporter:
         self._stop = False
         # Microseconds since the epoch: a restarted rank's seqs keep increasing past its last run's.
         self._seq = time.time_ns() // 1000
-        self._counts = dict(added=0, dropped_adds=0, invalid_adds=0, sent=0, accepted=0, duplicates=0, rejected=0, dropped_reports=0)
+        self._counts = dict(
+            added=0, dropped_adds=0, invalid_adds=0, sent=0, accepted=0, duplicates=0, rejected=0, dropped_reports=0
+        )
         self._dropped_tokens = 0.0
         self._pending_tokens = 0.0
         self._last_error = ""
@@ -145,13 +152,19 @@ class LoadReporter:
         shape = tuple(getattr(counts, "shape", ()))
         if version is None:
             if shape != self._logical:
-                raise ValueError(f"logical counts must be [L, E] = {list(self._logical)}, got {list(shape)} "
-                                 f"(physical [L, P] = {list(self._physical)} counts need version=)")
+                raise ValueError(
+                    f"logical counts must be [L, E] = {list(self._logical)}, got {list(shape)} "
+                    f"(physical [L, P] = {list(self._physical)} counts need version=)"
+                )
         else:
             if shape != self._physical:
-                raise ValueError(f"physical counts (version={version}) must be [L, P] = {list(self._physical)}, got {list(shape)}")
+                raise ValueError(
+                    f"physical counts (version={version}) must be [L, P] = {list(self._physical)}, got {list(shape)}"
+                )
             if version < 1:
-                raise ValueError(f"version must be the placement version (>= 1) the counts were recorded under, got {version}")
+                raise ValueError(
+                    f"version must be the placement version (>= 1) the counts were recorded under, got {version}"
+                )
         ready = None
         if hasattr(counts, "detach"):  # a torch tensor; clone() is queued on its device's stream
             item = counts.detach().clone() if copy else counts.detach()
@@ -184,9 +197,13 @@ class LoadReporter:
     def stats(self) -> ReporterStats:
         with self._lock:
             return ReporterStats(
-                **self._counts, dropped_tokens=self._dropped_tokens, pending=len(self._outbox) + (1 if self._queue else 0),
+                **self._counts,
+                dropped_tokens=self._dropped_tokens,
+                pending=len(self._outbox) + (1 if self._queue else 0),
                 pending_tokens=self._pending_tokens,
-                failovers=self.endpoints.failovers, address=self.endpoints.address, last_error=self._last_error,
+                failovers=self.endpoints.failovers,
+                address=self.endpoints.address,
+                last_error=self._last_error,
             )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -213,7 +230,7 @@ class LoadReporter:
             self.endpoints.close()
         return done
 
-    def __enter__(self) -> "LoadReporter":
+    def __enter__(self) -> LoadReporter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -51,8 +51,17 @@ from .client import ServiceClient
 from .wire import PublishedPlacement
 
 __all__ = [
-    "DEFAULT_STAGING_BYTES", "Applier", "MoverApplier", "Barrier", "Local", "Decision", "RolloutEvent", "Rollout",
-    "ServiceBarrier", "ProcessGroupBarrier", "AckSender",
+    "DEFAULT_STAGING_BYTES",
+    "Applier",
+    "MoverApplier",
+    "Barrier",
+    "Local",
+    "Decision",
+    "RolloutEvent",
+    "Rollout",
+    "ServiceBarrier",
+    "ProcessGroupBarrier",
+    "AckSender",
 ]
 
 # MoverApplier's receive-buffer budget: 1 GiB holds 24 DeepSeek-V3 experts (44 MB), at least
@@ -101,8 +110,14 @@ class MoverApplier:
     from the source's); ``commit_seconds`` is the longest ``commit()``, the stall of one step.
     """
 
-    def __init__(self, layers: object, group: object = None, *, staging_bytes: int | None = DEFAULT_STAGING_BYTES,
-                 **mover_options: object) -> None:
+    def __init__(
+        self,
+        layers: object,
+        group: object = None,
+        *,
+        staging_bytes: int | None = DEFAULT_STAGING_BYTES,
+        **mover_options: object,
+    ) -> None:
         self.layers, self.group, self.staging_bytes, self.options = layers, group, staging_bytes, mover_options
         self.mover = None
         self.schedule = None
@@ -226,8 +241,9 @@ class AckSender:
         self._thread = threading.Thread(target=self._run, name=f"eplb-acks-{rank}", daemon=True)
         self._thread.start()
 
-    def send(self, version: int, state: str, step: int = 0, error: str = "",
-             on_reply: Callable[[object], None] | None = None) -> None:
+    def send(
+        self, version: int, state: str, step: int = 0, error: str = "", on_reply: Callable[[object], None] | None = None
+    ) -> None:
         self._queue.put((version, state, step, error, on_reply))
 
     def _run(self) -> None:
@@ -278,6 +294,7 @@ class ServiceBarrier:
                 if version == self._version:
                     self._switch_step = self._switch_step or reply.switch_step
                     self._aborted = self._aborted or reply.aborted
+
         return record
 
     def sync(self, step: int, local: Local) -> Decision:
@@ -299,7 +316,9 @@ class ServiceBarrier:
         if switch_step and step >= switch_step:
             if step > switch_step:
                 self.late += 1
-                log.warning("switching to version %d at step %d, after the agreed step %d", local.target, step, switch_step)
+                log.warning(
+                    "switching to version %d at step %d, after the agreed step %d", local.target, step, switch_step
+                )
             self.acks.send(local.target, "switched", step)
             return Decision(switch=True)
         now = time.monotonic()
@@ -338,13 +357,15 @@ class ProcessGroupBarrier:
     def sync(self, step: int, local: Local) -> Decision:
         pairs = (local.offered, local.target, local.chunk, int(local.revert))
         t = self._torch.tensor(
-            [v for x in pairs for v in (x, -x)] + [int(local.target > 0 and not local.prepared), int(bool(local.failed))],
+            [v for x in pairs for v in (x, -x)]
+            + [int(local.target > 0 and not local.prepared), int(bool(local.failed))],
             dtype=self._torch.int64,
         )
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         v = [int(x) for x in t.tolist()]
         (max_offered, min_offered), (max_target, min_target), (max_chunk, min_chunk), (max_revert, min_revert) = (
-            (v[i], -v[i + 1]) for i in range(0, 8, 2))
+            (v[i], -v[i + 1]) for i in range(0, 8, 2)
+        )
         not_ready, failed = v[8], v[9]
         if max_target == 0:
             if max_revert:  # layers of an aborted version to move back: once every rank rolled back
@@ -435,7 +456,11 @@ class Rollout:
 
     def _local(self) -> Local:
         with self._lock:
-            offered = self._offered.version if self._offered and self._offered.version > self._refused else self.current.version
+            offered = (
+                self._offered.version
+                if self._offered and self._offered.version > self._refused
+                else self.current.version
+            )
         prep = self._prep
         if prep is None:
             return Local(self.current.version, offered, 0, False, "", revert=self._revert)
@@ -443,9 +468,13 @@ class Rollout:
         if not prep.done and not error and time.monotonic() - prep.started > self.timeout_s:
             error = prep.error = f"prepare of version {prep.published.version} timed out after {self.timeout_s:g} s"
         elif prep.done and not error and time.monotonic() - prep.ready_at > self.timeout_s:
-            error = prep.error = f"version {prep.published.version}: other ranks not ready {self.timeout_s:g} s after this one"
+            error = prep.error = (
+                f"version {prep.published.version}: other ranks not ready {self.timeout_s:g} s after this one"
+            )
         final = not prep.chunks or prep.chunk == len(prep.chunks) - 1
-        return Local(self.current.version, offered, prep.published.version, prep.done and not error, error, prep.chunk, final)
+        return Local(
+            self.current.version, offered, prep.published.version, prep.done and not error, error, prep.chunk, final
+        )
 
     def step(self, step: int) -> PublishedPlacement:
         """At a step boundary: advances the rollout and returns the placement to route with
@@ -528,7 +557,11 @@ class Rollout:
             return
         kind = "reverted" if prep.revert else "switched"
         self._revert = False
-        self._event(RolloutEvent(kind, prep.published.version, step, prep.total_prepare, prep.total_wait, chunks=len(prep.chunks)))
+        self._event(
+            RolloutEvent(
+                kind, prep.published.version, step, prep.total_prepare, prep.total_wait, chunks=len(prep.chunks)
+            )
+        )
 
     def _abort(self, prep: _Prepare, step: int) -> None:
         if prep.thread is not None and prep.thread.is_alive():
@@ -541,15 +574,33 @@ class Rollout:
             self._revert = False
             self._routed = self.current if not self.mixed else replace(self.current, placement=self.routing)
             log.error("moving version %d's switched layers back failed: routing stays mixed", prep.published.version)
-            self._event(RolloutEvent("partial", prep.published.version, step, seconds, waited,
-                                     prep.error or "another rank failed", chunks=prep.chunk))
+            self._event(
+                RolloutEvent(
+                    "partial",
+                    prep.published.version,
+                    step,
+                    seconds,
+                    waited,
+                    prep.error or "another rank failed",
+                    chunks=prep.chunk,
+                )
+            )
             return
         mine = bool(prep.error)
         with self._lock:  # an aborted version is not prepared again; a newer one may be
             self._refused = max(self._refused, prep.published.version)
         self._revert = self.mixed
-        self._event(RolloutEvent("failed" if mine else "aborted", prep.published.version, step, seconds, waited, prep.error,
-                                 chunks=prep.chunk))
+        self._event(
+            RolloutEvent(
+                "failed" if mine else "aborted",
+                prep.published.version,
+                step,
+                seconds,
+                waited,
+                prep.error,
+                chunks=prep.chunk,
+            )
+        )
 
     def _event(self, event: RolloutEvent) -> None:
         self.events.append(event)

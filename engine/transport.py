@@ -61,7 +61,10 @@ class DistTransport:
             self._started = True
 
     def exchange(self, ops: list[P2P]) -> None:
-        p2p = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, self._global[op.peer], self.group) for op in ops]
+        p2p = [
+            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, self._global[op.peer], self.group)
+            for op in ops
+        ]
         for work in dist.batch_isend_irecv(p2p):
             # On NCCL, wait() makes the current stream wait for the transfer (the host goes on).
             work.wait()

@@ -87,7 +87,7 @@ class PlacementWatcher:
         if self._owned:
             self.endpoints.close()
 
-    def __enter__(self) -> "PlacementWatcher":
+    def __enter__(self) -> PlacementWatcher:
         return self
 
     def __exit__(self, *exc: object) -> None:

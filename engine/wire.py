@@ -76,14 +76,20 @@ def decode_array(msg: pb.Array, field: str = "array") -> np.ndarray:
 
 def topology_to_pb(topo: eplb.Topology) -> pb.Topology:
     return pb.Topology(
-        num_layers=topo.num_layers, num_experts=topo.num_experts, num_slots=topo.num_slots,
-        num_gpus=topo.num_gpus, num_nodes=topo.num_nodes, num_groups=topo.num_groups,
+        num_layers=topo.num_layers,
+        num_experts=topo.num_experts,
+        num_slots=topo.num_slots,
+        num_gpus=topo.num_gpus,
+        num_nodes=topo.num_nodes,
+        num_groups=topo.num_groups,
     )
 
 
 def topology_from_pb(msg: pb.Topology) -> eplb.Topology:
     """``Topology`` message → ``eplb.Topology`` (0 nodes or groups mean 1, as on the wire)."""
-    return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
+    return eplb.Topology(
+        msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
+    )
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,9 @@ def placement_from_pb(msg: pb.Placement, topology: eplb.Topology) -> PublishedPl
     phy2log = decode_array(msg.phy2log, "placement.phy2log")
     want = (topology.num_layers, topology.num_slots)
     if phy2log.shape != want:
-        raise ValueError(f"placement.phy2log: shape {list(phy2log.shape)} does not fit the topology's [layers, slots] = {list(want)}")
+        raise ValueError(
+            f"placement.phy2log: shape {list(phy2log.shape)} does not fit the topology's [layers, slots] = {list(want)}"
+        )
     if phy2log.dtype.kind != "i":
         raise ValueError(f"placement.phy2log: dtype {phy2log.dtype} must be an integer type")
     return PublishedPlacement(msg.deployment, msg.version, eplb.Placement(phy2log, topology), msg.stats)
@@ -130,7 +138,9 @@ def deployment_pb(
     """A ``Deployment`` message for ``topology``: a sliding window of ``window_s`` seconds (or
     exponential decay with ``half_life_s``), re-planned every ``interval_s`` seconds and/or every
     ``report_count`` reports, published when the gain is at least ``min_gain_percent``."""
-    msg = pb.Deployment(name=name, topology=topology_to_pb(topology), policy=policy, ranks=list(ranks), expert_bytes=expert_bytes)
+    msg = pb.Deployment(
+        name=name, topology=topology_to_pb(topology), policy=policy, ranks=list(ranks), expert_bytes=expert_bytes
+    )
     if half_life_s is not None:
         msg.window.decay.half_life.FromNanoseconds(int(half_life_s * 1e9))
     elif window_s is not None:

@@ -39,7 +39,7 @@ class Budget:
             return True
         return False
 
-    def share(self, fraction: float) -> "Budget":
+    def share(self, fraction: float) -> Budget:
         """A budget for a first stage: ``fraction`` of the units left, same deadline."""
         left = None if self.units is None else max(self.units - self.spent, 0.0) * fraction
         return Budget(left, self.deadline)

@@ -50,11 +50,15 @@ def topology_from_dict(doc: object, field: str = "topology") -> Topology:
     """``{"num_layers": L, ...}`` (short names ``layers, experts, slots, gpus, nodes, groups``
     accepted too) → Topology; ``num_nodes`` and ``num_groups`` default to 1."""
     if not isinstance(doc, dict):
-        raise ValueError(f"field {field!r}: expected an object with {', '.join(_TOPO_FIELDS)}, got {type(doc).__name__}")
+        raise ValueError(
+            f"field {field!r}: expected an object with {', '.join(_TOPO_FIELDS)}, got {type(doc).__name__}"
+        )
     known = set(_TOPO_FIELDS) | {n.removeprefix("num_") for n in _TOPO_FIELDS}
     unknown = sorted(set(doc) - known)
     if unknown:
-        raise ValueError(f"field {field!r}: unknown keys {', '.join(unknown)}; allowed: {', '.join(_TOPO_FIELDS)} (or without 'num_')")
+        raise ValueError(
+            f"field {field!r}: unknown keys {', '.join(unknown)}; allowed: {', '.join(_TOPO_FIELDS)} (or without 'num_')"
+        )
     values = {}
     for name in _TOPO_FIELDS:
         short = name.removeprefix("num_")
@@ -74,7 +78,9 @@ def _int_array(value: object, field: str, ndim: int, shape_doc: str) -> np.ndarr
     except Exception:
         arr = np.asarray([], dtype=object)
     if arr.dtype == object or arr.ndim != ndim:
-        raise ValueError(f"field {field!r}: expected a rectangular integer array {shape_doc}, got {'ragged data' if arr.dtype == object else f'shape {list(arr.shape)}'}")
+        raise ValueError(
+            f"field {field!r}: expected a rectangular integer array {shape_doc}, got {'ragged data' if arr.dtype == object else f'shape {list(arr.shape)}'}"
+        )
     if arr.dtype.kind == "f" and np.array_equal(arr, np.round(arr)):
         arr = arr.astype(np.int64)  # some writers emit 3.0 for 3
     if arr.dtype.kind not in "iu":
@@ -103,7 +109,9 @@ def to_native(placement: Placement, stats: dict | None = None) -> dict:
 def from_native(doc: object) -> Placement:
     """Native JSON object → Placement (validated against its topology)."""
     if not isinstance(doc, dict):
-        raise ValueError(f"expected a JSON object with fields format, version, topology, phy2log; got {type(doc).__name__}")
+        raise ValueError(
+            f"expected a JSON object with fields format, version, topology, phy2log; got {type(doc).__name__}"
+        )
     if doc.get("format") != PLACEMENT_FORMAT:
         raise ValueError(f"field 'format': expected {PLACEMENT_FORMAT!r}, got {doc.get('format')!r}")
     if doc.get("version") != PLACEMENT_VERSION:
@@ -134,7 +142,7 @@ def from_sglang(doc: object, num_gpus: int, num_nodes: int = 1, num_groups: int 
     count, so the caller supplies it)."""
     field = "physical_to_logical_map"
     if not isinstance(doc, dict) or field not in doc:
-        raise ValueError(f"field {field!r}: missing; expected {{\"{field}\": [layers][slots]}}")
+        raise ValueError(f'field {field!r}: missing; expected {{"{field}": [layers][slots]}}')
     arr = _int_array(doc[field], field, 2, "[layers][slots]")
     if arr.min() < 0:
         raise ValueError(f"field {field!r}: expected expert ids >= 0, got {int(arr.min())}")
@@ -157,21 +165,31 @@ def from_vllm(arrays: dict, num_gpus: int, num_nodes: int = 1, num_groups: int =
     ``physical_to_logical`` (replicas may be listed in any order)."""
     for key in ("physical_to_logical", "logical_to_physical", "logical_replica_count"):
         if key not in arrays:
-            raise ValueError(f"field {key!r}: missing; expected physical_to_logical [L, P], logical_to_physical [L, E, R], logical_replica_count [L, E]")
+            raise ValueError(
+                f"field {key!r}: missing; expected physical_to_logical [L, P], logical_to_physical [L, E, R], logical_replica_count [L, E]"
+            )
     p2l = _int_array(arrays["physical_to_logical"], "physical_to_logical", 2, "[layers, slots]")
     if p2l.min() < 0:
         raise ValueError(f"field 'physical_to_logical': expected expert ids >= 0, got {int(p2l.min())}")
-    placement = _placement(p2l, _topology_for(p2l, num_gpus, num_nodes, num_groups, "physical_to_logical"), "physical_to_logical")
+    placement = _placement(
+        p2l, _topology_for(p2l, num_gpus, num_nodes, num_groups, "physical_to_logical"), "physical_to_logical"
+    )
     topo = placement.topology
     cnt = _int_array(arrays["logical_replica_count"], "logical_replica_count", 2, "[layers, experts]")
     if cnt.shape != placement.logcnt.shape or not np.array_equal(cnt, placement.logcnt):
-        raise ValueError(f"field 'logical_replica_count': expected shape {list(placement.logcnt.shape)} equal to the replica counts in physical_to_logical")
+        raise ValueError(
+            f"field 'logical_replica_count': expected shape {list(placement.logcnt.shape)} equal to the replica counts in physical_to_logical"
+        )
     l2p = _int_array(arrays["logical_to_physical"], "logical_to_physical", 3, "[layers, experts, max_replicas]")
     if l2p.shape[:2] != (topo.num_layers, topo.num_experts) or l2p.shape[2] < int(cnt.max()):
-        raise ValueError(f"field 'logical_to_physical': expected shape [{topo.num_layers}, {topo.num_experts}, R >= {int(cnt.max())}], got {list(l2p.shape)}")
+        raise ValueError(
+            f"field 'logical_to_physical': expected shape [{topo.num_layers}, {topo.num_experts}, R >= {int(cnt.max())}], got {list(l2p.shape)}"
+        )
     valid = l2p >= 0
     if (l2p >= topo.num_slots).any() or not np.array_equal(valid.sum(axis=2), cnt):
-        raise ValueError("field 'logical_to_physical': expected each expert's logical_replica_count slot ids in [0, num_slots), -1 padded")
+        raise ValueError(
+            "field 'logical_to_physical': expected each expert's logical_replica_count slot ids in [0, num_slots), -1 padded"
+        )
     layer, expert, _ = np.nonzero(valid)
     if not np.array_equal(p2l[layer, l2p[valid]], expert):
         raise ValueError("field 'logical_to_physical': lists a slot whose physical_to_logical entry is another expert")
@@ -193,7 +211,9 @@ def to_listing(placement: Placement, loads: np.ndarray | None = None) -> str:
     for layer in range(topo.num_layers):
         mean = load[layer].mean() if load is not None else 0.0
         for gpu in range(topo.num_gpus):
-            text = f"layer {layer} gpu {gpu} node {gpu // topo.gpus_per_node}: " + " ".join(map(str, on_gpu[layer, gpu]))
+            text = f"layer {layer} gpu {gpu} node {gpu // topo.gpus_per_node}: " + " ".join(
+                map(str, on_gpu[layer, gpu])
+            )
             if load is not None:
                 ratio = load[layer, gpu] / mean if mean > 0 else 1.0
                 text += f" | {load[layer, gpu]:.1f} ({ratio:.3f}x)"
@@ -215,10 +235,14 @@ def from_listing(text: str) -> Placement:
         m = _LINE.match(line)
         experts = m.group(4).split() if m else []
         if not m or len(experts) != topo.slots_per_gpu:
-            raise ValueError(f"line {number}: expected 'layer L gpu G node N: ' and {topo.slots_per_gpu} expert ids, got {line!r}")
+            raise ValueError(
+                f"line {number}: expected 'layer L gpu G node N: ' and {topo.slots_per_gpu} expert ids, got {line!r}"
+            )
         layer, gpu = int(m.group(1)), int(m.group(2))
         if layer >= topo.num_layers or gpu >= topo.num_gpus:
-            raise ValueError(f"line {number}: layer {layer} gpu {gpu} out of range (layers={topo.num_layers}, gpus={topo.num_gpus})")
+            raise ValueError(
+                f"line {number}: layer {layer} gpu {gpu} out of range (layers={topo.num_layers}, gpus={topo.num_gpus})"
+            )
         phy2log[layer, gpu] = list(map(int, experts))
     if (phy2log < 0).any():
         layer, gpu, _ = np.argwhere(phy2log < 0)[0]

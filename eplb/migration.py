@@ -202,11 +202,13 @@ def _repairs(
     K, L = len(targets), topology.num_layers
     stacked = topology.with_layers(K * L)
     prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
-    out = repair_previous(np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1)))
+    out = repair_previous(
+        np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1))
+    )
     swapped = "regrouped" in out
     if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
         out["regrouped"] = out["recounted"]
-    return [(name, cand[k * L:(k + 1) * L]) for k in range(K) for name, cand in out.items()], swapped
+    return [(name, cand[k * L : (k + 1) * L]) for k in range(K) for name, cand in out.items()], swapped
 
 
 def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
@@ -465,6 +467,7 @@ def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.nda
     inv[np.arange(R)[:, None], node_exp] = np.arange(node_exp.shape[1])
     return inv[np.arange(R)[:, None, None], phy]
 
+
 def choose(
     loads: np.ndarray,
     previous: Placement,
@@ -534,7 +537,9 @@ def choose(
         if missed or (max_moves is not None and moves[pick, cols].sum() > max_moves):
             # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
             kept_max = kept_load.max(axis=1)
-            targets = [np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL]
+            targets = [
+                np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL
+            ]
             more = _candidates(loads, old, fresh, topology, targets, by_node, False, workers)
             # Fresh aligned stays last.
             names = names[:-1] + more[0] + names[-1:]
@@ -584,7 +589,9 @@ def _result(
     return out, taken, notes
 
 
-def _score(ways: list, loads: np.ndarray, old: np.ndarray, topology: Topology) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+def _score(
+    ways: list, loads: np.ndarray, old: np.ndarray, topology: Topology
+) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     """``ways`` (name, ``phy2log`` ``[L, P]``) pairs → names, candidates ``[C, L, P]``, their
     imbalance and moves ``[C, L]``."""
     names = [name for name, _ in ways]

@@ -136,7 +136,9 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
         e = k[ri, b, s]
         w = weights[rows[:, None, None], assign[rows]]
         # Partner (q, t): bin q lacks e, and bin b lacks the partner's key.
-        ok = ~(k == e[:, None, None]).any(axis=2)[:, :, None] & ~(k[:, :, :, None] == k[ri, b][:, None, None, :]).any(axis=3)
+        ok = ~(k == e[:, None, None]).any(axis=2)[:, :, None] & ~(k[:, :, :, None] == k[ri, b][:, None, None, :]).any(
+            axis=3
+        )
         cost = np.where(ok, np.abs(w - w[ri, b, s][:, None, None]), np.inf).reshape(R, -1)
         best = cost.argmin(axis=1)
         fixable = np.isfinite(cost[ri, best])
@@ -218,7 +220,7 @@ def _improve(
             # smaller partner for its big item, wherever that partner sits).
             st = np.flatnonzero(stalled)
             top = srt[st, -1:]
-            small = np.argsort(w[active[st]].min(axis=2), axis=1, kind="stable")[:, : _SMALL]
+            small = np.argsort(w[active[st]].min(axis=2), axis=1, kind="stable")[:, :_SMALL]
             part = np.concatenate([srt[st, :wide], small], axis=1)[:, None, :]
             again = _swap_best(assign, w, k, load[st], active[st], top, part, None if floor is None else floor[st])
             stalled[st] = ~again[:, 0]

@@ -37,7 +37,9 @@ def paired_max(loads: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return (w + w[:, ::-1]).max(axis=1)
 
 
-def pair_counts(loads: np.ndarray, bins: int, cap: int | None, lo: np.ndarray, hi: np.ndarray, steps: int = 14) -> np.ndarray:
+def pair_counts(
+    loads: np.ndarray, bins: int, cap: int | None, lo: np.ndarray, hi: np.ndarray, steps: int = 14
+) -> np.ndarray:
     """``loads`` ``[X, E]`` with ``2 * bins`` replicas (at most ``cap`` per expert) → int64 counts
     ``[X, E]`` of the lowest target the greedy reached (see module doc) by bisection in
     ``[lo, hi]`` (``[X]``: a bound and a busiest bin already reached) over ``steps`` steps;
@@ -79,7 +81,7 @@ def _build(loads: np.ndarray, T: float, bins: int, cap: int) -> np.ndarray | Non
         while c <= cap and le / c > half:
             k = bisect_right(light, T * (1 + _EPS) - le / c)
             if k >= c:  # the c heaviest partners that fit
-                del light[k - c:k]
+                del light[k - c : k]
                 pairs += c
                 break
             c += 1

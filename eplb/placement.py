@@ -40,8 +40,7 @@ class Placement:
             raise ValueError(f"phy2log has shape {arr.shape}; expected [num_layers, num_slots] = {list(want)}")
         if arr.size and (arr.min() < 0 or arr.max() >= topo.num_experts):
             raise ValueError(
-                f"phy2log holds expert ids in [{arr.min()}, {arr.max()}]; allowed range is "
-                f"[0, {topo.num_experts - 1}]"
+                f"phy2log holds expert ids in [{arr.min()}, {arr.max()}]; allowed range is [0, {topo.num_experts - 1}]"
             )
         arr = np.ascontiguousarray(arr, dtype=np.int32)
         arr.setflags(write=False)
@@ -114,7 +113,7 @@ class Placement:
         Placement(self.phy2log, topology or self.topology)
 
     @classmethod
-    def contiguous(cls, topology: Topology) -> "Placement":
+    def contiguous(cls, topology: Topology) -> Placement:
         """The unbalanced baseline: expert ``e`` in slot ``e``, extra slots cycle through experts."""
         p = np.arange(topology.num_slots) % topology.num_experts
         return cls(np.broadcast_to(p, (topology.num_layers, topology.num_slots)).copy(), topology)

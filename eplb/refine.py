@@ -313,7 +313,9 @@ def rotate_improve(
         active = active[x]
 
 
-def swap_improve(loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None) -> None:
+def swap_improve(
+    loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None
+) -> None:
     """Swap slots between bins of ``phy`` ``[X, B, S]`` (rows ``rows``, in place) to lower each
     row's busiest bin, stopping at ``target`` ``[X]``; counts stay as they are."""
     sub = phy[rows]
@@ -458,7 +460,7 @@ def exhaustive_counts(
     # Lower bound of each (row, vector): the larger of the mean bin and the largest replica.
     chunk = max(1, (1 << 22) // vectors.size)  # rows per step, keeps [rows, V, E] near 32 MB
     bound = np.concatenate(
-        [(loads[i:i + chunk, None, :] / vectors[None, :, :]).max(axis=2) for i in range(0, X, chunk)]
+        [(loads[i : i + chunk, None, :] / vectors[None, :, :]).max(axis=2) for i in range(0, X, chunk)]
     )
     bound = np.maximum(bound, (loads.sum(axis=1) / B)[:, None])  # [X, V]
     rows, vec = np.nonzero(bound < best_max[:, None] * (1 - _REL_TOL))
@@ -468,7 +470,7 @@ def exhaustive_counts(
     for start in range(0, rows.size, limit):
         if clock.out():
             break
-        r, v = rows[start:start + limit], vec[start:start + limit]
+        r, v = rows[start : start + limit], vec[start : start + limit]
         keep = bound[r, v] < best_max[r] * (1 - _REL_TOL)  # bounds of earlier winners prune more
         r, v = r[keep], v[keep]
         if r.size == 0:
@@ -515,7 +517,9 @@ def refine_thorough(
     # Two slots per bin: candidates are ranked by a sort (``paired_max``) and only the best few
     # packed, so the wide batch costs little more (v3-512 zipf 1.0: 1.023 -> 1.021, +6 % work).
     batch = 3072 if wide or S == 2 else 768
-    return repack_search(loads, start, cap, iterations=24 if wide or S == 2 else 12, batch=batch, target=target, budget=budget)
+    return repack_search(
+        loads, start, cap, iterations=24 if wide or S == 2 else 12, batch=batch, target=target, budget=budget
+    )
 
 
 def _pair_start(loads: np.ndarray, phy: np.ndarray, cap: int | None, budget: Budget) -> np.ndarray:
@@ -603,7 +607,10 @@ def separate_hot(
             bound, cand = guess
             # Worth a re-pack only where the busiest bin is well above what those counts allow
             # and they differ from the current ones.
-            differs = (np.take_along_axis(cand, order[rows, :k], axis=1) != np.take_along_axis(counts[rows], order[rows, :k], axis=1)).any(axis=1)
+            differs = (
+                np.take_along_axis(cand, order[rows, :k], axis=1)
+                != np.take_along_axis(counts[rows], order[rows, :k], axis=1)
+            ).any(axis=1)
             ok = differs & (binl.max(axis=1)[rows] > bound * (1 + _GUIDED_MARGIN))
             rows_all.append(rows[ok])
             cands.append(cand[ok])
@@ -652,7 +659,9 @@ def _guided_counts(
     for n_left in np.unique(remaining):
         rows = np.flatnonzero(remaining == n_left)
         sub = out[rows]
-        np.put_along_axis(sub, rest[rows], waterfill(np.take_along_axis(loads[rows], rest[rows], axis=1), int(n_left), cap), axis=1)
+        np.put_along_axis(
+            sub, rest[rows], waterfill(np.take_along_axis(loads[rows], rest[rows], axis=1), int(n_left), cap), axis=1
+        )
         out[rows] = sub
     return bound[np.arange(R), bound.argmin(axis=1)], out
 
@@ -669,7 +678,9 @@ def pigeonhole_bound(top: np.ndarray, grid: np.ndarray, bins: int) -> np.ndarray
     w = top[:, None, :] / grid[None, :, :]  # [R, V, k]
     srt = np.sort(w, axis=2)
     m = -(-grid.sum(axis=1) // bins)  # [V]
-    out = np.take_along_axis(np.cumsum(srt, axis=2), np.broadcast_to((m - 1)[None, :, None], (R, len(grid), 1)), axis=2)[..., 0]
+    out = np.take_along_axis(
+        np.cumsum(srt, axis=2), np.broadcast_to((m - 1)[None, :, None], (R, len(grid), 1)), axis=2
+    )[..., 0]
     out = np.maximum(out, srt[:, :, -1])
     for size in range(2, k + 1):
         for subset in combinations(range(k), size):

@@ -91,7 +91,9 @@ def rebalance(
     seconds = time.perf_counter() - start
     placement = Placement(result.phy2log, topology)
     load = metrics.gpu_loads(arr, placement)
-    moves = metrics.moves(previous, placement) if previous is not None else np.zeros(topology.num_layers, dtype=np.int64)
+    moves = (
+        metrics.moves(previous, placement) if previous is not None else np.zeros(topology.num_layers, dtype=np.int64)
+    )
     return Plan(
         placement=placement,
         policy=policy,

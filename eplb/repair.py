@@ -29,7 +29,9 @@ __all__ = ["chain_improve", "count_repair"]
 _REL_TOL = 1e-12
 
 
-def chain_improve(loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, min_length: int = 2) -> None:
+def chain_improve(
+    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, min_length: int = 2
+) -> None:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (at most one replica of an expert per bin, in
     place), ``target`` ``[X]``: ejection chains that bring bins above the target under it,
     counts unchanged. Each round every row with bins above its target makes one chain of at

@@ -75,7 +75,9 @@ def inclusion_probabilities(popularity: np.ndarray, topk: int) -> np.ndarray:
     if pop.ndim != 1 or not np.isfinite(pop).all() or (pop < 0).any() or pop.sum() <= 0:
         raise ValueError("popularity must be a [num_experts] array of finite values >= 0 with a positive sum")
     if not 1 <= topk <= pop.size or (pop > 0).sum() < topk:
-        raise ValueError(f"topk ({topk}) must be between 1 and the number of experts with popularity > 0 ({int((pop > 0).sum())})")
+        raise ValueError(
+            f"topk ({topk}) must be between 1 and the number of experts with popularity > 0 ({int((pop > 0).sum())})"
+        )
     pi = np.zeros_like(pop)
     capped = np.zeros(pop.size, dtype=bool)
     # At most topk experts can be capped, so this loop runs at most topk + 1 times.
@@ -89,7 +91,9 @@ def inclusion_probabilities(popularity: np.ndarray, topk: int) -> np.ndarray:
         capped |= over
 
 
-def expected_gpu_load(popularity: np.ndarray, placement: Placement, tokens_per_gpu: int, topk: int, layer: int = 0) -> np.ndarray:
+def expected_gpu_load(
+    popularity: np.ndarray, placement: Placement, tokens_per_gpu: int, topk: int, layer: int = 0
+) -> np.ndarray:
     """``popularity``: ``[E]`` → ``[G]`` expected visits per gpu per step (replicas split evenly)."""
     topo = placement.topology
     pi = inclusion_probabilities(popularity, topk)

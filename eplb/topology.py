@@ -47,9 +47,7 @@ class Topology:
                 "so every gpu has the same number of slots"
             )
         if self.num_gpus % self.num_nodes:
-            raise ValueError(
-                f"num_gpus ({self.num_gpus}) must be a multiple of num_nodes ({self.num_nodes})"
-            )
+            raise ValueError(f"num_gpus ({self.num_gpus}) must be a multiple of num_nodes ({self.num_nodes})")
         if self.num_experts % self.num_groups:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be a multiple of num_groups ({self.num_groups}) "
@@ -88,5 +86,5 @@ class Topology:
         """
         return self.num_slots - self.num_experts + 1
 
-    def with_layers(self, num_layers: int) -> "Topology":
+    def with_layers(self, num_layers: int) -> Topology:
         return Topology(num_layers, self.num_experts, self.num_slots, self.num_gpus, self.num_nodes, self.num_groups)

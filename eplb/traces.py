@@ -88,7 +88,9 @@ def _check_counts(value: object, name: str, ndims: tuple[int, ...] = (2, 3)) -> 
     except Exception:  # ragged nested lists
         arr = None
     if arr is None or arr.dtype == object:
-        raise ValueError(f"field {name!r}: expected a rectangular numeric array of {' or '.join(f'{d}-d' for d in ndims)}, got ragged or non-numeric data")
+        raise ValueError(
+            f"field {name!r}: expected a rectangular numeric array of {' or '.join(f'{d}-d' for d in ndims)}, got ragged or non-numeric data"
+        )
     if arr.dtype == bool or arr.dtype.kind not in "iuf":
         raise ValueError(f"field {name!r}: expected numbers, got dtype {arr.dtype}")
     if arr.ndim not in ndims:
@@ -154,7 +156,9 @@ def from_counts_json(doc: object) -> LoadTrace:
         if key in doc:
             meta = {k: v for k, v in doc.items() if k != key and isinstance(v, (str, int, float, bool))}
             return from_array(doc[key], key, meta)
-    raise ValueError(f"field 'counts': missing; expected counts[layer][expert] (fields present: {', '.join(sorted(doc)) or 'none'})")
+    raise ValueError(
+        f"field 'counts': missing; expected counts[layer][expert] (fields present: {', '.join(sorted(doc)) or 'none'})"
+    )
 
 
 def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
@@ -172,7 +176,9 @@ def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
     if "count" in header or "layer" in header:
         need = {"layer", "expert", "count"}
         if not need <= set(header):
-            raise ValueError(f"header: expected columns layer, expert, count (and optionally step), got {', '.join(header)}")
+            raise ValueError(
+                f"header: expected columns layer, expert, count (and optionally step), got {', '.join(header)}"
+            )
         cols = {name: header.index(name) for name in need | ({"step"} & set(header))}
         body = rows[1:]
         if not body:
@@ -188,7 +194,9 @@ def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
         for k in ("step", "layer", "expert"):
             bad = (data[k] < 0) | (data[k] != np.round(data[k]))
             if bad.any():
-                raise ValueError(f"line {int(np.argmax(bad)) + 2}, column {k!r}: expected an integer index >= 0, got {data[k][bad][0]}")
+                raise ValueError(
+                    f"line {int(np.argmax(bad)) + 2}, column {k!r}: expected an integer index >= 0, got {data[k][bad][0]}"
+                )
         idx = {k: data[k].astype(np.int64) for k in ("step", "layer", "expert")}
         counts = np.zeros((idx["step"].max() + 1, idx["layer"].max() + 1, idx["expert"].max() + 1))
         np.add.at(counts, (idx["step"], idx["layer"], idx["expert"]), data["count"])
@@ -196,7 +204,9 @@ def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
     widths = [len(r) for r in rows]
     if len(set(widths)) != 1:
         line = next(i for i, w in enumerate(widths, 1) if w != widths[0])
-        raise ValueError(f"line {line}: expected {widths[0]} columns like line 1 (wide layout: one row per layer, one column per expert), got {widths[line - 1]}")
+        raise ValueError(
+            f"line {line}: expected {widths[0]} columns like line 1 (wide layout: one row per layer, one column per expert), got {widths[line - 1]}"
+        )
     for line, r in enumerate(rows, 1):
         if not all(_is_number(c) for c in r):
             raise ValueError(f"line {line}: expected numbers only (wide layout) or a header layer,expert,count")
@@ -228,7 +238,9 @@ def from_sglang_dump(doc: object) -> LoadTrace:
     if not isinstance(doc, dict):
         raise ValueError(f"expected a dict with a 'logical_count' field, got {type(doc).__name__}")
     if "logical_count" not in doc:
-        raise ValueError(f"field 'logical_count': missing; expected a [steps, layers, experts] tensor (fields present: {', '.join(map(str, sorted(doc)))})")
+        raise ValueError(
+            f"field 'logical_count': missing; expected a [steps, layers, experts] tensor (fields present: {', '.join(map(str, sorted(doc)))})"
+        )
     meta = {k: v for k, v in doc.items() if isinstance(v, (str, int, float, bool))}
     return from_array(doc["logical_count"], "logical_count", meta | {"source": "sglang"})
 
@@ -242,9 +254,13 @@ def from_vllm_window(window: object, phy2log: object) -> LoadTrace:
         win = win[None]
     p2l = np.asarray(phy2log)
     if p2l.dtype.kind not in "iu" or p2l.ndim != 2:
-        raise ValueError(f"field 'physical_to_logical': expected an integer [layers, slots] array, got dtype {p2l.dtype} shape {list(p2l.shape)}")
+        raise ValueError(
+            f"field 'physical_to_logical': expected an integer [layers, slots] array, got dtype {p2l.dtype} shape {list(p2l.shape)}"
+        )
     if p2l.shape != win.shape[1:]:
-        raise ValueError(f"field 'physical_to_logical': expected shape [layers, slots] = {list(win.shape[1:])} to match 'window', got {list(p2l.shape)}")
+        raise ValueError(
+            f"field 'physical_to_logical': expected shape [layers, slots] = {list(win.shape[1:])} to match 'window', got {list(p2l.shape)}"
+        )
     if p2l.min() < 0:
         raise ValueError(f"field 'physical_to_logical': expected expert ids >= 0, got {int(p2l.min())}")
     W, L, _ = win.shape

@@ -119,7 +119,9 @@ def transfer_plan(old: Placement, new: Placement, topology: Topology, *, expert_
     dgpu = dst // S
     cand = held[lay, exp]  # [T, G]
     # kind of each candidate gpu relative to the destination gpu; the nearest kind wins.
-    cand_kind = np.where(gpu[None] == dgpu[:, None], LOCAL, np.where(gpu[None] // gpn == (dgpu // gpn)[:, None], INTRA_NODE, INTER_NODE))
+    cand_kind = np.where(
+        gpu[None] == dgpu[:, None], LOCAL, np.where(gpu[None] // gpn == (dgpu // gpn)[:, None], INTRA_NODE, INTER_NODE)
+    )
     cand_kind = np.where(cand, cand_kind, 3)
     kind = cand_kind.min(axis=1)
     allowed = cand_kind == kind[:, None]  # [T, G]
@@ -188,8 +190,14 @@ class Bandwidth:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise ValueError(f"Bandwidth.{name} must be a finite number > 0 (GB/s), got {value!r}")
-        if not (isinstance(self.round_latency_s, (int, float)) and np.isfinite(self.round_latency_s) and self.round_latency_s >= 0):
-            raise ValueError(f"Bandwidth.round_latency_s must be a finite number >= 0 (seconds), got {self.round_latency_s!r}")
+        if not (
+            isinstance(self.round_latency_s, (int, float))
+            and np.isfinite(self.round_latency_s)
+            and self.round_latency_s >= 0
+        ):
+            raise ValueError(
+                f"Bandwidth.round_latency_s must be a finite number >= 0 (seconds), got {self.round_latency_s!r}"
+            )
 
     def link_bytes_per_s(self) -> np.ndarray:
         """float64 ``[3]``: bytes per second by transfer kind (``LOCAL``, ``INTRA_NODE``, ``INTER_NODE``)."""
@@ -296,7 +304,9 @@ def transfer_schedule(
     ``round_experts`` caps the experts a pair sends each way in one round (``None``: all it
     has), which bounds the bytes in flight per round at the price of more rounds.
     """
-    if round_experts is not None and (isinstance(round_experts, bool) or not isinstance(round_experts, (int, np.integer)) or round_experts < 1):
+    if round_experts is not None and (
+        isinstance(round_experts, bool) or not isinstance(round_experts, (int, np.integer)) or round_experts < 1
+    ):
         raise ValueError(f"round_experts must be a positive integer or None, got {round_experts!r}")
     bandwidth = Bandwidth() if bandwidth is None else bandwidth
     if not isinstance(bandwidth, Bandwidth):
@@ -342,7 +352,9 @@ def transfer_schedule(
     speed = bandwidth.link_bytes_per_s()[kind]
     sent_r = np.bincount(cell_s, nbytes, minlength=n_cells)
     recv_r = np.bincount(cell_d, nbytes, minlength=n_cells)
-    busy = np.maximum(np.bincount(cell_s, nbytes / speed, minlength=n_cells), np.bincount(cell_d, nbytes / speed, minlength=n_cells))
+    busy = np.maximum(
+        np.bincount(cell_s, nbytes / speed, minlength=n_cells), np.bincount(cell_d, nbytes / speed, minlength=n_cells)
+    )
     comm = busy.reshape(L, R, G).max(axis=2).sum(axis=1) + rounds * bandwidth.round_latency_s
     max_round = float(np.maximum(sent_r, recv_r).max(initial=0.0))
 

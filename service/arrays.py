@@ -34,13 +34,17 @@ def decode(msg: pb.Array, field: str, shape: tuple[int, ...], kinds: str = "iuf"
         raise InvalidArgument(FieldViolation(f"{field}.dtype", f"dtype {msg.dtype} is not one of {allowed}"))
     dt = _DTYPES[msg.dtype]
     if dt.kind not in kinds:
-        raise InvalidArgument(FieldViolation(f"{field}.dtype", f"{pb.Dtype.Name(msg.dtype)} is not allowed here; use an integer dtype"))
+        raise InvalidArgument(
+            FieldViolation(f"{field}.dtype", f"{pb.Dtype.Name(msg.dtype)} is not allowed here; use an integer dtype")
+        )
     if tuple(msg.shape) != shape:
         raise InvalidArgument(FieldViolation(f"{field}.shape", f"shape is {list(msg.shape)}; expected {list(shape)}"))
     want = int(np.prod(shape)) * dt.itemsize
     if len(msg.data) != want:
         raise InvalidArgument(
-            FieldViolation(f"{field}.data", f"holds {len(msg.data)} bytes; shape {list(shape)} of {dt.name} needs {want}")
+            FieldViolation(
+                f"{field}.data", f"holds {len(msg.data)} bytes; shape {list(shape)} of {dt.name} needs {want}"
+            )
         )
     return np.frombuffer(msg.data, dtype=dt).reshape(shape)
 
@@ -54,6 +58,9 @@ def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float 
     if arr.size and arr.min() < 0:
         raise InvalidArgument(FieldViolation(f"{field}.data", f"counts must be >= 0 (found {arr.min()})"))
     if cap is not None and arr.size and arr.max() > cap:
-        raise InvalidArgument(FieldViolation(
-            f"{field}.data", f"a count of {arr.max():g} is over the per-report cap of {cap:g} tokens per entry"))
+        raise InvalidArgument(
+            FieldViolation(
+                f"{field}.data", f"a count of {arr.max():g} is over the per-report cap of {cap:g} tokens per entry"
+            )
+        )
     return arr.astype(np.float64)

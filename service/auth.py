@@ -24,8 +24,12 @@ _MESSAGE = "missing or wrong bearer token (metadata 'authorization: Bearer <toke
 
 def _deny(method: str) -> grpc.RpcMethodHandler:
     async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
-        audit.warning("audit: auth failure on %s from %s", method, context.peer(),
-                      extra={"audit": "auth_failure", "method": method, "peer": context.peer()})
+        audit.warning(
+            "audit: auth failure on %s from %s",
+            method,
+            context.peer(),
+            extra={"audit": "auth_failure", "method": method, "peer": context.peer()},
+        )
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
 
     return grpc.unary_unary_rpc_method_handler(abort)

@@ -54,8 +54,13 @@ class BalancerConfig:
 class Balancer(Deployments, Ingest, Planner, Recovery):
     """One per service replica; each room of it lives in its own module (see the module doc)."""
 
-    def __init__(self, store: Store, metrics: Metrics | None = None, config: BalancerConfig | None = None,
-                 on_health: Callable[[bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics | None = None,
+        config: BalancerConfig | None = None,
+        on_health: Callable[[bool], None] | None = None,
+    ) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
         self.config = config or BalancerConfig()

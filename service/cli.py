@@ -41,6 +41,7 @@ def _int_in(lo: int, hi: int, allowed: str) -> Callable[[str], int]:
         if value is None or not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
         return value
+
     return convert
 
 
@@ -55,6 +56,7 @@ def _seconds(zero_ok: bool) -> Callable[[str], float]:
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
         return value
+
     return convert
 
 
@@ -63,6 +65,7 @@ def _one_of(names: tuple[str, ...], normalise: Callable[[str], str] = str) -> Ca
         if normalise(text) not in names:
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {text!r}")
         return normalise(text)
+
     return convert
 
 
@@ -79,29 +82,73 @@ _MESSAGE_BYTES = (4096, 2**31 - 1)
 # dest: (flag, EPLB_ variable, default as text or None for unset, converter, help).
 _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] = {
     "host": ("--host", "HOST", "127.0.0.1", str, "bind address; 0.0.0.0 or :: to serve other hosts"),
-    "port": ("--port", "PORT", "50051", _int_in(0, 65535, "a port 0-65535 (0 picks a free one)"),
-             "gRPC port 0-65535, 0 picks one"),
-    "redis_url": ("--redis-url", "REDIS_URL", None, _redis_url,
-                  "redis://… for state shared by replicas; unset: embedded in-memory store"),
+    "port": (
+        "--port",
+        "PORT",
+        "50051",
+        _int_in(0, 65535, "a port 0-65535 (0 picks a free one)"),
+        "gRPC port 0-65535, 0 picks one",
+    ),
+    "redis_url": (
+        "--redis-url",
+        "REDIS_URL",
+        None,
+        _redis_url,
+        "redis://… for state shared by replicas; unset: embedded in-memory store",
+    ),
     "key_prefix": ("--key-prefix", "KEY_PREFIX", "eplb", str, "Redis key prefix"),
-    "token_file": ("--token-file", "TOKEN_FILE", None, Path,
-                   "read the token from this file (surrounding whitespace stripped)"),
+    "token_file": (
+        "--token-file",
+        "TOKEN_FILE",
+        None,
+        Path,
+        "read the token from this file (surrounding whitespace stripped)",
+    ),
     "tls_cert": ("--tls-cert", "TLS_CERT", None, Path, "PEM certificate chain"),
     "tls_key": ("--tls-key", "TLS_KEY", None, Path, "PEM private key"),
-    "max_message_bytes": ("--max-message-bytes", "MAX_MESSAGE_BYTES", str(16 << 20),
-                          _int_in(*_MESSAGE_BYTES, f"a number of bytes {_MESSAGE_BYTES[0]}-{_MESSAGE_BYTES[1]}"),
-                          "largest gRPC message either way, 4096-2147483647 bytes (16777216 = 16 MiB)"),
-    "metrics_port": ("--metrics-port", "METRICS_PORT", "-1", _int_in(-1, 65535, "-1 (off) or a port 0-65535"),
-                     "Prometheus /metrics port 0-65535, -1 off"),
-    "lease_seconds": ("--lease-seconds", "LEASE_SECONDS", "10", _seconds(zero_ok=False),
-                      "planning lease (> 0); a crashed planner is replaced within it"),
-    "flush_seconds": ("--flush-seconds", "FLUSH_SECONDS", "1", _seconds(zero_ok=False),
-                      "how often windows are flushed to the store (> 0)"),
-    "grace_seconds": ("--grace-seconds", "GRACE_SECONDS", "5", _seconds(zero_ok=True),
-                      "graceful shutdown time on SIGTERM (>= 0)"),
+    "max_message_bytes": (
+        "--max-message-bytes",
+        "MAX_MESSAGE_BYTES",
+        str(16 << 20),
+        _int_in(*_MESSAGE_BYTES, f"a number of bytes {_MESSAGE_BYTES[0]}-{_MESSAGE_BYTES[1]}"),
+        "largest gRPC message either way, 4096-2147483647 bytes (16777216 = 16 MiB)",
+    ),
+    "metrics_port": (
+        "--metrics-port",
+        "METRICS_PORT",
+        "-1",
+        _int_in(-1, 65535, "-1 (off) or a port 0-65535"),
+        "Prometheus /metrics port 0-65535, -1 off",
+    ),
+    "lease_seconds": (
+        "--lease-seconds",
+        "LEASE_SECONDS",
+        "10",
+        _seconds(zero_ok=False),
+        "planning lease (> 0); a crashed planner is replaced within it",
+    ),
+    "flush_seconds": (
+        "--flush-seconds",
+        "FLUSH_SECONDS",
+        "1",
+        _seconds(zero_ok=False),
+        "how often windows are flushed to the store (> 0)",
+    ),
+    "grace_seconds": (
+        "--grace-seconds",
+        "GRACE_SECONDS",
+        "5",
+        _seconds(zero_ok=True),
+        "graceful shutdown time on SIGTERM (>= 0)",
+    ),
     "log_level": ("--log-level", "LOG_LEVEL", "INFO", _one_of(_LOG_LEVELS, str.upper), "/".join(_LOG_LEVELS)),
-    "log_format": ("--log-format", "LOG_FORMAT", "plain", _one_of(LOG_FORMATS),
-                   "plain text, or one JSON object per line"),
+    "log_format": (
+        "--log-format",
+        "LOG_FORMAT",
+        "plain",
+        _one_of(LOG_FORMATS),
+        "plain text, or one JSON object per line",
+    ),
 }
 
 
@@ -124,8 +171,11 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
     for dest, (flag, env, default, convert, help_) in _OPTIONS.items():
         ap.add_argument(flag, dest=dest, type=convert, default=None, help=f"{help_} [EPLB_{env}, {default or 'unset'}]")
         if dest == "key_prefix":
-            ap.add_argument("--token", default=None,
-                            help="require 'authorization: Bearer <token>'; visible in ps, prefer --token-file [EPLB_TOKEN]")
+            ap.add_argument(
+                "--token",
+                default=None,
+                help="require 'authorization: Bearer <token>'; visible in ps, prefer --token-file [EPLB_TOKEN]",
+            )
     args = ap.parse_args(argv)
     # Defaults and variables are converted only now, so a bad variable is reported like a bad flag.
     for dest, (_, env, default, convert, _) in _OPTIONS.items():
@@ -147,9 +197,16 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         except ValueError as exc:
             ap.error(str(exc))
     config = ServerConfig(
-        host=args.host, port=args.port, redis_url=args.redis_url, key_prefix=args.key_prefix, token=token,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, max_message_bytes=args.max_message_bytes,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port, grace_s=args.grace_seconds,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        key_prefix=args.key_prefix,
+        token=token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_message_bytes=args.max_message_bytes,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        grace_s=args.grace_seconds,
         balancer=BalancerConfig(lease_s=args.lease_seconds, flush_s=args.flush_seconds),
     )
     return config, args.log_level, args.log_format
@@ -160,7 +217,15 @@ def _listening_line(fmt: str, host: str, port: int) -> str:
     if fmt == "plain":
         return f"eplb serve: listening on {host}:{port}"
     record = logging.getLogger(__name__).makeRecord(
-        __name__, logging.INFO, __file__, 0, "listening on %s:%d", (host, port), None, extra={"host": host, "port": port})
+        __name__,
+        logging.INFO,
+        __file__,
+        0,
+        "listening on %s:%d",
+        (host, port),
+        None,
+        extra={"host": host, "port": port},
+    )
     return JsonFormatter().format(record)
 
 

@@ -20,7 +20,9 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def channel(target: str, root_certificates: bytes | None = None, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Channel:
+def channel(
+    target: str, root_certificates: bytes | None = None, max_message_bytes: int = 16 * 1024 * 1024
+) -> grpc.aio.Channel:
     """A channel with the service's message limit and keepalive pings every 30 s."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -68,7 +70,8 @@ class EngineClient:
         while True:
             try:
                 call = self.stub.WatchPlacements(
-                    pb.WatchPlacementsRequest(deployment=self.deployment, since_version=since_version), metadata=self.metadata
+                    pb.WatchPlacementsRequest(deployment=self.deployment, since_version=since_version),
+                    metadata=self.metadata,
                 )
                 async for response in call:
                     since_version = response.placement.version
@@ -88,7 +91,8 @@ class EngineClient:
         ``step``, ``SWITCHED`` or ``FAILED`` with ``error``); returns the version's rollout, with
         the switch step once every rank prepared."""
         return await self.stub.AckPlacement(
-            pb.AckPlacementRequest(deployment=self.deployment, rank=self.rank, version=version, state=state,
-                                   step=step, error=error),
+            pb.AckPlacementRequest(
+                deployment=self.deployment, rank=self.rank, version=version, state=state, step=step, error=error
+            ),
             metadata=self.metadata,
         )

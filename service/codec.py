@@ -18,14 +18,28 @@ from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
 from .windows import WindowSpec
 
-__all__ = ["deployment_ranks", "library_accepts", "migration_options", "plan_stats", "planning_options",
-           "switch_margin", "topology_to", "transfer_stats", "trigger_spec", "window_spec"]
+__all__ = [
+    "deployment_ranks",
+    "library_accepts",
+    "migration_options",
+    "plan_stats",
+    "planning_options",
+    "switch_margin",
+    "topology_to",
+    "transfer_stats",
+    "trigger_spec",
+    "window_spec",
+]
 
 
 def topology_to(topo: eplb.Topology) -> pb.Topology:
     return pb.Topology(
-        num_layers=topo.num_layers, num_experts=topo.num_experts, num_slots=topo.num_slots,
-        num_gpus=topo.num_gpus, num_nodes=topo.num_nodes, num_groups=topo.num_groups,
+        num_layers=topo.num_layers,
+        num_experts=topo.num_experts,
+        num_slots=topo.num_slots,
+        num_gpus=topo.num_gpus,
+        num_nodes=topo.num_nodes,
+        num_groups=topo.num_groups,
     )
 
 
@@ -59,7 +73,12 @@ def window_spec(msg: pb.Deployment) -> WindowSpec:
     if msg.window.WhichOneof("kind") == "decay":
         return WindowSpec(kind="decay", half_life_s=msg.window.decay.half_life.ToNanoseconds() / 1e9, duration_s=0.0)
     s = msg.window.sliding
-    return WindowSpec(kind="sliding", duration_s=s.duration.ToNanoseconds() / 1e9, report_count=s.report_count, buckets=s.buckets or 10)
+    return WindowSpec(
+        kind="sliding",
+        duration_s=s.duration.ToNanoseconds() / 1e9,
+        report_count=s.report_count,
+        buckets=s.buckets or 10,
+    )
 
 
 def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
@@ -88,7 +107,9 @@ def library_accepts(option: str, value: object) -> bool:
     return True
 
 
-def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None) -> tuple[dict, list[str]]:
+def planning_options(
+    msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None
+) -> tuple[dict, list[str]]:
     """A checked ``Planning`` → ``eplb.rebalance`` keyword options and notes on what the
     installed library could not take. ``deadline_s``: seconds left to the caller (None: none);
     the plan's time limit never runs past it. ``ilp`` always gets a time limit (at most
@@ -119,7 +140,9 @@ def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s:
     return options, notes
 
 
-def transfer_stats(old: eplb.Placement, new: eplb.Placement, topo: eplb.Topology, expert_bytes: int) -> pb.TransferStats:
+def transfer_stats(
+    old: eplb.Placement, new: eplb.Placement, topo: eplb.Topology, expert_bytes: int
+) -> pb.TransferStats:
     """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer.transfer_schedule``:
     one receive per gpu and expert, in rounds of at most one peer per gpu) → ``TransferStats``,
     timed by the schedule's default bandwidth model."""
@@ -133,8 +156,15 @@ def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:
     after = plan.mean_imbalance
     gain = 100.0 * (imbalance_before - after) / imbalance_before if imbalance_before > 0 else 0.0
     return pb.PlanStats(
-        policy=plan.policy, policy_used=plan.policy_used, imbalance_before=imbalance_before,
-        imbalance_after=after, imbalance_lb=float(plan.imbalance_lb.mean()), max_imbalance_after=plan.max_imbalance,
-        moves=plan.total_moves, solve_seconds=plan.solve_seconds, gain_percent=gain, notes=list(plan.notes),
+        policy=plan.policy,
+        policy_used=plan.policy_used,
+        imbalance_before=imbalance_before,
+        imbalance_after=after,
+        imbalance_lb=float(plan.imbalance_lb.mean()),
+        max_imbalance_after=plan.max_imbalance,
+        moves=plan.total_moves,
+        solve_seconds=plan.solve_seconds,
+        gain_percent=gain,
+        notes=list(plan.notes),
         budget_limited=bool(plan.extra.get("budget_limited", 0)),
     )

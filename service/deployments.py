@@ -42,9 +42,10 @@ from .windows import (
 if TYPE_CHECKING:
     from .ingest import _Batcher
 
-__all__ = ['Deployments', 'LocalDeployment']
+__all__ = ["Deployments", "LocalDeployment"]
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class LocalDeployment:
@@ -88,11 +89,18 @@ class Deployments:
         topo = validation.topology_from(deployment.topology, "deployment.topology")
         spec = codec.window_spec(deployment)
         gen = deployment.create_time.ToNanoseconds()
-        hub = PlacementHub(self.store, name, on_version=self._seen, gen=gen,
-                           confirm_deleted=lambda: self._confirm_deleted(name, gen))
-        local = LocalDeployment(deployment, topo, spec, codec.trigger_spec(deployment),
-                       make_window((topo.num_layers, topo.num_experts), spec), hub,
-                       frozenset(codec.deployment_ranks(deployment)))
+        hub = PlacementHub(
+            self.store, name, on_version=self._seen, gen=gen, confirm_deleted=lambda: self._confirm_deleted(name, gen)
+        )
+        local = LocalDeployment(
+            deployment,
+            topo,
+            spec,
+            codec.trigger_spec(deployment),
+            make_window((topo.num_layers, topo.num_experts), spec),
+            hub,
+            frozenset(codec.deployment_ranks(deployment)),
+        )
         self._local[name] = local
         hub.start()
         return local
@@ -127,10 +135,13 @@ class Deployments:
         if deployment.policy == "ilp":
             validation.check_ilp_size(topo, "deployment.topology")
         if await self.store.count() >= limits.MAX_DEPLOYMENTS:
-            raise ResourceExhausted(f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; "
-                                    "delete one first")
+            raise ResourceExhausted(
+                f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; delete one first"
+            )
         if request.HasField("initial_phy2log"):
-            phy2log = arrays.decode(request.initial_phy2log, "initial_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
+            phy2log = arrays.decode(
+                request.initial_phy2log, "initial_phy2log", (topo.num_layers, topo.num_slots), kinds="iu"
+            )
             try:
                 placement = eplb.Placement(phy2log, topo)
             except ValueError as exc:
@@ -139,8 +150,12 @@ class Deployments:
             placement = eplb.Placement.contiguous(topo)
         now = time.time()
         deployment.create_time.FromNanoseconds(int(now * 1e9))
-        first = pb.Placement(deployment=deployment.name, version=1, phy2log=arrays.encode(placement.phy2log),
-                             stats=pb.PlanStats(policy="initial", policy_used="initial"))
+        first = pb.Placement(
+            deployment=deployment.name,
+            version=1,
+            phy2log=arrays.encode(placement.phy2log),
+            stats=pb.PlanStats(policy="initial", policy_used="initial"),
+        )
         first.create_time.FromNanoseconds(int(now * 1e9))
         await self.store.create(deployment, first)
         self._forget(deployment.name)  # a stale local copy of an earlier deployment of this name
@@ -158,10 +173,15 @@ class Deployments:
         out = pb.Deployment()
         out.CopyFrom(record.deployment)
         out.version = record.version
-        return pb.GetDeploymentResponse(deployment=out, acks=[
-            pb.RankAck(rank=r, version=a.switched, prepared_version=max(a.switched, a.prepared), failed_version=a.failed)
-            for r, a in sorted(acks.items())
-        ])
+        return pb.GetDeploymentResponse(
+            deployment=out,
+            acks=[
+                pb.RankAck(
+                    rank=r, version=a.switched, prepared_version=max(a.switched, a.prepared), failed_version=a.failed
+                )
+                for r, a in sorted(acks.items())
+            ],
+        )
 
     async def list(self) -> pb.ListDeploymentsResponse:
         out = []
@@ -216,8 +236,10 @@ class Deployments:
         local = await self._get_local(name)
         current = local.hub.version or (await self.store.get(name)).version
         if since_version > current:
-            raise OutOfRange(f"since_version {since_version} is above {name!r}'s current version {current}; "
-                             "pass the last version you received, or 0 for the current one")
+            raise OutOfRange(
+                f"since_version {since_version} is above {name!r}'s current version {current}; "
+                "pass the last version you received, or 0 for the current one"
+            )
         gauge = self.metrics.watchers.labels(name)
         gauge.inc()
         try:
@@ -244,12 +266,24 @@ class Deployments:
         validation.check_rank(request.rank, ranks, "rank")
         if request.version > record.version:
             raise FailedPrecondition(f"version {request.version} is not published yet (current {record.version})")
-        rollout = await self.store.ack(request.deployment, request.rank, request.version, request.state,
-                                       request.step, ranks, codec.switch_margin(record.deployment))
+        rollout = await self.store.ack(
+            request.deployment,
+            request.rank,
+            request.version,
+            request.state,
+            request.step,
+            ranks,
+            codec.switch_margin(record.deployment),
+        )
         name = request.deployment
         if request.state == rollout_states.FAILED:
-            log.warning("%s rank %d failed to prepare version %d: %s", name, request.rank, request.version,
-                        request.error or "(no error given)")
+            log.warning(
+                "%s rank %d failed to prepare version %d: %s",
+                name,
+                request.rank,
+                request.version,
+                request.error or "(no error given)",
+            )
         for outcome, became, what in (
             ("prepared", rollout.became_prepared, f"every rank prepared, switch at step {rollout.switch_step}"),
             ("switched", rollout.became_switched, "every rank switched"),

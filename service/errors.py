@@ -249,9 +249,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         # A refused token is audited by auth, before the request is even decoded.
         if audited is not None and call.code != "UNAUTHENTICATED":
             name = audited(request)
-            audit.info("audit: %s %r by %s: %s", call.label.rpartition("/")[2], name, context.peer(), call.code,
-                       extra={"audit": call.label.rpartition("/")[2], "deployment": name, "peer": context.peer(),
-                              "code": call.code})
+            audit.info(
+                "audit: %s %r by %s: %s",
+                call.label.rpartition("/")[2],
+                name,
+                context.peer(),
+                call.code,
+                extra={
+                    "audit": call.label.rpartition("/")[2],
+                    "deployment": name,
+                    "peer": context.peer(),
+                    "code": call.code,
+                },
+            )
 
     async def _fail(self, call: _Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         """Aborts the call with ``exc``'s status (INTERNAL, logged with its traceback, if not ours)."""
@@ -301,8 +311,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             dropped += 1
         return dropped
 
-    def _unary(self, label: str, fn: Callable[..., Awaitable[Any]], audited: Callable | None,
-               client_stream: bool = False) -> Callable[..., Awaitable[Any]]:
+    def _unary(
+        self, label: str, fn: Callable[..., Awaitable[Any]], audited: Callable | None, client_stream: bool = False
+    ) -> Callable[..., Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _Call(label)
             try:
@@ -320,7 +331,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _stream(self, label: str, fn: Callable[..., Any], client_stream: bool = False) -> Callable[..., AsyncIterator[Any]]:
+    def _stream(
+        self, label: str, fn: Callable[..., Any], client_stream: bool = False
+    ) -> Callable[..., AsyncIterator[Any]]:
         # Handlers either yield (async generators) or write to the context and return (the
         # health servicer's Watch); the wrapper keeps the handler's kind.
         generator = inspect.isasyncgenfunction(fn)

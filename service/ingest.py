@@ -32,9 +32,10 @@ from .windows import (
 # Write-ahead entries a replica lets pile up before it flushes its window early.
 _UNFOLDED_MAX = 64
 
-__all__ = ['Ingest']
+__all__ = ["Ingest"]
 
 log = logging.getLogger(__name__)
+
 
 class _Batcher:
     """Coalesces concurrent calls into one: while a call is in flight, new items queue for the next."""
@@ -92,11 +93,16 @@ class Ingest:
         kind = request.WhichOneof("counts")
         try:
             if kind == "logical":
-                counts = arrays.decode_counts(request.logical, "logical", (topo.num_layers, topo.num_experts),
-                                              cap=limits.MAX_REPORT_COUNT)
+                counts = arrays.decode_counts(
+                    request.logical, "logical", (topo.num_layers, topo.num_experts), cap=limits.MAX_REPORT_COUNT
+                )
             elif kind == "physical":
-                phys = arrays.decode_counts(request.physical.counts, "physical.counts",
-                                            (topo.num_layers, topo.num_slots), cap=limits.MAX_REPORT_COUNT)
+                phys = arrays.decode_counts(
+                    request.physical.counts,
+                    "physical.counts",
+                    (topo.num_layers, topo.num_slots),
+                    cap=limits.MAX_REPORT_COUNT,
+                )
                 counts = await self._to_logical(local, phys, request.physical.placement_version)
             else:
                 raise InvalidArgument(FieldViolation("counts", "set logical or physical"))
@@ -144,7 +150,9 @@ class Ingest:
     async def _to_logical(self, local: LocalDeployment, phys: np.ndarray, version: int) -> np.ndarray:
         """``phys``: ``[L, P]`` counts recorded under ``version`` → ``[L, E]`` per logical expert."""
         if version == 0:
-            raise InvalidArgument(FieldViolation("physical.placement_version", "required: the version the counts were recorded under"))
+            raise InvalidArgument(
+                FieldViolation("physical.placement_version", "required: the version the counts were recorded under")
+            )
         phy2log = local.phy2log.get(version)
         if phy2log is None:
             placement = local.hub.ring.get(version)
@@ -164,6 +172,7 @@ class Ingest:
         L, E = local.topology.num_layers, local.topology.num_experts
         index = phy2log.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[:, None]
         return np.bincount(index.ravel(), weights=phys.ravel(), minlength=L * E).reshape(L, E)
+
     def _check_writable(self) -> None:
         """Fails at once while the store is known to be down, rather than after its timeouts."""
         if not self.healthy:
@@ -177,8 +186,9 @@ class Ingest:
             local.dirty = False
             local.flushed_at = now
             try:
-                await self.store.put_window(local.deployment.name, self.config.replica_id,
-                                            encode_blob(local.window, time.time()), folded)
+                await self.store.put_window(
+                    local.deployment.name, self.config.replica_id, encode_blob(local.window, time.time()), folded
+                )
             except BaseException:
                 local.unfolded[:0] = folded
                 local.dirty = True

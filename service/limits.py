@@ -7,7 +7,21 @@ same figure the checks use.
 
 from __future__ import annotations
 
-__all__ = ["COMPUTE_QUEUE", "COMPUTE_WORKERS", "ILP_MAX_CELLS", "ILP_MAX_SECONDS", "MAX_DEPLOYMENTS", "MAX_EXPERTS", "MAX_GPUS", "MAX_LAYERS", "MAX_PLACEMENT_BYTES", "MAX_REPORT_COUNT", "MAX_SLOTS", "MAX_WINDOW_BYTES", "REPLAN_WORKERS"]
+__all__ = [
+    "COMPUTE_QUEUE",
+    "COMPUTE_WORKERS",
+    "ILP_MAX_CELLS",
+    "ILP_MAX_SECONDS",
+    "MAX_DEPLOYMENTS",
+    "MAX_EXPERTS",
+    "MAX_GPUS",
+    "MAX_LAYERS",
+    "MAX_PLACEMENT_BYTES",
+    "MAX_REPORT_COUNT",
+    "MAX_SLOTS",
+    "MAX_WINDOW_BYTES",
+    "REPLAN_WORKERS",
+]
 
 # Largest count one report may carry in one [layer, expert] (or slot) entry. A window sums at
 # most a few million reports, so its sums stay far below float64's range (and exact far beyond

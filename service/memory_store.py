@@ -123,7 +123,11 @@ class MemoryStore:
                 yield state.placements[sent]
 
     async def accept_reports(
-        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        journal: Callable[[list[bool]], bytes],
+        keep_s: float,
     ) -> tuple[list[bool], str | None]:
         # One process: the windows in memory die with the seqs, so no write-ahead entry is kept.
         state = self._get(name)
@@ -154,7 +158,9 @@ class MemoryStore:
         for r in keys:
             self._get(name).windows.pop(r, None)
 
-    async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
+    async def ack(
+        self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
+    ) -> Rollout:
         s = self._get(name)
         out = apply_ack(s.acks, s.rollouts, rank, version, state, step, ranks, margin)
         s.rollouts.pop(version - PLACEMENTS_KEPT, None)

@@ -30,8 +30,16 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 # Gauges and counters labelled by deployment first, dropped by ``forget``.
 _PER_DEPLOYMENT = (
-    "reports", "rebalances", "rebalance_seconds", "imbalance", "version", "watchers", "budget_limited",
-    "replan_failures", "reports_rejected", "rollouts",
+    "reports",
+    "rebalances",
+    "rebalance_seconds",
+    "imbalance",
+    "version",
+    "watchers",
+    "budget_limited",
+    "replan_failures",
+    "reports_rejected",
+    "rollouts",
 )
 
 
@@ -47,49 +55,115 @@ class Metrics:
         # Per deployment.
         set_("reports", Counter("eplb_reports", "Load reports received", ["deployment", "outcome"], registry=r))
         set_("rebalances", Counter("eplb_rebalances", "Re-plans", ["deployment", "policy", "outcome"], registry=r))
-        set_("rebalance_seconds", Histogram(
-            "eplb_rebalance_seconds", "Time to plan a rebalance (window read, solve, publish)",
-            ["deployment", "policy"], registry=r,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        ))
-        set_("imbalance", Gauge("eplb_imbalance", "Mean imbalance of the current placement when it was planned",
-                                ["deployment"], registry=r))
-        set_("version", Gauge("eplb_placement_version", "Current placement version seen by this replica",
-                              ["deployment"], registry=r))
-        set_("watchers", Gauge("eplb_watchers", "Open WatchPlacements streams on this replica", ["deployment"], registry=r))
-        set_("budget_limited", Counter(
-            "eplb_budget_limited", "Published re-plans that a move budget held below their tolerances",
-            ["deployment"], registry=r,
-        ))
-        set_("replan_failures", Counter(
-            "eplb_replan_failures", "Triggered re-plans that raised (the trigger loop goes on with other deployments)",
-            ["deployment"], registry=r,
-        ))
-        set_("reports_rejected", Counter(
-            "eplb_reports_rejected", "Load reports refused, by reason (e.g. invalid, over_cap, unknown_rank, stale_version)",
-            ["deployment", "reason"], registry=r,
-        ))
-        set_("rollouts", Counter(
-            "eplb_rollout", "Placement versions whose rollout reached a state: prepared (every rank), switched (every rank), failed (aborted)",
-            ["deployment", "state"], registry=r,
-        ))
+        set_(
+            "rebalance_seconds",
+            Histogram(
+                "eplb_rebalance_seconds",
+                "Time to plan a rebalance (window read, solve, publish)",
+                ["deployment", "policy"],
+                registry=r,
+                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            ),
+        )
+        set_(
+            "imbalance",
+            Gauge(
+                "eplb_imbalance",
+                "Mean imbalance of the current placement when it was planned",
+                ["deployment"],
+                registry=r,
+            ),
+        )
+        set_(
+            "version",
+            Gauge(
+                "eplb_placement_version", "Current placement version seen by this replica", ["deployment"], registry=r
+            ),
+        )
+        set_(
+            "watchers",
+            Gauge("eplb_watchers", "Open WatchPlacements streams on this replica", ["deployment"], registry=r),
+        )
+        set_(
+            "budget_limited",
+            Counter(
+                "eplb_budget_limited",
+                "Published re-plans that a move budget held below their tolerances",
+                ["deployment"],
+                registry=r,
+            ),
+        )
+        set_(
+            "replan_failures",
+            Counter(
+                "eplb_replan_failures",
+                "Triggered re-plans that raised (the trigger loop goes on with other deployments)",
+                ["deployment"],
+                registry=r,
+            ),
+        )
+        set_(
+            "reports_rejected",
+            Counter(
+                "eplb_reports_rejected",
+                "Load reports refused, by reason (e.g. invalid, over_cap, unknown_rank, stale_version)",
+                ["deployment", "reason"],
+                registry=r,
+            ),
+        )
+        set_(
+            "rollouts",
+            Counter(
+                "eplb_rollout",
+                "Placement versions whose rollout reached a state: prepared (every rank), switched (every rank), failed (aborted)",
+                ["deployment", "state"],
+                registry=r,
+            ),
+        )
         # Per RPC method (short name, e.g. ReportLoad) and status code name (e.g. OK, UNAVAILABLE).
-        set_("rpc_requests", Counter(
-            "eplb_rpc_requests", "gRPC calls finished, by method and status code", ["method", "code"], registry=r,
-        ))
-        set_("rpc_latency", Histogram(
-            "eplb_rpc_latency_seconds", "gRPC call duration, start to status (streams: their whole life)",
-            ["method"], registry=r, buckets=LATENCY_BUCKETS,
-        ))
+        set_(
+            "rpc_requests",
+            Counter(
+                "eplb_rpc_requests",
+                "gRPC calls finished, by method and status code",
+                ["method", "code"],
+                registry=r,
+            ),
+        )
+        set_(
+            "rpc_latency",
+            Histogram(
+                "eplb_rpc_latency_seconds",
+                "gRPC call duration, start to status (streams: their whole life)",
+                ["method"],
+                registry=r,
+                buckets=LATENCY_BUCKETS,
+            ),
+        )
         # The store (Redis or in-memory).
-        set_("store_up", Gauge("eplb_store_up", "1 while the store answered its last call, 0 after it failed", registry=r))
-        set_("store_latency", Histogram(
-            "eplb_store_latency_seconds", "Store call duration by operation (failed calls included)",
-            ["op"], registry=r, buckets=LATENCY_BUCKETS,
-        ))
-        set_("store_errors", Counter(
-            "eplb_store_errors", "Store calls that failed because the store was unreachable", ["op"], registry=r,
-        ))
+        set_(
+            "store_up",
+            Gauge("eplb_store_up", "1 while the store answered its last call, 0 after it failed", registry=r),
+        )
+        set_(
+            "store_latency",
+            Histogram(
+                "eplb_store_latency_seconds",
+                "Store call duration by operation (failed calls included)",
+                ["op"],
+                registry=r,
+                buckets=LATENCY_BUCKETS,
+            ),
+        )
+        set_(
+            "store_errors",
+            Counter(
+                "eplb_store_errors",
+                "Store calls that failed because the store was unreachable",
+                ["op"],
+                registry=r,
+            ),
+        )
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)

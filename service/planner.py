@@ -33,9 +33,10 @@ from .windows import (
     sum_blobs,
 )
 
-__all__ = ['Planner']
+__all__ = ["Planner"]
 
 log = logging.getLogger(__name__)
+
 
 class Planner:
     """Mixin of :class:`.balancer.Balancer`: re-plans of deployments and stateless plans."""
@@ -78,7 +79,9 @@ class Planner:
                 await asyncio.sleep(self.config.lease_s / 3)
                 try:
                     if not await self.store.renew_lease(name, owner, self.config.lease_s):
-                        log.warning("the planning lease of %s expired while planning; another replica may plan too", name)
+                        log.warning(
+                            "the planning lease of %s expired while planning; another replica may plan too", name
+                        )
                         return
                 except ServiceError as exc:
                     log.info("renewing the planning lease of %s failed: %s", name, exc)
@@ -107,8 +110,12 @@ class Planner:
             except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
                 self.metrics.replan_failures.labels(name).inc()
                 if local.failing is None:
-                    log.warning("triggered re-plan of %s failed: %s: %s (logged once until it succeeds)",
-                                name, type(exc).__name__, exc)
+                    log.warning(
+                        "triggered re-plan of %s failed: %s: %s (logged once until it succeeds)",
+                        name,
+                        type(exc).__name__,
+                        exc,
+                    )
                 local.failing = f"{type(exc).__name__}: {exc}"
             else:
                 if local.failing is not None:
@@ -140,7 +147,9 @@ class Planner:
         marks = await self.store.marks(name)
         await self._flush(local, now)
         blobs = await self.store.windows(name)
-        loads, reports, stale = sum_blobs(blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s)
+        loads, reports, stale = sum_blobs(
+            blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s
+        )
         await self.store.drop_windows(name, stale)
         current = await self.store.placement(name)
         previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
@@ -156,8 +165,15 @@ class Planner:
             # repair of it (moves are still counted against it).
             options = {k: v for k, v in options.items() if k not in codec.MIGRATION_FIELDS}
             notes.append("first plan from the initial contiguous placement: planned fresh")
-        job = Job(loads, _topology_tuple(topo), policy, None if fresh else previous, {**options, **planning},
-                  baseline=previous, expert_bytes=local.deployment.expert_bytes)
+        job = Job(
+            loads,
+            _topology_tuple(topo),
+            policy,
+            None if fresh else previous,
+            {**options, **planning},
+            baseline=previous,
+            expert_bytes=local.deployment.expert_bytes,
+        )
         # A dry run publishes nothing, so any caller may ask for many: it plans on the bounded
         # capacity of stateless calls, never on the re-plans' own.
         solved = await (self.solver.compute(job, None) if dry_run else self.solver.replan(job))
@@ -187,11 +203,20 @@ class Planner:
         response.placement.CopyFrom(candidate)
         self.metrics.rebalances.labels(name, policy, outcome).inc()
         self.metrics.rebalance_seconds.labels(name, policy).observe(time.perf_counter() - start)
-        log.info("plan %s: %s, imbalance %.4f -> %.4f, %d moves%s", name, outcome, before,
-                 stats.imbalance_after, stats.moves, f", version {candidate.version}" if response.published else "")
+        log.info(
+            "plan %s: %s, imbalance %.4f -> %.4f, %d moves%s",
+            name,
+            outcome,
+            before,
+            stats.imbalance_after,
+            stats.moves,
+            f", version {candidate.version}" if response.published else "",
+        )
         return response
 
-    async def _first_plan_is_fresh(self, name: str, current: pb.Placement, phy2log: np.ndarray, topo: eplb.Topology) -> bool:
+    async def _first_plan_is_fresh(
+        self, name: str, current: pb.Placement, phy2log: np.ndarray, topo: eplb.Topology
+    ) -> bool:
         """Version 1 is the contiguous placement the service made up, and no rank acked it."""
         if current.version != 1 or current.stats.policy != "initial":
             return False
@@ -199,7 +224,9 @@ class Planner:
             return False  # the engines' own initial placement: keep what they loaded
         return not await self.store.acks(name)
 
-    async def compute(self, request: pb.ComputePlacementRequest, deadline_s: float | None) -> pb.ComputePlacementResponse:
+    async def compute(
+        self, request: pb.ComputePlacementRequest, deadline_s: float | None
+    ) -> pb.ComputePlacementResponse:
         """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan, on the
         bounded compute pool, within ``deadline_s`` (the caller's time left; None: none)."""
         topo = validation.topology_from(request.topology, "topology")
@@ -213,7 +240,9 @@ class Planner:
             validation.check_ilp_size(topo, "topology")
         previous = None
         if request.HasField("previous_phy2log"):
-            previous = arrays.decode(request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu")
+            previous = arrays.decode(
+                request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu"
+            )
             try:
                 eplb.Placement(previous, topo)
             except ValueError as exc:
@@ -221,12 +250,19 @@ class Planner:
             previous = previous.astype(np.int32)
         options = codec.migration_options(request.migration, policy) if previous is not None else {}
         planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s)
-        job = Job(np.asarray(loads, dtype=np.float64), _topology_tuple(topo), policy, previous, {**options, **planning},
-                  expert_bytes=request.expert_bytes if previous is not None else 0)
+        job = Job(
+            np.asarray(loads, dtype=np.float64),
+            _topology_tuple(topo),
+            policy,
+            previous,
+            {**options, **planning},
+            expert_bytes=request.expert_bytes if previous is not None else 0,
+        )
         solved = await self.solver.compute(job, deadline_s)
         solved.stats.notes.extend(notes)
-        return pb.ComputePlacementResponse(phy2log=arrays.encode(solved.phy2log), logcnt=arrays.encode(solved.logcnt),
-                                           stats=solved.stats)
+        return pb.ComputePlacementResponse(
+            phy2log=arrays.encode(solved.phy2log), logcnt=arrays.encode(solved.logcnt), stats=solved.stats
+        )
 
 
 def _topology_tuple(topo: eplb.Topology) -> tuple[int, int, int, int, int, int]:

@@ -9,9 +9,10 @@ import logging
 
 from .errors import NotFound, ServiceError
 
-__all__ = ['Recovery']
+__all__ = ["Recovery"]
 
 log = logging.getLogger(__name__)
+
 
 class Recovery:
     """Mixin of :class:`.balancer.Balancer`: store health and write-back after an empty restart."""

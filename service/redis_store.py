@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
-from redis.asyncio.retry import Retry
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
@@ -310,18 +310,20 @@ class RedisStore:
         # A bounded pool that makes callers wait for a free connection rather than fail: a
         # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections, however
         # many deployments and calls it serves.
-        self._r = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=POOL_CONNECTIONS,
-            timeout=2.0,
-            client_name=f"eplb:{prefix}",
-            socket_connect_timeout=1.0,
-            # No call on this pool blocks (the announce reader has its own connection): a hung
-            # Redis costs a call at most about this long.
-            socket_timeout=1.0,
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 3),
-            health_check_interval=0,
-        ))
+        self._r = redis.Redis.from_pool(
+            redis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=POOL_CONNECTIONS,
+                timeout=2.0,
+                client_name=f"eplb:{prefix}",
+                socket_connect_timeout=1.0,
+                # No call on this pool blocks (the announce reader has its own connection): a hung
+                # Redis costs a call at most about this long.
+                socket_timeout=1.0,
+                retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 3),
+                health_check_interval=0,
+            )
+        )
         self._create = self._r.register_script(_CREATE)
         self._publish = self._r.register_script(_PUBLISH)
         self._accept = self._r.register_script(_ACCEPT)
@@ -332,8 +334,12 @@ class RedisStore:
         # One blocking reader over every followed deployment's announce stream, on its own
         # connection: the connections a replica holds do not grow with its deployments.
         self._reader = redis.Redis.from_url(
-            url, socket_connect_timeout=1.0, socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
-            health_check_interval=0, max_connections=1, client_name=f"eplb:{prefix}",
+            url,
+            socket_connect_timeout=1.0,
+            socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
+            health_check_interval=0,
+            max_connections=1,
+            client_name=f"eplb:{prefix}",
         )
         self._announcements = _Announcements(self._reader, self._r, prefix)
 
@@ -342,7 +348,10 @@ class RedisStore:
 
     def keys_of(self, name: str) -> list[str]:
         """Every fixed key of a deployment (placements are per version, see ``delete``)."""
-        return [self.key(name, k) for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "lease")]
+        return [
+            self.key(name, k)
+            for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "lease")
+        ]
 
     async def ping(self) -> str:
         with _unavailable():
@@ -353,10 +362,21 @@ class RedisStore:
         name = deployment.name
         with _unavailable():
             written = await self._create(
-                keys=[self.key(name, "meta"), self.key(name, "deployment"),
-                      self.key(name, f"placement:{placement.version}"), self.key(name, "announce")],
-                args=[placement.version, deployment.SerializeToString(), placement.SerializeToString(),
-                      ANNOUNCE_MAXLEN, time.time(), int(only_if_newer), generation(deployment)],
+                keys=[
+                    self.key(name, "meta"),
+                    self.key(name, "deployment"),
+                    self.key(name, f"placement:{placement.version}"),
+                    self.key(name, "announce"),
+                ],
+                args=[
+                    placement.version,
+                    deployment.SerializeToString(),
+                    placement.SerializeToString(),
+                    ANNOUNCE_MAXLEN,
+                    time.time(),
+                    int(only_if_newer),
+                    generation(deployment),
+                ],
             )
             if written:
                 await self._r.sadd(f"{self.prefix}:deployments", name)
@@ -372,7 +392,9 @@ class RedisStore:
     async def get(self, name: str) -> DeploymentRecord:
         with _unavailable():
             async with self._r.pipeline(transaction=True) as p:
-                raw, version = await p.get(self.key(name, "deployment")).hget(self.key(name, "meta"), "version").execute()
+                raw, version = (
+                    await p.get(self.key(name, "deployment")).hget(self.key(name, "meta"), "version").execute()
+                )
         if raw is None or version is None:
             raise NotFound(f"deployment {name!r} not found")
         return DeploymentRecord(pb.Deployment.FromString(raw), int(version))
@@ -417,8 +439,12 @@ class RedisStore:
         v = placement.version
         with _unavailable():
             before = await self._publish(
-                keys=[self.key(name, "meta"), self.key(name, f"placement:{v}"), self.key(name, "announce"),
-                      self.key(name, f"placement:{v - PLACEMENTS_KEPT}")],
+                keys=[
+                    self.key(name, "meta"),
+                    self.key(name, f"placement:{v}"),
+                    self.key(name, "announce"),
+                    self.key(name, f"placement:{v - PLACEMENTS_KEPT}"),
+                ],
                 args=[v, placement.SerializeToString(), ANNOUNCE_MAXLEN],
             )
         if before == -1:
@@ -430,8 +456,12 @@ class RedisStore:
         stream = self.key(name, "announce")
         with _unavailable():
             async with self._r.pipeline(transaction=True) as p:
-                cur, stored_gen, last = await (p.hget(self.key(name, "meta"), "version").hget(self.key(name, "meta"), "gen")
-                                               .xrevrange(stream, count=1).execute())
+                cur, stored_gen, last = await (
+                    p.hget(self.key(name, "meta"), "version")
+                    .hget(self.key(name, "meta"), "gen")
+                    .xrevrange(stream, count=1)
+                    .execute()
+                )
         if cur is None or _other_generation(stored_gen, gen):
             raise NotFound(f"deployment {name!r} not found")
         sub = self._announcements.subscribe(name, stream, last[0][0] if last else b"0-0", gen)
@@ -461,7 +491,11 @@ class RedisStore:
             self._announcements.unsubscribe(sub)
 
     async def accept_reports(
-        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        journal: Callable[[list[bool]], bytes],
+        keep_s: float,
     ) -> tuple[list[bool], str | None]:
         fresh = [True] * len(pairs)
         keys = [self.key(name, "seq"), self.key(name, "meta"), self.key(name, "wal")]
@@ -484,7 +518,9 @@ class RedisStore:
 
     async def marks(self, name: str) -> PlanMarks:
         with _unavailable():
-            reports, planned, at = await self._r.hmget(self.key(name, "meta"), "reports", "planned_reports", "planned_at")
+            reports, planned, at = await self._r.hmget(
+                self.key(name, "meta"), "reports", "planned_reports", "planned_at"
+            )
         if reports is None:
             raise NotFound(f"deployment {name!r} not found")
         return PlanMarks(int(reports), int(planned or 0), float(at or 0.0))
@@ -495,8 +531,10 @@ class RedisStore:
 
     async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
         with _unavailable():
-            out = await self._put_window(keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal")],
-                                         args=[replica, blob, *folded])
+            out = await self._put_window(
+                keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal")],
+                args=[replica, blob, *folded],
+            )
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
 
@@ -517,7 +555,9 @@ class RedisStore:
             if wal:
                 await self._r.xdel(self.key(name, "wal"), *wal)
 
-    async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
+    async def ack(
+        self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
+    ) -> Rollout:
         with _unavailable():
             out = await self._ack(
                 keys=[self.key(name, "acks"), self.key(name, "rollout"), self.key(name, "meta")],

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 
-__all__ = ["DEFAULT_SWITCH_MARGIN", "FAILED", "PREPARED", "SWITCHED", "RankState", "Rollout", "VersionRollout", "apply_ack"]
+__all__ = [
+    "DEFAULT_SWITCH_MARGIN",
+    "FAILED",
+    "PREPARED",
+    "SWITCHED",
+    "RankState",
+    "Rollout",
+    "VersionRollout",
+    "apply_ack",
+]
 
 PREPARED, SWITCHED, FAILED = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
 DEFAULT_SWITCH_MARGIN = 8
@@ -59,14 +68,24 @@ class Rollout:
 
     def to_pb(self) -> pb.AckPlacementResponse:
         return pb.AckPlacementResponse(
-            ranks_acked=self.ranks_acked, ranks_prepared=self.ranks_prepared, ranks_failed=self.ranks_failed,
-            num_ranks=self.num_ranks, switch_step=self.switch_step, aborted=self.aborted,
+            ranks_acked=self.ranks_acked,
+            ranks_prepared=self.ranks_prepared,
+            ranks_failed=self.ranks_failed,
+            num_ranks=self.num_ranks,
+            switch_step=self.switch_step,
+            aborted=self.aborted,
         )
 
 
 def apply_ack(
-    states: dict[int, RankState], versions: dict[int, VersionRollout], rank: int, version: int, state: int,
-    step: int, ranks: list[int], margin: int,
+    states: dict[int, RankState],
+    versions: dict[int, VersionRollout],
+    rank: int,
+    version: int,
+    state: int,
+    step: int,
+    ranks: list[int],
+    margin: int,
 ) -> Rollout:
     """Records one ack in ``states`` (rank → RankState) and ``versions`` (version → its rollout),
     in place, and returns the rollout of ``version`` over ``ranks``. ``state`` 0 means SWITCHED."""
@@ -97,6 +116,13 @@ def apply_ack(
         vr.switch_step = max(vr.max_step, 0) + margin
     became_switched = state in (SWITCHED, 0) and old.switched < version and acked == len(ranks)
     return Rollout(
-        acked, prepared, failed, len(ranks), 0 if vr.aborted or vr.switch_step is None else vr.switch_step,
-        vr.aborted, became_prepared, became_switched, became_failed,
+        acked,
+        prepared,
+        failed,
+        len(ranks),
+        0 if vr.aborted or vr.switch_step is None else vr.switch_step,
+        vr.aborted,
+        became_prepared,
+        became_switched,
+        became_failed,
     )

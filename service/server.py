@@ -172,8 +172,10 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     if config.token:
         interceptors.append(TokenAuthInterceptor(config.token))
         if not tls:
-            log.warning("a bearer token is required but TLS is off: the token crosses the network in clear text "
-                        "(set --tls-cert and --tls-key)")
+            log.warning(
+                "a bearer token is required but TLS is off: the token crosses the network in clear text "
+                "(set --tls-cert and --tls-key)"
+            )
     server = grpc.aio.server(interceptors=interceptors, options=_options(config))
     pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(BalancerServicer(balancer), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -186,8 +188,10 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
             try:
                 httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
             except OSError as exc:
-                raise StartError("metrics_port", f"cannot serve /metrics on {config.host}:{config.metrics_port} "
-                                 f"({exc.strerror or exc})") from None
+                raise StartError(
+                    "metrics_port",
+                    f"cannot serve /metrics on {config.host}:{config.metrics_port} ({exc.strerror or exc})",
+                ) from None
     except StartError:
         await server.stop(None)
         with contextlib.suppress(ServiceError):
@@ -204,8 +208,13 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     balancer.healthy = ok
     on_health(ok)
     await server.start()
-    log.info("serving eplb.v1 on %s:%d (%s store%s)", config.host, port, "redis" if config.redis_url else "in-memory",
-             ", TLS" if tls else "")
+    log.info(
+        "serving eplb.v1 on %s:%d (%s store%s)",
+        config.host,
+        port,
+        "redis" if config.redis_url else "in-memory",
+        ", TLS" if tls else "",
+    )
     return RunningServer(server, balancer, store, health_servicer, metrics, port, config.grace_s, calls, httpd)
 
 
@@ -225,8 +234,11 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
             # (An empty password: a key that needs one fails here, as gRPC cannot take one.)
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key, "")
         except ssl.SSLError as exc:
-            raise StartError("tls_cert", f"{config.tls_cert} and {config.tls_key} are not a PEM certificate chain "
-                             f"and its unencrypted private key ({exc.reason or exc})") from None
+            raise StartError(
+                "tls_cert",
+                f"{config.tls_cert} and {config.tls_key} are not a PEM certificate chain "
+                f"and its unencrypted private key ({exc.reason or exc})",
+            ) from None
         add = lambda: server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     else:
         add = lambda: server.add_insecure_port(address)
@@ -236,8 +248,9 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
     except RuntimeError:  # "Failed to bind", the reason only in gRPC's own log
         port = 0
     if port == 0:  # taken between the probe and here
-        raise StartError("port", f"cannot listen on {address}: the port is in use or {config.host} is not "
-                         "an address of this host")
+        raise StartError(
+            "port", f"cannot listen on {address}: the port is in use or {config.host} is not an address of this host"
+        )
     return port
 
 

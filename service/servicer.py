@@ -19,8 +19,10 @@ def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> Service
     accepted and answered as duplicates: those are kept, and a client resends only the rest."""
     if accepted == 0 and duplicates == 0:
         return exc
-    note = (f"the {accepted + duplicates} reports before it in this stream were kept ({accepted} accepted, "
-            f"{duplicates} duplicates); resend only the failed report and those after it")
+    note = (
+        f"the {accepted + duplicates} reports before it in this stream were kept ({accepted} accepted, "
+        f"{duplicates} duplicates); resend only the failed report and those after it"
+    )
     if isinstance(exc, InvalidArgument):
         return InvalidArgument([*exc.violations, FieldViolation("stream", note)])
     return type(exc)(f"{exc}; {note}")
@@ -40,20 +42,30 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             cached = self._responses[key] = (placement, cls(placement=placement))
         return cached[1]
 
-    async def CreateDeployment(self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.CreateDeploymentResponse:
+    async def CreateDeployment(
+        self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateDeploymentResponse:
         return await self.balancer.create(request)
 
-    async def GetDeployment(self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.GetDeploymentResponse:
+    async def GetDeployment(
+        self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetDeploymentResponse:
         return await self.balancer.get(request.name)
 
-    async def ListDeployments(self, request: pb.ListDeploymentsRequest, context: grpc.aio.ServicerContext) -> pb.ListDeploymentsResponse:
+    async def ListDeployments(
+        self, request: pb.ListDeploymentsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDeploymentsResponse:
         return await self.balancer.list()
 
-    async def DeleteDeployment(self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.DeleteDeploymentResponse:
+    async def DeleteDeployment(
+        self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteDeploymentResponse:
         await self.balancer.delete(request.name)
         return pb.DeleteDeploymentResponse()
 
-    async def ReportLoad(self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
+    async def ReportLoad(
+        self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext
+    ) -> pb.ReportLoadResponse:
         accepted = duplicates = 0
         async for request in request_iterator:
             try:
@@ -66,18 +78,28 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
                 duplicates += 1
         return pb.ReportLoadResponse(accepted=accepted, duplicates=duplicates)
 
-    async def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext) -> pb.GetPlacementResponse:
-        return self._response(pb.GetPlacementResponse, await self.balancer.placement(request.deployment, request.version))
+    async def GetPlacement(
+        self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPlacementResponse:
+        return self._response(
+            pb.GetPlacementResponse, await self.balancer.placement(request.deployment, request.version)
+        )
 
-    async def WatchPlacements(self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchPlacementsResponse]:
+    async def WatchPlacements(
+        self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchPlacementsResponse]:
         async for placement in self.balancer.watch(request.deployment, request.since_version):
             yield self._response(pb.WatchPlacementsResponse, placement)
 
-    async def AckPlacement(self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext) -> pb.AckPlacementResponse:
+    async def AckPlacement(
+        self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckPlacementResponse:
         return await self.balancer.ack(request)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
         return await self.balancer.rebalance(request, context.time_remaining())
 
-    async def ComputePlacement(self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext) -> pb.ComputePlacementResponse:
+    async def ComputePlacement(
+        self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ComputePlacementResponse:
         return await self.balancer.compute(request, context.time_remaining())

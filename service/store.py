@@ -78,7 +78,11 @@ class Store(Protocol):
         """
 
     async def accept_reports(
-        self, name: str, pairs: list[tuple[int, int]], journal: Callable[[list[bool]], bytes], keep_s: float,
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        journal: Callable[[list[bool]], bytes],
+        keep_s: float,
     ) -> tuple[list[bool], str | None]:
         """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted), and
         the id of the write-ahead entry holding the new reports' counts.
@@ -103,7 +107,9 @@ class Store(Protocol):
     async def drop_windows(self, name: str, keys: list[str]) -> None:
         """Drops stale blobs (replica ids) and write-ahead entries (``wal:<id>``)."""
 
-    async def ack(self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int) -> Rollout:
+    async def ack(
+        self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
+    ) -> Rollout:
         """Records where ``rank`` stands with ``version`` and returns the version's rollout over
         ``ranks``, atomically (rules in :mod:`.rollout`). ``NotFound`` when the deployment is gone."""
 

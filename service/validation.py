@@ -25,8 +25,17 @@ from .codec import (
 from .errors import FieldViolation, InvalidArgument, ResourceExhausted
 from .rollout import DEFAULT_SWITCH_MARGIN
 
-__all__ = ["MAX_SEQ", "check_deployment", "check_ilp_size", "check_migration", "check_name", "check_planning",
-           "check_policy", "check_rank", "topology_from"]
+__all__ = [
+    "MAX_SEQ",
+    "check_deployment",
+    "check_ilp_size",
+    "check_migration",
+    "check_name",
+    "check_planning",
+    "check_policy",
+    "check_rank",
+    "topology_from",
+]
 
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -55,21 +64,34 @@ def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
         raise InvalidArgument(missing)
     over = [
         FieldViolation(f"{field}.{name}", f"{getattr(msg, name)} is over the limit of {cap}")
-        for name, cap in (("num_layers", limits.MAX_LAYERS), ("num_experts", limits.MAX_EXPERTS),
-                          ("num_slots", limits.MAX_SLOTS), ("num_gpus", limits.MAX_GPUS))
+        for name, cap in (
+            ("num_layers", limits.MAX_LAYERS),
+            ("num_experts", limits.MAX_EXPERTS),
+            ("num_slots", limits.MAX_SLOTS),
+            ("num_gpus", limits.MAX_GPUS),
+        )
         if getattr(msg, name) > cap
     ]
     if over:
         raise InvalidArgument(over)
-    sizes = (("placement", "num_slots", 4, limits.MAX_PLACEMENT_BYTES), ("window", "num_experts", 8, limits.MAX_WINDOW_BYTES))
+    sizes = (
+        ("placement", "num_slots", 4, limits.MAX_PLACEMENT_BYTES),
+        ("window", "num_experts", 8, limits.MAX_WINDOW_BYTES),
+    )
     for what, width, itemsize, cap in sizes:
         size = msg.num_layers * getattr(msg, width) * itemsize
         if size > cap:
-            raise InvalidArgument(FieldViolation(
-                field, f"a {what} of num_layers x {width} ({msg.num_layers} x {getattr(msg, width)}) takes "
-                       f"{size} bytes, over the limit of {cap}"))
+            raise InvalidArgument(
+                FieldViolation(
+                    field,
+                    f"a {what} of num_layers x {width} ({msg.num_layers} x {getattr(msg, width)}) takes "
+                    f"{size} bytes, over the limit of {cap}",
+                )
+            )
     try:
-        return eplb.Topology(msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1)
+        return eplb.Topology(
+            msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
+        )
     except ValueError as exc:
         raise InvalidArgument(FieldViolation(field, str(exc))) from None
 
@@ -77,7 +99,9 @@ def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
 def check_policy(policy: str, field: str) -> str:
     policy = policy or "auto"
     if policy not in eplb.policies():
-        raise InvalidArgument(FieldViolation(field, f"unknown policy {policy!r}; registered: {', '.join(eplb.policies())}"))
+        raise InvalidArgument(
+            FieldViolation(field, f"unknown policy {policy!r}; registered: {', '.join(eplb.policies())}")
+        )
     return policy
 
 
@@ -91,8 +115,12 @@ def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bo
             continue
         value = getattr(msg, name)
         if policy not in MIGRATION_POLICIES and not (budget_gates and name == "max_moves"):
-            out.append(FieldViolation(f"{field}.{name}", f"policy {policy!r} re-plans from scratch; "
-                                      f"set only for {', '.join(MIGRATION_POLICIES)}"))
+            out.append(
+                FieldViolation(
+                    f"{field}.{name}",
+                    f"policy {policy!r} re-plans from scratch; set only for {', '.join(MIGRATION_POLICIES)}",
+                )
+            )
         elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
             out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
     return out
@@ -130,9 +158,16 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
         violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
     violations += check_migration(msg.migration, out.policy, f"{field}.migration", budget_gates=True)
     violations += check_planning(msg.planning, out.policy, f"{field}.planning")
-    if msg.trigger.max_moves and msg.migration.HasField("max_moves") and msg.trigger.max_moves != msg.migration.max_moves:
-        violations.append(FieldViolation(f"{field}.trigger.max_moves", "deprecated: set migration.max_moves only "
-                                         "(the two differ here)"))
+    if (
+        msg.trigger.max_moves
+        and msg.migration.HasField("max_moves")
+        and msg.trigger.max_moves != msg.migration.max_moves
+    ):
+        violations.append(
+            FieldViolation(
+                f"{field}.trigger.max_moves", "deprecated: set migration.max_moves only (the two differ here)"
+            )
+        )
     if msg.trigger.max_moves and not msg.migration.HasField("max_moves"):
         # One move budget: the deprecated Trigger.max_moves moves to Migration.max_moves (and
         # stays readable where it was).
@@ -150,7 +185,9 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     if t.interval.ToNanoseconds() < 0:
         violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))
     if not (0.0 <= t.min_gain_percent <= 100.0):
-        violations.append(FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]"))
+        violations.append(
+            FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]")
+        )
     if violations:
         raise InvalidArgument(violations)
     out.ClearField("create_time")
@@ -186,8 +223,12 @@ def check_planning(msg: pb.Planning, policy: str, field: str) -> list[FieldViola
     out = []
     set_fields = [f.name for f, _ in msg.ListFields()]
     if set_fields and policy not in PLANNING_POLICIES:
-        return [FieldViolation(f"{field}.{set_fields[0]}", f"policy {policy!r} takes no planning options; "
-                               f"set them only for {', '.join(PLANNING_POLICIES)}")]
+        return [
+            FieldViolation(
+                f"{field}.{set_fields[0]}",
+                f"policy {policy!r} takes no planning options; set them only for {', '.join(PLANNING_POLICIES)}",
+            )
+        ]
     if msg.effort:
         if msg.effort not in EFFORTS:
             out.append(FieldViolation(f"{field}.effort", f"{msg.effort!r} is not one of {', '.join(EFFORTS)}"))

@@ -135,7 +135,9 @@ def encode_sums(sums: np.ndarray, reports: int, at: float, spec: WindowSpec) -> 
     return header + np.asarray(sums, dtype="<f8").tobytes()
 
 
-def sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale_after_s: float) -> tuple[np.ndarray, int, list[str]]:
+def sum_blobs(
+    blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale_after_s: float
+) -> tuple[np.ndarray, int, list[str]]:
     """Replica blobs → float64 ``[L, E]`` summed as of ``now``, reports, and stale replica ids.
 
     Decay sums are decayed from their flush time to ``now``; blobs older than ``stale_after_s``

@@ -32,7 +32,9 @@ def test_deepseek_policy_matches_golden_phy2log(case: dict) -> None:
         # eplb.py never checks this on its global fallback; Topology does, and the fallback
         # ignores groups, so one group plans the same.
         groups = 1
-    topo = eplb.Topology(weight.shape[0], weight.shape[1], case["num_replicas"], case["num_gpus"], case["num_nodes"], groups)
+    topo = eplb.Topology(
+        weight.shape[0], weight.shape[1], case["num_replicas"], case["num_gpus"], case["num_nodes"], groups
+    )
     plan = eplb.rebalance(weight, topo, "deepseek")
     assert plan.phy2log.tolist() == case["phy2log"]
     assert plan.logcnt.tolist() == case["logcnt"]

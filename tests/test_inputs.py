@@ -12,10 +12,22 @@ import eplb
     "kwargs, match",
     [
         (dict(num_layers=1, num_experts=8, num_slots=7, num_gpus=1), r"num_slots \(7\) must be >= num_experts \(8\)"),
-        (dict(num_layers=1, num_experts=8, num_slots=9, num_gpus=2), r"num_slots \(9\) must be a multiple of num_gpus \(2\)"),
-        (dict(num_layers=1, num_experts=8, num_slots=8, num_gpus=4, num_nodes=3), r"num_gpus \(4\) must be a multiple of num_nodes \(3\)"),
-        (dict(num_layers=1, num_experts=8, num_slots=8, num_gpus=4, num_groups=3), r"num_experts \(8\) must be a multiple of num_groups \(3\)"),
-        (dict(num_layers=1.5, num_experts=8, num_slots=8, num_gpus=4), r"num_layers must be a positive integer, got 1.5"),
+        (
+            dict(num_layers=1, num_experts=8, num_slots=9, num_gpus=2),
+            r"num_slots \(9\) must be a multiple of num_gpus \(2\)",
+        ),
+        (
+            dict(num_layers=1, num_experts=8, num_slots=8, num_gpus=4, num_nodes=3),
+            r"num_gpus \(4\) must be a multiple of num_nodes \(3\)",
+        ),
+        (
+            dict(num_layers=1, num_experts=8, num_slots=8, num_gpus=4, num_groups=3),
+            r"num_experts \(8\) must be a multiple of num_groups \(3\)",
+        ),
+        (
+            dict(num_layers=1.5, num_experts=8, num_slots=8, num_gpus=4),
+            r"num_layers must be a positive integer, got 1.5",
+        ),
         (dict(num_layers=1, num_experts=8, num_slots=8, num_gpus=0), r"num_gpus must be a positive integer, got 0"),
         (dict(num_layers=True, num_experts=8, num_slots=8, num_gpus=4), r"num_layers must be a positive integer"),
         (dict(num_layers=1, num_experts="8", num_slots=8, num_gpus=4), r"num_experts must be a positive integer"),
@@ -70,7 +82,9 @@ def test_loads_too_large_to_plan_are_rejected_naming_the_limit(loads: np.ndarray
 def test_deepseek_refuses_loads_eplb_py_cannot_sum_in_float32() -> None:
     loads = np.array([[1.0, 1, 1, 1], [1e38, 1e38, 1e38, 1e38]])
     eplb.rebalance(loads, TOPO, "global")  # well within float64
-    with pytest.raises(ValueError, match=r"loads too large: layer 1 sums to 4e\+38, above the limit of 1.701e\+38 .*float32"):
+    with pytest.raises(
+        ValueError, match=r"loads too large: layer 1 sums to 4e\+38, above the limit of 1.701e\+38 .*float32"
+    ):
         eplb.rebalance(loads, TOPO, "deepseek")
 
 
@@ -88,7 +102,9 @@ def test_loads_just_within_the_limit_plan_without_overflow() -> None:
         plan = eplb.rebalance(base * 2.0**127 * (1 - 1e-9), topo, "deepseek")
         assert np.isfinite(plan.imbalance).all()
     # The same placement as the loads at their usual scale: only the ratios matter here.
-    assert np.array_equal(eplb.rebalance(base * eplb.loads.max_layer_sum(topo) * 0.5, topo, "auto").phy2log, small.phy2log)
+    assert np.array_equal(
+        eplb.rebalance(base * eplb.loads.max_layer_sum(topo) * 0.5, topo, "auto").phy2log, small.phy2log
+    )
 
 
 def test_compat_rejects_weights_eplb_py_cannot_sum_in_float32() -> None:

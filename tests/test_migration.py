@@ -87,7 +87,9 @@ def test_bad_tolerance_is_rejected() -> None:
         ("max_layer_moves", 1.5, r"max_layer_moves must be an integer >= 0 .*got 1.5"),
     ],
 )
-def test_bad_replan_options_are_rejected_without_previous_too(policy: str, option: str, value: object, match: str) -> None:
+def test_bad_replan_options_are_rejected_without_previous_too(
+    policy: str, option: str, value: object, match: str
+) -> None:
     topo = eplb.Topology(2, 8, 16, 4, 2, 2)
     with pytest.raises(ValueError, match=match):
         eplb.rebalance(np.ones((2, 8)), topo, policy, **{option: value})
@@ -369,8 +371,8 @@ def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) ->
 
 
 def test_an_ejection_chain_fixes_three_gpus_with_four_slots() -> None:
-    from eplb.repair import chain_improve
     from eplb.refine import _bin_loads, _counts
+    from eplb.repair import chain_improve
 
     # Target 20. Gpu 0 (load 10) has room 10; gpus 1, 2, 3 are 1, 2 and 3 above the target.
     # The chain: gpu 0 gives 1 to gpu 1, gpu 1 gives 3 to gpu 2, gpu 2 gives 6 to gpu 3 and
@@ -420,8 +422,8 @@ def test_one_count_move_fixes_every_gpu_of_an_expert_that_grew() -> None:
 @given(data=st.data())
 def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
     from eplb.refine import _bin_loads, _counts
-    from eplb.replicate import replica_cap
     from eplb.repair import count_repair
+    from eplb.replicate import replica_cap
 
     drifted, phy, target = _drifted_layout(data, (2, 10), (2, 4), 1, 0.5)
     E, (_, B, S) = drifted.shape[1], phy.shape

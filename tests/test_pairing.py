@@ -85,7 +85,12 @@ def _best_over_counts(loads: np.ndarray, bins: int) -> float:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), bins=st.integers(2, 5), experts=st.integers(2, 6), sigma=st.sampled_from([0.5, 1.5, 3.0]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bins=st.integers(2, 5),
+    experts=st.integers(2, 6),
+    sigma=st.sampled_from([0.5, 1.5, 3.0]),
+)
 def test_profile_bound_never_exceeds_the_best_counts(seed: int, bins: int, experts: int, sigma: float) -> None:
     experts = min(experts, 2 * bins)
     loads = np.random.default_rng(seed).lognormal(0.0, sigma, (1, experts))

@@ -70,7 +70,11 @@ def _groups_whole_on_nodes(plan: eplb.Plan, topo: eplb.Topology) -> bool:
             groups = {e // topo.experts_per_group for e in experts}
             if len(groups) != topo.num_groups // topo.num_nodes:
                 return False
-            if any(e not in experts for g in groups for e in range(g * topo.experts_per_group, (g + 1) * topo.experts_per_group)):
+            if any(
+                e not in experts
+                for g in groups
+                for e in range(g * topo.experts_per_group, (g + 1) * topo.experts_per_group)
+            ):
                 return False
     return True
 
@@ -82,7 +86,9 @@ def _distinct_per_gpu(plan: eplb.Plan, topo: eplb.Topology) -> bool:
 
 @pytest.mark.parametrize("policy", POLICIES)
 @given(inst=instances(), seed=st.integers(0, 2**31 - 1), start=st.sampled_from(["contiguous", "shuffled", "own"]))
-def test_a_replan_from_any_previous_keeps_the_constraints_of_a_fresh_plan(policy: str, inst, seed: int, start: str) -> None:
+def test_a_replan_from_any_previous_keeps_the_constraints_of_a_fresh_plan(
+    policy: str, inst, seed: int, start: str
+) -> None:
     loads, topo = inst
     if not _feasible(policy, topo):
         return
@@ -102,7 +108,9 @@ def test_a_replan_from_any_previous_keeps_the_constraints_of_a_fresh_plan(policy
         assert _groups_whole_on_nodes(fresh, topo)
         assert _groups_whole_on_nodes(plan, topo)
     # A previous placement with two replicas of an expert on a gpu may be kept as it is.
-    prev_distinct = bool((np.diff(np.sort(prev.phy2log.reshape(topo.num_layers, topo.num_gpus, -1), axis=2), axis=2) != 0).all())
+    prev_distinct = bool(
+        (np.diff(np.sort(prev.phy2log.reshape(topo.num_layers, topo.num_gpus, -1), axis=2), axis=2) != 0).all()
+    )
     if policy != "deepseek" and prev_distinct and _distinct_per_gpu(fresh, topo):
         assert _distinct_per_gpu(plan, topo)
 
@@ -192,7 +200,10 @@ def test_auto_takes_global_when_hierarchical_is_clearly_worse() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_edge_topologies_give_valid_plans(topo: eplb.Topology, policy: str) -> None:
     rng = np.random.default_rng(0)
-    for loads in (np.zeros((topo.num_layers, topo.num_experts)), rng.integers(0, 9, (topo.num_layers, topo.num_experts))):
+    for loads in (
+        np.zeros((topo.num_layers, topo.num_experts)),
+        rng.integers(0, 9, (topo.num_layers, topo.num_experts)),
+    ):
         plan = eplb.rebalance(loads, topo, policy)
         assert (plan.logcnt.sum(axis=1) == topo.num_slots).all()
         assert (plan.logcnt >= 1).all()

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.transfer import INTER_NODE, INTRA_NODE, LOCAL, transfer_plan
+from eplb.transfer import INTER_NODE, INTRA_NODE, LOCAL, Bandwidth, transfer_plan, transfer_schedule
 from eplb.workloads import make_loads
-from eplb.transfer import Bandwidth, transfer_schedule
 
 
 def _plans(seed: int = 0) -> tuple[eplb.Topology, eplb.Placement, eplb.Placement]:
@@ -115,7 +114,6 @@ def test_bad_inputs_are_rejected() -> None:
 # -- transfer_schedule ---------------------------------------------------------------------
 
 
-
 def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Placement:
     """Every expert once, the other slots random experts, shuffled: replica gains and losses."""
     L, E, P = topo.num_layers, topo.num_experts, topo.num_slots
@@ -137,14 +135,20 @@ def test_schedule_writes_every_changed_slot_once_from_a_holder_of_its_expert() -
         old, new = _random_placement(topo, rng), _random_placement(topo, rng)
         s = transfer_schedule(old, new, topo, round_experts=int(rng.integers(1, 3)))
         cover = np.zeros((topo.num_layers, topo.num_slots), dtype=np.int64)
-        for lay, dst in ((s.recv_layer, s.recv_dst_slot), (s.local_layer, s.local_dst_slot), (s.fill_layer, s.fill_dst_slot)):
+        for lay, dst in (
+            (s.recv_layer, s.recv_dst_slot),
+            (s.local_layer, s.local_dst_slot),
+            (s.fill_layer, s.fill_dst_slot),
+        ):
             np.add.at(cover, (lay, dst), 1)
         assert np.array_equal(cover, (old.phy2log != new.phy2log).astype(np.int64))
         S = topo.slots_per_gpu
         assert np.array_equal(old.phy2log[s.recv_layer, s.recv_src_slot], s.recv_expert)
         assert np.array_equal(new.phy2log[s.recv_layer, s.recv_dst_slot], s.recv_expert)
         assert (s.recv_src_slot // S != s.recv_dst_slot // S).all()
-        assert np.array_equal(old.phy2log[s.local_layer, s.local_src_slot], new.phy2log[s.local_layer, s.local_dst_slot])
+        assert np.array_equal(
+            old.phy2log[s.local_layer, s.local_src_slot], new.phy2log[s.local_layer, s.local_dst_slot]
+        )
         assert (s.local_src_slot // S == s.local_dst_slot // S).all()
         # a fill copies a received slot of the same gpu holding the same expert
         assert np.array_equal(new.phy2log[s.fill_layer, s.fill_src_slot], new.phy2log[s.fill_layer, s.fill_dst_slot])
@@ -202,7 +206,13 @@ def test_schedule_figures_on_a_hand_checked_example() -> None:
     assert s.predicted_comm_seconds.tolist() == pytest.approx([2.25])
     assert s.predicted_local_seconds.tolist() == pytest.approx([3.0])
     assert s.local_copy_bytes.tolist() == [[3e9, 1e9]]
-    assert s.stats() == {"bytes": 10**9, "cross_node_bytes": 0, "rounds": 1, "max_rank_round_bytes": 10**9, "predicted_seconds": pytest.approx(5.25)}
+    assert s.stats() == {
+        "bytes": 10**9,
+        "cross_node_bytes": 0,
+        "rounds": 1,
+        "max_rank_round_bytes": 10**9,
+        "predicted_seconds": pytest.approx(5.25),
+    }
 
 
 def test_one_receive_serves_several_slots_of_a_gpu() -> None:

@@ -60,7 +60,9 @@ class SGLangMaps:
         return {name: getattr(self, name) for name in _FIELDS}
 
 
-def to_sglang(placement: eplb.Placement, *, ep_rank: int | None = None, device: torch.device | str | None = None) -> SGLangMaps:
+def to_sglang(
+    placement: eplb.Placement, *, ep_rank: int | None = None, device: torch.device | str | None = None
+) -> SGLangMaps:
     """``placement`` → SGLang's maps; ``ep_rank`` (this rank, for the static dispatch table)
     or ``None`` when the server dispatches dynamically (the table is then ``None``)."""
     topo = placement.topology
@@ -118,8 +120,14 @@ def from_sglang(physical_to_logical_map: torch.Tensor, topology: eplb.Topology) 
     return eplb.Placement(physical_to_logical_map.detach().cpu().numpy(), topology)
 
 
-def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list[int] | None = None, ep_rank: int | None = None,
-                    layers: Sequence[int] | None = None) -> None:
+def apply_to_sglang(
+    metadata: Any,
+    placement: eplb.Placement,
+    *,
+    layer_ids: list[int] | None = None,
+    ep_rank: int | None = None,
+    layers: Sequence[int] | None = None,
+) -> None:
     """Switch a live ``ExpertLocationMetadata`` to ``placement`` in place (what its
     ``update(other, layer_ids)`` does). ``layer_ids``: the metadata rows the placement's
     ``L`` layers go to (SGLang numbers model layers, dense ones included: DeepSeek-V3's 58
@@ -130,7 +138,9 @@ def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list
     from the whole ``placement`` (a mixed one between chunks): every rank draws the same."""
     has_dispatch = getattr(metadata, "logical_to_rank_dispatch_physical_map", None) is not None
     if has_dispatch and ep_rank is None:
-        raise ValueError("the metadata has a static dispatch table (logical_to_rank_dispatch_physical_map): pass ep_rank")
+        raise ValueError(
+            "the metadata has a static dispatch table (logical_to_rank_dispatch_physical_map): pass ep_rank"
+        )
     L = placement.topology.num_layers
     rows = list(range(L)) if layer_ids is None else [int(i) for i in layer_ids]
     if len(rows) != L or len(set(rows)) != L:
@@ -146,7 +156,9 @@ def apply_to_sglang(metadata: Any, placement: eplb.Placement, *, layer_ids: list
         if not rows:
             continue
         if dst.shape[1:] != src.shape[1:] or max(rows) >= dst.shape[0]:
-            raise ValueError(f"{name} of the live metadata has shape {list(dst.shape)}; the placement gives {L} rows of {list(src.shape[1:])} for rows {rows[0]}..{rows[-1]}")
+            raise ValueError(
+                f"{name} of the live metadata has shape {list(dst.shape)}; the placement gives {L} rows of {list(src.shape[1:])} for rows {rows[0]}..{rows[-1]}"
+            )
         index = torch.tensor(rows, device=dst.device)
         dst.index_copy_(0, index, src.to(device=dst.device, dtype=dst.dtype))
 
@@ -168,7 +180,9 @@ def sglang_expert_loads(logical_count: torch.Tensor, layer_ids: list[int] | None
     if counts.dim() == 3:
         counts = counts.sum(dim=0)
     if counts.dim() != 2:
-        raise ValueError(f"logical_count must be [passes, layers, experts] or [layers, experts], got shape {list(logical_count.shape)}")
+        raise ValueError(
+            f"logical_count must be [passes, layers, experts] or [layers, experts], got shape {list(logical_count.shape)}"
+        )
     if layer_ids is not None:
         counts = counts[list(layer_ids)]
     return counts.numpy()

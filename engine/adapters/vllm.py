@@ -25,7 +25,15 @@ import torch
 
 import eplb
 
-__all__ = ["VLLM_MAP_WIDTH", "VllmMaps", "apply_to_vllm", "from_vllm", "to_vllm", "vllm_expert_loads", "vllm_slot_loads"]
+__all__ = [
+    "VLLM_MAP_WIDTH",
+    "VllmMaps",
+    "apply_to_vllm",
+    "from_vllm",
+    "to_vllm",
+    "vllm_expert_loads",
+    "vllm_slot_loads",
+]
 
 # logical_to_physical_map's last dimension in vLLM: MAX_EXPERT_REDUNDANCY (1023) + 1.
 VLLM_MAP_WIDTH = 1024
@@ -41,11 +49,15 @@ class VllmMaps:
     logical_replica_count: torch.Tensor
 
 
-def to_vllm(placement: eplb.Placement, *, width: int = VLLM_MAP_WIDTH, device: torch.device | str | None = None) -> VllmMaps:
+def to_vllm(
+    placement: eplb.Placement, *, width: int = VLLM_MAP_WIDTH, device: torch.device | str | None = None
+) -> VllmMaps:
     """``placement`` ``[L, P]`` → vLLM's three maps; ``width`` is the live map's last dimension."""
     R = int(placement.logcnt.max())
     if width < R:
-        raise ValueError(f"width={width} is below the most replicas of one expert ({R}); vLLM's maps are {VLLM_MAP_WIDTH} wide")
+        raise ValueError(
+            f"width={width} is below the most replicas of one expert ({R}); vLLM's maps are {VLLM_MAP_WIDTH} wide"
+        )
     l2p = np.full((*placement.logcnt.shape, width), -1, dtype=np.int64)
     l2p[..., :R] = placement.log2phy[..., :R]
     return VllmMaps(
@@ -71,9 +83,15 @@ def apply_to_vllm(model_state: Any, placement: eplb.Placement, *, layers: Sequen
     maps = to_vllm(placement, width=live[1].shape[-1], device=live[0].device)
     chosen = _chosen_layers(layers, placement.topology.num_layers)
     index = torch.tensor(chosen, dtype=torch.int64, device=live[0].device)
-    for name, dst, src in zip(("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count"), live, (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count)):
+    for name, dst, src in zip(
+        ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count"),
+        live,
+        (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count),
+    ):
         if dst.shape != src.shape:
-            raise ValueError(f"{name} of the live state has shape {list(dst.shape)}; the placement gives {list(src.shape)}")
+            raise ValueError(
+                f"{name} of the live state has shape {list(dst.shape)}; the placement gives {list(src.shape)}"
+            )
         if len(chosen) == src.shape[0]:
             dst.copy_(src.to(dst.dtype))
         else:
@@ -85,17 +103,23 @@ def vllm_slot_loads(expert_load_window: torch.Tensor) -> np.ndarray:
     over the window, for ``LoadReporter`` as physical counts (with the placement version the
     window was recorded under)."""
     if expert_load_window.dim() != 3:
-        raise ValueError(f"expert_load_window must be [window, layers, slots], got shape {list(expert_load_window.shape)}")
+        raise ValueError(
+            f"expert_load_window must be [window, layers, slots], got shape {list(expert_load_window.shape)}"
+        )
     return expert_load_window.sum(dim=0).double().cpu().numpy()
 
 
-def vllm_expert_loads(expert_load_window: torch.Tensor, physical_to_logical_map: torch.Tensor, num_experts: int) -> np.ndarray:
+def vllm_expert_loads(
+    expert_load_window: torch.Tensor, physical_to_logical_map: torch.Tensor, num_experts: int
+) -> np.ndarray:
     """``expert_load_window`` ``[W, L, P]`` and the map it was recorded under → float64
     ``[L, E]``: tokens per expert (replicas summed), this rank's view."""
     slots = torch.as_tensor(vllm_slot_loads(expert_load_window))
     p2l = physical_to_logical_map.detach().cpu().long()
     if p2l.shape != slots.shape:
-        raise ValueError(f"physical_to_logical_map has shape {list(p2l.shape)}; expert_load_window gives [layers, slots] = {list(slots.shape)}")
+        raise ValueError(
+            f"physical_to_logical_map has shape {list(p2l.shape)}; expert_load_window gives [layers, slots] = {list(slots.shape)}"
+        )
     out = torch.zeros((slots.shape[0], num_experts), dtype=torch.float64)
     out.scatter_add_(1, p2l, slots)
     return out.numpy()

@@ -32,7 +32,9 @@ def rebalance_experts(
     """
     w = np.asarray(weight)
     if w.ndim != 2 or w.dtype == bool or w.dtype.kind not in "iuf":
-        raise ValueError(f"weight must be a numeric [layers, num_logical_experts] array, got shape {w.shape} dtype {w.dtype}")
+        raise ValueError(
+            f"weight must be a numeric [layers, num_logical_experts] array, got shape {w.shape} dtype {w.dtype}"
+        )
     if not np.isfinite(w).all() or (w < 0).any():
         raise ValueError("weight must be finite and >= 0")
     check_layer_sums(w, FLOAT32_LAYER_SUM, "weight", "eplb.py computes in float32")

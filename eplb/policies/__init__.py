@@ -62,8 +62,18 @@ def _migration_aware(
     # ((1 + k tolerance) x the busiest gpu's load) finite for any tolerance, inf included.
     most = float(topology.num_gpus - 1)
     tol, layer_tol = min(mig["tolerance"], most), min(mig["layer_tolerance"], most)
-    return choose(loads, previous, phy2log, topology, tol, layer_tol, by_node,
-                  max_moves=mig["max_moves"], max_layer_moves=mig["max_layer_moves"], workers=workers)
+    return choose(
+        loads,
+        previous,
+        phy2log,
+        topology,
+        tol,
+        layer_tol,
+        by_node,
+        max_moves=mig["max_moves"],
+        max_layer_moves=mig["max_layer_moves"],
+        workers=workers,
+    )
 
 
 def _split(options: dict) -> tuple[dict, dict]:
@@ -84,7 +94,9 @@ def _replicate_and_pack(
 ) -> PolicyResult:
     opts, mig = _split(options)
     fresh, stats = plan_placement(loads, topology if by_node else flat_topology(topology), **opts)
-    phy2log, extra, notes = _migration_aware(fresh, loads, topology, previous, by_node, mig, int(opts.get("workers", 1)))
+    phy2log, extra, notes = _migration_aware(
+        fresh, loads, topology, previous, by_node, mig, int(opts.get("workers", 1))
+    )
     return PolicyResult(phy2log, name, _search_notes(stats, opts) + notes, extra=extra, search=stats)
 
 
@@ -145,7 +157,11 @@ def _deepseek(loads: np.ndarray, topology: Topology, previous: Placement | None,
         raise ValueError(f"policy 'deepseek' takes no options, got {sorted(options)}")
     check_layer_sums(loads, FLOAT32_LAYER_SUM, "loads", "policy 'deepseek' computes in float32 as eplb.py does")
     t = topology
-    phy2log, _, _, hier = deepseek_rebalance(loads, t.num_slots, t.num_groups, t.num_nodes, t.num_gpus, exact_ranks=False)
+    phy2log, _, _, hier = deepseek_rebalance(
+        loads, t.num_slots, t.num_groups, t.num_nodes, t.num_gpus, exact_ranks=False
+    )
     notes = () if hier else ("deepseek: num_groups % num_nodes != 0, eplb.py's global fallback ran",)
     return PolicyResult(phy2log.astype(np.int32), "deepseek", notes)
+
+
 from . import ilp  # noqa: E402,F401  (registers "ilp"; OR-Tools is imported lazily)

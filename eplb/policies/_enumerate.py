@@ -84,7 +84,9 @@ def improve_or_prove(
     return True, best, row
 
 
-def _fitting(ids: np.ndarray, weight: np.ndarray, combos: np.ndarray, G: int, total: np.ndarray, cap: int) -> np.ndarray:
+def _fitting(
+    ids: np.ndarray, weight: np.ndarray, combos: np.ndarray, G: int, total: np.ndarray, cap: int
+) -> np.ndarray:
     """``[n, P]`` replicas of ``n`` vectors → ``[n, M]``: which ``S``-subsets (``combos``) hold
     distinct experts and sum within what a placement with every gpu at most ``cap`` allows."""
     low = (total - (G - 1) * cap)[:, None]

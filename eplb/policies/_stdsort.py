@@ -107,8 +107,8 @@ def _insertion_sort(k: list, v: list, first: int, last: int) -> None:
     for i in range(first + 1, last):
         if k[i] > k[first]:
             ki, vi = k[i], v[i]
-            k[first + 1:i + 1] = k[first:i]
-            v[first + 1:i + 1] = v[first:i]
+            k[first + 1 : i + 1] = k[first:i]
+            v[first + 1 : i + 1] = v[first:i]
             k[first], v[first] = ki, vi
         else:
             _unguarded_linear_insert(k, v, i)

@@ -20,7 +20,9 @@ __all__ = ["deepseek_rebalance", "deepseek_log2phy", "FLOAT32_LAYER_SUM"]
 FLOAT32_LAYER_SUM = 2.0**127
 
 
-def _balanced_packing(weight: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _balanced_packing(
+    weight: np.ndarray, num_packs: int, keys: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``weight``: float32 ``[X, n]`` → ``pack_index``, ``rank_in_pack``: int64 ``[X, n]``.
 
     Each item in descending weight goes to the lightest pack that is not full (first such pack
@@ -104,7 +106,9 @@ def _hierarchical(
     phy2mlog, phyrank, mlogcnt = _replicate(tokens_per_mlog, num_phy // num_nodes)
     # Step 3: replicas → gpus within each node.
     tokens_per_phy = np.take_along_axis(tokens_per_mlog / mlogcnt.astype(np.float32), phy2mlog, axis=1)
-    pack_index, rank_in_pack = _balanced_packing(tokens_per_phy, num_gpus // num_nodes, None if exact_ranks else phy2mlog)
+    pack_index, rank_in_pack = _balanced_packing(
+        tokens_per_phy, num_gpus // num_nodes, None if exact_ranks else phy2mlog
+    )
     pphy2phy = _inverse(pack_index * phy_per_gpu + rank_in_pack)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)
     offsets = np.arange(0, num_log, num_log // num_nodes)[None, :, None]
@@ -133,7 +137,9 @@ def deepseek_rebalance(
     return (*_hierarchical(w, num_replicas, 1, 1, num_gpus, exact_ranks), False)
 
 
-def deepseek_log2phy(phy2log: np.ndarray, phyrank: np.ndarray, logcnt: np.ndarray, width: int | None = None) -> np.ndarray:
+def deepseek_log2phy(
+    phy2log: np.ndarray, phyrank: np.ndarray, logcnt: np.ndarray, width: int | None = None
+) -> np.ndarray:
     """int64 ``[L, E, width]`` (default width: the largest count, as eplb.py), -1 padded."""
     layers, num_log = logcnt.shape
     width = int(logcnt.max()) if width is None else width

@@ -55,7 +55,7 @@ class SearchStats:
     layers_at_bound: int = 0
     timed_out: bool = False
 
-    def __add__(self, other: "SearchStats") -> "SearchStats":
+    def __add__(self, other: SearchStats) -> SearchStats:
         return SearchStats(
             self.work + other.work,
             self.layers_searched + other.layers_searched,
@@ -67,7 +67,9 @@ class SearchStats:
 def _options(options: dict) -> dict:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown}; allowed: {sorted(OPTIONS)} (and the re-plan options 'tolerance', 'layer_tolerance', 'max_moves', 'max_layer_moves')")
+        raise ValueError(
+            f"unknown option(s) {unknown}; allowed: {sorted(OPTIONS)} (and the re-plan options 'tolerance', 'layer_tolerance', 'max_moves', 'max_layer_moves')"
+        )
     out = {**OPTIONS, **options}
     for name in ("max_rounds", "refine", "donors"):
         v = out[name]
@@ -129,7 +131,7 @@ def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> 
     if workers == 1 or L <= CHUNK:
         return _plan_chunks(loads, topo, opts, deadline)
     starts = list(range(0, L, CHUNK))
-    jobs = [(loads[a:a + CHUNK], topo.with_layers(min(CHUNK, L - a)), opts, deadline) for a in starts]
+    jobs = [(loads[a : a + CHUNK], topo.with_layers(min(CHUNK, L - a)), opts, deadline) for a in starts]
     parts = list(worker_pool(workers).map(_plan_job, jobs))
     stats = SearchStats()
     for _, st in parts:
@@ -141,7 +143,9 @@ def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
     return _plan_chunks(*job)
 
 
-def _plan_chunks(loads: np.ndarray, topo: Topology, opts: dict, deadline: float | None) -> tuple[np.ndarray, SearchStats]:
+def _plan_chunks(
+    loads: np.ndarray, topo: Topology, opts: dict, deadline: float | None
+) -> tuple[np.ndarray, SearchStats]:
     rows = _first_plan(loads, topo, opts)
     stats = SearchStats()
     if opts["effort"] != "fast":
@@ -175,7 +179,9 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: dict) -> _Rows:
     group_size = E // groups
     # Step 1: groups → nodes. node_groups[l, n, :] lists the groups of node n.
     group_load = loads.reshape(L, groups, group_size).sum(axis=2)
-    node_groups = pack(group_load, N, max_rounds=max_rounds) if N > 1 else np.broadcast_to(np.arange(groups), (L, 1, groups))
+    node_groups = (
+        pack(group_load, N, max_rounds=max_rounds) if N > 1 else np.broadcast_to(np.arange(groups), (L, 1, groups))
+    )
     node_groups = np.sort(node_groups, axis=2)
     # node_experts[l, n, :]: the experts of node n's groups, ascending.
     node_experts = (node_groups[..., None] * group_size + np.arange(group_size)).reshape(L, N, E // N)

@@ -111,9 +111,7 @@ def solve_layer(
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
-        raise ImportError(
-            "policy 'ilp' needs OR-Tools (CP-SAT); install it with: pip install 'eplb[ilp]'"
-        ) from exc
+        raise ImportError("policy 'ilp' needs OR-Tools (CP-SAT); install it with: pip install 'eplb[ilp]'") from exc
 
     E, P, G = topology.num_experts, topology.num_slots, topology.num_gpus
     S = topology.slots_per_gpu
@@ -344,16 +342,24 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
     same = ~(busiest[0] < busiest[1] * (1 - 1e-9))
     proved = int((same & (np.array(status) == "OPTIMAL")).sum())
     unknown = np.array(status) == "UNKNOWN"
-    for keeps, layers in (("the global policy's placement", unknown & same),
-                          ("the better one the exact enumeration found first", unknown & ~same)):
+    for keeps, layers in (
+        ("the global policy's placement", unknown & same),
+        ("the better one the exact enumeration found first", unknown & ~same),
+    ):
         if layers.any():
-            notes.append(f"ilp: {int(layers.sum())} of {t.num_layers} layers found no solution in their time "
-                         f"(layers {_ranges(np.flatnonzero(layers).tolist())}); they keep {keeps}")
+            notes.append(
+                f"ilp: {int(layers.sum())} of {t.num_layers} layers found no solution in their time "
+                f"(layers {_ranges(np.flatnonzero(layers).tolist())}); they keep {keeps}"
+            )
     if same.any():
-        notes.append(f"ilp: found nothing better than the global policy's placement on {int(same.sum())} of "
-                     f"{t.num_layers} layers" + (f" ({proved} of them proved optimal)" if proved else ""))
+        notes.append(
+            f"ilp: found nothing better than the global policy's placement on {int(same.sum())} of "
+            f"{t.num_layers} layers" + (f" ({proved} of them proved optimal)" if proved else "")
+        )
     if rows and not _exact_all(loads, t):
-        notes.append("ilp: loads were rounded to integer units; plans are optimal to within slots_per_gpu / 2**24 of the largest load")
+        notes.append(
+            "ilp: loads were rounded to integer units; plans are optimal to within slots_per_gpu / 2**24 of the largest load"
+        )
     # The water-filling bound holds for the true loads; the solver's may lose S / 2 units to rounding.
     bound_all = np.maximum(np.array(bound), lower_bound(loads, t))
     return PolicyResult(

@@ -9,22 +9,29 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from eplb_engine.transport import P2P
 
 import eplb
+from eplb_engine.transport import P2P
 
 # name -> (per-slot shape, dtype): weights and a scale of another shape and dtype.
 TENSORS = {"w13": ((4, 3), torch.float32), "w2": ((3, 2), torch.float32), "w13_scale": ((5,), torch.int64)}
 
 
-def encoded_layers(placement: eplb.Placement, gpu: int, tensors=TENSORS, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+def encoded_layers(
+    placement: eplb.Placement, gpu: int, tensors=TENSORS, device: str = "cpu"
+) -> list[dict[str, torch.Tensor]]:
     """This gpu's tensors per layer, slot ``s`` holding ``code(layer, expert, name) + arange``."""
     topo = placement.topology
     S = topo.slots_per_gpu
     out = []
     for layer in range(topo.num_layers):
         experts = placement.phy2log[layer, gpu * S : (gpu + 1) * S]
-        out.append({name: expected_slots(layer, experts, k, shape, dtype, device) for k, (name, (shape, dtype)) in enumerate(sorted(tensors.items()))})
+        out.append(
+            {
+                name: expected_slots(layer, experts, k, shape, dtype, device)
+                for k, (name, (shape, dtype)) in enumerate(sorted(tensors.items()))
+            }
+        )
     return out
 
 

@@ -40,7 +40,7 @@ class ServerThread:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
+import eplb
 from eplb_engine.adapters.sglang import (
     apply_to_sglang,
     from_sglang,
@@ -24,8 +26,6 @@ from eplb_engine.adapters.vllm import (
     vllm_expert_loads,
     vllm_slot_loads,
 )
-
-import eplb
 
 # vLLM's own example (eplb_state.py docstrings): 2 layers, 6 physical, 4 logical, 3 EP ranks.
 VLLM_P2L = [[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]]
@@ -49,7 +49,9 @@ def test_vllm_maps_match_vllms_documented_example() -> None:
     assert maps.logical_to_physical_map[..., :3].tolist() == VLLM_L2P
     assert (maps.logical_to_physical_map[..., 3:] == -1).all()
     assert maps.logical_replica_count.tolist() == VLLM_COUNT
-    assert {t.dtype for t in (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count)} == {torch.int64}
+    assert {
+        t.dtype for t in (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count)
+    } == {torch.int64}
     assert from_vllm(maps.physical_to_logical_map, topo) == eplb.Placement(np.array(VLLM_P2L), topo)
 
 
@@ -129,7 +131,9 @@ def test_sglang_static_dispatch_table_matches_the_per_rank_loop_on_random_placem
             # every entry is a replica of its expert; a rank holding one uses its own
             lay = np.arange(table.shape[0])[:, None]
             assert (placement.phy2log[lay, table] == np.arange(table.shape[1])[None]).all()
-            own = (placement.phy2log.reshape(table.shape[0], G, S)[:, g, :, None] == np.arange(table.shape[1])).any(axis=1)
+            own = (placement.phy2log.reshape(table.shape[0], G, S)[:, g, :, None] == np.arange(table.shape[1])).any(
+                axis=1
+            )
             assert (table[own] // S == g).all()
 
 
@@ -194,7 +198,10 @@ def test_adapters_write_only_the_layers_of_a_chunk() -> None:
     apply_to_sglang(live, new, layer_ids=list(range(2, L + 2)), ep_rank=1, layers=chunk)
     got = live.physical_to_logical_map[2:]
     assert got[chunk].tolist() == new.phy2log[chunk].tolist() and got[rest].tolist() == old.phy2log[rest].tolist()
-    assert live.logical_to_rank_dispatch_physical_map[2:][chunk].tolist() == to_sglang(new, ep_rank=1).logical_to_rank_dispatch_physical_map[chunk].tolist()
+    assert (
+        live.logical_to_rank_dispatch_physical_map[2:][chunk].tolist()
+        == to_sglang(new, ep_rank=1).logical_to_rank_dispatch_physical_map[chunk].tolist()
+    )
     assert live.physical_to_logical_map[:2].tolist() == trivial[:2].tolist()
     with pytest.raises(ValueError, match=f"layers must be placement layers in 0..{L - 1}"):
         apply_to_sglang(live, new, layer_ids=list(range(2, L + 2)), ep_rank=1, layers=[L])

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from svc_thread import ServerThread, free_port
 
 import eplb
 from eplb_engine import wire
@@ -15,7 +16,6 @@ from eplb_engine.client import ServiceClient
 from eplb_engine.reporter import LoadReporter
 from eplb_engine.watcher import PlacementWatcher
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from svc_thread import ServerThread, free_port
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
 
@@ -110,13 +110,16 @@ def test_reporter_refuses_wrong_shapes_on_the_callers_thread(server):
         reporter.add(np.zeros((4, 24)), version=0)
 
 
-@pytest.mark.parametrize("bad", [
-    -np.ones((4, 16)),
-    np.full((4, 16), np.nan),
-    np.full((4, 16), np.inf),
-    np.full((4, 16), 2e12),  # above the service's limit on one count
-    torch.full((4, 16), -1, dtype=torch.int32),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        -np.ones((4, 16)),
+        np.full((4, 16), np.nan),
+        np.full((4, 16), np.inf),
+        np.full((4, 16), 2e12),  # above the service's limit on one count
+        torch.full((4, 16), -1, dtype=torch.int32),
+    ],
+)
 def test_reporter_refuses_bad_counts_and_keeps_the_intervals_good_ones(server, bad):
     with ServiceClient(server.address) as client:
         client.create_deployment("d1", TOPO)

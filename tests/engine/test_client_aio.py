@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 import pytest
+from svc_thread import REDIS_URL, ServerThread, free_port
 
 import eplb
 from eplb_engine.aio import AsyncServiceClient
-from svc_thread import REDIS_URL, ServerThread, free_port
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
 

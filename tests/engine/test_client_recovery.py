@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from svc_thread import REDIS_URL, ServerThread
 
 import eplb
 from eplb_engine.client import ServiceClient
 from eplb_engine.reporter import LoadReporter, ReporterStats
 from eplb_engine.watcher import PlacementWatcher
-from svc_thread import REDIS_URL, ServerThread
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from eplb_engine.adapters.sglang import to_sglang
-from eplb_engine.adapters.vllm import to_vllm
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from svc_thread import ServerThread, free_port
 
 import eplb
+from eplb_engine.adapters.sglang import to_sglang
+from eplb_engine.adapters.vllm import to_vllm
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 TOPO = eplb.Topology(num_layers=2, num_experts=8, num_slots=12, num_gpus=2)
@@ -58,13 +58,16 @@ def vllm_engine(rank: int) -> tuple[dict, object, object]:
         logical_replica_count=maps.logical_replica_count.clone(),
         expert_load_window=torch.zeros((4, TOPO.num_layers, TOPO.num_slots), dtype=torch.int32),
     )
-    mine = initial.phy2log[:, rank * S:(rank + 1) * S]
-    model = SimpleNamespace(expert_weights=[[coded(layer, mine[layer], w) for w in (4, 2)] for layer in range(TOPO.num_layers)])
+    mine = initial.phy2log[:, rank * S : (rank + 1) * S]
+    model = SimpleNamespace(
+        expert_weights=[[coded(layer, mine[layer], w) for w in (4, 2)] for layer in range(TOPO.num_layers)]
+    )
     ns = {"state": state, "model": model}
 
     def step_done(step: int) -> None:  # what vLLM's EplbState.step() leaves in the window, then the guide's report
         state.expert_load_window[step % 4] = torch.from_numpy(
-            slot_tokens(state.physical_to_logical_map.numpy(), step).round().astype(np.int32))
+            slot_tokens(state.physical_to_logical_map.numpy(), step).round().astype(np.int32)
+        )
         ns["report_step"]()
 
     def check(new: eplb.Placement) -> None:
@@ -74,8 +77,11 @@ def vllm_engine(rank: int) -> tuple[dict, object, object]:
         assert torch.equal(state.logical_replica_count, want.logical_replica_count)
         assert int(state.expert_load_window.abs().sum()) == 0  # zeroed after every report
         weights = model.expert_weights
-        assert all(torch.equal(t, coded(layer, new.phy2log[layer, rank * S:(rank + 1) * S], t.shape[1]))
-                   for layer in range(TOPO.num_layers) for t in weights[layer])
+        assert all(
+            torch.equal(t, coded(layer, new.phy2log[layer, rank * S : (rank + 1) * S], t.shape[1]))
+            for layer in range(TOPO.num_layers)
+            for t in weights[layer]
+        )
 
     return ns, step_done, check
 
@@ -85,9 +91,12 @@ def sglang_engine(rank: int) -> tuple[dict, object, object]:
     rows) and ``model.routed_experts_weights_of_layer``."""
     initial = eplb.Placement.contiguous(TOPO)
     live = SimpleNamespace(**to_sglang(eplb.Placement.contiguous(TOPO.with_layers(3)), ep_rank=rank).fields())
-    mine = initial.phy2log[:, rank * S:(rank + 1) * S]
-    model = SimpleNamespace(routed_experts_weights_of_layer={
-        row: [coded(layer, mine[layer], w) for w in (4, 2)] for layer, row in enumerate(SGLANG_MOE_ROWS)})
+    mine = initial.phy2log[:, rank * S : (rank + 1) * S]
+    model = SimpleNamespace(
+        routed_experts_weights_of_layer={
+            row: [coded(layer, mine[layer], w) for w in (4, 2)] for layer, row in enumerate(SGLANG_MOE_ROWS)
+        }
+    )
     ns = {"model": model, "get_global_expert_location_metadata": lambda: live}
 
     def step_done(step: int) -> None:  # the recorder's dump of this pass: [layers of the model, experts]
@@ -99,10 +108,15 @@ def sglang_engine(rank: int) -> tuple[dict, object, object]:
         want = to_sglang(new, ep_rank=rank).fields()
         for name, tensor in want.items():
             assert torch.equal(getattr(live, name)[SGLANG_MOE_ROWS], tensor), name
-        assert live.physical_to_logical_map[0].tolist() == list(range(TOPO.num_experts)) + list(range(4))  # dense row kept
+        assert live.physical_to_logical_map[0].tolist() == list(range(TOPO.num_experts)) + list(
+            range(4)
+        )  # dense row kept
         weights = model.routed_experts_weights_of_layer
-        assert all(torch.equal(t, coded(layer, new.phy2log[layer, rank * S:(rank + 1) * S], t.shape[1]))
-                   for layer, row in enumerate(SGLANG_MOE_ROWS) for t in weights[row])
+        assert all(
+            torch.equal(t, coded(layer, new.phy2log[layer, rank * S : (rank + 1) * S], t.shape[1]))
+            for layer, row in enumerate(SGLANG_MOE_ROWS)
+            for t in weights[row]
+        )
 
     return ns, step_done, check
 

@@ -11,11 +11,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from eplb_engine import WeightMover
-from eplb_engine.transport import P2P
 from mover_sim import TENSORS, ThreadWorld, check_layers, encoded_layers
 
 import eplb
+from eplb_engine import WeightMover
+from eplb_engine.transport import P2P
 
 
 def _random_placement(topo: eplb.Topology, rng: np.random.Generator) -> eplb.Placement:
@@ -71,11 +71,21 @@ def test_random_transitions_put_every_expert_in_place(mode: str) -> None:
         topo = eplb.Topology(int(rng.integers(1, 4)), int(rng.integers(1, P + 1)), P, G, N)
         old, new = _random_placement(topo, rng), _random_placement(topo, rng)
         world = ThreadWorld(G)
-        out = _move(world, old, new, mode, layers_per_call=int(rng.integers(1, 3)), round_experts=int(rng.integers(1, 3)), verify=True)
+        out = _move(
+            world,
+            old,
+            new,
+            mode,
+            layers_per_call=int(rng.integers(1, 3)),
+            round_experts=int(rng.integers(1, 3)),
+            verify=True,
+        )
         for r, (layers, reports) in enumerate(out):
             check_layers(layers, new, r)
             assert all(rep.ok for rep in reports)
-            assert sum(rep.checked_slots for rep in reports) == int((old.phy2log != new.phy2log).reshape(topo.num_layers, G, -1)[:, r].sum())
+            assert sum(rep.checked_slots for rep in reports) == int(
+                (old.phy2log != new.phy2log).reshape(topo.num_layers, G, -1)[:, r].sum()
+            )
         # the rounds the movers ran are the schedule's: one peer per exchange
         assert all(len(peers) == 1 for _, peers in world.rounds)
 
@@ -176,8 +186,12 @@ def test_direct_mode_receives_into_unread_slots_and_needs_less_staging() -> None
     assert world.run(lands_in_place) == [(slot, 0), (0, 0)]
     # a swap within one gpu is a cycle: one spare slot, no receive buffer
     topo = eplb.Topology(1, 2, 2, 1)
-    swap = WeightMover(encoded_layers(eplb.Placement(np.array([[0, 1]]), topo), 0), eplb.Placement(np.array([[0, 1]]), topo),
-                       eplb.Placement(np.array([[1, 0]]), topo), transport=ThreadWorld(1).transport(0))
+    swap = WeightMover(
+        encoded_layers(eplb.Placement(np.array([[0, 1]]), topo), 0),
+        eplb.Placement(np.array([[0, 1]]), topo),
+        eplb.Placement(np.array([[1, 0]]), topo),
+        transport=ThreadWorld(1).transport(0),
+    )
     assert swap.staging_bytes_needed("staged") == swap.staging_bytes_needed("direct") == slot
 
 
@@ -208,7 +222,9 @@ def test_bad_tensors_are_rejected_with_what_is_wrong() -> None:
         WeightMover(layers[:1], old, old, transport=t)
     bad = [dict(layers[0]), dict(layers[1])]
     bad[1]["w2"] = bad[1]["w2"][:3]
-    with pytest.raises(ValueError, match=r"layers\[1\]\['w2'\] has shape \[3, 3, 2\]; its leading dimension must be the 4 local slots"):
+    with pytest.raises(
+        ValueError, match=r"layers\[1\]\['w2'\] has shape \[3, 3, 2\]; its leading dimension must be the 4 local slots"
+    ):
         WeightMover(bad, old, old, transport=t)
     bad[1] = {"w13": layers[1]["w13"]}
     with pytest.raises(ValueError, match="every layer needs the same names"):
@@ -217,7 +233,12 @@ def test_bad_tensors_are_rejected_with_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="is \\[4, 3, 4\\] torch.float32; layer 0 has \\[4, 4, 3\\]"):
         WeightMover(bad, old, old, transport=t)
     with pytest.raises(ValueError, match="the process group has 2 ranks; the topology has num_gpus = 4"):
-        WeightMover(encoded_layers(eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)), 0), eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)), eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)), transport=t)
+        WeightMover(
+            encoded_layers(eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)), 0),
+            eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)),
+            eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)),
+            transport=t,
+        )
     mover = WeightMover(layers, old, old, transport=t)
     mover.prepare()
     with pytest.raises(ValueError, match="prepare\\(\\)/commit\\(\\) and step\\(\\) do not mix"):

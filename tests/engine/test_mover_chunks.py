@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
 from mover_sim import TENSORS, ThreadWorld, check_layers, encoded_layers
 
 import eplb
+from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
 
 DEVICE = os.environ.get("EPLB_TEST_DEVICE", "cpu")
 SLOT = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
@@ -45,8 +45,15 @@ def test_random_transitions_in_chunks_switch_layer_by_layer_correctly() -> None:
 
         def rank(r: int):
             layers = encoded_layers(old, r, device=DEVICE)
-            mover = WeightMover(layers, old, new, transport=world.transport(r), staging_bytes=budget,
-                                layers_per_call=per_call, verify=True)
+            mover = WeightMover(
+                layers,
+                old,
+                new,
+                transport=world.transport(r),
+                staging_bytes=budget,
+                layers_per_call=per_call,
+                verify=True,
+            )
             assert mover.staging_bytes_needed("staged") <= budget
             assert max(mover._chunk_slots(c) for c in mover.chunks) * SLOT <= budget
             for chunk in mover.chunks:
@@ -126,7 +133,9 @@ def test_rollback_after_committed_chunks_keeps_them_and_a_new_mover_finishes_fro
         with pytest.raises(ValueError, match="make a new WeightMover"):
             mover.prepare()
         # back to the old placement from the mix: only the switched layers move
-        back = WeightMover(layers, mixed(old, new, switched), old, transport=world.transport(r), staging_bytes=int(need.max()) * SLOT)
+        back = WeightMover(
+            layers, mixed(old, new, switched), old, transport=world.transport(r), staging_bytes=int(need.max()) * SLOT
+        )
         assert back.schedule.received_bytes[switched:].sum() == 0
         for _ in back.chunks:
             while back.prepare():

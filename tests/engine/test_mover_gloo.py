@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from eplb_engine import WeightMover
-from eplb_engine.mover import staged_slots
 from mover_sim import check_layers, encoded_layers
 
 import eplb
+from eplb_engine import WeightMover
+from eplb_engine.mover import staged_slots
 
 
 def _free_port() -> int:
@@ -47,7 +47,9 @@ def _worker(rank: int, size: int, port: int, seed: int, errors) -> None:
         for old, new, mode, per_call, round_experts in _transitions(size, seed):
             layers = encoded_layers(old, rank)
             storage = [t.data_ptr() for layer in layers for t in layer.values()]
-            mover = WeightMover(layers, old, new, group, layers_per_call=per_call, round_experts=round_experts, verify=True)
+            mover = WeightMover(
+                layers, old, new, group, layers_per_call=per_call, round_experts=round_experts, verify=True
+            )
             if mode == "staged":
                 calls = 0
                 while mover.prepare():

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+
 from eplb_engine.local_order import SPARE, order_local_copies
 
 

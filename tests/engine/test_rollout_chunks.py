@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from eplb_engine.rollout import MoverApplier, ProcessGroupBarrier, Rollout
-from eplb_engine.wire import PublishedPlacement
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from mover_sim import TENSORS, check_layers, encoded_layers
 from svc_thread import free_port
 
 import eplb
+from eplb_engine.rollout import MoverApplier, ProcessGroupBarrier, Rollout
+from eplb_engine.wire import PublishedPlacement
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 
 SLOT = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
 STEPS = 160
@@ -64,8 +64,13 @@ class Faulty(MoverApplier):
 def run_scenario(rank: int, layers, held: PublishedPlacement, applier, offers: dict[int, PublishedPlacement]) -> dict:
     """``STEPS`` steps of 1 ms, offering at the given steps; the weights checked at every step."""
     switches: list[tuple[int, tuple[int, ...]]] = []
-    rollout = Rollout(held, applier, ProcessGroupBarrier(), timeout_s=20.0,
-                      on_switch=lambda step, lay, routing: switches.append((step, tuple(lay))))
+    rollout = Rollout(
+        held,
+        applier,
+        ProcessGroupBarrier(),
+        timeout_s=20.0,
+        on_switch=lambda step, lay, routing: switches.append((step, tuple(lay))),
+    )
     routed, mixed_steps = [], 0
     for step in range(STEPS):
         if step in offers:
@@ -80,9 +85,16 @@ def run_scenario(rank: int, layers, held: PublishedPlacement, applier, offers: d
         mixed_steps += rollout.mixed
         time.sleep(0.001)
     events = [(e.kind, e.version, e.chunks, e.error) for e in rollout.events]
-    return {"routed": routed, "switches": switches, "events": events, "mixed_steps": mixed_steps,
-            "chunks": applier.chunks, "final": rollout.routing.phy2log.tolist(), "current": rollout.current.version,
-            "mixed": rollout.mixed}
+    return {
+        "routed": routed,
+        "switches": switches,
+        "events": events,
+        "mixed_steps": mixed_steps,
+        "chunks": applier.chunks,
+        "final": rollout.routing.phy2log.tolist(),
+        "current": rollout.current.version,
+        "mixed": rollout.mixed,
+    }
 
 
 def _worker(rank: int, world: int, port: int, out) -> None:
@@ -96,15 +108,22 @@ def _worker(rank: int, world: int, port: int, out) -> None:
         layers = encoded_layers(v[1].placement, rank)
         res = {}
         # 1. v1 -> v2, ranks learning of it at different steps.
-        res["through"] = run_scenario(rank, layers, v[1], Faulty(layers, mover_group, staging_bytes=budget, verify=True),
-                                      {2 + 3 * rank: v[2]})
+        res["through"] = run_scenario(
+            rank, layers, v[1], Faulty(layers, mover_group, staging_bytes=budget, verify=True), {2 + 3 * rank: v[2]}
+        )
         # 2. v2 -> v3 fails on rank 1 after chunk 0 switched (chunk 1's prepare): all move back to v2; v4 goes through.
-        res["revert"] = run_scenario(rank, layers, v[2], Faulty(layers, mover_group, staging_bytes=budget, fail={(1, 1)} if rank == 1 else ()),
-                                     {1: v[3], 100: v[4]})
+        res["revert"] = run_scenario(
+            rank,
+            layers,
+            v[2],
+            Faulty(layers, mover_group, staging_bytes=budget, fail={(1, 1)} if rank == 1 else ()),
+            {1: v[3], 100: v[4]},
+        )
         # 3. v4 -> v5 fails on rank 0 in chunk 1; moving back fails on the last rank: the map stays mixed; v6 moves from it.
         fail = {(1, 1)} if rank == 0 else {(2, 0)} if rank == world - 1 else ()
-        res["partial"] = run_scenario(rank, layers, v[4], Faulty(layers, mover_group, staging_bytes=budget, fail=fail),
-                                      {1: v[5], 100: v[6]})
+        res["partial"] = run_scenario(
+            rank, layers, v[4], Faulty(layers, mover_group, staging_bytes=budget, fail=fail), {1: v[5], 100: v[6]}
+        )
         out[rank] = res
         dist.destroy_process_group()
     except BaseException:  # reported to the parent, which fails the test with it
@@ -151,7 +170,7 @@ def test_a_version_switches_chunk_by_chunk_at_the_same_steps_everywhere(outcome)
     assert steps == sorted(set(steps)) and steps[0] >= 2 + 3 * (world - 1)  # the last rank learnt of v2 at that step
     # between the first and the last chunk switch the map mixed versions (the check held at every step)
     assert runs[0]["mixed_steps"] == steps[-1] - steps[0] > 0
-    assert runs[0]["routed"][steps[-1]] == 2 and set(runs[0]["routed"][:steps[-1]]) == {1}
+    assert runs[0]["routed"][steps[-1]] == 2 and set(runs[0]["routed"][: steps[-1]]) == {1}
 
 
 def _failure_runs(outcome, scenario: str, failing_rank: int, failed: int, then: list[tuple[str, int]]) -> list[dict]:

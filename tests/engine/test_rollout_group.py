@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from svc_thread import free_port
 
 import eplb
 from eplb_engine.rollout import Decision, Local, ProcessGroupBarrier, Rollout
 from eplb_engine.wire import PublishedPlacement
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from svc_thread import free_port
 
 TOPO = eplb.Topology(num_layers=2, num_experts=4, num_slots=6, num_gpus=2)
 
@@ -122,7 +122,10 @@ def test_a_timed_out_prepare_aborts_and_a_newer_version_goes_through(outcomes):
     routed = [outcomes[r]["timeout"][0] for r in range(3)]
     assert routed[0] == routed[1] == routed[2]
     assert 4 not in routed[0] and routed[0][-1] == 5
-    assert outcomes[0]["timeout"][2] == [("failed", 4, "prepare of version 4 timed out after 0.4 s"), ("switched", 5, "")]
+    assert outcomes[0]["timeout"][2] == [
+        ("failed", 4, "prepare of version 4 timed out after 0.4 s"),
+        ("switched", 5, ""),
+    ]
     for r in (1, 2):
         assert outcomes[r]["timeout"][2] == [("aborted", 4, ""), ("switched", 5, "")]
     assert outcomes[0]["timeout"][1] == ["prepare", "rollback", "prepare", "commit"]

@@ -7,14 +7,14 @@ import threading
 import time
 
 import pytest
+from svc_thread import ServerThread
+from test_rollout_group import Recorder
 
 import eplb
 from eplb_engine.client import ServiceClient
 from eplb_engine.rollout import Rollout, ServiceBarrier
 from eplb_engine.watcher import PlacementWatcher
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from svc_thread import ServerThread
-from test_rollout_group import Recorder
 
 TOPO = eplb.Topology(num_layers=2, num_experts=8, num_slots=12, num_gpus=3)
 # Ranks here are threads that do not step in lockstep, so the margin also covers their skew.
@@ -31,7 +31,9 @@ def server():
 def run_rank(address: str, rank: int, applier: Recorder, steps: int, out: dict) -> None:
     """One rank: watcher → rollout.offer, then ``steps`` steps of 5 ms; records the version per step."""
     client = ServiceClient(address)
-    rollout = Rollout(client.get_placement("d1", topology=TOPO), applier, ServiceBarrier(client, "d1", rank), timeout_s=5.0)
+    rollout = Rollout(
+        client.get_placement("d1", topology=TOPO), applier, ServiceBarrier(client, "d1", rank), timeout_s=5.0
+    )
     watcher = PlacementWatcher(address, "d1", rollout.offer, topology=TOPO, rank=rank, ack=False)
     routed = []
     for step in range(steps):

@@ -9,14 +9,11 @@ from dataclasses import replace
 
 import pytest
 import redis
+from svc_helpers import FAST, REDIS_URL, PrivateRedis
 
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import auth_metadata, channel
 from eplb_service.server import RunningServer, ServerConfig, start_server
-from svc_helpers import FAST, REDIS_URL, PrivateRedis
-
-
-
 
 
 @pytest.fixture
@@ -75,10 +72,6 @@ async def connect() -> AsyncIterator[Callable[..., Client]]:
         await c.channel.close()
 
 
-
-
-
-
 @pytest.fixture(scope="session")
 def private_redis() -> PrivateRedis:
     if shutil.which("redis-server") is None:
@@ -87,5 +80,3 @@ def private_redis() -> PrivateRedis:
     server.start()
     yield server
     server.stop()
-
-

@@ -23,7 +23,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 def small_deployment(name: str = "d1", **trigger: object) -> pb.Deployment:
     """4 layers, 16 experts in 4 groups, 24 slots on 8 gpus in 2 nodes."""
     return pb.Deployment(
@@ -32,7 +31,6 @@ def small_deployment(name: str = "d1", **trigger: object) -> pb.Deployment:
         policy="auto",
         trigger=pb.Trigger(**trigger),
     )
-
 
 
 class PrivateRedis:
@@ -46,7 +44,8 @@ class PrivateRedis:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         r = redis.Redis(port=self.port)
         for _ in range(100):
@@ -62,7 +61,6 @@ class PrivateRedis:
             self.proc.terminate()
             self.proc.wait(10)
             self.proc = None
-
 
 
 def status_details(exc: grpc.aio.AioRpcError) -> list[tuple[str, str]]:

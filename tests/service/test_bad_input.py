@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from svc_helpers import REDIS_URL, small_deployment, status_details
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from svc_helpers import REDIS_URL, small_deployment, status_details
 
 L, E, P = 4, 16, 24
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -30,8 +30,9 @@ NAN = np.ones((L, E))
 NAN[1, 2] = np.nan
 NEG = GOOD.copy()
 NEG[0, 0] = -1
-SHORT = pb.ReportLoadRequest(deployment="d1", rank=0, seq=10,
-                             logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[L, E], data=b"\0" * 8))
+SHORT = pb.ReportLoadRequest(
+    deployment="d1", rank=0, seq=10, logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[L, E], data=b"\0" * 8)
+)
 
 # (case, report request, code, violated field or None)
 REPORT_CASES = [
@@ -44,13 +45,25 @@ REPORT_CASES = [
     ("seq too large", logical(GOOD, seq=2**60), INVALID, "seq"),
     ("bad deployment name", logical(GOOD, name="no/slash"), INVALID, "deployment"),
     ("unknown deployment", logical(GOOD, name="nope"), grpc.StatusCode.NOT_FOUND, None),
-    ("physical without version",
-     pb.ReportLoadRequest(deployment="d1", rank=0, seq=10, physical=pb.PhysicalCounts(counts=arr(np.zeros((L, P), np.int32)))),
-     INVALID, "physical.placement_version"),
-    ("physical under unknown version",
-     pb.ReportLoadRequest(deployment="d1", rank=0, seq=10,
-                          physical=pb.PhysicalCounts(counts=arr(np.zeros((L, P), np.int32)), placement_version=99)),
-     grpc.StatusCode.FAILED_PRECONDITION, None),
+    (
+        "physical without version",
+        pb.ReportLoadRequest(
+            deployment="d1", rank=0, seq=10, physical=pb.PhysicalCounts(counts=arr(np.zeros((L, P), np.int32)))
+        ),
+        INVALID,
+        "physical.placement_version",
+    ),
+    (
+        "physical under unknown version",
+        pb.ReportLoadRequest(
+            deployment="d1",
+            rank=0,
+            seq=10,
+            physical=pb.PhysicalCounts(counts=arr(np.zeros((L, P), np.int32)), placement_version=99),
+        ),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        None,
+    ),
 ]
 
 
@@ -90,21 +103,35 @@ async def test_bad_report_is_rejected_and_changes_nothing(primed, case, request_
 async def test_duplicate_rank_seq_is_counted_once(primed):
     _, c = primed
     before = await state(c)
-    resp = await c.stub.ReportLoad(iter([logical(GOOD, seq=5), logical(GOOD, seq=4), logical(GOOD, seq=7), logical(GOOD, seq=7)]))
+    resp = await c.stub.ReportLoad(
+        iter([logical(GOOD, seq=5), logical(GOOD, seq=4), logical(GOOD, seq=7), logical(GOOD, seq=7)])
+    )
     assert (resp.accepted, resp.duplicates) == (1, 3)
     version, tokens, reports = await state(c)
     assert (version, tokens, reports) == (before[0], before[1] + GOOD.sum(), before[2] + 1)
 
 
 CREATE_CASES = [
-    ("zero layers", dict(topology=pb.Topology(num_layers=0, num_experts=16, num_slots=24, num_gpus=8)), "deployment.topology.num_layers"),
-    ("slots not a multiple of gpus", dict(topology=pb.Topology(num_layers=1, num_experts=16, num_slots=20, num_gpus=8)), "deployment.topology"),
+    (
+        "zero layers",
+        dict(topology=pb.Topology(num_layers=0, num_experts=16, num_slots=24, num_gpus=8)),
+        "deployment.topology.num_layers",
+    ),
+    (
+        "slots not a multiple of gpus",
+        dict(topology=pb.Topology(num_layers=1, num_experts=16, num_slots=20, num_gpus=8)),
+        "deployment.topology",
+    ),
     ("unknown policy", dict(policy="magic"), "deployment.policy"),
     ("bad name", dict(name="has space"), "deployment.name"),
     ("gain out of range", dict(trigger=pb.Trigger(min_gain_percent=150)), "deployment.trigger.min_gain_percent"),
     ("empty sliding window", dict(window=pb.Window(sliding=pb.SlidingWindow())), "deployment.window.sliding"),
     ("negative tolerance", dict(migration=pb.Migration(tolerance=-0.1)), "deployment.migration.tolerance"),
-    ("tolerance not a number", dict(migration=pb.Migration(layer_tolerance=float("nan"))), "deployment.migration.layer_tolerance"),
+    (
+        "tolerance not a number",
+        dict(migration=pb.Migration(layer_tolerance=float("nan"))),
+        "deployment.migration.layer_tolerance",
+    ),
     (
         "migration bounds for a from-scratch policy",
         dict(policy="deepseek", migration=pb.Migration(tolerance=0.02)),
@@ -190,8 +217,9 @@ async def test_oversize_message_is_resource_exhausted(serve, connect, prefix):
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix(), max_message_bytes=64 * 1024)
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-    big = pb.ReportLoadRequest(deployment="d1", rank=0, seq=1,
-                               logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[L, E], data=b"\0" * (128 * 1024)))
+    big = pb.ReportLoadRequest(
+        deployment="d1", rank=0, seq=1, logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[L, E], data=b"\0" * (128 * 1024))
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await c.stub.ReportLoad(iter([big]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -215,14 +243,26 @@ async def test_bad_token_is_unauthenticated(serve, connect, prefix):
 
 LIMIT_CASES = [
     ("newline after the name", dict(name="nl\n"), "deployment.name"),
-    ("20,000 layers", dict(topology=pb.Topology(num_layers=20_000, num_experts=16, num_slots=24, num_gpus=8)),
-     "deployment.topology.num_layers"),
-    ("2^32 - 1 layers", dict(topology=pb.Topology(num_layers=2**32 - 1, num_experts=16, num_slots=24, num_gpus=8)),
-     "deployment.topology.num_layers"),
-    ("2^32 - 1 gpus", dict(topology=pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=2**32 - 1)),
-     "deployment.topology.num_gpus"),
-    ("placement over 4 MiB", dict(topology=pb.Topology(num_layers=1000, num_experts=256, num_slots=2048, num_gpus=8)),
-     "deployment.topology"),
+    (
+        "20,000 layers",
+        dict(topology=pb.Topology(num_layers=20_000, num_experts=16, num_slots=24, num_gpus=8)),
+        "deployment.topology.num_layers",
+    ),
+    (
+        "2^32 - 1 layers",
+        dict(topology=pb.Topology(num_layers=2**32 - 1, num_experts=16, num_slots=24, num_gpus=8)),
+        "deployment.topology.num_layers",
+    ),
+    (
+        "2^32 - 1 gpus",
+        dict(topology=pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=2**32 - 1)),
+        "deployment.topology.num_gpus",
+    ),
+    (
+        "placement over 4 MiB",
+        dict(topology=pb.Topology(num_layers=1000, num_experts=256, num_slots=2048, num_gpus=8)),
+        "deployment.topology",
+    ),
     ("repeated ranks", dict(ranks=[0, 1, 1]), "deployment.ranks"),
 ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
 from eplb_bench.chaos_bench import ChaosConfig, run_chaos
 
 

@@ -27,16 +27,29 @@ def _env(**extra: str) -> dict[str, str]:
 
 def run_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
     """``eplb serve args`` that is expected to exit by itself (a start-up error)."""
-    return subprocess.run([sys.executable, "-m", "eplb_bench.cli", "serve", *args], cwd=ROOT, env=_env(**env), check=False,
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "serve", *args],
+        cwd=ROOT,
+        env=_env(**env),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 @contextmanager
 def serving(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """A running ``eplb serve args`` and the first line it wrote to stdout; SIGTERM at exit, after
     which ``proc.stderr_text`` holds what it wrote to stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "eplb_bench.cli", "serve", *args], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eplb_bench.cli", "serve", *args],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield proc, proc.stdout.readline()
     finally:
@@ -86,32 +99,43 @@ def test_a_taken_metrics_port_fails_cleanly():
     assert_one_line_error(out, "--metrics-port", "in use")
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
-    (["--port", "70000"], ["--port", "0-65535", "'70000'"]),  # used to listen on 70000 - 65536
-    (["--port", "-5"], ["--port", "0-65535", "'-5'"]),  # used to listen on 65531
-    (["--metrics-port", "65536"], ["--metrics-port", "-1 (off) or a port 0-65535"]),
-    (["--grace-seconds", "-1"], ["--grace-seconds", ">= 0", "'-1'"]),
-    (["--lease-seconds", "0"], ["--lease-seconds", "> 0", "'0'"]),
-    (["--flush-seconds", "0"], ["--flush-seconds", "> 0", "'0'"]),
-    (["--flush-seconds", "inf"], ["--flush-seconds", "> 0", "'inf'"]),
-    (["--max-message-bytes", "0"], ["--max-message-bytes", "4096-2147483647", "'0'"]),
-    (["--log-level", "BOGUS"], ["--log-level", "DEBUG, INFO, WARNING, ERROR, CRITICAL", "'BOGUS'"]),
-    (["--redis-url", "http://x"], ["--redis-url", "redis://, rediss:// or unix://", "'http://x'"]),  # used to be a ValueError traceback
-    (["--redis-url", "redis://127.0.0.1:notaport/0"], ["--redis-url", "port"]),
-    (["--host", "10.255.255.1"], ["--host", "10.255.255.1", "Cannot assign requested address"]),
-    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"],
-     ["--tls-key", "cannot read /nonexistent/key.pem", "No such file"]),
-    (["--tls-cert", __file__, "--tls-key", __file__], ["--tls-cert", "not a PEM certificate chain"]),
-])
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--port", "70000"], ["--port", "0-65535", "'70000'"]),  # used to listen on 70000 - 65536
+        (["--port", "-5"], ["--port", "0-65535", "'-5'"]),  # used to listen on 65531
+        (["--metrics-port", "65536"], ["--metrics-port", "-1 (off) or a port 0-65535"]),
+        (["--grace-seconds", "-1"], ["--grace-seconds", ">= 0", "'-1'"]),
+        (["--lease-seconds", "0"], ["--lease-seconds", "> 0", "'0'"]),
+        (["--flush-seconds", "0"], ["--flush-seconds", "> 0", "'0'"]),
+        (["--flush-seconds", "inf"], ["--flush-seconds", "> 0", "'inf'"]),
+        (["--max-message-bytes", "0"], ["--max-message-bytes", "4096-2147483647", "'0'"]),
+        (["--log-level", "BOGUS"], ["--log-level", "DEBUG, INFO, WARNING, ERROR, CRITICAL", "'BOGUS'"]),
+        (
+            ["--redis-url", "http://x"],
+            ["--redis-url", "redis://, rediss:// or unix://", "'http://x'"],
+        ),  # used to be a ValueError traceback
+        (["--redis-url", "redis://127.0.0.1:notaport/0"], ["--redis-url", "port"]),
+        (["--host", "10.255.255.1"], ["--host", "10.255.255.1", "Cannot assign requested address"]),
+        (
+            ["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"],
+            ["--tls-key", "cannot read /nonexistent/key.pem", "No such file"],
+        ),
+        (["--tls-cert", __file__, "--tls-key", __file__], ["--tls-cert", "not a PEM certificate chain"]),
+    ],
+)
 def test_a_bad_flag_is_one_line_naming_it_and_what_is_allowed(args, fragments):
     assert_one_line_error(run_serve("--port", "0", *args), *fragments)
 
 
-@pytest.mark.parametrize(("var", "value", "fragments"), [
-    ("EPLB_PORT", "abc", ["EPLB_PORT", "0-65535", "'abc'"]),  # used to crash while building the parser
-    ("EPLB_LOG_FORMAT", "xml", ["EPLB_LOG_FORMAT", "plain, json", "'xml'"]),
-    ("EPLB_LEASE_SECONDS", "-3", ["EPLB_LEASE_SECONDS", "> 0"]),
-])
+@pytest.mark.parametrize(
+    ("var", "value", "fragments"),
+    [
+        ("EPLB_PORT", "abc", ["EPLB_PORT", "0-65535", "'abc'"]),  # used to crash while building the parser
+        ("EPLB_LOG_FORMAT", "xml", ["EPLB_LOG_FORMAT", "plain, json", "'xml'"]),
+        ("EPLB_LEASE_SECONDS", "-3", ["EPLB_LEASE_SECONDS", "> 0"]),
+    ],
+)
 def test_a_bad_variable_is_one_line_naming_it(var, value, fragments):
     assert_one_line_error(run_serve(**{var: value}), *fragments)
 
@@ -119,8 +143,14 @@ def test_a_bad_variable_is_one_line_naming_it(var, value, fragments):
 def test_a_flag_wins_over_a_bad_variable():
     # Only a value that is used is checked: --port given, EPLB_PORT is not read.
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "eplb_bench.cli", "serve", "--port", str(port)], cwd=ROOT,
-                            env=_env(EPLB_PORT="abc"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eplb_bench.cli", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=_env(EPLB_PORT="abc"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert f"listening on 127.0.0.1:{port}" in proc.stdout.readline()
     finally:

@@ -6,12 +6,11 @@ import asyncio
 
 import numpy as np
 import pytest
+from svc_helpers import REDIS_URL, small_deployment
 
 import eplb
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
-
-from svc_helpers import REDIS_URL, small_deployment
 
 
 def skewed_loads(seed: int, shape: tuple[int, int] = (4, 16)) -> np.ndarray:

@@ -7,10 +7,11 @@ import json
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.server import SERVICE_NAME
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -51,8 +52,9 @@ async def test_client_side_health_checking_routes_around_a_not_serving_replica(s
     ``Health/Watch``): calls reach both while both serve, only the serving one otherwise."""
     a, b = await serve(), await serve()
     config = {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE_NAME}}
-    chan = grpc.aio.insecure_channel(f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}",
-                                     options=[("grpc.service_config", json.dumps(config))])
+    chan = grpc.aio.insecure_channel(
+        f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}", options=[("grpc.service_config", json.dumps(config))]
+    )
     stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
     method = "ExpertLoadBalancerService/ListDeployments"
 

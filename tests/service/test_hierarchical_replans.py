@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 
@@ -16,15 +17,17 @@ def straddling(phy2log: np.ndarray) -> list[tuple[int, int]]:
     """(layer, group) pairs whose experts sit on more than one node."""
     node_of_slot = np.arange(P) // (P // N)
     group_of = phy2log // (E // GROUPS)
-    return [(layer, g) for layer in range(L) for g in range(GROUPS)
-            if len(set(node_of_slot[group_of[layer] == g])) > 1]
+    return [(layer, g) for layer in range(L) for g in range(GROUPS) if len(set(node_of_slot[group_of[layer] == g])) > 1]
 
 
 @pytest.mark.parametrize("policy", ["hierarchical", "auto"])
 async def test_re_plans_keep_every_group_on_one_node(serve, connect, policy):
     c = connect(await serve())
-    d = pb.Deployment(name="h", policy=policy, topology=pb.Topology(
-        num_layers=L, num_experts=E, num_slots=P, num_gpus=G, num_nodes=N, num_groups=GROUPS))
+    d = pb.Deployment(
+        name="h",
+        policy=policy,
+        topology=pb.Topology(num_layers=L, num_experts=E, num_slots=P, num_gpus=G, num_nodes=N, num_groups=GROUPS),
+    )
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     rank = EngineClient(c.channel, "h", 0)
     await rank.ack(1)  # the engines run the contiguous version 1: re-plans start from it

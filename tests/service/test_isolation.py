@@ -11,15 +11,18 @@ from typing import Self
 import grpc
 import numpy as np
 import redis
+from svc_helpers import REDIS_URL, small_deployment, status_details
+
 from eplb_service import limits
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
-from svc_helpers import REDIS_URL, small_deployment, status_details
 
 
 def logical(counts: np.ndarray, seq: int, rank: int = 0) -> pb.ReportLoadRequest:
     msg = pb.ReportLoadRequest(deployment="d1", rank=rank, seq=seq)
-    msg.logical.CopyFrom(pb.Array(dtype=pb.DTYPE_FLOAT64, shape=list(counts.shape), data=counts.astype("<f8").tobytes()))
+    msg.logical.CopyFrom(
+        pb.Array(dtype=pb.DTYPE_FLOAT64, shape=list(counts.shape), data=counts.astype("<f8").tobytes())
+    )
     return msg
 
 
@@ -57,8 +60,9 @@ async def test_a_failing_deployment_does_not_stop_the_others_from_re_planning(se
     server = await serve(redis_url=REDIS_URL, key_prefix=p)
     c = connect(server)
     for name in ("a-broken", "b-fine"):
-        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(
-            deployment=small_deployment(name, report_count=2, min_gain_percent=1.0)))
+        await c.stub.CreateDeployment(
+            pb.CreateDeploymentRequest(deployment=small_deployment(name, report_count=2, min_gain_percent=1.0))
+        )
     # Break "a-broken" behind the service's back: its current placement no longer decodes, so
     # every re-plan of it raises (as a poisoned window did before reports were capped).
     r = redis.Redis.from_url(REDIS_URL)

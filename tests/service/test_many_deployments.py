@@ -7,10 +7,11 @@ import asyncio
 import time
 
 import redis
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service.redis_store import POOL_CONNECTIONS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, small_deployment
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.redis_store import POOL_CONNECTIONS
 
 N = 130
 
@@ -35,8 +36,9 @@ async def test_130_deployments_on_two_replicas_and_a_third_joining(serve, connec
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
     names = [f"m{i:03d}" for i in range(N)]
-    await asyncio.gather(*(ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
-                           for n in names))
+    await asyncio.gather(
+        *(ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n))) for n in names)
+    )
     await all_live(a, N)
     await all_live(b, N)
     c = await serve(redis_url=REDIS_URL, key_prefix=p)

@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from eplb_service.metrics import Metrics
 from prometheus_client import Counter
+
+from eplb_service.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("docs/service.md", "docs/rollout.md")
@@ -27,7 +28,7 @@ def registered() -> dict[str, tuple[str, ...]]:
 def documented_table() -> dict[str, tuple[str, ...]]:
     """docs/service.md §Metrics: series → labels, from its table rows."""
     text = (ROOT / "docs/service.md").read_text()
-    section = text[text.index("### Metrics"):text.index("### Logs")]
+    section = text[text.index("### Metrics") : text.index("### Logs")]
     rows = re.findall(r"^\| `(eplb_\w+)` \|([^|]*)\|", section, re.MULTILINE)
     return {name: tuple(re.findall(r"`(\w+)`", labels)) for name, labels in rows}
 

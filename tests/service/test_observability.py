@@ -17,12 +17,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_helpers import FAST, REDIS_URL, free_port, small_deployment
+
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.cli import parse_args
 from eplb_service.client import EngineClient, auth_metadata, channel
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import FAST, REDIS_URL, free_port, small_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,8 +52,9 @@ async def test_metrics_count_calls_by_method_and_code_and_time_the_store(serve, 
         await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="nope"), metadata=c.metadata)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.aio.AioRpcError):
-        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=pb.Deployment(name="bad name!")),
-                                      metadata=c.metadata)
+        await c.stub.CreateDeployment(
+            pb.CreateDeploymentRequest(deployment=pb.Deployment(name="bad name!")), metadata=c.metadata
+        )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await c.stub.ListDeployments(pb.ListDeploymentsRequest(), metadata=auth_metadata("wrong"))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -78,7 +80,9 @@ async def test_metrics_count_calls_by_method_and_code_and_time_the_store(serve, 
     assert m['eplb_store_latency_seconds_count{op="create"}'] == 1
     # prometheus-client's default collectors: process, platform, GC.
     assert m["process_cpu_seconds_total"] > 0 and m["process_resident_memory_bytes"] > 0
-    assert any(k.startswith("python_info{") for k in m) and any(k.startswith("python_gc_objects_collected_total") for k in m)
+    assert any(k.startswith("python_info{") for k in m) and any(
+        k.startswith("python_gc_objects_collected_total") for k in m
+    )
 
 
 async def test_store_up_follows_redis(serve, private_redis, prefix):
@@ -102,8 +106,14 @@ async def test_store_up_follows_redis(serve, private_redis, prefix):
 
 
 def _serve(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "eplb_bench.cli", "serve", *args], cwd=ROOT,
-                            env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "eplb_bench.cli", "serve", *args],
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _json_lines(stderr: str) -> list[dict]:
@@ -117,8 +127,22 @@ def test_json_logs_audit_lines_and_no_tracebacks(tmp_path, prefix):
     port = free_port()
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    proc = _serve(["--port", str(port), "--redis-url", REDIS_URL, "--key-prefix", prefix(), "--log-format", "json",
-                   "--token-file", str(token_file), "--grace-seconds", "1"])
+    proc = _serve(
+        [
+            "--port",
+            str(port),
+            "--redis-url",
+            REDIS_URL,
+            "--key-prefix",
+            prefix(),
+            "--log-format",
+            "json",
+            "--token-file",
+            str(token_file),
+            "--grace-seconds",
+            "1",
+        ]
+    )
     try:
         assert "listening on 127.0.0.1" in proc.stdout.readline()
 
@@ -152,17 +176,32 @@ def test_json_logs_audit_lines_and_no_tracebacks(tmp_path, prefix):
     assert "s3cret" not in stderr
     audits = [r for r in records if "audit" in r]
     assert [(r["audit"], r["deployment"], r["code"]) for r in audits if r["audit"] != "auth_failure"] == [
-        ("CreateDeployment", "d1", "OK"), ("CreateDeployment", "d1", "ALREADY_EXISTS"), ("DeleteDeployment", "d1", "OK")]
+        ("CreateDeployment", "d1", "OK"),
+        ("CreateDeployment", "d1", "ALREADY_EXISTS"),
+        ("DeleteDeployment", "d1", "OK"),
+    ]
     denied = [r for r in audits if r["audit"] == "auth_failure"]
-    assert len(denied) == 1 and denied[0]["method"].endswith("/DeleteDeployment") and denied[0]["peer"].startswith("ipv4:")
+    assert (
+        len(denied) == 1 and denied[0]["method"].endswith("/DeleteDeployment") and denied[0]["peer"].startswith("ipv4:")
+    )
     assert any(r["msg"] == "stopped" for r in records)
 
 
 @pytest.mark.slow
 def test_an_unreachable_redis_at_start_is_a_warning(tmp_path):
     port = free_port()
-    proc = _serve(["--port", str(port), "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--log-format", "json",
-                   "--grace-seconds", "0"])
+    proc = _serve(
+        [
+            "--port",
+            str(port),
+            "--redis-url",
+            f"redis://127.0.0.1:{free_port()}/0",
+            "--log-format",
+            "json",
+            "--grace-seconds",
+            "0",
+        ]
+    )
     try:
         assert "listening on" in proc.stdout.readline()
 
@@ -232,7 +271,8 @@ async def test_an_expected_error_is_logged_once_at_debug_without_traceback(serve
     assert err.value.code() == grpc.StatusCode.ABORTED
     mine = [r for r in caplog.records if r.name == "eplb_service.errors"]
     assert [(r.levelno, r.getMessage().split(":")[0]) for r in mine] == [
-        (logging.DEBUG, "ExpertLoadBalancerService/Rebalance failed")]
+        (logging.DEBUG, "ExpertLoadBalancerService/Rebalance failed")
+    ]
     assert "ABORTED" in mine[0].getMessage() and "another replica" in mine[0].getMessage()
     assert not any(r.exc_info for r in caplog.records)
 

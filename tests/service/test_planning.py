@@ -8,13 +8,13 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-from eplb_service import limits
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service.arrays import encode
 from svc_helpers import small_deployment, status_details
 
 import eplb
 from eplb.transfer import transfer_schedule
+from eplb_service import limits
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.arrays import encode
 
 TOPO = small_deployment().topology
 T = eplb.Topology(4, 16, 24, 8, 2, 4)
@@ -27,12 +27,22 @@ def loads(seed: int = 7, shape: tuple[int, int] = (4, 16)) -> np.ndarray:
 async def test_planning_options_are_checked(serve, connect):
     c = connect(await serve())
     cases = [
-        (pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort="turbo")),
-         "planning.effort"),
-        (pb.ComputePlacementRequest(topology=TOPO, policy="deepseek", loads=encode(loads()),
-                                    planning=pb.Planning(effort="high")), "planning.effort"),
-        (pb.ComputePlacementRequest(topology=TOPO, policy="ilp", loads=encode(loads()),
-                                    planning=pb.Planning(work_budget=5)), "planning.work_budget"),
+        (
+            pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort="turbo")),
+            "planning.effort",
+        ),
+        (
+            pb.ComputePlacementRequest(
+                topology=TOPO, policy="deepseek", loads=encode(loads()), planning=pb.Planning(effort="high")
+            ),
+            "planning.effort",
+        ),
+        (
+            pb.ComputePlacementRequest(
+                topology=TOPO, policy="ilp", loads=encode(loads()), planning=pb.Planning(work_budget=5)
+            ),
+            "planning.work_budget",
+        ),
     ]
     for request, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -49,21 +59,26 @@ async def test_planning_options_are_checked(serve, connect):
 async def test_effort_reaches_the_library(serve, connect):
     c = connect(await serve())
     for effort in ("fast", "high"):
-        out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
-            topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort=effort)))
+        out = await c.stub.ComputePlacement(
+            pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort=effort))
+        )
         want = eplb.rebalance(loads(), T, "auto", effort=effort)
         assert np.array_equal(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), want.phy2log)
     # "default" is the library's default, whether or not the installed eplb names it.
-    out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
-        topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort="default")))
+    out = await c.stub.ComputePlacement(
+        pb.ComputePlacementRequest(topology=TOPO, loads=encode(loads()), planning=pb.Planning(effort="default"))
+    )
     assert np.array_equal(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), eplb.rebalance(loads(), T).phy2log)
 
 
 async def test_expert_bytes_give_the_transfer_figures(serve, connect):
     c = connect(await serve())
     previous = eplb.Placement.contiguous(T)
-    out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
-        topology=TOPO, loads=encode(loads()), previous_phy2log=encode(previous.phy2log), expert_bytes=1 << 20))
+    out = await c.stub.ComputePlacement(
+        pb.ComputePlacementRequest(
+            topology=TOPO, loads=encode(loads()), previous_phy2log=encode(previous.phy2log), expert_bytes=1 << 20
+        )
+    )
     new = eplb.Placement(np.frombuffer(out.phy2log.data, "<i4").reshape(4, 24), T)
     want = transfer_schedule(previous, new, T, expert_bytes=float(1 << 20))
     got = out.stats.transfer
@@ -83,7 +98,9 @@ async def test_an_ilp_over_the_size_limit_is_refused(serve, connect):
     big = pb.Topology(num_layers=1, num_experts=256, num_slots=512, num_gpus=64)
     assert 256 * 64 > limits.ILP_MAX_CELLS
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await c.stub.ComputePlacement(pb.ComputePlacementRequest(topology=big, policy="ilp", loads=encode(loads(1, (1, 256)))))
+        await c.stub.ComputePlacement(
+            pb.ComputePlacementRequest(topology=big, policy="ilp", loads=encode(loads(1, (1, 256))))
+        )
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(limits.ILP_MAX_CELLS) in info.value.details()
 
@@ -115,8 +132,9 @@ async def test_ilp_calls_keep_their_deadline_and_leave_re_plans_their_capacity(s
 
 async def test_an_ilp_deployment_over_the_size_limit_is_refused(serve, connect):
     c = connect(await serve())
-    d = pb.Deployment(name="big", policy="ilp",
-                      topology=pb.Topology(num_layers=1, num_experts=256, num_slots=512, num_gpus=64))
+    d = pb.Deployment(
+        name="big", policy="ilp", topology=pb.Topology(num_layers=1, num_experts=256, num_slots=512, num_gpus=64)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -9,11 +9,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_helpers import small_deployment
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.server import SERVICE_NAME
-from svc_helpers import small_deployment
 
 
 async def health_of(c) -> int:
@@ -76,7 +76,8 @@ async def _is(coro, want: int) -> bool:
 
 
 async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_ever_not_found(
-        serve, connect, private_redis):
+    serve, connect, private_redis
+):
     a = await serve(redis_url=private_redis.url, key_prefix="outage-reads")
     c = connect(a)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))

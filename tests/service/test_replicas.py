@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
+from svc_helpers import REDIS_URL, small_deployment
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from svc_helpers import REDIS_URL, small_deployment
 
 
 async def read_versions(call, n: int) -> list[int]:
@@ -24,9 +24,9 @@ async def test_racing_rebalances_give_consecutive_versions(serve, connect, prefi
     for w in watches:
         assert (await w.read()).placement.version == 1
     rounds = 4
-    results = await asyncio.gather(*(
-        c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True)) for c in clients for _ in range(rounds)
-    ))
+    results = await asyncio.gather(
+        *(c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True)) for c in clients for _ in range(rounds))
+    )
     versions = sorted(r.placement.version for r in results)
     assert all(r.published for r in results)
     assert versions == list(range(2, 2 + 3 * rounds))
@@ -61,8 +61,9 @@ async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
     p = prefix()
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
-    await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(
-        deployment=small_deployment(report_count=4, min_gain_percent=5.0)))
+    await ca.stub.CreateDeployment(
+        pb.CreateDeploymentRequest(deployment=small_deployment(report_count=4, min_gain_percent=5.0))
+    )
     loads = np.ones((4, 16), dtype=np.int32)
     loads[:, 0] = 1000
     for r in range(4):
@@ -79,9 +80,7 @@ async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
     await asyncio.sleep(1.0)
     got = await cb.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
     assert got.deployment.version == 2
-    published = sum(
-        s.metrics.rebalances.labels("d1", "auto", "published")._value.get() for s in (a, b)
-    )
+    published = sum(s.metrics.rebalances.labels("d1", "auto", "published")._value.get() for s in (a, b))
     skipped = sum(s.metrics.rebalances.labels("d1", "auto", "skipped")._value.get() for s in (a, b))
     assert (published, skipped) == (1, 1)
     dry = await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
@@ -149,8 +148,9 @@ async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
     p = prefix()
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
-    d = pb.Deployment(name="slow", topology=pb.Topology(num_layers=1, num_experts=64, num_slots=80, num_gpus=16),
-                      policy="ilp")
+    d = pb.Deployment(
+        name="slow", topology=pb.Topology(num_layers=1, num_experts=64, num_slots=80, num_gpus=16), policy="ilp"
+    )
     d.planning.time_limit.FromMilliseconds(3000)  # CP-SAT cannot prove these layers: it uses it all
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     counts = (np.random.default_rng(1).lognormal(0, 1.5, (1, 64)) * 100).astype(np.int32)

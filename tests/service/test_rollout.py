@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from svc_helpers import REDIS_URL, small_deployment, status_details
+
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
-from svc_helpers import REDIS_URL, small_deployment, status_details
 
 P, S, F = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
 
@@ -28,8 +29,9 @@ async def rollout_server(request, serve, connect, prefix):
 
 
 def ack(c, rank: int, version: int, state: int, step: int = 0, error: str = ""):
-    return c.stub.AckPlacement(pb.AckPlacementRequest(deployment="d1", rank=rank, version=version, state=state,
-                                                      step=step, error=error))
+    return c.stub.AckPlacement(
+        pb.AckPlacementRequest(deployment="d1", rank=rank, version=version, state=state, step=step, error=error)
+    )
 
 
 def figures(r: pb.AckPlacementResponse) -> tuple:
@@ -53,7 +55,10 @@ async def test_switch_step_is_fixed_once_every_rank_prepared(rollout_server):
     assert figures(await ack(c, 1, 2, S)) == (3, 3, 0, 3, 125, False)  # a repeated ack changes nothing
     info = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
     assert [(a.rank, a.version, a.prepared_version, a.failed_version) for a in info.acks] == [
-        (0, 3, 3, 0), (1, 2, 2, 0), (2, 2, 2, 0)]
+        (0, 3, 3, 0),
+        (1, 2, 2, 0),
+        (2, 2, 2, 0),
+    ]
     assert list(info.deployment.ranks) == [0, 1, 2] and info.deployment.switch_margin_steps == 5
     rollouts = server.metrics.rollouts
     assert rollouts.labels("d1", "prepared")._value.get() == 1

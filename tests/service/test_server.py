@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from svc_helpers import REDIS_URL, free_port, small_deployment
 
 import eplb
 from eplb_service import arrays
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.server import SERVICE_NAME
-from svc_helpers import REDIS_URL, free_port, small_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,8 +55,9 @@ async def test_compute_placement_matches_the_core(serve, connect):
     c = connect(server)
     topo = eplb.Topology(4, 16, 24, 8, 2, 4)
     loads = np.random.default_rng(3).lognormal(0, 1, (4, 16))
-    out = await c.stub.ComputePlacement(pb.ComputePlacementRequest(
-        topology=small_deployment().topology, policy="global", loads=arrays.encode(loads)))
+    out = await c.stub.ComputePlacement(
+        pb.ComputePlacementRequest(topology=small_deployment().topology, policy="global", loads=arrays.encode(loads))
+    )
     plan = eplb.rebalance(loads, topo, "global")
     assert np.array_equal(arrays.decode(out.phy2log, "phy2log", (4, 24)), plan.phy2log)
     assert np.array_equal(arrays.decode(out.logcnt, "logcnt", (4, 16)), plan.logcnt)
@@ -72,17 +73,24 @@ async def test_compute_placement_keeps_previous_within_the_migration_bounds(serv
     previous = arrays.encode(eplb.Placement.contiguous(topo).phy2log)
 
     async def plan(**bounds: float) -> pb.ComputePlacementResponse:
-        return await c.stub.ComputePlacement(pb.ComputePlacementRequest(
-            topology=small_deployment().topology, policy="global", loads=arrays.encode(loads),
-            previous_phy2log=previous, migration=pb.Migration(**bounds)))
+        return await c.stub.ComputePlacement(
+            pb.ComputePlacementRequest(
+                topology=small_deployment().topology,
+                policy="global",
+                loads=arrays.encode(loads),
+                previous_phy2log=previous,
+                migration=pb.Migration(**bounds),
+            )
+        )
 
     async def moves(**bounds: float) -> int:
         return (await plan(**bounds)).stats.moves
 
     # Loose bounds keep the current placement; tight ones must move slots to match a fresh plan.
     assert await moves(tolerance=10.0, layer_tolerance=10.0) == 0
-    tight = eplb.rebalance(loads, topo, "global", previous=eplb.Placement.contiguous(topo), tolerance=0.0,
-                           layer_tolerance=0.0)
+    tight = eplb.rebalance(
+        loads, topo, "global", previous=eplb.Placement.contiguous(topo), tolerance=0.0, layer_tolerance=0.0
+    )
     assert await moves(tolerance=0.0, layer_tolerance=0.0) == tight.total_moves > 0
     # A move budget is a hard limit: the re-plan stays within it and says the budget held it back.
     budget = tight.total_moves // 2
@@ -92,8 +100,12 @@ async def test_compute_placement_keeps_previous_within_the_migration_bounds(serv
     assert any(n.startswith(f"move budget (max_moves={budget}") for n in held.stats.notes)
     assert held.stats.budget_limited and not (await plan(tolerance=0.0, layer_tolerance=0.0)).stats.budget_limited
     per_layer = await plan(tolerance=0.0, layer_tolerance=0.0, max_layer_moves=1)
-    assert (eplb.moves(eplb.Placement.contiguous(topo), eplb.Placement(
-        arrays.decode(per_layer.phy2log, "phy2log", (4, 24)), topo)) <= 1).all()
+    assert (
+        eplb.moves(
+            eplb.Placement.contiguous(topo), eplb.Placement(arrays.decode(per_layer.phy2log, "phy2log", (4, 24)), topo)
+        )
+        <= 1
+    ).all()
 
 
 async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
@@ -176,8 +188,14 @@ async def test_decay_window_deployment(serve, connect):
 def test_sigterm_shuts_down_gracefully(tmp_path):
     port = free_port()
     env = dict(os.environ, EPLB_PORT=str(port), EPLB_HOST="127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "eplb_bench.cli", "serve", "--log-level", "WARNING"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eplb_bench.cli", "serve", "--log-level", "WARNING"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert f"listening on 127.0.0.1:{port}" in line
@@ -191,7 +209,9 @@ def test_sigterm_shuts_down_gracefully(tmp_path):
 
 
 def test_generated_code_is_up_to_date():
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh"), "--check"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gen_proto.sh"), "--check"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -200,9 +220,26 @@ async def test_tls(serve, connect, tmp_path):
         pytest.skip("openssl is not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
     )
     server = await serve(tls_cert=cert, tls_key=key)
     c = connect(server, root_certificates=cert.read_bytes())

@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_helpers import REDIS_URL, small_deployment
+
 from eplb_bench.processes import ServeProcess
 from eplb_service import arrays
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import channel
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import REDIS_URL, small_deployment
 
 RANKS = 8
 GRACE_S = 2.0
@@ -65,7 +66,9 @@ class Rank:
             yield msg
             await asyncio.sleep(self.period_s)
 
-    async def stream(self, stub: pb_grpc.ExpertLoadBalancerServiceStub, stop: asyncio.Event) -> pb.ReportLoadResponse | None:
+    async def stream(
+        self, stub: pb_grpc.ExpertLoadBalancerServiceStub, stop: asyncio.Event
+    ) -> pb.ReportLoadResponse | None:
         try:
             return await stub.ReportLoad(self._requests(stop))
         except grpc.aio.AioRpcError as exc:
@@ -81,7 +84,8 @@ def _ended_by_server(error: grpc.aio.AioRpcError | None) -> bool:
     if error is None:
         return False
     return error.code() == grpc.StatusCode.UNAVAILABLE or (
-        error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core")
+        error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core"
+    )
 
 
 async def _window(stub: pb_grpc.ExpertLoadBalancerServiceStub) -> pb.RebalanceResponse:
@@ -119,9 +123,17 @@ async def _stream_then_fail_over(a: ServeProcess, b: ServeProcess, sig: int) -> 
         # Fail over: every rank resends its whole stream to b; what a accepted comes back duplicate.
         resent = await asyncio.gather(*(stub_b.ReportLoad(iter(r.sent)) for r in ranks))
         window = await _window(stub_b)
-        return {"ranks": ranks, "signalled_at": signalled_at, "exited_at": exited_at, "exit_code": exit_code,
-                "health": health_seen, "accepted_a": accepted_a, "resent": resent, "window": window,
-                "sent": sum(len(r.sent) for r in ranks)}
+        return {
+            "ranks": ranks,
+            "signalled_at": signalled_at,
+            "exited_at": exited_at,
+            "exit_code": exit_code,
+            "health": health_seen,
+            "accepted_a": accepted_a,
+            "resent": resent,
+            "window": window,
+            "sent": sum(len(r.sent) for r in ranks),
+        }
     finally:
         await ca.close()
         await cb.close()

@@ -19,5 +19,8 @@ def test_decide_applies_the_rules_in_order_and_force_skips_them():
 
 def test_due_by_interval_or_report_count():
     assert due(SPEC, PlanMarks(reports=9, planned_reports=0, planned_at=100.0), now=159.0) is None
-    assert due(SPEC, PlanMarks(reports=10, planned_reports=0, planned_at=100.0), now=120.0) == "10 reports since the last plan"
+    assert (
+        due(SPEC, PlanMarks(reports=10, planned_reports=0, planned_at=100.0), now=120.0)
+        == "10 reports since the last plan"
+    )
     assert due(SPEC, PlanMarks(reports=0, planned_reports=0, planned_at=100.0), now=160.0) == "interval 60s elapsed"

@@ -18,9 +18,25 @@ from eplb_bench.demo import DemoConfig, make_weights, misrouted_here, route, slo
 def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "5", "--barrier", barrier,
-         "--json", str(out), "--plots", str(tmp_path)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "eplb_bench.cli",
+            "demo",
+            "--ranks",
+            "3",
+            "--seconds",
+            "5",
+            "--barrier",
+            barrier,
+            "--json",
+            str(out),
+            "--plots",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
@@ -49,20 +65,33 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
 
 
 def test_demo_refuses_bad_flags():
-    proc = subprocess.run([sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "1"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "--ranks must be in [2, 16]" in proc.stderr
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--plots", "/proc/nope"], "--plots /proc/nope: cannot write in /proc/nope (No such file or directory); give a writable directory"),
-    (["--json", "/proc/nope/s.json"], "--json /proc/nope/s.json: cannot write in /proc/nope (No such file or directory); give a writable file path"),
-    (["--json", "{tmp}"], "--json {tmp}: is a directory; give a file path"),
-    (["--plots", "{tmp}/file"], "--plots {tmp}/file: is a file; give a directory"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--plots", "/proc/nope"],
+            "--plots /proc/nope: cannot write in /proc/nope (No such file or directory); give a writable directory",
+        ),
+        (
+            ["--json", "/proc/nope/s.json"],
+            "--json /proc/nope/s.json: cannot write in /proc/nope (No such file or directory); give a writable file path",
+        ),
+        (["--json", "{tmp}"], "--json {tmp}: is a directory; give a file path"),
+        (["--plots", "{tmp}/file"], "--plots {tmp}/file: is a file; give a directory"),
+    ],
+)
 def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, flags, message):
     (tmp_path / "file").write_text("")
     flags = [f.format(tmp=tmp_path) for f in flags]
-    proc = subprocess.run([sys.executable, "-m", "eplb_bench.cli", "demo", *flags], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", *flags], capture_output=True, text=True, timeout=60
+    )
     # One line, before any service or rank starts (nothing on stdout).
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
 
@@ -71,16 +100,22 @@ def test_the_check_counts_tokens_routed_with_a_map_the_weights_do_not_hold():
     topo = DemoConfig(ranks=2).topology
     held = eplb.Placement.contiguous(topo)
     S = topo.slots_per_gpu
-    counts = np.random.default_rng(0).multinomial(4096, np.full(topo.num_experts, 1 / topo.num_experts), size=topo.num_layers)
+    counts = np.random.default_rng(0).multinomial(
+        4096, np.full(topo.num_experts, 1 / topo.num_experts), size=topo.num_layers
+    )
     other = eplb.rebalance(counts * np.arange(1, topo.num_experts + 1), topo, "global").placement
     for rank in range(2):
         layers = make_weights(topo, rank, held)
-        np.testing.assert_array_equal(slot_experts(layers, topo), held.phy2log[:, rank * S:(rank + 1) * S])
+        np.testing.assert_array_equal(slot_experts(layers, topo), held.phy2log[:, rank * S : (rank + 1) * S])
         assert misrouted_here(route(counts, held, offset=0), layers, topo, rank) == 0
     # Routed with a map the weights do not hold: every dispatch to a slot that changed is caught.
     dispatched = route(counts, other, offset=0)
     wrong = (other.phy2log != held.phy2log)[:, :S]
-    assert misrouted_here(dispatched, make_weights(topo, 0, held), topo, 0) == dispatched[:, :S].sum(axis=2)[wrong].sum() > 0
+    assert (
+        misrouted_here(dispatched, make_weights(topo, 0, held), topo, 0)
+        == dispatched[:, :S].sum(axis=2)[wrong].sum()
+        > 0
+    )
     # A torn copy: one tensor of one slot holds another expert's weights.
     layers = make_weights(topo, 0, held)
     layers[2]["w2"][5] += 4.0

@@ -22,7 +22,9 @@ def test_search_from_a_fresh_plan_reaches_the_fewest_moves_at_its_balance() -> N
         after = before * rng.lognormal(0, 0.3, (1, 12))
         prev = eplb.rebalance(before, topo, "global", effort="fast").placement
         # The fresh plan relabelled onto prev: valid, balanced, and usually far from fewest moves.
-        start = align_to_previous(eplb.rebalance(after, topo, "global", effort="fast").phy2log, prev, topo, by_node=False)
+        start = align_to_previous(
+            eplb.rebalance(after, topo, "global", effort="fast").phy2log, prev, topo, by_node=False
+        )
         p, s = prev.phy2log[0].reshape(4, 4), start[0].reshape(4, 4)
         limit = float(_loads(after[0], s).max())
         found = search(after[0], p, s, limit, rounds=4, size=4, time_limit=5.0, seed=seed)

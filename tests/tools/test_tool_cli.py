@@ -40,7 +40,23 @@ def test_place_reads_topology_config_and_decay(tmp_path, capsys):
     path, seq = _trace(tmp_path)
     cfg = tmp_path / "topo.toml"
     cfg.write_text("layers = 2\nexperts = 16\nslots = 20\ngpus = 4\nnodes = 2\ngroups = 4\n")
-    assert cli.main(["place", str(path), "--topology", str(cfg), "--half-life", "1", "--policy", "global", "--out", str(tmp_path / "p.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "place",
+                str(path),
+                "--topology",
+                str(cfg),
+                "--half-life",
+                "1",
+                "--policy",
+                "global",
+                "--out",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 0
+    )
     weights = 0.5 ** np.arange(4, -1, -1)
     expect = eplb.rebalance(np.tensordot(weights, seq, axes=1), TOPO, "global")
     assert eio.read_placement(tmp_path / "p.json") == expect.placement
@@ -65,7 +81,20 @@ def test_place_from_a_vllm_window_recorded_under_a_placement(tmp_path, capsys):
     phys = np.take_along_axis(window, np.broadcast_to(old.phy2log, (3, *old.phy2log.shape)), axis=2)
     np.savez(tmp_path / "w.npz", expert_load_window=phys)
     eio.write_placement(tmp_path / "old.json", old, "sglang")
-    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4", "--policy", "global", "--out", str(tmp_path / "new.json")]
+    flags = [
+        "--slots",
+        "20",
+        "--gpus",
+        "4",
+        "--nodes",
+        "2",
+        "--groups",
+        "4",
+        "--policy",
+        "global",
+        "--out",
+        str(tmp_path / "new.json"),
+    ]
     assert cli.main(["place", str(tmp_path / "w.npz"), "--recorded-under", str(tmp_path / "old.json"), *flags]) == 0
     expect = eplb.rebalance(3 * loads, TOPO, "global")
     assert np.allclose(eio.read_trace(tmp_path / "w.npz", phy2log=old.phy2log).window(), 3 * loads)
@@ -96,7 +125,9 @@ def test_place_with_previous_replans_migration_aware_and_reports_transfers(tmp_p
     assert f"schedule: {sched.total_rounds} rounds over {TOPO.num_layers} layers" in out
     assert f"predicted {sched.predicted_seconds:.3f} s" in out
     # A fresh plan of the same loads moves at least as many slots.
-    assert expect.total_moves <= int(eplb.moves(old, eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global").placement).sum())
+    assert expect.total_moves <= int(
+        eplb.moves(old, eplb.rebalance(seq[-2:].sum(axis=0), TOPO, "global").placement).sum()
+    )
     # A move budget below what the tolerance needs holds the re-plan to it and says so.
     budget = expect.total_moves // 2
     assert cli.main(["place", str(path), *args[:-2], "--tolerance", "0", "--max-moves", str(budget)]) == 0

@@ -18,7 +18,14 @@ def placement() -> eplb.Placement:
 
 def test_native_round_trip_keeps_topology_and_stats(placement):
     doc = formats.to_native(placement, {"mean_imbalance": 1.01})
-    assert doc["topology"] == {"num_layers": 2, "num_experts": 8, "num_slots": 12, "num_gpus": 4, "num_nodes": 2, "num_groups": 2}
+    assert doc["topology"] == {
+        "num_layers": 2,
+        "num_experts": 8,
+        "num_slots": 12,
+        "num_gpus": 4,
+        "num_nodes": 2,
+        "num_groups": 2,
+    }
     assert doc["stats"] == {"mean_imbalance": 1.01}
     assert formats.from_native(doc) == placement
 
@@ -68,11 +75,46 @@ def test_listing_of_a_standard_scale_round_trips():
     ("doc", "message"),
     [
         ({"format": "eplb-placement", "version": 1, "phy2log": [[0]]}, "field 'topology': missing"),
-        ({"format": "eplb-placement", "version": 1, "topology": {"num_layers": 1}, "phy2log": [[0]]}, "field 'topology.num_experts': missing; expected a positive integer"),
-        ({"format": "eplb-placement", "version": 1, "topology": {"layers": 1, "experts": 2, "slots": 2, "gpus": 1, "cores": 3}, "phy2log": [[0, 1]]}, "field 'topology': unknown keys cores"),
-        ({"format": "eplb-placement", "version": 1, "topology": {"layers": 1, "experts": 2, "slots": 2, "gpus": 1}, "phy2log": [[0, 0]]}, "field 'phy2log': phy2log leaves expert 1 of layer 0 without a replica"),
-        ({"format": "eplb-placement", "version": 1, "topology": {"layers": 1, "experts": 2, "slots": 2, "gpus": 1}, "phy2log": [[0, "a"]]}, "field 'phy2log': expected integers"),
-        ({"format": "eplb-placement", "version": 1, "topology": {"layers": 1, "experts": 2, "slots": 3, "gpus": 2}, "phy2log": [[0, 1, 1]]}, r"field 'topology': num_slots \(3\) must be a multiple of num_gpus \(2\)"),
+        (
+            {"format": "eplb-placement", "version": 1, "topology": {"num_layers": 1}, "phy2log": [[0]]},
+            "field 'topology.num_experts': missing; expected a positive integer",
+        ),
+        (
+            {
+                "format": "eplb-placement",
+                "version": 1,
+                "topology": {"layers": 1, "experts": 2, "slots": 2, "gpus": 1, "cores": 3},
+                "phy2log": [[0, 1]],
+            },
+            "field 'topology': unknown keys cores",
+        ),
+        (
+            {
+                "format": "eplb-placement",
+                "version": 1,
+                "topology": {"layers": 1, "experts": 2, "slots": 2, "gpus": 1},
+                "phy2log": [[0, 0]],
+            },
+            "field 'phy2log': phy2log leaves expert 1 of layer 0 without a replica",
+        ),
+        (
+            {
+                "format": "eplb-placement",
+                "version": 1,
+                "topology": {"layers": 1, "experts": 2, "slots": 2, "gpus": 1},
+                "phy2log": [[0, "a"]],
+            },
+            "field 'phy2log': expected integers",
+        ),
+        (
+            {
+                "format": "eplb-placement",
+                "version": 1,
+                "topology": {"layers": 1, "experts": 2, "slots": 3, "gpus": 2},
+                "phy2log": [[0, 1, 1]],
+            },
+            r"field 'topology': num_slots \(3\) must be a multiple of num_gpus \(2\)",
+        ),
     ],
 )
 def test_malformed_native_placement_names_field(doc, message):
@@ -84,11 +126,15 @@ def test_malformed_engine_placements_name_field(placement):
     with pytest.raises(ValueError, match="field 'physical_to_logical_map': missing"):
         formats.from_sglang({"phy2log": [[0]]}, num_gpus=1)
     bad = formats.to_vllm(placement) | {"logical_replica_count": np.ones((2, 8), dtype=np.int64)}
-    with pytest.raises(ValueError, match="field 'logical_replica_count': expected shape \\[2, 8\\] equal to the replica counts"):
+    with pytest.raises(
+        ValueError, match="field 'logical_replica_count': expected shape \\[2, 8\\] equal to the replica counts"
+    ):
         formats.from_vllm(bad, num_gpus=4)
     l2p = formats.to_vllm(placement)["logical_to_physical"].copy()
     l2p[0, 0, 0], l2p[0, 1, 0] = l2p[0, 1, 0], l2p[0, 0, 0]
-    with pytest.raises(ValueError, match="field 'logical_to_physical': lists a slot whose physical_to_logical entry is another expert"):
+    with pytest.raises(
+        ValueError, match="field 'logical_to_physical': lists a slot whose physical_to_logical entry is another expert"
+    ):
         formats.from_vllm(formats.to_vllm(placement) | {"logical_to_physical": l2p}, num_gpus=4)
     with pytest.raises(ValueError, match="line 1: expected '# eplb placement v1"):
         formats.from_listing("layer 0 gpu 0 node 0: 1 2\n")
@@ -103,7 +149,10 @@ def test_every_format_round_trips_random_placements(layers, experts, extra_per_g
     topo = eplb.Topology(layers, experts, slots, gpus)
     rng = np.random.default_rng(seed)
     # Each layer: every expert once, the rest random, shuffled.
-    fill = np.concatenate([np.broadcast_to(np.arange(experts), (layers, experts)), rng.integers(0, experts, (layers, slots - experts))], axis=1)
+    fill = np.concatenate(
+        [np.broadcast_to(np.arange(experts), (layers, experts)), rng.integers(0, experts, (layers, slots - experts))],
+        axis=1,
+    )
     p = eplb.Placement(rng.permuted(fill, axis=1), topo)
     assert formats.from_native(formats.to_native(p)) == p
     assert formats.from_sglang(formats.to_sglang(p), num_gpus=gpus) == p

@@ -8,8 +8,8 @@ import pytest
 
 import eplb
 from eplb import traces
-from eplb_bench import io as eio
 from eplb.workloads import make_loads
+from eplb_bench import io as eio
 
 
 @pytest.fixture()
@@ -18,7 +18,9 @@ def trace() -> traces.LoadTrace:
     return traces.LoadTrace(rng.integers(0, 1000, (4, 3, 8)).astype(float), {"model": "tiny"})
 
 
-@pytest.mark.parametrize(("fmt", "suffix"), [("native", "json"), ("json", "json"), ("npy", "npy"), ("npz", "npz"), ("csv", "csv")])
+@pytest.mark.parametrize(
+    ("fmt", "suffix"), [("native", "json"), ("json", "json"), ("npy", "npy"), ("npz", "npz"), ("csv", "csv")]
+)
 def test_trace_formats_round_trip_through_files(tmp_path, trace, fmt, suffix):
     path = tmp_path / f"trace.{suffix}"
     eio.write_trace(path, trace, fmt)
@@ -43,11 +45,16 @@ def test_sglang_pt_without_torch_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed: import fails
     path = tmp_path / "dump.pt"
     path.write_bytes(b"not really")
-    with pytest.raises(ValueError, match=r"dump.pt: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb\[torch\]'`"):
+    with pytest.raises(
+        ValueError,
+        match=r"dump.pt: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb\[torch\]'`",
+    ):
         eio.read_trace(path)
 
 
-@pytest.mark.parametrize(("fmt", "suffix"), [("native", "json"), ("sglang", "json"), ("vllm", "npz"), ("listing", "txt")])
+@pytest.mark.parametrize(
+    ("fmt", "suffix"), [("native", "json"), ("sglang", "json"), ("vllm", "npz"), ("listing", "txt")]
+)
 def test_placement_formats_round_trip_through_files(tmp_path, fmt, suffix):
     topo = eplb.Topology(3, 16, 20, 4, 2, 4)
     loads = make_loads("lognormal-1.0", topo)
@@ -65,7 +72,10 @@ def test_malformed_files_name_file_field_and_expectation(tmp_path):
         eio.read_trace(bad_json)
     no_counts = tmp_path / "nocounts.json"
     no_counts.write_text(json.dumps({"cnt": [[1]]}))
-    with pytest.raises(ValueError, match=r"nocounts.json: field 'counts': missing; expected counts\[layer\]\[expert\] \(fields present: cnt\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"nocounts.json: field 'counts': missing; expected counts\[layer\]\[expert\] \(fields present: cnt\)",
+    ):
         eio.read_trace(no_counts)
     csv = tmp_path / "t.csv"
     csv.write_text("layer,expert,count\n0,0,5\n0,1,oops\n")
@@ -73,13 +83,19 @@ def test_malformed_files_name_file_field_and_expectation(tmp_path):
         eio.read_trace(csv)
     npz = tmp_path / "t.npz"
     np.savez(npz, weights=np.ones((2, 2)))
-    with pytest.raises(ValueError, match=r"t.npz: field 'counts': missing; expected an array named counts or logical_count \(archive has: weights\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"t.npz: field 'counts': missing; expected an array named counts or logical_count \(archive has: weights\)",
+    ):
         eio.read_trace(npz)
     sg = tmp_path / "sg.json"
     sg.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 1]]}))
     with pytest.raises(ValueError, match=r"sg.json: sglang placements do not record the gpu count; pass num_gpus"):
         eio.read_placement(sg)
-    with pytest.raises(ValueError, match=r"sg.json: field 'physical_to_logical_map': num_slots \(3\) must be a multiple of num_gpus \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sg.json: field 'physical_to_logical_map': num_slots \(3\) must be a multiple of num_gpus \(2\)",
+    ):
         eio.read_placement(sg, num_gpus=2)
     (tmp_path / "trace.bin").write_text("x")
     with pytest.raises(ValueError, match=r"trace.bin: cannot tell the trace format from suffix '.bin'"):

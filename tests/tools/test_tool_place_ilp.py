@@ -15,12 +15,17 @@ BIG = eplb.Topology(4, 64, 80, 16)
 def test_total_time_limit_keeps_the_global_plan_on_layers_that_run_out_and_says_so():
     loads = make_loads("zipf-1.0", BIG)
     seen = []
-    plan = eplb.rebalance(loads, BIG, "ilp", total_time_limit=0.05, workers=1, progress=lambda d, n: seen.append((d, n)))
+    plan = eplb.rebalance(
+        loads, BIG, "ilp", total_time_limit=0.05, workers=1, progress=lambda d, n: seen.append((d, n))
+    )
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert plan.extra["solver_method"] == ("out of time",) * 4
     assert plan.solver_status == ("UNKNOWN",) * 4
     assert np.array_equal(plan.phy2log, eplb.rebalance(loads, BIG, "global").phy2log)
-    assert "ilp: 4 of 4 layers found no solution in their time (layers 0-3); they keep the global policy's placement" in plan.notes
+    assert (
+        "ilp: 4 of 4 layers found no solution in their time (layers 0-3); they keep the global policy's placement"
+        in plan.notes
+    )
     assert "ilp: found nothing better than the global policy's placement on 4 of 4 layers" in plan.notes
     # The bound stays a true lower bound.
     assert (plan.solver_bound <= plan.gpu_load.max(axis=1) + 1e-9).all()
@@ -30,14 +35,20 @@ def test_a_proof_that_the_global_plan_is_optimal_is_named_in_the_note():
     topo = eplb.Topology(1, 4, 4, 2)  # one slot per expert: the only freedom is the pairing
     plan = eplb.rebalance(np.array([[4.0, 3.0, 2.0, 1.0]]), topo, "ilp", time_limit=5, workers=1)
     assert plan.solver_status == ("OPTIMAL",)
-    assert "ilp: found nothing better than the global policy's placement on 1 of 1 layers (1 of them proved optimal)" in plan.notes
+    assert (
+        "ilp: found nothing better than the global policy's placement on 1 of 1 layers (1 of them proved optimal)"
+        in plan.notes
+    )
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"total_time_limit": 0}, "total_time_limit must be a positive number of seconds or None"),
-    ({"total_time_limit": True}, "total_time_limit must be a positive number of seconds or None"),
-    ({"progress": 3}, "progress must be a callable"),
-])
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"total_time_limit": 0}, "total_time_limit must be a positive number of seconds or None"),
+        ({"total_time_limit": True}, "total_time_limit must be a positive number of seconds or None"),
+        ({"progress": 3}, "progress must be a callable"),
+    ],
+)
 def test_bad_ilp_options_are_named(options, match):
     with pytest.raises(ValueError, match=match):
         eplb.rebalance(np.ones((1, 4)), eplb.Topology(1, 4, 4, 2), "ilp", **options)

@@ -11,9 +11,18 @@ from eplb.workloads import SCALES, drift, make_loads
 from eplb_bench import plots, report
 
 TINY = report.Settings(
-    scales=("small",), workloads=("zipf-1.0",), policies=("deepseek", "global", "hierarchical"),
-    replan_scales=("small",), replan_steps=6, replan_every=2, step_scales=("small",), tokens_per_gpu=(8, 64),
-    sim_steps=20, topk=2, layer=0, ilp_time_limit=1.0,
+    scales=("small",),
+    workloads=("zipf-1.0",),
+    policies=("deepseek", "global", "hierarchical"),
+    replan_scales=("small",),
+    replan_steps=6,
+    replan_every=2,
+    step_scales=("small",),
+    tokens_per_gpu=(8, 64),
+    sim_steps=20,
+    topk=2,
+    layer=0,
+    ilp_time_limit=1.0,
 )
 
 
@@ -42,9 +51,11 @@ def test_hierarchical_is_skipped_with_the_reason_when_groups_do_not_split():
 
 
 def test_ilp_gap_is_relative_to_the_ilp_row():
-    rows = [{"scale": "s", "workload": "w", "policy": "ilp", "imbalance_mean": 1.0},
-            {"scale": "s", "workload": "w", "policy": "global", "imbalance_mean": 1.05},
-            {"scale": "t", "workload": "w", "policy": "global", "imbalance_mean": 1.2}]
+    rows = [
+        {"scale": "s", "workload": "w", "policy": "ilp", "imbalance_mean": 1.0},
+        {"scale": "s", "workload": "w", "policy": "global", "imbalance_mean": 1.05},
+        {"scale": "t", "workload": "w", "policy": "global", "imbalance_mean": 1.2},
+    ]
     report.add_ilp_gap(rows)
     assert rows[1]["gap_to_ilp"] == pytest.approx(0.05)
     assert "gap_to_ilp" not in rows[2]
@@ -74,10 +85,15 @@ def test_build_report_writes_plots_of_the_set_size(tmp_path):
     assert {r["sequence"] for r in rep["replan"]} == {"drift-0.05", "shift"}
     assert [r["tokens_per_gpu"] for r in rep["steps"] if r["workload"] == "uniform"] == [8, 64]
     names = sorted(p.split("/")[-1] for p in rep["plots"])
-    assert names == sorted([
-        "gpu_load_small_zipf-1.0_layer0.png", "imbalance_per_layer_small_zipf-1.0.png",
-        "imbalance_over_time_small_drift-0.05.png", "imbalance_over_time_small_shift.png", "solve_time_by_scale.png",
-    ])
+    assert names == sorted(
+        [
+            "gpu_load_small_zipf-1.0_layer0.png",
+            "imbalance_per_layer_small_zipf-1.0.png",
+            "imbalance_over_time_small_drift-0.05.png",
+            "imbalance_over_time_small_shift.png",
+            "solve_time_by_scale.png",
+        ]
+    )
     for path in rep["plots"]:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -95,7 +111,10 @@ def test_main_reads_trace_files_and_writes_json(tmp_path, monkeypatch, capsys):
     trace = tmp_path / "t.npy"
     np.save(trace, loads)
     out = tmp_path / "r.json"
-    assert report.main([str(trace), "--quick", "--slots", "20", "--gpus", "4", "--policies", "global", "--json", str(out)]) == 0
+    assert (
+        report.main([str(trace), "--quick", "--slots", "20", "--gpus", "4", "--policies", "global", "--json", str(out)])
+        == 0
+    )
     rows = json.loads(out.read_text())["placement"]
     mine = next(r for r in rows if r["workload"] == str(trace) and r["policy"] == "global")
     plan = eplb.rebalance(loads, topo, "global")
@@ -113,8 +132,22 @@ def test_trace_with_a_time_axis_gets_a_replanning_row_and_plot(tmp_path, monkeyp
     trace = tmp_path / "seq.npy"
     np.save(trace, seq)
     out = tmp_path / "r.json"
-    argv = [str(trace), "--quick", "--slots", "20", "--gpus", "4", "--policies", "global", "--expert-bytes", "1e9",
-            "--json", str(out), "--plots", str(tmp_path / "png")]
+    argv = [
+        str(trace),
+        "--quick",
+        "--slots",
+        "20",
+        "--gpus",
+        "4",
+        "--policies",
+        "global",
+        "--expert-bytes",
+        "1e9",
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path / "png"),
+    ]
     assert report.main(argv) == 0
     rep = json.loads(out.read_text())
     mine = next(r for r in rep["replan"] if r["sequence"] == str(trace) and r["policy"] == "global")
@@ -122,4 +155,7 @@ def test_trace_with_a_time_axis_gets_a_replanning_row_and_plot(tmp_path, monkeyp
     assert mine["imbalance_mean"] == float(s["imbalance"].mean())
     assert mine["moved_bytes_per_replan"] == mine["moves_per_replan"] * 1e9
     assert (tmp_path / "png" / "imbalance_over_time_trace_4_gpus_seq.npy.png").is_file()
-    assert f"| {mine['moves_per_replan']:.1f} | {mine['moved_fraction']:.3f} | {mine['moves_per_replan']:.2f} |" in capsys.readouterr().out
+    assert (
+        f"| {mine['moves_per_replan']:.1f} | {mine['moved_fraction']:.3f} | {mine['moves_per_replan']:.2f} |"
+        in capsys.readouterr().out
+    )

@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.simulate import _systematic_subsets, expected_gpu_load, inclusion_probabilities, sample_gpu_loads, simulate_steps
+from eplb.simulate import (
+    _systematic_subsets,
+    expected_gpu_load,
+    inclusion_probabilities,
+    sample_gpu_loads,
+    simulate_steps,
+)
 
 
 def _balanced(experts: int, slots: int, gpus: int) -> eplb.Placement:
@@ -16,7 +22,9 @@ def _balanced(experts: int, slots: int, gpus: int) -> eplb.Placement:
 def test_inclusion_probabilities_cap_hot_experts_at_one():
     assert inclusion_probabilities(np.array([10.0, 1, 1, 1, 1]), 2).tolist() == [1.0, 0.25, 0.25, 0.25, 0.25]
     assert inclusion_probabilities(np.array([1.0, 1, 2]), 2).tolist() == [0.5, 0.5, 1.0]
-    with pytest.raises(ValueError, match=r"topk \(3\) must be between 1 and the number of experts with popularity > 0 \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"topk \(3\) must be between 1 and the number of experts with popularity > 0 \(2\)"
+    ):
         inclusion_probabilities(np.array([1.0, 0, 1]), 3)
 
 
@@ -76,7 +84,9 @@ def test_spread_shrinks_as_tokens_per_gpu_grow():
     assert [s.expected_ratio for s in stats] == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize(("slots", "gpus", "requests", "published"), [(448, 64, 8, 0.17), (416, 8, 8, 0.10), (448, 64, 60, 0.06)])
+@pytest.mark.parametrize(
+    ("slots", "gpus", "requests", "published"), [(448, 64, 8, 0.17), (416, 8, 8, 0.10), (448, 64, 60, 0.06)]
+)
 def test_reproduces_the_published_uniform_routing_check(slots, gpus, requests, published):
     # 4 tokens per request verified per step: b = 4 * requests per gpu.
     st = simulate_steps(np.ones(384), _balanced(384, slots, gpus), 4 * requests, 6, 200, seed=0)

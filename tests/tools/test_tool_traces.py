@@ -63,10 +63,22 @@ def test_sglang_dump_and_vllm_window():
         ({"format": "other", "version": 1, "counts": [[1]]}, "field 'format': expected 'eplb-trace', got 'other'"),
         ({"format": "eplb-trace", "version": 2, "counts": [[1]]}, "field 'version': expected 1, got 2"),
         ({"format": "eplb-trace", "version": 1}, "field 'counts': missing"),
-        ({"format": "eplb-trace", "version": 1, "counts": [[1, 2], [3]]}, "field 'counts': expected a rectangular numeric array"),
-        ({"format": "eplb-trace", "version": 1, "counts": [[1, -2]]}, r"field 'counts': expected finite counts >= 0, got -2.0 at index \[0, 1\]"),
-        ({"format": "eplb-trace", "version": 1, "counts": [1, 2]}, r"field 'counts': expected shape \[layers, experts\] or \[steps, layers, experts\], got \[2\]"),
-        ({"format": "eplb-trace", "version": 1, "num_experts": 3, "counts": [[1, 2]]}, "field 'num_experts': declares 3 but 'counts' has 2"),
+        (
+            {"format": "eplb-trace", "version": 1, "counts": [[1, 2], [3]]},
+            "field 'counts': expected a rectangular numeric array",
+        ),
+        (
+            {"format": "eplb-trace", "version": 1, "counts": [[1, -2]]},
+            r"field 'counts': expected finite counts >= 0, got -2.0 at index \[0, 1\]",
+        ),
+        (
+            {"format": "eplb-trace", "version": 1, "counts": [1, 2]},
+            r"field 'counts': expected shape \[layers, experts\] or \[steps, layers, experts\], got \[2\]",
+        ),
+        (
+            {"format": "eplb-trace", "version": 1, "num_experts": 3, "counts": [[1, 2]]},
+            "field 'num_experts': declares 3 but 'counts' has 2",
+        ),
     ],
 )
 def test_malformed_native_trace_names_field_and_expectation(doc, message):
@@ -86,5 +98,8 @@ def test_malformed_csv_names_line_and_column():
 
 
 def test_vllm_window_shape_mismatch_is_named():
-    with pytest.raises(ValueError, match=r"field 'physical_to_logical': expected shape \[layers, slots\] = \[1, 6\] to match 'window', got \[1, 5\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"field 'physical_to_logical': expected shape \[layers, slots\] = \[1, 6\] to match 'window', got \[1, 5\]",
+    ):
         traces.from_vllm_window(np.ones((2, 1, 6)), np.zeros((1, 5), dtype=int))

@@ -60,8 +60,22 @@ def test_a_closed_pipe_ends_eplb_place_quietly():
     assert proc.wait(timeout=120) == BROKEN_PIPE_STATUS
     # `eplb place ... --format listing | head -1`: 1,856 lines, more than a pipe holds. The
     # listing is one write, which CPython may end early without an error when the reader goes.
-    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--scale", "v3-prefill", "--synthetic", "lognormal-1.0",
-           "--policy", "global", "--effort", "fast", "--format", "listing"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eplb_bench.cli",
+        "place",
+        "--scale",
+        "v3-prefill",
+        "--synthetic",
+        "lognormal-1.0",
+        "--policy",
+        "global",
+        "--effort",
+        "fast",
+        "--format",
+        "listing",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     first = proc.stdout.readline()
     proc.stdout.close()
@@ -71,8 +85,20 @@ def test_a_closed_pipe_ends_eplb_place_quietly():
 
 
 def test_a_closed_pipe_ends_eplb_bench_quietly():
-    cmd = [sys.executable, "-m", "eplb_bench.report", "--quick", "--scales", "small", "--workloads", "zipf-1.0",
-           "--policies", "global", "--tokens-per-gpu", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eplb_bench.report",
+        "--quick",
+        "--scales",
+        "small",
+        "--workloads",
+        "zipf-1.0",
+        "--policies",
+        "global",
+        "--tokens-per-gpu",
+        "8",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     proc.stdout.close()  # the reader is gone before the report is printed
     _quiet(proc)
@@ -83,7 +109,10 @@ def test_format_and_out_suffix_must_agree_before_planning(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert cli.main(["place", *SMALL, "--format", "vllm", "--out", str(out)]) == 2
     captured = capsys.readouterr()
-    assert "a vllm placement is written as a .npz file, not .json; name it p.npz or choose a .json format (.json native, .json sglang)" in captured.err
+    assert (
+        "a vllm placement is written as a .npz file, not .json; name it p.npz or choose a .json format (.json native, .json sglang)"
+        in captured.err
+    )
     assert captured.out == "" and not out.exists()  # refused before planning
     assert cli.main(["place", *SMALL, "--format", "listing", "--out", str(tmp_path / "p.npy")]) == 2
     assert "name it p.txt" in capsys.readouterr().err
@@ -113,14 +142,36 @@ def test_ilp_time_limit_is_one_limit_with_progress_and_a_note(tmp_path, capsys):
     # the global plan, and the note says the ILP found nothing better.
     flags = ["--layers", "4", "--experts", "64", "--slots", "80", "--gpus", "16", "--synthetic", "zipf-1.0"]
     out = tmp_path / "p.json"
-    assert cli.main(["place", *flags, "--policy", "ilp", "--time-limit", "0.2", "--workers", "1", "--progress", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "place",
+                *flags,
+                "--policy",
+                "ilp",
+                "--time-limit",
+                "0.2",
+                "--workers",
+                "1",
+                "--progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "note: ilp: found nothing better than the global policy's placement on 4 of 4 layers" in captured.out
-    assert "hint: 4 layers ran out of time (--time-limit 0.2 s over 4 layers) before CP-SAT finished building" in captured.out
+    assert (
+        "hint: 4 layers ran out of time (--time-limit 0.2 s over 4 layers) before CP-SAT finished building"
+        in captured.out
+    )
     assert re.search(r"ilp: planning 4 layers: 100%\|.*\| 4/4 ", captured.err)
     topo = eplb.Topology(4, 64, 80, 16)
-    assert eplb.Placement(np.array(json.loads(out.read_text())["phy2log"]), topo) == eplb.rebalance(
-        make_loads("zipf-1.0", topo), topo, "global").placement
+    assert (
+        eplb.Placement(np.array(json.loads(out.read_text())["phy2log"]), topo)
+        == eplb.rebalance(make_loads("zipf-1.0", topo), topo, "global").placement
+    )
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
     assert "global: planning 4 layers: 00:0" in capsys.readouterr().err
     assert cli.main(["place", *flags, "--policy", "global", "--time-limit", "0"]) == 2
@@ -138,24 +189,33 @@ def test_bench_unknown_policy_names_the_registered_ones(capsys):
     assert f"--policies: unknown 'greedy'; registered policies: {', '.join(eplb.policies())}" in err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--scales", "smal"], "--scales: unknown 'smal'; known: v3-prefill"),
-    (["--workloads", "zipf"], "--workloads: unknown 'zipf'; known:"),
-    (["--scales", "small", "--layer", "3"], "--layer must be between 0 and 0 (the per-step scale small has 1 layer), got 3"),
-    (["--ilp-time-limit", "0"], "--ilp-time-limit must be a positive number of seconds, got 0"),
-    (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: directory /no/such/dir does not exist"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scales", "smal"], "--scales: unknown 'smal'; known: v3-prefill"),
+        (["--workloads", "zipf"], "--workloads: unknown 'zipf'; known:"),
+        (
+            ["--scales", "small", "--layer", "3"],
+            "--layer must be between 0 and 0 (the per-step scale small has 1 layer), got 3",
+        ),
+        (["--ilp-time-limit", "0"], "--ilp-time-limit must be a positive number of seconds, got 0"),
+        (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: directory /no/such/dir does not exist"),
+    ],
+)
 def test_bench_bad_flags_are_named_before_the_run(capsys, argv, message):
     assert report.main(["--quick", *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--tokens-per-gpu", "x"], "argument --tokens-per-gpu: expected comma-separated integers >= 1, got 'x'"),
-    (["--replan-every", "0"], "argument --replan-every: expected comma-separated integers >= 1, got '0'"),
-    (["--policies", ","], "argument --policies: expected comma-separated names, got ','"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tokens-per-gpu", "x"], "argument --tokens-per-gpu: expected comma-separated integers >= 1, got 'x'"),
+        (["--replan-every", "0"], "argument --replan-every: expected comma-separated integers >= 1, got '0'"),
+        (["--policies", ","], "argument --policies: expected comma-separated names, got ','"),
+    ],
+)
 def test_bench_malformed_values_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         report.main(["--quick", *argv])
@@ -164,8 +224,21 @@ def test_bench_malformed_values_are_usage_errors(capsys, argv, message):
 
 def test_bench_scales_rule_every_section(tmp_path, capsys):
     out = tmp_path / "r.json"
-    argv = ["--quick", "--scales", "small", "--workloads", "zipf-1.0", "--policies", "global, ilp", "--tokens-per-gpu", "8",
-            "--ilp-time-limit", "1", "--json", str(out)]
+    argv = [
+        "--quick",
+        "--scales",
+        "small",
+        "--workloads",
+        "zipf-1.0",
+        "--policies",
+        "global, ilp",
+        "--tokens-per-gpu",
+        "8",
+        "--ilp-time-limit",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert report.main(argv) == 0
     rep = json.loads(out.read_text())
     assert {r["policy"] for r in rep["placement"]} == {"none", "global", "ilp"}
@@ -190,8 +263,12 @@ def test_bench_help_is_plain_text(capsys):
 
 
 def test_docs_the_tools_point_at_are_in_the_repo():
-    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench").glob("*.py")),
-             *sorted((ROOT / "eplb").rglob("*.py"))]
+    texts = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "bench").glob("*.py")),
+        *sorted((ROOT / "eplb").rglob("*.py")),
+    ]
     cited = {m for path in texts for m in re.findall(r"docs/[\w.-]+\.md", path.read_text())}
     assert "docs/scales.md" in cited
     assert [c for c in sorted(cited) if not (ROOT / c).is_file()] == []
@@ -200,19 +277,26 @@ def test_docs_the_tools_point_at_are_in_the_repo():
     assert "--scale" in scale_help and "docs/scales.md" in scale_help
     # A command the docs say the README runs must be in the README.
     readme = (ROOT / "README.md").read_text()
-    claimed = [line.split("#")[0].strip() for path in texts for line in path.read_text().splitlines()
-               if "what the README runs" in line]
+    claimed = [
+        line.split("#")[0].strip()
+        for path in texts
+        for line in path.read_text().splitlines()
+        if "what the README runs" in line
+    ]
     assert [c for c in claimed if c not in readme] == []
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--half-life", "0"], "--half-life must be a number of steps > 0, got 0.0"),
-    (["--workers", "0"], "--workers must be a number of processes >= 1, got 0"),
-    (["--work-budget", "-1"], "--work-budget must be a number of work units >= 0, got -1.0"),
-    (["--gpus", "0"], "--gpus must be a number >= 1, got 0"),
-    (["--seed", "3"], "--seed applies to synthetic workloads, not to a TRACE"),
-    (["--synthetic", "zipf-1.0"], "--synthetic applies to synthetic workloads, not to a TRACE"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--half-life", "0"], "--half-life must be a number of steps > 0, got 0.0"),
+        (["--workers", "0"], "--workers must be a number of processes >= 1, got 0"),
+        (["--work-budget", "-1"], "--work-budget must be a number of work units >= 0, got -1.0"),
+        (["--gpus", "0"], "--gpus must be a number >= 1, got 0"),
+        (["--seed", "3"], "--seed applies to synthetic workloads, not to a TRACE"),
+        (["--synthetic", "zipf-1.0"], "--synthetic applies to synthetic workloads, not to a TRACE"),
+    ],
+)
 def test_place_numeric_and_mode_flags_are_named(tmp_path, capsys, argv, message):
     np.save(tmp_path / "t.npy", np.ones((1, 16)))
     assert cli.main(["place", str(tmp_path / "t.npy"), *SMALL_TOPO, *argv]) == 2
@@ -224,7 +308,10 @@ def test_place_without_a_trace_or_a_workload_says_what_it_needs(tmp_path, capsys
     out = tmp_path / "p.json"
     assert cli.main(["place", *argv, "--out", str(out)]) == 2
     captured = capsys.readouterr()
-    assert "eplb place: error: nothing to plan: give a TRACE file, or --synthetic NAME for a built-in workload (zipf-0.5, " in captured.err
+    assert (
+        "eplb place: error: nothing to plan: give a TRACE file, or --synthetic NAME for a built-in workload (zipf-0.5, "
+        in captured.err
+    )
     assert "e.g. eplb place --synthetic lognormal-1.0 --scale v3-prefill --out p.json" in captured.err
     assert captured.out == "" and not out.exists()  # refused before planning
 
@@ -249,11 +336,25 @@ def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
     seq = np.round(np.stack([make_loads("zipf-1.0", topo, seed) for seed in range(4)]))
     np.save(tmp_path / "seq.npy", seq)
     out = tmp_path / "r.json"
-    argv = [str(tmp_path / "seq.npy"), "--slots", "20", "--gpus", "4", "--policies", "global", "--replan-every", "2", "--json", str(out)]
+    argv = [
+        str(tmp_path / "seq.npy"),
+        "--slots",
+        "20",
+        "--gpus",
+        "4",
+        "--policies",
+        "global",
+        "--replan-every",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert report.main(argv) == 0
     rep = json.loads(out.read_text())
     assert {r["scale"] for r in rep["placement"]} == {"trace(4 gpus)"}
-    assert {(r["sequence"], r["policy"]) for r in rep["replan"]} == {(str(tmp_path / "seq.npy"), p) for p in ("none", "global")}
+    assert {(r["sequence"], r["policy"]) for r in rep["replan"]} == {
+        (str(tmp_path / "seq.npy"), p) for p in ("none", "global")
+    }
     assert rep["steps"] == []
     assert report.main(["--json", str(tmp_path)]) == 2
     assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
@@ -267,8 +368,28 @@ def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
     # swallowed and the run went on to the next layer. 3 s in, layer 0's model (built in
     # about a second) is being solved, for up to 10 s.
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--policy", "ilp", "--layers", "3", "--experts", "64",
-           "--slots", "80", "--gpus", "16", "--synthetic", "zipf-1.0", "--workers", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eplb_bench.cli",
+        "place",
+        "--policy",
+        "ilp",
+        "--layers",
+        "3",
+        "--experts",
+        "64",
+        "--slots",
+        "80",
+        "--gpus",
+        "16",
+        "--synthetic",
+        "zipf-1.0",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     assert proc.stderr.readline().startswith(b"eplb place: ilp builds and solves one CP-SAT model per layer (3 layers")
     time.sleep(3.0)
@@ -282,7 +403,10 @@ def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
 def test_serve_without_the_service_extra_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "eplb_service.cli", None)  # what a missing package looks like to import
     assert cli.main(["serve"]) == 2
-    assert "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'" in capsys.readouterr().err
+    assert (
+        "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'"
+        in capsys.readouterr().err
+    )
 
 
 def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys):
