@@ -17,13 +17,22 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["RedisProcess", "ServeProcess", "free_port"]
+__all__ = ["RedisProcess", "ServeProcess", "free_port", "serve_argv"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_argv(port: int, redis_url: str, prefix: str, *args: str) -> list[str]:
+    """The command line of an ``eplb serve`` replica on 127.0.0.1:``port`` sharing ``redis_url``
+    under ``prefix``, with extra flags ``args``."""
+    return [
+        sys.executable, "-m", "eplb_bench.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--redis-url", redis_url, "--key-prefix", prefix, *args,
+    ]  # fmt: skip
 
 
 @dataclass
@@ -49,21 +58,7 @@ class ServeProcess:
         """Starts the process; it serves once its stdout says ``listening on`` (see ``wait_listening``)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "eplb_bench.cli",
-                    "serve",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--redis-url",
-                    self.redis_url,
-                    "--key-prefix",
-                    self.prefix,
-                    *self.args,
-                ],
+                serve_argv(self.port, self.redis_url, self.prefix, *self.args),
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,

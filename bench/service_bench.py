@@ -20,7 +20,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,34 +27,15 @@ import uuid
 
 import numpy as np
 
+from .processes import free_port, serve_argv
+
 V3 = dict(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "eplb_bench.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_url,
-            "--key-prefix",
-            prefix,
-            "--log-level",
-            "WARNING",
-        ],
+        serve_argv(port, redis_url, prefix, "--log-level", "WARNING"),
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 
 import grpc
 import numpy as np
 import pytest
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
+from eplb_bench.processes import serve_argv
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient, channel
@@ -29,24 +29,7 @@ STREAM = 40
 def start_replica(prefix: str, port: int) -> subprocess.Popen:
     """``eplb serve`` on ``port``; windows flushed every 2 s, so most reports are not flushed yet."""
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "eplb_bench.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            REDIS_URL,
-            "--key-prefix",
-            prefix,
-            "--flush-seconds",
-            "2",
-            "--grace-seconds",
-            "1",
-        ],
+        serve_argv(port, REDIS_URL, prefix, "--flush-seconds", "2", "--grace-seconds", "1"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
