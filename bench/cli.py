@@ -200,7 +200,7 @@ def _place(args: argparse.Namespace) -> int:
     say(f"policy {plan.policy} -> {plan.policy_used}")
     for note in plan.notes:
         say(f"note: {note}")
-    short = plan.extra.get("solver_method", ()).count("out of time")  # only under --time-limit
+    short = plan.solver.method.count("out of time") if plan.solver else 0  # only under --time-limit
     if short:
         say(
             f"hint: {short} layer{'s' if short > 1 else ''} ran out of time (--time-limit {args.time_limit:g} s over "
@@ -220,7 +220,7 @@ def _place(args: argparse.Namespace) -> int:
     say(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if previous is not None:
         total = topo.num_layers * topo.num_slots
-        ways = ", ".join(f"{k[len('layers_') :]} {v}" for k, v in plan.extra.items() if k.startswith("layers_") and v)
+        ways = ", ".join(f"{k} {v}" for k, v in plan.replan.layers().items() if v) if plan.replan else ""
         say(
             f"moves: {plan.total_moves} of {total} slots ({100 * plan.total_moves / total:.1f} %)"
             + (f"; layers {ways}" if ways else "")
@@ -334,8 +334,8 @@ def _remember_ctrl_c() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-# Policies that take the anytime search's options; ilp takes only the time limit and workers.
-_SEARCHING = ("global", "hierarchical", "auto")
+def _takes(policy: str, option: str) -> bool:
+    return option in eplb.get_policy(policy).option_names()
 
 
 def _planning(args: argparse.Namespace) -> dict:
@@ -347,15 +347,14 @@ def _planning(args: argparse.Namespace) -> dict:
         "workers": args.workers,
     }
     given = {k: v for k, v in given.items() if v is not None}
-    allowed = ("effort", "work_budget", "time_limit", "workers") if args.policy in _SEARCHING else ()
-    if args.policy == "ilp":
-        allowed = ("time_limit", "workers")
-    extra = sorted(set(given) - set(allowed))
+    # The registry says which policy takes which option.
+    extra = sorted(k for k in given if not _takes(args.policy, k))
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        takers = [p for p in eplb.policies() if all(_takes(p, k) for k in extra)]
         raise ValueError(
-            f"{flags} do(es) not apply to --policy {args.policy}; they apply to {', '.join(_SEARCHING)}"
-            + (" (ilp: --time-limit, --workers)" if args.policy != "ilp" else "")
+            f"{flags} do(es) not apply to --policy {args.policy}; "
+            + (f"they apply to {', '.join(takers)}" if takers else "no policy takes them all")
         )
     if args.policy == "ilp" and "time_limit" in given:
         # One limit over all layers; a layer may use all of what is left to it.
@@ -429,7 +428,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--effort",
-        choices=("fast", "default", "high"),
+        choices=eplb.EFFORTS,
         help="fast: the first greedy plan; default: then search "
         "until within 0.1 %% of the bound or the work budget is spent; high: wider and longer [default]",
     )

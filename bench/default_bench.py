@@ -25,7 +25,7 @@ import numpy as np
 
 import eplb
 from eplb.bounds import profile_bound
-from eplb.replicate import replica_cap
+from eplb.place.replicate import replica_cap
 from eplb.workloads import SCALES, lognormal, make_loads, zipf
 
 

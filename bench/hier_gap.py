@@ -28,7 +28,7 @@ from itertools import combinations
 import numpy as np
 
 import eplb
-from eplb.refine import pigeonhole_bound
+from eplb.bounds import pigeonhole_bound
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 
@@ -48,7 +48,7 @@ def _partitions(items: tuple[int, ...], size: int) -> list[list[tuple[int, ...]]
 def node_pigeonhole_bound(loads: np.ndarray, gpus: int, slots: int, k: int = 4) -> np.ndarray:
     """``loads`` ``[L, n]`` of one node's experts → ``[L]`` lower bound on its busiest gpu: the
     least over the replica counts of its ``k`` busiest experts that the node's spare slots
-    allow of ``eplb.refine.pigeonhole_bound``."""
+    allow of ``eplb.bounds.pigeonhole_bound``."""
     L, n = loads.shape
     k = min(k, n)
     top = -np.sort(-loads, axis=1)[:, :k]  # [L, k]

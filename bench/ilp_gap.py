@@ -147,7 +147,7 @@ def proofs(time_limit: float, workers: int) -> str:
         mean = loads.sum() / topo.num_gpus
         greedy = eplb.rebalance(loads, topo, "global").gpu_load.max()
         out.append(
-            f"| {name} | {plan.solver_status[0]} | {plan.extra['solver_seconds'][0]:.1f} | "
+            f"| {name} | {plan.solver_status[0]} | {plan.solver.seconds[0]:.1f} | "
             f"{plan.gpu_load.max() / mean:.5f} | {plan.solver_bound[0] / mean:.5f} | {greedy / mean:.5f} |"
         )
     return "\n".join(out)

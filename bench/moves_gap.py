@@ -24,7 +24,7 @@ import json
 import numpy as np
 
 import eplb
-from eplb.replicate import replica_cap
+from eplb.place.replicate import replica_cap
 from eplb.workloads import make_loads
 
 from .drift_bench import kept_count_floor

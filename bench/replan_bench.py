@@ -36,7 +36,7 @@ CASES = {
     "kimi-64-budget": ("kimi-64", "auto", 0.05),
     "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05),
 }
-# Layers per job of the fresh plan's pool (eplb.policies.hierarchical.CHUNK): its chunks are
+# Layers per job of the fresh plan's pool (eplb.place.anytime.CHUNK): its chunks are
 # fixed, so the fresh plan runs in at most ceil(L / 16) processes; candidates split any way.
 FRESH_CHUNK = 16
 

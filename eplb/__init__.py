@@ -1,7 +1,11 @@
 """eplb: expert-parallel load balancing for mixture-of-experts inference.
 
 ``rebalance(loads [L, E], topology, policy="auto", previous=None, **options) -> Plan``
-is the entry point; ``policies()`` lists what ``policy`` accepts. The tool modules
+is the entry point; ``policies()`` lists what ``policy`` accepts and ``get_policy(name)``
+what it is (its options, whether it re-plans migration-aware). The library's rooms:
+``eplb.place`` (placement steps and the anytime planner), ``eplb.replan`` (re-planning from
+a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
+``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies). The tool modules
 (``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ...) load on first use.
 """
 
@@ -9,9 +13,11 @@ import importlib
 
 from . import policies as _policies  # noqa: F401  (registers the built-in policies)
 from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bound, moves
+from .place.anytime import EFFORTS, PlanOptions
 from .placement import Placement
-from .plan import Plan
-from .registry import PolicyResult, get_policy, policies, rebalance, register_policy
+from .plan import Plan, ReplanStats, SearchStats, SolverStats
+from .registry import PolicyResult, PolicySpec, get_policy, policies, rebalance, register_policy, unregister_policy
+from .replan.choose import Migration
 from .topology import Topology
 
 __all__ = [
@@ -19,10 +25,18 @@ __all__ = [
     "Placement",
     "Plan",
     "PolicyResult",
+    "PolicySpec",
+    "PlanOptions",
+    "EFFORTS",
+    "Migration",
+    "SearchStats",
+    "ReplanStats",
+    "SolverStats",
     "rebalance",
     "policies",
     "get_policy",
     "register_policy",
+    "unregister_policy",
     "gpu_loads",
     "imbalance",
     "balancedness",

@@ -11,17 +11,29 @@
   so ``row_bound`` and ``Plan.imbalance_lb`` leave it out; benchmarks report it.
 
 ``row_bound`` works on rows of any packing problem (a layer, or one node of a layer);
-``lower_bound`` on a topology's layers.
+``lower_bound`` on a topology's layers. Two more serve single steps: ``pigeonhole_bound``
+(what a few hot experts' replica counts force on one gpu; ``eplb.place.hot`` picks counts by
+it) and ``integer_bound`` (the simple bound in the ILP's integer units).
 """
 
 from __future__ import annotations
 
+from itertools import combinations
+
 import numpy as np
 
-from .replicate import replica_cap, waterfill
+from .place.replicate import replica_cap, waterfill
 from .topology import Topology
 
-__all__ = ["lower_bound", "pairing_bound", "profile_bound", "row_bound", "simple_bound"]
+__all__ = [
+    "lower_bound",
+    "row_bound",
+    "simple_bound",
+    "pairing_bound",
+    "profile_bound",
+    "pigeonhole_bound",
+    "integer_bound",
+]
 
 # Bisection steps of the pairing bound: 2**-40 of the starting interval is far below float noise
 # in any figure we report.
@@ -173,3 +185,45 @@ def lower_bound(loads: np.ndarray, topology: Topology) -> np.ndarray:
     t = topology
     cap = replica_cap(t.num_experts, t.num_slots, t.num_gpus)
     return row_bound(loads, t.num_gpus, t.slots_per_gpu, cap)
+
+
+def pigeonhole_bound(top: np.ndarray, grid: np.ndarray, bins: int) -> np.ndarray:
+    """``top`` ``[R, k]`` loads of ``k`` experts, ``grid`` ``[V, k]`` candidate replica counts
+    (at most one replica of an expert per bin) → ``[R, V]``: the busiest bin is at least
+    - their largest replica;
+    - the ``m`` smallest of their replicas, ``m = ceil(sum c / bins)``: some bin holds ``m``;
+    - for every subset ``T`` with ``sum_T c > (|T| - 1) bins``, the sum of its replicas: some
+      bin holds one of each (a bin without all of ``T`` holds at most ``|T| - 1`` of them).
+    """
+    R, k = top.shape
+    w = top[:, None, :] / grid[None, :, :]  # [R, V, k]
+    srt = np.sort(w, axis=2)
+    m = -(-grid.sum(axis=1) // bins)  # [V]
+    out = np.take_along_axis(
+        np.cumsum(srt, axis=2), np.broadcast_to((m - 1)[None, :, None], (R, len(grid), 1)), axis=2
+    )[..., 0]
+    out = np.maximum(out, srt[:, :, -1])
+    for size in range(2, k + 1):
+        for subset in combinations(range(k), size):
+            cols = list(subset)
+            together = grid[:, cols].sum(axis=1) > (size - 1) * bins  # [V]
+            out = np.maximum(out, np.where(together[None, :], w[:, :, cols].sum(axis=2), 0.0))
+    return out
+
+
+def integer_bound(w: np.ndarray, num_slots: int, num_gpus: int) -> int:
+    """``w``: ``[E, C]`` → a lower bound on the busiest gpu in integer units.
+
+    ``eplb.lower_bound`` on the rounded weights: the mean (total load over gpus, with each
+    expert's cheapest total ``c * w[e, c]``), and the smallest per-replica load ``T`` for which
+    giving each expert its fewest replicas with ``w[e, c] <= T`` fits in the slots.
+    """
+    counts = np.arange(1, w.shape[1] + 1)
+    total = int((w * counts).min(axis=1).sum())
+    mean = -(-total // num_gpus)
+    # w[e, c] falls with c, so the fewest replicas reaching T are a count of entries above T.
+    for t in np.unique(w):
+        need = (w > t).sum(axis=1) + 1
+        if (need <= w.shape[1]).all() and need.sum() <= num_slots:
+            return max(mean, int(t))
+    return mean  # unreachable: T = max(w) always fits

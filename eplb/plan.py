@@ -2,13 +2,73 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .placement import Placement
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "SearchStats", "ReplanStats", "SolverStats"]
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    """What the anytime search after the first plan did: ``work`` units spent,
+    ``layers_searched`` (layers not within ``gap`` of their bound after the first plan),
+    ``layers_at_bound`` (within ``gap`` at the end) and whether ``time_limit`` cut it short."""
+
+    work: float = 0.0
+    layers_searched: int = 0
+    layers_at_bound: int = 0
+    timed_out: bool = False
+
+    def __add__(self, other: SearchStats) -> SearchStats:
+        return SearchStats(
+            self.work + other.work,
+            self.layers_searched + other.layers_searched,
+            self.layers_at_bound + other.layers_at_bound,
+            self.timed_out or other.timed_out,
+        )
+
+
+@dataclass(frozen=True)
+class ReplanStats:
+    """How a migration-aware re-plan (``previous=``) treated the layers: how many kept the
+    previous placement as it was, took a repair of it (``repaired``; ``recounted``: replica
+    counts reset first; ``regrouped``: expert groups swapped between nodes first) or the fresh
+    plan relabelled onto it (``replanned``); ``budget_limited``: a move budget (``max_moves``,
+    ``max_layer_moves``) held the re-plan above its imbalance tolerance."""
+
+    layers_kept: int = 0
+    layers_repaired: int = 0
+    layers_recounted: int = 0
+    layers_regrouped: int = 0
+    layers_replanned: int = 0
+    budget_limited: bool = False
+
+    def layers(self) -> dict[str, int]:
+        """Layers per way, by name (``"kept"``, ``"repaired"``, ...)."""
+        return {
+            "kept": self.layers_kept,
+            "repaired": self.layers_repaired,
+            "recounted": self.layers_recounted,
+            "regrouped": self.layers_regrouped,
+            "replanned": self.layers_replanned,
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class SolverStats:
+    """What an exact solver (the ``ilp`` policy) reported per layer: ``status`` (CP-SAT's, e.g.
+    ``"OPTIMAL"``), ``bound`` ``[L]`` (proven lower bound on the busiest gpu's load),
+    ``objective`` ``[L]`` (the busiest gpu's load it reached, in its units), ``seconds`` ``[L]``
+    and ``method`` (``"enumeration"``, ``"cp-sat"`` or ``"out of time"``)."""
+
+    status: tuple[str, ...]
+    bound: np.ndarray
+    objective: np.ndarray
+    seconds: np.ndarray
+    method: tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -21,11 +81,11 @@ class Plan:
     - ``moves``: slots whose expert differs from ``previous`` (zeros without one);
     - ``gpu_load``: ``[L, G]`` tokens per gpu.
     ``policy`` is the policy asked for, ``policy_used`` what ran (``auto`` resolves to one),
-    ``notes`` say why (e.g. a fallback). ILP plans fill ``solver_status`` and
-    ``solver_bound`` (``[L]`` proven lower bound on the busiest gpu's load). ``search`` is
-    what the anytime search after the first plan did (``SearchStats``: work units spent,
-    layers searched, layers within the gap of their bound, whether ``time_limit`` cut it),
-    ``None`` for policies without one.
+    ``notes`` say why (e.g. a fallback). Typed facts, ``None`` where they do not apply:
+    ``search`` (``SearchStats``: what the anytime search after the first plan did), ``replan``
+    (``ReplanStats``: how a migration-aware re-plan treated the layers) and ``solver``
+    (``SolverStats``: an exact solver's status and bound per layer; ``solver_status`` and
+    ``solver_bound`` read it).
     """
 
     placement: Placement
@@ -38,10 +98,17 @@ class Plan:
     gpu_load: np.ndarray
     solve_seconds: float
     notes: tuple[str, ...] = ()
-    solver_status: tuple[str, ...] | None = None
-    solver_bound: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
-    search: object | None = None
+    search: SearchStats | None = None
+    replan: ReplanStats | None = None
+    solver: SolverStats | None = None
+
+    @property
+    def solver_status(self) -> tuple[str, ...] | None:
+        return None if self.solver is None else self.solver.status
+
+    @property
+    def solver_bound(self) -> np.ndarray | None:
+        return None if self.solver is None else self.solver.bound
 
     @property
     def phy2log(self) -> np.ndarray:

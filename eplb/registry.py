@@ -1,55 +1,118 @@
-"""Policies by name, and the one entry point ``rebalance``."""
+"""Policies by name, and the one entry point ``rebalance``.
+
+A policy is registered with its options (a frozen dataclass whose ``__post_init__`` checks
+them, so a bad value fails once, with a message that names the option) and whether
+``rebalance`` makes its plans migration-aware when given ``previous=`` (``replans``). The
+re-plan itself (``eplb.replan``) is applied here, once, for every such policy; its options
+(``eplb.replan.choose.Migration``: tolerances and move budgets) are accepted by every one.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from . import metrics
 from .loads import check_loads
 from .placement import Placement
-from .plan import Plan
+from .plan import Plan, SearchStats, SolverStats
+from .replan.choose import Migration, choose
 from .topology import Topology
 
-__all__ = ["PolicyResult", "Policy", "register_policy", "policies", "get_policy", "rebalance"]
+__all__ = [
+    "PolicyResult",
+    "Policy",
+    "PolicySpec",
+    "register_policy",
+    "unregister_policy",
+    "policies",
+    "get_policy",
+    "rebalance",
+]
 
 
 @dataclass(frozen=True)
 class PolicyResult:
-    """What a policy hands back: ``phy2log`` ``[L, P]`` and optional solver facts."""
+    """What a policy hands back: ``phy2log`` ``[L, P]``, the policy that ran (``auto`` names
+    the one it chose), notes, whether a re-plan must keep expert groups whole on nodes
+    (``groups_on_nodes``: hierarchical plans), and typed facts for ``Plan``."""
 
     phy2log: np.ndarray
     policy_used: str
     notes: tuple[str, ...] = ()
-    solver_status: tuple[str, ...] | None = None
-    solver_bound: np.ndarray | None = None
-    extra: dict | None = None
-    search: object | None = None
+    groups_on_nodes: bool = False
+    search: SearchStats | None = None
+    solver: SolverStats | None = None
 
 
 class Policy(Protocol):
-    def __call__(
-        self, loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object
-    ) -> PolicyResult: ...
+    def __call__(self, loads: np.ndarray, topology: Topology, options: Any) -> PolicyResult: ...
 
 
-_REGISTRY: dict[str, Policy] = {}
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered policy: ``fn(loads [L, E] float64, topology, options) -> PolicyResult``,
+    its ``options`` dataclass (``None``: it takes none) and whether ``rebalance`` re-plans
+    its plans migration-aware from ``previous=`` (``replans``)."""
+
+    name: str
+    fn: Policy
+    options: type | None
+    replans: bool
+
+    def option_names(self) -> tuple[str, ...]:
+        """Every option ``rebalance`` accepts for this policy: its own, then the re-plan's."""
+        own = tuple(f.name for f in dataclasses.fields(self.options)) if self.options else ()
+        return own + (tuple(f.name for f in dataclasses.fields(Migration)) if self.replans else ())
+
+    def defaults(self) -> Any:
+        """The policy's options with every default (``None`` when it takes none)."""
+        return self.options() if self.options else None
+
+    def parse(self, options: dict) -> tuple[Any, Migration | None]:
+        """``rebalance``'s keyword options → (the policy's options, the re-plan's), both checked."""
+        allowed = self.option_names()
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            if not allowed:
+                raise ValueError(f"policy {self.name!r} takes no options, got {unknown}")
+            raise ValueError(f"policy {self.name!r} got unknown option(s) {unknown}; allowed: {', '.join(allowed)}")
+        migration_fields = {f.name for f in dataclasses.fields(Migration)} if self.replans else set()
+        own = {k: v for k, v in options.items() if k not in migration_fields}
+        mig = {k: v for k, v in options.items() if k in migration_fields}
+        opts = self.options(**own) if self.options else None
+        return opts, (Migration(**mig) if self.replans else None)
 
 
-def register_policy(name: str) -> Callable[[Policy], Policy]:
-    """Decorator: make ``fn(loads [L, E] float64, topology, previous, **options)`` a policy."""
+_REGISTRY: dict[str, PolicySpec] = {}
+
+
+def register_policy(name: str, *, options: type | None = None, replans: bool = False) -> Callable[[Policy], Policy]:
+    """Decorator: make ``fn(loads [L, E] float64, topology, options) -> PolicyResult`` the policy
+    ``name``. ``options``: a frozen dataclass of its options (checked in ``__post_init__``),
+    ``None`` for none; ``replans``: ``rebalance`` makes its plans migration-aware from
+    ``previous=`` (``eplb.replan``) and accepts the re-plan options for it."""
+    if options is not None and not (dataclasses.is_dataclass(options) and isinstance(options, type)):
+        raise ValueError(f"options must be a dataclass type or None, got {options!r}")
 
     def deco(fn: Policy) -> Policy:
         if name in _REGISTRY:
             raise ValueError(f"policy {name!r} is already registered")
-        _REGISTRY[name] = fn
+        _REGISTRY[name] = PolicySpec(name, fn, options, replans)
         return fn
 
     return deco
+
+
+def unregister_policy(name: str) -> None:
+    """Remove the policy ``name`` (a plugin's or a test's; ``ValueError`` if none)."""
+    get_policy(name)
+    del _REGISTRY[name]
 
 
 def policies() -> tuple[str, ...]:
@@ -57,7 +120,8 @@ def policies() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def get_policy(name: str) -> Policy:
+def get_policy(name: str) -> PolicySpec:
+    """The registered policy ``name`` (``ValueError`` listing the registered ones if none)."""
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -73,23 +137,32 @@ def rebalance(
 ) -> Plan:
     """``loads``: ``[L, E]`` expert loads → a :class:`Plan` for ``topology``.
 
-    ``policy`` names a registered policy (``policies()``). ``previous``, the placement in
-    service now, makes migration-aware policies keep experts where they are unless moving
-    pays, and is what ``Plan.moves`` counts against. Bad input raises ``ValueError``.
+    ``policy`` names a registered policy (``policies()``); ``options`` are its options
+    (``get_policy(policy).option_names()``). ``previous``, the placement in service now, is
+    what ``Plan.moves`` counts against, and for policies registered with ``replans=True`` makes
+    the plan keep experts where they are unless moving pays (``eplb.replan``; options
+    ``tolerance``, ``layer_tolerance``, ``max_moves``, ``max_layer_moves``). Bad input raises
+    ``ValueError``.
     """
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
-    fn = get_policy(policy)
+    spec = get_policy(policy)
     arr = check_loads(loads, topology)
     if previous is not None:
         if not isinstance(previous, Placement):
             raise ValueError(f"previous must be a Placement, got {type(previous).__name__}")
         if previous.topology != topology:
             raise ValueError(f"previous placement is for {previous.topology}, not {topology}")
+    opts, migration = spec.parse(options)
     start = time.perf_counter()
-    result = fn(arr, topology, previous, **options)
+    result = spec.fn(arr, topology, opts)
+    phy2log, notes, replan = result.phy2log, result.notes, None
+    if previous is not None and migration is not None:
+        workers = int(getattr(opts, "workers", 1))
+        phy2log, replan, more = choose(arr, previous, phy2log, topology, migration, result.groups_on_nodes, workers)
+        notes += more
     seconds = time.perf_counter() - start
-    placement = Placement(result.phy2log, topology)
+    placement = Placement(phy2log, topology)
     load = metrics.gpu_loads(arr, placement)
     moves = (
         metrics.moves(previous, placement) if previous is not None else np.zeros(topology.num_layers, dtype=np.int64)
@@ -100,13 +173,12 @@ def rebalance(
         policy_used=result.policy_used,
         imbalance=metrics.imbalance(load),
         imbalance_lb=metrics.imbalance_lb(arr, topology),
-        search=result.search,
         balancedness=metrics.balancedness(load),
         moves=moves,
         gpu_load=load,
         solve_seconds=seconds,
-        notes=result.notes,
-        solver_status=result.solver_status,
-        solver_bound=result.solver_bound,
-        extra=dict(result.extra or {}),
+        notes=notes,
+        search=result.search,
+        replan=replan,
+        solver=result.solver,
     )

@@ -5,12 +5,9 @@ Only conversions: every check of what a client sent lives in :mod:`.validation`.
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
+import dataclasses
 
 import eplb
-from eplb.policies import MIGRATION_OPTIONS
 
 from . import limits
 from ._gen.eplb.v1 import balancer_pb2 as pb
@@ -20,7 +17,8 @@ from .windows import WindowSpec
 
 __all__ = [
     "deployment_ranks",
-    "library_accepts",
+    "accepts",
+    "replans",
     "migration_options",
     "plan_stats",
     "planning_options",
@@ -43,19 +41,30 @@ def topology_to(topo: eplb.Topology) -> pb.Topology:
     )
 
 
-# Policies that re-plan migration-aware (eplb.rebalance's tolerance, layer_tolerance,
-# max_moves and max_layer_moves); the others take no such options and re-plan from scratch.
-MIGRATION_POLICIES = ("auto", "global", "hierarchical")
+# Migration's fields are named as the library's re-plan options (eplb.Migration).
+MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(eplb.Migration))
 
 
-# Migration's fields are named as the library's options.
-MIGRATION_FIELDS = MIGRATION_OPTIONS
+def replans(policy: str) -> bool:
+    """Whether ``policy`` re-plans migration-aware (the library's registry says; the others
+    take no re-plan options and re-plan from scratch)."""
+    return policy in eplb.policies() and eplb.get_policy(policy).replans
+
+
+def accepts(policy: str, option: str) -> bool:
+    """Whether the library's ``policy`` takes ``option`` (its registered options)."""
+    return policy in eplb.policies() and option in eplb.get_policy(policy).option_names()
+
+
+def policies_where(test: object) -> list[str]:
+    """Registered policies for which ``test(name)`` holds, for error messages."""
+    return [p for p in eplb.policies() if test(p)]
 
 
 def migration_options(msg: pb.Migration, policy: str) -> dict[str, float]:
     """A checked ``Migration`` → ``eplb.rebalance`` keyword options (only those it sets, and none
     for policies that re-plan from scratch)."""
-    if policy not in MIGRATION_POLICIES:
+    if not replans(policy):
         return {}
     return {name: getattr(msg, name) for name in MIGRATION_FIELDS if msg.HasField(name)}
 
@@ -89,22 +98,8 @@ def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
     return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, budget)
 
 
-# Planning.effort values on the wire; the installed library may not know all of them yet.
-EFFORTS = ("fast", "default", "high")
-
-
-PLANNING_POLICIES = (*MIGRATION_POLICIES, "ilp")
-
-
-@functools.cache
-def library_accepts(option: str, value: object) -> bool:
-    """Whether the installed library's ``global`` policy takes ``option=value`` (feature
-    detection through the public API, on a one-expert plan, once per process)."""
-    try:
-        eplb.rebalance(np.ones((1, 2)), eplb.Topology(1, 2, 2, 1), "global", **{option: value})
-    except ValueError:
-        return False
-    return True
+# Planning.effort values on the wire: the library's.
+EFFORTS = eplb.EFFORTS
 
 
 def planning_options(
@@ -124,17 +119,12 @@ def planning_options(
     if policy == "ilp":
         total = min(limit or limits.ILP_MAX_SECONDS, limits.ILP_MAX_SECONDS)
         return {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}, notes
-    if policy not in PLANNING_POLICIES:
+    if not accepts(policy, "time_limit"):
         return options, notes
-    if msg.effort and msg.effort != "default":
+    if msg.effort and accepts(policy, "effort"):
         options["effort"] = msg.effort
-    elif msg.effort == "default" and library_accepts("effort", "default"):
-        options["effort"] = "default"
-    if msg.HasField("work_budget"):
-        if library_accepts("work_budget", 1000):
-            options["work_budget"] = msg.work_budget
-        else:
-            notes.append("planning.work_budget ignored: the installed eplb has no work budget")
+    if msg.HasField("work_budget") and accepts(policy, "work_budget"):
+        options["work_budget"] = msg.work_budget
     if limit is not None:
         options["time_limit"] = limit
     return options, notes
@@ -166,5 +156,5 @@ def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:
         solve_seconds=plan.solve_seconds,
         gain_percent=gain,
         notes=list(plan.notes),
-        budget_limited=bool(plan.extra.get("budget_limited", 0)),
+        budget_limited=plan.replan is not None and plan.replan.budget_limited,
     )

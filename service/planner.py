@@ -154,7 +154,7 @@ class Planner:
         current = await self.store.placement(name)
         previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
         options = codec.migration_options(local.deployment.migration, policy)
-        if policy in codec.MIGRATION_POLICIES and local.trigger.max_moves:
+        if codec.replans(policy) and local.trigger.max_moves:
             # Plan within the move budget rather than plan past it and be refused (deployments
             # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
             options.setdefault("max_moves", local.trigger.max_moves)

@@ -11,15 +11,15 @@ import re
 from collections.abc import Collection
 
 import eplb
-from eplb.policies import DEFAULT_LAYER_TOLERANCE, DEFAULT_TOLERANCE
 
 from . import limits
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .codec import (
     EFFORTS,
     MIGRATION_FIELDS,
-    MIGRATION_POLICIES,
-    PLANNING_POLICIES,
+    accepts,
+    policies_where,
+    replans,
     topology_to,
 )
 from .errors import FieldViolation, InvalidArgument, ResourceExhausted
@@ -114,11 +114,11 @@ def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bo
         if not msg.HasField(name):
             continue
         value = getattr(msg, name)
-        if policy not in MIGRATION_POLICIES and not (budget_gates and name == "max_moves"):
+        if not replans(policy) and not (budget_gates and name == "max_moves"):
             out.append(
                 FieldViolation(
                     f"{field}.{name}",
-                    f"policy {policy!r} re-plans from scratch; set only for {', '.join(MIGRATION_POLICIES)}",
+                    f"policy {policy!r} re-plans from scratch; set only for {', '.join(policies_where(replans))}",
                 )
             )
         elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
@@ -172,12 +172,12 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
         # One move budget: the deprecated Trigger.max_moves moves to Migration.max_moves (and
         # stays readable where it was).
         out.migration.max_moves = msg.trigger.max_moves
-    if out.policy in MIGRATION_POLICIES:
+    if replans(out.policy):
         # Stored with the defaults filled in, so a deployment shows the bounds it re-plans with.
         if not out.migration.HasField("tolerance"):
-            out.migration.tolerance = DEFAULT_TOLERANCE
+            out.migration.tolerance = eplb.Migration().tolerance
         if not out.migration.HasField("layer_tolerance"):
-            out.migration.layer_tolerance = DEFAULT_LAYER_TOLERANCE
+            out.migration.layer_tolerance = eplb.Migration().layer_tolerance
     violations += _fill_ranks(msg, out, field)
     if not out.HasField("switch_margin_steps"):
         out.switch_margin_steps = DEFAULT_SWITCH_MARGIN
@@ -222,20 +222,24 @@ def check_planning(msg: pb.Planning, policy: str, field: str) -> list[FieldViola
     """Field violations of a ``Planning`` for ``policy`` (empty when it is valid)."""
     out = []
     set_fields = [f.name for f, _ in msg.ListFields()]
-    if set_fields and policy not in PLANNING_POLICIES:
+
+    def planning(p: str) -> bool:
+        return accepts(p, "time_limit")
+
+    if set_fields and not planning(policy):
         return [
             FieldViolation(
                 f"{field}.{set_fields[0]}",
-                f"policy {policy!r} takes no planning options; set them only for {', '.join(PLANNING_POLICIES)}",
+                f"policy {policy!r} takes no planning options; set them only for {', '.join(policies_where(planning))}",
             )
         ]
     if msg.effort:
         if msg.effort not in EFFORTS:
             out.append(FieldViolation(f"{field}.effort", f"{msg.effort!r} is not one of {', '.join(EFFORTS)}"))
-        elif policy == "ilp":
-            out.append(FieldViolation(f"{field}.effort", "policy 'ilp' has no effort levels; set time_limit"))
-    if msg.HasField("work_budget") and policy == "ilp":
-        out.append(FieldViolation(f"{field}.work_budget", "policy 'ilp' has no work budget; set time_limit"))
+        elif not accepts(policy, "effort"):
+            out.append(FieldViolation(f"{field}.effort", f"policy {policy!r} has no effort levels; set time_limit"))
+    if msg.HasField("work_budget") and not accepts(policy, "work_budget"):
+        out.append(FieldViolation(f"{field}.work_budget", f"policy {policy!r} has no work budget; set time_limit"))
     if msg.HasField("time_limit") and msg.time_limit.ToNanoseconds() <= 0:
         out.append(FieldViolation(f"{field}.time_limit", "must be > 0"))
     return out

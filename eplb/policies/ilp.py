@@ -19,7 +19,7 @@ Model for one layer (``E`` experts, ``G`` gpus with ``S = P / G`` slots each):
   integer weights) and at most the ``global`` policy's answer, which is also the hint.
 
 Small layers (at most 200,000 replica-count vectors and 20,000 ways to fill one gpu) go first
-to an exact enumeration (``eplb.policies._enumerate``) with half the time limit: it settles
+to an exact enumeration (``eplb.policies.enumeration``) with half the time limit: it settles
 them in about a second, including float loads whose optimum sits a hair above the mean gpu
 load, where CP-SAT's bound stays at the mean. What it does not settle, CP-SAT solves with the
 rest of the time, hinted with the enumeration's best placement.
@@ -35,17 +35,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from ..bounds import integer_bound
 from ..metrics import gpu_loads, lower_bound
+from ..place.anytime import place_global
 from ..placement import Placement
+from ..plan import SolverStats
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
-from ._enumerate import improve_or_prove
-from .hierarchical import place_global
+from .enumeration import improve_or_prove
 
-__all__ = ["solve_layer"]
+__all__ = ["solve_layer", "IlpOptions"]
 
 # Largest integer weight we accept for exact units; beyond it CP-SAT's linear relaxation gets
 # numerically weaker and int64 sums over a gpu start to approach their limits.
@@ -53,7 +57,31 @@ _EXACT_MAX = 1 << 40
 # Units of the largest expert load when loads must be rounded.
 _ROUNDED_UNITS = float(1 << 24)
 
-_OPTIONS = ("time_limit", "workers", "total_time_limit", "progress")
+
+@dataclass(frozen=True)
+class IlpOptions:
+    """Options of the ``ilp`` policy, checked when made: ``time_limit`` (seconds per layer),
+    ``workers`` (CP-SAT search workers), ``total_time_limit`` (seconds for all layers,
+    ``None``: no limit; each layer gets at most what is left over the layers left,
+    ``time_limit`` at most, and one that runs out keeps the global policy's placement) and
+    ``progress`` (called as ``progress(layers_done, num_layers)`` after each layer)."""
+
+    time_limit: float = 10.0
+    workers: int = 8
+    total_time_limit: float | None = None
+    progress: Callable[[int, int], object] | None = None
+
+    def __post_init__(self) -> None:
+        tl = self.time_limit
+        if isinstance(tl, bool) or not isinstance(tl, (int, float)) or not tl > 0:
+            raise ValueError(f"time_limit must be a positive number of seconds, got {tl!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        total = self.total_time_limit
+        if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total > 0):
+            raise ValueError(f"total_time_limit must be a positive number of seconds or None, got {total!r}")
+        if self.progress is not None and not callable(self.progress):
+            raise ValueError(f"progress must be a callable (layers done, layers) or None, got {self.progress!r}")
 
 
 def _units(loads: np.ndarray, max_count: int) -> tuple[np.ndarray, float, bool]:
@@ -66,24 +94,6 @@ def _units(loads: np.ndarray, max_count: int) -> tuple[np.ndarray, float, bool]:
         return ints[:, None] // counts[None, :], float(lcm), True
     scale = _ROUNDED_UNITS / top if top > 0 else 1.0
     return np.round(loads[:, None] * scale / counts[None, :]).astype(np.int64), scale, False
-
-
-def _integer_lower_bound(w: np.ndarray, num_slots: int, num_gpus: int) -> int:
-    """``w``: ``[E, C]`` → a lower bound on the busiest gpu in integer units.
-
-    ``eplb.lower_bound`` on the rounded weights: the mean (total load over gpus, with each
-    expert's cheapest total ``c * w[e, c]``), and the smallest per-replica load ``T`` for which
-    giving each expert its fewest replicas with ``w[e, c] <= T`` fits in the slots.
-    """
-    counts = np.arange(1, w.shape[1] + 1)
-    total = int((w * counts).min(axis=1).sum())
-    mean = -(-total // num_gpus)
-    # w[e, c] falls with c, so the fewest replicas reaching T are a count of entries above T.
-    for t in np.unique(w):
-        need = (w > t).sum(axis=1) + 1
-        if (need <= w.shape[1]).all() and need.sum() <= num_slots:
-            return max(mean, int(t))
-    return mean  # unreachable: T = max(w) always fits
 
 
 def solve_layer(
@@ -101,7 +111,7 @@ def solve_layer(
     (``OPTIMAL``, ``FEASIBLE`` or ``UNKNOWN``), ``bound`` (proven lower bound on the busiest
     gpu's load, in load units), ``objective`` (the busiest gpu's load of the returned row, in
     load units as the solver counts them), ``exact``, ``seconds`` and ``method``
-    (``"enumeration"`` when the exact enumeration of ``_enumerate`` settled it within half of
+    (``"enumeration"`` when the exact enumeration of ``enumeration`` settled it within half of
     ``time_limit``, else ``"cp-sat"``).
 
     ``deadline`` (a ``time.perf_counter()`` value) also bounds building the model, which at
@@ -117,7 +127,7 @@ def solve_layer(
     S = topology.slots_per_gpu
     C = min(G, P - E + 1)
     w, scale, exact = _units(loads, C)
-    lb = _integer_lower_bound(w, P, G)
+    lb = integer_bound(w, P, G)
     start = time.perf_counter()
     # Small layers: the exact enumeration first (half the time); it proves what CP-SAT's
     # bound often cannot, and otherwise hands CP-SAT a better hint.
@@ -284,34 +294,17 @@ def _add_hint(model, hint, w, use, y, gpu_load, z, topology: Topology) -> int | 
     return int(load.max())
 
 
-@register_policy("ilp")
-def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **options: object) -> PolicyResult:
-    """``loads``: float64 ``[L, E]`` → the min-max placement of each layer by CP-SAT.
-
-    Options: ``time_limit`` (seconds per layer, default 10), ``workers`` (CP-SAT search
-    workers, default 8), ``total_time_limit`` (seconds for all layers, default none: each
-    layer gets at most what is left over the layers left, ``time_limit`` at most, and one that
-    runs out keeps the global policy's placement) and ``progress`` (called as
-    ``progress(layers_done, num_layers)`` after each layer). Fills ``solver_status`` (per
-    layer), ``solver_bound`` (``[L]``) and
-    ``extra["solver_objective"]``, ``extra["solver_seconds"]`` (``[L]``) and
-    ``extra["solver_method"]`` (per layer: ``"enumeration"``, ``"cp-sat"`` or ``"out of time"``).
-    """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"policy 'ilp' got unknown options {unknown}; allowed: {', '.join(_OPTIONS)}")
-    time_limit = options.get("time_limit", 10.0)
-    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
-        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    workers = options.get("workers", 8)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    total = options.get("total_time_limit")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total > 0):
-        raise ValueError(f"total_time_limit must be a positive number of seconds or None, got {total!r}")
-    progress = options.get("progress")
-    if progress is not None and not callable(progress):
-        raise ValueError(f"progress must be a callable (layers done, layers) or None, got {progress!r}")
+@register_policy("ilp", options=IlpOptions)
+def _ilp(loads: np.ndarray, topology: Topology, options: IlpOptions) -> PolicyResult:
+    """``loads``: float64 ``[L, E]`` → the min-max placement of each layer by CP-SAT (see
+    ``IlpOptions``). Fills ``Plan.solver`` (``SolverStats``: status, bound, objective, seconds
+    and method per layer)."""
+    time_limit, workers, total, progress = (
+        options.time_limit,
+        options.workers,
+        options.total_time_limit,
+        options.progress,
+    )
     end = None if total is None else time.perf_counter() + float(total)
     t = topology
     if t.num_experts * t.num_gpus < t.num_slots:
@@ -362,18 +355,8 @@ def _ilp(loads: np.ndarray, topology: Topology, previous: Placement | None, **op
         )
     # The water-filling bound holds for the true loads; the solver's may lose S / 2 units to rounding.
     bound_all = np.maximum(np.array(bound), lower_bound(loads, t))
-    return PolicyResult(
-        np.stack(rows),
-        "ilp",
-        tuple(notes),
-        solver_status=tuple(status),
-        solver_bound=bound_all,
-        extra={
-            "solver_objective": np.array(objective),
-            "solver_seconds": np.array(seconds),
-            "solver_method": tuple(method),
-        },
-    )
+    solver = SolverStats(tuple(status), bound_all, np.array(objective), np.array(seconds), tuple(method))
+    return PolicyResult(np.stack(rows), "ilp", tuple(notes), solver=solver)
 
 
 def _ranges(layers: list[int]) -> str:

@@ -4,7 +4,7 @@ start, never fewer than the proved fewest, and nearly always those."""
 import numpy as np
 
 import eplb
-from eplb.migration import align_to_previous
+from eplb.replan.align import align_to_previous
 from eplb_bench.moves_gap import fewest_moves
 from eplb_bench.replan_lns import search
 

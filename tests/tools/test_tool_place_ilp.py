@@ -19,7 +19,7 @@ def test_total_time_limit_keeps_the_global_plan_on_layers_that_run_out_and_says_
         loads, BIG, "ilp", total_time_limit=0.05, workers=1, progress=lambda d, n: seen.append((d, n))
     )
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    assert plan.extra["solver_method"] == ("out of time",) * 4
+    assert plan.solver.method == ("out of time",) * 4
     assert plan.solver_status == ("UNKNOWN",) * 4
     assert np.array_equal(plan.phy2log, eplb.rebalance(loads, BIG, "global").phy2log)
     assert (

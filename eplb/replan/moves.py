@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .refine import _counts
+from ..layout import REL_TOL, replica_counts
 
 __all__ = ["chain_improve", "count_repair"]
-
-_REL_TOL = 1e-12
 
 
 def chain_improve(
@@ -49,9 +47,9 @@ def chain_improve(
         sub = phy[active]
         A = active.size
         ra = np.arange(A)
-        w = (loads[active] / np.maximum(_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
+        w = (loads[active] / np.maximum(replica_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
         load = w.sum(axis=2)
-        excess = load - (target[active] * (1 + _REL_TOL))[:, None]
+        excess = load - (target[active] * (1 + REL_TOL))[:, None]
         # Presence of each expert on each bin, to keep one replica of an expert per bin.
         has = np.zeros((A, B, E), dtype=bool)
         has[ra[:, None, None], np.arange(B)[None, :, None], sub] = True
@@ -150,10 +148,10 @@ def count_repair(
         A = active.size
         ra = np.arange(A)
         lo = loads[active]
-        cnt = _counts(sub, E)
+        cnt = replica_counts(sub, E)
         w = lo / np.maximum(cnt, 1)
         load = w[ra[:, None, None], sub].sum(axis=2)  # [A, B]
-        tgt = (target[active] * (1 + _REL_TOL))[:, None]
+        tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
         n_over = (excess > 0).sum(axis=1)
         flat = (ra[:, None, None] * E + sub).ravel()  # each slot's (row, expert)

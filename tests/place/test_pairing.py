@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import eplb
 from eplb.bounds import pairing_bound, profile_bound, simple_bound
-from eplb.pairing import pair_counts, paired_max
-from eplb.replicate import waterfill
+from eplb.place.pairing import pair_counts, paired_max
+from eplb.place.replicate import waterfill
 from eplb.workloads import lognormal, zipf
 
 
@@ -78,7 +78,7 @@ def test_default_plan_at_two_slots_per_gpu_is_at_least_as_good_as_the_built_coun
 
 def _best_over_counts(loads: np.ndarray, bins: int) -> float:
     """Brute force: the least paired busiest bin over every count vector (one row)."""
-    from eplb.replicate import count_vectors
+    from eplb.place.replicate import count_vectors
 
     vectors = count_vectors(loads.size, 2 * bins, bins)
     return float(paired_max(np.broadcast_to(loads, vectors.shape), vectors).min())

@@ -1,8 +1,12 @@
-"""Our replicate-and-pack policies: ``hierarchical`` (groups → nodes → gpus) and ``global``.
+"""The replicate-and-pack planner behind ``global``, ``hierarchical`` and ``auto``: a first
+plan, then an anytime search.
 
 ``global`` is ``hierarchical`` with one node and one group: one code path, as in DeepSeek's
 eplb.py, but with replica counts capped so no gpu needs two copies of an expert, a balanced
-deal instead of a per-item greedy, and a swap step that lowers the busiest gpu.
+deal instead of a per-item greedy, and a swap step that lowers the busiest gpu. The steps it
+runs live beside it in ``eplb.place``: ``replicate`` (counts), ``packing`` (replicas onto
+gpus), ``counts`` (count moves), ``hot`` (hot experts kept apart), ``pairing`` and ``search``
+(the search after the first plan).
 """
 
 from __future__ import annotations
@@ -14,25 +18,18 @@ import numpy as np
 
 from ..bounds import row_bound
 from ..budget import Budget
-from ..packing import pack
-from ..refine import refine_counts, refine_thorough, separate_hot
-from ..replicate import replica_cap, waterfill
+from ..layout import busiest
+from ..plan import SearchStats
 from ..topology import Topology
 from ..workers import worker_pool
+from .counts import refine_counts
+from .hot import separate_hot
+from .packing import pack
+from .replicate import replica_cap, waterfill
+from .search import refine_thorough
 
-__all__ = ["place_hierarchical", "place_global", "plan_placement", "SearchStats", "OPTIONS", "EFFORTS"]
+__all__ = ["PlanOptions", "EFFORTS", "plan_placement", "place_global", "flat_topology"]
 
-# Options both policies take, with their defaults.
-OPTIONS: dict[str, object] = {
-    "max_rounds": 16,  # swap rounds after the deal
-    "refine": 8,  # count moves per layer in the first plan (0: keep water-filling counts)
-    "donors": None,  # donor experts a count move considers (None: 8, or 4 with <= 2 slots per gpu)
-    "effort": "default",  # "fast": the first plan only; "high": a wider, longer search
-    "work_budget": None,  # work units per layer after the first plan (None: the effort's default)
-    "gap": 0.001,  # a layer's search stops within this fraction of its lower bound
-    "time_limit": None,  # wall-clock seconds for the whole plan (None: no limit; not deterministic)
-    "workers": 1,  # processes planning layer chunks in parallel
-}
 EFFORTS = ("fast", "default", "high")
 # Work units per layer of the search after the first plan: one unit is one slot of one candidate
 # looked at (eplb.budget). Chosen so a full-model default plan stays under a second on one core
@@ -44,55 +41,67 @@ HIGH_WORK = 400_000
 CHUNK = 16
 
 
+def _count(name: str, value: object, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"option {name} must be an integer >= 0{extra}, got {value!r}")
+
+
 @dataclass(frozen=True)
-class SearchStats:
-    """What the search after the first plan did: ``work`` units spent, ``layers_searched``
-    (layers not within ``gap`` of their bound after the first plan), ``layers_at_bound``
-    (within ``gap`` at the end) and whether ``time_limit`` cut it short."""
+class PlanOptions:
+    """Options of the replicate-and-pack policies, checked when made (``ValueError`` names the
+    option and what it allows).
 
-    work: float = 0.0
-    layers_searched: int = 0
-    layers_at_bound: int = 0
-    timed_out: bool = False
+    - ``effort``: ``"fast"`` the first plan only; ``"default"`` then the anytime search;
+      ``"high"`` a wider search with four times the work;
+    - ``work_budget``: work units per layer after the first plan (``None``: the effort's);
+    - ``gap``: a layer's search stops within this fraction of its lower bound;
+    - ``time_limit``: wall-clock seconds for the whole plan (``None``: none; not deterministic);
+    - ``workers``: processes planning layer chunks (and a re-plan's candidates) in parallel;
+      the plan is the same for any number;
+    - ``max_rounds``: swap rounds after the deal; ``refine``: count moves per layer in the first
+      plan (0: keep water-filling counts); ``donors``: donor experts a count move considers
+      (``None``: 8, or 4 with <= 2 slots per gpu).
+    """
 
-    def __add__(self, other: SearchStats) -> SearchStats:
-        return SearchStats(
-            self.work + other.work,
-            self.layers_searched + other.layers_searched,
-            self.layers_at_bound + other.layers_at_bound,
-            self.timed_out or other.timed_out,
-        )
+    effort: str = "default"
+    work_budget: float | None = None
+    gap: float = 0.001
+    time_limit: float | None = None
+    workers: int = 1
+    max_rounds: int = 16
+    refine: int = 8
+    donors: int | None = None
 
+    def __post_init__(self) -> None:
+        _count("max_rounds", self.max_rounds)
+        _count("refine", self.refine)
+        _count("donors", self.donors, allow_none=True)
+        limit = self.time_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise ValueError(f"option time_limit must be a positive number of seconds or None, got {limit!r}")
+        if self.effort not in EFFORTS:
+            raise ValueError(f"option effort must be one of {', '.join(map(repr, EFFORTS))}, got {self.effort!r}")
+        work = self.work_budget
+        if work is not None and (
+            isinstance(work, bool) or not isinstance(work, (int, float, np.integer)) or not work >= 0
+        ):
+            raise ValueError(f"option work_budget must be a number of work units >= 0 per layer or None, got {work!r}")
+        gap = self.gap
+        if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
+            raise ValueError(f"option gap must be a number >= 0 (a fraction, 0.001 = 0.1 %), got {gap!r}")
+        workers = self.workers
+        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+            raise ValueError(f"option workers must be an integer >= 1 (processes), got {workers!r}")
 
-def _options(options: dict) -> dict:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown}; allowed: {sorted(OPTIONS)} (and the re-plan options 'tolerance', 'layer_tolerance', 'max_moves', 'max_layer_moves')"
-        )
-    out = {**OPTIONS, **options}
-    for name in ("max_rounds", "refine", "donors"):
-        v = out[name]
-        if name == "donors" and v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            extra = " or None" if name == "donors" else ""
-            raise ValueError(f"option {name} must be an integer >= 0{extra}, got {v!r}")
-    limit = out["time_limit"]
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
-        raise ValueError(f"option time_limit must be a positive number of seconds or None, got {limit!r}")
-    if out["effort"] not in EFFORTS:
-        raise ValueError(f"option effort must be one of {', '.join(map(repr, EFFORTS))}, got {out['effort']!r}")
-    work = out["work_budget"]
-    if work is not None and (isinstance(work, bool) or not isinstance(work, (int, float, np.integer)) or not work >= 0):
-        raise ValueError(f"option work_budget must be a number of work units >= 0 per layer or None, got {work!r}")
-    gap = out["gap"]
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
-        raise ValueError(f"option gap must be a number >= 0 (a fraction, 0.001 = 0.1 %), got {gap!r}")
-    workers = out["workers"]
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
-        raise ValueError(f"option workers must be an integer >= 1 (processes), got {workers!r}")
-    return out
+    @property
+    def work_per_layer(self) -> float:
+        """The search's work units per layer: ``work_budget``, or the effort's default."""
+        if self.work_budget is not None:
+            return float(self.work_budget)
+        return float(HIGH_WORK if self.effort == "high" else DEFAULT_WORK)
 
 
 def _donors(donors: object, slots_per_gpu: int) -> int:
@@ -104,7 +113,7 @@ def _donors(donors: object, slots_per_gpu: int) -> int:
     return 4 if slots_per_gpu <= 2 else 8
 
 
-def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> tuple[np.ndarray, SearchStats]:
+def plan_placement(loads: np.ndarray, topology: Topology, options: PlanOptions) -> tuple[np.ndarray, SearchStats]:
     """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]`` and what the search did.
 
     Hierarchical (groups → nodes → gpus) when the topology has nodes and groups, else global.
@@ -124,9 +133,9 @@ def plan_placement(loads: np.ndarray, topology: Topology, **options: object) -> 
             f"hierarchical needs num_groups ({topo.num_groups}) to be a multiple of num_nodes "
             f"({topo.num_nodes}); use policy 'global'"
         )
-    opts = _options(options)
-    deadline = None if opts["time_limit"] is None else time.perf_counter() + float(opts["time_limit"])
-    workers = int(opts["workers"])
+    opts = options
+    deadline = None if opts.time_limit is None else time.perf_counter() + float(opts.time_limit)
+    workers = int(opts.workers)
     L = topo.num_layers
     if workers == 1 or L <= CHUNK:
         return _plan_chunks(loads, topo, opts, deadline)
@@ -144,11 +153,11 @@ def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
 
 
 def _plan_chunks(
-    loads: np.ndarray, topo: Topology, opts: dict, deadline: float | None
+    loads: np.ndarray, topo: Topology, opts: PlanOptions, deadline: float | None
 ) -> tuple[np.ndarray, SearchStats]:
     rows = _first_plan(loads, topo, opts)
     stats = SearchStats()
-    if opts["effort"] != "fast":
+    if opts.effort != "fast":
         for a in range(0, topo.num_layers, CHUNK):
             stats += _search(rows, slice(a, min(a + CHUNK, topo.num_layers)), topo, opts, deadline)
     return rows.finish(), stats
@@ -172,10 +181,10 @@ class _Rows:
         return np.take_along_axis(self.node_experts, local, axis=2).reshape(L, -1).astype(np.int32)
 
 
-def _first_plan(loads: np.ndarray, topo: Topology, opts: dict) -> _Rows:
+def _first_plan(loads: np.ndarray, topo: Topology, opts: PlanOptions) -> _Rows:
     L, E, P = topo.num_layers, topo.num_experts, topo.num_slots
     N, G, groups = topo.num_nodes, topo.num_gpus, topo.num_groups
-    max_rounds = int(opts["max_rounds"])
+    max_rounds = int(opts.max_rounds)
     group_size = E // groups
     # Step 1: groups → nodes. node_groups[l, n, :] lists the groups of node n.
     group_load = loads.reshape(L, groups, group_size).sum(axis=2)
@@ -202,13 +211,13 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: dict) -> _Rows:
     assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds, floor=floor)  # [L*N, gpn, S]
     slot_local = local_ids[rows[:, :, None], assign]
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
-    if cap is not None and gpn > 1 and opts["refine"]:
+    if cap is not None and gpn > 1 and opts.refine:
         slot_local = refine_counts(
             local_loads,
             slot_local,
             cap,
-            iterations=int(opts["refine"]),
-            donors=_donors(opts["donors"], P // G),
+            iterations=int(opts.refine),
+            donors=_donors(opts.donors, P // G),
             target=np.maximum(floor, local_loads.sum(axis=1) / gpn * 1.001),
         )
     # With few gpus per node, water-filling can make two hot experts share gpus; only nodes
@@ -220,7 +229,7 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: dict) -> _Rows:
     return _Rows(local_loads, slot_local, node_experts, floor, cap)
 
 
-def _search(rows: _Rows, layers: slice, topo: Topology, opts: dict, deadline: float | None) -> SearchStats:
+def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, deadline: float | None) -> SearchStats:
     """The anytime search on the rows of ``layers``, in place on ``rows.phy``."""
     N = topo.num_nodes
     n_layers = layers.stop - layers.start
@@ -229,43 +238,28 @@ def _search(rows: _Rows, layers: slice, topo: Topology, opts: dict, deadline: fl
     X, B, S = phy.shape
     if cap is None or B < 2:
         return SearchStats()
-    per_layer = opts["work_budget"]
-    if per_layer is None:
-        per_layer = HIGH_WORK if opts["effort"] == "high" else DEFAULT_WORK
-    busiest = _busiest(loads, phy)
-    reach = np.maximum(row_bound(loads, B, S, cap, busiest), rows.floor[sel])
-    target = reach * (1 + float(opts["gap"]))
-    todo = np.flatnonzero(busiest > target)
+    per_layer = opts.work_per_layer
+    now = busiest(loads, phy)
+    reach = np.maximum(row_bound(loads, B, S, cap, now), rows.floor[sel])
+    target = reach * (1 + float(opts.gap))
+    todo = np.flatnonzero(now > target)
     budget = Budget(float(per_layer) * n_layers, deadline)
     if todo.size == 0 or per_layer == 0:
         return SearchStats(0.0, 0, n_layers, False)
-    wide = opts["effort"] == "high"
+    wide = opts.effort == "high"
     best = refine_thorough(loads[todo], phy[todo], cap, budget, target[todo], wide=wide)
     if not budget.out():
         best = separate_hot(loads[todo], best, cap, target=target[todo], budget=budget)
     rows.phy[sel.start + todo] = best
-    after = _busiest(loads, rows.phy[sel])
+    after = busiest(loads, rows.phy[sel])
     layer_ok = (after <= target).reshape(n_layers, N).all(axis=1)
     searched = np.unique(todo // N).size
     return SearchStats(budget.spent, searched, int(layer_ok.sum()), budget.timed_out)
 
 
-def _busiest(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
-    """``loads`` ``[X, n]``, ``phy`` ``[X, B, S]`` → ``[X]`` busiest bin."""
-    cnt = np.zeros_like(loads, dtype=np.int64)
-    np.add.at(cnt, (np.arange(len(loads))[:, None, None], phy), 1)
-    w = loads / np.maximum(cnt, 1)
-    return w[np.arange(len(loads))[:, None, None], phy].sum(axis=2).max(axis=1)
-
-
-def place_hierarchical(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
-    """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]`` (see :func:`plan_placement`)."""
-    return plan_placement(loads, topology, **options)[0]
-
-
-def place_global(loads: np.ndarray, topology: Topology, **options: object) -> np.ndarray:
+def place_global(loads: np.ndarray, topology: Topology, options: PlanOptions | None = None) -> np.ndarray:
     """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]``, ignoring nodes and groups."""
-    return place_hierarchical(loads, flat_topology(topology), **options)
+    return plan_placement(loads, flat_topology(topology), options or PlanOptions())[0]
 
 
 def flat_topology(topology: Topology) -> Topology:

@@ -128,13 +128,13 @@ def test_a_move_budget_caps_the_moves_and_buys_balance_with_them(policy: str) ->
     prev = eplb.rebalance(seq[0], topo, policy).placement
     free = eplb.rebalance(seq[1], topo, policy, previous=prev)
     kept = eplb.imbalance(eplb.gpu_loads(seq[1], prev))
-    assert free.extra["budget_limited"] == 0
+    assert not free.replan.budget_limited
     # A budget the tolerance does not need changes nothing.
     roomy = eplb.rebalance(seq[1], topo, policy, previous=prev, max_moves=free.total_moves)
-    assert np.array_equal(roomy.phy2log, free.phy2log) and roomy.extra["budget_limited"] == 0
+    assert np.array_equal(roomy.phy2log, free.phy2log) and not roomy.replan.budget_limited
     half = free.total_moves // 2
     tight = eplb.rebalance(seq[1], topo, policy, previous=prev, max_moves=half)
-    assert tight.extra["budget_limited"] == 1
+    assert tight.replan.budget_limited
     assert any(n.startswith(f"move budget (max_moves={half}, max_layer_moves=None) held") for n in tight.notes)
     assert not free.notes
     assert half * 0.8 <= tight.total_moves <= half  # the budget is spent, not exceeded
@@ -153,7 +153,7 @@ def test_a_layer_move_budget_holds_in_every_layer(scale: str, policy: str) -> No
     limit = int(np.median(free.moves[free.moves > 0]))
     plan = eplb.rebalance(seq[1], topo, policy, previous=prev, max_layer_moves=limit)
     assert plan.moves.max() <= limit < free.moves.max()
-    assert plan.extra["budget_limited"] == 1
+    assert plan.replan.budget_limited
     assert plan.mean_imbalance < eplb.imbalance(eplb.gpu_loads(seq[1], prev)).mean()
 
 
@@ -167,7 +167,7 @@ def test_move_budgets_hold_on_random_layouts(data: st.DataObject) -> None:
     assert total is None or plan.total_moves <= total
     assert per_layer is None or plan.moves.max() <= per_layer
     assert (plan.imbalance <= kept * (1 + 1e-9)).all()
-    if not plan.extra["budget_limited"]:
+    if not plan.replan.budget_limited:
         fresh = eplb.rebalance(after, topo, "global")
         assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
 
@@ -183,7 +183,7 @@ def test_bad_move_budget_is_rejected() -> None:
 
 
 def test_align_preserves_balance_exactly() -> None:
-    from eplb.migration import align_to_previous
+    from eplb.replan.align import align_to_previous
 
     topo = SCALES["kimi-64"]
     a = make_loads("lognormal-1.0", topo, seed=5)
@@ -201,9 +201,9 @@ def test_align_preserves_balance_exactly() -> None:
     per_bin=st.integers(1, 4),
 )
 def test_recount_sets_the_counts_and_touches_only_changed_experts(data: st.DataObject, bins: int, per_bin: int) -> None:
-    from eplb.migration import _recount
-    from eplb.refine import _counts
-    from eplb.replicate import waterfill
+    from eplb.layout import replica_counts
+    from eplb.place.replicate import waterfill
+    from eplb.replan.candidates import recount
 
     P = bins * per_bin
     E = data.draw(st.integers(max(1, (P + bins - 1) // bins), P), label="experts")
@@ -213,11 +213,11 @@ def test_recount_sets_the_counts_and_touches_only_changed_experts(data: st.DataO
     phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(1, bins, per_bin).astype(np.int64)
     # Target counts: water-filling on other loads, at most one replica per gpu.
     want = waterfill(rng.lognormal(0, 1, (1, E)), P, bins)[0]
-    out, ok = _recount(loads * rng.lognormal(0, 0.5, (1, E)), phy, want[None])
+    out, ok = recount(loads * rng.lognormal(0, 0.5, (1, E)), phy, want[None])
     if not ok[0]:  # every free slot sat on a gpu that already held the gaining expert
         return
-    have = _counts(phy, E)[0]
-    assert (_counts(out, E)[0] == want).all()
+    have = replica_counts(phy, E)[0]
+    assert (replica_counts(out, E)[0] == want).all()
     assert all(len(set(g)) == per_bin for g in out[0].tolist())  # no expert twice on a gpu
     changed = out[0] != phy[0]
     # Only slots of experts that lost a replica change, and only to experts that gain one.
@@ -235,7 +235,7 @@ def test_two_slots_per_gpu_drift_is_recounted_not_replanned() -> None:
         fresh = eplb.rebalance(loads, topo, "global")
         plan = eplb.rebalance(loads, topo, "global", previous=prev, tolerance=0.01, layer_tolerance=0.01)
         assert (plan.gpu_load.max(axis=1) <= 1.01 * fresh.gpu_load.max(axis=1) + 1e-9).all()
-        assert plan.extra["layers_recounted"] > 0
+        assert plan.replan.layers_recounted > 0
         assert plan.total_moves < 0.2 * topo.num_slots * topo.num_layers
         prev = plan.placement
 
@@ -253,7 +253,7 @@ def test_a_node_above_the_target_is_fixed_by_swapping_groups() -> None:
             loads[layer, g * 16 : (g + 1) * 16] *= 1.5
     fresh = eplb.rebalance(loads, topo, "hierarchical")
     plan = eplb.rebalance(loads, topo, "hierarchical", previous=prev, tolerance=0.01, layer_tolerance=0.01)
-    assert plan.extra["layers_regrouped"] == 4
+    assert plan.replan.layers_regrouped == 4
     assert (plan.gpu_load.max(axis=1) <= 1.01 * fresh.gpu_load.max(axis=1) + 1e-9).all()
     per_node = plan.phy2log.reshape(4, 2, -1) // 16
     for layer in range(4):
@@ -266,7 +266,7 @@ def test_a_node_above_the_target_is_fixed_by_swapping_groups() -> None:
 def test_pick_meets_the_budget_and_respects_what_is_allowed(data: st.DataObject) -> None:
     from itertools import product
 
-    from eplb.migration import _pick
+    from eplb.replan.pick import pick
 
     C = data.draw(st.integers(2, 4), label="candidates")
     L = data.draw(st.integers(1, 4), label="layers")
@@ -278,7 +278,7 @@ def test_pick_meets_the_budget_and_respects_what_is_allowed(data: st.DataObject)
     cost[rng.random((C, L)) < 0.2] = np.inf
     cost[-1] = 30.0
     budget = imb[-1].sum() * (1 + data.draw(st.floats(0, 0.1), label="slack"))
-    pick = _pick(cost, imb, budget)
+    pick = pick(cost, imb, budget)
     cols = np.arange(L)
     assert np.isfinite(cost[pick, cols]).all()
     assert imb[pick, cols].sum() <= budget + 1e-12
@@ -301,13 +301,14 @@ def test_replan_keeps_the_mean_and_layer_bounds_on_random_layouts(data: st.DataO
     plan = eplb.rebalance(after, topo, "global", previous=prev, tolerance=tol, layer_tolerance=layer_tol)
     assert plan.mean_imbalance <= (1 + tol) * fresh.mean_imbalance + 1e-9
     assert (plan.imbalance <= (1 + layer_tol) * fresh.imbalance + 1e-9).all()
-    assert sum(v for k, v in plan.extra.items() if k.startswith("layers_")) == L
+    assert sum(plan.replan.layers().values()) == L
     # Every expert keeps a replica; the placement validated on construction.
     assert (plan.logcnt >= 1).all()
 
 
 def test_a_rotation_fixes_two_gpus_with_three_slots() -> None:
-    from eplb.refine import _bin_loads, _counts, rotate_improve
+    from eplb.layout import bin_loads, replica_counts
+    from eplb.place.packing import rotate_improve
 
     # Gpus 0 and 1 are 1 above the target of 10; gpu 2 has room. Expert weights: 5, 4, 3, 2, 1.
     # A rotation: gpu 0 gives 5 to gpu 2, gpu 2 gives 3 to gpu 1, gpu 1 gives 4 to gpu 0.
@@ -316,9 +317,9 @@ def test_a_rotation_fixes_two_gpus_with_three_slots() -> None:
     target = np.array([10.0])
     before = phy.copy()
     rotate_improve(loads, phy, target)
-    assert (_bin_loads(loads, phy) <= 10.0).all()
+    assert (bin_loads(loads, phy) <= 10.0).all()
     assert (phy != before).sum() == 3
-    assert (_counts(phy, 6) == _counts(before, 6)).all()
+    assert (replica_counts(phy, 6) == replica_counts(before, 6)).all()
     assert all(len(set(g)) == 2 for g in phy[0].tolist())
 
 
@@ -327,7 +328,7 @@ def _drifted_layout(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Two layers planned by `global`, then drifted: the drifted loads ``[2, E]``, the plan's
     ``[2, B, S]`` experts per gpu and a target ``[2]`` at a drawn quantile of the gpu loads."""
-    from eplb.refine import _bin_loads
+    from eplb.layout import bin_loads
 
     B = data.draw(st.integers(*gpus), label="gpus")
     S = data.draw(st.integers(*slots), label="slots per gpu")
@@ -337,7 +338,7 @@ def _drifted_layout(
     topo = eplb.Topology(2, E, B * S, B)
     phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(2, B, S).astype(np.int64)
     drifted = loads * rng.lognormal(0, sigma, loads.shape)
-    bins = _bin_loads(drifted, phy)
+    bins = bin_loads(drifted, phy)
     target = np.quantile(bins, data.draw(st.floats(0.3, 0.95), label="target quantile"), axis=1)
     return drifted, phy, target
 
@@ -346,13 +347,13 @@ def _repair_keeping_counts(repair, drifted: np.ndarray, phy: np.ndarray, target:
     """Runs ``repair(drifted, phy, target)`` in place and checks what every counts-kept repair
     keeps: replica counts, no expert twice on a gpu, untouched bins' loads. Returns the bin
     loads before and after ``[2, B]`` and which bins it touched."""
-    from eplb.refine import _bin_loads, _counts
+    from eplb.layout import bin_loads, replica_counts
 
     E, S = drifted.shape[1], phy.shape[2]
-    before, bins = phy.copy(), _bin_loads(drifted, phy)
+    before, bins = phy.copy(), bin_loads(drifted, phy)
     repair(drifted, phy, target)
-    after = _bin_loads(drifted, phy)
-    assert (_counts(phy, E) == _counts(before, E)).all()
+    after = bin_loads(drifted, phy)
+    assert (replica_counts(phy, E) == replica_counts(before, E)).all()
     assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
     touched = (phy != before).any(axis=2)
     assert np.allclose(after[~touched], bins[~touched])
@@ -361,7 +362,7 @@ def _repair_keeping_counts(repair, drifted: np.ndarray, phy: np.ndarray, target:
 
 @given(data=st.data())
 def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) -> None:
-    from eplb.refine import rotate_improve
+    from eplb.place.packing import rotate_improve
 
     drifted, phy, target = _drifted_layout(data, (3, 8), (1, 4), 0, 0.3)
     B = phy.shape[1]
@@ -371,8 +372,8 @@ def test_rotations_never_overload_a_gpu_or_change_counts(data: st.DataObject) ->
 
 
 def test_an_ejection_chain_fixes_three_gpus_with_four_slots() -> None:
-    from eplb.refine import _bin_loads, _counts
-    from eplb.repair import chain_improve
+    from eplb.layout import bin_loads, replica_counts
+    from eplb.replan.moves import chain_improve
 
     # Target 20. Gpu 0 (load 10) has room 10; gpus 1, 2, 3 are 1, 2 and 3 above the target.
     # The chain: gpu 0 gives 1 to gpu 1, gpu 1 gives 3 to gpu 2, gpu 2 gives 6 to gpu 3 and
@@ -381,15 +382,15 @@ def test_an_ejection_chain_fixes_three_gpus_with_four_slots() -> None:
     phy = np.array([[[0, 1], [2, 3], [4, 5], [6, 7]]])
     before = phy.copy()
     chain_improve(loads, phy, np.array([20.0]))
-    assert (_bin_loads(loads, phy) <= 20.0).all()
+    assert (bin_loads(loads, phy) <= 20.0).all()
     assert (phy != before).sum() == 4
     assert phy[0].tolist() == [[6, 1], [0, 3], [2, 5], [4, 7]]
-    assert (_counts(phy, 8) == _counts(before, 8)).all()
+    assert (replica_counts(phy, 8) == replica_counts(before, 8)).all()
 
 
 @given(data=st.data())
 def test_chains_fix_gpus_for_at_most_one_and_a_half_slots_each(data: st.DataObject) -> None:
-    from eplb.repair import chain_improve
+    from eplb.replan.moves import chain_improve
 
     drifted, phy, target = _drifted_layout(data, (3, 10), (1, 4), 0, 0.3)
     B = phy.shape[1]
@@ -404,8 +405,8 @@ def test_chains_fix_gpus_for_at_most_one_and_a_half_slots_each(data: st.DataObje
 
 
 def test_one_count_move_fixes_every_gpu_of_an_expert_that_grew() -> None:
-    from eplb.refine import _bin_loads, _counts
-    from eplb.repair import count_repair
+    from eplb.layout import bin_loads, replica_counts
+    from eplb.replan.moves import count_repair
 
     # Expert 0 (30) has three replicas on gpus 0-2, each 1.2 above the target of 10. Writing a
     # fourth over one of expert 1's two replicas brings all three under it with one slot
@@ -414,23 +415,23 @@ def test_one_count_move_fixes_every_gpu_of_an_expert_that_grew() -> None:
     phy = np.array([[[0, 2], [0, 3], [0, 4], [1, 5], [1, 6]]])
     before = phy.copy()
     count_repair(loads, phy, np.array([10.0]), cap=5)
-    assert (_bin_loads(loads, phy) <= 10.0).all()
+    assert (bin_loads(loads, phy) <= 10.0).all()
     assert (phy != before).sum() == 1
-    assert _counts(phy, 7)[0, :2].tolist() == [4, 1]
+    assert replica_counts(phy, 7)[0, :2].tolist() == [4, 1]
 
 
 @given(data=st.data())
 def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
-    from eplb.refine import _bin_loads, _counts
-    from eplb.repair import count_repair
-    from eplb.replicate import replica_cap
+    from eplb.layout import bin_loads, replica_counts
+    from eplb.place.replicate import replica_cap
+    from eplb.replan.moves import count_repair
 
     drifted, phy, target = _drifted_layout(data, (2, 10), (2, 4), 1, 0.5)
     E, (_, B, S) = drifted.shape[1], phy.shape
-    before, bins = phy.copy(), _bin_loads(drifted, phy)
+    before, bins = phy.copy(), bin_loads(drifted, phy)
     count_repair(drifted, phy, target, replica_cap(E, B * S, B))
-    after = _bin_loads(drifted, phy)
-    cnt = _counts(phy, E)
+    after = bin_loads(drifted, phy)
+    cnt = replica_counts(phy, E)
     assert (cnt >= 1).all() and (cnt.sum(axis=1) == B * S).all()
     assert all(len(set(g)) == S for g in phy.reshape(-1, S).tolist())
     # Each rewritten slot is a count move that left at least one gpu fewer above the target,
@@ -444,7 +445,7 @@ def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
 
 def _same_plan(one: eplb.Plan, two: eplb.Plan) -> None:
     assert np.array_equal(one.phy2log, two.phy2log)
-    assert one.extra == two.extra and one.notes == two.notes
+    assert one.replan == two.replan and one.notes == two.notes
 
 
 def test_replans_in_worker_processes_equal_one_process_where_only_some_chunks_regroup() -> None:
@@ -463,14 +464,14 @@ def test_replans_in_worker_processes_equal_one_process_where_only_some_chunks_re
         one = eplb.rebalance(loads, topo, "hierarchical", previous=prev, layer_tolerance=0.01, **budget)
         two = eplb.rebalance(loads, topo, "hierarchical", previous=prev, layer_tolerance=0.01, workers=2, **budget)
         _same_plan(one, two)
-        assert one.extra["layers_regrouped"] > 0
-    assert one.extra["budget_limited"] == 1 and one.total_moves <= 200
+        assert one.replan.layers_regrouped > 0
+    assert one.replan.budget_limited and one.total_moves <= 200
     # A previous placement that splits groups across nodes: those layers take fresh aligned.
     contiguous = eplb.Placement.contiguous(topo)
     one = eplb.rebalance(loads, topo, "hierarchical", previous=contiguous)
     two = eplb.rebalance(loads, topo, "hierarchical", previous=contiguous, workers=2)
     _same_plan(one, two)
-    assert one.extra["layers_replanned"] == topo.num_layers
+    assert one.replan.layers_replanned == topo.num_layers
 
 
 @pytest.mark.slow
@@ -485,4 +486,4 @@ def test_replans_in_worker_processes_equal_one_process_at_full_scale(scale: str,
     two = eplb.rebalance(seq[1], topo, policy, previous=prev, workers=2, **budget)
     _same_plan(one, two)
     assert one.total_moves > 0
-    assert one.extra["budget_limited"] == (share is not None)
+    assert one.replan.budget_limited == (share is not None)

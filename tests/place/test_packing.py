@@ -4,9 +4,9 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb.packing import bin_loads, pack
-from eplb.refine import refine_counts
-from eplb.replicate import waterfill
+from eplb.place.counts import refine_counts
+from eplb.place.packing import pack, packed_loads
+from eplb.place.replicate import waterfill
 
 
 @st.composite
@@ -52,7 +52,7 @@ def test_swaps_never_make_the_heaviest_bin_heavier_and_pack_is_deterministic(ins
     weights, keys, bins = inst
     dealt = pack(weights, bins, keys, max_rounds=0)
     improved = pack(weights, bins, keys)
-    assert (bin_loads(weights, improved).max(axis=1) <= bin_loads(weights, dealt).max(axis=1) + 1e-9).all()
+    assert (packed_loads(weights, improved).max(axis=1) <= packed_loads(weights, dealt).max(axis=1) + 1e-9).all()
     assert np.array_equal(improved, pack(weights.copy(), bins, keys.copy()))
 
 
@@ -60,7 +60,7 @@ def test_pack_known_answer_differencing_beats_greedy_rounds() -> None:
     # 6 items into 2 bins of 3: the perfect split 8 + 1 + 1 | 4 + 3 + 3 = 10 | 10.
     w = np.array([[8.0, 4.0, 3.0, 3.0, 1.0, 1.0]])
     assign = pack(w, 2)
-    assert sorted(bin_loads(w, assign)[0].tolist()) == [10.0, 10.0]
+    assert sorted(packed_loads(w, assign)[0].tolist()) == [10.0, 10.0]
 
 
 @given(inst=items())

@@ -10,7 +10,7 @@ import eplb
 from eplb.compat.deepseek import rebalance_experts
 
 # A copy of shared/testdata/deepseek_golden.json: eplb.py (commit d52c72d) outputs on 13 inputs.
-GOLDEN = Path(__file__).resolve().parent / "data" / "deepseek_golden.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "deepseek_golden.json"
 CASES = json.loads(GOLDEN.read_text())["cases"]
 
 

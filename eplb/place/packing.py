@@ -1,18 +1,20 @@
 """Packing weighted items into bins of equal item count, minimising the heaviest bin.
 
-Used twice by the hierarchical policy: expert groups onto nodes, replicas onto gpus.
+``pack`` deals items and improves the deal by swaps; it is used twice by the first plan:
+expert groups onto nodes, replicas onto gpus. On the ``[rows, bins, slots]`` layout
+(``eplb.layout``), with counts fixed: ``pack_counts`` packs replica counts from scratch,
+``swap_improve`` swaps slots between bins and ``rotate_improve`` rotates three slots to bring
+two bins under a target at once (re-plans use both, see ``eplb.replan``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["pack", "bin_loads", "improve"]
+from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts
 
-# Relative gain below which a swap is float noise, not an improvement.
-_REL_TOL = 1e-12
-# Relative distance to a row's lower bound below which further swaps are not worth their time.
-_GOOD_ENOUGH = 1e-3
+__all__ = ["pack", "packed_loads", "improve", "swap_improve", "rotate_improve", "pack_counts"]
+
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
 # ... and the bins holding the smallest items it also tries.
@@ -58,13 +60,13 @@ def pack(
     if per_bin > 1:
         _repair(weights, keys, assign)
     if per_bin > 1 and num_bins > 1:
-        # Rows already within _GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
-        bound = np.maximum(weights.sum(axis=1) / num_bins, weights.max(axis=1)) * (1 + _GOOD_ENOUGH)
+        # Rows already within GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
+        bound = np.maximum(weights.sum(axis=1) / num_bins, weights.max(axis=1)) * (1 + GOOD_ENOUGH)
         _improve(weights, keys, assign, max_rounds, pairs, bound if floor is None else np.maximum(bound, floor))
     return assign
 
 
-def bin_loads(weights: np.ndarray, assign: np.ndarray) -> np.ndarray:
+def packed_loads(weights: np.ndarray, assign: np.ndarray) -> np.ndarray:
     """``weights`` ``[X, n]``, ``assign`` ``[X, B, k]`` → ``[X, B]`` summed weights."""
     rows = np.arange(weights.shape[0])[:, None, None]
     return weights[rows, assign].sum(axis=2)
@@ -268,7 +270,7 @@ def _swap_best(
     # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
     # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
     # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
-    half = (lh - lp) * 0.5 - _REL_TOL * lh
+    half = (lh - lp) * 0.5 - REL_TOL * lh
     dev = wh[:, :, None, None] - wp[:, None, :, :]  # [P, S(heavy item), C, S(partner item)]
     dev -= (lh - lp) * 0.5
     np.abs(dev, out=dev)
@@ -300,3 +302,119 @@ def _swap_best(
             arr[x, bh, i] = arr[x, bp, j]
             arr[x, bp, j] = tmp
     return hit
+
+
+def swap_improve(
+    loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None
+) -> None:
+    """Swap slots between bins of ``phy`` ``[X, B, S]`` (rows ``rows``, in place) to lower each
+    row's busiest bin, stopping at ``target`` ``[X]``; counts stay as they are."""
+    sub = phy[rows]
+    A, B, S = sub.shape
+    ra = np.arange(A)
+    cnt = replica_counts(sub, loads.shape[1])
+    keys = sub.reshape(A, B * S)
+    weights = (loads[rows] / cnt)[ra[:, None], keys]
+    assign = np.broadcast_to(np.arange(B * S).reshape(B, S), (A, B, S)).copy()
+    improve(weights, keys, assign, max_rounds=rounds, target=None if target is None else target[rows])
+    phy[rows] = np.take_along_axis(keys, assign.reshape(A, -1), axis=1).reshape(A, B, S)
+
+
+def rotate_improve(
+    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, partners: int = 4, seconds: int = 4
+) -> None:
+    """Three-slot rotations that bring two bins above ``target`` (``[X]``) under it at once, in
+    place on ``phy`` ``[X, B, S]`` (counts unchanged): the heaviest bin ``h1`` hands an item
+    ``a`` to a light bin ``q`` (one of the ``partners`` lightest), ``q`` hands ``b`` to another
+    bin above the target ``h2`` (one of the ``seconds`` least above it), and ``h2`` hands ``c``
+    to ``h1``. Two swaps would rewrite four slots for the same two bins. Each round every row
+    with two bins above its target makes the feasible rotation (all three at most the target,
+    no expert twice on a bin) that leaves the heaviest of the three lightest; a row stops when
+    it has none."""
+    X, B, S = phy.shape
+    if B < 3 or S < 1:
+        return
+    E = loads.shape[1]
+    Q = min(partners, B - 2)
+    H = min(seconds, B - 2)
+    active = np.arange(X)
+    for _ in range(rounds):
+        if active.size == 0:
+            return
+        sub = phy[active]
+        w = (loads[active] / replica_counts(sub, E))[np.arange(active.size)[:, None, None], sub]  # [A, B, S]
+        load = w.sum(axis=2)
+        above = load > target[active][:, None]
+        keep = above.sum(axis=1) >= 2
+        if not keep.any():
+            return
+        active, sub, w, load, above = active[keep], sub[keep], w[keep], load[keep], above[keep]
+        A = active.size
+        ra = np.arange(A)
+        tgt = target[active]
+        order = np.argsort(-load, axis=1, kind="stable")
+        h1, qs = order[:, 0], order[:, ::-1][:, :Q]  # [A], [A, Q]
+        # Second bins: the least loaded of those above the target (the heaviest excluded).
+        key = np.where(above, load, np.inf)
+        key[ra, h1] = np.inf
+        h2s = np.argsort(key, axis=1, kind="stable")[:, :H]  # [A, H]
+        h2_ok = np.isfinite(np.take_along_axis(key, h2s, axis=1))  # [A, H]
+        a_w, a_k, L1 = w[ra, h1], sub[ra, h1], load[ra, h1]  # [A, S]
+        c_w, c_k, L2 = w[ra[:, None], h2s], sub[ra[:, None], h2s], load[ra[:, None], h2s]  # [A, H, S]
+        b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
+        # Each bin's new load depends on two of the three items: score each pair of items once
+        # (inf where that bin would go above the target or hold an expert twice), then take
+        # the max over the three on the [H, Q, i, j, k] grid of each row.
+        # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
+        t4 = tgt[:, None, None, None]
+        in_h1 = a_k[:, None, :, None] == c_k[:, :, None, :]  # [A, H, i, j]
+        bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
+        n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
+        m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
+        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
+        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
+        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
+        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
+        in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
+        bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
+        nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
+        mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
+        # A rotation needs a feasible pair on each of the three bins: the grid is built only for
+        # the (row, h2, q) triples that have all three (few, after the first rounds).
+        f1 = np.isfinite(m1).any(axis=(2, 3))  # [A, H]
+        f2 = np.isfinite(m2).any(axis=(3, 4))  # [A, H, Q]
+        fq = np.isfinite(mq).any(axis=(2, 3))  # [A, Q]
+        pa, ph, pq = np.nonzero(f1[:, :, None] & f2 & fq[:, None, :])
+        if pa.size == 0:
+            return
+        # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+        score = np.maximum(m1[pa, ph][:, :, :, None], m2[pa, ph, pq][:, None, :, :])
+        np.maximum(score, mq[pa, pq][:, :, None, :], out=score)
+        score = score.reshape(pa.size, -1)
+        inner = score.argmin(axis=1)
+        value = score[np.arange(pa.size), inner]
+        # Per row the least value, ties to the first (h2, q) and then the first slots: what an
+        # argmin over the row's whole [H, Q, S, S, S] grid gives.
+        order = np.lexsort((np.arange(pa.size), value, pa))
+        first = order[np.r_[True, pa[order][1:] != pa[order][:-1]]]
+        first = first[np.isfinite(value[first])]
+        if first.size == 0:
+            return
+        x = pa[first]
+        hi_, qi = ph[first], pq[first]
+        i, j, k = np.unravel_index(inner[first], (S, S, S))
+        h2, q = h2s[x, hi_], qs[x, qi]
+        rows_ = active[x]
+        a_e, c_e, b_e = a_k[x, i], c_k[x, hi_, j], b_k[x, qi, k]
+        phy[rows_, h1[x], i] = c_e
+        phy[rows_, h2, j] = b_e
+        phy[rows_, q, k] = a_e
+        active = active[x]
+
+
+def pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: int = 16) -> np.ndarray:
+    """``loads``, ``counts``: ``[X, E]`` → ``[X, B, S]`` experts per bin, freshly packed."""
+    X, E = loads.shape
+    ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
+    w = (loads / counts)[np.arange(X)[:, None], ids]
+    return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]

@@ -1,0 +1,49 @@
+"""The ``[rows, bins, slots]`` layout every placement step works on, and its shared tolerances.
+
+A *row* is one packing problem: a layer (``global``), or one node of a layer
+(``hierarchical``, with node-local expert ids). ``phy`` ``[X, B, S]`` holds the expert of
+each of the ``S`` slots of each of the ``B`` bins (gpus) of each of the ``X`` rows; an
+expert's load is split evenly over its replicas. ``phy2log`` ``[L, P]`` is the same array
+with ``P = B * S`` slots per layer, gpu by gpu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["REL_TOL", "GOOD_ENOUGH", "replica_counts", "bin_loads", "busiest", "distinct_per_bin"]
+
+# Relative gain below which a change is float noise, not an improvement (all steps compare
+# busiest bins with it, so a plan never flips on rounding).
+REL_TOL = 1e-12
+# Distance above a row's mean (or bound) below which it is left alone: further moves are not
+# worth their time.
+GOOD_ENOUGH = 1e-3
+
+
+def replica_counts(phy: np.ndarray, num_experts: int) -> np.ndarray:
+    """``phy`` ``[X, ...]`` expert ids → ``[X, E]`` int64 replicas of each expert per row."""
+    X = phy.shape[0]
+    # One bincount over (row, expert) keys: np.add.at is several times slower on the hot path.
+    keys = (np.arange(X, dtype=np.int64)[:, None] * num_experts + phy.reshape(X, -1)).ravel()
+    return np.bincount(keys, minlength=X * num_experts).reshape(X, num_experts).astype(np.int64, copy=False)
+
+
+def bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
+    """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B]`` load of each bin (each replica
+    carries its expert's load over its replica count)."""
+    cnt = replica_counts(phy, loads.shape[1])
+    ra = np.arange(phy.shape[0])[:, None, None]
+    return (loads / np.maximum(cnt, 1))[ra, phy].sum(axis=2)
+
+
+def busiest(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
+    """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X]`` load of each row's busiest bin."""
+    return bin_loads(loads, phy).max(axis=1)
+
+
+def distinct_per_bin(phy: np.ndarray) -> bool:
+    """``phy`` ``[X, B, S]`` → whether no bin holds two replicas of one expert (count moves and
+    the repairs need that)."""
+    srt = np.sort(phy, axis=2)
+    return not (srt[:, :, 1:] == srt[:, :, :-1]).any()

@@ -1,0 +1,225 @@
+"""The anytime search after the first plan: replica counts searched by repacking.
+
+``refine_thorough`` is the search a default plan runs on the rows its first plan left above
+their bound: the two-slot pairing start (``eplb.place.pairing``), count moves with a wide
+donor search (``eplb.place.counts``), every count vector for small rows
+(``exhaustive_counts``) and a steepest descent over single count moves, each candidate packed
+from scratch (``repack_search``). All of it spends work units (``eplb.budget``), so the same
+input gives the same plan on any machine.
+"""
+
+from __future__ import annotations
+
+from math import comb
+
+import numpy as np
+
+from ..budget import Budget
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
+from .counts import refine_counts
+from .packing import pack_counts
+from .pairing import pair_counts, paired_max
+from .replicate import count_vectors
+
+__all__ = ["refine_thorough", "repack_search", "exhaustive_counts"]
+
+# repack_search with many candidates per row of at least _SCREEN_SLOTS slots screens them
+# with a quick packing (_QUICK swap rounds) and packs only each row's best _SCREEN properly;
+# small rows are cheap to pack, and there the quick ranking loses the optimum too often.
+_SCREEN = 4
+_QUICK = 2
+_SCREEN_SLOTS = 128
+
+
+def repack_search(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    *,
+    iterations: int = 12,
+    batch: int = 768,
+    target: np.ndarray | None = None,
+    budget: Budget | None = None,
+) -> np.ndarray:
+    """Steepest descent over single count moves (one replica from ``f`` to ``e``), each
+    candidate judged by packing its counts from scratch, all candidates of all rows packed in
+    one batch of at most ``batch`` rows. Small layers try every (e, f) pair; larger ones the
+    heaviest experts of the busiest bin against the donors whose replicas grow least. Rows stop
+    at ``target`` ``[X]`` (default: within 0.1 % of the mean bin) or when ``budget`` is spent.
+    ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B, S]``, never worse per row."""
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    hi = np.iinfo(np.int64).max if cap is None else cap
+    best = phy.copy()
+    best_max = bin_loads(loads, best).max(axis=1)
+    counts = replica_counts(best, E)
+    if target is None:
+        target = loads.sum(axis=1) / B * (1 + GOOD_ENOUGH)
+    active = np.flatnonzero(best_max > target)
+    clock = budget or Budget()
+    for _ in range(iterations):
+        if active.size == 0 or clock.out():
+            break
+        # A step packs its candidates in one go: hold it to the units left, so a small
+        # budget (a re-plan's) is not overrun several times by one step.
+        step = batch if clock.units is None else min(batch, int((clock.units - clock.spent) // (B * S * S)))
+        per_row = max(1, step // active.size)
+        if E * (E - 1) <= per_row:
+            e, f = np.nonzero(~np.eye(E, dtype=bool))
+            gain = np.broadcast_to(e, (active.size, e.size))
+            give = np.broadcast_to(f, (active.size, f.size))
+        else:
+            ng = max(1, min(S, int(np.sqrt(per_row))))
+            nd = max(1, min(E - 1, per_row // ng))
+            load = bin_loads(loads[active], best[active])
+            top = best[active, load.argmax(axis=1)]  # [A, S] experts on the busiest bin
+            w_top = (loads[active] / counts[active])[np.arange(active.size)[:, None], top]
+            g = np.take_along_axis(top, np.argsort(-w_top, axis=1, kind="stable")[:, :ng], axis=1)
+            grown = np.where(counts[active] >= 2, loads[active] / np.maximum(counts[active] - 1, 1), np.inf)
+            d = np.argsort(grown, axis=1, kind="stable")[:, :nd]
+            gain = np.repeat(g, nd, axis=1)
+            give = np.tile(d, (1, ng))
+        M = gain.shape[1]
+        rows = np.repeat(active, M)
+        cand = counts[rows].copy()
+        rr = np.arange(rows.size)
+        ge, gf = gain.ravel(), give.ravel()
+        ok = (ge != gf) & (cand[rr, ge] < hi) & (cand[rr, gf] >= 2)
+        if not ok.any():
+            break
+        rows, rr, ge, gf = rows[ok], np.arange(ok.sum()), ge[ok], gf[ok]
+        cand = cand[ok]
+        cand[rr, ge] += 1
+        cand[rr, gf] -= 1
+        screen = S == 2 or (B * S >= _SCREEN_SLOTS and rows.size > _SCREEN * np.unique(rows).size)
+        if screen:
+            # Rank every candidate cheaply, then pack the best few of each row properly. Two
+            # replicas per bin: pairing the i-th heaviest with the i-th lightest is the best
+            # packing unless two replicas of one expert meet, so a sort gives the value.
+            # Otherwise a quick packing (few swap rounds) ranks counts well enough.
+            if S == 2:
+                quick = paired_max(loads[rows], cand)
+            else:
+                quick = bin_loads(loads[rows], pack_counts(loads[rows], cand, B, max_rounds=_QUICK)).max(axis=1)
+            order = np.lexsort((quick, rows))
+            starts = np.r_[0, np.flatnonzero(rows[order][1:] != rows[order][:-1]) + 1]
+            rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
+            keep = order[rank < _SCREEN]
+            # Pairing is one sort (an eighth of a slot's packing work); a quick packing is _QUICK rounds.
+            clock.spend(quick.size * B * S * (0.125 if S == 2 else _QUICK))
+            rows, cand = rows[keep], cand[keep]
+        # A packing's swap rounds cost about S times its slots; screening far less.
+        clock.spend(rows.size * B * S * S)
+        packed = pack_counts(loads[rows], cand, B)
+        value = bin_loads(loads[rows], packed).max(axis=1)
+        # Best candidate per row: sort by (row, value) and take each row's first.
+        order = np.lexsort((value, rows))
+        first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+        win = first[value[first] < best_max[rows[first]] * (1 - REL_TOL)]
+        x = rows[win]
+        best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
+        active = x[best_max[x] > target[x]]
+    return best
+
+
+def exhaustive_counts(
+    loads: np.ndarray, phy: np.ndarray, cap: int | None, *, limit: int = 20000, budget: Budget | None = None
+) -> np.ndarray:
+    """For small layers: every replica-count vector (at most ``limit`` of them) whose lower
+    bound beats the current busiest bin is packed, lowest bound first, in batches of
+    ``limit`` rows; the best packing wins. ``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` →
+    ``[X, B, S]``, never worse per row; returned unchanged when there are too many vectors."""
+    X, B, S = phy.shape
+    E = loads.shape[1]
+    P = B * S
+    if comb(P - 1, E - 1) > limit:
+        return phy
+    hi = P if cap is None else cap
+    vectors = count_vectors(E, P, hi)
+    best = phy.copy()
+    best_max = bin_loads(loads, best).max(axis=1)
+    # Lower bound of each (row, vector): the larger of the mean bin and the largest replica.
+    chunk = max(1, (1 << 22) // vectors.size)  # rows per step, keeps [rows, V, E] near 32 MB
+    bound = np.concatenate(
+        [(loads[i : i + chunk, None, :] / vectors[None, :, :]).max(axis=2) for i in range(0, X, chunk)]
+    )
+    bound = np.maximum(bound, (loads.sum(axis=1) / B)[:, None])  # [X, V]
+    rows, vec = np.nonzero(bound < best_max[:, None] * (1 - REL_TOL))
+    order = np.argsort(bound[rows, vec], kind="stable")
+    rows, vec = rows[order], vec[order]
+    clock = budget or Budget()
+    for start in range(0, rows.size, limit):
+        if clock.out():
+            break
+        r, v = rows[start : start + limit], vec[start : start + limit]
+        keep = bound[r, v] < best_max[r] * (1 - REL_TOL)  # bounds of earlier winners prune more
+        r, v = r[keep], v[keep]
+        if r.size == 0:
+            break
+        clock.spend(r.size * P * S)
+        packed = pack_counts(loads[r], vectors[v], B)
+        value = bin_loads(loads[r], packed).max(axis=1)
+        order = np.lexsort((value, r))
+        first = order[np.r_[True, r[order][1:] != r[order][:-1]]]
+        win = first[value[first] < best_max[r[first]] * (1 - REL_TOL)]
+        best[r[win]], best_max[r[win]] = packed[win], value[win]
+    return best
+
+
+def refine_thorough(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    budget: Budget | None = None,
+    target: np.ndarray | None = None,
+    wide: bool = False,
+) -> np.ndarray:
+    """The search after the first plan: count moves with a wider donor search, every count
+    vector for small layers (:func:`exhaustive_counts`), then :func:`repack_search`, rows
+    stopping at ``target`` ``[X]`` and all of it when ``budget`` is spent (``None``: run to the
+    end). ``wide`` searches more candidates per step. ``loads`` ``[X, E]``, ``phy``
+    ``[X, B, S]`` → ``[X, B, S]``, never worse per row; deterministic unless ``budget`` has a
+    deadline."""
+    budget = budget or Budget()
+    _, B, S = phy.shape
+    if S == 2 and B > 1:
+        phy = _pair_start(loads, phy, cap, budget)
+    # Count moves get three quarters of what is left, leaving room for a repack step.
+    # Two slots per bin: the wide search's donors and steps at every effort, the pairing screen
+    # keeps them cheap (v3-512 zipf 1.0: 1.0209 -> 1.0196 for the same work).
+    donors = 64 if wide or S == 2 else 32
+    first = budget.share(0.75)
+    cand = refine_counts(loads, phy, cap, iterations=32, donors=donors, target=target, budget=first)
+    budget.spend(first.spent)
+    budget.timed_out |= first.timed_out
+    better = bin_loads(loads, cand).max(axis=1) < bin_loads(loads, phy).max(axis=1)
+    start = np.where(better[:, None, None], cand, phy)
+    start = exhaustive_counts(loads, start, cap, budget=budget)
+    # Two slots per bin: candidates are ranked by a sort (``paired_max``) and only the best few
+    # packed, so the wide batch costs little more (v3-512 zipf 1.0: 1.023 -> 1.021, +6 % work).
+    batch = 3072 if wide or S == 2 else 768
+    return repack_search(
+        loads, start, cap, iterations=24 if wide or S == 2 else 12, batch=batch, target=target, budget=budget
+    )
+
+
+def _pair_start(loads: np.ndarray, phy: np.ndarray, cap: int | None, budget: Budget) -> np.ndarray:
+    """Two slots per bin: counts built for a target busiest bin (``eplb.place.pairing``), packed,
+    where they beat ``phy`` ``[X, B, 2]``; the search goes on from the better of the two."""
+    X, B, S = phy.shape
+    now = bin_loads(loads, phy).max(axis=1)
+    # Each bisection step builds counts for one target: about one pass over the slots.
+    budget.spend(X * _PAIR_STEPS * B * S)
+    counts = pair_counts(loads, B, cap, loads.sum(axis=1) / B, now, steps=_PAIR_STEPS)
+    rows = np.flatnonzero(counts.sum(axis=1) > 0)
+    if rows.size == 0:
+        return phy
+    packed = pack_counts(loads[rows], counts[rows], B)
+    win = bin_loads(loads[rows], packed).max(axis=1) < now[rows] * (1 - REL_TOL)
+    out = phy.copy()
+    out[rows[win]] = packed[win]
+    return out
+
+
+# Bisection steps of the two-slot count construction: 2**-14 of the gap to the mean.
+_PAIR_STEPS = 14

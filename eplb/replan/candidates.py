@@ -1,0 +1,360 @@
+"""A re-plan's candidates per layer: the previous placement repaired towards targets.
+
+Repairs change the previous placement only on gpus above a target: ejection chains, rotations,
+swaps and count moves (``eplb.replan.moves``, ``eplb.place.packing``, ``eplb.place.counts``)
+in three orders, the best per layer; ``recounted`` first resets replica counts to the fresh
+plan's, ``regrouped`` (hierarchical) first swaps expert groups between nodes. ``candidates``
+makes them for all layers, in worker processes if asked, with the kept placement first and the
+fresh plan aligned onto it last (``eplb.replan.align``), scored for ``eplb.replan.pick``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..layout import REL_TOL, bin_loads, distinct_per_bin, replica_counts
+from ..place.counts import refine_counts
+from ..place.packing import rotate_improve, swap_improve
+from ..place.replicate import replica_cap, waterfill
+from ..placement import Placement
+from ..topology import Topology
+from ..workers import worker_pool
+from .align import align_slots, align_to_previous
+from .moves import chain_improve, count_repair
+from .pick import score
+
+__all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
+
+
+def repair_previous(
+    loads: np.ndarray,
+    previous: Placement,
+    topology: Topology,
+    target: np.ndarray,
+    by_node: bool,
+    fresh: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
+    ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
+    layer's busiest gpu is at most its target (or as far as it got; the caller checks):
+
+    - swaps of two slots between gpus (within a node when ``by_node``), then count moves (one
+      slot rewritten with another expert, see ``eplb.place.counts``) with swaps after them;
+    - a recount: replica counts changed in one go to those of ``fresh`` ``[L, P]`` (for
+      ``by_node``, water-filling within each node), each lost replica taken from the busiest
+      gpu holding it and each new one written into a freed slot on the lightest gpu that lacks
+      it, then the same swaps and count moves. With few slots per gpu the balance hangs on
+      the counts and one count move at a time stalls: the donor's replicas often share gpus
+      with the expert that needs one more.
+    """
+    t = topology
+    L, S = t.num_layers, t.slots_per_gpu
+    prev = previous.phy2log
+    node_exp = _node_experts(prev, t) if by_node and t.num_nodes > 1 else None
+    if node_exp is None:
+        phy = prev.reshape(L, t.num_gpus, S).astype(np.int64)
+        counts = None
+        if fresh is not None:
+            counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
+        out = {"repaired": _repair_rows(loads, phy, target, None, None, prev, t)}
+        if counts is not None:
+            out["recounted"] = _repair_rows(loads, phy, target, counts, None, prev, t)
+        return out
+    rows, bins = L * t.num_nodes, t.gpus_per_node
+    phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
+    out = {
+        "repaired": _repair_rows(loads, phy, target, None, node_exp, prev, t),
+        "recounted": _repair_rows(loads, phy, target, True, node_exp, prev, t),
+    }
+    # When the busiest node itself is above the target no repair within nodes can reach it:
+    # swap groups between nodes (each time the swap that most lowers the busiest node, until
+    # it is below the target), the incoming group's experts taking the outgoing group's
+    # slots, then recount and repair.
+    swapped = None
+    for _ in range(t.num_groups // 2):
+        nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target)
+        if nxt is None:
+            break
+        swapped = nxt
+    if swapped is not None:
+        out["regrouped"] = _repair_rows(loads, phy, target, True, swapped, prev, t)
+    return out
+
+
+def _repairs(
+    loads: np.ndarray,
+    previous: Placement,
+    topology: Topology,
+    targets: list,
+    by_node: bool,
+    fresh: np.ndarray,
+    pad: bool = False,
+) -> tuple[list[tuple[str, np.ndarray]], bool]:
+    """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
+    pairs, target by target, and whether any layer swapped groups between nodes. The targets
+    run as one stacked problem of ``K * L`` layers (rows are independent): one pass of each step
+    instead of ``K`` keeps numpy's per-call cost down. With ``pad``, hierarchical repairs always
+    carry a ``regrouped`` candidate (the ``recounted`` one where no layer swapped), so every
+    chunk of layers has the same candidates; the caller drops them when no chunk swapped."""
+    K, L = len(targets), topology.num_layers
+    stacked = topology.with_layers(K * L)
+    prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
+    out = repair_previous(
+        np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1))
+    )
+    swapped = "regrouped" in out
+    if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
+        out["regrouped"] = out["recounted"]
+    return [(name, cand[k * L : (k + 1) * L]) for k in range(K) for name, cand in out.items()], swapped
+
+
+def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
+    ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
+    ``ends`` (kept first and fresh aligned last) and ``pad`` (see ``_repairs``). Also whether
+    any layer swapped groups.
+    Layers are independent here, so a chunk's rows equal those of all layers at once."""
+    loads, old, fresh, topology, targets, by_node, ends, pad = job
+    previous = Placement(old, topology)
+    ways = [("kept", old)] if ends else []
+    swapped = False
+    if targets:
+        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad)
+        ways += repaired
+    if ends:
+        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
+    return (*score(ways, loads, old, topology), swapped)
+
+
+def candidates(
+    loads: np.ndarray,
+    old: np.ndarray,
+    fresh: np.ndarray,
+    topology: Topology,
+    targets: list,
+    by_node: bool,
+    ends: bool,
+    workers: int,
+) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``:
+    in this process, or in ``workers`` processes, each taking an equal share of the layers (the
+    same result: any split gives it)."""
+    L = topology.num_layers
+    step = -(-L // min(workers, L))
+    jobs, pad = [], step < L
+    for a in range(0, L, step):
+        b = min(a + step, L)
+        chunk = topology.with_layers(b - a)
+        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, [t[a:b] for t in targets], by_node, ends, pad))
+    parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
+    names = parts[0][0]
+    keep = np.ones(len(names), dtype=bool)
+    if not any(p[4] for p in parts):
+        keep = np.array([n != "regrouped" for n in names])
+    names = [n for n, k in zip(names, keep) if k]
+    cands, imb, moves = (np.concatenate([p[i][keep] for p in parts], axis=1) for i in (1, 2, 3))
+    return names, cands, imb, moves
+
+
+def _repair_rows(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    target: np.ndarray,
+    counts: np.ndarray | bool | None,
+    node_exp: np.ndarray | None,
+    prev: np.ndarray,
+    t: Topology,
+) -> np.ndarray:
+    """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
+    local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
+    ``[R, E]`` (``True``: water-filling within each row), then the best per row of three
+    orders of rotations, ejection chains, count repairs, swaps and count moves.
+    Returns global ``phy2log`` ``[L, P]`` with staying experts in their old slots."""
+    L, S = t.num_layers, t.slots_per_gpu
+    rows, bins = phy.shape[:2]
+    if node_exp is not None:
+        tgt = np.repeat(target, t.num_nodes)
+        row_loads = np.take_along_axis(np.repeat(loads, t.num_nodes, axis=0), node_exp, axis=1)
+    else:
+        tgt, row_loads = target, loads
+    cap = replica_cap(row_loads.shape[1], bins * S, bins)
+    can_move = cap is not None and distinct_per_bin(phy)
+    cand = phy.copy()
+    if counts is not None and can_move:
+        if counts is True:
+            counts = waterfill(row_loads, bins * S, cap)
+        recounted, ok = recount(row_loads, phy, counts)
+        cand = np.where(ok[:, None, None], recounted, phy)
+    # Three orders, the best per row: rotations first (two bins above the target fixed with
+    # three slots), ejection chains first (k bins with k + 1), or count moves that relieve
+    # every gpu of an expert that grew (one slot, see ``eplb.replan.moves``) before the chains; each
+    # then swaps (one bin with two) and count moves. Chains use the room below the target
+    # tightly and can strand a bin far above it that then costs several swaps, and count moves
+    # can leave donors' gpus in the way, so no order wins every row (measured).
+    outs = [_finish(row_loads, cand.copy(), tgt, cap, chains=False)]
+    outs.append(_finish(row_loads, cand.copy(), tgt, cap, chains=True))
+    counted = outs[1].copy()
+    if cap is not None and distinct_per_bin(cand):
+        c = cand.copy()
+        count_repair(row_loads, c, tgt, cap)
+        # Rows without a count move would only repeat the chains-first order.
+        moved = np.flatnonzero((c != cand).any(axis=(1, 2)))
+        if moved.size:
+            counted[moved] = _finish(row_loads[moved], c[moved], tgt[moved], cap, chains=True)
+    outs.append(counted)
+    # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
+    # compared per row (a sort by keys), so a row's pick never depends on the other rows.
+    busiest = np.stack([bin_loads(row_loads, c).max(axis=1) for c in outs])  # [3, R]
+    moved_slots = np.stack([(c != phy).sum(axis=(1, 2)) for c in outs])
+    missed = busiest > tgt * (1 + REL_TOL)
+    best = np.lexsort((busiest, moved_slots, missed), axis=0)[0]
+    cand = np.stack(outs)[best, np.arange(rows)]
+    if node_exp is not None:
+        cand = np.take_along_axis(node_exp, cand.reshape(rows, -1), axis=1)
+    # A run of swaps can take an expert off a gpu and bring it back to another slot.
+    return align_slots(cand.reshape(-1, S), prev.reshape(-1, S)).reshape(L, t.num_slots)
+
+
+def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool) -> np.ndarray:
+    """``c`` ``[R, B, S]`` repaired towards ``tgt`` ``[R]``: chains (or not), rotations, swaps,
+    count moves and swaps again."""
+    if distinct_per_bin(c):
+        if chains:
+            chain_improve(loads, c, tgt)
+        rotate_improve(loads, c, tgt)
+    everything = np.arange(c.shape[0])
+    swap_improve(loads, c, everything, 64, tgt)
+    if cap is not None and distinct_per_bin(c):
+        c = refine_counts(loads, c, cap, iterations=32, target=tgt)
+        swap_improve(loads, c, everything, 64, tgt)
+    return c
+
+
+def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray) -> np.ndarray | None:
+    """``node_exp`` ``[L * N, E/N]`` (each node's experts, group blocks in order) → the same with
+    one group swapped between two nodes in every layer whose busiest node's mean gpu load is
+    above ``target`` ``[L]`` and where a swap lowers it; ``None`` when no layer swaps."""
+    L, N, gs = t.num_layers, t.num_nodes, t.experts_per_group
+    K = t.num_groups // N
+    groups = node_exp.reshape(L, N * K, gs)[:, :, 0] // gs  # [L, N*K] group at each position
+    gload = loads.reshape(L, t.num_groups, gs).sum(axis=2)
+    pos_load = np.take_along_axis(gload, groups, axis=1)  # [L, N*K]
+    node_of = np.repeat(np.arange(N), K)
+    node_load = pos_load.reshape(L, N, K).sum(axis=2)
+    # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite.
+    delta = pos_load[:, None, :] - pos_load[:, :, None]  # [L, i, j]
+    new = np.broadcast_to(node_load[:, None, None, :], (L, N * K, N * K, N)).copy()
+    ii, jj = np.meshgrid(np.arange(N * K), np.arange(N * K), indexing="ij")
+    new[:, ii, jj, node_of[ii]] += delta
+    new[:, ii, jj, node_of[jj]] -= delta
+    worst = new.max(axis=3).reshape(L, -1)
+    worst[:, (node_of[ii] == node_of[jj]).ravel()] = np.inf
+    best = worst.argmin(axis=1)
+    now = node_load.max(axis=1)
+    act = (now / t.gpus_per_node > target) & (worst[np.arange(L), best] < now)
+    if not act.any():
+        return None
+    blocks = node_exp.reshape(L, N * K, gs)
+    out = blocks.copy()
+    la = np.flatnonzero(act)
+    i, j = np.unravel_index(best[la], (N * K, N * K))
+    out[la, i] = _by_rank(loads[la], blocks[la, j], blocks[la, i])
+    out[la, j] = _by_rank(loads[la], blocks[la, i], blocks[la, j])
+    return out.reshape(L * N, -1)
+
+
+def _by_rank(loads: np.ndarray, incoming: np.ndarray, outgoing: np.ndarray) -> np.ndarray:
+    """``incoming``, ``outgoing``: ``[X, gs]`` experts → ``incoming`` reordered so its k-th
+    busiest expert takes the place (and so the slots and replica count) of ``outgoing``'s."""
+    rx = np.arange(len(loads))[:, None]
+    inc = np.take_along_axis(incoming, np.argsort(-loads[rx, incoming], axis=1, kind="stable"), axis=1)
+    rank_out = np.argsort(np.argsort(-loads[rx, outgoing], axis=1, kind="stable"), axis=1)
+    return np.take_along_axis(inc, rank_out, axis=1)
+
+
+def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``loads`` ``[R, E]``, ``phy`` ``[R, B, S]``, ``counts`` ``[R, E]`` → ``phy`` with those
+    replica counts and ``[R]`` whether each row could be rewritten without putting two replicas
+    of one expert on one gpu. Only slots whose expert loses or gains a replica change."""
+    R, B, S = phy.shape
+    E = loads.shape[1]
+    flat = phy.reshape(R, B * S).copy()
+    w = loads / np.maximum(counts, 1)
+    ra = np.arange(R)
+    slot_w = w[ra[:, None], flat]
+    gpu_load = slot_w.reshape(R, B, S).sum(axis=2)
+    have = replica_counts(phy, E)
+    # Replicas to drop: each losing expert's replicas on its busiest gpus first. Rank every
+    # slot within its (row, expert) by the load of its gpu, heaviest first.
+    slot_gpu_load = np.repeat(gpu_load, S, axis=1)
+    r_, e_ = np.repeat(ra, B * S), flat.ravel()
+    order = np.lexsort((-slot_gpu_load.ravel(), e_, r_))
+    key = r_[order] * E + e_[order]
+    pos = np.arange(order.size)
+    first = np.maximum.accumulate(np.where(np.r_[True, key[1:] != key[:-1]], pos, 0))
+    rank = np.empty_like(pos)
+    rank[order] = pos - first
+    free = (rank < np.maximum(have - counts, 0)[r_, e_]).reshape(R, B * S)
+    gpu_load -= np.where(free, slot_w, 0.0).reshape(R, B, S).sum(axis=2)
+    holds = np.zeros((R, B, E), dtype=bool)
+    kept = ~free.reshape(R, B, S)
+    rk, bk, sk = np.nonzero(kept)
+    holds[rk, bk, phy[rk, bk, sk]] = True
+    # Replicas to add, heaviest first, each into the freed slot on the lightest gpu lacking it.
+    gain = np.maximum(counts - have, 0)
+    K = int(gain.sum(axis=1).max(initial=0))
+    ids = np.full((R, max(K, 1)), -1, dtype=np.int64)
+    for r in np.flatnonzero(gain.sum(axis=1)):
+        g = np.repeat(np.arange(E), gain[r])
+        ids[r, : g.size] = g[np.argsort(-w[r, g], kind="stable")]
+    ok = np.ones(R, dtype=bool)
+    for k in range(K):
+        e = ids[:, k]
+        act = e >= 0
+        fits = free.reshape(R, B, S) & ~holds[ra, :, np.maximum(e, 0)][:, :, None]
+        score = np.where(fits, gpu_load[:, :, None], np.inf).reshape(R, B * S)
+        pick = score.argmin(axis=1)
+        placed = act & np.isfinite(score[ra, pick])
+        ok &= ~act | placed
+        r, p, x = ra[placed], pick[placed], e[placed]
+        flat[r, p] = x
+        free[r, p] = False
+        gpu_load[r, p // S] += w[r, x]
+        holds[r, p // S, x] = True
+    ok &= ~free.any(axis=1)
+    return flat.reshape(R, B, S), ok
+
+
+def groups_whole(phy2log: np.ndarray, t: Topology) -> np.ndarray:
+    """``[L, P]`` → ``[L]`` bool: every node holds only whole groups, ``num_groups / num_nodes`` of
+    them, each expert of those groups at least once (what a hierarchical plan guarantees)."""
+    L, N, K, gs = phy2log.shape[0], t.num_nodes, t.num_groups // t.num_nodes, t.experts_per_group
+    nodes = phy2log.reshape(L * N, t.slots_per_node)
+    present = np.zeros((L * N, t.num_experts), dtype=bool)
+    present[np.arange(L * N)[:, None], nodes] = True
+    per_group = present.reshape(L * N, t.num_groups, gs)
+    touched = per_group.any(axis=2)
+    full = per_group.all(axis=2)
+    ok = (touched == full).all(axis=1) & (full.sum(axis=1) == K)
+    return ok.reshape(L, N).all(axis=1)
+
+
+def _node_experts(prev: np.ndarray, t: Topology) -> np.ndarray | None:
+    """``[L, P]`` → ``[L * N, E/N]``: each node's experts ascending, or ``None`` when some node
+    does not hold exactly ``num_groups / num_nodes`` whole groups (not a hierarchical plan)."""
+    L, N, K = prev.shape[0], t.num_nodes, t.num_groups // t.num_nodes
+    g = np.sort(prev.reshape(L * N, t.slots_per_node) // t.experts_per_group, axis=1)
+    first = np.ones_like(g, dtype=bool)
+    first[:, 1:] = g[:, 1:] != g[:, :-1]
+    if not (first.sum(axis=1) == K).all():
+        return None
+    groups = g[first].reshape(L * N, K)
+    return (groups[:, :, None] * t.experts_per_group + np.arange(t.experts_per_group)).reshape(L * N, -1)
+
+
+def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.ndarray:
+    """Global expert ids ``[R, B, S]`` → positions in each row's ``node_exp`` ``[R, E/N]``."""
+    R = phy.shape[0]
+    inv = np.zeros((R, num_experts), dtype=np.int64)
+    inv[np.arange(R)[:, None], node_exp] = np.arange(node_exp.shape[1])
+    return inv[np.arange(R)[:, None, None], phy]

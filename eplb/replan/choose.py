@@ -1,0 +1,216 @@
+"""Migration-aware re-planning: keep experts where they are unless moving them pays.
+
+A step waits for the busiest gpu of every layer, so what costs time is the imbalance summed
+over layers. A re-plan moves as few slots as it can while the mean imbalance over layers stays
+within ``(1 + tolerance)`` of a fresh plan's and no layer goes beyond ``(1 + layer_tolerance)``
+of fresh's for that layer (``choose``). Per layer it picks one of these candidates, all
+vectorised across layers:
+- kept: the current placement as it is (zero moves);
+- repaired: the current placement changed only on gpus above the target, by ejection chains
+  (``k + 1`` slots for ``k`` gpus above it), rotations (three slots for two), swaps (two for
+  one) and count moves (one slot that gives an expert another replica, relieving every gpu
+  holding it; see ``eplb.replan.moves`` and ``eplb.place.counts``), in three orders, the best
+  per layer;
+- recounted: replica counts first set to the fresh plan's (within each node: water-filling),
+  touching only the slots of experts that lose or gain a replica, then repaired;
+- regrouped (hierarchical plans): groups swapped between nodes until the busiest node is
+  below the target, then recounted and repaired within the nodes;
+- replanned: the fresh plan relabelled onto the current one. Gpus of a plan are
+  interchangeable (within a node for the hierarchical policy, and nodes among themselves), as
+  are slots within a gpu, so each fresh gpu takes the place of the current gpu holding most of
+  the same experts and each surviving expert keeps its slot. Balance is the fresh plan's; only
+  the slots whose expert really changes move.
+
+Repairs aim at ``(1 + k tolerance)`` of fresh's busiest gpu for k = 0.5, 1 and 3 (where the
+layer bound allows); one that falls short is still a candidate. In every candidate an expert
+that stays on a gpu keeps its slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..layout import REL_TOL
+from ..metrics import gpu_loads, imbalance
+from ..placement import Placement
+from ..plan import ReplanStats
+from ..topology import Topology
+from .candidates import candidates, groups_whole
+from .pick import pick as cheapest
+from .pick import pick_within, score
+
+__all__ = ["Migration", "choose", "DEFAULT_TOLERANCE", "DEFAULT_LAYER_TOLERANCE"]
+
+# Defaults for re-planning with `previous=` (bench/drift_bench.py measures the trade-off): the
+# mean imbalance over layers may exceed a fresh plan's by 1 %, any one layer's by 5 %.
+DEFAULT_TOLERANCE = 0.01
+DEFAULT_LAYER_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What a re-plan from ``previous=`` may trade, checked when made (``ValueError`` names the
+    field and what it allows). ``tolerance``: the mean imbalance over layers may exceed a fresh
+    plan's by this fraction; ``layer_tolerance``: any one layer's by this; ``max_moves`` and
+    ``max_layer_moves``: slots rewritten in all and per layer (``None``: no limit), hard
+    limits where the tolerances are goals. ``rebalance`` takes them as options of every policy
+    registered with ``replans=True``."""
+
+    tolerance: float = DEFAULT_TOLERANCE
+    layer_tolerance: float = DEFAULT_LAYER_TOLERANCE
+    max_moves: int | None = None
+    max_layer_moves: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tolerance", "layer_tolerance"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, np.integer, np.floating))
+                or not value >= 0
+            ):
+                raise ValueError(f"{name} must be a number >= 0 (a fraction, 0.01 = 1 %), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("max_moves", "max_layer_moves"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, int(value))
+
+
+# Repair targets above fresh's busiest gpu, in units of the tolerance: the Lagrangian pick gets
+# a deeper repair for layers whose balance makes up for others, and a looser, cheaper one
+# (measured on drift_bench: adding 0.5 saves 0.9 % of slots per re-plan at v3-prefill drift 0.2).
+_TARGETS = (0.5, 1.0, 3.0)
+
+# When move budgets bind: repairs going this share of the way from the current busiest gpu to
+# fresh's, the cheaper steps a tight budget can still afford.
+_PARTIAL = (0.75, 0.5, 0.25)
+
+
+def choose(
+    loads: np.ndarray,
+    previous: Placement,
+    fresh: np.ndarray,
+    topology: Topology,
+    migration: Migration,
+    by_node: bool,
+    workers: int = 1,
+) -> tuple[np.ndarray, ReplanStats, tuple[str, ...]]:
+    """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
+    few slots from ``previous`` as it can while the mean imbalance over layers stays within
+    ``(1 + tolerance)`` of fresh's and every layer's within ``(1 + layer_tolerance)`` of fresh's
+    for that layer (``migration``); how many layers took each way; and notes. ``by_node``: the
+    fresh plan keeps expert groups whole on nodes (hierarchical), and so must every candidate.
+
+    A step waits for its busiest gpu in every layer, so the sum over layers is what costs time:
+    moves go where they buy the most balance. Each layer picks one candidate (kept, the
+    repairs of ``repair_previous`` aiming at ``(1 + 0.5 tolerance)``, ``(1 + tolerance)`` and
+    ``(1 + 3 tolerance)`` of fresh's busiest gpu, or fresh aligned onto ``previous``); the pick
+    minimises ``moves + lambda * imbalance`` per layer, with the smallest ``lambda`` that meets
+    the mean, then cheaper candidates are taken greedily while the mean allows. Ties go to the
+    earlier candidate, so a layer keeps its placement when that is as good.
+
+    Move budgets are hard limits, the tolerances goals: no layer rewrites more than
+    ``max_layer_moves`` slots and the re-plan no more than ``max_moves`` in all. When they
+    stop the tolerances from being met, repairs that go only part of the way from the current
+    busiest gpu to fresh's (a quarter, half, three quarters) join the candidates and the pick
+    turns round: the lowest mean imbalance the budgets allow (``budget_limited`` in the result).
+
+    ``workers`` > 1: that many processes make the candidates, each for a share of the layers
+    (a layer's candidates depend on that layer alone); only the pick, which couples layers
+    through the mean and ``max_moves``, runs here. The result is the same for any ``workers``.
+    """
+    # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
+    # num_gpus - 1 already allows every placement; capping there keeps the repair targets
+    # ((1 + k tolerance) x the busiest gpu's load) finite for any tolerance, inf included.
+    most = float(topology.num_gpus - 1)
+    tolerance, layer_tolerance = min(migration.tolerance, most), min(migration.layer_tolerance, most)
+    max_moves, max_layer_moves = migration.max_moves, migration.max_layer_moves
+    old = previous.phy2log
+    L = topology.num_layers
+    fresh_load = gpu_loads(loads, Placement(fresh, topology))
+    fresh_imb, fresh_max = imbalance(fresh_load), fresh_load.max(axis=1)
+    kept_load = gpu_loads(loads, previous)
+    keep_imb = imbalance(kept_load)
+    budget = (1.0 + tolerance) * fresh_imb.sum() * (1 + REL_TOL)
+    cap = (1.0 + layer_tolerance) * fresh_imb * (1 + REL_TOL)
+    # A hierarchical plan keeps every group whole on one node; a previous placement that does
+    # not (e.g. the contiguous first version) cannot be kept or repaired within nodes, so
+    # those layers take the fresh plan aligned onto it.
+    whole = groups_whole(old, topology) if by_node and topology.num_nodes > 1 else np.ones(L, dtype=bool)
+    if not whole.all():
+        names, cands, imb, moves = candidates(loads, old, fresh, topology, [], by_node, True, workers)
+    elif keep_imb.sum() > budget or (keep_imb > cap).any():
+        # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
+        # to: deeper ones make up for layers left cheaper.
+        ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
+        targets = [(1.0 + k * tolerance) * fresh_max for k in ks]
+        names, cands, imb, moves = candidates(loads, old, fresh, topology, targets, by_node, True, workers)
+    else:
+        names, cands, imb, moves = score([("kept", old)], loads, old, topology)
+    if not whole.all():
+        # Only the fresh plan keeps groups whole there: no move budget can hold it back.
+        pick = np.where(whole, pick_within(moves, imb, cap, budget, max_layer_moves), len(names) - 1)
+        return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, False, whole)
+    pick = pick_within(moves, imb, cap, budget, max_layer_moves)
+    cols = np.arange(L)
+    limited = False
+    if max_moves is not None or max_layer_moves is not None:
+        missed = imb[pick, cols].sum() > budget or (imb[pick, cols] > cap).any()
+        if missed or (max_moves is not None and moves[pick, cols].sum() > max_moves):
+            # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
+            kept_max = kept_load.max(axis=1)
+            targets = [
+                np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL
+            ]
+            more = candidates(loads, old, fresh, topology, targets, by_node, False, workers)
+            # Fresh aligned stays last.
+            names = names[:-1] + more[0] + names[-1:]
+            cands, imb, moves = (np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:]))
+            pick = pick_within(moves, imb, cap, budget, max_layer_moves)
+            if max_moves is not None and moves[pick, cols].sum() > max_moves:
+                fits = np.ones_like(moves, dtype=bool) if max_layer_moves is None else moves <= max_layer_moves
+                fits[0] = True  # kept: no moves
+                pick = cheapest(np.where(fits, imb, np.inf), moves, max_moves)
+            limited = True
+    return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, limited, whole)
+
+
+def _result(
+    names: list,
+    cands: np.ndarray,
+    pick: np.ndarray,
+    imb: np.ndarray,
+    moves: np.ndarray,
+    fresh_imb: np.ndarray,
+    tolerance: float,
+    max_moves: int | None,
+    max_layer_moves: int | None,
+    limited: bool,
+    whole: np.ndarray,
+) -> tuple[np.ndarray, ReplanStats, tuple[str, ...]]:
+    """The picked candidate per layer, how many layers took each way, and notes."""
+    cols = np.arange(pick.size)
+    out = cands[pick, cols]
+    taken = dict.fromkeys(("kept", "repaired", "recounted", "regrouped", "replanned"), 0)
+    for i, name in enumerate(names):
+        taken[name] += int((pick == i).sum())
+    stats = ReplanStats(**{f"layers_{n}": v for n, v in taken.items()}, budget_limited=bool(limited))
+    notes: tuple[str, ...] = ()
+    if not whole.all():
+        notes += (
+            f"previous placement splits expert groups across nodes in {int((~whole).sum())} layers: "
+            "those layers take the fresh hierarchical plan, whatever the move budget",
+        )
+    if limited:
+        got = imb[pick, cols]
+        notes += (
+            f"move budget (max_moves={max_moves}, max_layer_moves={max_layer_moves}) held the re-plan to "
+            f"{int(moves[pick, cols].sum())} moves: mean imbalance {got.mean():.4f} against "
+            f"{(1 + tolerance) * fresh_imb.mean():.4f} allowed by the tolerance (fresh plan {fresh_imb.mean():.4f})",
+        )
+    return out, stats, notes
