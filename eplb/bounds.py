@@ -33,6 +33,8 @@ __all__ = [
     "profile_bound",
     "pigeonhole_bound",
     "integer_bound",
+    "item_bound",
+    "counts_bound",
 ]
 
 # Bisection steps of the pairing bound: 2**-40 of the starting interval is far below float noise
@@ -227,3 +229,21 @@ def integer_bound(w: np.ndarray, num_slots: int, num_gpus: int) -> int:
         if (need <= w.shape[1]).all() and need.sum() <= num_slots:
             return max(mean, int(t))
     return mean  # unreachable: T = max(w) always fits
+
+
+def item_bound(weights: np.ndarray, bins: int) -> np.ndarray:
+    """``weights`` ``[X, n]`` items (replicas, or expert groups) packed into ``bins`` bins →
+    ``[X]``: the heaviest bin carries at least the mean bin and the heaviest item."""
+    return np.maximum(weights.sum(axis=1) / bins, weights.max(axis=1))
+
+
+def counts_bound(loads: np.ndarray, vectors: np.ndarray, bins: int) -> np.ndarray:
+    """``loads`` ``[X, E]``, ``vectors`` ``[V, E]`` replica counts → ``[X, V]``: with those counts
+    the busiest bin carries at least the mean bin and the largest replica. Computed in chunks
+    of rows so the ``[rows, V, E]`` temporary stays near 32 MB."""
+    X = loads.shape[0]
+    chunk = max(1, (1 << 22) // max(vectors.size, 1))
+    largest = np.concatenate(
+        [(loads[i : i + chunk, None, :] / vectors[None, :, :]).max(axis=2) for i in range(0, X, chunk)]
+    )
+    return np.maximum(largest, (loads.sum(axis=1) / bins)[:, None])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..bounds import item_bound
 from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts
 
 __all__ = ["pack", "packed_loads", "improve", "swap_improve", "rotate_improve", "pack_counts"]
@@ -61,7 +62,7 @@ def pack(
         _repair(weights, keys, assign)
     if per_bin > 1 and num_bins > 1:
         # Rows already within GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
-        bound = np.maximum(weights.sum(axis=1) / num_bins, weights.max(axis=1)) * (1 + GOOD_ENOUGH)
+        bound = item_bound(weights, num_bins) * (1 + GOOD_ENOUGH)
         _improve(weights, keys, assign, max_rounds, pairs, bound if floor is None else np.maximum(bound, floor))
     return assign
 

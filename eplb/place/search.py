@@ -14,6 +14,7 @@ from math import comb
 
 import numpy as np
 
+from ..bounds import counts_bound
 from ..budget import Budget
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
 from .counts import refine_counts
@@ -138,12 +139,7 @@ def exhaustive_counts(
     vectors = count_vectors(E, P, hi)
     best = phy.copy()
     best_max = bin_loads(loads, best).max(axis=1)
-    # Lower bound of each (row, vector): the larger of the mean bin and the largest replica.
-    chunk = max(1, (1 << 22) // vectors.size)  # rows per step, keeps [rows, V, E] near 32 MB
-    bound = np.concatenate(
-        [(loads[i : i + chunk, None, :] / vectors[None, :, :]).max(axis=2) for i in range(0, X, chunk)]
-    )
-    bound = np.maximum(bound, (loads.sum(axis=1) / B)[:, None])  # [X, V]
+    bound = counts_bound(loads, vectors, B)  # [X, V]
     rows, vec = np.nonzero(bound < best_max[:, None] * (1 - REL_TOL))
     order = np.argsort(bound[rows, vec], kind="stable")
     rows, vec = rows[order], vec[order]
