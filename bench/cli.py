@@ -362,7 +362,7 @@ def _planning(args: argparse.Namespace) -> dict:
     return given
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
@@ -478,7 +478,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
-    ap = _parser()
+    ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         # Imported here so `eplb place` works without the service extra installed.

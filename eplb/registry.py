@@ -10,6 +10,7 @@ re-plan itself (``eplb.replan``) is applied here, once, for every such policy; i
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,11 +86,16 @@ class PolicySpec:
         migration_fields = {f.name for f in dataclasses.fields(Migration)} if self.replans else set()
         own = {k: v for k, v in options.items() if k not in migration_fields}
         mig = {k: v for k, v in options.items() if k in migration_fields}
-        opts = self.options(**own) if self.options else None
+        try:
+            opts = self.options(**own) if self.options else None
+        except TypeError as exc:  # a plugin's options class that rejects its own fields
+            raise ValueError(f"policy {self.name!r}: bad options {sorted(own)}: {exc}") from None
         return opts, (Migration(**mig) if self.replans else None)
 
 
 _REGISTRY: dict[str, PolicySpec] = {}
+# Policy names: what a deployment, the CLI and the wire can carry.
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
 
 def register_policy(name: str, *, options: type | None = None, replans: bool = False) -> Callable[[Policy], Policy]:
@@ -97,8 +103,24 @@ def register_policy(name: str, *, options: type | None = None, replans: bool = F
     ``name``. ``options``: a frozen dataclass of its options (checked in ``__post_init__``),
     ``None`` for none; ``replans``: ``rebalance`` makes its plans migration-aware from
     ``previous=`` (``eplb.replan``) and accepts the re-plan options for it."""
-    if options is not None and not (dataclasses.is_dataclass(options) and isinstance(options, type)):
-        raise ValueError(f"options must be a dataclass type or None, got {options!r}")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"policy name must match {_NAME.pattern} (it goes on the wire and the command line), got {name!r}"
+        )
+    if options is not None:
+        if not (dataclasses.is_dataclass(options) and isinstance(options, type)):
+            raise ValueError(f"options must be a frozen dataclass type or None, got {options!r}")
+        if not options.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            raise ValueError(f"options {options.__name__} must be a frozen dataclass (@dataclass(frozen=True))")
+        fields = dataclasses.fields(options)
+        bare = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if bare:
+            raise ValueError(f"options {options.__name__}: every field needs a default, these have none: {bare}")
+        clash = sorted({f.name for f in fields} & {f.name for f in dataclasses.fields(Migration)}) if replans else []
+        if clash:
+            raise ValueError(
+                f"options {options.__name__} of a policy with replans=True may not reuse the re-plan's option names {clash}"
+            )
 
     def deco(fn: Policy) -> Policy:
         if name in _REGISTRY:
@@ -156,11 +178,20 @@ def rebalance(
     opts, migration = spec.parse(options)
     start = time.perf_counter()
     result = spec.fn(arr, topology, opts)
-    phy2log, notes, replan = result.phy2log, result.notes, None
+    if not isinstance(result, PolicyResult):
+        raise ValueError(f"policy {policy!r} returned {type(result).__name__}, not a PolicyResult")
+    try:
+        fresh = Placement(result.phy2log, topology)
+    except ValueError as exc:
+        raise ValueError(f"policy {policy!r} returned an invalid placement: {exc}") from None
+    phy2log, notes, replan = fresh.phy2log, result.notes, None
     if previous is not None and migration is not None:
-        workers = int(getattr(opts, "workers", 1))
+        # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
+        workers = int(getattr(opts, "replan_workers", 1))
         phy2log, replan, more = choose(arr, previous, phy2log, topology, migration, result.groups_on_nodes, workers)
         notes += more
+    elif previous is not None:
+        notes += (f"policy {policy!r} plans from scratch: moves are counted against previous, not kept low",)
     seconds = time.perf_counter() - start
     placement = Placement(phy2log, topology)
     load = metrics.gpu_loads(arr, placement)

@@ -22,7 +22,14 @@ import numpy as np
 
 from .placement import Placement
 
-__all__ = ["StepStats", "inclusion_probabilities", "expected_gpu_load", "sample_gpu_loads", "simulate_steps"]
+__all__ = [
+    "StepStats",
+    "inclusion_probabilities",
+    "systematic_subsets",
+    "expected_gpu_load",
+    "sample_gpu_loads",
+    "simulate_steps",
+]
 
 # Tokens routed per vectorised chunk: bounds memory at chunk x num_experts keys.
 _CHUNK = 8192
@@ -113,7 +120,7 @@ def _uniform_subsets(rng: np.random.Generator, n: int, num_experts: int, topk: i
     return picks
 
 
-def _systematic_subsets(rng: np.random.Generator, n: int, pi: np.ndarray, topk: int) -> np.ndarray:
+def systematic_subsets(rng: np.random.Generator, n: int, pi: np.ndarray, topk: int) -> np.ndarray:
     """``[n, topk]``: Madow's systematic sampling over a random expert order per token.
 
     Lay the experts end to end in a random order, each taking ``pi[e]`` of a line of length
@@ -162,7 +169,7 @@ def sample_gpu_loads(
     out = np.zeros(steps * topo.num_gpus, dtype=np.int64)
     for start in range(0, total, _CHUNK):
         n = min(_CHUNK, total - start)
-        experts = _uniform_subsets(rng, n, topo.num_experts, topk) if uniform else _systematic_subsets(rng, n, pi, topk)
+        experts = _uniform_subsets(rng, n, topo.num_experts, topk) if uniform else systematic_subsets(rng, n, pi, topk)
         replica = (rng.random(experts.shape) * logcnt[experts]).astype(np.int64)
         gpu = log2phy[experts, replica] // spg
         key = ((start + np.arange(n)) // per_step)[:, None] * topo.num_gpus + gpu

@@ -102,15 +102,12 @@ def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
 EFFORTS = eplb.EFFORTS
 
 
-def planning_options(
-    msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None
-) -> tuple[dict, list[str]]:
-    """A checked ``Planning`` → ``eplb.rebalance`` keyword options and notes on what the
-    installed library could not take. ``deadline_s``: seconds left to the caller (None: none);
+def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None) -> dict:
+    """A checked ``Planning`` → ``eplb.rebalance`` keyword options, those the policy takes (the
+    library's registry says). ``deadline_s``: seconds left to the caller (None: none);
     the plan's time limit never runs past it. ``ilp`` always gets a time limit (at most
     ``limits.ILP_MAX_SECONDS`` for the whole model) and one solver thread."""
     options: dict[str, object] = {}
-    notes: list[str] = []
     limit = msg.time_limit.ToNanoseconds() / 1e9 if msg.HasField("time_limit") else None
     if deadline_s is not None:
         # Leave room to send the answer back before the caller gives up.
@@ -118,16 +115,16 @@ def planning_options(
         limit = room if limit is None else min(limit, room)
     if policy == "ilp":
         total = min(limit or limits.ILP_MAX_SECONDS, limits.ILP_MAX_SECONDS)
-        return {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}, notes
+        return {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}
     if not accepts(policy, "time_limit"):
-        return options, notes
+        return options
     if msg.effort and accepts(policy, "effort"):
         options["effort"] = msg.effort
     if msg.HasField("work_budget") and accepts(policy, "work_budget"):
         options["work_budget"] = msg.work_budget
     if limit is not None:
         options["time_limit"] = limit
-    return options, notes
+    return options
 
 
 def transfer_stats(

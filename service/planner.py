@@ -158,7 +158,7 @@ class Planner:
             # Plan within the move budget rather than plan past it and be refused (deployments
             # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
             options.setdefault("max_moves", local.trigger.max_moves)
-        planning, notes = codec.planning_options(local.deployment.planning, policy, topo.num_layers, None)
+        planning, notes = codec.planning_options(local.deployment.planning, policy, topo.num_layers, None), []
         fresh = await self._first_plan_is_fresh(name, current, previous, topo)
         if fresh:
             # Nobody loaded weights for the initial contiguous placement yet: a fresh plan, not a
@@ -249,7 +249,7 @@ class Planner:
                 raise InvalidArgument(FieldViolation("previous_phy2log", str(exc))) from None
             previous = previous.astype(np.int32)
         options = codec.migration_options(request.migration, policy) if previous is not None else {}
-        planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s)
+        planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s), []
         job = Job(
             np.asarray(loads, dtype=np.float64),
             _topology_tuple(topo),

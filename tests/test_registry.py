@@ -82,3 +82,59 @@ def test_builtin_specs() -> None:
     with pytest.raises(ValueError, match="takes no options"):
         eplb.rebalance(np.ones((3, 8)), TOPO, "deepseek", effort="fast")
     assert eplb.PlanOptions().work_per_layer > 0 and eplb.Migration().tolerance == 0.01
+
+
+@dataclass(frozen=True)
+class _Clash:
+    tolerance: float = 0.5
+
+
+@dataclass
+class _Mutable:
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class _NoDefault:
+    offset: int
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        (3, {}, "policy name must match"),
+        ("", {}, "policy name must match"),
+        ("Has Space", {}, "policy name must match"),
+        (
+            "test-clash",
+            {"options": _Clash, "replans": True},
+            r"may not reuse the re-plan's option names \['tolerance'\]",
+        ),
+        ("test-mutable", {"options": _Mutable}, "must be a frozen dataclass"),
+        ("test-nodefault", {"options": _NoDefault}, r"every field needs a default.*\['offset'\]"),
+    ],
+)
+def test_registration_refuses_what_would_break_later(name: object, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        eplb.register_policy(name, **kwargs)  # type: ignore[arg-type]
+    assert name not in eplb.policies()
+
+
+def test_a_policy_returning_something_else_is_named_in_the_error() -> None:
+    eplb.register_policy("test-bare")(lambda loads, topology, options: np.zeros((3, 12), dtype=np.int32))
+    eplb.register_policy("test-short")(lambda loads, topology, options: eplb.PolicyResult(np.zeros((3, 5)), "x"))
+    try:
+        with pytest.raises(ValueError, match="policy 'test-bare' returned ndarray, not a PolicyResult"):
+            eplb.rebalance(np.ones((3, 8)), TOPO, "test-bare")
+        with pytest.raises(ValueError, match="policy 'test-short' returned an invalid placement"):
+            eplb.rebalance(np.ones((3, 8)), TOPO, "test-short")
+    finally:
+        eplb.unregister_policy("test-bare")
+        eplb.unregister_policy("test-short")
+
+
+def test_a_policy_without_replans_says_so_when_given_previous() -> None:
+    loads = np.random.default_rng(2).random((3, 8)) * 100
+    previous = eplb.rebalance(loads, TOPO, "global").placement
+    plan = eplb.rebalance(loads, TOPO, "deepseek", previous=previous)
+    assert plan.replan is None and any("plans from scratch" in n for n in plan.notes)

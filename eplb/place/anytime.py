@@ -18,7 +18,7 @@ import numpy as np
 
 from ..bounds import row_bound
 from ..budget import Budget
-from ..layout import busiest
+from ..layout import GOOD_ENOUGH, busiest
 from ..plan import SearchStats
 from ..topology import Topology
 from ..workers import worker_pool
@@ -41,12 +41,9 @@ HIGH_WORK = 400_000
 CHUNK = 16
 
 
-def _count(name: str, value: object, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
+def _count(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        extra = " or None" if allow_none else ""
-        raise ValueError(f"option {name} must be an integer >= 0{extra}, got {value!r}")
+        raise ValueError(f"option {name} must be an integer >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,9 @@ class PlanOptions:
     def __post_init__(self) -> None:
         _count("max_rounds", self.max_rounds)
         _count("refine", self.refine)
-        _count("donors", self.donors, allow_none=True)
+        d = self.donors
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1):
+            raise ValueError(f"option donors must be an integer >= 1 or None, got {d!r}")
         limit = self.time_limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
             raise ValueError(f"option time_limit must be a positive number of seconds or None, got {limit!r}")
@@ -86,15 +85,22 @@ class PlanOptions:
             raise ValueError(f"option effort must be one of {', '.join(map(repr, EFFORTS))}, got {self.effort!r}")
         work = self.work_budget
         if work is not None and (
-            isinstance(work, bool) or not isinstance(work, (int, float, np.integer)) or not work >= 0
+            isinstance(work, bool) or not isinstance(work, (int, float, np.integer)) or not 0 <= work < np.inf
         ):
-            raise ValueError(f"option work_budget must be a number of work units >= 0 per layer or None, got {work!r}")
+            raise ValueError(
+                f"option work_budget must be a finite number of work units >= 0 per layer or None, got {work!r}"
+            )
         gap = self.gap
         if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
             raise ValueError(f"option gap must be a number >= 0 (a fraction, 0.001 = 0.1 %), got {gap!r}")
         workers = self.workers
         if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
             raise ValueError(f"option workers must be an integer >= 1 (processes), got {workers!r}")
+
+    @property
+    def replan_workers(self) -> int:
+        """Processes a re-plan's candidates use (``rebalance`` reads it): ``workers``."""
+        return int(self.workers)
 
     @property
     def work_per_layer(self) -> float:
@@ -218,7 +224,7 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: PlanOptions) -> _Rows:
             cap,
             iterations=int(opts.refine),
             donors=_donors(opts.donors, P // G),
-            target=np.maximum(floor, local_loads.sum(axis=1) / gpn * 1.001),
+            target=np.maximum(floor, local_loads.sum(axis=1) / gpn * (1 + GOOD_ENOUGH)),
         )
     # With few gpus per node, water-filling can make two hot experts share gpus; only nodes
     # whose busiest gpu is above the floor matter. The global policy's cap is the whole gpu
@@ -245,7 +251,8 @@ def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, deadl
     todo = np.flatnonzero(now > target)
     budget = Budget(float(per_layer) * n_layers, deadline)
     if todo.size == 0 or per_layer == 0:
-        return SearchStats(0.0, 0, n_layers, False)
+        at_bound = (now <= target).reshape(n_layers, N).all(axis=1)
+        return SearchStats(0.0, 0, int(at_bound.sum()), False)
     wide = opts.effort == "high"
     best = refine_thorough(loads[todo], phy[todo], cap, budget, target[todo], wide=wide)
     if not budget.out():

@@ -3,8 +3,7 @@
 ``pack`` deals items and improves the deal by swaps; it is used twice by the first plan:
 expert groups onto nodes, replicas onto gpus. On the ``[rows, bins, slots]`` layout
 (``eplb.layout``), with counts fixed: ``pack_counts`` packs replica counts from scratch,
-``swap_improve`` swaps slots between bins and ``rotate_improve`` rotates three slots to bring
-two bins under a target at once (re-plans use both, see ``eplb.replan``).
+``swap_improve`` swaps slots between bins (count moves and re-plans use it).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import numpy as np
 from ..bounds import item_bound
 from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts
 
-__all__ = ["pack", "packed_loads", "improve", "swap_improve", "rotate_improve", "pack_counts"]
+__all__ = ["pack", "packed_loads", "improve", "swap_improve", "pack_counts"]
 
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
@@ -319,98 +318,6 @@ def swap_improve(
     assign = np.broadcast_to(np.arange(B * S).reshape(B, S), (A, B, S)).copy()
     improve(weights, keys, assign, max_rounds=rounds, target=None if target is None else target[rows])
     phy[rows] = np.take_along_axis(keys, assign.reshape(A, -1), axis=1).reshape(A, B, S)
-
-
-def rotate_improve(
-    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, partners: int = 4, seconds: int = 4
-) -> None:
-    """Three-slot rotations that bring two bins above ``target`` (``[X]``) under it at once, in
-    place on ``phy`` ``[X, B, S]`` (counts unchanged): the heaviest bin ``h1`` hands an item
-    ``a`` to a light bin ``q`` (one of the ``partners`` lightest), ``q`` hands ``b`` to another
-    bin above the target ``h2`` (one of the ``seconds`` least above it), and ``h2`` hands ``c``
-    to ``h1``. Two swaps would rewrite four slots for the same two bins. Each round every row
-    with two bins above its target makes the feasible rotation (all three at most the target,
-    no expert twice on a bin) that leaves the heaviest of the three lightest; a row stops when
-    it has none."""
-    X, B, S = phy.shape
-    if B < 3 or S < 1:
-        return
-    E = loads.shape[1]
-    Q = min(partners, B - 2)
-    H = min(seconds, B - 2)
-    active = np.arange(X)
-    for _ in range(rounds):
-        if active.size == 0:
-            return
-        sub = phy[active]
-        w = (loads[active] / replica_counts(sub, E))[np.arange(active.size)[:, None, None], sub]  # [A, B, S]
-        load = w.sum(axis=2)
-        above = load > target[active][:, None]
-        keep = above.sum(axis=1) >= 2
-        if not keep.any():
-            return
-        active, sub, w, load, above = active[keep], sub[keep], w[keep], load[keep], above[keep]
-        A = active.size
-        ra = np.arange(A)
-        tgt = target[active]
-        order = np.argsort(-load, axis=1, kind="stable")
-        h1, qs = order[:, 0], order[:, ::-1][:, :Q]  # [A], [A, Q]
-        # Second bins: the least loaded of those above the target (the heaviest excluded).
-        key = np.where(above, load, np.inf)
-        key[ra, h1] = np.inf
-        h2s = np.argsort(key, axis=1, kind="stable")[:, :H]  # [A, H]
-        h2_ok = np.isfinite(np.take_along_axis(key, h2s, axis=1))  # [A, H]
-        a_w, a_k, L1 = w[ra, h1], sub[ra, h1], load[ra, h1]  # [A, S]
-        c_w, c_k, L2 = w[ra[:, None], h2s], sub[ra[:, None], h2s], load[ra[:, None], h2s]  # [A, H, S]
-        b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
-        # Each bin's new load depends on two of the three items: score each pair of items once
-        # (inf where that bin would go above the target or hold an expert twice), then take
-        # the max over the three on the [H, Q, i, j, k] grid of each row.
-        # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
-        t4 = tgt[:, None, None, None]
-        in_h1 = a_k[:, None, :, None] == c_k[:, :, None, :]  # [A, H, i, j]
-        bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
-        n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
-        m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
-        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
-        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
-        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
-        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
-        in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
-        bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
-        nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
-        mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
-        # A rotation needs a feasible pair on each of the three bins: the grid is built only for
-        # the (row, h2, q) triples that have all three (few, after the first rounds).
-        f1 = np.isfinite(m1).any(axis=(2, 3))  # [A, H]
-        f2 = np.isfinite(m2).any(axis=(3, 4))  # [A, H, Q]
-        fq = np.isfinite(mq).any(axis=(2, 3))  # [A, Q]
-        pa, ph, pq = np.nonzero(f1[:, :, None] & f2 & fq[:, None, :])
-        if pa.size == 0:
-            return
-        # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        score = np.maximum(m1[pa, ph][:, :, :, None], m2[pa, ph, pq][:, None, :, :])
-        np.maximum(score, mq[pa, pq][:, :, None, :], out=score)
-        score = score.reshape(pa.size, -1)
-        inner = score.argmin(axis=1)
-        value = score[np.arange(pa.size), inner]
-        # Per row the least value, ties to the first (h2, q) and then the first slots: what an
-        # argmin over the row's whole [H, Q, S, S, S] grid gives.
-        order = np.lexsort((np.arange(pa.size), value, pa))
-        first = order[np.r_[True, pa[order][1:] != pa[order][:-1]]]
-        first = first[np.isfinite(value[first])]
-        if first.size == 0:
-            return
-        x = pa[first]
-        hi_, qi = ph[first], pq[first]
-        i, j, k = np.unravel_index(inner[first], (S, S, S))
-        h2, q = h2s[x, hi_], qs[x, qi]
-        rows_ = active[x]
-        a_e, c_e, b_e = a_k[x, i], c_k[x, hi_, j], b_k[x, qi, k]
-        phy[rows_, h1[x], i] = c_e
-        phy[rows_, h2, j] = b_e
-        phy[rows_, q, k] = a_e
-        active = active[x]
 
 
 def pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: int = 16) -> np.ndarray:

@@ -14,13 +14,13 @@ import numpy as np
 
 from ..layout import REL_TOL, bin_loads, distinct_per_bin, replica_counts
 from ..place.counts import refine_counts
-from ..place.packing import rotate_improve, swap_improve
+from ..place.packing import swap_improve
 from ..place.replicate import replica_cap, waterfill
 from ..placement import Placement
 from ..topology import Topology
 from ..workers import worker_pool
 from .align import align_slots, align_to_previous
-from .moves import chain_improve, count_repair
+from .moves import chain_improve, count_repair, rotate_improve
 from .pick import score
 
 __all__ = ["candidates", "repair_previous", "recount", "groups_whole"]

@@ -14,8 +14,9 @@ in the chain) offering the item that sheds its excess with the least to spare, w
 the chain low and long. The chain is cut back to its longest prefix whose last item may go
 to ``u``.
 
-Count repairs (``count_repair``) change counts instead: one slot gives an expert that grew
-another replica, and every bin holding it sheds at once.
+Rotations (``rotate_improve``) fix two bins with three slots. Count repairs
+(``count_repair``) change counts instead: one slot gives an expert that grew another replica,
+and every bin holding it sheds at once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..layout import REL_TOL, replica_counts
 
-__all__ = ["chain_improve", "count_repair"]
+__all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
 
 def chain_improve(
@@ -210,3 +211,95 @@ def count_repair(
         slot = (sub[a, q] == f[:, None]).argmax(axis=1)
         phy[active[a], q, slot] = h
         active = active[moved]
+
+
+def rotate_improve(
+    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, partners: int = 4, seconds: int = 4
+) -> None:
+    """Three-slot rotations that bring two bins above ``target`` (``[X]``) under it at once, in
+    place on ``phy`` ``[X, B, S]`` (counts unchanged): the heaviest bin ``h1`` hands an item
+    ``a`` to a light bin ``q`` (one of the ``partners`` lightest), ``q`` hands ``b`` to another
+    bin above the target ``h2`` (one of the ``seconds`` least above it), and ``h2`` hands ``c``
+    to ``h1``. Two swaps would rewrite four slots for the same two bins. Each round every row
+    with two bins above its target makes the feasible rotation (all three at most the target,
+    no expert twice on a bin) that leaves the heaviest of the three lightest; a row stops when
+    it has none."""
+    X, B, S = phy.shape
+    if B < 3 or S < 1:
+        return
+    E = loads.shape[1]
+    Q = min(partners, B - 2)
+    H = min(seconds, B - 2)
+    active = np.arange(X)
+    for _ in range(rounds):
+        if active.size == 0:
+            return
+        sub = phy[active]
+        w = (loads[active] / replica_counts(sub, E))[np.arange(active.size)[:, None, None], sub]  # [A, B, S]
+        load = w.sum(axis=2)
+        above = load > target[active][:, None]
+        keep = above.sum(axis=1) >= 2
+        if not keep.any():
+            return
+        active, sub, w, load, above = active[keep], sub[keep], w[keep], load[keep], above[keep]
+        A = active.size
+        ra = np.arange(A)
+        tgt = target[active]
+        order = np.argsort(-load, axis=1, kind="stable")
+        h1, qs = order[:, 0], order[:, ::-1][:, :Q]  # [A], [A, Q]
+        # Second bins: the least loaded of those above the target (the heaviest excluded).
+        key = np.where(above, load, np.inf)
+        key[ra, h1] = np.inf
+        h2s = np.argsort(key, axis=1, kind="stable")[:, :H]  # [A, H]
+        h2_ok = np.isfinite(np.take_along_axis(key, h2s, axis=1))  # [A, H]
+        a_w, a_k, L1 = w[ra, h1], sub[ra, h1], load[ra, h1]  # [A, S]
+        c_w, c_k, L2 = w[ra[:, None], h2s], sub[ra[:, None], h2s], load[ra[:, None], h2s]  # [A, H, S]
+        b_w, b_k, Lq = w[ra[:, None], qs], sub[ra[:, None], qs], load[ra[:, None], qs]  # [A, Q, S]
+        # Each bin's new load depends on two of the three items: score each pair of items once
+        # (inf where that bin would go above the target or hold an expert twice), then take
+        # the max over the three on the [H, Q, i, j, k] grid of each row.
+        # No expert twice on a bin: an incoming item's expert may sit only in the slot it replaces.
+        t4 = tgt[:, None, None, None]
+        in_h1 = a_k[:, None, :, None] == c_k[:, :, None, :]  # [A, H, i, j]
+        bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
+        n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
+        m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
+        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
+        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
+        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
+        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
+        in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
+        bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
+        nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
+        mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
+        # A rotation needs a feasible pair on each of the three bins: the grid is built only for
+        # the (row, h2, q) triples that have all three (few, after the first rounds).
+        f1 = np.isfinite(m1).any(axis=(2, 3))  # [A, H]
+        f2 = np.isfinite(m2).any(axis=(3, 4))  # [A, H, Q]
+        fq = np.isfinite(mq).any(axis=(2, 3))  # [A, Q]
+        pa, ph, pq = np.nonzero(f1[:, :, None] & f2 & fq[:, None, :])
+        if pa.size == 0:
+            return
+        # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+        score = np.maximum(m1[pa, ph][:, :, :, None], m2[pa, ph, pq][:, None, :, :])
+        np.maximum(score, mq[pa, pq][:, :, None, :], out=score)
+        score = score.reshape(pa.size, -1)
+        inner = score.argmin(axis=1)
+        value = score[np.arange(pa.size), inner]
+        # Per row the least value, ties to the first (h2, q) and then the first slots: what an
+        # argmin over the row's whole [H, Q, S, S, S] grid gives.
+        order = np.lexsort((np.arange(pa.size), value, pa))
+        first = order[np.r_[True, pa[order][1:] != pa[order][:-1]]]
+        first = first[np.isfinite(value[first])]
+        if first.size == 0:
+            return
+        x = pa[first]
+        hi_, qi = ph[first], pq[first]
+        i, j, k = np.unravel_index(inner[first], (S, S, S))
+        h2, q = h2s[x, hi_], qs[x, qi]
+        rows_ = active[x]
+        a_e, c_e, b_e = a_k[x, i], c_k[x, hi_, j], b_k[x, qi, k]
+        phy[rows_, h1[x], i] = c_e
+        phy[rows_, h2, j] = b_e
+        phy[rows_, q, k] = a_e
+        active = active[x]

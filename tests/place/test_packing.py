@@ -4,9 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb.place.counts import refine_counts
 from eplb.place.packing import pack, packed_loads
-from eplb.place.replicate import waterfill
 
 
 @st.composite
@@ -61,36 +59,3 @@ def test_pack_known_answer_differencing_beats_greedy_rounds() -> None:
     w = np.array([[8.0, 4.0, 3.0, 3.0, 1.0, 1.0]])
     assign = pack(w, 2)
     assert sorted(packed_loads(w, assign)[0].tolist()) == [10.0, 10.0]
-
-
-@given(inst=items())
-def test_count_moves_keep_every_expert_and_never_worsen_the_busiest_bin(inst) -> None:
-    weights, keys, bins = inst
-    rows, n = weights.shape
-    experts = keys.max() + 1
-    loads = np.zeros((rows, experts))
-    np.add.at(loads, (np.repeat(np.arange(rows), n), keys.ravel()), weights.ravel())
-    assign = pack(weights, bins, keys)
-    phy = keys[np.arange(rows)[:, None, None], assign]
-    out = refine_counts(loads, phy, bins, iterations=8)
-    counts = np.zeros((rows, experts), dtype=np.int64)
-    np.add.at(counts, (np.repeat(np.arange(rows), n), out.reshape(rows, -1).ravel()), 1)
-    assert (counts >= 1).all() and (counts <= bins).all()
-    assert (counts.sum(axis=1) == n).all()
-    srt = np.sort(out, axis=2)
-    assert not (srt[:, :, 1:] == srt[:, :, :-1]).any()
-
-    def busiest(p: np.ndarray) -> np.ndarray:
-        c = np.zeros((rows, experts))
-        np.add.at(c, (np.repeat(np.arange(rows), n), p.reshape(rows, -1).ravel()), 1)
-        per = np.divide(loads, c, out=np.zeros_like(loads), where=c > 0)
-        return per[np.arange(rows)[:, None, None], p].sum(axis=2).max(axis=1)
-
-    assert (busiest(out) <= busiest(phy) * (1 + 1e-9) + 1e-12).all()
-
-
-def test_waterfill_known_answer_and_cap() -> None:
-    assert waterfill(np.array([[30.0, 18.0, 6.0, 6.0]]), 8).tolist() == [[4, 2, 1, 1]]
-    assert waterfill(np.array([[100.0, 1.0]]), 6, cap=3).tolist() == [[3, 3]]
-    # An all-zero row spreads its spare replicas round-robin.
-    assert waterfill(np.zeros((1, 3)), 7).tolist() == [[3, 2, 2]]

@@ -247,7 +247,7 @@ def test_unknown_or_bad_options_are_rejected() -> None:
         eplb.rebalance(np.ones((1, 4)), topo, "global", rounds=3)
     with pytest.raises(ValueError, match="refine must be an integer >= 0"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", refine=-1)
-    with pytest.raises(ValueError, match="donors must be an integer >= 0 or None, got 2.5"):
+    with pytest.raises(ValueError, match="donors must be an integer >= 1 or None, got 2.5"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", donors=2.5)
     with pytest.raises(ValueError, match="effort must be one of 'fast', 'default', 'high'"):
         eplb.rebalance(np.ones((1, 4)), topo, "global", effort="max")
@@ -255,7 +255,9 @@ def test_unknown_or_bad_options_are_rejected() -> None:
         with pytest.raises(ValueError, match="time_limit must be a positive number of seconds or None"):
             eplb.rebalance(np.ones((1, 4)), topo, "global", effort="high", time_limit=bad)
     for bad in (-1, "many", True):
-        with pytest.raises(ValueError, match="work_budget must be a number of work units >= 0 per layer or None"):
+        with pytest.raises(
+            ValueError, match="work_budget must be a finite number of work units >= 0 per layer or None"
+        ):
             eplb.rebalance(np.ones((1, 4)), topo, "global", work_budget=bad)
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="workers must be an integer >= 1"):

@@ -6,11 +6,11 @@ import pytest
 
 import eplb
 from eplb.simulate import (
-    _systematic_subsets,
     expected_gpu_load,
     inclusion_probabilities,
     sample_gpu_loads,
     simulate_steps,
+    systematic_subsets,
 )
 
 
@@ -57,7 +57,7 @@ def test_deterministic_routing_matches_the_expected_load_exactly():
 def test_systematic_sampling_picks_distinct_experts_at_the_right_rates():
     pi = inclusion_probabilities(np.array([8.0, 4, 2, 1, 1, 1, 1, 1, 1]), 3)
     rng = np.random.default_rng(0)
-    picks = _systematic_subsets(rng, 40_000, pi, 3)
+    picks = systematic_subsets(rng, 40_000, pi, 3)
     assert (np.sort(picks, axis=1)[:, 1:] != np.sort(picks, axis=1)[:, :-1]).all()
     freq = np.bincount(picks.ravel(), minlength=pi.size) / 40_000
     # Binomial standard error <= 0.0025; allow 5 of them.

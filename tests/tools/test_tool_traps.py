@@ -273,7 +273,7 @@ def test_docs_the_tools_point_at_are_in_the_repo():
     assert "docs/scales.md" in cited
     assert [c for c in sorted(cited) if not (ROOT / c).is_file()] == []
     assert not [p.name for p in texts if "BENCHMARKS.md" in p.read_text()]
-    scale_help = cli._parser()._subparsers._group_actions[0].choices["place"].format_help()
+    scale_help = cli.build_parser()._subparsers._group_actions[0].choices["place"].format_help()
     assert "--scale" in scale_help and "docs/scales.md" in scale_help
     # A command the docs say the README runs must be in the README.
     readme = (ROOT / "README.md").read_text()

@@ -1,0 +1,75 @@
+"""eplb.replan.candidates: repairs, recounts and regrouping of the previous placement."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+import eplb
+from eplb.workloads import SCALES, drift, make_loads
+
+
+@given(
+    data=st.data(),
+    bins=st.integers(2, 6),
+    per_bin=st.integers(1, 4),
+)
+def test_recount_sets_the_counts_and_touches_only_changed_experts(data: st.DataObject, bins: int, per_bin: int) -> None:
+    from eplb.layout import replica_counts
+    from eplb.place.replicate import waterfill
+    from eplb.replan.candidates import recount
+
+    P = bins * per_bin
+    E = data.draw(st.integers(max(1, (P + bins - 1) // bins), P), label="experts")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    loads = rng.lognormal(0, 1, (1, E))
+    topo = eplb.Topology(1, E, P, bins)
+    phy = eplb.rebalance(loads, topo, "global").phy2log.reshape(1, bins, per_bin).astype(np.int64)
+    # Target counts: water-filling on other loads, at most one replica per gpu.
+    want = waterfill(rng.lognormal(0, 1, (1, E)), P, bins)[0]
+    out, ok = recount(loads * rng.lognormal(0, 0.5, (1, E)), phy, want[None])
+    if not ok[0]:  # every free slot sat on a gpu that already held the gaining expert
+        return
+    have = replica_counts(phy, E)[0]
+    assert (replica_counts(out, E)[0] == want).all()
+    assert all(len(set(g)) == per_bin for g in out[0].tolist())  # no expert twice on a gpu
+    changed = out[0] != phy[0]
+    # Only slots of experts that lost a replica change, and only to experts that gain one.
+    assert (want[phy[0][changed]] < have[phy[0][changed]]).all()
+    assert (want[out[0][changed]] > have[out[0][changed]]).all()
+    assert changed.sum() == np.maximum(want - have, 0).sum()
+
+
+def test_two_slots_per_gpu_drift_is_recounted_not_replanned() -> None:
+    # 2 slots per gpu: balance hangs on the replica counts of the hottest experts.
+    topo = SCALES["v3-decode-144"]
+    seq = drift(make_loads("lognormal-1.0", topo, seed=7), 0.2, 3, seed=7)
+    prev = eplb.rebalance(seq[0], topo, "global").placement
+    for loads in seq[1:]:
+        fresh = eplb.rebalance(loads, topo, "global")
+        plan = eplb.rebalance(loads, topo, "global", previous=prev, tolerance=0.01, layer_tolerance=0.01)
+        assert (plan.gpu_load.max(axis=1) <= 1.01 * fresh.gpu_load.max(axis=1) + 1e-9).all()
+        assert plan.replan.layers_recounted > 0
+        assert plan.total_moves < 0.2 * topo.num_slots * topo.num_layers
+        prev = plan.placement
+
+
+def test_a_node_above_the_target_is_fixed_by_swapping_groups() -> None:
+    topo = eplb.Topology(4, 64, 80, 8, 2, 4)  # 4 groups of 16 on 2 nodes of 4 gpus
+    rng = np.random.default_rng(8)
+    base = rng.lognormal(0, 0.3, (4, 64))
+    prev = eplb.rebalance(base, topo, "hierarchical").placement
+    # Both groups on node 0 get 1.5 times the load: that node is far above the other, and
+    # only pairing a heavy group with a light one balances the nodes again.
+    loads = base.copy()
+    for layer in range(4):
+        for g in set((prev.phy2log[layer].reshape(2, -1)[0] // 16).tolist()):
+            loads[layer, g * 16 : (g + 1) * 16] *= 1.5
+    fresh = eplb.rebalance(loads, topo, "hierarchical")
+    plan = eplb.rebalance(loads, topo, "hierarchical", previous=prev, tolerance=0.01, layer_tolerance=0.01)
+    assert plan.replan.layers_regrouped == 4
+    assert (plan.gpu_load.max(axis=1) <= 1.01 * fresh.gpu_load.max(axis=1) + 1e-9).all()
+    per_node = plan.phy2log.reshape(4, 2, -1) // 16
+    for layer in range(4):
+        assert len(set(per_node[layer, 0].tolist()) & set(per_node[layer, 1].tolist())) == 0
+    # One group swap moves two groups' slots, not the whole layer.
+    assert (plan.moves <= 0.7 * topo.num_slots).all()

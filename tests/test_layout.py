@@ -1,0 +1,21 @@
+"""eplb.layout: the [rows, bins, slots] arrays every step shares."""
+
+import numpy as np
+
+from eplb.layout import bin_loads, busiest, distinct_per_bin, replica_counts
+
+
+def test_counts_and_bin_loads_split_each_expert_over_its_replicas() -> None:
+    loads = np.array([[6.0, 2.0, 4.0]])
+    phy = np.array([[[0, 1], [0, 2]]])  # expert 0 on both bins
+    assert replica_counts(phy, 3).tolist() == [[2, 1, 1]]
+    assert bin_loads(loads, phy).tolist() == [[5.0, 7.0]]
+    assert busiest(loads, phy).tolist() == [7.0]
+    assert distinct_per_bin(phy) and not distinct_per_bin(np.array([[[0, 0], [1, 2]]]))
+
+
+def test_bin_loads_sum_to_the_layer_load() -> None:
+    rng = np.random.default_rng(0)
+    loads = rng.random((5, 8))
+    phy = np.stack([rng.permutation(np.r_[np.arange(8), rng.integers(0, 8, 4)]).reshape(4, 3) for _ in range(5)])
+    assert np.allclose(bin_loads(loads, phy).sum(axis=1), loads.sum(axis=1))
