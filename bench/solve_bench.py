@@ -2,7 +2,7 @@
 
     python -m eplb_bench.solve_bench [--scales v3-prefill,v3-512] [--workloads lognormal-1.0]
         [--policies deepseek,global,hierarchical,global:high] [--repeat 5] [--json out.json]
-        [--reference PATH/TO/eplb.py]
+        [--reference PATH/TO/eplb.py] [--baseline DIR]
 
 A policy may carry an effort, ``global:high``. For each scale × workload × policy it prints the
 median over ``--repeat`` runs of the policy's own solve time (``Plan.solve_seconds``, without
@@ -12,6 +12,11 @@ then a summary: per policy, the worst solve time per scale and how often it is w
 
 ``--reference`` times DeepSeek's own eplb.py (needs torch; the file is not part of eplb) on the
 same inputs in the same run, for speed-up ratios.
+
+``--baseline DIR`` times another copy of the ``eplb`` package (``DIR/eplb``, e.g. an older
+commit: ``git archive REV eplb | tar -x -C DIR``) against this one, alternating the two plan by
+plan within each repeat so that a shared machine's drift hits both alike; each row then also
+gives the baseline's median, the ratio and whether the placements are identical.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -37,26 +43,54 @@ def _split(spec: str) -> tuple[str, dict]:
     return name, ({"effort": effort} if effort else {})
 
 
-def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0) -> dict:
+def load_baseline(directory: str):
+    """``DIR/eplb`` imported as a package of its own name (``eplb_baseline``), beside ``eplb``."""
+    spec = importlib.util.spec_from_file_location(
+        "eplb_baseline", f"{directory}/eplb/__init__.py", submodule_search_locations=[f"{directory}/eplb"]
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["eplb_baseline"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, baseline=None) -> dict:
     topo = SCALES[scale]
     loads = make_loads(workload, topo, seed)
     policy, options = _split(spec)
     row: dict = {"scale": scale, "workload": workload, "policy": spec}
     if policy == "hierarchical" and not topo.hierarchical_ok:
         return {**row, "skipped": "num_groups % num_nodes != 0"}
-    times = []
-    plan = None
-    for _ in range(repeat):
+    base_topo = None
+    if baseline is not None:
+        t = topo
+        base_topo = baseline.Topology(t.num_layers, t.num_experts, t.num_slots, t.num_gpus, t.num_nodes, t.num_groups)
+    times, base_times = [], []
+    plan = base_plan = None
+    for i in range(repeat):
+        # Alternate which goes first, so neither always runs on a warmer cache.
+        if baseline is not None and i % 2 == 0:
+            base_plan = baseline.rebalance(loads, base_topo, policy, **options)
+            base_times.append(base_plan.solve_seconds)
         plan = eplb.rebalance(loads, topo, policy, **options)
         times.append(plan.solve_seconds)
+        if baseline is not None and i % 2 == 1:
+            base_plan = baseline.rebalance(loads, base_topo, policy, **options)
+            base_times.append(base_plan.solve_seconds)
     assert plan is not None
-    return {
+    out = {
         **row,
         "median_seconds": statistics.median(times),
         "mean_imbalance": plan.mean_imbalance,
         "max_imbalance": plan.max_imbalance,
         "mean_imbalance_lb": float(plan.imbalance_lb.mean()),
     }
+    if base_plan is not None:
+        out["baseline_median_seconds"] = statistics.median(base_times)
+        out["baseline_mean_imbalance"] = base_plan.mean_imbalance
+        out["identical_to_baseline"] = bool(np.array_equal(plan.phy2log, base_plan.phy2log))
+    return out
 
 
 def measure_reference(path: str, scale: str, workload: str, repeat: int, seed: int = 0) -> dict:
@@ -85,6 +119,22 @@ def measure_reference(path: str, scale: str, workload: str, repeat: int, seed: i
         "max_imbalance": float(imb.max()),
         "mean_imbalance_lb": float(eplb.imbalance_lb(make_loads(workload, topo, seed), topo).mean()),
     }
+
+
+def baseline_table(rows: list[dict]) -> str:
+    out = [
+        "| scale | workload | policy | baseline ms (median) | this ms (median) | this / baseline | placements identical | imbalance mean (baseline → this) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "baseline_median_seconds" not in r:
+            continue
+        b, t = r["baseline_median_seconds"], r["median_seconds"]
+        out.append(
+            f"| {r['scale']} | {r['workload']} | {r['policy']} | {b * 1e3:.2f} | {t * 1e3:.2f} | {t / b:.2f} | "
+            f"{'yes' if r['identical_to_baseline'] else 'no'} | {r['baseline_mean_imbalance']:.4f} → {r['mean_imbalance']:.4f} |"
+        )
+    return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:
@@ -134,17 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--reference", help="path to DeepSeek's eplb.py, timed on the same inputs (needs torch)")
+    ap.add_argument("--baseline", metavar="DIR", help="also time DIR/eplb (another copy of the package), alternating")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
+    baseline = load_baseline(args.baseline) if args.baseline else None
     rows = []
     for s in args.scales.split(","):
         for w in args.workloads.split(","):
-            rows += [measure(s, w, p, args.repeat) for p in args.policies.split(",")]
+            rows += [measure(s, w, p, args.repeat, baseline=baseline) for p in args.policies.split(",")]
             if args.reference:
                 rows.append(measure_reference(args.reference, s, w, max(1, min(args.repeat, 3))))
     print(table(rows))
     print()
     print(summary(rows))
+    if baseline is not None:
+        print()
+        print(baseline_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

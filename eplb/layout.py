@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REL_TOL", "GOOD_ENOUGH", "replica_counts", "bin_loads", "busiest", "distinct_per_bin"]
+__all__ = ["REL_TOL", "GOOD_ENOUGH", "replica_counts", "bin_loads", "busiest", "distinct_per_bin", "slot_sums"]
 
 # Relative gain below which a change is float noise, not an improvement (all steps compare
 # busiest bins with it, so a plan never flips on rounding).
@@ -34,7 +34,7 @@ def bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
     carries its expert's load over its replica count)."""
     cnt = replica_counts(phy, loads.shape[1])
     ra = np.arange(phy.shape[0])[:, None, None]
-    return (loads / np.maximum(cnt, 1))[ra, phy].sum(axis=2)
+    return slot_sums((loads / np.maximum(cnt, 1))[ra, phy])
 
 
 def busiest(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
@@ -47,3 +47,14 @@ def distinct_per_bin(phy: np.ndarray) -> bool:
     the repairs need that)."""
     srt = np.sort(phy, axis=2)
     return not (srt[:, :, 1:] == srt[:, :, :-1]).any()
+
+
+def slot_sums(w: np.ndarray) -> np.ndarray:
+    """``w`` ``[..., S]`` → ``[...]``: ``w.sum(axis=-1)``, to the bit. With one or two slots the
+    sum is one addition whatever the order, done as one vector operation: a reduction over a
+    length-2 axis costs a call per bin (the two-slot decode shape has hundreds of bins)."""
+    if w.shape[-1] == 2:
+        return w[..., 0] + w[..., 1]
+    if w.shape[-1] == 1:
+        return w[..., 0].copy()
+    return w.sum(axis=-1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Budget
-from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts, slot_sums
 from .packing import swap_improve
 
 __all__ = ["refine_counts"]
@@ -99,7 +99,7 @@ def _busiest(loads: np.ndarray, phy: np.ndarray) -> tuple[np.ndarray, ...]:
     ra = np.arange(phy.shape[0])
     cnt = replica_counts(phy, loads.shape[1])
     w = loads / cnt
-    load = w[ra[:, None, None], phy].sum(axis=2)
+    load = slot_sums(w[ra[:, None, None], phy])
     h = load.argmax(axis=1)
     return cnt, w, load, h, load[ra, h]
 
@@ -126,23 +126,29 @@ def _count_move(
     don = np.argpartition(grown, D - 1, axis=1)[:, :D] if D < E else np.broadcast_to(np.arange(E), (A, E))
     w_f = w[ra[:, None], don]
     d_f = np.where(np.isfinite(grown[ra[:, None], don]), grown[ra[:, None], don] - w_f, np.inf)  # [A, D]
-    He = (phy[:, None, :, :] == gain[:, :, None, None]).any(axis=3)  # [A, S, B]: bin holds gainer
-    Hf = (phy[:, None, :, :] == don[:, :, None, None]).any(axis=3)  # [A, D, B]: bin holds donor
-    He4, Hf4 = He[:, :, None, :], Hf[:, None, :, :]
-    new = load[:, None, None, :] - d_e[:, :, None, None] * He4 + np.where(Hf4, d_f[:, None, :, None], 0.0)
+    held = _holders(phy, E)
+    He = held[ra[:, None], gain]  # [A, S, B]: bin holds gainer
+    Hf = held[ra[:, None], don]  # [A, D, B]: bin holds donor
+    # The [A, S, D, B] grids are the cost here: each is built once, in one buffer, and the
+    # per-(gainer, donor) conditions are combined on the small arrays first.
+    new = (load[:, None, :] - d_e[:, :, None] * He)[:, :, None, :] + np.where(Hf, d_f[:, :, None], 0.0)[:, None, :, :]
     # Max over bins other than q: the top two of `new` cover every q.
-    arg1 = new.argmax(axis=3)
-    first = np.arange(B) == arg1[..., None]
-    m1 = np.take_along_axis(new, arg1[..., None], axis=3)
-    m2 = np.where(first, -np.inf, new).max(axis=3, keepdims=True)
-    other = np.where(first, m2, m1)
-    at_q = load[:, None, None, :] - w_f[:, None, :, None] + w_new_e[:, :, None, None]
-    score = np.maximum(other, at_q)
-    ok = Hf4 & ~He4 & (c_g < hi)[:, :, None, None] & np.isfinite(d_f)[:, None, :, None]
-    ok &= gain[:, :, None, None] != don[:, None, :, None]
-    # The busiest bin must really get lighter (not so for zero-load experts).
-    ok &= (d_e > REL_TOL * lmax[:, None])[:, :, None, None]
-    score = np.where(ok, score, np.inf).reshape(A, -1)
+    arg1 = new.argmax(axis=3)[..., None]
+    m1 = new.max(axis=3, keepdims=True)
+    np.put_along_axis(new, arg1, -np.inf, axis=3)
+    m2 = new.max(axis=3, keepdims=True)
+    # The score: the larger of q's new load (at_q) and the busiest other bin (m1, or m2 at q
+    # = arg1), written over `new`.
+    score = np.add((load[:, None, :] - w_f[:, :, None])[:, None, :, :], w_new_e[:, :, None, None], out=new)
+    at_arg1 = np.take_along_axis(score, arg1, axis=3)
+    np.maximum(score, m1, out=score)
+    np.put_along_axis(score, arg1, np.maximum(at_arg1, m2), axis=3)
+    ok = (c_g < hi) & (d_e > REL_TOL * lmax[:, None])  # [A, S]; the busiest bin must really get lighter
+    ok = ok[:, :, None] & np.isfinite(d_f)[:, None, :] & (gain[:, :, None] != don[:, None, :])  # [A, S, D]
+    bad = ~Hf[:, None, :, :] | He[:, :, None, :]
+    bad |= ~ok[:, :, :, None]
+    score[bad] = np.inf
+    score = score.reshape(A, -1)
     best = score.argmin(axis=1)
     val = score[ra, best]
     moved = val <= lmax * (1 + slack + REL_TOL)
@@ -179,8 +185,9 @@ def _count_move_out(
     w_g = w[ra[:, None], gain]
     w_new_g = light[ra[:, None], gain]  # [A, D]
     d_g = w_g - w_new_g
-    Hf = (phy[:, None, :, :] == give[:, :, None, None]).any(axis=3)  # [A, S, B]
-    Hg = (phy[:, None, :, :] == gain[:, :, None, None]).any(axis=3)  # [A, D, B]
+    held = _holders(phy, E)
+    Hf = held[ra[:, None], give]  # [A, S, B]
+    Hg = held[ra[:, None], gain]  # [A, D, B]
     new = load[:, None, None, :] + np.where(Hf[:, :, None, :], d_f[:, :, None, None], 0.0)
     new = new - np.where(Hg[:, None, :, :], d_g[:, None, :, None], 0.0)
     new[ra, :, :, h] = -np.inf  # h itself is scored below
@@ -198,3 +205,12 @@ def _count_move_out(
         a = ra[moved]
         phy_all[rows[a], h[a], s] = gain[a, d]
     return moved
+
+
+def _holders(phy: np.ndarray, num_experts: int) -> np.ndarray:
+    """``phy`` ``[A, B, S]`` → bool ``[A, E, B]``: whether bin ``b`` holds expert ``e``. One
+    scatter; comparing every slot with every candidate expert costs several times more."""
+    A, B, S = phy.shape
+    held = np.zeros((A, num_experts, B), dtype=bool)
+    held[np.arange(A)[:, None, None], phy, np.arange(B)[None, :, None]] = True
+    return held

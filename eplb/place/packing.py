@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds import item_bound
-from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts
+from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums
 
 __all__ = ["pack", "packed_loads", "improve", "swap_improve", "pack_counts"]
 
@@ -77,41 +77,57 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
 
     Each round of ``num_bins`` items in weight order is a partial solution; the two partials
     with the largest spread (heaviest minus lightest bin) merge, heaviest bin of one with
-    lightest of the other, until one is left. Items carry (partial, bin) labels, so a merge
-    costs a few ``[X, n]`` operations.
+    lightest of the other, until one is left. The merges are chosen on the bin sums alone,
+    then composed backwards into each item's final bin.
     """
     X, m, S = weights.shape[0], num_bins, per_bin
     n = m * S
     r = np.arange(X)
     rc = r[:, None]
-    sums = np.take_along_axis(weights, order, axis=1).reshape(X, S, m)
-    # code = partial * m + bin for every item; a merge relabels codes through a table.
-    code = np.empty((X, n), dtype=np.int64)
-    np.put_along_axis(code, order, np.broadcast_to(np.arange(n), (X, n)), axis=1)
-    flat = code + rc * n  # index into a per-row table of width n
+    sums = weights[rc, order].reshape(X, S, m)
     col = np.arange(m)
+    # Each partial's spread, kept up to date: a merge changes only the merged partial's. A
+    # round's items come in descending weight, so its spread is its first minus its last.
+    spread = sums[:, :, 0] - sums[:, :, m - 1]
+    # The merges are decided on the sums alone; the items follow afterwards (see below).
+    steps = []
     for left in range(S, 1, -1):
-        spread = sums[:, :left].max(axis=2) - sums[:, :left].min(axis=2)
-        pick = np.argsort(-spread, axis=1, kind="stable")[:, :2]
-        a, b = pick[:, 0], pick[:, 1]
+        # The two largest spreads, ties to the lower partial (a stable descending sort's first
+        # two): two argmax are cheaper than a sort.
+        cur = spread[:, :left].copy()
+        a = cur.argmax(axis=1)
+        cur[r, a] = -np.inf
+        b = cur.argmax(axis=1)
         lo, hi, last = np.minimum(a, b), np.maximum(a, b), left - 1
-        oa = np.argsort(-sums[r, a], axis=1, kind="stable")
-        ob = np.argsort(sums[r, b], axis=1, kind="stable")
-        new_sum = np.take_along_axis(sums[r, a], oa, axis=1) + np.take_along_axis(sums[r, b], ob, axis=1)
-        table = np.broadcast_to(np.arange(n), (X, n)).copy()
-        # The last partial moves into the freed slot; a and b merge into the lower slot.
-        table[rc, last * m + col] = hi[:, None] * m + col
-        inv = np.empty_like(oa)
-        np.put_along_axis(inv, oa, np.broadcast_to(col, oa.shape), axis=1)
-        table[rc, a[:, None] * m + col] = lo[:, None] * m + inv
-        np.put_along_axis(inv, ob, np.broadcast_to(col, ob.shape), axis=1)
-        table[rc, b[:, None] * m + col] = lo[:, None] * m + inv
-        code = table.ravel()[flat]
-        flat = code + rc * n
+        sa, sb = sums[r, a], sums[r, b]
+        oa = np.argsort(-sa, axis=1, kind="stable")
+        ob = np.argsort(sb, axis=1, kind="stable")
+        new_sum = sa[rc, oa] + sb[rc, ob]
+        steps.append((a, b, lo, hi, last, oa, ob))
         sums[r, hi] = sums[r, last]
         sums[r, lo] = new_sum
-    # Codes are now bins (< m): as the smallest integer type they sort by radix, not by merges.
-    return np.argsort(code.astype(np.min_scalar_type(m)), axis=1, kind="stable").reshape(X, m, S)
+        spread[r, hi] = spread[r, last]
+        spread[r, lo] = new_sum.max(axis=1) - new_sum.min(axis=1)
+    # A code is partial * m + bin. Compose the merges backwards: g[x, code] is the final bin
+    # of a code before a merge, from one partial whose bins are final. The tables shrink with
+    # the partials, so this costs about half of relabelling every item at every merge.
+    g = np.broadcast_to(col, (X, m))
+    for a, b, lo, hi, last, oa, ob in reversed(steps):
+        width = (last + 1) * m
+        table = np.broadcast_to(np.arange(width), (X, width)).copy()
+        # The last partial moves into the freed slot hi; a and b merge into slot lo, the j-th
+        # heaviest bin of a with the j-th lightest of b (written after, so they win if last
+        # is a or b).
+        table[rc, last * m + col] = hi[:, None] * m + col
+        dest = lo[:, None] * m + col
+        table[rc, a[:, None] * m + oa] = dest
+        table[rc, b[:, None] * m + ob] = dest
+        g = g[rc, table]
+    # g[x, p]: the bin of the item at position p of the weight order; the smallest integer
+    # type sorts by radix.
+    code = np.empty((X, n), dtype=np.min_scalar_type(m))
+    code[rc, order] = g
+    return np.argsort(code, axis=1, kind="stable").reshape(X, m, S)
 
 
 def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
@@ -122,16 +138,22 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
     """
     X, B, S = assign.shape
     rows = np.arange(X)
+    # (bin, key) codes: a row has a clash iff two of its codes are equal.
+    span = int(keys.max(initial=0)) + 1
+    bin_code = (np.arange(B) * span)[:, None]
     for _ in range(B * S):
         if rows.size == 0:
             return
         r3 = rows[:, None, None]
         k = keys[r3, assign[rows]]
-        clash = np.tril(k[:, :, :, None] == k[:, :, None, :], -1).any(axis=3)  # [R, B, S]
-        has = clash.reshape(len(rows), -1).any(axis=1)
-        rows, k, clash = rows[has], k[has], clash[has]
+        # Few rows clash: find them by sorting codes (a tenth of the pairwise test's time),
+        # and locate the clashes in those rows only.
+        code = np.sort((k + bin_code).reshape(len(rows), -1), axis=1)
+        has = (code[:, 1:] == code[:, :-1]).any(axis=1)
+        rows, k = rows[has], k[has]
         if rows.size == 0:
             return
+        clash = np.tril(k[:, :, :, None] == k[:, :, None, :], -1).any(axis=3)  # [R, B, S]
         R = rows.size
         ri = np.arange(R)
         b, s = np.divmod(clash.reshape(R, -1).argmax(axis=1), S)
@@ -203,12 +225,15 @@ def _improve(
     wide = min(num_bins - 1, _WIDE)
     active = np.arange(rows)
     idle = np.zeros(rows, dtype=np.int64)  # rounds since the heaviest bin last got lighter
+    # Bin loads of the active rows, summed once per round: the sums after a round's swaps are
+    # both what tells whether the heaviest bin dropped and the next round's loads.
+    load = slot_sums(w)
     for _ in range(max_rounds):
         if target is not None:
-            active = active[w[active].sum(axis=2).max(axis=1) > target[active]]
+            keep = load.max(axis=1) > target[active]
+            active, load = active[keep], load[keep]
         if active.size == 0:
             return
-        load = w[active].sum(axis=2)
         srt = np.argsort(load, axis=1, kind="stable")
         # Cheap round: i-th heaviest with i-th lightest, all pairs at once.
         heavy, partner = srt[:, ::-1][:, :half], srt[:, :half, None]
@@ -228,9 +253,11 @@ def _improve(
             stalled[st] = ~again[:, 0]
         # A layer goes on while its heaviest bin got lighter within the last few rounds (ties
         # at the top need several swaps before the maximum moves).
-        dropped = w[active].sum(axis=2).max(axis=1) < load.max(axis=1)
+        after = slot_sums(w[active])
+        dropped = after.max(axis=1) < load.max(axis=1)
         idle[active] = np.where(dropped, 0, idle[active] + 1)
-        active = active[~stalled & (idle[active] < _PATIENCE)]
+        keep = ~stalled & (idle[active] < _PATIENCE)
+        active, load = active[keep], after[keep]
 
 
 def _swap_best(
@@ -263,18 +290,28 @@ def _swap_best(
     P = pa.size
     ar = np.arange(P)
     xr, hb, pb = rows[pa], heavy[pa, ph], partners[pa, ph]  # [P], [P], [P, C]
-    wh, kh = w[xr, hb], k[xr, hb]  # [P, S]
-    wp, kp = w[xr[:, None], pb], k[xr[:, None], pb]  # [P, C, S]
+    # Bins as rows of [X * B, S] views: one index array per gather is the fast path.
+    B = w.shape[1]
+    w2, k2 = w.reshape(-1, per_bin), k.reshape(-1, per_bin)
+    fh, fp = xr * B + hb, xr[:, None] * B + pb
+    wh, kh = w2[fh], k2[fh]  # [P, S]
+    wp, kp = w2[fp], k2[fp]  # [P, C, S]
     lh = lh_all[pa, ph][:, None, None, None]
     lp = load[pa[:, None], pb][:, None, :, None]
     # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
     # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
     # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
-    half = (lh - lp) * 0.5 - REL_TOL * lh
+    mid = (lh - lp) * 0.5
+    half = mid - REL_TOL * lh
     dev = wh[:, :, None, None] - wp[:, None, :, :]  # [P, S(heavy item), C, S(partner item)]
-    dev -= (lh - lp) * 0.5
+    dev -= mid
     np.abs(dev, out=dev)
-    score = np.where(dev < half, dev + lp * 0.5, np.inf).reshape(P, -1)
+    # In place, not np.where over three broadcast operands (three times slower): the same
+    # values, dev + lp / 2 where dev < half, else inf.
+    bad = dev >= half
+    dev += lp * 0.5
+    dev[bad] = np.inf
+    score = dev.reshape(P, -1)
     # Key clashes are rare: check the best swap, and only where it clashes try the next best.
     best = score.argmin(axis=1)
     found = np.isfinite(score[ar, best])
@@ -296,11 +333,20 @@ def _swap_best(
     if found.any():
         sel = np.flatnonzero(found)
         i, c, j = np.unravel_index(best[sel], (per_bin, C, per_bin))
-        x, bh, bp = xr[sel], hb[sel], pb[sel, c]
+        # Flat positions of the two items: distinct bins, each bin in at most one swap.
+        ph_ = fh[sel] * per_bin + i
+        pp_ = fp[sel, c] * per_bin + j
         for arr in (assign, w, k):
-            tmp = arr[x, bh, i].copy()
-            arr[x, bh, i] = arr[x, bp, j]
-            arr[x, bp, j] = tmp
+            if arr.flags.c_contiguous:
+                flat = arr.reshape(-1)  # a view
+                tmp = flat[ph_]
+                flat[ph_] = flat[pp_]
+                flat[pp_] = tmp
+            else:  # a caller's non-contiguous assign
+                x, bh, bp = xr[sel], hb[sel], pb[sel, c]
+                tmp = arr[x, bh, i].copy()
+                arr[x, bh, i] = arr[x, bp, j]
+                arr[x, bp, j] = tmp
     return hit
 
 

@@ -41,8 +41,28 @@ def waterfill(loads: np.ndarray, num_replicas: int, cap: int | None = None) -> n
     counts = np.clip(start, 1, hi).astype(np.int64)
     left = num_replicas - counts.sum(axis=1)
     key = _key(loads, counts, hi)
+    steps = int(left.max(initial=0))
+    if steps and (loads > 0).all():
+        # Every key is load / count (-inf at the cap): the same steps through flat views, a
+        # third fewer array operations per replica.
+        base = np.arange(rows) * n
+        # C order, so that reshape(-1) is a view (loads may be a transposed view, and then so
+        # would be the arrays computed from it).
+        counts, key = np.ascontiguousarray(counts), np.ascontiguousarray(key)
+        flat_key, flat_counts, flat_loads = key.reshape(-1), counts.reshape(-1), loads.reshape(-1)
+        for _ in range(steps):
+            pick = key.argmax(axis=1)
+            pick += base
+            active = left > 0
+            c = flat_counts[pick] + active
+            flat_counts[pick] = c
+            left -= active
+            new = flat_loads[pick] / c
+            new[c >= hi] = -np.inf
+            flat_key[pick] = new
+        return counts
     arange = np.arange(rows)
-    for _ in range(int(left.max(initial=0))):
+    for _ in range(steps):
         active = left > 0
         pick = key.argmax(axis=1)
         counts[arange, pick] += active
