@@ -17,11 +17,13 @@ the experts with the heaviest replicas. The counts of the lowest ``T`` reached w
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right, insort
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["pair_counts", "paired_max"]
+__all__ = ["pair_counts", "pair_counts_sweep", "pair_descent", "paired_max"]
 
 # Relative allowance on comparisons with the target (float noise, not a real overshoot).
 _EPS = 1e-12
@@ -50,7 +52,7 @@ def pair_counts(
     limit = 2 * bins if cap is None else cap
     for x in range(X):
         a, b = float(lo[x]), float(hi[x])
-        best, best_val = None, np.inf
+        found = []
         for _ in range(steps):
             mid = (a + b) / 2
             counts = _build(loads[x], mid, bins, limit)
@@ -58,11 +60,11 @@ def pair_counts(
                 a = mid
                 continue
             b = mid
-            val = paired_max(loads[x][None], counts[None])[0]
-            if val < best_val:
-                best, best_val = counts, val
-        if best is not None:
-            out[x] = best
+            found.append(counts)
+        if found:
+            # The first of the lowest pairings, judged in one batch.
+            val = paired_max(np.broadcast_to(loads[x], (len(found), E)), np.stack(found))
+            out[x] = found[int(val.argmin())]
     return out
 
 
@@ -99,4 +101,214 @@ def _build(loads: np.ndarray, T: float, bins: int, cap: int) -> np.ndarray | Non
     for _ in range(2 * bins - int(counts.sum())):
         w = np.where(counts < cap, loads / counts, -1.0)
         counts[w.argmax()] += 1
+    return counts
+
+
+# pair_descent: experts of the busiest pairs and the lightest experts gain a replica, from the
+# donors whose replicas stay smallest or grow least; ties in the busiest pair are broken by a
+# soft count of the pairs near it, at this width (a fraction of the mean bin).
+_GAINERS_LIGHT = 4
+_GAINERS_MANY = 4
+_TIE_WIDTH = 0.005
+
+
+def _sorted_replicas(loads: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``loads``, ``counts`` ``[K, E]`` → replica sizes in ascending order ``[K, P]`` and the
+    expert of each ``[K, P]``."""
+    K, E = loads.shape
+    ids = np.repeat(np.tile(np.arange(E), K), counts.ravel()).reshape(K, -1)
+    w = (loads / counts)[np.arange(K)[:, None], ids]
+    order = np.argsort(w, axis=1, kind="stable")
+    return np.take_along_axis(w, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
+def pair_descent(
+    loads: np.ndarray,
+    counts: np.ndarray,
+    bins: int,
+    cap: int | None,
+    *,
+    target: np.ndarray,
+    iterations: int = 32,
+    donors: int = 24,
+    spend: Callable[[int], int] | None = None,
+    pairs_k: int = 2,
+) -> np.ndarray:
+    """Steepest descent on replica counts judged by ``paired_max``: ``loads``, ``counts``
+    ``[X, E]`` (``2 * bins`` replicas per row, at most ``cap`` per expert) → counts ``[X, E]``
+    whose paired busiest bin is never higher.
+
+    A step moves one replica from a donor to a gainer. Gainers: both experts of the
+    ``pairs_k`` busiest pairs (the heavy replica shrinks, or the light partner splits into
+    smaller partners), the lightest experts (split, they partner the heaviest replicas) and
+    the experts with the most replicas (every count shifts the pairing); donors: experts with
+    two or more replicas whose replicas stay smallest, or grow least, with one fewer (``donors``
+    in all). Of all candidates each row takes the lowest busiest pair, ties broken by how many
+    pairs sit within ``_TIE_WIDTH`` of it, so the step walks along plateaus of the maximum.
+    Rows stop at ``target`` ``[X]``, when no candidate helps, after ``iterations`` steps, or
+    when ``spend`` runs out: called with each step's candidate count, it returns how many of
+    them may be judged (the step then keeps the rows whose candidates all fit). Same input,
+    same counts."""
+    loads = np.asarray(loads, dtype=np.float64)
+    X, E = loads.shape
+    counts = counts.copy()
+    limit = 2 * bins if cap is None else cap
+    scale = loads.sum(axis=1) / bins
+    tau = _TIE_WIDTH * scale
+
+    def key(pairs: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        top = pairs.max(axis=1)
+        soft = (pairs > top[:, None] - tau[rows, None]).sum(axis=1)
+        return top, soft
+
+    w, _ = _sorted_replicas(loads, counts)
+    cur_top, cur_soft = key((w + w[:, ::-1])[:, :bins], np.arange(X))
+    active = np.flatnonzero(cur_top > target)
+    ng_pairs = pairs_k
+    for _ in range(iterations):
+        if active.size == 0:
+            break
+        A = active.size
+        ra = np.arange(A)
+        sorted_w, ids = _sorted_replicas(loads[active], counts[active])
+        pairs = (sorted_w + sorted_w[:, ::-1])[:, :bins]
+        # Experts of the ng_pairs busiest pairs (light and heavy side).
+        top_i = np.argsort(-pairs, axis=1, kind="stable")[:, :ng_pairs]
+        g_pair = np.concatenate([ids[ra[:, None], top_i], ids[ra[:, None], 2 * bins - 1 - top_i]], axis=1)
+        c = counts[active]
+        ld = loads[active]
+        light_key = np.where(c < limit, ld * c, np.inf)  # lightest total, fewest replicas first
+        g_light = np.argsort(light_key, axis=1, kind="stable")[:, :_GAINERS_LIGHT]
+        g_many = np.argsort(-np.where(c < limit, c, -1), axis=1, kind="stable")[:, :_GAINERS_MANY]
+        gain = np.concatenate([g_pair, g_light, g_many], axis=1)  # [A, ng]
+        size_after = np.where(c >= 2, ld / np.maximum(c - 1, 1), np.inf)
+        growth = size_after - ld / c
+        half = max(1, donors // 2)
+        d1 = np.argsort(size_after, axis=1, kind="stable")[:, :half]
+        d2 = np.argsort(growth, axis=1, kind="stable")[:, : donors - half]
+        give = np.concatenate([d1, d2], axis=1)  # [A, nd]
+        ng, nd = gain.shape[1], give.shape[1]
+        rows = np.repeat(ra, ng * nd)
+        ge = np.repeat(gain, nd, axis=1).ravel()
+        gf = np.tile(give, (1, ng)).ravel()
+        ok = (ge != gf) & (c[rows, ge] < limit) & (c[rows, gf] >= 2)
+        rows, ge, gf = rows[ok], ge[ok], gf[ok]
+        if spend is not None:
+            # The rows whose candidates fit in what is left, in order (deterministic).
+            fit = int(spend(rows.size))
+            if fit < rows.size:
+                keep = rows < (rows[fit] if fit > 0 else 0)
+                rows, ge, gf = rows[keep], ge[keep], gf[keep]
+        if rows.size == 0:
+            break
+        # Each candidate's replicas: its row's sorted replicas with the gainer's and the donor's
+        # resized and one of the donor's handed to the gainer, sorted again.
+        rr = np.arange(rows.size)
+        size_g = ld[rows, ge] / (c[rows, ge] + 1)
+        size_f = ld[rows, gf] / (c[rows, gf] - 1)
+        base = ids[rows]
+        is_f = base == gf[:, None]
+        w = np.where(base == ge[:, None], size_g[:, None], np.where(is_f, size_f[:, None], sorted_w[rows]))
+        w[rr, is_f.argmax(axis=1)] = size_g
+        w.sort(axis=1)
+        top, soft = key((w + w[:, ::-1])[:, :bins], active[rows])
+        # Lexicographic (busiest pair, soft count): the soft count is at most ``bins``, so a
+        # tiny multiple of it never outweighs a real change of the maximum.
+        score = top / scale[active[rows]] + 1e-9 * soft / bins
+        order = np.lexsort((score, rows))
+        first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+        r_best = rows[first]
+        now = cur_top[active[r_best]] / scale[active[r_best]] + 1e-9 * cur_soft[active[r_best]] / bins
+        win = score[first] < now - 1e-15
+        x = active[r_best[win]]
+        pick = first[win]
+        counts[x] = c[rows[pick]]
+        counts[x, ge[pick]] += 1
+        counts[x, gf[pick]] -= 1
+        cur_top[x], cur_soft[x] = top[first[win]], soft[first[win]]
+        active = x[cur_top[x] > target[x]]
+    return counts
+
+
+def pair_counts_sweep(
+    loads: np.ndarray, bins: int, cap: int | None, lo: np.ndarray, hi: np.ndarray, steps: int = 10
+) -> np.ndarray:
+    """As :func:`pair_counts` (``loads`` ``[X, E]`` → int64 counts ``[X, E]`` of the lowest
+    target reached by bisection in ``[lo, hi]``, zeros where none was) with another
+    construction for one target ``T`` (``_sweep``): heavy replicas in descending size take the
+    lightest unpaired light replicas, and an expert whose replicas do not all find a partner
+    gets one more replica and waits for its smaller size. ``pair_counts`` gives each heavy
+    expert its replicas at once, in descending load, and takes partners from the heavy end;
+    which one comes closer depends on the loads, so the search tries both. Deterministic."""
+    loads = np.asarray(loads, dtype=np.float64)
+    X, E = loads.shape
+    out = np.zeros((X, E), dtype=np.int64)
+    limit = 2 * bins if cap is None else cap
+    order = np.argsort(loads, axis=1, kind="stable")  # ascending
+    for x in range(X):
+        asc = loads[x, order[x]].tolist()
+        a, b = float(lo[x]), float(hi[x])
+        best = None
+        for _ in range(steps):
+            mid = (a + b) / 2
+            counts = _sweep(asc, mid, bins, limit)
+            if counts is None:
+                a = mid
+            else:
+                b, best = mid, counts
+        if best is not None:
+            out[x, order[x]] = best
+    return out
+
+
+def _sweep(asc: list[float], T: float, bins: int, cap: int) -> list[int] | None:
+    """One row of loads in ascending order → counts (same order) whose pairing keeps every
+    bin at most ``T``, or ``None`` (see :func:`pair_counts_sweep`). Slots left over split the
+    heaviest light replicas."""
+    half = T / 2 * (1 + _EPS)
+    top = T * (1 + _EPS)
+    n = len(asc)
+    k = bisect_right(asc, half)  # asc[:k] are light
+    counts = [1] * n
+    light = asc[:k]  # light replicas, ascending
+    used = 0  # the lightest `used` of them partner heavy replicas already
+    heap = []  # (-replica size, position) of heavy experts not yet placed
+    for i in range(k, n):
+        v = asc[i]
+        c = max(1, -int(-v // T))
+        while v / c > top:
+            c += 1
+        if c > cap:
+            return None
+        counts[i] = c
+        heap.append((-v / c, i))
+    heapq.heapify(heap)
+    while heap:
+        neg, i = heapq.heappop(heap)
+        p, c = -neg, counts[i]
+        if p <= half:  # split down to light replicas: they partner the rest
+            for _ in range(c):
+                insort(light, p)
+            continue
+        if used + c <= len(light) and light[used + c - 1] <= top - p:
+            used += c
+            continue
+        if c + 1 > cap:
+            return None
+        counts[i] = c + 1
+        heapq.heappush(heap, (-asc[i] / (c + 1), i))
+    left = 2 * bins - sum(counts)
+    if left < 0:
+        return None
+    # Slots left over: to light experts with the heaviest replicas (a light replica split
+    # stays light, and smaller partners only help the pairing).
+    free = [(-asc[i] / counts[i], i) for i in range(n) if counts[i] < cap and asc[i] / counts[i] <= half]
+    heapq.heapify(free)
+    for _ in range(left):
+        if not free:
+            return None
+        _, i = heapq.heappop(free)
+        counts[i] += 1
+        if counts[i] < cap:
+            heapq.heappush(free, (-asc[i] / counts[i], i))
     return counts
