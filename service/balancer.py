@@ -49,6 +49,10 @@ class BalancerConfig:
     # 0 plans in a thread of the serving process (only to measure what the pools buy).
     plan_workers: int = limits.REPLAN_WORKERS
     compute_workers: int = limits.COMPUTE_WORKERS
+    # Processes one re-plan of a deployment (Rebalance, the trigger loop) plans its layers in
+    # (the library's workers=; the plan is the same for any number). Stateless calls and dry
+    # runs always plan in one, so a remote caller cannot take more than its worker's core.
+    layer_workers: int = 1
 
 
 class Balancer(Deployments, Ingest, Planner, Recovery):

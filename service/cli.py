@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
 
+from . import limits
 from .balancer import BalancerConfig
 from .logs import LOG_FORMATS, JsonFormatter, setup_logging
 from .server import ServerConfig, StartError, start_server
@@ -141,6 +142,27 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         _seconds(zero_ok=True),
         "graceful shutdown time on SIGTERM (>= 0)",
     ),
+    "plan_workers": (
+        "--plan-workers",
+        "PLAN_WORKERS",
+        str(limits.REPLAN_WORKERS),
+        _int_in(1, 256, "a number of processes 1-256"),
+        "processes for the re-plans of deployments, one re-plan each (1-256)",
+    ),
+    "layer_workers": (
+        "--layer-workers",
+        "LAYER_WORKERS",
+        "1",
+        _int_in(1, 256, "a number of processes 1-256"),
+        "processes one re-plan plans its layers in (1-256); same plan for any number",
+    ),
+    "compute_workers": (
+        "--compute-workers",
+        "COMPUTE_WORKERS",
+        str(limits.COMPUTE_WORKERS),
+        _int_in(1, 256, "a number of processes 1-256"),
+        "processes for stateless ComputePlacement calls and dry runs (1-256)",
+    ),
     "log_level": ("--log-level", "LOG_LEVEL", "INFO", _one_of(_LOG_LEVELS, str.upper), "/".join(_LOG_LEVELS)),
     "log_format": (
         "--log-format",
@@ -207,7 +229,13 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         max_message_bytes=args.max_message_bytes,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         grace_s=args.grace_seconds,
-        balancer=BalancerConfig(lease_s=args.lease_seconds, flush_s=args.flush_seconds),
+        balancer=BalancerConfig(
+            lease_s=args.lease_seconds,
+            flush_s=args.flush_seconds,
+            plan_workers=args.plan_workers,
+            compute_workers=args.compute_workers,
+            layer_workers=args.layer_workers,
+        ),
     )
     return config, args.log_level, args.log_format
 

@@ -9,8 +9,10 @@ Two pools: one for the re-plans of deployments (Rebalance and the trigger loop) 
 stateless ComputePlacement calls, which is bounded (``limits.COMPUTE_*``) and refuses calls
 beyond its queue with RESOURCE_EXHAUSTED, so remote callers can never take the capacity that
 triggered re-plans need. A stateless call's worker is killed when the call's deadline passes.
-Workers are spawned (never forked from a process running gRPC) on first use, shared by every
-balancer of the process, and are daemons: they die with the server.
+Workers are spawned (never forked from a process running gRPC) on first use and shared by every
+balancer of the process. They are not daemons, so a re-plan can plan its layers in processes of
+its own (``BalancerConfig.layer_workers``, ``eplb serve --layer-workers``), and they still die with
+the server: each exits when its pipe to the server closes, and the server kills them at exit.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import multiprocessing
-import multiprocessing.pool
+import multiprocessing.util  # registers its exit hook before ours: ours runs first
+import weakref
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -76,31 +80,70 @@ def solve(job: Job) -> tuple[np.ndarray, np.ndarray, bytes]:
     return plan.phy2log.astype(np.int32), plan.logcnt.astype(np.int32), stats.SerializeToString()
 
 
+# Every slot, busy or free, so that exit kills them all.
+_ALL: weakref.WeakSet[_Slot] = weakref.WeakSet()
+
+
 class _Slot:
-    """One worker process (a ``Pool`` of one, so it can be killed alone when a call's deadline
-    passes: CP-SAT overruns its time limit while it builds a large model)."""
+    """One worker process, one job at a time, killed alone when a call's deadline passes (CP-SAT
+    overruns its time limit while it builds a large model). Not a daemon, unlike a ``Pool``'s
+    workers, so a re-plan may plan its layers in processes of its own (``workers=``); it still
+    dies with the server: it exits when its pipe to the server closes (the server exited or was
+    killed), and the server kills it at exit."""
 
     def __init__(self) -> None:
-        self._pool: multiprocessing.pool.Pool | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        _ALL.add(self)
 
     def run(self, job: Job, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        if self._pool is None:
-            self._pool = multiprocessing.get_context("spawn").Pool(1)
-        fut = loop.create_future()
-
-        def done(value: object) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(value))
-
-        def failed(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
-
-        self._pool.apply_async(solve, (job,), callback=done, error_callback=failed)
-        return fut
+        if self._proc is None or not self._proc.is_alive():
+            ctx = multiprocessing.get_context("spawn")
+            ours, theirs = ctx.Pipe()
+            self._proc = ctx.Process(target=_work, args=(theirs,), name="eplb-plan", daemon=False)
+            self._proc.start()
+            theirs.close()
+            self._conn = ours
+        conn = self._conn
+        conn.send(job)
+        return loop.run_in_executor(None, _answer, conn)
 
     def kill(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+            self._proc = self._conn = None
+
+
+def _work(conn: Connection) -> None:
+    """A worker's loop: jobs in, ``("ok", result)`` or ``("error", exception)`` out, until the
+    server's end of the pipe closes."""
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer: tuple[str, object] = ("ok", solve(job))
+        except Exception as exc:  # travels back and is raised in the server, as Pool did
+            answer = ("error", exc)
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, OSError):
+            return
+        except Exception as exc:  # an exception that does not pickle: send what it said
+            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+def _answer(conn: Connection) -> tuple[np.ndarray, np.ndarray, bytes]:
+    try:
+        kind, value = conn.recv()
+    except (EOFError, OSError) as exc:
+        raise RuntimeError("the planning worker exited before it answered") from exc
+    if kind == "error":
+        raise value
+    return value
 
 
 class _Slots:
@@ -150,10 +193,10 @@ _SLOTS: dict[tuple[str, int], _Slots] = {}
 
 @atexit.register
 def _stop_workers() -> None:
-    # Before the interpreter tears down what Pool.__del__ needs (noisy tracebacks otherwise).
-    for slots in _SLOTS.values():
-        for slot in slots.free:
-            slot.kill()
+    # Before multiprocessing's own exit hook, which joins non-daemon children: an idle worker
+    # waits on its pipe, a busy one may plan for seconds.
+    for slot in list(_ALL):
+        slot.kill()
 
 
 def _slots(kind: str, n: int) -> _Slots:

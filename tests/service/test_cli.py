@@ -110,6 +110,9 @@ def test_a_taken_metrics_port_fails_cleanly():
         (["--flush-seconds", "0"], ["--flush-seconds", "> 0", "'0'"]),
         (["--flush-seconds", "inf"], ["--flush-seconds", "> 0", "'inf'"]),
         (["--max-message-bytes", "0"], ["--max-message-bytes", "4096-2147483647", "'0'"]),
+        (["--layer-workers", "0"], ["--layer-workers", "1-256", "'0'"]),
+        (["--plan-workers", "many"], ["--plan-workers", "1-256", "'many'"]),
+        (["--compute-workers", "300"], ["--compute-workers", "1-256", "'300'"]),
         (["--log-level", "BOGUS"], ["--log-level", "DEBUG, INFO, WARNING, ERROR, CRITICAL", "'BOGUS'"]),
         (
             ["--redis-url", "http://x"],

@@ -4,17 +4,19 @@ that keep stateless ComputePlacement calls from taking the service's planning ca
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import numpy as np
 import pytest
-from svc_helpers import small_deployment, status_details
+from svc_helpers import FAST, small_deployment, status_details
 
 import eplb
 from eplb.transfer import transfer_schedule
 from eplb_service import limits
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.arrays import encode
+from eplb_service.client import EngineClient
 
 TOPO = small_deployment().topology
 T = eplb.Topology(4, 16, 24, 8, 2, 4)
@@ -139,3 +141,37 @@ async def test_an_ilp_deployment_over_the_size_limit_is_refused(serve, connect):
         await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert list((await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments) == []
+
+
+async def test_layer_workers_split_a_re_plan_over_processes_and_plan_the_same(serve, connect):
+    """With ``layer_workers=2`` a deployment's re-plans plan their layers in two processes that
+    the planning worker starts (a multiprocessing Pool's daemonic worker may not start any: the
+    re-plan failed), and publish what one process plans: the fresh first plan, then a
+    migration-aware re-plan from it."""
+    c = connect(await serve(balancer=replace(FAST, layer_workers=2)))
+    # More layers than the library's chunk of 16, so the plan really splits.
+    d = pb.Deployment(
+        name="wide",
+        topology=pb.Topology(num_layers=40, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4),
+        policy="auto",
+    )
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    topo = eplb.Topology(40, 16, 24, 8, 2, 4)
+    counts = (np.random.default_rng(3).lognormal(0, 1.5, (40, 16)) * 100).astype(np.int32)
+    resp = await EngineClient(c.channel, "wide", rank=0).report([counts])
+    assert resp.accepted == 1
+    await asyncio.sleep(0.3)  # the window flushes every 0.1 s
+    first = await c.stub.Rebalance(pb.RebalanceRequest(deployment="wide", force=True), timeout=60)
+    assert first.published
+    got = np.frombuffer(first.placement.phy2log.data, "<i4").reshape(40, 24)
+    want = eplb.rebalance(counts, topo, "auto")
+    assert np.array_equal(got, want.phy2log)
+    # The counts change: the re-plan from version 2 keeps what it can, in two processes too.
+    more = (np.random.default_rng(4).lognormal(0, 1.5, (40, 16)) * 100).astype(np.int32)
+    assert (await EngineClient(c.channel, "wide", rank=1).report([more])).accepted == 1
+    await asyncio.sleep(0.3)
+    second = await c.stub.Rebalance(pb.RebalanceRequest(deployment="wide", force=True), timeout=60)
+    assert second.published and second.placement.version == 3
+    again = eplb.rebalance(counts + more, topo, "auto", previous=want.placement)
+    assert again.replan is not None and again.total_moves < topo.num_layers * topo.num_slots
+    assert np.array_equal(np.frombuffer(second.placement.phy2log.data, "<i4").reshape(40, 24), again.phy2log)
