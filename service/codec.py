@@ -102,13 +102,26 @@ def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
 EFFORTS = eplb.EFFORTS
 
 
-def planning_options(msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None) -> dict:
+# A deployment's re-plan without its own Planning.time_limit searches at most this share of its
+# trigger interval (and never less than TRIGGER_MIN_SECONDS): the default search is counted in
+# work and is deterministic, and this only binds where a plan would fall behind the cadence.
+TRIGGER_SHARE = 0.5
+TRIGGER_MIN_SECONDS = 1.0
+
+
+def planning_options(
+    msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None, interval_s: float = 0.0
+) -> dict:
     """A checked ``Planning`` → ``eplb.rebalance`` keyword options, those the policy takes (the
     library's registry says). ``deadline_s``: seconds left to the caller (None: none);
-    the plan's time limit never runs past it. ``ilp`` always gets a time limit (at most
+    the plan's time limit never runs past it. ``interval_s``: the deployment's trigger interval
+    (0: none); without a ``time_limit`` of its own the plan gets ``TRIGGER_SHARE`` of it (at least
+    ``TRIGGER_MIN_SECONDS``). ``ilp`` always gets a time limit (at most
     ``limits.ILP_MAX_SECONDS`` for the whole model) and one solver thread."""
     options: dict[str, object] = {}
     limit = msg.time_limit.ToNanoseconds() / 1e9 if msg.HasField("time_limit") else None
+    if limit is None and interval_s > 0:
+        limit = max(TRIGGER_MIN_SECONDS, TRIGGER_SHARE * interval_s)
     if deadline_s is not None:
         # Leave room to send the answer back before the caller gives up.
         room = max(0.05, 0.8 * deadline_s - 0.05)

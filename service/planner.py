@@ -158,7 +158,10 @@ class Planner:
             # Plan within the move budget rather than plan past it and be refused (deployments
             # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
             options.setdefault("max_moves", local.trigger.max_moves)
-        planning, notes = codec.planning_options(local.deployment.planning, policy, topo.num_layers, None), []
+        planning, notes = (
+            codec.planning_options(local.deployment.planning, policy, topo.num_layers, None, local.trigger.interval_s),
+            [],
+        )
         if not dry_run and self.config.layer_workers > 1 and policy != "ilp" and codec.accepts(policy, "workers"):
             planning["workers"] = self.config.layer_workers
         fresh = await self._first_plan_is_fresh(name, current, previous, topo)

@@ -175,3 +175,19 @@ async def test_layer_workers_split_a_re_plan_over_processes_and_plan_the_same(se
     again = eplb.rebalance(counts + more, topo, "auto", previous=want.placement)
     assert again.replan is not None and again.total_moves < topo.num_layers * topo.num_slots
     assert np.array_equal(np.frombuffer(second.placement.phy2log.data, "<i4").reshape(40, 24), again.phy2log)
+
+
+def test_a_deployment_without_a_time_limit_searches_within_half_its_trigger_interval():
+    from google.protobuf.duration_pb2 import Duration
+
+    from eplb_service import codec
+
+    plain = pb.Planning()
+    assert "time_limit" not in codec.planning_options(plain, "auto", 4, None)  # no interval: deterministic
+    assert codec.planning_options(plain, "auto", 4, None, 30.0)["time_limit"] == 15.0
+    assert codec.planning_options(plain, "global", 4, None, 0.5)["time_limit"] == codec.TRIGGER_MIN_SECONDS
+    own = pb.Planning(time_limit=Duration(seconds=40))
+    assert codec.planning_options(own, "auto", 4, None, 30.0)["time_limit"] == 40.0  # its own wins
+    # The ilp's per-layer limit shares the same cap; deepseek takes no time limit at all.
+    assert codec.planning_options(plain, "ilp", 4, None, 8.0)["time_limit"] == pytest.approx(4.0 / 4)
+    assert codec.planning_options(plain, "deepseek", 4, None, 30.0) == {}
