@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import sys
 import threading
@@ -478,6 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 @quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
+    # Plugin policies first, so that --policy offers them (eplb_service.plugins imports no grpc).
+    from eplb_service import plugins
+
+    try:
+        plugins.load(plugins.parse(os.environ.get("EPLB_PLUGINS")))
+    except ValueError as exc:
+        print(f"eplb: error: EPLB_PLUGINS: {exc}", file=sys.stderr)
+        return 2
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from . import limits
+from . import limits, plugins
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import Deployments, LocalDeployment
 from .errors import ServiceError
@@ -53,6 +53,9 @@ class BalancerConfig:
     # (the library's workers=; the plan is the same for any number). Stateless calls and dry
     # runs always plan in one, so a remote caller cannot take more than its worker's core.
     layer_workers: int = 1
+    # Plugin modules whose policies deployments may name (service/plugins.py); installed
+    # packages' eplb.policies entry points load as well.
+    plugins: tuple[str, ...] = ()
 
 
 class Balancer(Deployments, Ingest, Planner, Recovery):
@@ -68,7 +71,10 @@ class Balancer(Deployments, Ingest, Planner, Recovery):
         self.store = store
         self.metrics = metrics or Metrics()
         self.config = config or BalancerConfig()
-        self.solver = Solver(self.config.plan_workers, self.config.compute_workers)
+        added = plugins.load(self.config.plugins)
+        if added:
+            log.info("plugin policies: %s", ", ".join(added))
+        self.solver = Solver(self.config.plan_workers, self.config.compute_workers, self.config.plugins)
         self.healthy = True
         self._on_health = on_health
         self._local: dict[str, LocalDeployment] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
 
-from . import limits
+from . import limits, plugins
 from .balancer import BalancerConfig
 from .logs import LOG_FORMATS, JsonFormatter, setup_logging
 from .server import ServerConfig, StartError, start_server
@@ -163,6 +163,13 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         _int_in(1, 256, "a number of processes 1-256"),
         "processes for stateless ComputePlacement calls and dry runs (1-256)",
     ),
+    "plugins": (
+        "--plugins",
+        "PLUGINS",
+        None,
+        str,
+        "modules to import first, comma separated: the policies they register can be named",
+    ),
     "log_level": ("--log-level", "LOG_LEVEL", "INFO", _one_of(_LOG_LEVELS, str.upper), "/".join(_LOG_LEVELS)),
     "log_format": (
         "--log-format",
@@ -218,6 +225,11 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
             token = _read_token(args.token_file)
         except ValueError as exc:
             ap.error(str(exc))
+    modules = plugins.parse(args.plugins)
+    try:
+        plugins.load(modules)
+    except ValueError as exc:
+        ap.error(f"--plugins (EPLB_PLUGINS): {exc}")
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -235,6 +247,7 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
             plan_workers=args.plan_workers,
             compute_workers=args.compute_workers,
             layer_workers=args.layer_workers,
+            plugins=modules,
         ),
     )
     return config, args.log_level, args.log_format

@@ -91,7 +91,8 @@ class _Slot:
     dies with the server: it exits when its pipe to the server closes (the server exited or was
     killed), and the server kills it at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, plugins: tuple[str, ...] = ()) -> None:
+        self.plugins = plugins
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         _ALL.add(self)
@@ -100,7 +101,7 @@ class _Slot:
         if self._proc is None or not self._proc.is_alive():
             ctx = multiprocessing.get_context("spawn")
             ours, theirs = ctx.Pipe()
-            self._proc = ctx.Process(target=_work, args=(theirs,), name="eplb-plan", daemon=False)
+            self._proc = ctx.Process(target=_work, args=(theirs, self.plugins), name="eplb-plan", daemon=False)
             self._proc.start()
             theirs.close()
             self._conn = ours
@@ -116,9 +117,13 @@ class _Slot:
             self._proc = self._conn = None
 
 
-def _work(conn: Connection) -> None:
+def _work(conn: Connection, plugins: tuple[str, ...]) -> None:
     """A worker's loop: jobs in, ``("ok", result)`` or ``("error", exception)`` out, until the
-    server's end of the pipe closes."""
+    server's end of the pipe closes. ``plugins``: modules whose policies the jobs may name (the
+    server loaded them already; see :mod:`.plugins`)."""
+    from . import plugins as plugin_loader
+
+    plugin_loader.load(plugins)
     while True:
         try:
             job = conn.recv()
@@ -149,8 +154,8 @@ def _answer(conn: Connection) -> tuple[np.ndarray, np.ndarray, bytes]:
 class _Slots:
     """``n`` worker slots shared by every balancer of this process, one job at a time each."""
 
-    def __init__(self, n: int) -> None:
-        self.free = [_Slot() for _ in range(n)]
+    def __init__(self, n: int, plugins: tuple[str, ...] = ()) -> None:
+        self.free = [_Slot(plugins) for _ in range(n)]
         self._waiters: deque[asyncio.Future] = deque()
 
     @property
@@ -188,7 +193,7 @@ class _Slots:
             self._release(slot)
 
 
-_SLOTS: dict[tuple[str, int], _Slots] = {}
+_SLOTS: dict[tuple[str, int, tuple[str, ...]], _Slots] = {}
 
 
 @atexit.register
@@ -199,20 +204,27 @@ def _stop_workers() -> None:
         slot.kill()
 
 
-def _slots(kind: str, n: int) -> _Slots:
-    if (kind, n) not in _SLOTS:
-        _SLOTS[(kind, n)] = _Slots(n)
-    return _SLOTS[(kind, n)]
+def _slots(kind: str, n: int, plugins: tuple[str, ...] = ()) -> _Slots:
+    key = (kind, n, plugins)
+    if key not in _SLOTS:
+        _SLOTS[key] = _Slots(n, plugins)
+    return _SLOTS[key]
 
 
 class Solver:
     """Runs :class:`Job` s in worker processes: ``workers`` for re-plans, ``compute_workers`` for
     stateless calls (0: in a thread of this process, as the service did before; only to measure
-    what the workers buy)."""
+    what the workers buy); ``plugins``: modules every worker imports first (:mod:`.plugins`)."""
 
-    def __init__(self, workers: int = limits.REPLAN_WORKERS, compute_workers: int = limits.COMPUTE_WORKERS) -> None:
+    def __init__(
+        self,
+        workers: int = limits.REPLAN_WORKERS,
+        compute_workers: int = limits.COMPUTE_WORKERS,
+        plugins: tuple[str, ...] = (),
+    ) -> None:
         self.workers = workers
         self.compute_workers = compute_workers
+        self.plugins = tuple(plugins)
 
     async def replan(self, job: Job) -> Solved:
         """A deployment's re-plan, in the re-plan workers."""
@@ -222,7 +234,7 @@ class Solver:
         """A stateless call's plan in the compute workers, killed when ``deadline_s`` passes;
         RESOURCE_EXHAUSTED when every worker is busy and ``limits.COMPUTE_QUEUE`` calls wait."""
         if self.compute_workers:
-            slots = _slots("compute", self.compute_workers)
+            slots = _slots("compute", self.compute_workers, self.plugins)
             if slots.waiting >= limits.COMPUTE_QUEUE:
                 raise ResourceExhausted(
                     f"ComputePlacement is at capacity: {self.compute_workers} plans running and "
@@ -237,5 +249,5 @@ class Solver:
         if workers == 0:
             phy2log, logcnt, stats = await asyncio.wait_for(asyncio.to_thread(solve, job), timeout)
         else:
-            phy2log, logcnt, stats = await _slots(kind, workers).run(job, timeout)
+            phy2log, logcnt, stats = await _slots(kind, workers, self.plugins).run(job, timeout)
         return Solved(phy2log, logcnt, pb.PlanStats.FromString(stats))
