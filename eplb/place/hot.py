@@ -14,7 +14,7 @@ from ..bounds import pigeonhole_bound
 from ..budget import Budget
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
 from .counts import refine_counts
-from .packing import pack_counts
+from .packing import descending_order, pack_counts
 from .replicate import waterfill
 
 __all__ = ["separate_hot"]
@@ -61,7 +61,7 @@ def separate_hot(
         return phy
     lo, ph = loads[live], phy[live]
     counts = replica_counts(ph, E)
-    order = np.argsort(-lo, axis=1, kind="stable")
+    order = descending_order(lo)
     busiest = ph[np.arange(live.size), binl[live].argmax(axis=1)]  # [A, S]
     rows_all, cands = [], []
     for k in ks:
