@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REL_TOL", "GOOD_ENOUGH", "replica_counts", "bin_loads", "busiest", "distinct_per_bin", "slot_sums"]
+__all__ = [
+    "REL_TOL",
+    "GOOD_ENOUGH",
+    "replica_counts",
+    "bin_loads",
+    "busiest",
+    "distinct_per_bin",
+    "slot_sums",
+    "take_rows",
+]
 
 # Relative gain below which a change is float noise, not an improvement (all steps compare
 # busiest bins with it, so a plan never flips on rounding).
@@ -33,8 +42,7 @@ def bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B]`` load of each bin (each replica
     carries its expert's load over its replica count)."""
     cnt = replica_counts(phy, loads.shape[1])
-    ra = np.arange(phy.shape[0])[:, None, None]
-    return slot_sums((loads / np.maximum(cnt, 1))[ra, phy])
+    return slot_sums(take_rows(loads / np.maximum(cnt, 1), phy))
 
 
 def busiest(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
@@ -58,3 +66,14 @@ def slot_sums(w: np.ndarray) -> np.ndarray:
     if w.shape[-1] == 1:
         return w[..., 0].copy()
     return w.sum(axis=-1)
+
+
+def take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a`` ``[X, n]``, ``idx`` ``[X, ...]`` ints in ``[0, n)`` → ``[X, ...]``: ``a[x, idx[x, ...]]``.
+
+    The same values as ``a[np.arange(X)[:, None, ...], idx]``, through one flat ``np.take``:
+    fancy indexing that broadcasts a row index costs about four times more, and the placement
+    steps gather this way on every round."""
+    X, n = a.shape
+    flat = idx + (np.arange(X) * n).reshape((X,) + (1,) * (idx.ndim - 1))
+    return np.take(a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1), flat)

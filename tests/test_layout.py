@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from eplb.layout import bin_loads, busiest, distinct_per_bin, replica_counts
+from eplb.layout import bin_loads, busiest, distinct_per_bin, replica_counts, take_rows
 
 
 def test_counts_and_bin_loads_split_each_expert_over_its_replicas() -> None:
@@ -19,3 +19,13 @@ def test_bin_loads_sum_to_the_layer_load() -> None:
     loads = rng.random((5, 8))
     phy = np.stack([rng.permutation(np.r_[np.arange(8), rng.integers(0, 8, 4)]).reshape(4, 3) for _ in range(5)])
     assert np.allclose(bin_loads(loads, phy).sum(axis=1), loads.sum(axis=1))
+
+
+def test_take_rows_gathers_what_a_broadcast_row_index_gathers() -> None:
+    rng = np.random.default_rng(1)
+    a = rng.random((6, 10))
+    for idx in (rng.integers(0, 10, (6, 4)), rng.integers(0, 10, (6, 3, 5))):
+        rows = np.arange(6).reshape((6,) + (1,) * (idx.ndim - 1))
+        assert np.array_equal(take_rows(a, idx), a[rows, idx])
+        assert np.array_equal(take_rows(np.asfortranarray(a), idx), a[rows, idx])  # not C-ordered
+    assert take_rows(np.array([[1, 2], [3, 4]]), np.array([[1, 1], [0, 1]])).tolist() == [[2, 2], [3, 4]]

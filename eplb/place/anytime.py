@@ -18,7 +18,7 @@ import numpy as np
 
 from ..bounds import row_bound
 from ..budget import Budget
-from ..layout import GOOD_ENOUGH, busiest
+from ..layout import GOOD_ENOUGH, busiest, take_rows
 from ..plan import SearchStats
 from ..topology import Topology
 from ..workers import worker_pool
@@ -201,21 +201,20 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: PlanOptions) -> _Rows:
     # node_experts[l, n, :]: the experts of node n's groups, ascending.
     node_experts = (node_groups[..., None] * group_size + np.arange(group_size)).reshape(L, N, E // N)
     # Step 2: replicate within each node, rows are (layer, node).
-    local_loads = np.take_along_axis(loads, node_experts.reshape(L, E), axis=1).reshape(L * N, E // N)
+    local_loads = take_rows(loads, node_experts.reshape(L, E)).reshape(L * N, E // N)
     gpn = G // N
     cap = replica_cap(E // N, P // N, gpn)
     counts = waterfill(local_loads, P // N, cap)
     # Replicas as items: local expert id repeated count times, each carrying load / count.
     local_ids = np.repeat(np.tile(np.arange(E // N), L * N), counts.ravel()).reshape(L * N, P // N)
-    rows = np.arange(L * N)[:, None]
-    item_w = (local_loads / counts)[rows, local_ids]
+    item_w = take_rows(local_loads / counts, local_ids)
     # Step 3: replicas → gpus of the node.
     # A gpu of the busiest node carries at least that node's mean, so no node needs its
     # gpus balanced below it.
     node_mean = local_loads.sum(axis=1).reshape(L, N) / gpn
     floor = np.repeat(node_mean.max(axis=1), N)
     assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds, floor=floor)  # [L*N, gpn, S]
-    slot_local = local_ids[rows[:, :, None], assign]
+    slot_local = take_rows(local_ids, assign)
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
     if cap is not None and gpn > 1 and opts.refine:
         slot_local = refine_counts(

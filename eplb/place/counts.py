@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Budget
-from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts, slot_sums
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts, slot_sums, take_rows
 from .packing import swap_improve
 
 __all__ = ["refine_counts"]
@@ -99,7 +99,7 @@ def _busiest(loads: np.ndarray, phy: np.ndarray) -> tuple[np.ndarray, ...]:
     ra = np.arange(phy.shape[0])
     cnt = replica_counts(phy, loads.shape[1])
     w = loads / cnt
-    load = slot_sums(w[ra[:, None, None], phy])
+    load = slot_sums(take_rows(w, phy))
     h = load.argmax(axis=1)
     return cnt, w, load, h, load[ra, h]
 
@@ -116,19 +116,21 @@ def _count_move(
     ra = np.arange(A)
     cnt, w, load, h, lmax = _busiest(loads, phy)
     gain = phy[ra, h]  # [A, S] experts on the busiest bin
-    c_g = cnt[ra[:, None], gain]
-    w_g = loads[ra[:, None], gain] / c_g
-    d_e = w_g - loads[ra[:, None], gain] / (c_g + 1)  # how much each holder of e sheds
+    c_g = take_rows(cnt, gain)
+    l_g = take_rows(loads, gain)
+    w_g = l_g / c_g
+    d_e = w_g - l_g / (c_g + 1)  # how much each holder of e sheds
     w_new_e = w_g - d_e
     # Donors: the experts whose replicas grow least when they lose one.
     grown = np.where(cnt >= 2, loads / np.maximum(cnt - 1, 1), np.inf)
     D = min(donors, E)
     don = np.argpartition(grown, D - 1, axis=1)[:, :D] if D < E else np.broadcast_to(np.arange(E), (A, E))
-    w_f = w[ra[:, None], don]
-    d_f = np.where(np.isfinite(grown[ra[:, None], don]), grown[ra[:, None], don] - w_f, np.inf)  # [A, D]
+    w_f = take_rows(w, don)
+    g_f = take_rows(grown, don)
+    d_f = np.where(np.isfinite(g_f), g_f - w_f, np.inf)  # [A, D]
     held = _holders(phy, E)
-    He = held[ra[:, None], gain]  # [A, S, B]: bin holds gainer
-    Hf = held[ra[:, None], don]  # [A, D, B]: bin holds donor
+    He = _rows_of(held, gain)  # [A, S, B]: bin holds gainer
+    Hf = _rows_of(held, don)  # [A, D, B]: bin holds donor
     # The [A, S, D, B] grids are the cost here: each is built once, in one buffer, and the
     # per-(gainer, donor) conditions are combined on the small arrays first.
     new = (load[:, None, :] - d_e[:, :, None] * He)[:, :, None, :] + np.where(Hf, d_f[:, :, None], 0.0)[:, None, :, :]
@@ -176,18 +178,18 @@ def _count_move_out(
     ra = np.arange(A)
     cnt, w, load, h, lmax = _busiest(loads, phy)
     give = phy[ra, h]  # [A, S] experts on the busiest bin
-    c_f = cnt[ra[:, None], give]
-    w_f = w[ra[:, None], give]
-    d_f = np.where(c_f >= 2, loads[ra[:, None], give] / np.maximum(c_f - 1, 1) - w_f, np.inf)  # [A, S]
+    c_f = take_rows(cnt, give)
+    w_f = take_rows(w, give)
+    d_f = np.where(c_f >= 2, take_rows(loads, give) / np.maximum(c_f - 1, 1) - w_f, np.inf)  # [A, S]
     light = np.where(cnt < hi, loads / (cnt + 1), np.inf)
     D = min(gainers, E)
     gain = np.argpartition(light, D - 1, axis=1)[:, :D] if D < E else np.broadcast_to(np.arange(E), (A, E))
-    w_g = w[ra[:, None], gain]
-    w_new_g = light[ra[:, None], gain]  # [A, D]
+    w_g = take_rows(w, gain)
+    w_new_g = take_rows(light, gain)  # [A, D]
     d_g = w_g - w_new_g
     held = _holders(phy, E)
-    Hf = held[ra[:, None], give]  # [A, S, B]
-    Hg = held[ra[:, None], gain]  # [A, D, B]
+    Hf = _rows_of(held, give)  # [A, S, B]
+    Hg = _rows_of(held, gain)  # [A, D, B]
     new = load[:, None, None, :] + np.where(Hf[:, :, None, :], d_f[:, :, None, None], 0.0)
     new = new - np.where(Hg[:, None, :, :], d_g[:, None, :, None], 0.0)
     new[ra, :, :, h] = -np.inf  # h itself is scored below
@@ -211,6 +213,13 @@ def _holders(phy: np.ndarray, num_experts: int) -> np.ndarray:
     """``phy`` ``[A, B, S]`` → bool ``[A, E, B]``: whether bin ``b`` holds expert ``e``. One
     scatter; comparing every slot with every candidate expert costs several times more."""
     A, B, S = phy.shape
-    held = np.zeros((A, num_experts, B), dtype=bool)
-    held[np.arange(A)[:, None, None], phy, np.arange(B)[None, :, None]] = True
-    return held
+    held = np.zeros(A * num_experts * B, dtype=bool)
+    held[((np.arange(A) * num_experts)[:, None, None] + phy) * B + np.arange(B)[:, None]] = True
+    return held.reshape(A, num_experts, B)
+
+
+def _rows_of(held: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """``held`` ``[A, E, B]``, ``experts`` ``[A, K]`` → ``[A, K, B]``: ``held[a, experts[a, k]]``,
+    gathered as whole rows of ``[A * E, B]`` (one flat index array)."""
+    A, E, B = held.shape
+    return held.reshape(A * E, B)[experts + (np.arange(A) * E)[:, None]]

@@ -14,7 +14,7 @@ from ..bounds import pigeonhole_bound
 from ..budget import Budget
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
 from .counts import refine_counts
-from .packing import pack_counts
+from .packing import descending_order, pack_counts
 from .replicate import waterfill
 
 __all__ = ["separate_hot"]
@@ -50,31 +50,35 @@ def separate_hot(
     X, B, S = phy.shape
     E = loads.shape[1]
     P = B * S
-    counts = replica_counts(phy, E)
-    order = np.argsort(-loads, axis=1, kind="stable")
     binl = bin_loads(loads, phy)
-    busiest = phy[np.arange(X), binl.argmax(axis=1)]  # [X, S]
     # Only rows above their mean bin (and target) whose busiest bin holds two of the k:
-    # elsewhere the sharing costs nothing.
+    # elsewhere the sharing costs nothing. The others are dropped first: they are most rows.
     above = binl.max(axis=1) > binl.mean(axis=1) * (1 + GOOD_ENOUGH)
     if target is not None:
         above &= binl.max(axis=1) > target
+    live = np.flatnonzero(above)
+    if live.size == 0:
+        return phy
+    lo, ph = loads[live], phy[live]
+    counts = replica_counts(ph, E)
+    order = descending_order(lo)
+    busiest = ph[np.arange(live.size), binl[live].argmax(axis=1)]  # [A, S]
     rows_all, cands = [], []
     for k in ks:
         if k >= E or k > B or P - B < E - k or (cap is not None and cap * (E - k) < P - B):
             continue  # no valid counts: too few bins for k, or for the others' slots
         top = order[:, :k]
         shared = (busiest[:, :, None] == top[:, None, :]).any(axis=1).sum(axis=1) >= 2
-        rows = np.flatnonzero(above & shared & (np.take_along_axis(counts, top, axis=1).sum(axis=1) > B))
+        rows = np.flatnonzero(shared & (np.take_along_axis(counts, top, axis=1).sum(axis=1) > B))
         if rows.size == 0:
             continue
         rest = order[rows, k:]
-        hot = waterfill(np.take_along_axis(loads[rows], top[rows], axis=1), B, None if cap is None else min(cap, B))
-        cold = waterfill(np.take_along_axis(loads[rows], rest, axis=1), P - B, cap)
+        hot = waterfill(np.take_along_axis(lo[rows], top[rows], axis=1), B, None if cap is None else min(cap, B))
+        cold = waterfill(np.take_along_axis(lo[rows], rest, axis=1), P - B, cap)
         cand = np.zeros((rows.size, E), dtype=np.int64)
         np.put_along_axis(cand, top[rows], hot, axis=1)
         np.put_along_axis(cand, rest, cold, axis=1)
-        rows_all.append(rows)
+        rows_all.append(live[rows])
         cands.append(cand)
     # And the counts of the three busiest experts that minimise a pigeonhole bound (what a bin
     # shared by some of them must carry, the row's mean bin), the rest water-filled.
@@ -82,19 +86,16 @@ def separate_hot(
     # The grid has up to B ** k count vectors; node-sized rows only.
     if guided and k < E and k <= B and B**k <= _GUIDED_GRID:
         hot_on = (busiest[:, :, None] == order[:, None, :k]).any(axis=(1, 2))
-        rows = np.flatnonzero(above & hot_on)
-        guess = _guided_counts(loads[rows], order[rows], B, S, cap, k) if rows.size else None
+        rows = np.flatnonzero(hot_on)
+        guess = _guided_counts(lo[rows], order[rows], B, S, cap, k) if rows.size else None
         if guess is not None:
-            bound, cand = guess
+            bound, chosen = guess
             # Worth a re-pack only where the busiest bin is well above what those counts allow
-            # and they differ from the current ones.
-            differs = (
-                np.take_along_axis(cand, order[rows, :k], axis=1)
-                != np.take_along_axis(counts[rows], order[rows, :k], axis=1)
-            ).any(axis=1)
-            ok = differs & (binl.max(axis=1)[rows] > bound * (1 + _GUIDED_MARGIN))
-            rows_all.append(rows[ok])
-            cands.append(cand[ok])
+            # and they differ from the current ones; only those rows water-fill the rest.
+            differs = (chosen != np.take_along_axis(counts[rows], order[rows, :k], axis=1)).any(axis=1)
+            ok = np.flatnonzero(differs & (binl.max(axis=1)[live[rows]] > bound * (1 + _GUIDED_MARGIN)))
+            rows_all.append(live[rows[ok]])
+            cands.append(_fill_rest(lo[rows[ok]], order[rows[ok]], chosen[ok], P, cap))
     if not rows_all:
         return phy
     rows, cand = np.concatenate(rows_all), np.concatenate(cands)
@@ -116,12 +117,12 @@ def _guided_counts(
     loads: np.ndarray, order: np.ndarray, B: int, S: int, cap: int | None, k: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """``loads`` ``[R, E]``, ``order`` ``[R, E]`` experts by load (busiest first) → ``(bound [R],
-    counts [R, E])``: the busiest ``k`` experts get the counts (each at most ``B``) whose
-    pigeonhole bound is least — the largest of the row's mean bin, their largest replica and,
-    for every subset whose counts exceed ``(|T| - 1) B``, the sum of its replicas, which then
-    share a bin — and the others water-fill the remaining slots. ``None`` when no count vector
-    leaves the others a slot each."""
-    R, E = loads.shape
+    counts [R, k])``: the counts of the busiest ``k`` experts (each at most ``B``, in ``order``)
+    whose pigeonhole bound is least — the largest of the row's mean bin, their largest replica
+    and, for every subset whose counts exceed ``(|T| - 1) B``, the sum of its replicas, which
+    then share a bin — and that bound. ``None`` when no count vector leaves the other experts a
+    slot each (:func:`_fill_rest` gives them the remaining slots)."""
+    E = loads.shape[1]
     P = B * S
     hi = B if cap is None else min(cap, B)
     grid = np.stack(np.meshgrid(*[np.arange(1, hi + 1)] * k, indexing="ij"), axis=-1).reshape(-1, k)
@@ -131,7 +132,15 @@ def _guided_counts(
         return None
     top = np.take_along_axis(loads, order[:, :k], axis=1)  # [R, k]
     bound = np.maximum(pigeonhole_bound(top, grid, B), (loads.sum(axis=1) / B)[:, None])
-    chosen = grid[bound.argmin(axis=1)]  # [R, k]
+    pick = bound.argmin(axis=1)
+    return bound[np.arange(len(pick)), pick], grid[pick]
+
+
+def _fill_rest(loads: np.ndarray, order: np.ndarray, chosen: np.ndarray, P: int, cap: int | None) -> np.ndarray:
+    """``loads`` ``[R, E]``, ``order`` ``[R, E]`` (busiest first), ``chosen`` ``[R, k]`` counts of
+    the first ``k`` of ``order`` → counts ``[R, E]``: the others water-fill the ``P`` slots left."""
+    R, E = loads.shape
+    k = chosen.shape[1]
     out = np.zeros((R, E), dtype=np.int64)
     np.put_along_axis(out, order[:, :k], chosen, axis=1)
     rest = order[:, k:]
@@ -144,4 +153,4 @@ def _guided_counts(
             sub, rest[rows], waterfill(np.take_along_axis(loads[rows], rest[rows], axis=1), int(n_left), cap), axis=1
         )
         out[rows] = sub
-    return bound[np.arange(R), bound.argmin(axis=1)], out
+    return out

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds import item_bound
-from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums
+from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums, take_rows
 
-__all__ = ["pack", "packed_loads", "improve", "swap_improve", "pack_counts"]
+__all__ = ["pack", "packed_loads", "improve", "swap_improve", "pack_counts", "descending_order"]
 
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
@@ -55,7 +55,7 @@ def pack(
     per_bin = n // num_bins
     if keys is None:
         keys = np.broadcast_to(np.arange(n), (rows, n))
-    order = np.argsort(-weights, axis=1, kind="stable")
+    order = descending_order(weights)
     assign = _deal(weights, keys, order, num_bins, per_bin)
     if per_bin > 1:
         _repair(weights, keys, assign)
@@ -66,10 +66,26 @@ def pack(
     return assign
 
 
+def descending_order(weights: np.ndarray) -> np.ndarray:
+    """``weights`` ``[X, n]`` → ``[X, n]``: ``np.argsort(-weights, axis=1, kind="stable")``.
+
+    A stable sort of floats costs four times a quicksort; ties (replicas of one expert) only
+    need their indices ascending, which sorting ``run * n + index`` does in one integer sort."""
+    X, n = weights.shape
+    order = np.argsort(-weights, axis=1)
+    srt = take_rows(weights, order)
+    run = np.zeros((X, n), dtype=np.int64)
+    np.cumsum(srt[:, 1:] != srt[:, :-1], axis=1, out=run[:, 1:])
+    run *= n
+    run += order
+    run.sort(axis=1)
+    run %= n
+    return run
+
+
 def packed_loads(weights: np.ndarray, assign: np.ndarray) -> np.ndarray:
     """``weights`` ``[X, n]``, ``assign`` ``[X, B, k]`` → ``[X, B]`` summed weights."""
-    rows = np.arange(weights.shape[0])[:, None, None]
-    return weights[rows, assign].sum(axis=2)
+    return take_rows(weights, assign).sum(axis=2)
 
 
 def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: int, per_bin: int) -> np.ndarray:
@@ -84,11 +100,13 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
     n = m * S
     r = np.arange(X)
     rc = r[:, None]
-    sums = weights[rc, order].reshape(X, S, m)
+    sums = take_rows(weights, order).reshape(X, S, m)
     col = np.arange(m)
     # Each partial's spread, kept up to date: a merge changes only the merged partial's. A
     # round's items come in descending weight, so its spread is its first minus its last.
     spread = sums[:, :, 0] - sums[:, :, m - 1]
+    # Partials as rows of [X * S, m] (and spreads as [X * S]) views: one flat index per access.
+    sums2, spread1, rs = sums.reshape(X * S, m), spread.reshape(-1), r * S
     # The merges are decided on the sums alone; the items follow afterwards (see below).
     steps = []
     for left in range(S, 1, -1):
@@ -96,37 +114,43 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
         # two): two argmax are cheaper than a sort.
         cur = spread[:, :left].copy()
         a = cur.argmax(axis=1)
-        cur[r, a] = -np.inf
+        cur.reshape(-1)[r * left + a] = -np.inf
         b = cur.argmax(axis=1)
         lo, hi, last = np.minimum(a, b), np.maximum(a, b), left - 1
-        sa, sb = sums[r, a], sums[r, b]
+        sa, sb = sums2[rs + a], sums2[rs + b]
         oa = np.argsort(-sa, axis=1, kind="stable")
         ob = np.argsort(sb, axis=1, kind="stable")
-        new_sum = sa[rc, oa] + sb[rc, ob]
+        new_sum = take_rows(sa, oa) + take_rows(sb, ob)
         steps.append((a, b, lo, hi, last, oa, ob))
-        sums[r, hi] = sums[r, last]
-        sums[r, lo] = new_sum
-        spread[r, hi] = spread[r, last]
-        spread[r, lo] = new_sum.max(axis=1) - new_sum.min(axis=1)
+        sums2[rs + hi] = sums2[rs + last]
+        sums2[rs + lo] = new_sum
+        spread1[rs + hi] = spread1[rs + last]
+        spread1[rs + lo] = new_sum.max(axis=1) - new_sum.min(axis=1)
     # A code is partial * m + bin. Compose the merges backwards: g[x, code] is the final bin
     # of a code before a merge, from one partial whose bins are final. The tables shrink with
     # the partials, so this costs about half of relabelling every item at every merge.
-    g = np.broadcast_to(col, (X, m))
+    # Tables hold flat indices into the previous g (row offsets included), so that each step is
+    # flat takes and puts: indexing with a broadcast row index costs several times more.
+    g = np.broadcast_to(col, (X, m)).reshape(-1)
     for a, b, lo, hi, last, oa, ob in reversed(steps):
         width = (last + 1) * m
-        table = np.broadcast_to(np.arange(width), (X, width)).copy()
+        prev = rc * (last * m)  # row offsets into g, which has `last` partials
+        table = prev + np.arange(width)
+        flat = table.reshape(-1)
+        here = rc * width
         # The last partial moves into the freed slot hi; a and b merge into slot lo, the j-th
         # heaviest bin of a with the j-th lightest of b (written after, so they win if last
         # is a or b).
-        table[rc, last * m + col] = hi[:, None] * m + col
-        dest = lo[:, None] * m + col
-        table[rc, a[:, None] * m + oa] = dest
-        table[rc, b[:, None] * m + ob] = dest
-        g = g[rc, table]
+        flat[here + (last * m + col)] = prev + hi[:, None] * m + col
+        dest = prev + lo[:, None] * m + col
+        flat[here + a[:, None] * m + oa] = dest
+        flat[here + b[:, None] * m + ob] = dest
+        g = np.take(g, table).reshape(-1)
     # g[x, p]: the bin of the item at position p of the weight order; the smallest integer
     # type sorts by radix.
-    code = np.empty((X, n), dtype=np.min_scalar_type(m))
-    code[rc, order] = g
+    code = np.empty(X * n, dtype=np.min_scalar_type(m))
+    code[order + rc * n] = g.reshape(X, n)
+    code = code.reshape(X, n)
     return np.argsort(code, axis=1, kind="stable").reshape(X, m, S)
 
 
@@ -144,8 +168,7 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
     for _ in range(B * S):
         if rows.size == 0:
             return
-        r3 = rows[:, None, None]
-        k = keys[r3, assign[rows]]
+        k = take_rows(keys[rows], assign[rows])
         # Few rows clash: find them by sorting codes (a tenth of the pairwise test's time),
         # and locate the clashes in those rows only.
         code = np.sort((k + bin_code).reshape(len(rows), -1), axis=1)
@@ -153,12 +176,16 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
         rows, k = rows[has], k[has]
         if rows.size == 0:
             return
-        clash = np.tril(k[:, :, :, None] == k[:, :, None, :], -1).any(axis=3)  # [R, B, S]
         R = rows.size
         ri = np.arange(R)
-        b, s = np.divmod(clash.reshape(R, -1).argmax(axis=1), S)
+        # The first slot (bin-major) whose key an earlier slot of its bin holds: in a stable
+        # sort of the codes, every code equal to its predecessor is such a slot.
+        flat = (k + bin_code).reshape(R, -1)
+        pos = np.argsort(flat, axis=1, kind="stable")
+        srt = take_rows(flat, pos)
+        b, s = np.divmod(np.where(srt[:, 1:] == srt[:, :-1], pos[:, 1:], B * S).min(axis=1), S)
         e = k[ri, b, s]
-        w = weights[rows[:, None, None], assign[rows]]
+        w = take_rows(weights[rows], assign[rows])
         # Partner (q, t): bin q lacks e, and bin b lacks the partner's key.
         ok = ~(k == e[:, None, None]).any(axis=2)[:, :, None] & ~(k[:, :, :, None] == k[ri, b][:, None, None, :]).any(
             axis=3
@@ -219,9 +246,8 @@ def _improve(
         return  # one bin (e.g. a node of one gpu): nothing to swap with
     # Only the heaviest bins decide the objective; pairing a few of them is most of the gain.
     half = min(num_bins // 2, pairs)
-    r3 = np.arange(rows)[:, None, None]
-    w = weights[r3, assign]  # [X, B, S] kept in step with assign
-    k = keys[r3, assign]
+    w = take_rows(weights, assign)  # [X, B, S] kept in step with assign
+    k = take_rows(keys, assign)
     wide = min(num_bins - 1, _WIDE)
     active = np.arange(rows)
     idle = np.zeros(rows, dtype=np.int64)  # rounds since the heaviest bin last got lighter
@@ -279,25 +305,26 @@ def _swap_best(
     """
     per_bin = w.shape[2]
     A, H = heavy.shape
-    C = partners.shape[2]
-    lh_all = load[np.arange(A)[:, None], heavy]  # [A, H]
-    hit = np.zeros((A, H), dtype=bool)
+    B, C = w.shape[1], partners.shape[2]
+    lh_all = take_rows(load, heavy)  # [A, H]
+    hit = np.zeros(A * H, dtype=bool)
     # Only (row, heavy bin) pairs above the floor can swap (a re-plan's targets leave few):
-    # the item grids are built for those pairs alone.
-    pa, ph = np.nonzero(lh_all > floor[:, None]) if floor is not None else np.nonzero(hit == 0)
-    if pa.size == 0:
-        return hit
-    P = pa.size
+    # the item grids are built for those pairs alone. Pairs are flat indices into [A, H], so
+    # that every gather below is one flat index array (the fast path).
+    pair = np.flatnonzero(lh_all > floor[:, None]) if floor is not None else np.arange(A * H)
+    if pair.size == 0:
+        return hit.reshape(A, H)
+    P = pair.size
     ar = np.arange(P)
-    xr, hb, pb = rows[pa], heavy[pa, ph], partners[pa, ph]  # [P], [P], [P, C]
-    # Bins as rows of [X * B, S] views: one index array per gather is the fast path.
-    B = w.shape[1]
+    pa = pair // H
+    xr, hb, pb = rows[pa], heavy.reshape(-1)[pair], partners.reshape(A * H, C)[pair]  # [P], [P], [P, C]
+    # Bins as rows of [X * B, S] views.
     w2, k2 = w.reshape(-1, per_bin), k.reshape(-1, per_bin)
     fh, fp = xr * B + hb, xr[:, None] * B + pb
     wh, kh = w2[fh], k2[fh]  # [P, S]
-    wp, kp = w2[fp], k2[fp]  # [P, C, S]
-    lh = lh_all[pa, ph][:, None, None, None]
-    lp = load[pa[:, None], pb][:, None, :, None]
+    wp = w2[fp]  # [P, C, S]
+    lh = lh_all.reshape(-1)[pair][:, None, None, None]
+    lp = np.take(load, pa[:, None] * B + pb)[:, None, :, None]
     # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
     # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
     # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
@@ -312,30 +339,25 @@ def _swap_best(
     dev += lp * 0.5
     dev[bad] = np.inf
     score = dev.reshape(P, -1)
-    # Key clashes are rare: check the best swap, and only where it clashes try the next best.
+    width = score.shape[1]
+    # Check the best swap for a key clash; only pairs where it clashes look further.
     best = score.argmin(axis=1)
-    found = np.isfinite(score[ar, best])
-    for attempt in range(_CANDIDATES):
-        i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
-        key_h = kh[ar, i]
-        key_p = kp[ar, c, j]
-        clash = found & ((kp[ar, c] == key_h[:, None]).any(axis=1) | (kh == key_p[:, None]).any(axis=1))
-        if not clash.any():
-            break
-        if attempt == _CANDIDATES - 1:
-            found &= ~clash
-            break
+    found = np.isfinite(score.reshape(-1)[ar * width + best])
+    i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
+    kp = k2[fp.reshape(-1)[ar * C + c]]  # [P, S]: the chosen partner bin's keys
+    key_h = kh.reshape(-1)[ar * per_bin + i]
+    key_p = kp.reshape(-1)[ar * per_bin + j]
+    clash = found & ((kp == key_h[:, None]).any(axis=1) | (kh == key_p[:, None]).any(axis=1))
+    if clash.any():
         cp = np.flatnonzero(clash)
-        score[cp, best[cp]] = np.inf
-        best[cp] = score[cp].argmin(axis=1)
-        found[cp] = np.isfinite(score[cp, best[cp]])
-    hit[pa, ph] = found
+        found[cp], best[cp] = _best_free(score[cp], kh[cp], k2[fp[cp]])
+    hit[pair] = found
     if found.any():
         sel = np.flatnonzero(found)
         i, c, j = np.unravel_index(best[sel], (per_bin, C, per_bin))
         # Flat positions of the two items: distinct bins, each bin in at most one swap.
         ph_ = fh[sel] * per_bin + i
-        pp_ = fp[sel, c] * per_bin + j
+        pp_ = fp.reshape(-1)[sel * C + c] * per_bin + j
         for arr in (assign, w, k):
             if arr.flags.c_contiguous:
                 flat = arr.reshape(-1)  # a view
@@ -343,11 +365,31 @@ def _swap_best(
                 flat[ph_] = flat[pp_]
                 flat[pp_] = tmp
             else:  # a caller's non-contiguous assign
-                x, bh, bp = xr[sel], hb[sel], pb[sel, c]
+                x, bh, bp = xr[sel], hb[sel], pb.reshape(-1)[sel * C + c]
                 tmp = arr[x, bh, i].copy()
                 arr[x, bh, i] = arr[x, bp, j]
                 arr[x, bp, j] = tmp
-    return hit
+    return hit.reshape(A, H)
+
+
+def _best_free(score: np.ndarray, kh: np.ndarray, kp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``score`` ``[Q, S * C * S]`` swap scores (heavy item, partner bin, partner item), ``kh``
+    ``[Q, S]`` heavy bin keys, ``kp`` ``[Q, C, S]`` partner bin keys → whether a swap is taken
+    ``[Q]`` and which ``[Q]``: the best swap that leaves no bin two equal keys, taken only if it
+    is among the ``_CANDIDATES`` best by score (ties by position), the swaps looked at one by one.
+    """
+    Q = kh.shape[0]
+    # Heavy item i into partner bin c clashes when c holds its key; partner item j into the heavy
+    # bin when the heavy bin holds j's key.
+    into_p = (kh[:, :, None, None] == kp[:, None, :, :]).any(axis=3)  # [Q, S, C]
+    into_h = (kp[:, :, :, None] == kh[:, None, None, :]).any(axis=3)  # [Q, C, S]
+    clash = (into_p[:, :, :, None] | into_h[:, None, :, :]).reshape(Q, -1)
+    free = np.where(clash, np.inf, score)
+    best = free.argmin(axis=1)
+    val = free[np.arange(Q), best]
+    pos = np.arange(score.shape[1])
+    ahead = ((score < val[:, None]) | ((score == val[:, None]) & (pos < best[:, None]))).sum(axis=1)
+    return np.isfinite(val) & (ahead < _CANDIDATES), best
 
 
 def swap_improve(
@@ -357,18 +399,17 @@ def swap_improve(
     row's busiest bin, stopping at ``target`` ``[X]``; counts stay as they are."""
     sub = phy[rows]
     A, B, S = sub.shape
-    ra = np.arange(A)
     cnt = replica_counts(sub, loads.shape[1])
     keys = sub.reshape(A, B * S)
-    weights = (loads[rows] / cnt)[ra[:, None], keys]
+    weights = take_rows(loads[rows] / cnt, keys)
     assign = np.broadcast_to(np.arange(B * S).reshape(B, S), (A, B, S)).copy()
     improve(weights, keys, assign, max_rounds=rounds, target=None if target is None else target[rows])
-    phy[rows] = np.take_along_axis(keys, assign.reshape(A, -1), axis=1).reshape(A, B, S)
+    phy[rows] = take_rows(keys, assign)
 
 
 def pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: int = 16) -> np.ndarray:
     """``loads``, ``counts``: ``[X, E]`` → ``[X, B, S]`` experts per bin, freshly packed."""
     X, E = loads.shape
     ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
-    w = (loads / counts)[np.arange(X)[:, None], ids]
-    return ids[np.arange(X)[:, None, None], pack(w, bins, ids, max_rounds=max_rounds)]
+    w = take_rows(loads / counts, ids)
+    return take_rows(ids, pack(w, bins, ids, max_rounds=max_rounds))

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb.place.packing import pack, packed_loads
+from eplb.place.packing import descending_order, pack, packed_loads
 
 
 @st.composite
@@ -59,3 +59,22 @@ def test_pack_known_answer_differencing_beats_greedy_rounds() -> None:
     w = np.array([[8.0, 4.0, 3.0, 3.0, 1.0, 1.0]])
     assign = pack(w, 2)
     assert sorted(packed_loads(w, assign)[0].tolist()) == [10.0, 10.0]
+
+
+@given(
+    st.integers(1, 4).flatmap(
+        lambda rows: st.lists(
+            st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.5, 2.5, 7.0]), min_size=12, max_size=12),
+            min_size=rows,
+            max_size=rows,
+        )
+    )
+)
+def test_descending_order_is_a_stable_descending_sort_with_ties(values) -> None:
+    w = np.array(values)
+    assert np.array_equal(descending_order(w), np.argsort(-w, axis=1, kind="stable"))
+
+
+def test_descending_order_keeps_tied_items_in_input_order() -> None:
+    w = np.array([[1.0, 3.0, 1.0, 3.0, 2.0]])
+    assert descending_order(w).tolist() == [[1, 3, 4, 0, 2]]
