@@ -1,5 +1,7 @@
 """eplb.place.anytime: the planner's options and what its search reports."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -46,3 +48,25 @@ def test_layers_of_one_profile_end_no_worse_than_the_best_of_them_alone() -> Non
     assert (chunk.imbalance <= fast.imbalance * (1 + 1e-12)).all()
     assert chunk.mean_imbalance < np.mean(alone)
     assert chunk.imbalance.max() <= min(alone) * (1 + 1e-3)
+
+
+@pytest.mark.parametrize("effort", ["fast", "default", "high"])
+def test_odd_layers_plan_without_warnings_and_integer_counts_plan_as_floats(effort: str) -> None:
+    # Counts as a trace gives them: integers, an all-zero layer, one expert with all the load,
+    # three live experts with ties among 125 dead ones.
+    topo = eplb.Topology(4, 128, 256, 128)
+    counts = np.random.default_rng(0).integers(0, 50, (4, 128))
+    counts[1] = 0
+    counts[2] = 0
+    counts[2, 5] = 1000
+    counts[3] = 0
+    counts[3, :3] = 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = eplb.rebalance(counts, topo, "global", effort=effort)
+    floats = eplb.rebalance(counts.astype(np.float64), topo, "global", effort=effort)
+    assert np.array_equal(plan.phy2log, floats.phy2log)
+    assert plan.imbalance[1] == 1.0 and np.isclose(plan.imbalance[2], 1.0)
+    if effort != "fast":
+        # 128 live replicas (43, 43, 42) each on its own gpu: 7/42 over 21/128 is the best.
+        assert np.isclose(plan.imbalance[3], (7 / 42) / (21 / 128))
