@@ -21,7 +21,8 @@ import argparse
 import numpy as np
 
 import eplb
-from eplb.pairing import paired_max
+from eplb.place.pairing import paired_max
+from eplb.place.replicate import replica_cap
 
 from .default_bench import cases
 
@@ -70,6 +71,23 @@ def feasible(loads: np.ndarray, T: float, bins: int, cap: int, time_limit: float
     return "unknown" if status == cp_model.UNKNOWN else None
 
 
+def bracket(
+    row: np.ndarray, bins: int, cap: int, lo: float, hi: float, steps: int, time_limit: float
+) -> tuple[float, float]:
+    """``row`` ``[E]`` loads in mean bins → ``(lo, hi)``: bisection between a known bound ``lo``
+    and a reached busiest bin ``hi``; ``lo`` proven impossible by CP-SAT, ``hi`` reached."""
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        got = feasible(row, mid, bins, cap, time_limit)
+        if isinstance(got, str):
+            break  # CP-SAT ran out of time: lo stays the last target proven impossible
+        if got is None:
+            lo = mid
+        else:
+            hi = min(mid, float(paired_max(row[None], got[None])[0]))
+    return lo, hi
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,16 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         for layer in map(int, args.layers.split(",")):
             row = loads[layer] / (loads[layer].sum() / t.num_gpus)  # in mean gpus
             default = float(plan.gpu_load[layer].max() / (loads[layer].sum() / t.num_gpus))
-            lo, hi = 1.0, default
-            for _ in range(args.steps):
-                mid = (lo + hi) / 2
-                got = feasible(row, mid, t.num_gpus, t.num_gpus, args.time_limit)
-                if isinstance(got, str):
-                    break  # CP-SAT ran out of time: lo stays the last target proven impossible
-                if got is None:
-                    lo = mid
-                else:
-                    hi = min(mid, float(paired_max(row[None], got[None])[0]))
+            cap = replica_cap(t.num_experts, t.num_slots, t.num_gpus)
+            lo, hi = bracket(row, t.num_gpus, cap, 1.0, default, args.steps, args.time_limit)
             print(f"{name:34} {layer:5d} {default:8.4f} {lo:8.4f} {hi:8.4f}", flush=True)
 
 

@@ -67,14 +67,15 @@ def pairing_bound(loads: np.ndarray, bins: int, cap: int | None, start: np.ndarr
     loads = np.asarray(loads, dtype=np.float64)
     lo = np.asarray(start, dtype=np.float64).copy()
     hi = np.maximum(np.asarray(stop, dtype=np.float64), lo)
-    live = hi > lo * (1 + 1e-6)
+    # Only rows with an interval left: an all-zero row has none (and a target of 0).
+    rows = np.flatnonzero(hi > lo * (1 + 1e-6))
     for _ in range(_STEPS):
-        if not live.any():
+        if rows.size == 0:
             break
-        mid = (lo + hi) / 2
-        bad = _impossible(loads, mid, bins, cap)
-        lo = np.where(live & bad, mid, lo)
-        hi = np.where(live & ~bad, mid, hi)
+        mid = (lo[rows] + hi[rows]) / 2
+        bad = _impossible(loads[rows], mid, bins, cap)
+        lo[rows] = np.where(bad, mid, lo[rows])
+        hi[rows] = np.where(bad, hi[rows], mid)
     return lo
 
 

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb.bounds import pairing_bound, profile_bound, simple_bound
+from eplb.bounds import pairing_bound, profile_bound, row_bound, simple_bound
 from eplb.place.pairing import paired_max
 from eplb.workloads import zipf
 
@@ -43,3 +43,16 @@ def test_profile_bound_is_tighter_than_the_pairing_bound_when_partners_run_out()
     mean = loads.sum(axis=1) / 192
     assert (profile > pairing * 1.02).all()
     assert (profile / mean > 1.05).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bins=st.integers(2, 5), experts=st.integers(2, 6))
+def test_row_bound_never_exceeds_the_best_counts_with_dead_experts(seed: int, bins: int, experts: int) -> None:
+    # Trace counts: small integers, ties and dead experts; an all-zero row joins every batch.
+    experts = min(experts, 2 * bins)
+    rng = np.random.default_rng(seed)
+    loads = np.vstack([rng.integers(0, 6, (1, experts)) * rng.integers(0, 2, (1, experts)), np.zeros((1, experts))])
+    best = np.array([_best_over_counts(row, bins) for row in loads.astype(np.float64)])
+    bound = row_bound(loads, bins, 2, bins, best)
+    assert (bound <= best * (1 + 1e-9)).all()
+    assert bound[1] == 0.0
