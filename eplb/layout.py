@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REL_TOL", "GOOD_ENOUGH", "replica_counts", "bin_loads", "busiest", "distinct_per_bin", "slot_sums"]
+__all__ = [
+    "REL_TOL",
+    "GOOD_ENOUGH",
+    "replica_counts",
+    "bin_loads",
+    "busiest",
+    "distinct_per_bin",
+    "distinct_rows",
+    "slot_sums",
+]
 
 # Relative gain below which a change is float noise, not an improvement (all steps compare
 # busiest bins with it, so a plan never flips on rounding).
@@ -47,6 +56,13 @@ def distinct_per_bin(phy: np.ndarray) -> bool:
     the repairs need that)."""
     srt = np.sort(phy, axis=2)
     return not (srt[:, :, 1:] == srt[:, :, :-1]).any()
+
+
+def distinct_rows(phy: np.ndarray) -> np.ndarray:
+    """``phy`` ``[X, B, S]`` → ``[X]`` whether no bin of each row holds two replicas of one
+    expert (``distinct_per_bin`` row by row, so a row's repair never hangs on another's)."""
+    srt = np.sort(phy, axis=2)
+    return ~(srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
 
 
 def slot_sums(w: np.ndarray) -> np.ndarray:

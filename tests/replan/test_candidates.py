@@ -73,3 +73,24 @@ def test_a_node_above_the_target_is_fixed_by_swapping_groups() -> None:
         assert len(set(per_node[layer, 0].tolist()) & set(per_node[layer, 1].tolist())) == 0
     # One group swap moves two groups' slots, not the whole layer.
     assert (plan.moves <= 0.7 * topo.num_slots).all()
+
+
+def test_a_layer_with_an_expert_twice_on_a_gpu_leaves_the_other_layers_repairs_alone() -> None:
+    from eplb.replan.candidates import repair_previous
+
+    topo = eplb.Topology(4, 48, 64, 8)
+    seq = drift(make_loads("lognormal-1.0", topo, seed=3), 0.3, 2, seed=3)
+    prev = eplb.rebalance(seq[0], topo, "global").placement
+    fresh = eplb.rebalance(seq[1], topo, "global")
+    target = 1.005 * fresh.gpu_load.max(axis=1)
+    clean = repair_previous(seq[1], prev, topo, target, False, fresh.phy2log)
+    # Layer 0: a gpu holds one expert twice (written over a replica of an expert that keeps one).
+    odd = prev.phy2log.copy()
+    cnt = np.bincount(odd[0], minlength=topo.num_experts)
+    spare = [p for p in range(topo.num_slots) if cnt[odd[0, p]] >= 2]
+    p, q = next((p, q) for p in spare for q in spare if p != q and p // 8 == q // 8)
+    odd[0, q] = odd[0, p]
+    dirty = repair_previous(seq[1], eplb.Placement(odd, topo), topo, target, False, fresh.phy2log)
+    for name in clean:
+        assert (clean[name][1:] != prev.phy2log[1:]).any()  # the other layers did repair
+        assert (dirty[name][1:] == clean[name][1:]).all()
