@@ -1,12 +1,14 @@
 """Time of one migration-aware re-plan, by number of worker processes, with placement hashes.
 
-    python -m eplb_bench.replan_bench [--cases v3-prefill,kimi-64,kimi-64-budget] [--workers 1,2]
+    python -m eplb_bench.replan_bench [--cases v3-prefill,kimi-64,kimi-64-budget,...] [--workers 1,2]
                                       [--repeats 7] [--profile]
 
 Each case plans drift-0.2 snapshot 0 fresh (lognormal σ=1 base, as ``drift_bench``), then times
 ``eplb.rebalance(snapshot 1, previous=that plan)``: ``v3-prefill`` with ``hierarchical``,
 ``kimi-64`` with ``auto`` (global: one group), ``kimi-64-budget`` the same under
-``max_moves`` = 5 % of all slots (the budget binds, so partial repairs run). Runs of all worker
+``max_moves`` = 5 % of all slots (the budget binds, so partial repairs run); the
+``-contiguous`` cases re-plan the same snapshot from ``eplb.Placement.contiguous`` instead (the
+first version a service publishes, about four times the fresh plan's busiest gpu). Runs of all worker
 counts alternate, so a busy machine slows each alike; the table prints the median and the
 fastest wall time of ``--repeats``, the median cpu time of this process (with one worker, the
 whole re-plan's work, steadier than wall time on a shared machine; with more, what stays in
@@ -30,11 +32,14 @@ import numpy as np
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
 
+# name: (scale, policy, move budget as a share of all slots, previous placement).
 CASES = {
-    "v3-prefill": ("v3-prefill", "hierarchical", None),
-    "kimi-64": ("kimi-64", "auto", None),
-    "kimi-64-budget": ("kimi-64", "auto", 0.05),
-    "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05),
+    "v3-prefill": ("v3-prefill", "hierarchical", None, "plan"),
+    "kimi-64": ("kimi-64", "auto", None, "plan"),
+    "kimi-64-budget": ("kimi-64", "auto", 0.05, "plan"),
+    "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05, "plan"),
+    "v3-prefill-contiguous": ("v3-prefill", "hierarchical", None, "contiguous"),
+    "kimi-64-contiguous": ("kimi-64", "auto", None, "contiguous"),
 }
 # Layers per job of the fresh plan's pool (eplb.place.anytime.CHUNK): its chunks are
 # fixed, so the fresh plan runs in at most ceil(L / 16) processes; candidates split any way.
@@ -42,10 +47,10 @@ FRESH_CHUNK = 16
 
 
 def setup(case: str) -> tuple:
-    scale, policy, share = CASES[case]
+    scale, policy, share, start = CASES[case]
     topo = SCALES[scale]
     seq = drift(make_loads("lognormal-1.0", topo), 0.2, 2)
-    prev = eplb.rebalance(seq[0], topo, policy).placement
+    prev = eplb.rebalance(seq[0], topo, policy).placement if start == "plan" else eplb.Placement.contiguous(topo)
     budget = {} if share is None else {"max_moves": int(share * topo.num_slots * topo.num_layers)}
     return seq[1], topo, policy, prev, budget
 
@@ -84,7 +89,7 @@ def amdahl(fresh: float, cands: float, serial: float, layers: int, k: int) -> fl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="v3-prefill,kimi-64,kimi-64-budget")
+    ap.add_argument("--cases", default="v3-prefill,kimi-64,kimi-64-budget,v3-prefill-contiguous,kimi-64-contiguous")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="also measure the per-layer share (Amdahl)")

@@ -1,6 +1,7 @@
 """eplb.replan.candidates: repairs, recounts and regrouping of the previous placement."""
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -94,3 +95,36 @@ def test_a_layer_with_an_expert_twice_on_a_gpu_leaves_the_other_layers_repairs_a
     for name in clean:
         assert (clean[name][1:] != prev.phy2log[1:]).any()  # the other layers did repair
         assert (dirty[name][1:] == clean[name][1:]).all()
+
+
+@pytest.mark.parametrize("topo", [eplb.Topology(6, 96, 112, 16), eplb.Topology(4, 128, 160, 32)])
+def test_giving_up_hopeless_repairs_from_the_contiguous_start_costs_no_moves(topo: eplb.Topology) -> None:
+    from eplb.replan.candidates import candidates
+    from eplb.replan.pick import pick_within
+
+    loads = make_loads("lognormal-1.0", topo, seed=5)
+    old = eplb.Placement.contiguous(topo).phy2log
+    fresh = eplb.rebalance(loads, topo, "global")
+    targets = [(1 + k * 0.01) * fresh.gpu_load.max(axis=1) for k in (0.5, 1.0, 3.0)]
+    budget = 1.01 * fresh.imbalance.sum() * (1 + 1e-12)
+    cap = 1.05 * fresh.imbalance * (1 + 1e-12)
+    picks = {}
+    for give_up in (None, 2.5):
+        names, cands, imb, moves = candidates(loads, old, fresh.phy2log, topo, targets, False, True, 1, give_up)
+        pick = pick_within(moves, imb, cap, budget, None)
+        cols = np.arange(topo.num_layers)
+        picks[give_up] = (moves[pick, cols].sum(), imb[pick, cols], moves[names.index("repaired")])
+    full, short = picks[None], picks[2.5]
+    assert (short[2] == 0).any() and (full[2] > 0).all()  # some layers were given up, unrepaired
+    assert short[0] <= full[0]
+    assert short[1].sum() <= budget and (short[1] <= cap).all()
+
+
+def test_a_replan_from_the_contiguous_start_stays_within_the_tolerances() -> None:
+    topo = eplb.Topology(6, 96, 112, 16)
+    loads = make_loads("lognormal-1.0", topo, seed=6)
+    fresh = eplb.rebalance(loads, topo, "global")
+    plan = eplb.rebalance(loads, topo, "global", previous=eplb.Placement.contiguous(topo))
+    assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
+    assert (plan.imbalance <= 1.05 * fresh.imbalance + 1e-9).all()
+    assert plan.replan.layers_kept == 0 and plan.total_moves > 0
