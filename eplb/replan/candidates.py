@@ -268,7 +268,6 @@ def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, 
     """``c`` ``[R, B, S]`` repaired towards ``tgt`` ``[R]``: chains (or not), rotations, swaps,
     count moves and swaps again. Chains, rotations and count moves need one replica of an
     expert per bin, so rows that have two skip them (each row on its own)."""
-    every = np.arange(c.shape[0])
     dist = np.flatnonzero(distinct_rows(c))
     if dist.size:
         sub = c[dist]
@@ -276,11 +275,15 @@ def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, 
             chain_improve(loads[dist], sub, tgt[dist])
         rotate_improve(loads[dist], sub, tgt[dist])
         c[dist] = sub
-    swap_improve(loads, c, every, 64, tgt)
-    dist = np.flatnonzero(distinct_rows(c)) if cap is not None else every[:0]
-    if dist.size:
-        c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=32, target=tgt[dist])
-        swap_improve(loads, c, dist, 64, tgt)
+    # Swaps and count moves leave a row at its target as it is: only the others go in.
+    above = bin_loads(loads, c).max(axis=1) > tgt
+    swap_improve(loads, c, np.flatnonzero(above), 64, tgt)
+    if cap is not None:
+        above = bin_loads(loads, c).max(axis=1) > tgt
+        dist = np.flatnonzero(above & distinct_rows(c))
+        if dist.size:
+            c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=32, target=tgt[dist])
+            swap_improve(loads, c, dist, 64, tgt)
     return c
 
 
