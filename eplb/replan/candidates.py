@@ -189,9 +189,9 @@ def _repair_rows(
     rows are worked out. So does a row whose busiest bin is already at its target, where
     every step leaves it as it is. ``give_up``: rows that keep their counts (no recount, or
     one that failed) and whose busiest bin is more than this many times their target are
-    left as they are: a start that far off, such as the contiguous first placement, never
-    gave a repair within the layer tolerance in the drift benchmarks, and its count moves
-    and swaps are most of a re-plan's time."""
+    left as they are: from a start that far off, such as the contiguous first placement, a
+    repair with counts kept does not come within the layer tolerance, and its count moves and
+    swaps are most of a re-plan's time (``eplb.replan.choose`` says what it costs)."""
     S = t.slots_per_gpu
     bins = phy.shape[1]
     if node_exp is not None:
@@ -276,8 +276,9 @@ def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, 
         rotate_improve(loads[dist], sub, tgt[dist])
         c[dist] = sub
     # Swaps and count moves leave a row at its target as it is: only the others go in.
-    above = bin_loads(loads, c).max(axis=1) > tgt
-    swap_improve(loads, c, np.flatnonzero(above), 64, tgt)
+    above = np.flatnonzero(bin_loads(loads, c).max(axis=1) > tgt)
+    if above.size:
+        swap_improve(loads, c, above, 64, tgt)
     if cap is not None:
         above = bin_loads(loads, c).max(axis=1) > tgt
         dist = np.flatnonzero(above & distinct_rows(c))

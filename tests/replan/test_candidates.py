@@ -128,3 +128,17 @@ def test_a_replan_from_the_contiguous_start_stays_within_the_tolerances() -> Non
     assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
     assert (plan.imbalance <= 1.05 * fresh.imbalance + 1e-9).all()
     assert plan.replan.layers_kept == 0 and plan.total_moves > 0
+
+
+def test_a_repair_whose_rows_all_reach_the_target_before_the_swaps_leaves_them_be() -> None:
+    from eplb.replan.candidates import repair_previous
+
+    # Expert 0 (30) has three replicas on gpus 0-2, each 1.2 above the target of 10: one count
+    # move (a fourth replica over one of expert 1's) fixes all three, so the swaps after it in
+    # that order get no rows at all.
+    topo = eplb.Topology(1, 7, 10, 5)
+    loads = np.array([[30.0, 4.0, 1.2, 1.2, 1.2, 2.0, 2.0]])
+    prev = eplb.Placement(np.array([[0, 2, 0, 3, 0, 4, 1, 5, 1, 6]]), topo)
+    out = repair_previous(loads, prev, topo, np.array([10.0]), False)
+    assert (eplb.gpu_loads(loads, eplb.Placement(out["repaired"], topo)) <= 10.0).all()
+    assert (out["repaired"] != prev.phy2log).sum() == 1
