@@ -1,12 +1,14 @@
 """Time of one migration-aware re-plan, by number of worker processes, with placement hashes.
 
-    python -m eplb_bench.replan_bench [--cases v3-prefill,kimi-64,kimi-64-budget] [--workers 1,2]
-                                      [--repeats 7] [--profile]
+    python -m eplb_bench.replan_bench [--cases v3-prefill,kimi-64,kimi-64-budget,...] [--workers 1,2]
+                                      [--repeats 7] [--profile] [--baseline DIR]
 
 Each case plans drift-0.2 snapshot 0 fresh (lognormal σ=1 base, as ``drift_bench``), then times
 ``eplb.rebalance(snapshot 1, previous=that plan)``: ``v3-prefill`` with ``hierarchical``,
 ``kimi-64`` with ``auto`` (global: one group), ``kimi-64-budget`` the same under
-``max_moves`` = 5 % of all slots (the budget binds, so partial repairs run). Runs of all worker
+``max_moves`` = 5 % of all slots (the budget binds, so partial repairs run); the
+``-contiguous`` cases re-plan the same snapshot from ``eplb.Placement.contiguous`` instead (the
+first version a service publishes, about four times the fresh plan's busiest gpu). Runs of all worker
 counts alternate, so a busy machine slows each alike; the table prints the median and the
 fastest wall time of ``--repeats``, the median cpu time of this process (with one worker, the
 whole re-plan's work, steadier than wall time on a shared machine; with more, what stays in
@@ -15,6 +17,11 @@ the parent) and a hash of the placement, which must be the same for every count.
 layers' candidates and in the serial rest (the pick across layers), and the speed-up they
 give on 2, 4 and 16 processes by Amdahl's law (see ``amdahl``: the fresh plan's layers go in
 fixed chunks of 16, so at most ``ceil(L / 16)`` processes share it).
+
+``--baseline DIR`` times another tree's ``eplb`` (``DIR/eplb``, e.g. the commit before a change)
+against this one instead: one process per tree (each with its own worker pools), re-plans of
+the two alternating, and per case and worker count both medians, their ratio, the median cpu
+time of each and whether the placements are identical.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
+import json
+import os
 import pstats
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -30,11 +41,14 @@ import numpy as np
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
 
+# name: (scale, policy, move budget as a share of all slots, previous placement).
 CASES = {
-    "v3-prefill": ("v3-prefill", "hierarchical", None),
-    "kimi-64": ("kimi-64", "auto", None),
-    "kimi-64-budget": ("kimi-64", "auto", 0.05),
-    "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05),
+    "v3-prefill": ("v3-prefill", "hierarchical", None, "plan"),
+    "kimi-64": ("kimi-64", "auto", None, "plan"),
+    "kimi-64-budget": ("kimi-64", "auto", 0.05, "plan"),
+    "v3-prefill-budget": ("v3-prefill", "hierarchical", 0.05, "plan"),
+    "v3-prefill-contiguous": ("v3-prefill", "hierarchical", None, "contiguous"),
+    "kimi-64-contiguous": ("kimi-64", "auto", None, "contiguous"),
 }
 # Layers per job of the fresh plan's pool (eplb.place.anytime.CHUNK): its chunks are
 # fixed, so the fresh plan runs in at most ceil(L / 16) processes; candidates split any way.
@@ -42,10 +56,10 @@ FRESH_CHUNK = 16
 
 
 def setup(case: str) -> tuple:
-    scale, policy, share = CASES[case]
+    scale, policy, share, start = CASES[case]
     topo = SCALES[scale]
     seq = drift(make_loads("lognormal-1.0", topo), 0.2, 2)
-    prev = eplb.rebalance(seq[0], topo, policy).placement
+    prev = eplb.rebalance(seq[0], topo, policy).placement if start == "plan" else eplb.Placement.contiguous(topo)
     budget = {} if share is None else {"max_moves": int(share * topo.num_slots * topo.num_layers)}
     return seq[1], topo, policy, prev, budget
 
@@ -82,14 +96,81 @@ def amdahl(fresh: float, cands: float, serial: float, layers: int, k: int) -> fl
     return 1.0 / (serial + fresh * path + cands * -(-layers // k) / layers)
 
 
+def serve() -> None:
+    """Re-plan on request: each line ``case workers`` on stdin → one JSON line (wall and cpu
+    seconds, placement hash) on stdout; the cases are set up once."""
+    jobs: dict[str, tuple] = {}
+    for line in sys.stdin:
+        case, workers = line.split()
+        if case not in jobs:
+            jobs[case] = setup(case)
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = replan(jobs[case], int(workers))
+        print(json.dumps([time.perf_counter() - t0, time.process_time() - c0, digest(plan)]), flush=True)
+
+
+def against(baseline: str, cases: list[str], counts: list[int], repeats: int) -> None:
+    """The ``--baseline`` table: this tree's ``eplb`` and ``baseline``'s, alternating."""
+    trees = {"baseline": {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}, "this": dict(os.environ)}
+    # From a neutral directory, so that the working directory shadows neither tree.
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "eplb_bench.replan_bench", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd="/",
+        )
+        for name, env in trees.items()
+    }
+
+    def run(name: str, case: str, w: int) -> list:
+        procs[name].stdin.write(f"{case} {w}\n")
+        procs[name].stdin.flush()
+        return json.loads(procs[name].stdout.readline())
+
+    print("| case | workers | baseline ms | this ms | ratio | baseline cpu ms | this cpu ms | ratio | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        got: dict[tuple[str, int], list] = {}
+        for name in trees:
+            for w in counts:
+                run(name, case, w)  # warm-up: starts the pools
+        for i in range(repeats):
+            for name in trees if i % 2 == 0 else reversed(list(trees)):
+                for w in counts:
+                    got.setdefault((name, w), []).append(run(name, case, w))
+        for w in counts:
+            b, t = got[("baseline", w)], got[("this", w)]
+            bw, tw = (np.median([x[0] for x in r]) * 1e3 for r in (b, t))
+            bc, tc = (np.median([x[1] for x in r]) * 1e3 for r in (b, t))
+            print(
+                f"| {case} | {w} | {bw:.0f} | {tw:.0f} | {bw / tw:.2f}x | {bc:.0f} | {tc:.0f} | {bc / tc:.2f}x | "
+                f"{'yes' if b[0][2] == t[0][2] else 'no'} |",
+                flush=True,
+            )
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="v3-prefill,kimi-64,kimi-64-budget")
+    ap.add_argument("--cases", default="v3-prefill,kimi-64,kimi-64-budget,v3-prefill-contiguous,kimi-64-contiguous")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="also measure the per-layer share (Amdahl)")
+    ap.add_argument("--baseline", metavar="DIR", help="time DIR/eplb against this tree, alternating")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     counts = [int(w) for w in args.workers.split(",")]
+    if args.serve:
+        serve()
+        return 0
+    if args.baseline:
+        against(args.baseline, args.cases.split(","), counts, args.repeats)
+        return 0
     print("| case | workers | median ms | fastest ms | parent cpu ms | moves | mean imbalance | placement hash |")
     print("|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):

@@ -18,6 +18,7 @@ __all__ = [
     "bin_loads",
     "busiest",
     "distinct_per_bin",
+    "distinct_rows",
     "slot_sums",
     "take_rows",
 ]
@@ -55,6 +56,13 @@ def distinct_per_bin(phy: np.ndarray) -> bool:
     the repairs need that)."""
     srt = np.sort(phy, axis=2)
     return not (srt[:, :, 1:] == srt[:, :, :-1]).any()
+
+
+def distinct_rows(phy: np.ndarray) -> np.ndarray:
+    """``phy`` ``[X, B, S]`` → ``[X]`` whether no bin of each row holds two replicas of one
+    expert (``distinct_per_bin`` row by row, so a row's repair never hangs on another's)."""
+    srt = np.sort(phy, axis=2)
+    return ~(srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
 
 
 def slot_sums(w: np.ndarray) -> np.ndarray:

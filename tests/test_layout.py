@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from eplb.layout import bin_loads, busiest, distinct_per_bin, replica_counts, take_rows
+from eplb.layout import bin_loads, busiest, distinct_per_bin, distinct_rows, replica_counts, take_rows
 
 
 def test_counts_and_bin_loads_split_each_expert_over_its_replicas() -> None:
@@ -12,6 +12,11 @@ def test_counts_and_bin_loads_split_each_expert_over_its_replicas() -> None:
     assert bin_loads(loads, phy).tolist() == [[5.0, 7.0]]
     assert busiest(loads, phy).tolist() == [7.0]
     assert distinct_per_bin(phy) and not distinct_per_bin(np.array([[[0, 0], [1, 2]]]))
+
+
+def test_distinct_rows_marks_each_row_with_an_expert_twice_on_a_bin() -> None:
+    phy = np.array([[[0, 1], [0, 2]], [[0, 0], [1, 2]], [[2, 1], [1, 0]]])
+    assert distinct_rows(phy).tolist() == [True, False, True]
 
 
 def test_bin_loads_sum_to_the_layer_load() -> None:

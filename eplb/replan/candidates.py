@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import REL_TOL, bin_loads, distinct_per_bin, replica_counts
+from ..layout import REL_TOL, bin_loads, distinct_rows, replica_counts
 from ..place.counts import refine_counts
 from ..place.packing import swap_improve
 from ..place.replicate import replica_cap, waterfill
@@ -33,6 +33,7 @@ def repair_previous(
     target: np.ndarray,
     by_node: bool,
     fresh: np.ndarray | None = None,
+    give_up: float | None = None,
 ) -> dict[str, np.ndarray]:
     """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
     ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
@@ -46,6 +47,10 @@ def repair_previous(
       it, then the same swaps and count moves. With few slots per gpu the balance hangs on
       the counts and one count move at a time stalls: the donor's replicas often share gpus
       with the expert that needs one more.
+
+    ``give_up``: rows (layers, or nodes of a layer) whose busiest gpu is more than this many
+    times their target are left as they are in the repair that keeps the counts (see
+    ``_repair_rows``); ``None``: every row is repaired.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
@@ -53,18 +58,20 @@ def repair_previous(
     node_exp = _node_experts(prev, t) if by_node and t.num_nodes > 1 else None
     if node_exp is None:
         phy = prev.reshape(L, t.num_gpus, S).astype(np.int64)
-        counts = None
+        repaired = _repair_rows(loads, phy, target, None, None, t, give_up=give_up)
+        out = {"repaired": _to_global(repaired[0], None, prev, t)}
         if fresh is not None:
             counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
-        out = {"repaired": _repair_rows(loads, phy, target, None, None, prev, t)}
-        if counts is not None:
-            out["recounted"] = _repair_rows(loads, phy, target, counts, None, prev, t)
+            recounted = _repair_rows(loads, phy, target, counts, None, t, like=repaired, give_up=give_up)
+            out["recounted"] = _to_global(recounted[0], None, prev, t)
         return out
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
+    repaired = _repair_rows(loads, phy, target, None, node_exp, t, give_up=give_up)
+    recounted = _repair_rows(loads, phy, target, True, node_exp, t, like=repaired, give_up=give_up)
     out = {
-        "repaired": _repair_rows(loads, phy, target, None, node_exp, prev, t),
-        "recounted": _repair_rows(loads, phy, target, True, node_exp, prev, t),
+        "repaired": _to_global(repaired[0], node_exp, prev, t),
+        "recounted": _to_global(recounted[0], node_exp, prev, t),
     }
     # When the busiest node itself is above the target no repair within nodes can reach it:
     # swap groups between nodes (each time the swap that most lowers the busiest node, until
@@ -77,7 +84,9 @@ def repair_previous(
             break
         swapped = nxt
     if swapped is not None:
-        out["regrouped"] = _repair_rows(loads, phy, target, True, swapped, prev, t)
+        # Only the nodes that swapped a group start anywhere else than the recount did.
+        regrouped = _repair_rows(loads, phy, target, True, swapped, t, like=recounted, give_up=give_up)
+        out["regrouped"] = _to_global(regrouped[0], swapped, prev, t)
     return out
 
 
@@ -89,6 +98,7 @@ def _repairs(
     by_node: bool,
     fresh: np.ndarray,
     pad: bool = False,
+    give_up: float | None = None,
 ) -> tuple[list[tuple[str, np.ndarray]], bool]:
     """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
     pairs, target by target, and whether any layer swapped groups between nodes. The targets
@@ -100,7 +110,7 @@ def _repairs(
     stacked = topology.with_layers(K * L)
     prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
     out = repair_previous(
-        np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1))
+        np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1)), give_up
     )
     swapped = "regrouped" in out
     if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
@@ -111,15 +121,15 @@ def _repairs(
 def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
     ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
-    ``ends`` (kept first and fresh aligned last) and ``pad`` (see ``_repairs``). Also whether
-    any layer swapped groups.
+    ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``) and ``give_up``
+    (see ``repair_previous``). Also whether any layer swapped groups.
     Layers are independent here, so a chunk's rows equal those of all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad = job
+    loads, old, fresh, topology, targets, by_node, ends, pad, give_up = job
     previous = Placement(old, topology)
     ways = [("kept", old)] if ends else []
     swapped = False
     if targets:
-        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad)
+        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad, give_up)
         ways += repaired
     if ends:
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
@@ -135,17 +145,18 @@ def candidates(
     by_node: bool,
     ends: bool,
     workers: int,
+    give_up: float | None = None,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``:
     in this process, or in ``workers`` processes, each taking an equal share of the layers (the
-    same result: any split gives it)."""
+    same result: any split gives it). ``give_up``: see ``repair_previous``."""
     L = topology.num_layers
     step = -(-L // min(workers, L))
     jobs, pad = [], step < L
     for a in range(0, L, step):
         b = min(a + step, L)
         chunk = topology.with_layers(b - a)
-        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, [t[a:b] for t in targets], by_node, ends, pad))
+        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, [t[a:b] for t in targets], by_node, ends, pad, give_up))
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
     names = parts[0][0]
     keep = np.ones(len(names), dtype=bool)
@@ -162,71 +173,118 @@ def _repair_rows(
     target: np.ndarray,
     counts: np.ndarray | bool | None,
     node_exp: np.ndarray | None,
-    prev: np.ndarray,
     t: Topology,
-) -> np.ndarray:
+    like: tuple[np.ndarray, ...] | None = None,
+    give_up: float | None = None,
+) -> tuple[np.ndarray, ...]:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
     ``[R, E]`` (``True``: water-filling within each row), then the best per row of three
     orders of rotations, ejection chains, count repairs, swaps and count moves.
-    Returns global ``phy2log`` ``[L, P]`` with staying experts in their old slots."""
-    L, S = t.num_layers, t.slots_per_gpu
-    rows, bins = phy.shape[:2]
+    Returns the repaired rows ``[R, B, S]`` (local ids), the rows it started from and their
+    loads ``[R, E/N]``.
+
+    Rows are independent, so a row that starts where it did in ``like`` (an earlier result of
+    this function for the same targets), with the same loads, ends there too: only the other
+    rows are worked out. So does a row whose busiest bin is already at its target, where
+    every step leaves it as it is. ``give_up``: rows that keep their counts (no recount, or
+    one that failed) and whose busiest bin is more than this many times their target are
+    left as they are: from a start that far off, such as the contiguous first placement, a
+    repair with counts kept does not come within the layer tolerance, and its count moves and
+    swaps are most of a re-plan's time (``eplb.replan.choose`` says what it costs)."""
+    S = t.slots_per_gpu
+    bins = phy.shape[1]
     if node_exp is not None:
         tgt = np.repeat(target, t.num_nodes)
         row_loads = np.take_along_axis(np.repeat(loads, t.num_nodes, axis=0), node_exp, axis=1)
     else:
         tgt, row_loads = target, loads
     cap = replica_cap(row_loads.shape[1], bins * S, bins)
-    can_move = cap is not None and distinct_per_bin(phy)
-    cand = phy.copy()
-    if counts is not None and can_move:
+    start = phy
+    if counts is not None and cap is not None:
         if counts is True:
             counts = waterfill(row_loads, bins * S, cap)
         recounted, ok = recount(row_loads, phy, counts)
-        cand = np.where(ok[:, None, None], recounted, phy)
+        start = np.where((ok & distinct_rows(phy))[:, None, None], recounted, phy)
+    top = bin_loads(row_loads, start).max(axis=1)
+    todo = top > tgt
+    if give_up is not None:
+        todo &= (top <= give_up * tgt) | (start != phy).any(axis=(1, 2))
+    out = start.copy()
+    if like is not None:
+        same = (start == like[1]).all(axis=(1, 2)) & (row_loads == like[2]).all(axis=1)
+        out[same] = like[0][same]
+        todo &= ~same
+    rows = np.flatnonzero(todo)
+    if rows.size:
+        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap)
+    return out, start, row_loads
+
+
+def _best_order(loads: np.ndarray, phy: np.ndarray, cand: np.ndarray, tgt: np.ndarray, cap: int | None) -> np.ndarray:
+    """``cand`` ``[R, B, S]`` (``phy`` recounted, or ``phy`` itself) repaired towards ``tgt``
+    ``[R]`` in three orders, the best per row (fewest slots rewritten from ``phy``)."""
+    rows = cand.shape[0]
     # Three orders, the best per row: rotations first (two bins above the target fixed with
     # three slots), ejection chains first (k bins with k + 1), or count moves that relieve
     # every gpu of an expert that grew (one slot, see ``eplb.replan.moves``) before the chains; each
     # then swaps (one bin with two) and count moves. Chains use the room below the target
     # tightly and can strand a bin far above it that then costs several swaps, and count moves
     # can leave donors' gpus in the way, so no order wins every row (measured).
-    outs = [_finish(row_loads, cand.copy(), tgt, cap, chains=False)]
-    outs.append(_finish(row_loads, cand.copy(), tgt, cap, chains=True))
+    outs = [_finish(loads, cand.copy(), tgt, cap, chains=False)]
+    outs.append(_finish(loads, cand.copy(), tgt, cap, chains=True))
     counted = outs[1].copy()
-    if cap is not None and distinct_per_bin(cand):
+    if cap is not None:
         c = cand.copy()
-        count_repair(row_loads, c, tgt, cap)
+        dist = np.flatnonzero(distinct_rows(cand))
+        sub = c[dist]
+        count_repair(loads[dist], sub, tgt[dist], cap)
+        c[dist] = sub
         # Rows without a count move would only repeat the chains-first order.
         moved = np.flatnonzero((c != cand).any(axis=(1, 2)))
         if moved.size:
-            counted[moved] = _finish(row_loads[moved], c[moved], tgt[moved], cap, chains=True)
+            counted[moved] = _finish(loads[moved], c[moved], tgt[moved], cap, chains=True)
     outs.append(counted)
     # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
     # compared per row (a sort by keys), so a row's pick never depends on the other rows.
-    busiest = np.stack([bin_loads(row_loads, c).max(axis=1) for c in outs])  # [3, R]
+    busiest = np.stack([bin_loads(loads, c).max(axis=1) for c in outs])  # [3, R]
     moved_slots = np.stack([(c != phy).sum(axis=(1, 2)) for c in outs])
     missed = busiest > tgt * (1 + REL_TOL)
     best = np.lexsort((busiest, moved_slots, missed), axis=0)[0]
-    cand = np.stack(outs)[best, np.arange(rows)]
+    return np.stack(outs)[best, np.arange(rows)]
+
+
+def _to_global(local: np.ndarray, node_exp: np.ndarray | None, prev: np.ndarray, t: Topology) -> np.ndarray:
+    """Repaired rows ``[R, B, S]`` (local ids into ``node_exp`` when given) → global ``phy2log``
+    ``[L, P]`` with staying experts in their old slots of ``prev``."""
+    S, rows = t.slots_per_gpu, local.shape[0]
     if node_exp is not None:
-        cand = np.take_along_axis(node_exp, cand.reshape(rows, -1), axis=1)
+        local = np.take_along_axis(node_exp, local.reshape(rows, -1), axis=1)
     # A run of swaps can take an expert off a gpu and bring it back to another slot.
-    return align_slots(cand.reshape(-1, S), prev.reshape(-1, S)).reshape(L, t.num_slots)
+    return align_slots(local.reshape(-1, S), prev.reshape(-1, S)).reshape(t.num_layers, t.num_slots)
 
 
 def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool) -> np.ndarray:
     """``c`` ``[R, B, S]`` repaired towards ``tgt`` ``[R]``: chains (or not), rotations, swaps,
-    count moves and swaps again."""
-    if distinct_per_bin(c):
+    count moves and swaps again. Chains, rotations and count moves need one replica of an
+    expert per bin, so rows that have two skip them (each row on its own)."""
+    dist = np.flatnonzero(distinct_rows(c))
+    if dist.size:
+        sub = c[dist]
         if chains:
-            chain_improve(loads, c, tgt)
-        rotate_improve(loads, c, tgt)
-    everything = np.arange(c.shape[0])
-    swap_improve(loads, c, everything, 64, tgt)
-    if cap is not None and distinct_per_bin(c):
-        c = refine_counts(loads, c, cap, iterations=32, target=tgt)
-        swap_improve(loads, c, everything, 64, tgt)
+            chain_improve(loads[dist], sub, tgt[dist])
+        rotate_improve(loads[dist], sub, tgt[dist])
+        c[dist] = sub
+    # Swaps and count moves leave a row at its target as it is: only the others go in.
+    above = np.flatnonzero(bin_loads(loads, c).max(axis=1) > tgt)
+    if above.size:
+        swap_improve(loads, c, above, 64, tgt)
+    if cap is not None:
+        above = bin_loads(loads, c).max(axis=1) > tgt
+        dist = np.flatnonzero(above & distinct_rows(c))
+        if dist.size:
+            c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=32, target=tgt[dist])
+            swap_improve(loads, c, dist, 64, tgt)
     return c
 
 

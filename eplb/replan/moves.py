@@ -51,10 +51,7 @@ def chain_improve(
         w = (loads[active] / np.maximum(replica_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
         load = w.sum(axis=2)
         excess = load - (target[active] * (1 + REL_TOL))[:, None]
-        # Presence of each expert on each bin, to keep one replica of an expert per bin.
-        has = np.zeros((A, B, E), dtype=bool)
-        has[ra[:, None, None], np.arange(B)[None, :, None], sub] = True
-        length, gs_all, ss_all, u, k0 = _chain(w, sub, has, excess, load.argmin(axis=1))
+        length, gs_all, ss_all, u, k0 = _chain(w, sub, excess, load.argmin(axis=1))
         made = length >= min_length
         if not made.any():
             return
@@ -68,13 +65,10 @@ def chain_improve(
         active = active[made]
 
 
-def _chain(
-    w: np.ndarray, sub: np.ndarray, has: np.ndarray, excess: np.ndarray, u: np.ndarray
-) -> tuple[np.ndarray, ...]:
+def _chain(w: np.ndarray, sub: np.ndarray, excess: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, ...]:
     """One chain per row from bin ``u`` ``[A]`` (weights ``w`` and experts ``sub`` ``[A, B, S]``,
-    presence ``has`` ``[A, B, E]``, ``excess`` ``[A, B]`` over the target) → its length ``[A]``
-    (0: none closes), the bins and slots along it ``[A, B]``, ``u`` and the slot of ``u``'s
-    item ``[A]``."""
+    ``excess`` ``[A, B]`` over the target) → its length ``[A]`` (0: none closes), the bins and
+    slots along it ``[A, B]``, ``u`` and the slot of ``u``'s item ``[A]``."""
     A, B, S = w.shape
     ra = np.arange(A)
     room = -excess[ra, u]
@@ -97,7 +91,9 @@ def _chain(
         # incoming expert.
         ok = free[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
         ok &= (wx - b_w[x][:, None, None]) <= room[x][:, None, None]
-        ok &= ~has[x, :, cur_e[x]][:, :, None]
+        # (Which bins hold the incoming expert: a scan of the rows' slots, cheaper than keeping
+        # an [A, B, E] presence table for the few experts a chain passes on.)
+        ok &= ~(sub[x] == cur_e[x][:, None, None]).any(axis=2)[:, :, None]
         # The item that sheds the excess with the least to spare first: the room below the
         # target is what limits a chain (measured: fewer slots than the lightest item).
         waste = wx - cw[:, None, None] - ex[:, :, None]
@@ -111,7 +107,7 @@ def _chain(
         free[x, g] = False
         n += 1
         # The chain closes when u may take the last item.
-        length[x[~has[x, u[x], cur_e[x]]]] = n
+        length[x[~(sub[x, u[x]] == cur_e[x][:, None]).any(axis=1)]] = n
     return length, steps_g, steps_s, u, k0
 
 
@@ -155,6 +151,15 @@ def count_repair(
         tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
         n_over = (excess > 0).sum(axis=1)
+        # A row with fewer than min_fixed bins above the target has no move that counts.
+        live = n_over >= min_fixed
+        if not live.all():
+            active, sub, lo, cnt, w = active[live], sub[live], lo[live], cnt[live], w[live]
+            load, tgt, excess, n_over = load[live], tgt[live], excess[live], n_over[live]
+            A = active.size
+            ra = np.arange(A)
+            if A == 0:
+                return
         flat = (ra[:, None, None] * E + sub).ravel()  # each slot's (row, expert)
 
         def per_expert(per_slot: np.ndarray) -> np.ndarray:
@@ -172,22 +177,28 @@ def count_repair(
         d_h = shed[ra[:, None], gain]  # [A, H]
         t_f = take[ra[:, None], don]  # [A, D]
         t_ok = np.isfinite(harm[ra[:, None], don])  # fewer than D replicated experts: no donors
-        Hh = (sub[:, None] == gain[:, :, None, None]).any(axis=3)  # [A, H, B]: bin holds gainer
-        Hf = (sub[:, None] == don[:, :, None, None]).any(axis=3)  # [A, D, B]: bin holds donor
-        new = (
-            load[:, None, None, :]
-            - d_h[:, :, None, None] * Hh[:, :, None, :]
-            + np.where(Hf[:, None, :, :], t_f[:, None, :, None], 0.0)
-        )  # [A, H, D, B], before q's own change
-        over_new = np.maximum(new - tgt[:, :, None, None], 0.0)
+        # Which bins hold each (row, expert), looked up for the gainers and donors: one gather
+        # instead of comparing every slot with each of them.
+        holds = np.zeros((A * E, B), dtype=bool)
+        holds[flat, np.tile(np.repeat(np.arange(B), S), A)] = True
+        Hh = holds[ra[:, None] * E + gain]  # [A, H, B]: bin holds gainer
+        Hf = holds[ra[:, None] * E + don]  # [A, D, B]: bin holds donor
+        # [A, H, D, B], before q's own change: the bins holding h shed d_h, those holding f
+        # take t_f (written into one buffer: this is the largest array of the step).
+        new = np.empty((A, H, D, B))
+        np.subtract(load[:, None, None, :], (d_h[:, :, None] * Hh)[:, :, None, :], out=new)
+        new += np.where(Hf, t_f[:, :, None], 0.0)[:, None]
+        over_new = new - tgt[:, :, None, None]
+        np.maximum(over_new, 0.0, out=over_new)
         tot = over_new.sum(axis=3)  # [A, H, D]
-        cnt_over = (over_new > 0).sum(axis=3)
+        cnt_over = np.count_nonzero(over_new, axis=3)
         # Moves (h, f, q) that can be made: q holds f and not h. Few bins hold a given donor,
         # so what q's own change does is worked out for those entries only.
-        ok = Hf[:, None, :, :] & ~Hh[:, :, None, :]
-        ok &= (gain[:, :, None] != don[:, None, :])[:, :, :, None]
-        ok &= (d_h > 0)[:, :, None, None] & t_ok[:, None, :, None]
-        a_, h_, d_, q_ = np.nonzero(ok)
+        fa, fd, fq = np.nonzero(Hf & t_ok[:, :, None])
+        a_, h_ = np.repeat(fa, H), np.tile(np.arange(H), fa.size)
+        d_, q_ = np.repeat(fd, H), np.repeat(fq, H)
+        can = ~Hh[a_, h_, q_] & (gain[a_, h_] != don[a_, d_]) & (d_h[a_, h_] > 0)
+        a_, h_, d_, q_ = a_[can], h_[can], d_[can], q_[can]
         # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
         w_h_new = lo[a_, gain[a_, h_]] / (cnt[a_, gain[a_, h_]] + 1)
         at_q = new[a_, h_, d_, q_] - t_f[a_, d_] - w[a_, don[a_, d_]] + w_h_new
@@ -197,14 +208,19 @@ def count_repair(
         cnt_q = cnt_over[a_, h_, d_] - (o_q > 0) + (q_over > 0)
         good = cnt_q <= (n_over - min_fixed)[a_]
         good &= tot_q < excess.sum(axis=1)[a_] * (1 - 1e-9)
-        # Per row, so a row's choice never depends on which rows it is planned with.
+        # Per row, so a row's choice never depends on which rows it is planned with: the least
+        # score, ties to the first (h, f, q) in grid order.
         scale = excess.sum(axis=1)[a_] + 1.0
-        score = np.full((A, H * D * B), np.inf)
-        score[a_[good], ((h_ * D + d_) * B + q_)[good]] = (cnt_q + tot_q / scale)[good]
-        best = score.argmin(axis=1)
-        moved = np.isfinite(score[ra, best])
-        if not moved.any():
+        a_, where_ = a_[good], ((h_ * D + d_) * B + q_)[good]
+        value = (cnt_q + tot_q / scale)[good]
+        if a_.size == 0:
             return
+        order = np.lexsort((where_, value, a_))
+        first = order[np.r_[True, a_[order][1:] != a_[order][:-1]]]
+        moved = np.zeros(A, dtype=bool)
+        moved[a_[first]] = True
+        best = np.zeros(A, dtype=np.int64)
+        best[a_[first]] = where_[first]
         a = ra[moved]
         hi, di, q = np.unravel_index(best[moved], (H, D, B))
         h, f = gain[a, hi], don[a, di]

@@ -1,6 +1,7 @@
 """eplb.replan.candidates: repairs, recounts and regrouping of the previous placement."""
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -73,3 +74,71 @@ def test_a_node_above_the_target_is_fixed_by_swapping_groups() -> None:
         assert len(set(per_node[layer, 0].tolist()) & set(per_node[layer, 1].tolist())) == 0
     # One group swap moves two groups' slots, not the whole layer.
     assert (plan.moves <= 0.7 * topo.num_slots).all()
+
+
+def test_a_layer_with_an_expert_twice_on_a_gpu_leaves_the_other_layers_repairs_alone() -> None:
+    from eplb.replan.candidates import repair_previous
+
+    topo = eplb.Topology(4, 48, 64, 8)
+    seq = drift(make_loads("lognormal-1.0", topo, seed=3), 0.3, 2, seed=3)
+    prev = eplb.rebalance(seq[0], topo, "global").placement
+    fresh = eplb.rebalance(seq[1], topo, "global")
+    target = 1.005 * fresh.gpu_load.max(axis=1)
+    clean = repair_previous(seq[1], prev, topo, target, False, fresh.phy2log)
+    # Layer 0: a gpu holds one expert twice (written over a replica of an expert that keeps one).
+    odd = prev.phy2log.copy()
+    cnt = np.bincount(odd[0], minlength=topo.num_experts)
+    spare = [p for p in range(topo.num_slots) if cnt[odd[0, p]] >= 2]
+    p, q = next((p, q) for p in spare for q in spare if p != q and p // 8 == q // 8)
+    odd[0, q] = odd[0, p]
+    dirty = repair_previous(seq[1], eplb.Placement(odd, topo), topo, target, False, fresh.phy2log)
+    for name in clean:
+        assert (clean[name][1:] != prev.phy2log[1:]).any()  # the other layers did repair
+        assert (dirty[name][1:] == clean[name][1:]).all()
+
+
+@pytest.mark.parametrize("topo", [eplb.Topology(6, 96, 112, 16), eplb.Topology(4, 128, 160, 32)])
+def test_giving_up_hopeless_repairs_from_the_contiguous_start_costs_no_moves(topo: eplb.Topology) -> None:
+    from eplb.replan.candidates import candidates
+    from eplb.replan.pick import pick_within
+
+    loads = make_loads("lognormal-1.0", topo, seed=5)
+    old = eplb.Placement.contiguous(topo).phy2log
+    fresh = eplb.rebalance(loads, topo, "global")
+    targets = [(1 + k * 0.01) * fresh.gpu_load.max(axis=1) for k in (0.5, 1.0, 3.0)]
+    budget = 1.01 * fresh.imbalance.sum() * (1 + 1e-12)
+    cap = 1.05 * fresh.imbalance * (1 + 1e-12)
+    picks = {}
+    for give_up in (None, 2.5):
+        names, cands, imb, moves = candidates(loads, old, fresh.phy2log, topo, targets, False, True, 1, give_up)
+        pick = pick_within(moves, imb, cap, budget, None)
+        cols = np.arange(topo.num_layers)
+        picks[give_up] = (moves[pick, cols].sum(), imb[pick, cols], moves[names.index("repaired")])
+    full, short = picks[None], picks[2.5]
+    assert (short[2] == 0).any() and (full[2] > 0).all()  # some layers were given up, unrepaired
+    assert short[0] <= full[0]
+    assert short[1].sum() <= budget and (short[1] <= cap).all()
+
+
+def test_a_replan_from_the_contiguous_start_stays_within_the_tolerances() -> None:
+    topo = eplb.Topology(6, 96, 112, 16)
+    loads = make_loads("lognormal-1.0", topo, seed=6)
+    fresh = eplb.rebalance(loads, topo, "global")
+    plan = eplb.rebalance(loads, topo, "global", previous=eplb.Placement.contiguous(topo))
+    assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
+    assert (plan.imbalance <= 1.05 * fresh.imbalance + 1e-9).all()
+    assert plan.replan.layers_kept == 0 and plan.total_moves > 0
+
+
+def test_a_repair_whose_rows_all_reach_the_target_before_the_swaps_leaves_them_be() -> None:
+    from eplb.replan.candidates import repair_previous
+
+    # Expert 0 (30) has three replicas on gpus 0-2, each 1.2 above the target of 10: one count
+    # move (a fourth replica over one of expert 1's) fixes all three, so the swaps after it in
+    # that order get no rows at all.
+    topo = eplb.Topology(1, 7, 10, 5)
+    loads = np.array([[30.0, 4.0, 1.2, 1.2, 1.2, 2.0, 2.0]])
+    prev = eplb.Placement(np.array([[0, 2, 0, 3, 0, 4, 1, 5, 1, 6]]), topo)
+    out = repair_previous(loads, prev, topo, np.array([10.0]), False)
+    assert (eplb.gpu_loads(loads, eplb.Placement(out["repaired"], topo)) <= 10.0).all()
+    assert (out["repaired"] != prev.phy2log).sum() == 1
