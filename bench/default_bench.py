@@ -104,6 +104,19 @@ def _profile(loads: np.ndarray, topology: eplb.Topology, plan: eplb.Plan) -> flo
     return float((np.maximum(lb, profile_bound(loads, t.num_gpus, cap, lb, plan.gpu_load.max(axis=1))) / mean).mean())
 
 
+def select(ap: argparse.ArgumentParser, table: dict, chosen: str | None, list_only: bool) -> list[str] | None:
+    """The case names a bench run measures: ``chosen`` (comma separated) or all of ``table``;
+    ``None`` after printing them for ``--list``; an unknown name is the parser's error."""
+    if list_only:
+        print("\n".join(table))
+        return None
+    names = list(table) if not chosen else chosen.split(",")
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; --list shows the names")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -115,13 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write the rows as JSON to this file")
     args = ap.parse_args(argv)
     table = cases()
-    if args.list:
-        print("\n".join(table))
+    names = select(ap, table, args.cases, args.list)
+    if names is None:
         return
-    names = list(table) if not args.cases else args.cases.split(",")
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        ap.error(f"unknown case(s) {unknown}; --list shows the names")
     head = (
         f"{'case':34} {'eplb.py':>8} {'fast':>8} {'default':>8} {'high':>8} {'bound':>7} {'prof':>7} | "
         f"{'fast ms':>8} {'def ms':>8} {'high ms':>8} {'work':>6}"

@@ -37,6 +37,8 @@ import eplb
 from eplb.bounds import profile_bound
 from eplb.place.replicate import replica_cap
 
+from .default_bench import select
+
 TOPK = 8
 # Tokens per chunk of the Gumbel top-k draw: keeps the [tokens, E] keys near 16 MB.
 _CHUNK = 1 << 14
@@ -205,13 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write the rows as JSON to this file")
     args = ap.parse_args(argv)
     table = cases(args.layers)
-    if args.list:
-        print("\n".join(table))
+    names = select(ap, table, args.shapes, args.list)
+    if names is None:
         return
-    names = list(table) if not args.shapes else args.shapes.split(",")
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        ap.error(f"unknown case(s) {unknown}; --list shows the names")
     head = (
         f"{'case':34} {'eplb.py':>8} {'fast':>8} {'default':>8} {'high':>8} {'bound':>7} {'prof':>7} "
         f"{'gap%':>6} {'room%':>6} {'cp lo':>7} {'cp hi':>7} {'def@cp':>7} | {'def ms':>7}"
