@@ -12,7 +12,8 @@ triggered re-plans need. A stateless call's worker is killed when the call's dea
 Workers are spawned (never forked from a process running gRPC) on first use and shared by every
 balancer of the process. They are not daemons, so a re-plan can plan its layers in processes of
 its own (``BalancerConfig.layer_workers``, ``eplb serve --layer-workers``), and they still die with
-the server: each exits when its pipe to the server closes, and the server kills them at exit.
+the server: each exits when its pipe to the server closes, and the server kills them, with the
+processes they started, at exit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import asyncio
 import atexit
 import multiprocessing
 import multiprocessing.util  # registers its exit hook before ours: ours runs first
+import os
+import signal
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -111,7 +114,12 @@ class _Slot:
 
     def kill(self) -> None:
         if self._proc is not None:
-            self._proc.kill()
+            # The worker leads its own process group (``_work``), which holds what it started:
+            # the layer workers of ``workers=`` and their forkserver would outlive it otherwise.
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # not yet its own group: itself only
+                self._proc.kill()
             self._proc.join()
             self._conn.close()
             self._proc = self._conn = None
@@ -123,7 +131,19 @@ def _work(conn: Connection, plugins: tuple[str, ...]) -> None:
     server loaded them already; see :mod:`.plugins`)."""
     from . import plugins as plugin_loader
 
+    # A group of its own, so that kill() takes every process a plan starts with it (and a
+    # terminal's Ctrl-C reaches only the server, which stops the workers itself).
+    os.setpgrp()
     plugin_loader.load(plugins)
+    try:
+        _serve(conn)
+    finally:
+        from eplb.workers import shutdown_pools
+
+        shutdown_pools()  # else this process's exit waits on the layer workers forever
+
+
+def _serve(conn: Connection) -> None:
     while True:
         try:
             job = conn.recv()
