@@ -194,7 +194,9 @@ def _read_token(path: Path) -> str:
 def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
     """``argv`` → the server's config, the log level and the log format.
 
-    A flag wins over its ``EPLB_*`` variable; a bad value of either exits 2 with one line naming it.
+    A flag wins over its ``EPLB_*`` variable; a variable set to nothing (or only whitespace) is
+    unset, as in a compose file's ``EPLB_PORT=``; a bad value of either exits 2 with one line
+    naming it.
     """
     ap = _Parser(prog="eplb serve", description="Run the eplb balancer service (gRPC, package eplb.v1).")
     for dest, (flag, env, default, convert, help_) in _OPTIONS.items():
@@ -210,7 +212,10 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
     for dest, (_, env, default, convert, _) in _OPTIONS.items():
         if getattr(args, dest) is not None:
             continue
-        raw = os.environ.get(f"EPLB_{env}", default)
+        raw = os.environ.get(f"EPLB_{env}")
+        # Empty means unset, for every variable alike (EPLB_PLUGINS= and EPLB_TOKEN= already did).
+        if raw is None or not raw.strip():
+            raw = default
         try:
             setattr(args, dest, None if raw is None else convert(raw))
         except argparse.ArgumentTypeError as exc:

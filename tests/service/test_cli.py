@@ -143,6 +143,19 @@ def test_a_bad_variable_is_one_line_naming_it(var, value, fragments):
     assert_one_line_error(run_serve(**{var: value}), *fragments)
 
 
+def test_an_empty_variable_is_unset(monkeypatch):
+    # A compose file's `EPLB_LAYER_WORKERS=` used to exit 2 as a bad number; now it is the default.
+    from eplb_service.cli import parse_args
+
+    for var in ("EPLB_PORT", "EPLB_LAYER_WORKERS", "EPLB_LEASE_SECONDS", "EPLB_LOG_LEVEL", "EPLB_METRICS_PORT"):
+        monkeypatch.setenv(var, " " if var.endswith("PORT") else "")
+    config, level, _ = parse_args([])
+    assert (config.port, config.metrics_port, level) == (50051, None, "INFO")
+    assert (config.balancer.layer_workers, config.balancer.lease_s) == (1, 10.0)
+    monkeypatch.setenv("EPLB_LAYER_WORKERS", "3")
+    assert parse_args([])[0].balancer.layer_workers == 3
+
+
 def test_a_flag_wins_over_a_bad_variable():
     # Only a value that is used is checked: --port given, EPLB_PORT is not read.
     port = free_port()
