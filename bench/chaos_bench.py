@@ -100,6 +100,9 @@ class ChaosResult:
     watchers_behind: int = 0
     serving_s: list[tuple[str, float]] = field(default_factory=list)
     tracebacks_in_logs: int = 0
+    # The last lines of each traceback in the replicas' logs (the exception and where it rose),
+    # so a run that saw one says what it was after its logs are deleted.
+    tracebacks: list[str] = field(default_factory=list)
     load_average: float = 0.0
     wall_s: float = 0.0
     failures: list[str] = field(default_factory=list)
@@ -361,8 +364,27 @@ class _Harness:
             res.failures.append(f"watchers saw {res.watcher_gaps} version gaps and {res.watcher_duplicates} duplicates")
         if res.watchers_behind:
             res.failures.append(f"{res.watchers_behind} watchers did not reach version {res.versions}")
-        for path in self.workdir.glob("replica*.log"):
-            res.tracebacks_in_logs += path.read_text(errors="replace").count("Traceback")
+        for path in sorted(self.workdir.glob("replica*.log")):
+            text = path.read_text(errors="replace")
+            res.tracebacks_in_logs += text.count("Traceback")
+            res.tracebacks += [f"{path.name}: {excerpt}" for excerpt in _traceback_excerpts(text)]
+
+
+def _traceback_excerpts(text: str, tail: int = 6) -> list[str]:
+    """Each traceback in ``text``: the log line before it and its last ``tail`` lines."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback"):
+            continue
+        end = i + 1
+        while end < len(lines) and (lines[end].startswith((" ", "\t")) or lines[end].startswith("During handling")):
+            end += 1
+        # The exception line ends the block: the first unindented line after the frames.
+        end = min(end + 1, len(lines))
+        head = lines[i - 1] if i else ""
+        out.append("\n".join([head, *lines[max(i, end - tail) : end]]))
+    return out
 
 
 def run_chaos(config: ChaosConfig, workdir: Path | None = None, log: Callable[[str], None] = print) -> ChaosResult:

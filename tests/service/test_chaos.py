@@ -25,4 +25,24 @@ def test_chaos_loses_no_report_and_skips_no_version(tmp_path):
     assert result.window_reports == result.reports_sent and result.resent_accepted == 0
     assert result.watcher_gaps == result.watcher_duplicates == result.watchers_behind == 0
     assert result.serving_s and max(s for _, s in result.serving_s) <= result.config.lease_s
-    assert result.tracebacks_in_logs == 0
+    assert result.tracebacks_in_logs == 0, "\n\n".join(result.tracebacks)
+
+
+def test_a_traceback_in_a_replica_log_is_quoted_with_its_exception():
+    from eplb_bench.chaos_bench import _traceback_excerpts
+
+    log = "\n".join(
+        [
+            "12:00:01 INFO eplb_service.trigger: re-plan of d1",
+            "12:00:02 ERROR eplb_service.trigger: re-plan of d1 failed",
+            "Traceback (most recent call last):",
+            '  File "trigger.py", line 10, in run',
+            "    plan()",
+            "ValueError: loads must be finite",
+            "12:00:03 INFO eplb_service.trigger: next",
+        ]
+    )
+    (excerpt,) = _traceback_excerpts(log)
+    assert excerpt.splitlines()[0].endswith("re-plan of d1 failed")
+    assert excerpt.splitlines()[-1] == "ValueError: loads must be finite"
+    assert "next" not in excerpt
