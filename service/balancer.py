@@ -56,6 +56,9 @@ class BalancerConfig:
     # Plugin modules whose policies deployments may name (service/plugins.py); installed
     # packages' eplb.policies entry points load as well.
     plugins: tuple[str, ...] = ()
+    # The server's largest gRPC message (--max-message-bytes): a deployment whose placement
+    # cannot be sent in one is refused on create (the server sets it from its own config).
+    max_message_bytes: int = 16 << 20
 
 
 class Balancer(Deployments, Ingest, Planner, Recovery):

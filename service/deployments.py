@@ -157,6 +157,7 @@ class Deployments:
             stats=pb.PlanStats(policy="initial", policy_used="initial"),
         )
         first.create_time.FromNanoseconds(int(now * 1e9))
+        _check_fits(first, self.config.max_message_bytes)
         await self.store.create(deployment, first)
         self._forget(deployment.name)  # a stale local copy of an earlier deployment of this name
         self._adopt(deployment)
@@ -293,3 +294,22 @@ class Deployments:
                 self.metrics.rollouts.labels(name, outcome).inc()
                 log.info("%s version %d: %s", name, request.version, what)
         return rollout.to_pb()
+
+
+# Room a published placement needs beyond version 1's message: its stats (notes, moves, bytes).
+_STATS_HEADROOM = 1024
+
+
+def _check_fits(first: pb.Placement, max_message_bytes: int) -> None:
+    """Refuses a deployment whose placements would not fit in one message of this server: every
+    GetPlacement and WatchPlacements answer would fail with RESOURCE_EXHAUSTED."""
+    size = first.ByteSize() + _STATS_HEADROOM
+    if size > max_message_bytes:
+        L, P = first.phy2log.shape
+        raise InvalidArgument(
+            FieldViolation(
+                "deployment.topology",
+                f"a placement of num_layers x num_slots ({L} x {P}) needs about {size} bytes per message, "
+                f"over this server's --max-message-bytes {max_message_bytes}",
+            )
+        )

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_REPORT_COUNT",
     "MAX_SLOTS",
     "MAX_WINDOW_BYTES",
+    "MIN_TRIGGER_INTERVAL_S",
     "REPLAN_WORKERS",
 ]
 
@@ -34,6 +35,11 @@ MAX_REPORT_COUNT = 1e12
 REPLAN_WORKERS = 2
 COMPUTE_WORKERS = 2
 COMPUTE_QUEUE = 4
+
+# A trigger interval shorter than this (other than 0, off) is refused on create: each re-plan
+# takes one of the REPLAN_WORKERS processes for up to half the interval (the Planning default),
+# so a deployment re-planning every microsecond would keep one busy for good.
+MIN_TRIGGER_INTERVAL_S = 1.0
 
 # policy "ilp" (CP-SAT per layer) costs far more than the others: a plan may take at most
 # ILP_MAX_SECONDS in all (less when the call's deadline is nearer), on one solver thread, and

@@ -23,7 +23,7 @@ import errno
 import logging
 import socket
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -164,7 +164,8 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         for service in ("", SERVICE_NAME):
             asyncio.ensure_future(health_servicer.set(service, status))
 
-    balancer = Balancer(store, metrics, config.balancer, on_health=on_health)
+    balancer_config = replace(config.balancer, max_message_bytes=config.max_message_bytes)
+    balancer = Balancer(store, metrics, balancer_config, on_health=on_health)
     # First, so it also counts (and maps) the calls auth refuses.
     calls = ErrorInterceptor(metrics)
     interceptors: list[grpc.aio.ServerInterceptor] = [calls]

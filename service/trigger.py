@@ -1,7 +1,7 @@
 """When to re-plan on our own (``due``), and whether a plan is published (``decide``).
 
-``decide`` is the one place for the publication rules: an empty window, the gain gate
-(``Trigger.min_gain_percent``) and the move budget (``Migration.max_moves``; the deprecated
+``decide`` is the one place for the publication rules: an empty window, a plan that moves
+nothing or gains nothing, the gain gate (``Trigger.min_gain_percent``) and the move budget (``Migration.max_moves``; the deprecated
 ``Trigger.max_moves`` where that is unset). The migration-aware policies also plan within the
 move budget (:mod:`.planner`), so for them the budget rule only refuses what the budget could
 not hold back; a forced Rebalance skips every rule.
@@ -46,6 +46,12 @@ def decide(spec: TriggerSpec, window_tokens: float, gain_percent: float, moves: 
         return None
     if window_tokens <= 0:
         return "the load window is empty"
+    # A plan equal to the one in service (no slot moves) would be a new version that changes
+    # nothing: every watcher woken, a rollout run, a real version pushed out of the kept 16.
+    if moves == 0:
+        return "the plan moves no slot: the placement in service stays"
+    if gain_percent <= 0 and spec.min_gain_percent <= 0:
+        return f"predicted gain {gain_percent:.2f}% is not above 0%"
     if gain_percent < spec.min_gain_percent:
         return f"predicted gain {gain_percent:.2f}% is below min_gain_percent {spec.min_gain_percent:g}%"
     if spec.max_moves and moves > spec.max_moves:

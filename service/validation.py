@@ -182,8 +182,14 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     if not out.HasField("switch_margin_steps"):
         out.switch_margin_steps = DEFAULT_SWITCH_MARGIN
     t = msg.trigger
-    if t.interval.ToNanoseconds() < 0:
-        violations.append(FieldViolation(f"{field}.trigger.interval", "must be >= 0"))
+    interval_ns = t.interval.ToNanoseconds()
+    if interval_ns < 0 or 0 < interval_ns < limits.MIN_TRIGGER_INTERVAL_S * 1e9:
+        violations.append(
+            FieldViolation(
+                f"{field}.trigger.interval",
+                f"{interval_ns / 1e9:g}s must be 0 (off) or at least {limits.MIN_TRIGGER_INTERVAL_S:g}s",
+            )
+        )
     if not (0.0 <= t.min_gain_percent <= 100.0):
         violations.append(
             FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]")

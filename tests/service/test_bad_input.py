@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
@@ -125,6 +126,11 @@ CREATE_CASES = [
     ("unknown policy", dict(policy="magic"), "deployment.policy"),
     ("bad name", dict(name="has space"), "deployment.name"),
     ("gain out of range", dict(trigger=pb.Trigger(min_gain_percent=150)), "deployment.trigger.min_gain_percent"),
+    (
+        "trigger interval under a second",
+        dict(trigger=pb.Trigger(interval=Duration(nanos=1000))),
+        "deployment.trigger.interval",
+    ),
     ("empty sliding window", dict(window=pb.Window(sliding=pb.SlidingWindow())), "deployment.window.sliding"),
     ("negative tolerance", dict(migration=pb.Migration(tolerance=-0.1)), "deployment.migration.tolerance"),
     (
@@ -224,6 +230,23 @@ async def test_oversize_message_is_resource_exhausted(serve, connect, prefix):
         await c.stub.ReportLoad(iter([big]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (await c.stub.ReportLoad(iter([logical(GOOD, seq=2)]))).accepted == 1
+
+
+async def test_a_deployment_whose_placement_cannot_be_sent_is_refused_on_create(serve, connect):
+    # It used to be stored, and then every GetPlacement and watch failed with RESOURCE_EXHAUSTED.
+    c = connect(await serve(max_message_bytes=8192), max_message_bytes=1 << 20)
+    big = small_deployment("big")
+    big.topology.CopyFrom(pb.Topology(num_layers=16, num_experts=64, num_slots=128, num_gpus=8))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=big))
+    assert info.value.code() == INVALID
+    ((field, why),) = status_details(info.value)
+    assert field == "deployment.topology" and "--max-message-bytes 8192" in why
+    assert not (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments
+    # One that fits is stored and readable.
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert got.placement.version == 1
 
 
 async def test_bad_token_is_unauthenticated(serve, connect, prefix):

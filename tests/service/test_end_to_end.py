@@ -144,3 +144,18 @@ async def test_delete_on_one_replica_leaves_no_keys(serve, connect, prefix):
     with pytest.raises(Exception) as info:
         await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
     assert "not found" in str(info.value)
+
+
+async def test_an_interval_trigger_publishes_once_while_the_load_stays_the_same(serve, connect):
+    # The reviewer's case: interval 1 s, default gate; it used to publish a version that moved
+    # nothing every second.
+    c = connect(await serve())
+    deployment = small_deployment()
+    deployment.trigger.interval.FromSeconds(1)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))
+    await EngineClient(c.channel, "d1", rank=0).report([skewed_loads(0)])
+    await asyncio.sleep(4.5)
+    got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
+    assert got.placement.version == 2 and got.placement.stats.moves > 0
+    dry = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
+    assert dry.placement.stats.moves == 0 and "moves no slot" in dry.reason

@@ -14,7 +14,17 @@ def test_decide_applies_the_rules_in_order_and_force_skips_them():
     assert "over the move budget max_moves 8" in decide(SPEC, 100.0, 6.0, 9, force=False)
     assert decide(SPEC, 100.0, 5.0, 8, force=False) is None
     assert decide(SPEC, 0.0, 0.0, 100, force=True) is None
-    assert decide(TriggerSpec(), 1.0, 0.0, 10**6, force=False) is None  # no gate, no budget
+    assert decide(TriggerSpec(), 1.0, 0.01, 10**6, force=False) is None  # no gate, no budget
+
+
+def test_a_plan_that_moves_nothing_or_gains_nothing_is_not_published():
+    # With the default gate (min_gain_percent 0) every interval used to publish a new version
+    # equal to the one in service.
+    assert "moves no slot" in decide(TriggerSpec(), 100.0, 0.0, 0, force=False)
+    assert "moves no slot" in decide(SPEC, 100.0, 50.0, 0, force=False)
+    assert "not above 0%" in decide(TriggerSpec(), 100.0, 0.0, 12, force=False)
+    assert "not above 0%" in decide(TriggerSpec(), 100.0, -0.5, 12, force=False)
+    assert decide(TriggerSpec(), 100.0, 0.0, 0, force=True) is None
 
 
 def test_due_by_interval_or_report_count():
