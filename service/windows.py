@@ -48,8 +48,11 @@ class WindowSpec:
 class SlidingWindow:
     """Sums ``[L, E]`` over the last ``duration_s`` and/or ``report_count`` reports.
 
-    Buckets expire whole, so the window covers between ``(buckets - 1) / buckets`` and all
-    of the configured span; memory is ``buckets + 1`` arrays.
+    Buckets expire whole and the window never reaches further back than the configured span:
+    a count window holds between ``report_count - ceil(report_count / buckets) + 1`` and
+    ``report_count`` of the last reports, a time window the buckets that began within the last
+    ``duration_s`` (with reports flowing, at least ``(buckets - 1) / buckets`` of it). Memory is
+    at most ``buckets + 1`` arrays.
     """
 
     def __init__(self, shape: tuple[int, int], spec: WindowSpec) -> None:
@@ -64,22 +67,31 @@ class SlidingWindow:
         """``counts``: float64 ``[L, E]``."""
         if not self._buckets or self._full(self._buckets[-1], now):
             self._buckets.append((now, 0, np.zeros(self.shape)))
-            self._expire(now)
         start, n, sums = self._buckets[-1]
         sums += counts
         self._buckets[-1] = (start, n + 1, sums)
+        # After the report is counted, so that a count window never holds more than its span.
+        self._expire(now)
 
     def _full(self, bucket: tuple[float, int, np.ndarray], now: float) -> bool:
         start, n, _ = bucket
         return now - start >= self._span_s or (self._span_n is not None and n >= self._span_n)
 
     def _expire(self, now: float) -> None:
-        while len(self._buckets) > self.spec.buckets + 1:
-            self._buckets.popleft()
+        buckets = self._buckets
         if self.spec.duration_s > 0:
-            # A bucket whose whole span is older than the window is gone.
-            while self._buckets and self._buckets[0][0] + self._span_s < now - self.spec.duration_s:
-                self._buckets.popleft()
+            # A bucket that began before the window did is gone (it used to stay until its
+            # whole span was older, so the window reached back up to one bucket further).
+            while buckets and buckets[0][0] < now - self.spec.duration_s:
+                buckets.popleft()
+        if self._span_n is not None:
+            # The newest buckets whose reports add up to at most report_count (the open one
+            # alone never exceeds it: it holds at most ceil(report_count / buckets)).
+            total = sum(n for _, n, _ in buckets)
+            while len(buckets) > 1 and total > self.spec.report_count:
+                total -= buckets.popleft()[1]
+        while len(buckets) > self.spec.buckets + 1:
+            buckets.popleft()
 
     def total(self, now: float) -> tuple[np.ndarray, int]:
         """float64 ``[L, E]`` sums in the window as of ``now``, and the reports behind them."""

@@ -26,8 +26,31 @@ def test_sliding_count_window_keeps_the_last_reports():
     for i in range(10):
         w.add(np.full(SHAPE, float(i)), now=float(i))
     sums, n = w.total(10.0)
-    # Buckets of 2 reports, 2 closed + 1 open kept: reports 4..9, between 4 and 6 of them.
-    assert n == 6 and sums[0, 0] == sum(range(4, 10))
+    # Buckets of 2 reports: the newest two, reports 6..9 (it used to keep three buckets, 6 reports).
+    assert n == 4 and sums[0, 0] == sum(range(6, 10))
+
+
+@pytest.mark.parametrize("report_count", [1, 2, 5, 9, 10, 11, 37])
+@pytest.mark.parametrize("buckets", [1, 2, 10])
+def test_a_count_window_never_holds_more_than_its_report_count(report_count, buckets):
+    # The reviewer's case: report_count 2, 5, 9 or 10 kept 11 reports, 11 kept 22.
+    w = make_window(SHAPE, WindowSpec(duration_s=0.0, report_count=report_count, buckets=buckets))
+    least = report_count - -(-report_count // buckets) + 1
+    for i in range(60):
+        w.add(np.full(SHAPE, float(i)), now=float(i))
+        sums, n = w.total(float(i))
+        assert min(i + 1, least) <= n <= report_count
+        # Always the newest reports.
+        assert sums[0, 0] == sum(range(i + 1 - n, i + 1))
+
+
+def test_a_time_window_never_reaches_back_further_than_its_duration():
+    w = make_window(SHAPE, WindowSpec(duration_s=10.0, buckets=10))
+    for t in range(100):
+        w.add(np.full(SHAPE, float(t)), now=float(t))
+        sums, n = w.total(t + 0.5)
+        # Reports at t-9 .. t: one bucket a second, each began within the last 10 s.
+        assert n == min(t + 1, 10) and sums[0, 0] == sum(range(max(0, t - 9), t + 1))
 
 
 def test_decay_window_halves_per_half_life():
