@@ -16,7 +16,16 @@ from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bou
 from .place.anytime import EFFORTS, PlanOptions
 from .placement import Placement
 from .plan import Plan, ReplanStats, SearchStats, SolverStats
-from .registry import PolicyResult, PolicySpec, get_policy, policies, rebalance, register_policy, unregister_policy
+from .registry import (
+    PolicyError,
+    PolicyResult,
+    PolicySpec,
+    get_policy,
+    policies,
+    rebalance,
+    register_policy,
+    unregister_policy,
+)
 from .replan.choose import Migration
 from .topology import Topology
 
@@ -24,6 +33,7 @@ __all__ = [
     "Topology",
     "Placement",
     "Plan",
+    "PolicyError",
     "PolicyResult",
     "PolicySpec",
     "PlanOptions",

@@ -26,6 +26,7 @@ from .replan.choose import Migration, choose
 from .topology import Topology
 
 __all__ = [
+    "PolicyError",
     "PolicyResult",
     "Policy",
     "PolicySpec",
@@ -35,6 +36,12 @@ __all__ = [
     "get_policy",
     "rebalance",
 ]
+
+
+class PolicyError(ValueError):
+    """A policy handed back something that is not a valid plan: the policy's fault, not the
+    caller's (the service answers ``INTERNAL``, not ``INVALID_ARGUMENT``). A ``ValueError``, so
+    code that catches those still does."""
 
 
 @dataclass(frozen=True)
@@ -179,11 +186,11 @@ def rebalance(
     start = time.perf_counter()
     result = spec.fn(arr, topology, opts)
     if not isinstance(result, PolicyResult):
-        raise ValueError(f"policy {policy!r} returned {type(result).__name__}, not a PolicyResult")
+        raise PolicyError(f"policy {policy!r} returned {type(result).__name__}, not a PolicyResult")
     try:
         fresh = Placement(result.phy2log, topology)
     except ValueError as exc:
-        raise ValueError(f"policy {policy!r} returned an invalid placement: {exc}") from None
+        raise PolicyError(f"policy {policy!r} returned an invalid placement: {exc}") from None
     phy2log, notes, replan = fresh.phy2log, result.notes, None
     if previous is not None and migration is not None:
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).

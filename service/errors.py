@@ -22,6 +22,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from eplb import PolicyError
+
 from .metrics import Metrics
 
 __all__ = [
@@ -113,6 +115,9 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
     """The rich status for ``exc``, or None when it is not ours to map (a bug: INTERNAL)."""
     if isinstance(exc, InvalidArgument):
         violations = exc.violations
+    elif isinstance(exc, PolicyError):
+        # A plugin policy's bad output is this server's fault, not the request's.
+        return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=str(exc))
     elif isinstance(exc, ValueError):
         # The core validates its inputs and raises ValueError naming the field and the rule.
         violations = [FieldViolation("request", str(exc))]

@@ -124,9 +124,9 @@ def test_a_policy_returning_something_else_is_named_in_the_error() -> None:
     eplb.register_policy("test-bare")(lambda loads, topology, options: np.zeros((3, 12), dtype=np.int32))
     eplb.register_policy("test-short")(lambda loads, topology, options: eplb.PolicyResult(np.zeros((3, 5)), "x"))
     try:
-        with pytest.raises(ValueError, match="policy 'test-bare' returned ndarray, not a PolicyResult"):
+        with pytest.raises(eplb.PolicyError, match="policy 'test-bare' returned ndarray, not a PolicyResult"):
             eplb.rebalance(np.ones((3, 8)), TOPO, "test-bare")
-        with pytest.raises(ValueError, match="policy 'test-short' returned an invalid placement"):
+        with pytest.raises(eplb.PolicyError, match="policy 'test-short' returned an invalid placement"):
             eplb.rebalance(np.ones((3, 8)), TOPO, "test-short")
     finally:
         eplb.unregister_policy("test-bare")

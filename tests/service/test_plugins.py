@@ -12,6 +12,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from svc_helpers import FAST
@@ -79,6 +80,37 @@ async def test_a_plugin_policy_plans_stateless_calls_and_deployments_in_the_work
     plan = await c.stub.Rebalance(pb.RebalanceRequest(deployment="rot", force=True), timeout=30)
     assert plan.published
     assert np.array_equal(np.frombuffer(plan.placement.phy2log.data, "<i4").reshape(4, 24), rotated(topo))
+
+
+BROKEN = """
+import numpy as np, eplb
+
+
+@eplb.register_policy("{name}")
+def broken(loads, topology, options):
+    return eplb.PolicyResult(np.zeros((topology.num_layers, 3), dtype=np.int32), "{name}")
+"""
+
+
+async def test_a_plugin_policy_returning_a_bad_placement_is_internal_not_the_callers_fault(
+    serve, connect, tmp_path, monkeypatch
+):
+    # It used to answer INVALID_ARGUMENT on "request", blaming a valid request.
+    tag = uuid.uuid4().hex[:8]
+    module, name = f"eplb_test_broken_{tag}", f"broken-{tag}"
+    (tmp_path / f"{module}.py").write_text(BROKEN.format(name=name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        c = connect(await serve(balancer=replace(FAST, plugins=(module,))))
+        wire = pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8)
+        counts = np.ones((4, 16), dtype=np.int32)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.ComputePlacement(pb.ComputePlacementRequest(topology=wire, policy=name, loads=encode(counts)))
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert f"policy {name!r} returned an invalid placement" in info.value.details()
+    finally:
+        if name in eplb.policies():
+            eplb.unregister_policy(name)
 
 
 def test_a_plugin_that_fails_to_import_is_named():
