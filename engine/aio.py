@@ -136,15 +136,20 @@ class AsyncServiceClient:
         return await self.call("Rebalance", pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force))
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
-        """Whether the current address answers the gRPC health check as SERVING."""
-        self.stub()
-        try:
-            response = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        """As ``ServiceClient.healthy``: the current address first, then each other in turn;
+        the first SERVING one becomes the current address."""
+        for _ in range(len(self.addresses)):
+            stub = self.stub()
+            try:
+                response = await health_pb2_grpc.HealthStub(self._channel).Check(
+                    health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=timeout_s
+                )
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            await self.failover(stub)
+        return False
 
     async def watch(
         self, deployment: str, since_version: int = 0, topology: eplb.Topology | None = None

@@ -293,8 +293,15 @@ class ServiceClient:
         self.call("DeleteDeployment", pb.DeleteDeploymentRequest(name=name))
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
-        """Whether the current address answers the gRPC health check as SERVING."""
-        return wire.check_health(self.endpoints.channel(), timeout_s)
+        """Whether a replica answers the gRPC health check as SERVING: the current address
+        first, then each other in turn (``timeout_s`` each); the first that does becomes the
+        current address, as after a failover."""
+        for _ in range(len(self.endpoints.addresses)):
+            stub = self.endpoints.stub()
+            if wire.check_health(self.endpoints.channel(), timeout_s):
+                return True
+            self.endpoints.failover(stub)
+        return False
 
     def close(self) -> None:
         if self._owned:

@@ -28,6 +28,9 @@ __all__ = ["PlacementWatcher"]
 
 log = logging.getLogger(__name__)
 
+# The service refused the caller's credentials: the same token would be refused again.
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
 
 class PlacementWatcher:
     """Calls ``callback(PublishedPlacement)`` for each new version of ``deployment``.
@@ -35,6 +38,10 @@ class PlacementWatcher:
     ``since_version``: versions up to it are not delivered (0: the current one first). The
     callback runs on the watcher's thread; keep it short (hand the placement to the engine's
     step loop, e.g. ``Rollout.offer``). ``version`` is the last version handed on.
+
+    A token the service refuses (``UNAUTHENTICATED``, ``PERMISSION_DENIED``) will not get
+    better by retrying: the watcher stops, logs it once and keeps it in ``last_error``, and
+    ``gave_up`` is True. Any other failure is retried (a missing deployment may be created).
     """
 
     def __init__(
@@ -62,6 +69,7 @@ class PlacementWatcher:
         self.failed = 0
         self.reconnects = 0
         self.last_error = ""
+        self.gave_up = False
         self._stop = threading.Event()
         self._changed = threading.Condition()
         self._call: grpc.Future | None = None
@@ -73,9 +81,12 @@ class PlacementWatcher:
         self._thread.start()
 
     def wait_for(self, version: int, timeout_s: float = 10.0) -> bool:
-        """Waits until a version >= ``version`` was handed on; False on timeout."""
+        """Waits until a version >= ``version`` was handed on; False on timeout (at once if the
+        watcher gave up)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self.version >= version, timeout_s)
+            return self._changed.wait_for(lambda: self.version >= version or self.gave_up, timeout_s) and (
+                self.version >= version
+            )
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -115,6 +126,12 @@ class PlacementWatcher:
                 self.last_error = f"{exc.code().name}: {exc.details()}"
                 if exc.code() in TRANSIENT:
                     self.endpoints.failover(stub)
+                elif exc.code() in _REFUSED:
+                    log.error("watching %s: %s; not retrying with this token", self.deployment, self.last_error)
+                    self.gave_up = True
+                    with self._changed:
+                        self._changed.notify_all()
+                    return
                 else:
                     # Not the network's fault (deployment missing, auth): retry, keep saying why.
                     log.warning("watching %s: %s", self.deployment, self.last_error)

@@ -125,7 +125,7 @@ def deployment_pb(
     topology: eplb.Topology,
     *,
     policy: str = "auto",
-    window_s: float | None = 600.0,
+    window_s: float | None = None,
     half_life_s: float | None = None,
     interval_s: float = 0.0,
     report_count: int = 0,
@@ -136,11 +136,15 @@ def deployment_pb(
     expert_bytes: int = 0,
 ) -> pb.Deployment:
     """A ``Deployment`` message for ``topology``: a sliding window of ``window_s`` seconds (or
-    exponential decay with ``half_life_s``), re-planned every ``interval_s`` seconds and/or every
+    exponential decay with ``half_life_s``; neither: the service's default, sliding 10 minutes;
+    both: ``ValueError``), re-planned every ``interval_s`` seconds and/or every
     ``report_count`` reports, published when the gain is at least ``min_gain_percent``."""
     msg = pb.Deployment(
         name=name, topology=topology_to_pb(topology), policy=policy, ranks=list(ranks), expert_bytes=expert_bytes
     )
+    if half_life_s is not None and window_s is not None:
+        # Both named: a caller who meant a sliding window silently got a decay one.
+        raise ValueError(f"give window_s ({window_s}) or half_life_s ({half_life_s}), not both")
     if half_life_s is not None:
         msg.window.decay.half_life.FromNanoseconds(int(half_life_s * 1e9))
     elif window_s is not None:

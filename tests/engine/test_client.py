@@ -211,3 +211,36 @@ def test_watcher_reports_a_failed_callback_and_goes_on(server):
             client.rebalance("d1", force=True)
             assert watcher.wait_for(3)
     assert watcher.failed == 1 and watcher.delivered == 3
+
+
+def test_watcher_with_a_refused_token_gives_up_and_says_why():
+    # It used to retry UNAUTHENTICATED forever, a warning every few hundred ms.
+    s = ServerThread(token="right").start()
+    try:
+        with ServiceClient(s.address, token="right") as client:
+            client.create_deployment("d1", TOPO)
+        start = time.monotonic()
+        with PlacementWatcher(s.address, "d1", lambda p: None, token="wrong", rank=0) as watcher:
+            assert watcher.wait_for(1, timeout_s=10) is False
+            assert time.monotonic() - start < 5
+            assert watcher.gave_up and watcher.last_error.startswith("UNAUTHENTICATED")
+            assert watcher.reconnects == 0 and not watcher._thread.is_alive()
+    finally:
+        s.stop()
+
+
+def test_healthy_tries_every_address_and_keeps_the_one_that_answers(server):
+    dead = f"127.0.0.1:{free_port()}"
+    with ServiceClient(f"{dead},{server.address}") as client:
+        assert client.endpoints.address == dead
+        assert client.healthy(timeout_s=1.0)
+        assert client.endpoints.address == server.address
+    with ServiceClient(f"{dead},127.0.0.1:{free_port()}") as client:
+        assert not client.healthy(timeout_s=0.5)
+
+
+def test_a_sliding_and_a_decay_window_at_once_is_refused():
+    with pytest.raises(ValueError, match="window_s .* or half_life_s .*, not both"):
+        wire.deployment_pb("d1", TOPO, window_s=60, half_life_s=30)
+    assert wire.deployment_pb("d1", TOPO, half_life_s=30).window.HasField("decay")
+    assert not wire.deployment_pb("d1", TOPO).HasField("window")  # the service's default
