@@ -24,6 +24,7 @@ import multiprocessing
 import multiprocessing.util  # registers its exit hook before ours: ours runs first
 import os
 import signal
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -112,8 +113,14 @@ class _Slot:
         conn.send(job)
         return loop.run_in_executor(None, _answer, conn)
 
-    def kill(self) -> None:
+    def kill(self, wait_s: float = 0.0) -> None:
+        """Kills the worker and what it started; with ``wait_s``, an idle worker first gets that
+        long to exit by itself (it reads the pipe's end, shuts its layer pools down and exits),
+        so that their semaphores are released rather than reported leaked at the server's exit."""
         if self._proc is not None:
+            if wait_s > 0:
+                self._conn.close()
+                self._proc.join(wait_s)
             # The worker leads its own process group (``_work``), which holds what it started:
             # the layer workers of ``workers=`` and their forkserver would outlive it otherwise.
             try:
@@ -216,12 +223,21 @@ class _Slots:
 _SLOTS: dict[tuple[str, int, tuple[str, ...]], _Slots] = {}
 
 
+# How long the server's exit waits for idle workers to leave by themselves before killing them.
+_EXIT_WAIT_S = 2.0
+
+
 @atexit.register
 def _stop_workers() -> None:
     # Before multiprocessing's own exit hook, which joins non-daemon children: an idle worker
-    # waits on its pipe, a busy one may plan for seconds.
-    for slot in list(_ALL):
-        slot.kill()
+    # waits on its pipe, a busy one may plan for seconds. Every pipe is closed first, so the
+    # idle workers leave together; a busy one is killed when the wait is up.
+    slots = [slot for slot in list(_ALL) if slot._proc is not None]
+    for slot in slots:
+        slot._conn.close()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for slot in slots:
+        slot.kill(wait_s=max(0.01, deadline - time.monotonic()))
 
 
 def _slots(kind: str, n: int, plugins: tuple[str, ...] = ()) -> _Slots:
