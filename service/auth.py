@@ -37,7 +37,7 @@ def _deny(method: str) -> grpc.RpcMethodHandler:
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         # One refusal handler per existing method: the set stays as small as the service.
         self._deny: dict[str, grpc.RpcMethodHandler] = {}
 
@@ -50,7 +50,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         got = dict(details.invocation_metadata or ()).get("authorization", "")
         got_bytes = got.encode() if isinstance(got, str) else bytes(got)
-        if hmac.compare_digest(got_bytes, self._expected):
+        # The scheme is case-insensitive (RFC 7235: "bearer" is "Bearer"); the token is not.
+        scheme, _, credentials = got_bytes.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials, self._expected):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:  # no such method: UNIMPLEMENTED, as without auth

@@ -260,6 +260,8 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
 
 def _listening_line(fmt: str, host: str, port: int) -> str:
     """The stdout line that says the server is up (scripts read the port from it), in ``fmt``."""
+    if ":" in host:  # IPv6: brackets, as in a URL, so the port is not read as part of it
+        host = f"[{host}]"
     if fmt == "plain":
         return f"eplb serve: listening on {host}:{port}"
     record = logging.getLogger(__name__).makeRecord(
@@ -293,6 +295,15 @@ def main(argv: list[str]) -> int:
     try:
         asyncio.run(_serve(config, fmt))
     except StartError as exc:
-        print(f"eplb serve: error: --{exc.field.replace('_', '-')}: {exc}", file=sys.stderr)
+        print(f"eplb serve: error: {_source(exc.field, argv)}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _source(field: str, argv: list[str]) -> str:
+    """Where the value of ServerConfig ``field`` came from: its flag, or its ``EPLB_*`` variable
+    when the flag was not given (a bad EPLB_HOST used to be reported as --host)."""
+    flag = f"--{field.replace('_', '-')}"
+    env = next((f"EPLB_{e}" for d, (fl, e, *_) in _OPTIONS.items() if fl == flag), None)
+    given = any(a == flag or a.startswith(flag + "=") for a in argv)
+    return env if env and not given and os.environ.get(env, "").strip() else flag

@@ -262,6 +262,15 @@ async def test_bad_token_is_unauthenticated(serve, connect, prefix):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     resp = await good.stub.ReportLoad(iter([logical(GOOD, seq=1)]), metadata=good.metadata)
     assert (resp.accepted, resp.duplicates) == (1, 0)  # the rejected reports left no trace
+    # The scheme is case-insensitive (RFC 7235), the token is not.
+    for header, code in (("bearer s3cret", None), ("BEARER s3cret", None), ("Bearer S3CRET", "x"), ("s3cret", "x")):
+        call = good.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"), metadata=(("authorization", header),))
+        if code is None:
+            assert (await call).placement.version == 1
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 LIMIT_CASES = [

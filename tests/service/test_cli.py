@@ -156,6 +156,14 @@ def test_an_empty_variable_is_unset(monkeypatch):
     assert parse_args([])[0].balancer.layer_workers == 3
 
 
+def test_a_variable_that_fails_at_start_is_named_as_the_variable():
+    # An address that does not resolve is found only when binding: it used to say --host.
+    out = run_serve("--port", "0", EPLB_HOST="no-such-host.invalid")
+    assert_one_line_error(out, "EPLB_HOST", "cannot resolve")
+    assert "--host" not in out.stderr
+    assert_one_line_error(run_serve("--port", "0", "--host", "no-such-host.invalid"), "--host", "cannot resolve")
+
+
 def test_a_flag_wins_over_a_bad_variable():
     # Only a value that is used is checked: --port given, EPLB_PORT is not read.
     port = free_port()
@@ -191,6 +199,6 @@ def test_json_log_format_writes_json_to_stdout_too():
 def test_an_ipv6_host_serves():
     # "::" used to reach gRPC as ":::50051", a malformed name: docs/service.md offers it for all hosts.
     with serving("--host", "::", "--port", "0") as (_, line):
-        assert line.startswith("eplb serve: listening on :::"), line
+        assert line.startswith("eplb serve: listening on [::]:"), line
         port = int(line.rsplit(":", 1)[1])
         assert health_status(port) == health_pb2.HealthCheckResponse.SERVING  # via 127.0.0.1, dual stack
