@@ -20,6 +20,7 @@ from eplb.topology import Topology
 from eplb.transfer import transfer_plan, transfer_schedule
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
+from . import extras
 from . import io as eio
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
@@ -127,6 +128,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _place(args: argparse.Namespace) -> int:
     _check_flags(args)
+    if args.policy == "ilp":
+        # Found out now, not after reading the trace and at the first layer's solve.
+        try:
+            extras.require("ortools.sat.python.cp_model")
+        except ImportError as exc:
+            raise ValueError(extras.missing("--policy ilp", "ilp", exc)) from None
     out, fmt = _output(args)
     planning = _planning(args)
     # The placement on stdout keeps stdout clean for a pipe; the report goes to stderr then.
@@ -494,15 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from eplb_service.cli import main as serve_main
         except ImportError as exc:
-            print(
-                f"eplb serve: error: the service needs the service extra (missing: {exc.name}); "
-                "install it with: pip install 'eplb[service]'",
-                file=sys.stderr,
-            )
+            print(f"eplb serve: error: {extras.missing('the service', 'service', exc)}", file=sys.stderr)
             return 2
         return serve_main(rest)
     if args.command == "demo":
-        # Imported here: the demo needs the service and engine extras (torch).
+        # The demo checks its extras (service, engine, torch) itself, after parsing its flags.
         from .demo import main as demo_main
 
         return demo_main(rest)
@@ -513,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly
     except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
+        print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # a plugin policy's own dependency (ilp's is checked up front)
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -28,21 +28,32 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
-from tqdm import tqdm
 
 import eplb
 from eplb.simulate import simulate_steps
 from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
+from . import extras
 from . import io as eio
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
+try:
+    from tqdm import tqdm
+except ImportError:  # the bench extra: without it no progress bars, as in eplb place
+
+    def tqdm(iterable: Iterable[T], **_: object) -> Iterable[T]:
+        return iterable
+
+
 OUR_POLICIES = ("global", "hierarchical", "auto")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -560,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = _settings(args)
+        if args.plots:
+            try:
+                extras.require("matplotlib")
+            except ImportError as exc:
+                raise ValueError(extras.missing("--plots", "bench", exc)) from None
         # Checked before the run, which takes minutes, rather than after it.
         if args.json and not Path(args.json).parent.is_dir():
             raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")

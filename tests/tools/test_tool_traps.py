@@ -400,15 +400,6 @@ def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
     assert not out.exists()
 
 
-def test_serve_without_the_service_extra_says_what_to_install(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "eplb_service.cli", None)  # what a missing package looks like to import
-    assert cli.main(["serve"]) == 2
-    assert (
-        "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'"
-        in capsys.readouterr().err
-    )
-
-
 def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the bench extra not installed
     flags = ["--layers", "1", "--experts", "4", "--slots", "4", "--gpus", "2", "--synthetic", "zipf-1.0"]
