@@ -173,15 +173,7 @@ def _place(args: argparse.Namespace) -> int:
         )
     if args.expert_bytes is not None and not args.previous:
         raise ValueError("--expert-bytes sizes the copies from --previous PLACEMENT: give it too")
-    previous = None
-    if args.previous:
-        prev = eio.read_phy2log(args.previous)
-        if prev.shape != (topo.num_layers, topo.num_slots):
-            raise ValueError(
-                f"{args.previous}: the placement is {list(prev.shape)} (layers x slots) but the topology "
-                f"needs [{topo.num_layers}, {topo.num_slots}]"
-            )
-        previous = eplb.Placement(prev, topo)
+    previous = _read_previous(args.previous, topo) if args.previous else None
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     show = args.progress or sys.stderr.isatty()
@@ -268,6 +260,36 @@ def _place(args: argparse.Namespace) -> int:
         kind = eio.write_placement(out, plan.placement, fmt, stats=stats, loads=loads)
         say(f"wrote {kind} placement to {out}")
     return 0
+
+
+def _count(value: int, plural: str) -> str:
+    return f"{value} {plural if value != 1 else plural[:-1]}"
+
+
+def _read_previous(path: str, topo: Topology) -> eplb.Placement:
+    """The ``--previous`` placement on ``topo``. A native or listing file records the topology
+    it was planned for: re-planning it under other flags would reuse its slots on gpus they
+    were never on, so a mismatch is refused, naming both. Engine formats and a bare ``.npy``
+    record only the map, whose shape is checked."""
+    p = Path(path)
+    recorded = None
+    if p.suffix.lower() != ".npy" and p.is_file() and eio.placement_format_of(p) in ("native", "listing"):
+        recorded = eio.read_placement(p).topology
+    if recorded is not None and recorded != topo:
+        differ = [n for n in _TOPO_ARGS if getattr(recorded, f"num_{n}") != getattr(topo, f"num_{n}")]
+        had = ", ".join(_count(getattr(recorded, f"num_{n}"), n) for n in differ)
+        want = ", ".join(_count(getattr(topo, f"num_{n}"), n) for n in differ)
+        raise ValueError(
+            f"--previous {path}: the placement was planned for {had} but the flags give {want}; "
+            f"re-plan with the topology in service ({', '.join('--' + n for n in differ)}) or plan afresh without --previous"
+        )
+    prev = eio.read_phy2log(path)
+    if prev.shape != (topo.num_layers, topo.num_slots):
+        raise ValueError(
+            f"{path}: the placement is {list(prev.shape)} (layers x slots) but the topology "
+            f"needs [{topo.num_layers}, {topo.num_slots}]"
+        )
+    return eplb.Placement(prev, topo)
 
 
 @contextmanager

@@ -408,3 +408,19 @@ def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys
     assert "policy ilp -> ilp" in captured.out and "planning" not in captured.err
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
     assert "planning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".json", ".txt"])
+def test_previous_planned_for_another_topology_is_refused(tmp_path, capsys, suffix):
+    # Native and listing files record their topology: a re-plan under other flags is refused.
+    flags = ["--synthetic", "zipf-1.0", "--layers", "4", "--experts", "32", "--slots", "64"]
+    p0 = tmp_path / f"p0{suffix}"
+    assert cli.main(["place", *flags, "--gpus", "32", "--out", str(p0)]) == 0
+    capsys.readouterr()
+    assert cli.main(["place", *flags, "--gpus", "16", "--nodes", "2", "--previous", str(p0)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"eplb place: error: --previous {p0}: the placement was planned for 32 gpus, 1 node but the flags give "
+        "16 gpus, 2 nodes; re-plan with the topology in service (--gpus, --nodes) or plan afresh without --previous\n"
+    )
+    assert cli.main(["place", *flags, "--gpus", "32", "--previous", str(p0)]) == 0
