@@ -137,12 +137,19 @@ def _load_torch(path: Path) -> object:
 
 
 def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | None = None) -> traces.LoadTrace:
-    """Read a load trace. ``phy2log [L, P]`` maps a vLLM window without its own
-    ``physical_to_logical`` array."""
+    """Read a load trace. ``phy2log [L, P]`` (``--recorded-under``) maps a vLLM window without
+    its own ``physical_to_logical`` array. It is refused where it cannot apply (a trace of
+    logical counts) and where the archive's own map says otherwise: the archive records what
+    the window was recorded under, and silently preferring either would plan on wrong counts."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such trace file")
     kind = trace_format_of(path, fmt)
+    if phy2log is not None and kind != "vllm":
+        raise ValueError(
+            f"{path}: --recorded-under maps a vLLM window of physical counts (.npz with window or "
+            f"expert_load_window); this is a {kind} trace of logical (per-expert) counts: drop --recorded-under"
+        )
     if kind == "native":
         doc = _read_json(path)
         return _in_file(path, lambda: traces.from_native(doc))
@@ -165,7 +172,14 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
             raise ValueError(
                 f"{path}: field 'window': missing; expected [W, layers, slots] physical counts named window or expert_load_window"
             )
-        p2l = next((arrays[k] for k in _MAP_KEYS if k in arrays), phy2log)
+        own = next((arrays[k] for k in _MAP_KEYS if k in arrays), None)
+        if own is not None and phy2log is not None and not np.array_equal(own, phy2log):
+            raise ValueError(
+                f"{path}: the archive has its own physical_to_logical {list(np.shape(own))}, which differs from "
+                f"--recorded-under {list(np.shape(phy2log))}; the archive's is the one its window was recorded "
+                "under: drop --recorded-under"
+            )
+        p2l = own if own is not None else phy2log
         if p2l is None:
             raise ValueError(
                 f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under (--recorded-under)"

@@ -424,3 +424,27 @@ def test_previous_planned_for_another_topology_is_refused(tmp_path, capsys, suff
         "16 gpus, 2 nodes; re-plan with the topology in service (--gpus, --nodes) or plan afresh without --previous\n"
     )
     assert cli.main(["place", *flags, "--gpus", "32", "--previous", str(p0)]) == 0
+
+
+def test_recorded_under_is_refused_where_it_does_not_apply(tmp_path, capsys):
+    topo = SCALES["small"]
+    loads = make_loads("zipf-1.0", topo)
+    plan = eplb.rebalance(loads, topo, "global").placement
+    np.save(tmp_path / "map.npy", plan.phy2log)
+    other = eplb.Placement.contiguous(topo).phy2log
+    flags = ["--recorded-under", str(tmp_path / "map.npy"), *SMALL_TOPO]
+    # Logical traces: nothing to map.
+    np.save(tmp_path / "t.npy", loads)
+    (tmp_path / "t.json").write_text(json.dumps({"counts": loads.tolist()}))
+    for name, kind in (("t.npy", "npy"), ("t.json", "json")):
+        assert cli.main(["place", str(tmp_path / name), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name}: --recorded-under maps a vLLM window of physical counts" in err
+        assert f"this is a {kind} trace of logical (per-expert) counts: drop --recorded-under" in err
+    # A vLLM archive with its own map: one that disagrees is refused, the same one is fine.
+    phys = np.take_along_axis(loads / plan.logcnt, plan.phy2log, axis=1)[None]
+    np.savez(tmp_path / "w.npz", expert_load_window=phys, physical_to_logical=other)
+    assert cli.main(["place", str(tmp_path / "w.npz"), *flags]) == 2
+    assert "w.npz: the archive has its own physical_to_logical" in capsys.readouterr().err
+    np.savez(tmp_path / "w.npz", expert_load_window=phys, physical_to_logical=plan.phy2log)
+    assert cli.main(["place", str(tmp_path / "w.npz"), *flags]) == 0
