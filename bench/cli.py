@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import eplb
+from eplb.loads import check_loads
 from eplb.topology import Topology
 from eplb.transfer import transfer_plan, transfer_schedule
 from eplb.workloads import SCALES, WORKLOADS, make_loads
@@ -108,8 +110,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     for name, (what, op, limit) in _NUMBERS.items():
         value = getattr(args, name)
-        if value is not None and not (value >= limit if op == ">=" else value > limit):
-            raise ValueError(f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}")
+        if value is not None and not (math.isfinite(value) and (value >= limit if op == ">=" else value > limit)):
+            # inf passes the comparison but means nothing here (and nan fails it): both named.
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}"
+                + ("" if math.isfinite(value) else " (not a finite number)")
+            )
     unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
     given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
     if given:
@@ -142,7 +148,14 @@ def _place(args: argparse.Namespace) -> int:
         phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
         trace = eio.read_trace(args.trace, args.trace_format, phy2log)
         topo = _topology(args, trace.num_layers, trace.num_experts)
-        loads = trace.window(last=args.window, half_life=args.half_life)
+        if args.window is not None and args.window > trace.num_steps:
+            raise ValueError(
+                f"--window must be between 1 and the trace's {_count(trace.num_steps, 'steps')}, got {args.window}"
+            )
+        # Counts near float64's max overflow in the sum; check_loads below names that, without
+        # numpy's RuntimeWarning first.
+        with np.errstate(over="ignore", invalid="ignore"):
+            loads = trace.window(last=args.window, half_life=args.half_life)
         if args.window:
             source = f"trace {args.trace}: last {args.window} of {trace.num_steps} steps"
         elif args.half_life:
@@ -174,6 +187,10 @@ def _place(args: argparse.Namespace) -> int:
     if args.expert_bytes is not None and not args.previous:
         raise ValueError("--expert-bytes sizes the copies from --previous PLACEMENT: give it too")
     previous = _read_previous(args.previous, topo) if args.previous else None
+    with np.errstate(over="ignore", invalid="ignore"):
+        # rebalance checks the loads too; here so the error comes before the figures below,
+        # which would overflow (with numpy's warning) on loads too large to plan.
+        check_loads(loads, topo)
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     show = args.progress or sys.stderr.isatty()
@@ -368,6 +385,19 @@ def _takes(policy: str, option: str) -> bool:
     return option in eplb.get_policy(policy).option_names()
 
 
+# The order flags are named in: as --help lists them.
+_FLAG_ORDER = (
+    "tolerance",
+    "layer_tolerance",
+    "max_moves",
+    "max_layer_moves",
+    "effort",
+    "work_budget",
+    "time_limit",
+    "workers",
+)
+
+
 def _planning(args: argparse.Namespace) -> dict:
     """The planning options of ``eplb place`` as ``rebalance`` options for ``args.policy``."""
     given = {
@@ -377,14 +407,24 @@ def _planning(args: argparse.Namespace) -> dict:
         "workers": args.workers,
     }
     given = {k: v for k, v in given.items() if v is not None}
+    # The re-plan bounds go to rebalance separately but are the policy's options too: checked
+    # here so the error names the flag, not the library's option.
+    bounds = [
+        k for k in ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves") if getattr(args, k) is not None
+    ]
     # The registry says which policy takes which option.
-    extra = sorted(k for k in given if not _takes(args.policy, k))
+    extra = sorted((k for k in [*given, *bounds] if not _takes(args.policy, k)), key=_FLAG_ORDER.index)
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        one = len(extra) == 1
         takers = [p for p in eplb.policies() if all(_takes(p, k) for k in extra)]
         raise ValueError(
-            f"{flags} do(es) not apply to --policy {args.policy}; "
-            + (f"they apply to {', '.join(takers)}" if takers else "no policy takes them all")
+            f"{flags} {'does' if one else 'do'} not apply to --policy {args.policy}; "
+            + (
+                f"{'it applies' if one else 'they apply'} to {', '.join(takers)}"
+                if takers
+                else "no policy takes them all"
+            )
         )
     if args.policy == "ilp" and "time_limit" in given:
         # One limit over all layers; a layer may use all of what is left to it.

@@ -488,10 +488,13 @@ def write_plot(summary: dict, directory: Path) -> Path:
 
 def _unwritable(flag: str, path: Path, *, file: bool = False) -> str:
     """What stops the demo writing ``path`` (a directory, or with ``file`` a file), "" if nothing:
-    creates the directory (the file's parent) and writes a scratch file in it."""
+    creates a missing directory (not a file's missing parent) and writes a scratch file in it."""
     directory = path.parent if file else path
     if file and path.is_dir():
         return f"{flag} {path}: is a directory; give a file path"
+    if file and not directory.is_dir():
+        # As eplb place --out and eplb-bench --json: a mistyped directory is not made.
+        return f"{flag} {path}: directory {directory} does not exist"
     if not file and path.exists() and not path.is_dir():
         return f"{flag} {path}: is a file; give a directory"
     try:
@@ -549,7 +552,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots:
         print(f"wrote {write_plot(summary, args.plots)}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))
         print(f"wrote {args.json}")
     return 0 if summary["misrouted_dispatches"] == 0 and summary["checksum_mismatches"] == 0 else 1
