@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import signal
 import sys
@@ -16,10 +17,12 @@ from pathlib import Path
 import numpy as np
 
 import eplb
+from eplb.loads import check_loads
 from eplb.topology import Topology
 from eplb.transfer import transfer_plan, transfer_schedule
 from eplb.workloads import SCALES, WORKLOADS, make_loads
 
+from . import extras
 from . import io as eio
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
@@ -107,8 +110,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     for name, (what, op, limit) in _NUMBERS.items():
         value = getattr(args, name)
-        if value is not None and not (value >= limit if op == ">=" else value > limit):
-            raise ValueError(f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}")
+        if value is not None and not (math.isfinite(value) and (value >= limit if op == ">=" else value > limit)):
+            # inf passes the comparison but means nothing here (and nan fails it): both named.
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}"
+                + ("" if math.isfinite(value) else " (not a finite number)")
+            )
     unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
     given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
     if given:
@@ -127,6 +134,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _place(args: argparse.Namespace) -> int:
     _check_flags(args)
+    if args.policy == "ilp":
+        # Found out now, not after reading the trace and at the first layer's solve.
+        try:
+            extras.require("ortools.sat.python.cp_model")
+        except ImportError as exc:
+            raise ValueError(extras.missing("--policy ilp", "ilp", exc)) from None
     out, fmt = _output(args)
     planning = _planning(args)
     # The placement on stdout keeps stdout clean for a pipe; the report goes to stderr then.
@@ -135,7 +148,14 @@ def _place(args: argparse.Namespace) -> int:
         phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
         trace = eio.read_trace(args.trace, args.trace_format, phy2log)
         topo = _topology(args, trace.num_layers, trace.num_experts)
-        loads = trace.window(last=args.window, half_life=args.half_life)
+        if args.window is not None and args.window > trace.num_steps:
+            raise ValueError(
+                f"--window must be between 1 and the trace's {_count(trace.num_steps, 'steps')}, got {args.window}"
+            )
+        # Counts near float64's max overflow in the sum; check_loads below names that, without
+        # numpy's RuntimeWarning first.
+        with np.errstate(over="ignore", invalid="ignore"):
+            loads = trace.window(last=args.window, half_life=args.half_life)
         if args.window:
             source = f"trace {args.trace}: last {args.window} of {trace.num_steps} steps"
         elif args.half_life:
@@ -166,15 +186,11 @@ def _place(args: argparse.Namespace) -> int:
         )
     if args.expert_bytes is not None and not args.previous:
         raise ValueError("--expert-bytes sizes the copies from --previous PLACEMENT: give it too")
-    previous = None
-    if args.previous:
-        prev = eio.read_phy2log(args.previous)
-        if prev.shape != (topo.num_layers, topo.num_slots):
-            raise ValueError(
-                f"{args.previous}: the placement is {list(prev.shape)} (layers x slots) but the topology "
-                f"needs [{topo.num_layers}, {topo.num_slots}]"
-            )
-        previous = eplb.Placement(prev, topo)
+    previous = _read_previous(args.previous, topo) if args.previous else None
+    with np.errstate(over="ignore", invalid="ignore"):
+        # rebalance checks the loads too; here so the error comes before the figures below,
+        # which would overflow (with numpy's warning) on loads too large to plan.
+        check_loads(loads, topo)
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     show = args.progress or sys.stderr.isatty()
@@ -263,6 +279,36 @@ def _place(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(value: int, plural: str) -> str:
+    return f"{value} {plural if value != 1 else plural[:-1]}"
+
+
+def _read_previous(path: str, topo: Topology) -> eplb.Placement:
+    """The ``--previous`` placement on ``topo``. A native or listing file records the topology
+    it was planned for: re-planning it under other flags would reuse its slots on gpus they
+    were never on, so a mismatch is refused, naming both. Engine formats and a bare ``.npy``
+    record only the map, whose shape is checked."""
+    p = Path(path)
+    recorded = None
+    if p.suffix.lower() != ".npy" and p.is_file() and eio.placement_format_of(p) in ("native", "listing"):
+        recorded = eio.read_placement(p).topology
+    if recorded is not None and recorded != topo:
+        differ = [n for n in _TOPO_ARGS if getattr(recorded, f"num_{n}") != getattr(topo, f"num_{n}")]
+        had = ", ".join(_count(getattr(recorded, f"num_{n}"), n) for n in differ)
+        want = ", ".join(_count(getattr(topo, f"num_{n}"), n) for n in differ)
+        raise ValueError(
+            f"--previous {path}: the placement was planned for {had} but the flags give {want}; "
+            f"re-plan with the topology in service ({', '.join('--' + n for n in differ)}) or plan afresh without --previous"
+        )
+    prev = eio.read_phy2log(path)
+    if prev.shape != (topo.num_layers, topo.num_slots):
+        raise ValueError(
+            f"{path}: the placement is {list(prev.shape)} (layers x slots) but the topology "
+            f"needs [{topo.num_layers}, {topo.num_slots}]"
+        )
+    return eplb.Placement(prev, topo)
+
+
 @contextmanager
 def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterator[Callable[[int, int], None] | None]:
     """A tqdm bar on stderr while planning. With ``layers``, yields the per-layer callback
@@ -339,6 +385,19 @@ def _takes(policy: str, option: str) -> bool:
     return option in eplb.get_policy(policy).option_names()
 
 
+# The order flags are named in: as --help lists them.
+_FLAG_ORDER = (
+    "tolerance",
+    "layer_tolerance",
+    "max_moves",
+    "max_layer_moves",
+    "effort",
+    "work_budget",
+    "time_limit",
+    "workers",
+)
+
+
 def _planning(args: argparse.Namespace) -> dict:
     """The planning options of ``eplb place`` as ``rebalance`` options for ``args.policy``."""
     given = {
@@ -348,14 +407,24 @@ def _planning(args: argparse.Namespace) -> dict:
         "workers": args.workers,
     }
     given = {k: v for k, v in given.items() if v is not None}
+    # The re-plan bounds go to rebalance separately but are the policy's options too: checked
+    # here so the error names the flag, not the library's option.
+    bounds = [
+        k for k in ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves") if getattr(args, k) is not None
+    ]
     # The registry says which policy takes which option.
-    extra = sorted(k for k in given if not _takes(args.policy, k))
+    extra = sorted((k for k in [*given, *bounds] if not _takes(args.policy, k)), key=_FLAG_ORDER.index)
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        one = len(extra) == 1
         takers = [p for p in eplb.policies() if all(_takes(p, k) for k in extra)]
         raise ValueError(
-            f"{flags} do(es) not apply to --policy {args.policy}; "
-            + (f"they apply to {', '.join(takers)}" if takers else "no policy takes them all")
+            f"{flags} {'does' if one else 'do'} not apply to --policy {args.policy}; "
+            + (
+                f"{'it applies' if one else 'they apply'} to {', '.join(takers)}"
+                if takers
+                else "no policy takes them all"
+            )
         )
     if args.policy == "ilp" and "time_limit" in given:
         # One limit over all layers; a layer may use all of what is left to it.
@@ -494,15 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from eplb_service.cli import main as serve_main
         except ImportError as exc:
-            print(
-                f"eplb serve: error: the service needs the service extra (missing: {exc.name}); "
-                "install it with: pip install 'eplb[service]'",
-                file=sys.stderr,
-            )
+            print(f"eplb serve: error: {extras.missing('the service', 'service', exc)}", file=sys.stderr)
             return 2
         return serve_main(rest)
     if args.command == "demo":
-        # Imported here: the demo needs the service and engine extras (torch).
+        # The demo checks its extras (service, engine, torch) itself, after parsing its flags.
         from .demo import main as demo_main
 
         return demo_main(rest)
@@ -513,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         raise  # the reader of stdout went away: quiet_on_broken_pipe ends quietly
     except (ValueError, OSError) as exc:  # OSError: a file that cannot be read or written
+        print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # a plugin policy's own dependency (ilp's is checked up front)
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -36,7 +36,7 @@ import numpy as np
 import eplb
 from eplb.workloads import shift, zipf
 
-from .processes import free_port
+from . import extras
 
 __all__ = ["DemoConfig", "run", "main"]
 
@@ -339,6 +339,8 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
     service = _Service()
     from eplb_engine.client import ServiceClient
 
+    from .processes import free_port  # here: that module imports redis (the service extra)
+
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
     cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": free_port()})
     with ServiceClient(service.address) as client:
@@ -486,10 +488,13 @@ def write_plot(summary: dict, directory: Path) -> Path:
 
 def _unwritable(flag: str, path: Path, *, file: bool = False) -> str:
     """What stops the demo writing ``path`` (a directory, or with ``file`` a file), "" if nothing:
-    creates the directory (the file's parent) and writes a scratch file in it."""
+    creates a missing directory (not a file's missing parent) and writes a scratch file in it."""
     directory = path.parent if file else path
     if file and path.is_dir():
         return f"{flag} {path}: is a directory; give a file path"
+    if file and not directory.is_dir():
+        # As eplb place --out and eplb-bench --json: a mistyped directory is not made.
+        return f"{flag} {path}: directory {directory} does not exist"
     if not file and path.exists() and not path.is_dir():
         return f"{flag} {path}: is a file; give a directory"
     try:
@@ -522,6 +527,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 2 <= args.ranks <= 16 or args.seconds <= 0:
         ap.error("--ranks must be in [2, 16] and --seconds > 0")
+    # The extras the run imports (in its rank processes too), found out before it starts.
+    needed = [
+        "torch",
+        "torch.distributed",
+        "eplb_service.server",
+        "eplb_engine.client",
+        "eplb_engine.rollout",
+        "eplb_engine.watcher",
+    ]
+    try:
+        extras.require(*needed, *(["matplotlib"] if args.plots else []))
+    except ImportError as exc:
+        print(f"eplb demo: error: {extras.missing('the demo', 'demo', exc)}", file=sys.stderr)
+        return 2
     # Checked before the run, not found out after it: one line on stderr, like a usage error.
     problem = (args.plots and _unwritable("--plots", args.plots)) or (
         args.json and _unwritable("--json", args.json, file=True)
@@ -533,7 +552,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots:
         print(f"wrote {write_plot(summary, args.plots)}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))
         print(f"wrote {args.json}")
     return 0 if summary["misrouted_dispatches"] == 0 and summary["checksum_mismatches"] == 0 else 1

@@ -12,6 +12,8 @@ import io
 import json
 import pickle
 import tomllib
+import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -80,21 +82,69 @@ def _empty(path: Path, what: str) -> None:
         raise ValueError(f"{path}: the file is empty; expected {what}")
 
 
+_NPY_MAGIC, _ZIP_MAGIC = b"\x93NUMPY", b"PK\x03\x04"
+
+
+_NPZ, _TORCH, _BAD_ZIP = "an .npz archive", "a torch.save file", "a damaged or cut-short zip archive"
+
+
+def _kind_of(path: Path) -> str:
+    """What ``path`` is by its first bytes (``"an .npz archive"``, ``"a Python pickle"``, ...),
+    for an error about reading it as something else; ``""`` when none of the kinds known here."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    if head.startswith(_NPY_MAGIC):
+        return "a .npy array"
+    if head.startswith(_ZIP_MAGIC):
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except (OSError, zipfile.BadZipFile):
+            return _BAD_ZIP
+        if any(n.endswith("/data.pkl") for n in names):
+            return _TORCH
+        # np.savez writes name.npy entries at the top level (none at all for no arrays).
+        return _NPZ if all(n.endswith(".npy") and "/" not in n for n in names) else "a zip archive"
+    if head[:1] == b"\x80":
+        return "a Python pickle"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "JSON text"
+    return ""
+
+
+def _not(path: Path, what: str, kind: str, otherwise: str) -> ValueError:
+    return ValueError(f"{path}: not {what} (it is {kind})" if kind else f"{path}: not {what} ({otherwise})")
+
+
+# numpy's advice for an object array (load it unsafely with allow_pickle=) is not for a load
+# trace: eplb reads numbers only, and unpickling a file can run code.
+_OBJECTS = "it holds Python objects (a pickled object array), not numbers"
+
+
 def _read_npy(path: Path) -> np.ndarray:
     _empty(path, "a .npy array")
+    kind = _kind_of(path)
+    if kind != "a .npy array":
+        # np.load would read an .npz (or a torch.save zip) as an archive, a pickle with advice.
+        raise _not(path, "a .npy array", kind, "no .npy header")
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
-        raise ValueError(f"{path}: not a readable .npy array ({exc or 'cut short'})") from None
+        why = _OBJECTS if "allow_pickle" in str(exc) else (str(exc) or "cut short")
+        raise ValueError(f"{path}: not a readable .npy array ({why})") from None
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
     _empty(path, "a .npz archive")
+    kind = _kind_of(path)
+    if kind not in (_NPZ, _BAD_ZIP):  # a damaged one: numpy's own error says more
+        raise _not(path, "an .npz archive", kind, "not a zip archive")
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise ValueError(f"{path}: not a readable .npz archive ({exc or 'cut short'})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        why = _OBJECTS if "allow_pickle" in str(exc) else (str(exc) or "cut short")
+        raise ValueError(f"{path}: not a readable .npz archive ({why})") from None
 
 
 def trace_format_of(path: Path, fmt: str | None = None) -> str:
@@ -127,27 +177,56 @@ def _load_torch(path: Path) -> object:
             f"{path}: reading SGLang .pt dumps needs torch; install it with `pip install 'eplb[torch]'` or convert the dump to .npz"
         ) from None
     _empty(path, "an SGLang expert-distribution dump saved by torch.save")
+    kind = _kind_of(path)
+    if kind and kind not in (_TORCH, _BAD_ZIP, "a Python pickle"):  # torch's legacy format is a pickle
+        raise _not(path, "an SGLang expert-distribution dump saved by torch.save", kind, "")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns about the pickle protocol of files it then refuses anyway.
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except (EOFError, RuntimeError, pickle.UnpicklingError) as exc:
-        raise ValueError(f"{path}: not a readable torch.save file ({exc or 'cut short'})") from None
+        # Never torch's advice to re-run with weights_only=False: that unpickles anything (runs
+        # code), and an expert-distribution dump holds only tensors and plain containers.
+        why = (
+            "it holds Python objects besides tensors, numbers and containers, which eplb does not unpickle"
+            if "weights_only" in str(exc) or "Weights only" in str(exc)
+            else (str(exc).splitlines() or ["cut short"])[0]
+        )
+        raise ValueError(f"{path}: not a readable SGLang expert-distribution dump ({why})") from None
     if isinstance(obj, dict):
         return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in obj.items()}
     return obj
 
 
+_PLACEMENT_NOT_TRACE = (
+    "this is a placement (it maps slots to experts), not a load trace (counts per expert); "
+    "give it as --previous PLACEMENT, and a trace of loads as TRACE"
+)
+
+
 def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | None = None) -> traces.LoadTrace:
-    """Read a load trace. ``phy2log [L, P]`` maps a vLLM window without its own
-    ``physical_to_logical`` array."""
+    """Read a load trace. ``phy2log [L, P]`` (``--recorded-under``) maps a vLLM window without
+    its own ``physical_to_logical`` array. It is refused where it cannot apply (a trace of
+    logical counts) and where the archive's own map says otherwise: the archive records what
+    the window was recorded under, and silently preferring either would plan on wrong counts."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory; give a trace file in it")
     if not path.is_file():
         raise ValueError(f"{path}: no such trace file")
     kind = trace_format_of(path, fmt)
-    if kind == "native":
+    if phy2log is not None and kind != "vllm":
+        raise ValueError(
+            f"{path}: --recorded-under maps a vLLM window of physical counts (.npz with window or "
+            f"expert_load_window); this is a {kind} trace of logical (per-expert) counts: drop --recorded-under"
+        )
+    if kind in ("native", "json"):
         doc = _read_json(path)
-        return _in_file(path, lambda: traces.from_native(doc))
-    if kind == "json":
-        doc = _read_json(path)
+        if isinstance(doc, dict) and not {"counts", "logical_count"} & set(doc) and {"phy2log", *_MAP_KEYS} & set(doc):
+            raise ValueError(f"{path}: {_PLACEMENT_NOT_TRACE}")
+        if kind == "native":
+            return _in_file(path, lambda: traces.from_native(doc))
         return _in_file(path, lambda: traces.from_counts_json(doc))
     if kind == "npy":
         arr = _read_npy(path)
@@ -165,7 +244,14 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
             raise ValueError(
                 f"{path}: field 'window': missing; expected [W, layers, slots] physical counts named window or expert_load_window"
             )
-        p2l = next((arrays[k] for k in _MAP_KEYS if k in arrays), phy2log)
+        own = next((arrays[k] for k in _MAP_KEYS if k in arrays), None)
+        if own is not None and phy2log is not None and not np.array_equal(own, phy2log):
+            raise ValueError(
+                f"{path}: the archive has its own physical_to_logical {list(np.shape(own))}, which differs from "
+                f"--recorded-under {list(np.shape(phy2log))}; the archive's is the one its window was recorded "
+                "under: drop --recorded-under"
+            )
+        p2l = own if own is not None else phy2log
         if p2l is None:
             raise ValueError(
                 f"{path}: field 'physical_to_logical': missing; store it in the archive or pass the placement the window was recorded under (--recorded-under)"
@@ -174,6 +260,8 @@ def read_trace(path: str | Path, fmt: str | None = None, phy2log: np.ndarray | N
     for key in ("counts", "logical_count"):
         if key in arrays:
             return _in_file(path, lambda key=key: traces.from_array(arrays[key], key))
+    if set(_MAP_KEYS) & set(arrays):
+        raise ValueError(f"{path}: {_PLACEMENT_NOT_TRACE}")
     raise ValueError(
         f"{path}: field 'counts': missing; expected an array named counts or logical_count (archive has: {', '.join(arrays) or 'nothing'})"
     )

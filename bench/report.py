@@ -25,24 +25,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
-from tqdm import tqdm
 
 import eplb
 from eplb.simulate import simulate_steps
 from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
+from . import extras
 from . import io as eio
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
+try:
+    from tqdm import tqdm
+except ImportError:  # the bench extra: without it no progress bars, as in eplb place
+
+    def tqdm(iterable: Iterable[T], **_: object) -> Iterable[T]:
+        return iterable
+
+
 OUR_POLICIES = ("global", "hierarchical", "auto")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -229,26 +241,30 @@ def markdown(report: dict) -> str:
             f"{_fmt(r, 'imbalance_lb_mean')} | {_fmt(r, 'gap_to_lb', '.2f', 100)} | {_fmt(r, 'gap_to_ilp', '.2f', 100)} | "
             f"{_fmt(r, 'solve_seconds', '.2f', 1e3)} |"
         )
-    out += [
-        "",
-        "## re-planning",
-        "",
-        "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction | moved GB per re-plan |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    # A section with no rows (a trace-only run has no per-step rows, a one-step trace no
+    # re-planning) is left out rather than printed as an empty table.
+    if report["replan"]:
+        out += [
+            "",
+            "## re-planning",
+            "",
+            "| scale | sequence | policy | steps | every | imbalance mean | imbalance max | moves per re-plan | moved fraction | moved GB per re-plan |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in report["replan"]:
         gb = f"{r['moved_bytes_per_replan'] / 1e9:.2f}" if r.get("moved_bytes_per_replan") else ""
         out.append(
             f"| {r['scale']} | {r['sequence']} | {r['policy']} | {r['steps']} | {r['replan_every']} | {r['imbalance_mean']:.4f} | "
             f"{r['imbalance_max']:.4f} | {r['moves_per_replan']:.1f} | {r['moved_fraction']:.3f} | {gb} |"
         )
-    out += [
-        "",
-        "## per-step (sampled routing)",
-        "",
-        "| scale | workload | policy | layer | tokens/gpu b | top-k | steps | expected max/mean | realized mean | realized p99 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    if report["steps"]:
+        out += [
+            "",
+            "## per-step (sampled routing)",
+            "",
+            "| scale | workload | policy | layer | tokens/gpu b | top-k | steps | expected max/mean | realized mean | realized p99 |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in report["steps"]:
         out.append(
             f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['layer']} | {r['tokens_per_gpu']} | {r['topk']} | {r['steps']} | "
@@ -450,10 +466,14 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 
 def _positive_int(text: str) -> int:
-    value = _positive_ints(text)
-    if len(value) != 1:
+    # Its own parse, so that 0 and 4,8 get the same message: what this option takes.
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
         raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
-    return value[0]
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -537,6 +557,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     settings = Settings(**(settings.__dict__ | overrides))
+    if args.expert_bytes is not None and not (math.isfinite(args.expert_bytes) and args.expert_bytes > 0):
+        # As eplb place: the bytes of one expert's weights, a finite number > 0.
+        raise ValueError(f"--expert-bytes must be a number of bytes > 0, got {args.expert_bytes}")
     if not settings.ilp_time_limit > 0:
         raise ValueError(f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}")
     if settings.layer < 0:
@@ -560,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = _settings(args)
+        if args.plots:
+            try:
+                extras.require("matplotlib")
+            except ImportError as exc:
+                raise ValueError(extras.missing("--plots", "bench", exc)) from None
         # Checked before the run, which takes minutes, rather than after it.
         if args.json and not Path(args.json).parent.is_dir():
             raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")

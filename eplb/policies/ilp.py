@@ -120,8 +120,12 @@ def solve_layer(
     """
     try:
         from ortools.sat.python import cp_model
-    except ImportError as exc:
-        raise ImportError("policy 'ilp' needs OR-Tools (CP-SAT); install it with: pip install 'eplb[ilp]'") from exc
+    except ImportError:
+        # One line to act on: the chained "No module named 'ortools'" says nothing more.
+        # name= lets a caller tell which module is missing, as for any ImportError.
+        raise ImportError(
+            "policy 'ilp' needs OR-Tools (CP-SAT); install it with: pip install 'eplb[ilp]'", name="ortools"
+        ) from None
 
     E, P, G = topology.num_experts, topology.num_slots, topology.num_gpus
     S = topology.slots_per_gpu

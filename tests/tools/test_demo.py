@@ -79,9 +79,11 @@ def test_demo_refuses_bad_flags():
             "--plots /proc/nope: cannot write in /proc/nope (No such file or directory); give a writable directory",
         ),
         (
-            ["--json", "/proc/nope/s.json"],
-            "--json /proc/nope/s.json: cannot write in /proc/nope (No such file or directory); give a writable file path",
+            ["--json", "/proc/s.json"],
+            "--json /proc/s.json: cannot write in /proc (No such file or directory); give a writable file path",
         ),
+        # Not made, as eplb place --out and eplb-bench --json do not make it.
+        (["--json", "{tmp}/no/s.json"], "--json {tmp}/no/s.json: directory {tmp}/no does not exist"),
         (["--json", "{tmp}"], "--json {tmp}: is a directory; give a file path"),
         (["--plots", "{tmp}/file"], "--plots {tmp}/file: is a file; give a directory"),
     ],
@@ -94,6 +96,7 @@ def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, flag
     )
     # One line, before any service or rank starts (nothing on stdout).
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
+    assert not (tmp_path / "no").exists()
 
 
 def test_the_check_counts_tokens_routed_with_a_map_the_weights_do_not_hold():

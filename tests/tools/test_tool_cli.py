@@ -171,7 +171,10 @@ def test_place_takes_effort_budget_time_limit_and_workers(tmp_path, capsys):
     assert cli.main(["place", str(path), *flags, "--time-limit", "5"]) == 0
     capsys.readouterr()
     assert cli.main(["place", str(path), *flags[:-1], "deepseek", "--effort", "high"]) == 2
-    assert "--effort do(es) not apply to --policy deepseek" in capsys.readouterr().err
+    assert (
+        "--effort does not apply to --policy deepseek; it applies to auto, global, hierarchical"
+        in capsys.readouterr().err
+    )
 
 
 def test_place_names_its_own_flags_in_errors(tmp_path, capsys):

@@ -2,11 +2,13 @@
 2) or does what the flag says, never a traceback."""
 
 import json
+import pickle
 import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +214,7 @@ def test_bench_bad_flags_are_named_before_the_run(capsys, argv, message):
     ("argv", "message"),
     [
         (["--tokens-per-gpu", "x"], "argument --tokens-per-gpu: expected comma-separated integers >= 1, got 'x'"),
-        (["--replan-every", "0"], "argument --replan-every: expected comma-separated integers >= 1, got '0'"),
+        (["--replan-every", "0"], "argument --replan-every: expected one integer >= 1, got '0'"),
         (["--policies", ","], "argument --policies: expected comma-separated names, got ','"),
     ],
 )
@@ -400,15 +402,6 @@ def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
     assert not out.exists()
 
 
-def test_serve_without_the_service_extra_says_what_to_install(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "eplb_service.cli", None)  # what a missing package looks like to import
-    assert cli.main(["serve"]) == 2
-    assert (
-        "eplb serve: error: the service needs the service extra (missing: eplb_service.cli); install it with: pip install 'eplb[service]'"
-        in capsys.readouterr().err
-    )
-
-
 def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the bench extra not installed
     flags = ["--layers", "1", "--experts", "4", "--slots", "4", "--gpus", "2", "--synthetic", "zipf-1.0"]
@@ -417,3 +410,140 @@ def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys
     assert "policy ilp -> ilp" in captured.out and "planning" not in captured.err
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
     assert "planning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".json", ".txt"])
+def test_previous_planned_for_another_topology_is_refused(tmp_path, capsys, suffix):
+    # Native and listing files record their topology: a re-plan under other flags is refused.
+    flags = ["--synthetic", "zipf-1.0", "--layers", "4", "--experts", "32", "--slots", "64"]
+    p0 = tmp_path / f"p0{suffix}"
+    assert cli.main(["place", *flags, "--gpus", "32", "--out", str(p0)]) == 0
+    capsys.readouterr()
+    assert cli.main(["place", *flags, "--gpus", "16", "--nodes", "2", "--previous", str(p0)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"eplb place: error: --previous {p0}: the placement was planned for 32 gpus, 1 node but the flags give "
+        "16 gpus, 2 nodes; re-plan with the topology in service (--gpus, --nodes) or plan afresh without --previous\n"
+    )
+    assert cli.main(["place", *flags, "--gpus", "32", "--previous", str(p0)]) == 0
+
+
+def test_recorded_under_is_refused_where_it_does_not_apply(tmp_path, capsys):
+    topo = SCALES["small"]
+    loads = make_loads("zipf-1.0", topo)
+    plan = eplb.rebalance(loads, topo, "global").placement
+    np.save(tmp_path / "map.npy", plan.phy2log)
+    other = eplb.Placement.contiguous(topo).phy2log
+    flags = ["--recorded-under", str(tmp_path / "map.npy"), *SMALL_TOPO]
+    # Logical traces: nothing to map.
+    np.save(tmp_path / "t.npy", loads)
+    (tmp_path / "t.json").write_text(json.dumps({"counts": loads.tolist()}))
+    for name, kind in (("t.npy", "npy"), ("t.json", "json")):
+        assert cli.main(["place", str(tmp_path / name), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name}: --recorded-under maps a vLLM window of physical counts" in err
+        assert f"this is a {kind} trace of logical (per-expert) counts: drop --recorded-under" in err
+    # A vLLM archive with its own map: one that disagrees is refused, the same one is fine.
+    phys = np.take_along_axis(loads / plan.logcnt, plan.phy2log, axis=1)[None]
+    np.savez(tmp_path / "w.npz", expert_load_window=phys, physical_to_logical=other)
+    assert cli.main(["place", str(tmp_path / "w.npz"), *flags]) == 2
+    assert "w.npz: the archive has its own physical_to_logical" in capsys.readouterr().err
+    np.savez(tmp_path / "w.npz", expert_load_window=phys, physical_to_logical=plan.phy2log)
+    assert cli.main(["place", str(tmp_path / "w.npz"), *flags]) == 0
+
+
+def _err(capsys, argv: list[str], tool=cli.main) -> str:
+    assert tool(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+def test_place_messages_name_the_flag(tmp_path, capsys):
+    loads = make_loads("zipf-1.0", SCALES["small"])
+    np.save(tmp_path / "one.npy", loads[None])
+    err = _err(capsys, ["place", str(tmp_path / "one.npy"), *SMALL_TOPO, "--window", "2"])
+    assert err == "eplb place: error: --window must be between 1 and the trace's 1 step, got 2\n"
+    prev = tmp_path / "p.json"
+    assert cli.main(["place", *SMALL, "--out", str(prev)]) == 0
+    capsys.readouterr()
+    err = _err(capsys, ["place", *SMALL, "--previous", str(prev), "--expert-bytes", "inf"])
+    assert err == "eplb place: error: --expert-bytes must be a number of bytes > 0, got inf (not a finite number)\n"
+    flags = ["place", "--synthetic", "zipf-1.0", "--scale", "small", "--previous", str(prev)]
+    err = _err(capsys, [*flags, "--policy", "deepseek", "--max-moves", "100"])
+    assert (
+        err
+        == "eplb place: error: --max-moves does not apply to --policy deepseek; it applies to auto, global, hierarchical\n"
+    )
+    err = _err(capsys, [*flags, "--policy", "deepseek", "--tolerance", "0.1", "--effort", "fast"])
+    assert err.startswith("eplb place: error: --tolerance, --effort do not apply to --policy deepseek; they apply to")
+
+
+def test_a_trace_of_the_wrong_format_says_what_it_is(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    loads = make_loads("zipf-1.0", SCALES["small"])
+    np.save(tmp_path / "t.npy", loads)
+    np.savez(tmp_path / "t.npz", counts=loads)
+    torch.save({"x": np.ones(3)}, tmp_path / "objects.pt")  # not loadable with weights_only
+    (tmp_path / "pickle.bin").write_bytes(pickle.dumps({"a": 1}))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    cases = [
+        ("t.npz", "npy", "not a .npy array (it is an .npz archive)"),
+        ("pickle.bin", "npy", "not a .npy array (it is a Python pickle)"),
+        (
+            "objects.npy",
+            "npy",
+            "not a readable .npy array (it holds Python objects (a pickled object array), not numbers)",
+        ),
+        ("t.npy", "sglang-pt", "not an SGLang expert-distribution dump saved by torch.save (it is a .npy array)"),
+        ("t.npz", "sglang-pt", "not an SGLang expert-distribution dump saved by torch.save (it is an .npz archive)"),
+        ("objects.pt", "sglang-pt", "not a readable SGLang expert-distribution dump (it holds Python objects besides"),
+        ("objects.pt", "npz", "not an .npz archive (it is a torch.save file)"),
+        ("t.npy", "npz", "not an .npz archive (it is a .npy array)"),
+    ]
+    for name, fmt, message in cases:
+        err = _err(capsys, ["place", str(tmp_path / name), "--trace-format", fmt, *SMALL_TOPO])
+        assert err.startswith(f"eplb place: error: {tmp_path / name}: {message}"), err
+        # Never the libraries' advice to load a pickle unsafely.
+        assert "allow_pickle" not in err and "weights_only" not in err
+
+
+def test_a_directory_or_a_placement_as_trace_is_named(tmp_path, capsys):
+    err = _err(capsys, ["place", str(tmp_path), *SMALL_TOPO])
+    assert err == f"eplb place: error: {tmp_path}: is a directory; give a trace file in it\n"
+    for name in ("p.json", "p.npz"):
+        assert cli.main(["place", *SMALL, "--out", str(tmp_path / name)]) == 0
+        capsys.readouterr()
+        err = _err(capsys, ["place", str(tmp_path / name), *SMALL_TOPO])
+        assert "this is a placement (it maps slots to experts), not a load trace" in err
+        assert "give it as --previous PLACEMENT" in err
+
+
+def test_loads_too_large_give_the_error_without_numpy_warnings(tmp_path, capsys):
+    np.save(tmp_path / "big.npy", np.full((1, 16), 1e308))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail the run here
+        err = _err(capsys, ["place", str(tmp_path / "big.npy"), *SMALL_TOPO])
+    assert err.startswith("eplb place: error: loads too large: layer 0 sums to inf")
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "0"])
+def test_bench_refuses_expert_bytes_that_are_not_a_size(capsys, value):
+    err = _err(capsys, ["--quick", "--expert-bytes", value], tool=report.main)
+    assert err == f"eplb-bench: error: --expert-bytes must be a number of bytes > 0, got {float(value)}\n"
+
+
+@pytest.mark.parametrize("value", ["0", "4,8", "x"])
+def test_bench_replan_every_says_it_takes_one_integer(capsys, value):
+    with pytest.raises(SystemExit):
+        report.main(["--quick", "--replan-every", value])
+    assert f"argument --replan-every: expected one integer >= 1, got '{value}'" in capsys.readouterr().err
+
+
+def test_a_trace_only_bench_prints_no_empty_tables(tmp_path, capsys):
+    np.save(tmp_path / "one.npy", make_loads("zipf-1.0", SCALES["small"])[None])
+    flags = ["--slots", "20", "--gpus", "4", "--nodes", "2", "--groups", "4", "--policies", "global"]
+    assert report.main([str(tmp_path / "one.npy"), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "## placement" in out
+    assert "## per-step" not in out and "## re-planning" not in out  # one step: nothing to re-plan
