@@ -306,25 +306,31 @@ def _swap_best(
     per_bin = w.shape[2]
     A, H = heavy.shape
     B, C = w.shape[1], partners.shape[2]
-    lh_all = take_rows(load, heavy)  # [A, H]
-    hit = np.zeros(A * H, dtype=bool)
+    # The heavy bin and its partners' loads in one gather: [A, H, 1 + C].
+    both = np.concatenate([heavy[:, :, None], partners], axis=2)
+    lb = take_rows(load, both)
+    # Bins as flat indices into [X * B] (rows of [X * B, S] views): every gather below is one
+    # flat index array (the fast path).
+    fb = both + (rows * B)[:, None, None]
     # Only (row, heavy bin) pairs above the floor can swap (a re-plan's targets leave few):
-    # the item grids are built for those pairs alone. Pairs are flat indices into [A, H], so
-    # that every gather below is one flat index array (the fast path).
-    pair = np.flatnonzero(lh_all > floor[:, None]) if floor is not None else np.arange(A * H)
-    if pair.size == 0:
-        return hit.reshape(A, H)
-    P = pair.size
+    # the item grids are built for those pairs alone, flat indices into [A, H].
+    pair = None
+    if floor is not None:
+        above = lb[:, :, 0] > floor[:, None]
+        if not above.all():
+            pair = np.flatnonzero(above)
+            if pair.size == 0:
+                return above
+            lb, fb = lb.reshape(A * H, 1 + C)[pair], fb.reshape(A * H, 1 + C)[pair]
+    lb, fb = lb.reshape(-1, 1 + C), fb.reshape(-1, 1 + C)
+    P = lb.shape[0]
     ar = np.arange(P)
-    pa = pair // H
-    xr, hb, pb = rows[pa], heavy.reshape(-1)[pair], partners.reshape(A * H, C)[pair]  # [P], [P], [P, C]
-    # Bins as rows of [X * B, S] views.
     w2, k2 = w.reshape(-1, per_bin), k.reshape(-1, per_bin)
-    fh, fp = xr * B + hb, xr[:, None] * B + pb
+    fh, fp = fb[:, 0], fb[:, 1:]
     wh, kh = w2[fh], k2[fh]  # [P, S]
     wp = w2[fp]  # [P, C, S]
-    lh = lh_all.reshape(-1)[pair][:, None, None, None]
-    lp = np.take(load, pa[:, None] * B + pb)[:, None, :, None]
+    lh = lb[:, :1, None, None]
+    lp = lb[:, None, 1:, None]
     # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
     # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
     # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
@@ -339,25 +345,25 @@ def _swap_best(
     dev += lp * 0.5
     dev[bad] = np.inf
     score = dev.reshape(P, -1)
-    width = score.shape[1]
     # Check the best swap for a key clash; only pairs where it clashes look further.
     best = score.argmin(axis=1)
-    found = np.isfinite(score.reshape(-1)[ar * width + best])
+    found = np.isfinite(score.min(axis=1))
     i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
-    kp = k2[fp.reshape(-1)[ar * C + c]]  # [P, S]: the chosen partner bin's keys
+    fq = fp.reshape(-1)[ar * C + c]  # the chosen partner bins
+    kp = k2[fq]  # [P, S]: their keys
     key_h = kh.reshape(-1)[ar * per_bin + i]
     key_p = kp.reshape(-1)[ar * per_bin + j]
     clash = found & ((kp == key_h[:, None]).any(axis=1) | (kh == key_p[:, None]).any(axis=1))
     if clash.any():
         cp = np.flatnonzero(clash)
         found[cp], best[cp] = _best_free(score[cp], kh[cp], k2[fp[cp]])
-    hit[pair] = found
+        i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
+        fq = fp.reshape(-1)[ar * C + c]
     if found.any():
         sel = np.flatnonzero(found)
-        i, c, j = np.unravel_index(best[sel], (per_bin, C, per_bin))
         # Flat positions of the two items: distinct bins, each bin in at most one swap.
-        ph_ = fh[sel] * per_bin + i
-        pp_ = fp.reshape(-1)[sel * C + c] * per_bin + j
+        ph_ = fh[sel] * per_bin + i[sel]
+        pp_ = fq[sel] * per_bin + j[sel]
         for arr in (assign, w, k):
             if arr.flags.c_contiguous:
                 flat = arr.reshape(-1)  # a view
@@ -365,10 +371,15 @@ def _swap_best(
                 flat[ph_] = flat[pp_]
                 flat[pp_] = tmp
             else:  # a caller's non-contiguous assign
-                x, bh, bp = xr[sel], hb[sel], pb.reshape(-1)[sel * C + c]
-                tmp = arr[x, bh, i].copy()
-                arr[x, bh, i] = arr[x, bp, j]
-                arr[x, bp, j] = tmp
+                x, bh = np.divmod(fh[sel], B)
+                bp = fq[sel] % B
+                tmp = arr[x, bh, i[sel]].copy()
+                arr[x, bh, i[sel]] = arr[x, bp, j[sel]]
+                arr[x, bp, j[sel]] = tmp
+    if pair is None:
+        return found.reshape(A, H)
+    hit = np.zeros(A * H, dtype=bool)
+    hit[pair] = found
     return hit.reshape(A, H)
 
 
