@@ -25,7 +25,7 @@ from ..workers import worker_pool
 from .borrow import borrow_counts, same_profile
 from .counts import refine_counts
 from .hot import separate_hot
-from .packing import pack
+from .packing import WIDE_SPREAD, pack
 from .replicate import replica_cap, waterfill
 from .search import refine_thorough
 
@@ -225,7 +225,8 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: PlanOptions) -> _Rows:
     # gpus balanced below it.
     node_mean = local_loads.sum(axis=1).reshape(L, N) / gpn
     floor = np.repeat(node_mean.max(axis=1), N)
-    assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds, floor=floor)  # [L*N, gpn, S]
+    # Wider paired rounds than the search's re-packs: fewer rounds, and a better start.
+    assign = pack(item_w, gpn, local_ids, max_rounds=max_rounds, floor=floor, spread=WIDE_SPREAD)  # [L*N, gpn, S]
     slot_local = take_rows(local_ids, assign)
     # Count moves need gpus free of duplicate replicas, which the cap guarantees.
     if cap is not None and gpn > 1 and opts.refine:
