@@ -61,13 +61,17 @@ def pack(
     if n % num_bins:
         raise ValueError(f"{n} items cannot fill {num_bins} bins equally")
     per_bin = n // num_bins
+    distinct = keys is None
     if keys is None:
         keys = np.broadcast_to(np.arange(n), (rows, n))
     order = descending_order(weights)
     assign = _deal(weights, keys, order, num_bins, per_bin)
-    if per_bin > 1:
+    # Distinct keys never clash. And two items per bin dealt without clashes are the heaviest
+    # item paired with the lightest, the i-th with the i-th, where no swap between two bins
+    # lowers the heavier (as groups onto nodes at v3-prefill: 8 groups, 4 nodes).
+    if per_bin > 1 and not distinct:
         _repair(weights, keys, assign)
-    if per_bin > 1 and num_bins > 1:
+    if per_bin > 1 and num_bins > 1 and not (distinct and per_bin == 2):
         # Rows already within GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
         bound = item_bound(weights, num_bins) * (1 + GOOD_ENOUGH)
         _improve(weights, keys, assign, max_rounds, pairs, bound if floor is None else np.maximum(bound, floor), spread)
@@ -173,10 +177,11 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
     # (bin, key) codes: a row has a clash iff two of its codes are equal.
     span = int(keys.max(initial=0)) + 1
     bin_code = (np.arange(B) * span)[:, None]
-    for _ in range(B * S):
+    for step in range(B * S):
         if rows.size == 0:
             return
-        k = take_rows(keys[rows], assign[rows])
+        # The first pass looks at every row: no copies of the whole arrays for it.
+        k = take_rows(keys, assign) if step == 0 else take_rows(keys[rows], assign[rows])
         # Few rows clash: find them by sorting codes (a tenth of the pairwise test's time),
         # and locate the clashes in those rows only.
         code = np.sort((k + bin_code).reshape(len(rows), -1), axis=1)
