@@ -2,7 +2,7 @@
 
     python -m eplb_bench.solve_bench [--scales v3-prefill,v3-512] [--workloads lognormal-1.0]
         [--policies deepseek,global,hierarchical,global:high] [--repeat 5] [--json out.json]
-        [--reference PATH/TO/eplb.py] [--baseline DIR]
+        [--reference PATH/TO/eplb.py] [--baseline DIR] [--cpu]
 
 A policy may carry an effort, ``global:high``. For each scale × workload × policy it prints the
 median over ``--repeat`` runs of the policy's own solve time (``Plan.solve_seconds``, without
@@ -12,6 +12,11 @@ then a summary: per policy, the worst solve time per scale and how often it is w
 
 ``--reference`` times DeepSeek's own eplb.py (needs torch; the file is not part of eplb) on the
 same inputs in the same run, for speed-up ratios.
+
+``--cpu`` times CPU seconds (``time.thread_time``) of the policy alone, the registered function and
+the placement check that ``Plan.solve_seconds`` covers on the wall clock: on a shared machine
+another process's load then shows less. The table also gives each time over ``deepseek``'s in the
+same run (``--policies`` must include it).
 
 ``--baseline DIR`` times another copy of the ``eplb`` package (``DIR/eplb``, e.g. an older
 commit: ``git archive REV eplb | tar -x -C DIR``) against this one, alternating the two plan by
@@ -55,7 +60,18 @@ def load_baseline(directory: str):
     return mod
 
 
-def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, baseline=None) -> dict:
+def policy_cpu_seconds(mod, loads: np.ndarray, topo, policy: str, options: dict) -> float:
+    """CPU seconds of ``mod``'s policy ``policy`` on ``loads`` (``[L, E]``): the registered
+    function and the placement check, without the metrics ``rebalance`` adds."""
+    spec = mod.get_policy(policy)
+    opts, _ = spec.parse(options)
+    start = time.thread_time()
+    result = spec.fn(loads, topo, opts)
+    mod.Placement(result.phy2log, topo)
+    return time.thread_time() - start
+
+
+def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, baseline=None, cpu: bool = False) -> dict:
     topo = SCALES[scale]
     loads = make_loads(workload, topo, seed)
     policy, options = _split(spec)
@@ -68,16 +84,27 @@ def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, ba
         base_topo = baseline.Topology(t.num_layers, t.num_experts, t.num_slots, t.num_gpus, t.num_nodes, t.num_groups)
     times, base_times = [], []
     plan = base_plan = None
+
+    def run(mod, tp) -> tuple:
+        if cpu:
+            return None, policy_cpu_seconds(mod, loads, tp, policy, options)
+        p = mod.rebalance(loads, tp, policy, **options)
+        return p, p.solve_seconds
+
     for i in range(repeat):
         # Alternate which goes first, so neither always runs on a warmer cache.
         if baseline is not None and i % 2 == 0:
-            base_plan = baseline.rebalance(loads, base_topo, policy, **options)
-            base_times.append(base_plan.solve_seconds)
-        plan = eplb.rebalance(loads, topo, policy, **options)
-        times.append(plan.solve_seconds)
+            base_plan, t = run(baseline, base_topo)
+            base_times.append(t)
+        plan, t = run(eplb, topo)
+        times.append(t)
         if baseline is not None and i % 2 == 1:
+            base_plan, t = run(baseline, base_topo)
+            base_times.append(t)
+    if cpu:  # the plans themselves, once, for their imbalance
+        plan = eplb.rebalance(loads, topo, policy, **options)
+        if baseline is not None:
             base_plan = baseline.rebalance(loads, base_topo, policy, **options)
-            base_times.append(base_plan.solve_seconds)
     assert plan is not None
     out = {
         **row,
@@ -138,16 +165,23 @@ def baseline_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    ds = {
+        (r["scale"], r["workload"]): r["median_seconds"]
+        for r in rows
+        if r["policy"] == "deepseek" and "skipped" not in r
+    }
     out = [
-        "| scale | workload | policy | solve ms (median) | imbalance mean | imbalance worst | lower bound |",
-        "|---|---|---|---|---|---|---|",
+        "| scale | workload | policy | solve ms (median) | / deepseek | imbalance mean | imbalance worst | lower bound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | | |")
+            out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | | | |")
             continue
+        ref = ds.get((r["scale"], r["workload"]))
+        ratio = f"{r['median_seconds'] / ref:.2f}" if ref else ""
         out.append(
-            f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['median_seconds'] * 1e3:.2f} | "
+            f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['median_seconds'] * 1e3:.2f} | {ratio} | "
             f"{r['mean_imbalance']:.4f} | {r['max_imbalance']:.4f} | {r['mean_imbalance_lb']:.4f} |"
         )
     return "\n".join(out)
@@ -185,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--reference", help="path to DeepSeek's eplb.py, timed on the same inputs (needs torch)")
     ap.add_argument("--baseline", metavar="DIR", help="also time DIR/eplb (another copy of the package), alternating")
+    ap.add_argument("--cpu", action="store_true", help="time CPU seconds of the policy alone (time.thread_time)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     baseline = load_baseline(args.baseline) if args.baseline else None
     rows = []
     for s in args.scales.split(","):
         for w in args.workloads.split(","):
-            rows += [measure(s, w, p, args.repeat, baseline=baseline) for p in args.policies.split(",")]
+            rows += [measure(s, w, p, args.repeat, baseline=baseline, cpu=args.cpu) for p in args.policies.split(",")]
             if args.reference:
                 rows.append(measure_reference(args.reference, s, w, max(1, min(args.repeat, 3))))
     print(table(rows))

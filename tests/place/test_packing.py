@@ -135,3 +135,14 @@ def test_wider_rounds_reach_near_the_mean_where_the_paired_round_stalls() -> Non
     wide = packed_loads(w, pack(w, topo.num_gpus, ids, max_rounds=16, spread=8)).max(axis=1) / mean
     assert (wide <= 1.005).all()
     assert wide.mean() < narrow.mean()
+
+
+def test_rows_with_an_item_near_a_whole_bin_keep_the_paired_rounds() -> None:
+    # An item above 2/3 of the mean bin leaves count moves to decide the row: those rows are
+    # packed as with spread 1, the others wider, each row as if packed alone.
+    rng = np.random.default_rng(3)
+    w = rng.lognormal(0, 0.5, (6, 32 * 4))
+    w[::2, 0] = w[::2].sum(axis=1) / 32 * 0.9
+    wide = pack(w, 32, spread=8, max_rounds=16)
+    assert np.array_equal(wide[::2], pack(w[::2], 32, max_rounds=16))
+    assert np.array_equal(wide[1::2], pack(w[1::2], 32, spread=8, max_rounds=16))
