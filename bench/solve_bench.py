@@ -14,9 +14,10 @@ then a summary: per policy, the worst solve time per scale and how often it is w
 same inputs in the same run, for speed-up ratios.
 
 ``--cpu`` times CPU seconds (``time.thread_time``) of the policy alone, the registered function and
-the placement check that ``Plan.solve_seconds`` covers on the wall clock: on a shared machine
-another process's load then shows less. The table also gives each time over ``deepseek``'s in the
-same run (``--policies`` must include it).
+the placement check that ``Plan.solve_seconds`` covers on the wall clock, every policy (and the
+baseline's) call by call in turn: on a shared machine another process's load then shows less and
+hits all alike. The table also gives each time over ``deepseek``'s in the same run (``--policies``
+must include it).
 
 ``--baseline DIR`` times another copy of the ``eplb`` package (``DIR/eplb``, e.g. an older
 commit: ``git archive REV eplb | tar -x -C DIR``) against this one, alternating the two plan by
@@ -71,41 +72,68 @@ def policy_cpu_seconds(mod, loads: np.ndarray, topo, policy: str, options: dict)
     return time.thread_time() - start
 
 
-def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, baseline=None, cpu: bool = False) -> dict:
+def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, baseline=None) -> dict:
     topo = SCALES[scale]
     loads = make_loads(workload, topo, seed)
     policy, options = _split(spec)
     row: dict = {"scale": scale, "workload": workload, "policy": spec}
     if policy == "hierarchical" and not topo.hierarchical_ok:
         return {**row, "skipped": "num_groups % num_nodes != 0"}
-    base_topo = None
-    if baseline is not None:
-        t = topo
-        base_topo = baseline.Topology(t.num_layers, t.num_experts, t.num_slots, t.num_gpus, t.num_nodes, t.num_groups)
+    base_topo = None if baseline is None else _baseline_topology(baseline, topo)
     times, base_times = [], []
     plan = base_plan = None
-
-    def run(mod, tp) -> tuple:
-        if cpu:
-            return None, policy_cpu_seconds(mod, loads, tp, policy, options)
-        p = mod.rebalance(loads, tp, policy, **options)
-        return p, p.solve_seconds
-
     for i in range(repeat):
         # Alternate which goes first, so neither always runs on a warmer cache.
         if baseline is not None and i % 2 == 0:
-            base_plan, t = run(baseline, base_topo)
-            base_times.append(t)
-        plan, t = run(eplb, topo)
-        times.append(t)
-        if baseline is not None and i % 2 == 1:
-            base_plan, t = run(baseline, base_topo)
-            base_times.append(t)
-    if cpu:  # the plans themselves, once, for their imbalance
-        plan = eplb.rebalance(loads, topo, policy, **options)
-        if baseline is not None:
             base_plan = baseline.rebalance(loads, base_topo, policy, **options)
+            base_times.append(base_plan.solve_seconds)
+        plan = eplb.rebalance(loads, topo, policy, **options)
+        times.append(plan.solve_seconds)
+        if baseline is not None and i % 2 == 1:
+            base_plan = baseline.rebalance(loads, base_topo, policy, **options)
+            base_times.append(base_plan.solve_seconds)
     assert plan is not None
+    return _row(row, times, plan, base_times, base_plan)
+
+
+def measure_cpu(scale: str, workload: str, specs: list[str], repeat: int, seed: int = 0, baseline=None) -> list[dict]:
+    """``--cpu``: every policy of ``specs`` (and the baseline's) timed call by call in turn, the
+    order rotating each repeat, so that a shared machine's load hits all alike; CPU seconds of
+    the policy alone (``policy_cpu_seconds``). The plans are then made once for their figures."""
+    topo = SCALES[scale]
+    loads = make_loads(workload, topo, seed)
+    base_topo = None if baseline is None else _baseline_topology(baseline, topo)
+    runs = []  # (spec, module, topology)
+    for spec in specs:
+        if _split(spec)[0] == "hierarchical" and not topo.hierarchical_ok:
+            continue
+        runs.append((spec, eplb, topo))
+        if baseline is not None:
+            runs.append((spec, baseline, base_topo))
+    times: dict = defaultdict(list)
+    for i in range(repeat):
+        for j in range(len(runs)):
+            spec, mod, tp = runs[(i + j) % len(runs)]
+            policy, options = _split(spec)
+            times[(spec, mod is eplb)].append(policy_cpu_seconds(mod, loads, tp, policy, options))
+    rows = []
+    for spec in specs:
+        policy, options = _split(spec)
+        row: dict = {"scale": scale, "workload": workload, "policy": spec}
+        if policy == "hierarchical" and not topo.hierarchical_ok:
+            rows.append({**row, "skipped": "num_groups % num_nodes != 0"})
+            continue
+        plan = eplb.rebalance(loads, topo, policy, **options)
+        base_plan = None if baseline is None else baseline.rebalance(loads, base_topo, policy, **options)
+        rows.append(_row(row, times[(spec, True)], plan, times[(spec, False)], base_plan))
+    return rows
+
+
+def _baseline_topology(baseline, t):
+    return baseline.Topology(t.num_layers, t.num_experts, t.num_slots, t.num_gpus, t.num_nodes, t.num_groups)
+
+
+def _row(row: dict, times: list, plan, base_times: list, base_plan) -> dict:
     out = {
         **row,
         "median_seconds": statistics.median(times),
@@ -226,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for s in args.scales.split(","):
         for w in args.workloads.split(","):
-            rows += [measure(s, w, p, args.repeat, baseline=baseline, cpu=args.cpu) for p in args.policies.split(",")]
+            specs = args.policies.split(",")
+            if args.cpu:
+                rows += measure_cpu(s, w, specs, args.repeat, baseline=baseline)
+            else:
+                rows += [measure(s, w, p, args.repeat, baseline=baseline) for p in specs]
             if args.reference:
                 rows.append(measure_reference(args.reference, s, w, max(1, min(args.repeat, 3))))
     print(table(rows))
