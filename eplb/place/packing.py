@@ -82,8 +82,8 @@ def pack(
         # Rows already within GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
         bound = item_bound(weights, num_bins) * (1 + GOOD_ENOUGH)
         target = bound if floor is None else np.maximum(bound, floor)
-        narrow = weights.max(axis=1) > weights.sum(axis=1) / num_bins * _WIDE_ITEM
-        if spread == 1 or narrow.all():
+        narrow = None if spread == 1 else weights.max(axis=1) > weights.sum(axis=1) / num_bins * _WIDE_ITEM
+        if narrow is None or narrow.all():
             _improve(weights, keys, assign, max_rounds, pairs, target)
         elif not narrow.any():
             _improve(weights, keys, assign, max_rounds, pairs, target, spread)
