@@ -2,7 +2,7 @@
 
     python -m eplb_bench.solve_bench [--scales v3-prefill,v3-512] [--workloads lognormal-1.0]
         [--policies deepseek,global,hierarchical,global:high] [--repeat 5] [--json out.json]
-        [--reference PATH/TO/eplb.py] [--baseline DIR]
+        [--reference PATH/TO/eplb.py] [--baseline DIR] [--cpu]
 
 A policy may carry an effort, ``global:high``. For each scale × workload × policy it prints the
 median over ``--repeat`` runs of the policy's own solve time (``Plan.solve_seconds``, without
@@ -12,6 +12,12 @@ then a summary: per policy, the worst solve time per scale and how often it is w
 
 ``--reference`` times DeepSeek's own eplb.py (needs torch; the file is not part of eplb) on the
 same inputs in the same run, for speed-up ratios.
+
+``--cpu`` times CPU seconds (``time.thread_time``) of the policy alone, the registered function and
+the placement check that ``Plan.solve_seconds`` covers on the wall clock, every policy (and the
+baseline's) call by call in turn: on a shared machine another process's load then shows less and
+hits all alike. The table also gives each time over ``deepseek``'s in the same run (``--policies``
+must include it).
 
 ``--baseline DIR`` times another copy of the ``eplb`` package (``DIR/eplb``, e.g. an older
 commit: ``git archive REV eplb | tar -x -C DIR``) against this one, alternating the two plan by
@@ -55,6 +61,17 @@ def load_baseline(directory: str):
     return mod
 
 
+def policy_cpu_seconds(mod, loads: np.ndarray, topo, policy: str, options: dict) -> float:
+    """CPU seconds of ``mod``'s policy ``policy`` on ``loads`` (``[L, E]``): the registered
+    function and the placement check, without the metrics ``rebalance`` adds."""
+    spec = mod.get_policy(policy)
+    opts, _ = spec.parse(options)
+    start = time.thread_time()
+    result = spec.fn(loads, topo, opts)
+    mod.Placement(result.phy2log, topo)
+    return time.thread_time() - start
+
+
 def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, baseline=None) -> dict:
     topo = SCALES[scale]
     loads = make_loads(workload, topo, seed)
@@ -62,10 +79,7 @@ def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, ba
     row: dict = {"scale": scale, "workload": workload, "policy": spec}
     if policy == "hierarchical" and not topo.hierarchical_ok:
         return {**row, "skipped": "num_groups % num_nodes != 0"}
-    base_topo = None
-    if baseline is not None:
-        t = topo
-        base_topo = baseline.Topology(t.num_layers, t.num_experts, t.num_slots, t.num_gpus, t.num_nodes, t.num_groups)
+    base_topo = None if baseline is None else _baseline_topology(baseline, topo)
     times, base_times = [], []
     plan = base_plan = None
     for i in range(repeat):
@@ -79,6 +93,47 @@ def measure(scale: str, workload: str, spec: str, repeat: int, seed: int = 0, ba
             base_plan = baseline.rebalance(loads, base_topo, policy, **options)
             base_times.append(base_plan.solve_seconds)
     assert plan is not None
+    return _row(row, times, plan, base_times, base_plan)
+
+
+def measure_cpu(scale: str, workload: str, specs: list[str], repeat: int, seed: int = 0, baseline=None) -> list[dict]:
+    """``--cpu``: every policy of ``specs`` (and the baseline's) timed call by call in turn, the
+    order rotating each repeat, so that a shared machine's load hits all alike; CPU seconds of
+    the policy alone (``policy_cpu_seconds``). The plans are then made once for their figures."""
+    topo = SCALES[scale]
+    loads = make_loads(workload, topo, seed)
+    base_topo = None if baseline is None else _baseline_topology(baseline, topo)
+    runs = []  # (spec, module, topology)
+    for spec in specs:
+        if _split(spec)[0] == "hierarchical" and not topo.hierarchical_ok:
+            continue
+        runs.append((spec, eplb, topo))
+        if baseline is not None:
+            runs.append((spec, baseline, base_topo))
+    times: dict = defaultdict(list)
+    for i in range(repeat):
+        for j in range(len(runs)):
+            spec, mod, tp = runs[(i + j) % len(runs)]
+            policy, options = _split(spec)
+            times[(spec, mod is eplb)].append(policy_cpu_seconds(mod, loads, tp, policy, options))
+    rows = []
+    for spec in specs:
+        policy, options = _split(spec)
+        row: dict = {"scale": scale, "workload": workload, "policy": spec}
+        if policy == "hierarchical" and not topo.hierarchical_ok:
+            rows.append({**row, "skipped": "num_groups % num_nodes != 0"})
+            continue
+        plan = eplb.rebalance(loads, topo, policy, **options)
+        base_plan = None if baseline is None else baseline.rebalance(loads, base_topo, policy, **options)
+        rows.append(_row(row, times[(spec, True)], plan, times[(spec, False)], base_plan))
+    return rows
+
+
+def _baseline_topology(baseline, t):
+    return baseline.Topology(t.num_layers, t.num_experts, t.num_slots, t.num_gpus, t.num_nodes, t.num_groups)
+
+
+def _row(row: dict, times: list, plan, base_times: list, base_plan) -> dict:
     out = {
         **row,
         "median_seconds": statistics.median(times),
@@ -138,16 +193,23 @@ def baseline_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    ds = {
+        (r["scale"], r["workload"]): r["median_seconds"]
+        for r in rows
+        if r["policy"] == "deepseek" and "skipped" not in r
+    }
     out = [
-        "| scale | workload | policy | solve ms (median) | imbalance mean | imbalance worst | lower bound |",
-        "|---|---|---|---|---|---|---|",
+        "| scale | workload | policy | solve ms (median) | / deepseek | imbalance mean | imbalance worst | lower bound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | | |")
+            out.append(f"| {r['scale']} | {r['workload']} | {r['policy']} | skipped: {r['skipped']} | | | | |")
             continue
+        ref = ds.get((r["scale"], r["workload"]))
+        ratio = f"{r['median_seconds'] / ref:.2f}" if ref else ""
         out.append(
-            f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['median_seconds'] * 1e3:.2f} | "
+            f"| {r['scale']} | {r['workload']} | {r['policy']} | {r['median_seconds'] * 1e3:.2f} | {ratio} | "
             f"{r['mean_imbalance']:.4f} | {r['max_imbalance']:.4f} | {r['mean_imbalance_lb']:.4f} |"
         )
     return "\n".join(out)
@@ -185,13 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--reference", help="path to DeepSeek's eplb.py, timed on the same inputs (needs torch)")
     ap.add_argument("--baseline", metavar="DIR", help="also time DIR/eplb (another copy of the package), alternating")
+    ap.add_argument("--cpu", action="store_true", help="time CPU seconds of the policy alone (time.thread_time)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     baseline = load_baseline(args.baseline) if args.baseline else None
     rows = []
     for s in args.scales.split(","):
         for w in args.workloads.split(","):
-            rows += [measure(s, w, p, args.repeat, baseline=baseline) for p in args.policies.split(",")]
+            specs = args.policies.split(",")
+            if args.cpu:
+                rows += measure_cpu(s, w, specs, args.repeat, baseline=baseline)
+            else:
+                rows += [measure(s, w, p, args.repeat, baseline=baseline) for p in specs]
             if args.reference:
                 rows.append(measure_reference(args.reference, s, w, max(1, min(args.repeat, 3))))
     print(table(rows))

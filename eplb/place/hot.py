@@ -86,6 +86,9 @@ def separate_hot(
     # The grid has up to B ** k count vectors; node-sized rows only.
     if guided and k < E and k <= B and B**k <= _GUIDED_GRID:
         hot_on = (busiest[:, :, None] == order[:, None, :k]).any(axis=(1, 2))
+        # The bound is at least the row's mean bin, so rows within the margin of their mean
+        # cannot pass the test below: leave them out of the grid search.
+        hot_on &= binl.max(axis=1)[live] > lo.sum(axis=1) / B * (1 + _GUIDED_MARGIN)
         rows = np.flatnonzero(hot_on)
         guess = _guided_counts(lo[rows], order[rows], B, S, cap, k) if rows.size else None
         if guess is not None:

@@ -13,7 +13,7 @@ import numpy as np
 from ..bounds import item_bound
 from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums, take_rows
 
-__all__ = ["pack", "packed_loads", "improve", "swap_improve", "pack_counts", "descending_order"]
+__all__ = ["WIDE_SPREAD", "pack", "packed_loads", "improve", "swap_improve", "pack_counts", "descending_order"]
 
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
@@ -23,6 +23,17 @@ _SMALL = 8
 _CANDIDATES = 4
 # Improvement rounds a layer may go without lowering its heaviest bin before it stops.
 _PATIENCE = 4
+# Light bins each heavy bin chooses among in the first plan's paired rounds (``pack(spread=)``):
+# at v3-prefill lognormal 1.0 the swaps end in 9 rounds instead of 19, and at 64 gpus the plan
+# is better (v3-64 group-limited 1.0332 -> 1.0134), since the heaviest bin rarely finds its swap
+# with the one light bin it is paired with. The search's re-packs keep one (``pack_counts``).
+WIDE_SPREAD = 8
+# ... but only in rows whose heaviest item is at most this share of their mean bin. Heavier
+# items leave the other slots of their bin little room, and count moves decide such rows
+# (zipf 1.5: a replica of 0.68-0.76 mean gpus); there the flatter top of the wider rounds left
+# the count moves less to gain (v3-prefill zipf 1.5 fast 1.0227 -> 1.0313, v3-64's default
+# 1.0051 -> 1.0067).
+_WIDE_ITEM = 2 / 3
 
 
 def pack(
@@ -33,6 +44,7 @@ def pack(
     max_rounds: int = 32,
     pairs: int = 8,
     floor: np.ndarray | None = None,
+    spread: int = 1,
 ) -> np.ndarray:
     """``weights``: ``[X, n]`` → int64 ``[X, num_bins, n // num_bins]``: the items in each bin.
 
@@ -42,7 +54,10 @@ def pack(
        swap with another bin avoids it.
     2. Improve: up to ``max_rounds`` rounds in which the ``pairs`` heaviest bins are paired with
        the lightest (i-th heaviest with i-th lightest) and each pair makes the one item swap
-       that most lowers its heavier bin; a layer where no pair can improve tries its heaviest
+       that most lowers its heavier bin; with ``spread`` > 1 each heavy bin chooses among that
+       many light bins (the i-th heaviest among the i-th, (i + pairs)-th, ... lightest) where
+       there are bins enough, in rows whose heaviest item is at most 2/3 of their mean bin.
+       A layer where no pair can improve tries its heaviest
        bin against the 16 lightest bins and the 8 holding the smallest items. Keys stay distinct per bin. A layer stops after
        a few rounds without lowering its heaviest bin, or once its heaviest bin is within
        0.1 % of its lower bound or at most ``floor`` (``[X]``, e.g. what a row's layer must
@@ -53,16 +68,30 @@ def pack(
     if n % num_bins:
         raise ValueError(f"{n} items cannot fill {num_bins} bins equally")
     per_bin = n // num_bins
+    distinct = keys is None
     if keys is None:
         keys = np.broadcast_to(np.arange(n), (rows, n))
     order = descending_order(weights)
     assign = _deal(weights, keys, order, num_bins, per_bin)
-    if per_bin > 1:
+    # Distinct keys never clash. And two items per bin dealt without clashes are the heaviest
+    # item paired with the lightest, the i-th with the i-th, where no swap between two bins
+    # lowers the heavier (as groups onto nodes at v3-prefill: 8 groups, 4 nodes).
+    if per_bin > 1 and not distinct:
         _repair(weights, keys, assign)
-    if per_bin > 1 and num_bins > 1:
+    if per_bin > 1 and num_bins > 1 and not (distinct and per_bin == 2):
         # Rows already within GOOD_ENOUGH of their bound (mean bin, heaviest item) skip the swaps.
         bound = item_bound(weights, num_bins) * (1 + GOOD_ENOUGH)
-        _improve(weights, keys, assign, max_rounds, pairs, bound if floor is None else np.maximum(bound, floor))
+        target = bound if floor is None else np.maximum(bound, floor)
+        narrow = None if spread == 1 else weights.max(axis=1) > weights.sum(axis=1) / num_bins * _WIDE_ITEM
+        if narrow is None or narrow.all():
+            _improve(weights, keys, assign, max_rounds, pairs, target)
+        elif not narrow.any():
+            _improve(weights, keys, assign, max_rounds, pairs, target, spread)
+        else:  # rows are improved one by one, so each group on its own gives the same
+            for part, width in ((np.flatnonzero(~narrow), spread), (np.flatnonzero(narrow), 1)):
+                sub = assign[part]
+                _improve(weights[part], keys[part], sub, max_rounds, pairs, target[part], width)
+                assign[part] = sub
     return assign
 
 
@@ -107,25 +136,25 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
     spread = sums[:, :, 0] - sums[:, :, m - 1]
     # Partials as rows of [X * S, m] (and spreads as [X * S]) views: one flat index per access.
     sums2, spread1, rs = sums.reshape(X * S, m), spread.reshape(-1), r * S
+    off = rc * m  # row offsets into an [X, m] array
     # The merges are decided on the sums alone; the items follow afterwards (see below).
     steps = []
     for left in range(S, 1, -1):
-        # The two largest spreads, ties to the lower partial (a stable descending sort's first
-        # two): two argmax are cheaper than a sort.
-        cur = spread[:, :left].copy()
-        a = cur.argmax(axis=1)
-        cur.reshape(-1)[r * left + a] = -np.inf
-        b = cur.argmax(axis=1)
+        # The two largest spreads, ties to the lower partial: a stable descending sort's first two.
+        top = np.argsort(-spread[:, :left], axis=1, kind="stable")
+        a, b = top[:, 0], top[:, 1]
+        ia, ib, il = rs + a, rs + b, rs + (left - 1)
         lo, hi, last = np.minimum(a, b), np.maximum(a, b), left - 1
-        sa, sb = sums2[rs + a], sums2[rs + b]
+        ilo, ihi = np.minimum(ia, ib), np.maximum(ia, ib)
+        sa, sb = sums2[ia], sums2[ib]
         oa = np.argsort(-sa, axis=1, kind="stable")
         ob = np.argsort(sb, axis=1, kind="stable")
-        new_sum = take_rows(sa, oa) + take_rows(sb, ob)
+        new_sum = np.take(sa, oa + off) + np.take(sb, ob + off)
         steps.append((a, b, lo, hi, last, oa, ob))
-        sums2[rs + hi] = sums2[rs + last]
-        sums2[rs + lo] = new_sum
-        spread1[rs + hi] = spread1[rs + last]
-        spread1[rs + lo] = new_sum.max(axis=1) - new_sum.min(axis=1)
+        sums2[ihi] = sums2[il]
+        sums2[ilo] = new_sum
+        spread1[ihi] = spread1[il]
+        spread1[ilo] = new_sum.max(axis=1) - new_sum.min(axis=1)
     # A code is partial * m + bin. Compose the merges backwards: g[x, code] is the final bin
     # of a code before a merge, from one partial whose bins are final. The tables shrink with
     # the partials, so this costs about half of relabelling every item at every merge.
@@ -165,10 +194,11 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
     # (bin, key) codes: a row has a clash iff two of its codes are equal.
     span = int(keys.max(initial=0)) + 1
     bin_code = (np.arange(B) * span)[:, None]
-    for _ in range(B * S):
+    for step in range(B * S):
         if rows.size == 0:
             return
-        k = take_rows(keys[rows], assign[rows])
+        # The first pass looks at every row: no copies of the whole arrays for it.
+        k = take_rows(keys, assign) if step == 0 else take_rows(keys[rows], assign[rows])
         # Few rows clash: find them by sorting codes (a tenth of the pairwise test's time),
         # and locate the clashes in those rows only.
         code = np.sort((k + bin_code).reshape(len(rows), -1), axis=1)
@@ -240,12 +270,17 @@ def _improve(
     max_rounds: int,
     pairs: int,
     target: np.ndarray | None = None,
+    spread: int = 1,
 ) -> None:
     rows, num_bins, per_bin = assign.shape
     if num_bins < 2:
         return  # one bin (e.g. a node of one gpu): nothing to swap with
     # Only the heaviest bins decide the objective; pairing a few of them is most of the gain.
     half = min(num_bins // 2, pairs)
+    # Light bins each heavy bin may swap with, disjoint between heavy bins so that a round's
+    # swaps never touch one bin twice: heavy bin i takes the i-th, (i + half)-th, ... lightest.
+    spread = max(1, min(spread, (num_bins - half) // half))
+    light = (np.arange(half)[:, None] + half * np.arange(spread)).reshape(-1)
     w = take_rows(weights, assign)  # [X, B, S] kept in step with assign
     k = take_rows(keys, assign)
     wide = min(num_bins - 1, _WIDE)
@@ -262,7 +297,7 @@ def _improve(
             return
         srt = np.argsort(load, axis=1, kind="stable")
         # Cheap round: i-th heaviest with i-th lightest, all pairs at once.
-        heavy, partner = srt[:, ::-1][:, :half], srt[:, :half, None]
+        heavy, partner = srt[:, ::-1][:, :half], srt[:, light].reshape(-1, half, spread)
         # Bins already at or below the target are left alone: swaps there only cost moves.
         floor = None if target is None else target[active]
         found = _swap_best(assign, w, k, load, active, heavy, partner, floor)
@@ -306,25 +341,31 @@ def _swap_best(
     per_bin = w.shape[2]
     A, H = heavy.shape
     B, C = w.shape[1], partners.shape[2]
-    lh_all = take_rows(load, heavy)  # [A, H]
-    hit = np.zeros(A * H, dtype=bool)
+    # The heavy bin and its partners' loads in one gather: [A, H, 1 + C].
+    both = np.concatenate([heavy[:, :, None], partners], axis=2)
+    lb = take_rows(load, both)
+    # Bins as flat indices into [X * B] (rows of [X * B, S] views): every gather below is one
+    # flat index array (the fast path).
+    fb = both + (rows * B)[:, None, None]
     # Only (row, heavy bin) pairs above the floor can swap (a re-plan's targets leave few):
-    # the item grids are built for those pairs alone. Pairs are flat indices into [A, H], so
-    # that every gather below is one flat index array (the fast path).
-    pair = np.flatnonzero(lh_all > floor[:, None]) if floor is not None else np.arange(A * H)
-    if pair.size == 0:
-        return hit.reshape(A, H)
-    P = pair.size
+    # the item grids are built for those pairs alone, flat indices into [A, H].
+    pair = None
+    if floor is not None:
+        above = lb[:, :, 0] > floor[:, None]
+        if not above.all():
+            pair = np.flatnonzero(above)
+            if pair.size == 0:
+                return above
+            lb, fb = lb.reshape(A * H, 1 + C)[pair], fb.reshape(A * H, 1 + C)[pair]
+    lb, fb = lb.reshape(-1, 1 + C), fb.reshape(-1, 1 + C)
+    P = lb.shape[0]
     ar = np.arange(P)
-    pa = pair // H
-    xr, hb, pb = rows[pa], heavy.reshape(-1)[pair], partners.reshape(A * H, C)[pair]  # [P], [P], [P, C]
-    # Bins as rows of [X * B, S] views.
     w2, k2 = w.reshape(-1, per_bin), k.reshape(-1, per_bin)
-    fh, fp = xr * B + hb, xr[:, None] * B + pb
+    fh, fp = fb[:, 0], fb[:, 1:]
     wh, kh = w2[fh], k2[fh]  # [P, S]
     wp = w2[fp]  # [P, C, S]
-    lh = lh_all.reshape(-1)[pair][:, None, None, None]
-    lp = np.take(load, pa[:, None] * B + pb)[:, None, :, None]
+    lh = lb[:, :1, None, None]
+    lp = lb[:, None, 1:, None]
     # Swapping items i (heavy bin) and j (partner) moves d = w_i - w_j; the pair's new maximum
     # is (lh + lp) / 2 + |d - (lh - lp) / 2|, an improvement iff that deviation is below
     # (lh - lp) / 2. So score by deviation plus lp / 2 (lh is fixed per heavy bin).
@@ -339,25 +380,25 @@ def _swap_best(
     dev += lp * 0.5
     dev[bad] = np.inf
     score = dev.reshape(P, -1)
-    width = score.shape[1]
     # Check the best swap for a key clash; only pairs where it clashes look further.
     best = score.argmin(axis=1)
-    found = np.isfinite(score.reshape(-1)[ar * width + best])
+    found = np.isfinite(score.min(axis=1))
     i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
-    kp = k2[fp.reshape(-1)[ar * C + c]]  # [P, S]: the chosen partner bin's keys
+    fq = fp.reshape(-1)[ar * C + c]  # the chosen partner bins
+    kp = k2[fq]  # [P, S]: their keys
     key_h = kh.reshape(-1)[ar * per_bin + i]
     key_p = kp.reshape(-1)[ar * per_bin + j]
     clash = found & ((kp == key_h[:, None]).any(axis=1) | (kh == key_p[:, None]).any(axis=1))
     if clash.any():
         cp = np.flatnonzero(clash)
         found[cp], best[cp] = _best_free(score[cp], kh[cp], k2[fp[cp]])
-    hit[pair] = found
+        i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
+        fq = fp.reshape(-1)[ar * C + c]
     if found.any():
         sel = np.flatnonzero(found)
-        i, c, j = np.unravel_index(best[sel], (per_bin, C, per_bin))
         # Flat positions of the two items: distinct bins, each bin in at most one swap.
-        ph_ = fh[sel] * per_bin + i
-        pp_ = fp.reshape(-1)[sel * C + c] * per_bin + j
+        ph_ = fh[sel] * per_bin + i[sel]
+        pp_ = fq[sel] * per_bin + j[sel]
         for arr in (assign, w, k):
             if arr.flags.c_contiguous:
                 flat = arr.reshape(-1)  # a view
@@ -365,10 +406,15 @@ def _swap_best(
                 flat[ph_] = flat[pp_]
                 flat[pp_] = tmp
             else:  # a caller's non-contiguous assign
-                x, bh, bp = xr[sel], hb[sel], pb.reshape(-1)[sel * C + c]
-                tmp = arr[x, bh, i].copy()
-                arr[x, bh, i] = arr[x, bp, j]
-                arr[x, bp, j] = tmp
+                x, bh = np.divmod(fh[sel], B)
+                bp = fq[sel] % B
+                tmp = arr[x, bh, i[sel]].copy()
+                arr[x, bh, i[sel]] = arr[x, bp, j[sel]]
+                arr[x, bp, j[sel]] = tmp
+    if pair is None:
+        return found.reshape(A, H)
+    hit = np.zeros(A * H, dtype=bool)
+    hit[pair] = found
     return hit.reshape(A, H)
 
 
