@@ -178,7 +178,10 @@ def choose(
             targets = [
                 np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL
             ]
-            more = candidates(loads, old, fresh, topology, targets, by_node, False, workers)
+            # Only the order that starts with count moves, a third of the work: on these shallow
+            # targets it gave the same rows as the best of three on 74-97 % of the rows and
+            # 0.1-2.1 % more slots in all (drift_bench sequences with a 5 % budget, 5 steps).
+            more = candidates(loads, old, fresh, topology, targets, by_node, False, workers, every_order=False)
             # Fresh aligned stays last.
             names = names[:-1] + more[0] + names[-1:]
             cands, imb, moves = (np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:]))
