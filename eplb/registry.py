@@ -170,8 +170,10 @@ def _fresh_for_replan(
         nodes = load.reshape(topology.num_layers, topology.num_nodes, -1).mean(axis=2).max(axis=1)
         mean = load.mean(axis=1)
         bound = np.maximum(bound, np.divide(nodes, mean, out=np.ones_like(mean), where=mean > 0))
-    tolerance = min(migration.tolerance, float(topology.num_gpus - 1))
-    done, reach = near_bound(first, bound, float(opts.gap), tolerance)
+    most = float(topology.num_gpus - 1)
+    done, reach = near_bound(
+        first, bound, float(opts.gap), min(migration.tolerance, most), min(migration.layer_tolerance, most)
+    )
     rest = np.flatnonzero(~done)
     phy2log, search, notes = result.phy2log.copy(), SearchStats(), result.notes
     if rest.size:

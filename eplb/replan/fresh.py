@@ -26,11 +26,18 @@ NEAR_BOUND = 0.25
 
 
 def near_bound(
-    first_imb: np.ndarray, bound_imb: np.ndarray, gap: float, tolerance: float
+    first_imb: np.ndarray, bound_imb: np.ndarray, gap: float, tolerance: float, layer_tolerance: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """``first_imb``, ``bound_imb`` ``[L]``: the first plan's imbalance and the lower bound's →
     ``[L]`` whether the layer needs no search (its first plan within ``NEAR_BOUND * tolerance``
     of ``bound * (1 + gap)``) and ``[L]`` its yardstick there: the first plan's imbalance where
-    it is within the gap (the search leaves it as it is), else the bound."""
+    it is within the gap (the search leaves it as it is), else the bound.
+
+    The first plan stays that layer's fresh placement, which a re-plan may always take, so it
+    must itself meet the tolerances against any full plan: within ``(1 + tolerance)`` and
+    ``(1 + layer_tolerance)`` of the bound."""
     reach = bound_imb * (1.0 + gap)
-    return first_imb <= reach * (1.0 + NEAR_BOUND * tolerance), np.where(first_imb <= reach, first_imb, bound_imb)
+    near = first_imb <= np.minimum(
+        reach * (1.0 + NEAR_BOUND * tolerance), bound_imb * (1.0 + min(tolerance, layer_tolerance))
+    )
+    return near, np.where(first_imb <= reach, first_imb, bound_imb)

@@ -238,7 +238,7 @@ def test_a_replan_searches_only_the_layers_whose_first_plan_is_far_from_the_boun
     prev = eplb.rebalance(loads[::-1].copy(), topo, "global").placement
     first = eplb.rebalance(loads, topo, "global", effort="fast")
     fresh = eplb.rebalance(loads, topo, "global")
-    done, yardstick = near_bound(first.imbalance, first.imbalance_lb, PlanOptions().gap, 0.01)
+    done, yardstick = near_bound(first.imbalance, first.imbalance_lb, PlanOptions().gap, 0.01, 0.05)
     assert done[::2].all() and not done.all()
     plan = eplb.rebalance(loads, topo, "global", previous=prev)
     # Only the other layers were searched, and the yardstick is never above a full fresh
