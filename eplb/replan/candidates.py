@@ -259,7 +259,8 @@ def _best_order(
 ) -> np.ndarray:
     """``cand`` ``[R, B, S]`` (``phy`` recounted, or ``phy`` itself) repaired towards ``tgt``
     ``[R]`` in two orders (three with few slots per gpu), the best per row (fewest slots
-    rewritten from ``phy``); without ``every_order`` only the one that starts with count moves."""
+    rewritten from ``phy``); without ``every_order`` only the one that starts with count moves
+    (all three with few slots per gpu, where it loses most often)."""
     rows = cand.shape[0]
     # Two orders, the better per row: count moves that relieve every gpu of an expert that
     # grew (one slot, see ``eplb.replan.moves``) then ejection chains (k bins with k + 1), or
@@ -276,10 +277,11 @@ def _best_order(
         c[dist] = sub
     # Rows without a count move take chains first.
     counted = _finish(loads, c, tgt, cap, chains=True)
-    if not every_order:
+    few = phy.shape[2] <= _CHAINS_FIRST_SLOTS
+    if not every_order and not few:
         return counted
     outs = [counted, _finish(loads, cand.copy(), tgt, cap, chains=False)]
-    if phy.shape[2] <= _CHAINS_FIRST_SLOTS:
+    if few:
         outs.append(_finish(loads, cand.copy(), tgt, cap, chains=True))
     # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
     # compared per row (a sort by keys), so a row's pick never depends on the other rows. Ties
