@@ -299,8 +299,14 @@ def _to_global(local: np.ndarray, node_exp: np.ndarray | None, prev: np.ndarray,
     S, rows = t.slots_per_gpu, local.shape[0]
     if node_exp is not None:
         local = np.take_along_axis(node_exp, local.reshape(rows, -1), axis=1)
-    # A run of swaps can take an expert off a gpu and bring it back to another slot.
-    return align_slots(local.reshape(-1, S), prev.reshape(-1, S)).reshape(t.num_layers, t.num_slots)
+    # A run of swaps can take an expert off a gpu and bring it back to another slot. A gpu
+    # whose slots all hold what they held already is aligned as it is (most of them).
+    new, old = local.reshape(-1, S), prev.reshape(-1, S)
+    out = new.astype(prev.dtype, copy=True)
+    moved = np.flatnonzero((new != old).any(axis=1))
+    if moved.size:
+        out[moved] = align_slots(new[moved], old[moved])
+    return out.reshape(t.num_layers, t.num_slots)
 
 
 def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool) -> np.ndarray:
