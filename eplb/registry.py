@@ -20,9 +20,11 @@ import numpy as np
 
 from . import metrics
 from .loads import check_loads
+from .place.anytime import PlanOptions
 from .placement import Placement
 from .plan import Plan, SearchStats, SolverStats
 from .replan.choose import Migration, choose
+from .replan.fresh import near_bound
 from .topology import Topology
 
 __all__ = [
@@ -157,6 +159,42 @@ def get_policy(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(policies())}") from None
 
 
+def _fresh_for_replan(
+    spec: PolicySpec, loads: np.ndarray, topology: Topology, opts: PlanOptions, migration: Migration, bound: np.ndarray
+) -> tuple[PolicyResult, np.ndarray | None]:
+    """A re-plan's fresh plan ``[L, P]`` and yardstick ``[L]`` (imbalance; ``None``: the fresh
+    plan's own): the first plan everywhere, then the policy's full plan on the layers whose
+    first plan is not near their bound (``eplb.replan.fresh``); the others measure against the
+    bound plus the search's gap."""
+    result = spec.fn(loads, topology, dataclasses.replace(opts, effort="fast"))
+    if not isinstance(result, PolicyResult):
+        return result, None  # rebalance names the error
+    load = metrics.gpu_loads(loads, Placement(result.phy2log, topology))
+    first = metrics.imbalance(load)
+    if result.groups_on_nodes and topology.num_nodes > 1:
+        # The search keeps the first plan's groups on their nodes, so a layer's busiest node's
+        # mean gpu load is a floor for it too (the search stops there as well).
+        nodes = load.reshape(topology.num_layers, topology.num_nodes, -1).mean(axis=2).max(axis=1)
+        mean = load.mean(axis=1)
+        bound = np.maximum(bound, np.divide(nodes, mean, out=np.ones_like(mean), where=mean > 0))
+    most = float(topology.num_gpus - 1)
+    done, reach = near_bound(
+        first, bound, float(opts.gap), min(migration.tolerance, most), min(migration.layer_tolerance, most)
+    )
+    rest = np.flatnonzero(~done)
+    phy2log, search, notes = result.phy2log.copy(), SearchStats(), result.notes
+    if rest.size:
+        # The policy that planned the first plan (auto names the one it chose), so that every
+        # layer keeps the same grouping.
+        full = get_policy(result.policy_used).fn(loads[rest], topology.with_layers(rest.size), opts)
+        phy2log[rest] = full.phy2log
+        search = full.search or search
+        notes += full.notes
+    fresh_imb = metrics.imbalance(metrics.gpu_loads(loads, Placement(phy2log, topology)))
+    yardstick = np.where(done, reach, fresh_imb)
+    return dataclasses.replace(result, phy2log=phy2log, notes=notes, search=search), yardstick
+
+
 def rebalance(
     loads: object,
     topology: Topology,
@@ -184,7 +222,12 @@ def rebalance(
             raise ValueError(f"previous placement is for {previous.topology}, not {topology}")
     opts, migration = spec.parse(options)
     start = time.perf_counter()
-    result = spec.fn(arr, topology, opts)
+    bound = metrics.imbalance_lb(arr, topology)
+    reference = None
+    if previous is not None and migration is not None and isinstance(opts, PlanOptions) and opts.effort != "fast":
+        result, reference = _fresh_for_replan(spec, arr, topology, opts, migration, bound)
+    else:
+        result = spec.fn(arr, topology, opts)
     if not isinstance(result, PolicyResult):
         raise PolicyError(f"policy {policy!r} returned {type(result).__name__}, not a PolicyResult")
     try:
@@ -195,7 +238,8 @@ def rebalance(
     if previous is not None and migration is not None:
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))
-        phy2log, replan, more = choose(arr, previous, phy2log, topology, migration, result.groups_on_nodes, workers)
+        by_node = result.groups_on_nodes
+        phy2log, replan, more = choose(arr, previous, phy2log, topology, migration, by_node, workers, reference)
         notes += more
     elif previous is not None:
         notes += (f"policy {policy!r} plans from scratch: moves are counted against previous, not kept low",)
@@ -210,7 +254,7 @@ def rebalance(
         policy=policy,
         policy_used=result.policy_used,
         imbalance=metrics.imbalance(load),
-        imbalance_lb=metrics.imbalance_lb(arr, topology),
+        imbalance_lb=bound,
         balancedness=metrics.balancedness(load),
         moves=moves,
         gpu_load=load,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import REL_TOL, bin_loads, distinct_rows, replica_counts
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts
 from ..place.counts import refine_counts
 from ..place.packing import swap_improve
 from ..place.replicate import replica_cap, waterfill
@@ -25,6 +25,14 @@ from .pick import score
 
 __all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
 
+# Repairs try ejection chains without count moves first (besides count moves then chains, and
+# rotations first) only on rows of at most this many slots per gpu. Elsewhere that order won
+# a third of the rows it was tried on but saved 0.3 % of the slots at kimi-64 and 0.5 % at
+# v3-prefill (drift 0.05 and 0.2, 3 steps each) for one of three repair passes; with two
+# slots per gpu it saved 0.75 points of the slots over 5 re-plans across v3-decode-144's
+# shift (drift_bench --steps 6).
+_CHAINS_FIRST_SLOTS = 2
+
 
 def repair_previous(
     loads: np.ndarray,
@@ -34,6 +42,7 @@ def repair_previous(
     by_node: bool,
     fresh: np.ndarray | None = None,
     give_up: float | None = None,
+    every_order: bool = True,
 ) -> dict[str, np.ndarray]:
     """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
     ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
@@ -50,7 +59,7 @@ def repair_previous(
 
     ``give_up``: rows (layers, or nodes of a layer) whose busiest gpu is more than this many
     times their target are left as they are in the repair that keeps the counts (see
-    ``_repair_rows``); ``None``: every row is repaired.
+    ``_repair_rows``); ``None``: every row is repaired. ``every_order``: see ``_best_order``.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
@@ -58,17 +67,21 @@ def repair_previous(
     node_exp = _node_experts(prev, t) if by_node and t.num_nodes > 1 else None
     if node_exp is None:
         phy = prev.reshape(L, t.num_gpus, S).astype(np.int64)
-        repaired = _repair_rows(loads, phy, target, None, None, t, give_up=give_up)
+        repaired = _repair_rows(loads, phy, target, None, None, t, give_up=give_up, every_order=every_order)
         out = {"repaired": _to_global(repaired[0], None, prev, t)}
         if fresh is not None:
             counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
-            recounted = _repair_rows(loads, phy, target, counts, None, t, like=repaired, give_up=give_up)
+            recounted = _repair_rows(
+                loads, phy, target, counts, None, t, like=repaired, give_up=give_up, every_order=every_order
+            )
             out["recounted"] = _to_global(recounted[0], None, prev, t)
         return out
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
-    repaired = _repair_rows(loads, phy, target, None, node_exp, t, give_up=give_up)
-    recounted = _repair_rows(loads, phy, target, True, node_exp, t, like=repaired, give_up=give_up)
+    repaired = _repair_rows(loads, phy, target, None, node_exp, t, give_up=give_up, every_order=every_order)
+    recounted = _repair_rows(
+        loads, phy, target, True, node_exp, t, like=repaired, give_up=give_up, every_order=every_order
+    )
     out = {
         "repaired": _to_global(repaired[0], node_exp, prev, t),
         "recounted": _to_global(recounted[0], node_exp, prev, t),
@@ -85,7 +98,9 @@ def repair_previous(
         swapped = nxt
     if swapped is not None:
         # Only the nodes that swapped a group start anywhere else than the recount did.
-        regrouped = _repair_rows(loads, phy, target, True, swapped, t, like=recounted, give_up=give_up)
+        regrouped = _repair_rows(
+            loads, phy, target, True, swapped, t, like=recounted, give_up=give_up, every_order=every_order
+        )
         out["regrouped"] = _to_global(regrouped[0], swapped, prev, t)
     return out
 
@@ -99,6 +114,7 @@ def _repairs(
     fresh: np.ndarray,
     pad: bool = False,
     give_up: float | None = None,
+    every_order: bool = True,
 ) -> tuple[list[tuple[str, np.ndarray]], bool]:
     """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
     pairs, target by target, and whether any layer swapped groups between nodes. The targets
@@ -110,7 +126,14 @@ def _repairs(
     stacked = topology.with_layers(K * L)
     prev = Placement(np.tile(previous.phy2log, (K, 1)), stacked)
     out = repair_previous(
-        np.tile(loads, (K, 1)), prev, stacked, np.concatenate(targets), by_node, np.tile(fresh, (K, 1)), give_up
+        np.tile(loads, (K, 1)),
+        prev,
+        stacked,
+        np.concatenate(targets),
+        by_node,
+        np.tile(fresh, (K, 1)),
+        give_up,
+        every_order,
     )
     swapped = "regrouped" in out
     if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
@@ -121,15 +144,15 @@ def _repairs(
 def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
     ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
-    ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``) and ``give_up``
-    (see ``repair_previous``). Also whether any layer swapped groups.
+    ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``), ``give_up`` and
+    ``every_order`` (see ``repair_previous``). Also whether any layer swapped groups.
     Layers are independent here, so a chunk's rows equal those of all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad, give_up = job
+    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order = job
     previous = Placement(old, topology)
     ways = [("kept", old)] if ends else []
     swapped = False
     if targets:
-        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad, give_up)
+        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order)
         ways += repaired
     if ends:
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
@@ -146,17 +169,19 @@ def candidates(
     ends: bool,
     workers: int,
     give_up: float | None = None,
+    every_order: bool = True,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``:
     in this process, or in ``workers`` processes, each taking an equal share of the layers (the
-    same result: any split gives it). ``give_up``: see ``repair_previous``."""
+    same result: any split gives it). ``give_up``, ``every_order``: see ``repair_previous``."""
     L = topology.num_layers
     step = -(-L // min(workers, L))
     jobs, pad = [], step < L
     for a in range(0, L, step):
         b = min(a + step, L)
         chunk = topology.with_layers(b - a)
-        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, [t[a:b] for t in targets], by_node, ends, pad, give_up))
+        tg = [t[a:b] for t in targets]
+        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order))
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
     names = parts[0][0]
     keep = np.ones(len(names), dtype=bool)
@@ -176,13 +201,14 @@ def _repair_rows(
     t: Topology,
     like: tuple[np.ndarray, ...] | None = None,
     give_up: float | None = None,
+    every_order: bool = True,
 ) -> tuple[np.ndarray, ...]:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
     ``[R, E]`` (``True``: water-filling within each row), then the best per row of three
     orders of rotations, ejection chains, count repairs, swaps and count moves.
-    Returns the repaired rows ``[R, B, S]`` (local ids), the rows it started from and their
-    loads ``[R, E/N]``.
+    Returns the repaired rows ``[R, B, S]`` (local ids), the rows it started from, their
+    loads ``[R, E/N]`` and the targets they aimed at ``[R]``.
 
     Rows are independent, so a row that starts where it did in ``like`` (an earlier result of
     this function for the same targets), with the same loads, ends there too: only the other
@@ -195,8 +221,15 @@ def _repair_rows(
     S = t.slots_per_gpu
     bins = phy.shape[1]
     if node_exp is not None:
-        tgt = np.repeat(target, t.num_nodes)
-        row_loads = np.take_along_axis(np.repeat(loads, t.num_nodes, axis=0), node_exp, axis=1)
+        N = t.num_nodes
+        row_loads = np.take_along_axis(np.repeat(loads, N, axis=0), node_exp, axis=1)
+        # No repair within a node takes a gpu below its node's mean, so where the layer's
+        # busiest node's mean is above the target its rows aim at that mean (plus the search's
+        # gap) instead: a target that is out of reach kept the busiest node's row searching to
+        # the end and the others moving slots that do not lower the layer's busiest gpu
+        # (v3-prefill: 13 % of the rows, 45 % of their moved slots).
+        forced = (row_loads.sum(axis=1) / bins).reshape(-1, N).max(axis=1) * (1 + GOOD_ENOUGH)
+        tgt = np.repeat(np.maximum(target, forced), N)
     else:
         tgt, row_loads = target, loads
     cap = replica_cap(row_loads.shape[1], bins * S, bins)
@@ -212,42 +245,48 @@ def _repair_rows(
         todo &= (top <= give_up * tgt) | (start != phy).any(axis=(1, 2))
     out = start.copy()
     if like is not None:
-        same = (start == like[1]).all(axis=(1, 2)) & (row_loads == like[2]).all(axis=1)
+        same = (start == like[1]).all(axis=(1, 2)) & (row_loads == like[2]).all(axis=1) & (tgt == like[3])
         out[same] = like[0][same]
         todo &= ~same
     rows = np.flatnonzero(todo)
     if rows.size:
-        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap)
-    return out, start, row_loads
+        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order)
+    return out, start, row_loads, tgt
 
 
-def _best_order(loads: np.ndarray, phy: np.ndarray, cand: np.ndarray, tgt: np.ndarray, cap: int | None) -> np.ndarray:
+def _best_order(
+    loads: np.ndarray, phy: np.ndarray, cand: np.ndarray, tgt: np.ndarray, cap: int | None, every_order: bool = True
+) -> np.ndarray:
     """``cand`` ``[R, B, S]`` (``phy`` recounted, or ``phy`` itself) repaired towards ``tgt``
-    ``[R]`` in three orders, the best per row (fewest slots rewritten from ``phy``)."""
+    ``[R]`` in two orders (three with few slots per gpu), the best per row (fewest slots
+    rewritten from ``phy``); without ``every_order`` only the one that starts with count moves
+    (all three with few slots per gpu, where it loses most often)."""
     rows = cand.shape[0]
-    # Three orders, the best per row: rotations first (two bins above the target fixed with
-    # three slots), ejection chains first (k bins with k + 1), or count moves that relieve
-    # every gpu of an expert that grew (one slot, see ``eplb.replan.moves``) before the chains; each
-    # then swaps (one bin with two) and count moves. Chains use the room below the target
-    # tightly and can strand a bin far above it that then costs several swaps, and count moves
-    # can leave donors' gpus in the way, so no order wins every row (measured).
-    outs = [_finish(loads, cand.copy(), tgt, cap, chains=False)]
-    outs.append(_finish(loads, cand.copy(), tgt, cap, chains=True))
-    counted = outs[1].copy()
+    # Two orders, the better per row: count moves that relieve every gpu of an expert that
+    # grew (one slot, see ``eplb.replan.moves``) then ejection chains (k bins with k + 1), or
+    # rotations first (two bins above the target fixed with three slots); each then swaps
+    # (one bin with two) and count moves. Chains use the room below the target tightly and
+    # can strand a bin far above it that then costs several swaps, and count moves can leave
+    # donors' gpus in the way, so neither wins every row (measured). A third order, chains
+    # without the count moves first, runs only with few slots per gpu (``_CHAINS_FIRST_SLOTS``).
+    c = cand.copy()
     if cap is not None:
-        c = cand.copy()
         dist = np.flatnonzero(distinct_rows(cand))
         sub = c[dist]
         count_repair(loads[dist], sub, tgt[dist], cap)
         c[dist] = sub
-        # Rows without a count move would only repeat the chains-first order.
-        moved = np.flatnonzero((c != cand).any(axis=(1, 2)))
-        if moved.size:
-            counted[moved] = _finish(loads[moved], c[moved], tgt[moved], cap, chains=True)
-    outs.append(counted)
+    # Rows without a count move take chains first.
+    counted = _finish(loads, c, tgt, cap, chains=True)
+    few = phy.shape[2] <= _CHAINS_FIRST_SLOTS
+    if not every_order and not few:
+        return counted
+    outs = [counted, _finish(loads, cand.copy(), tgt, cap, chains=False)]
+    if few:
+        outs.append(_finish(loads, cand.copy(), tgt, cap, chains=True))
     # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
-    # compared per row (a sort by keys), so a row's pick never depends on the other rows.
-    busiest = np.stack([bin_loads(loads, c).max(axis=1) for c in outs])  # [3, R]
+    # compared per row (a sort by keys), so a row's pick never depends on the other rows. Ties
+    # go to the order that starts with count moves.
+    busiest = np.stack([bin_loads(loads, c).max(axis=1) for c in outs])  # [orders, R]
     moved_slots = np.stack([(c != phy).sum(axis=(1, 2)) for c in outs])
     missed = busiest > tgt * (1 + REL_TOL)
     best = np.lexsort((busiest, moved_slots, missed), axis=0)[0]
@@ -260,8 +299,14 @@ def _to_global(local: np.ndarray, node_exp: np.ndarray | None, prev: np.ndarray,
     S, rows = t.slots_per_gpu, local.shape[0]
     if node_exp is not None:
         local = np.take_along_axis(node_exp, local.reshape(rows, -1), axis=1)
-    # A run of swaps can take an expert off a gpu and bring it back to another slot.
-    return align_slots(local.reshape(-1, S), prev.reshape(-1, S)).reshape(t.num_layers, t.num_slots)
+    # A run of swaps can take an expert off a gpu and bring it back to another slot. A gpu
+    # whose slots all hold what they held already is aligned as it is (most of them).
+    new, old = local.reshape(-1, S), prev.reshape(-1, S)
+    out = new.astype(prev.dtype, copy=True)
+    moved = np.flatnonzero((new != old).any(axis=1))
+    if moved.size:
+        out[moved] = align_slots(new[moved], old[moved])
+    return out.reshape(t.num_layers, t.num_slots)
 
 
 def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool) -> np.ndarray:

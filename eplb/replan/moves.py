@@ -168,12 +168,12 @@ def count_repair(
         # Gainers: relief each could give to the bins above the target.
         shed = np.where(cnt < cap, lo / np.maximum(cnt, 1) - lo / (cnt + 1), 0.0)  # [A, E]
         relief = per_expert(np.minimum(excess[:, :, None], shed[ra[:, None, None], sub]))
-        gain = np.argsort(-relief, axis=1, kind="stable")[:, :H]  # [A, H]
+        gain = _first_smallest(-relief, H)  # [A, H]
         # Donors: replicated experts whose bins would go least above the target.
         take = np.where(cnt >= 2, lo / np.maximum(cnt - 1, 1) - w, 0.0)  # [A, E]
         harm = per_expert(np.maximum(load[:, :, None] + take[ra[:, None, None], sub] - tgt[:, :, None], 0.0))
         harm = np.where(cnt >= 2, harm + 1e-9 * take, np.inf)
-        don = np.argsort(harm, axis=1, kind="stable")[:, :D]  # [A, D]
+        don = _first_smallest(harm, D)  # [A, D]
         d_h = shed[ra[:, None], gain]  # [A, H]
         t_f = take[ra[:, None], don]  # [A, D]
         t_ok = np.isfinite(harm[ra[:, None], don])  # fewer than D replicated experts: no donors
@@ -183,27 +183,54 @@ def count_repair(
         holds[flat, np.tile(np.repeat(np.arange(B), S), A)] = True
         Hh = holds[ra[:, None] * E + gain]  # [A, H, B]: bin holds gainer
         Hf = holds[ra[:, None] * E + don]  # [A, D, B]: bin holds donor
-        # [A, H, D, B], before q's own change: the bins holding h shed d_h, those holding f
-        # take t_f (written into one buffer: this is the largest array of the step).
-        new = np.empty((A, H, D, B))
-        np.subtract(load[:, None, None, :], (d_h[:, :, None] * Hh)[:, :, None, :], out=new)
-        new += np.where(Hf, t_f[:, :, None], 0.0)[:, None]
-        over_new = new - tgt[:, :, None, None]
-        np.maximum(over_new, 0.0, out=over_new)
-        tot = over_new.sum(axis=3)  # [A, H, D]
-        cnt_over = np.count_nonzero(over_new, axis=3)
+        # Before q's own change a move (h, f) changes only the bins holding h (they shed d_h)
+        # and those holding f (they take t_f): the excess after it is the current one plus what
+        # h's bins change, what f's bins change, and a correction on the few bins holding both.
+        # So the [A, H, D, B] grid of every bin's new load is never built.
+        t3 = tgt[:, :, None]
+
+        def over(x: np.ndarray) -> np.ndarray:
+            return np.maximum(x - t3, 0.0)
+
+        lb = load[:, None, :]
+        shed_h = lb - d_h[:, :, None]  # [A, H, B]
+        took_f = lb + t_f[:, :, None]  # [A, D, B]
+        tot_h = np.where(Hh, over(shed_h) - over(lb), 0.0).sum(axis=2)  # [A, H]
+        cnt_h = (Hh & (shed_h > t3)).sum(axis=2) - (Hh & (lb > t3)).sum(axis=2)
+        tot_f = np.where(Hf, over(took_f) - over(lb), 0.0).sum(axis=2)  # [A, D]
+        cnt_f = (Hf & (took_f > t3)).sum(axis=2) - (Hf & (lb > t3)).sum(axis=2)
+        tot = excess.sum(axis=1)[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
+        cnt_over = n_over[:, None, None] + cnt_h[:, :, None] + cnt_f[:, None, :]
+        # Bins holding both: they shed d_h and take t_f at once.
+        fa, fd, fq = np.nonzero(Hf & t_ok[:, :, None])
+        ia, ih = np.repeat(fa, H), np.tile(np.arange(H), fa.size)
+        i_d, iq = np.repeat(fd, H), np.repeat(fq, H)
+        both = Hh[ia, ih, iq]
+        ia, ih, i_d, iq = ia[both], ih[both], i_d[both], iq[both]
+        if ia.size:
+            x, tb = load[ia, iq], tgt[ia, 0]
+            xh, xf = x - d_h[ia, ih], x + t_f[ia, i_d]
+            xb = xh + t_f[ia, i_d]
+
+            def ov(v: np.ndarray) -> np.ndarray:
+                return np.maximum(v - tb, 0.0)
+
+            fix = ov(xb) - ov(xh) - ov(xf) + ov(x)
+            fix_n = (xb > tb).astype(np.int64) - (xh > tb) - (xf > tb) + (x > tb)
+            key = (ia * H + ih) * D + i_d
+            tot += np.bincount(key, weights=fix, minlength=A * H * D).reshape(A, H, D)
+            cnt_over += np.bincount(key, weights=fix_n, minlength=A * H * D).reshape(A, H, D).astype(np.int64)
         # Moves (h, f, q) that can be made: q holds f and not h. Few bins hold a given donor,
         # so what q's own change does is worked out for those entries only.
-        fa, fd, fq = np.nonzero(Hf & t_ok[:, :, None])
-        a_, h_ = np.repeat(fa, H), np.tile(np.arange(H), fa.size)
-        d_, q_ = np.repeat(fd, H), np.repeat(fq, H)
+        a_, h_, d_, q_ = np.repeat(fa, H), np.tile(np.arange(H), fa.size), np.repeat(fd, H), np.repeat(fq, H)
         can = ~Hh[a_, h_, q_] & (gain[a_, h_] != don[a_, d_]) & (d_h[a_, h_] > 0)
         a_, h_, d_, q_ = a_[can], h_[can], d_[can], q_[can]
-        # At q the donor's replica (weight w_f, not w_f + t_f) leaves and h's new one arrives.
+        # At q (holding f, not h) the donor's replica leaves and h's new one arrives; before
+        # that q had taken t_f like every bin of f.
         w_h_new = lo[a_, gain[a_, h_]] / (cnt[a_, gain[a_, h_]] + 1)
-        at_q = new[a_, h_, d_, q_] - t_f[a_, d_] - w[a_, don[a_, d_]] + w_h_new
+        at_q = load[a_, q_] - w[a_, don[a_, d_]] + w_h_new
         q_over = np.maximum(at_q - tgt[a_, 0], 0.0)
-        o_q = over_new[a_, h_, d_, q_]
+        o_q = np.maximum(load[a_, q_] + t_f[a_, d_] - tgt[a_, 0], 0.0)
         tot_q = tot[a_, h_, d_] - o_q + q_over  # with q = that bin
         cnt_q = cnt_over[a_, h_, d_] - (o_q > 0) + (q_over > 0)
         good = cnt_q <= (n_over - min_fixed)[a_]
@@ -227,6 +254,22 @@ def count_repair(
         slot = (sub[a, q] == f[:, None]).argmax(axis=1)
         phy[active[a], q, slot] = h
         active = active[moved]
+
+
+def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
+    """``key`` ``[A, E]`` → ``[A, k]``: ``np.argsort(key, axis=1, kind="stable")[:, :k]`` (ties to
+    the lower index) without sorting whole rows: the ``k``-th smallest value splits the row,
+    the ties at it are taken in index order, and only the ``k`` taken are sorted."""
+    A, E = key.shape
+    # On short rows one sort costs less than the steps around the partition (measured).
+    if k >= E or E <= 128:
+        return np.argsort(key, axis=1, kind="stable")[:, :k]
+    kth = np.partition(key, k - 1, axis=1)[:, k - 1 : k]
+    below = key < kth
+    tie = key == kth
+    take = below | (tie & (np.cumsum(tie, axis=1) <= k - below.sum(axis=1, keepdims=True)))
+    idx = np.nonzero(take)[1].reshape(A, k)  # k per row, in index order
+    return np.take_along_axis(idx, np.argsort(np.take_along_axis(key, idx, axis=1), axis=1, kind="stable"), axis=1)
 
 
 def rotate_improve(

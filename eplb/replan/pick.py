@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..metrics import gpu_loads, imbalance
-from ..placement import Placement
+from ..metrics import imbalance
 from ..topology import Topology
 
 __all__ = ["score", "pick_within", "pick"]
@@ -28,10 +27,21 @@ def score(
     # expert; such a layer falls back to the kept one rather than publish an invalid plan.
     E = topology.num_experts
     C, L, P = cands.shape
-    keys = (np.arange(C * L)[:, None] * E + cands.reshape(C * L, P)).ravel()
-    lost = (np.bincount(keys, minlength=C * L * E).reshape(C, L, E) == 0).any(axis=2)
-    cands = np.where(lost[:, :, None], old[None], cands)
-    imb = np.stack([imbalance(gpu_loads(loads, Placement(c, topology))) for c in cands])
+
+    def counts(c: np.ndarray) -> np.ndarray:
+        keys = (np.arange(C * L)[:, None] * E + c.reshape(C * L, P)).ravel()
+        return np.bincount(keys, minlength=C * L * E).reshape(C, L, E)
+
+    cnt = counts(cands)
+    lost = (cnt == 0).any(axis=2)
+    if lost.any():
+        cands = np.where(lost[:, :, None], old[None], cands)
+        cnt = counts(cands)
+    # eplb.metrics.gpu_loads for every candidate at once, the same arithmetic (so the same
+    # values) without building and checking a Placement per candidate.
+    per_replica = loads[None] / np.maximum(cnt, 1)
+    load = np.take_along_axis(per_replica, cands, axis=2).reshape(C, L, topology.num_gpus, -1).sum(axis=3)
+    imb = np.stack([imbalance(x) for x in load])
     moves = (cands != old[None]).sum(axis=2).astype(np.float64)
     return names, cands, imb, moves
 

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eplb
+from eplb.place.anytime import PlanOptions
 from eplb.workloads import SCALES, drift, make_loads
 
 
@@ -225,3 +226,27 @@ def test_replans_in_worker_processes_equal_one_process_at_full_scale(scale: str,
     _same_plan(one, two)
     assert one.total_moves > 0
     assert one.replan.budget_limited == (share is not None)
+
+
+def test_a_replan_searches_only_the_layers_whose_first_plan_is_far_from_the_bound() -> None:
+    from eplb.replan.fresh import near_bound
+
+    topo = eplb.Topology(num_layers=6, num_experts=64, num_slots=80, num_gpus=16)
+    rng = np.random.default_rng(3)
+    # Even layers: near-uniform loads, whose first plan sits at the bound; odd: heavy tails.
+    loads = np.where(np.arange(6)[:, None] % 2 == 0, 1.0 + 0.01 * rng.random((6, 64)), rng.lognormal(0, 1.5, (6, 64)))
+    prev = eplb.rebalance(loads[::-1].copy(), topo, "global").placement
+    first = eplb.rebalance(loads, topo, "global", effort="fast")
+    fresh = eplb.rebalance(loads, topo, "global")
+    done, yardstick = near_bound(first.imbalance, first.imbalance_lb, PlanOptions().gap, 0.01, 0.05)
+    assert done[::2].all() and not done.all()
+    plan = eplb.rebalance(loads, topo, "global", previous=prev)
+    # Only the other layers were searched, and the yardstick is never above a full fresh
+    # plan's (nor below the bound), so the tolerances hold against a full plan.
+    assert plan.search.layers_searched <= int((~done).sum())
+    assert (yardstick[done] <= fresh.imbalance[done] + 1e-12).all()
+    assert (yardstick >= first.imbalance_lb - 1e-12).all()
+    assert (plan.imbalance <= 1.05 * fresh.imbalance + 1e-9).all()
+    assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
+    again = eplb.rebalance(loads, topo, "global", previous=prev, workers=2)
+    assert np.array_equal(again.phy2log, plan.phy2log)
