@@ -34,7 +34,6 @@ __all__ = ["excess_descent", "target_search"]
 # stay smallest or grow least. 16 x 24 reaches 1.031-1.039 on the 256e/192gpu shapes for about
 # 3 000 candidates per layer; 8 x 16 1.036-1.042 for 1 100, 32 x 48 1.029-1.035 for 10 000.
 _GAINERS = 16
-_GAINERS_LIGHT = 4
 _DONORS = 24
 # Relative allowance on the excess and the target (float noise, not a real overshoot).
 _EPS = 1e-12
@@ -70,6 +69,8 @@ def excess_descent(
     target: np.ndarray,
     iterations: int = 64,
     spend: Callable[[int], int] | None = None,
+    gainers: int = _GAINERS,
+    donors: int = _DONORS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Steepest descent on replica counts judged by the excess over ``target``: ``loads``,
     ``counts`` ``[X, E]`` (``2 * bins`` replicas per row, at most ``cap`` per expert) →
@@ -105,13 +106,13 @@ def excess_descent(
         c = counts[active]
         ld = loads[active]
         carried = np.where(c < limit, carried.reshape(A, E), -1.0)
-        g_over = np.argsort(-carried, axis=1, kind="stable")[:, :_GAINERS]
-        g_light = np.argsort(np.where(c < limit, ld * c, np.inf), axis=1, kind="stable")[:, :_GAINERS_LIGHT]
+        g_over = np.argsort(-carried, axis=1, kind="stable")[:, :gainers]
+        g_light = np.argsort(np.where(c < limit, ld * c, np.inf), axis=1, kind="stable")[:, : max(1, gainers // 4)]
         gain = np.concatenate([g_over, g_light], axis=1)
         size_after = np.where(c >= 2, ld / np.maximum(c - 1, 1), np.inf)
-        half = _DONORS // 2
+        half = max(1, donors // 2)
         d1 = np.argsort(size_after, axis=1, kind="stable")[:, :half]
-        d2 = np.argsort(size_after - ld / c, axis=1, kind="stable")[:, : _DONORS - half]
+        d2 = np.argsort(size_after - ld / c, axis=1, kind="stable")[:, : donors - half]
         give = np.concatenate([d1, d2], axis=1)
         ng, nd = gain.shape[1], give.shape[1]
         rows = np.repeat(np.arange(A), ng * nd)
@@ -160,6 +161,8 @@ def target_search(
     steps: int = 8,
     iterations: int = 64,
     spend: Callable[[int], int] | None = None,
+    gainers: int = _GAINERS,
+    donors: int = _DONORS,
 ) -> np.ndarray:
     """``loads``, ``counts`` ``[X, E]`` (``2 * bins`` replicas per row, at most ``cap`` per
     expert) → counts ``[X, E]`` whose paired busiest bin (``paired_max``) is never higher.
@@ -182,7 +185,17 @@ def target_search(
         if rows.size == 0:
             break
         T = np.maximum(hi[rows] * (1 - step[rows]), (lo[rows] + hi[rows]) / 2)
-        got, ex = excess_descent(loads[rows], cur[rows], bins, cap, target=T, iterations=iterations, spend=spend)
+        got, ex = excess_descent(
+            loads[rows],
+            cur[rows],
+            bins,
+            cap,
+            target=T,
+            iterations=iterations,
+            spend=spend,
+            gainers=gainers,
+            donors=donors,
+        )
         cur[rows] = got
         reached = ex <= 0
         r = rows[reached]

@@ -5,6 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import eplb
+from eplb.budget import Budget
+from eplb.layout import bin_loads
 from eplb.place import search
 from eplb.place.excess import excess_descent, target_search
 from eplb.place.pairing import pair_descent, paired_max
@@ -125,3 +127,21 @@ def test_high_effort_at_two_slots_per_gpu_does_not_depend_on_workers(monkeypatch
     monkeypatch.setattr(search, "_TARGET_SHARE", 0.0)
     without = eplb.rebalance(loads, t, "global", effort="high")
     assert one.mean_imbalance < without.mean_imbalance - 0.001
+
+
+def test_search_of_rows_of_their_own_profile_keeps_valid_placements_and_never_gets_worse() -> None:
+    # refine_thorough(excess=True), what rows of a profile of their own get at two slots per
+    # gpu: every gpu holds two different experts, every expert a replica, and no row is worse
+    # than the placement it started from.
+    rng = np.random.default_rng(11)
+    loads = np.round(rng.lognormal(0.0, 1.0, (6, 64)) * 300)
+    loads[:, :8] = 0.0
+    start = eplb.rebalance(loads, eplb.Topology(6, 64, 96, 48), "global", effort="fast")
+    phy = start.phy2log.reshape(6, 48, 2).astype(np.int64)
+    out = search.refine_thorough(loads, phy, 48, Budget(6 * 100_000.0), excess=True)
+    assert (out[:, :, 0] != out[:, :, 1]).all()
+    counts = np.stack([np.bincount(row.ravel(), minlength=64) for row in out])
+    assert (counts >= 1).all() and (counts.sum(axis=1) == 96).all()
+    before = bin_loads(loads, phy).max(axis=1)
+    after = bin_loads(loads, out).max(axis=1)
+    assert (after <= before * (1 + 1e-12)).all() and (after < before).any()
