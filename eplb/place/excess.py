@@ -13,10 +13,13 @@ of how far each is above ``T``. Every move that brings any pair closer to ``T`` 
 descent walks where the busiest pair alone sees a plateau; the row has reached ``T`` when the
 excess is zero. ``T`` steps down from the busiest pair reached towards a lower bound, and each
 descent goes on from where the last one stopped (at a lower ``T`` it got closer than the best
-counts so far). It needs more candidates than the default's budget leaves after the other
-lines (about 3 000 per layer at 256 experts on 192 gpus), so the search runs it last, on what
-is left, at ``effort="high"`` only: it takes the ``bench/shapes_bench.py`` rows of 256 experts
-on 192 gpus with dead experts from 1.0386 to 1.0340 (mixed skew: 1.0422 to 1.0383).
+counts so far). At its full width it needs more candidates than the default's budget leaves
+after the other lines (about 3 000 per layer at 256 experts on 192 gpus), so the search
+(``eplb.place.search.refine_thorough``) runs it two ways: at ``effort="high"`` last, on half
+of what is left (``bench/shapes_bench.py``, 256 experts on 192 gpus with dead experts: 1.0386
+to 1.0340; mixed skew: 1.0422 to 1.0383), and at the default, for rows of a profile of their
+own, narrow (6 gainers x 8 donors) on the second half of the pairing descent's share (1.0405
+to 1.0392 and 1.0408 to 1.0393; 1.0440 to 1.0443 on mixed skew).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ __all__ = ["excess_descent", "target_search"]
 
 # Candidates of one descent step: the experts that carry the most excess (either side of a
 # pair above the target) and the lightest experts gain a replica, from donors whose replicas
-# stay smallest or grow least. 16 x 24 reaches 1.031-1.039 on the 256e/192gpu shapes for about
-# 3 000 candidates per layer; 8 x 16 1.036-1.042 for 1 100, 32 x 48 1.029-1.035 for 10 000.
+# stay smallest or grow least. From where the default stops, with no budget, on the three
+# 256e/192gpu shapes above 1.04: 16 x 24 reaches 1.031-1.039 for about 3 000 candidates per
+# layer, 8 x 16 1.036-1.042 for 1 100, 32 x 48 1.029-1.035 for 10 000.
 _GAINERS = 16
 _DONORS = 24
 # Relative allowance on the excess and the target (float noise, not a real overshoot).
