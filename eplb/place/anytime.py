@@ -286,7 +286,7 @@ def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, deadl
     lone = np.flatnonzero(~twins)
     if lone.size:
         stage = budget.share(lone.size / todo.size)
-        best[lone] = refine_thorough(ld[lone], best[lone], cap, stage, tg[lone], wide=wide)
+        best[lone] = refine_thorough(ld[lone], best[lone], cap, stage, tg[lone], wide=wide, excess=True)
         _spent(budget, stage)
     twin = np.flatnonzero(twins)
     if twin.size and not budget.out():

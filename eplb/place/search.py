@@ -18,6 +18,7 @@ from ..bounds import counts_bound
 from ..budget import Budget
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
 from .counts import refine_counts
+from .excess import target_search
 from .packing import pack_counts
 from .pairing import pair_counts, pair_counts_sweep, pair_descent, paired_max
 from .replicate import count_vectors
@@ -35,6 +36,17 @@ _SCREEN_SLOTS = 128
 _POLISH_SHARE = 1.0
 # Share of what is left after repack_search for the sweep line (construction and descent).
 _SWEEP_SHARE = 0.6
+# Share of what is left after the pairing descent for the target search (effort="high"): the
+# rest stays for borrowing counts across layers (eplb.place.borrow), which the zipf rows need
+# (v3-512 zipf 1.0 high: 1.0177 with all of it, 1.0155 with half, as without the search).
+_TARGET_SHARE = 0.5
+# With ``excess`` (rows of a profile of their own, eplb.place.anytime): the share of what is
+# left after the sweep line for the pairing descent; a target search with few candidates per
+# step (6 gainers x 8 donors: at this budget more steps of fewer candidates go further) takes
+# the rest.
+_EXCESS_SHARE = 0.5
+_LEAN_GAINERS = 6
+_LEAN_DONORS = 8
 # Bisection steps of the sweep construction: 2**-10 of the gap between target and busiest bin.
 _SWEEP_STEPS = 10
 
@@ -176,11 +188,15 @@ def refine_thorough(
     budget: Budget | None = None,
     target: np.ndarray | None = None,
     wide: bool = False,
+    excess: bool = False,
 ) -> np.ndarray:
     """The search after the first plan: count moves with a wider donor search, every count
     vector for small layers (:func:`exhaustive_counts`), then :func:`repack_search`, rows
     stopping at ``target`` ``[X]`` and all of it when ``budget`` is spent (``None``: run to the
-    end). ``wide`` searches more candidates per step. ``loads`` ``[X, E]``, ``phy``
+    end). ``wide`` searches more candidates per step and, with two slots per bin, ends with a
+    target search (``eplb.place.excess``) on half of what is left; ``excess`` (two slots per
+    bin, not ``wide``) hands the last half of the pairing descent's share to a lean target
+    search. ``loads`` ``[X, E]``, ``phy``
     ``[X, B, S]`` → ``[X, B, S]``, never worse per row; deterministic unless ``budget`` has a
     deadline."""
     budget = budget or Budget()
@@ -216,7 +232,29 @@ def refine_thorough(
         win = bin_loads(loads, alt).max(axis=1) < bin_loads(loads, out).max(axis=1) * (1 - REL_TOL)
         out = np.where(win[:, None, None], alt, out)
         if not budget.out():
-            out = _pair_polish(loads, out, cap, budget, target)
+            if excess and not wide:
+                # Rows of a profile of their own: half to the pairing descent, then a lean
+                # target search (eplb.place.excess) from where it stopped. On routing counts
+                # with dead experts (shapes_bench, 256 experts on 192 gpus) 1.0405 -> 1.0392 and
+                # 1.0408 -> 1.0393; all of it to the target search gains more there but loses
+                # up to 0.2 % on 128 experts on 128 gpus.
+                stage = budget.share(_EXCESS_SHARE)
+                out = _pair_polish(loads, out, cap, stage, target)
+                budget.spend(stage.spent)
+                budget.timed_out |= stage.timed_out
+                out = _pair_target(loads, out, cap, budget, target, lean=True)
+            else:
+                out = _pair_polish(loads, out, cap, budget, target)
+        if wide and not budget.out():
+            # Half of what the lines above leave: they stop in local optima of the busiest
+            # pair, the excess over a target walks on (``eplb.place.excess``; 256 experts on
+            # 192 gpus with dead experts: 1.0386 -> 1.0340). Not at the default effort: there
+            # the hard rows spend the budget before this, and rows that stop early would spend
+            # the rest here (several times the time per plan).
+            stage = budget.share(_TARGET_SHARE)
+            out = _pair_target(loads, out, cap, stage, target)
+            budget.spend(stage.spent)
+            budget.timed_out |= stage.timed_out
     return out
 
 
@@ -301,6 +339,43 @@ def _pair_polish(
     counts = pair_descent(loads, start, B, cap, target=target, spend=spend)
     budget.spend(stage.spent)
     budget.timed_out |= stage.timed_out
+    rows = np.flatnonzero(paired_max(loads, counts) < now * (1 - REL_TOL))
+    if rows.size == 0:
+        return phy
+    packed = pack_counts(loads[rows], counts[rows], B)
+    win = bin_loads(loads[rows], packed).max(axis=1) < now[rows] * (1 - REL_TOL)
+    out = phy.copy()
+    out[rows[win]] = packed[win]
+    return out
+
+
+def _pair_target(
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cap: int | None,
+    budget: Budget,
+    target: np.ndarray | None,
+    lean: bool = False,
+) -> np.ndarray:
+    """Two slots per bin: ``target_search`` on the counts of ``phy`` ``[X, B, 2]`` within
+    ``budget`` (no lower than ``target``), packed where the result beats ``phy``;
+    ``[X, B, 2]``, never worse per row."""
+    X, B, S = phy.shape
+    now = bin_loads(loads, phy).max(axis=1)
+    mean = loads.sum(axis=1) / B
+    lo = mean if target is None else np.clip(target, mean, now)
+    # A candidate is judged by one sort of its replicas, as in _pair_polish.
+    unit = B * S / 8
+
+    def spend(candidates: int) -> int:
+        if budget.out():
+            return 0
+        fit = candidates if budget.units is None else min(candidates, int((budget.units - budget.spent) // unit))
+        budget.spend(fit * unit)
+        return fit
+
+    size = {"gainers": _LEAN_GAINERS, "donors": _LEAN_DONORS} if lean else {}
+    counts = target_search(loads, replica_counts(phy, loads.shape[1]), B, cap, lo=lo, spend=spend, **size)
     rows = np.flatnonzero(paired_max(loads, counts) < now * (1 - REL_TOL))
     if rows.size == 0:
         return phy
