@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .pairing import paired_max
+from .pairing import move_candidates, paired_max
 
 __all__ = ["excess_descent", "target_search"]
 
@@ -113,22 +113,7 @@ def excess_descent(
         g_over = np.argsort(-carried, axis=1, kind="stable")[:, :gainers]
         g_light = np.argsort(np.where(c < limit, ld * c, np.inf), axis=1, kind="stable")[:, : max(1, gainers // 4)]
         gain = np.concatenate([g_over, g_light], axis=1)
-        size_after = np.where(c >= 2, ld / np.maximum(c - 1, 1), np.inf)
-        half = max(1, donors // 2)
-        d1 = np.argsort(size_after, axis=1, kind="stable")[:, :half]
-        d2 = np.argsort(size_after - ld / c, axis=1, kind="stable")[:, : donors - half]
-        give = np.concatenate([d1, d2], axis=1)
-        ng, nd = gain.shape[1], give.shape[1]
-        rows = np.repeat(np.arange(A), ng * nd)
-        ge = np.repeat(gain, nd, axis=1).ravel()
-        gf = np.tile(give, (1, ng)).ravel()
-        ok = (ge != gf) & (c[rows, ge] < limit) & (c[rows, gf] >= 2)
-        rows, ge, gf = rows[ok], ge[ok], gf[ok]
-        if spend is not None:
-            fit = int(spend(rows.size))
-            if fit < rows.size:
-                keep = rows < (rows[fit] if fit > 0 else 0)
-                rows, ge, gf = rows[keep], ge[keep], gf[keep]
+        rows, ge, gf = move_candidates(ld, c, gain, donors, limit, spend)
         if rows.size == 0:
             break
         # Each candidate's replicas: its row's with the gainer's and the donor's resized and one

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["pair_counts", "pair_counts_sweep", "pair_descent", "paired_max"]
+__all__ = ["pair_counts", "pair_counts_sweep", "pair_descent", "paired_max", "move_candidates"]
 
 # Relative allowance on comparisons with the target (float noise, not a real overshoot).
 _EPS = 1e-12
@@ -122,6 +122,39 @@ def _sorted_replicas(loads: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
     return np.take_along_axis(w, order, axis=1), np.take_along_axis(ids, order, axis=1)
 
 
+def move_candidates(
+    ld: np.ndarray,
+    c: np.ndarray,
+    gain: np.ndarray,
+    donors: int,
+    limit: int,
+    spend: Callable[[int], int] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``ld``, ``c`` ``[A, E]`` (loads and counts of the rows searched), ``gain`` ``[A, ng]``
+    experts that may take one more replica → the count moves to judge, flat: ``rows`` (into the
+    ``A`` rows), gainer ``ge`` and donor ``gf``. Each row's ``donors`` donors are half those whose
+    replicas stay smallest after giving one up, half those whose replicas grow least; a move
+    needs a gainer below ``limit`` replicas and a donor with two or more. With ``spend``, only
+    the rows whose candidates it pays for, whole and in order (deterministic)."""
+    size_after = np.where(c >= 2, ld / np.maximum(c - 1, 1), np.inf)
+    half = max(1, donors // 2)
+    d1 = np.argsort(size_after, axis=1, kind="stable")[:, :half]
+    d2 = np.argsort(size_after - ld / c, axis=1, kind="stable")[:, : donors - half]
+    give = np.concatenate([d1, d2], axis=1)  # [A, nd]
+    ng, nd = gain.shape[1], give.shape[1]
+    rows = np.repeat(np.arange(ld.shape[0]), ng * nd)
+    ge = np.repeat(gain, nd, axis=1).ravel()
+    gf = np.tile(give, (1, ng)).ravel()
+    ok = (ge != gf) & (c[rows, ge] < limit) & (c[rows, gf] >= 2)
+    rows, ge, gf = rows[ok], ge[ok], gf[ok]
+    if spend is not None:
+        fit = int(spend(rows.size))
+        if fit < rows.size:
+            keep = rows < (rows[fit] if fit > 0 else 0)
+            rows, ge, gf = rows[keep], ge[keep], gf[keep]
+    return rows, ge, gf
+
+
 def pair_descent(
     loads: np.ndarray,
     counts: np.ndarray,
@@ -181,24 +214,7 @@ def pair_descent(
         g_light = np.argsort(light_key, axis=1, kind="stable")[:, :_GAINERS_LIGHT]
         g_many = np.argsort(-np.where(c < limit, c, -1), axis=1, kind="stable")[:, :_GAINERS_MANY]
         gain = np.concatenate([g_pair, g_light, g_many], axis=1)  # [A, ng]
-        size_after = np.where(c >= 2, ld / np.maximum(c - 1, 1), np.inf)
-        growth = size_after - ld / c
-        half = max(1, donors // 2)
-        d1 = np.argsort(size_after, axis=1, kind="stable")[:, :half]
-        d2 = np.argsort(growth, axis=1, kind="stable")[:, : donors - half]
-        give = np.concatenate([d1, d2], axis=1)  # [A, nd]
-        ng, nd = gain.shape[1], give.shape[1]
-        rows = np.repeat(ra, ng * nd)
-        ge = np.repeat(gain, nd, axis=1).ravel()
-        gf = np.tile(give, (1, ng)).ravel()
-        ok = (ge != gf) & (c[rows, ge] < limit) & (c[rows, gf] >= 2)
-        rows, ge, gf = rows[ok], ge[ok], gf[ok]
-        if spend is not None:
-            # The rows whose candidates fit in what is left, in order (deterministic).
-            fit = int(spend(rows.size))
-            if fit < rows.size:
-                keep = rows < (rows[fit] if fit > 0 else 0)
-                rows, ge, gf = rows[keep], ge[keep], gf[keep]
+        rows, ge, gf = move_candidates(ld, c, gain, donors, limit, spend)
         if rows.size == 0:
             break
         # Each candidate's replicas: its row's sorted replicas with the gainer's and the donor's

@@ -10,6 +10,7 @@ input gives the same plan on any machine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import comb
 
 import numpy as np
@@ -328,13 +329,7 @@ def _pair_polish(
     # repack_search's screen (a sixteenth undercharged it: plans took longer per unit).
     unit = B * S / 8
 
-    def spend(candidates: int) -> int:
-        if stage.out():
-            return 0
-        fit = candidates if stage.units is None else min(candidates, int((stage.units - stage.spent) // unit))
-        stage.spend(fit * unit)
-        return fit
-
+    spend = _spender(stage, unit)
     start = replica_counts(phy, loads.shape[1]) if start is None else start
     counts = pair_descent(loads, start, B, cap, target=target, spend=spend)
     budget.spend(stage.spent)
@@ -347,6 +342,20 @@ def _pair_polish(
     out = phy.copy()
     out[rows[win]] = packed[win]
     return out
+
+
+def _spender(budget: Budget, unit: float) -> Callable[[int], int]:
+    """``spend(candidates)`` for the pairing searches: how many of ``candidates``, ``unit`` work
+    units each, ``budget`` still pays for (charged to it), 0 once it is out."""
+
+    def spend(candidates: int) -> int:
+        if budget.out():
+            return 0
+        fit = candidates if budget.units is None else min(candidates, int((budget.units - budget.spent) // unit))
+        budget.spend(fit * unit)
+        return fit
+
+    return spend
 
 
 def _pair_target(
@@ -367,13 +376,7 @@ def _pair_target(
     # A candidate is judged by one sort of its replicas, as in _pair_polish.
     unit = B * S / 8
 
-    def spend(candidates: int) -> int:
-        if budget.out():
-            return 0
-        fit = candidates if budget.units is None else min(candidates, int((budget.units - budget.spent) // unit))
-        budget.spend(fit * unit)
-        return fit
-
+    spend = _spender(budget, unit)
     size = {"gainers": _LEAN_GAINERS, "donors": _LEAN_DONORS} if lean else {}
     counts = target_search(loads, replica_counts(phy, loads.shape[1]), B, cap, lo=lo, spend=spend, **size)
     rows = np.flatnonzero(paired_max(loads, counts) < now * (1 - REL_TOL))
