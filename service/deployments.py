@@ -134,6 +134,7 @@ class Deployments:
         topo = validation.topology_from(deployment.topology, "deployment.topology")
         if deployment.policy == "ilp":
             validation.check_ilp_size(topo, "deployment.topology")
+        self._check_writable()
         if await self.store.count() >= limits.MAX_DEPLOYMENTS:
             raise ResourceExhausted(
                 f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; delete one first"
@@ -194,6 +195,7 @@ class Deployments:
         return pb.ListDeploymentsResponse(deployments=out)
 
     async def delete(self, name: str) -> None:
+        self._check_writable()
         await self.store.delete(name)
         self._forget(name)
 
@@ -262,6 +264,7 @@ class Deployments:
             violations.append(FieldViolation("error", f"{len(request.error)} characters; at most 1024"))
         if violations:
             raise InvalidArgument(violations)
+        self._check_writable()
         record = await self._known(request.deployment, lambda: self.store.get(request.deployment))
         ranks = codec.deployment_ranks(record.deployment)
         validation.check_rank(request.rank, ranks, "rank")

@@ -174,7 +174,8 @@ class Ingest:
         return np.bincount(index.ravel(), weights=phys.ravel(), minlength=L * E).reshape(L, E)
 
     def _check_writable(self) -> None:
-        """Fails at once while the store is known to be down, rather than after its timeouts."""
+        """Fails at once while the store is known to be down, rather than after its timeouts:
+        reports, creates, deletes, acks and plans (reads are served from memory where they can)."""
         if not self.healthy:
             raise StoreUnavailable("the store is unreachable (this replica's health is NOT_SERVING); retry later")
 

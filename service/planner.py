@@ -48,6 +48,8 @@ class Planner:
         ``deadline_s`` (the caller's time left; None: 60 s)."""
         validation.check_name(request.deployment, "deployment")
         local = await self._get_local(request.deployment)
+        # A plan reads the window from the store and a publication writes to it.
+        self._check_writable()
         if request.dry_run:
             return await self._plan(local, dry_run=True, force=request.force)
         name = request.deployment

@@ -127,6 +127,21 @@ async def test_a_hung_redis_costs_a_call_one_socket_timeout(serve, connect, priv
         took = time.monotonic() - start
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert took < 2.5, f"{took:.2f}s"
+        # Once health has noticed, writes and plans fail at once (they waited 1 s each).
+        await eventually(lambda: _is(health_of(c), health_pb2.HealthCheckResponse.NOT_SERVING))
+        calls = {
+            "create": lambda: c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("d2"))),
+            "rebalance": lambda: c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True)),
+            "ack": lambda: c.stub.AckPlacement(pb.AckPlacementRequest(deployment="d1", rank=0, version=1)),
+            "delete": lambda: c.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d1")),
+        }
+        for what, call in calls.items():
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call()
+            took = time.monotonic() - start
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (what, info.value.details())
+            assert took < 0.5, (what, took)
     finally:
         private_redis.proc.send_signal(signal.SIGCONT)
     await eventually(lambda: _is(health_of(c), health_pb2.HealthCheckResponse.SERVING))
