@@ -334,6 +334,13 @@ def _pair_polish(
     counts = pair_descent(loads, start, B, cap, target=target, spend=spend)
     budget.spend(stage.spent)
     budget.timed_out |= stage.timed_out
+    return _packed_where_better(loads, phy, counts, now)
+
+
+def _packed_where_better(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray, now: np.ndarray) -> np.ndarray:
+    """``counts`` ``[X, E]`` found by a two-slot search → ``phy`` ``[X, B, 2]`` with the rows whose
+    counts pair below their busiest gpu ``now`` ``[X]`` packed from them, where that wins."""
+    B = phy.shape[1]
     rows = np.flatnonzero(paired_max(loads, counts) < now * (1 - REL_TOL))
     if rows.size == 0:
         return phy
@@ -379,11 +386,4 @@ def _pair_target(
     spend = _spender(budget, unit)
     size = {"gainers": _LEAN_GAINERS, "donors": _LEAN_DONORS} if lean else {}
     counts = target_search(loads, replica_counts(phy, loads.shape[1]), B, cap, lo=lo, spend=spend, **size)
-    rows = np.flatnonzero(paired_max(loads, counts) < now * (1 - REL_TOL))
-    if rows.size == 0:
-        return phy
-    packed = pack_counts(loads[rows], counts[rows], B)
-    win = bin_loads(loads[rows], packed).max(axis=1) < now[rows] * (1 - REL_TOL)
-    out = phy.copy()
-    out[rows[win]] = packed[win]
-    return out
+    return _packed_where_better(loads, phy, counts, now)
