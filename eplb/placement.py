@@ -64,9 +64,10 @@ class Placement:
     @cached_property
     def logcnt(self) -> np.ndarray:
         topo = self.topology
-        rows = np.repeat(np.arange(topo.num_layers), topo.num_slots)
-        out = np.zeros((topo.num_layers, topo.num_experts), dtype=np.int32)
-        np.add.at(out, (rows, self.phy2log.ravel()), 1)
+        L, E = topo.num_layers, topo.num_experts
+        # bincount over flat (layer, expert) keys: np.add.at took about 1 ms at v3-prefill.
+        keys = (self.phy2log + (np.arange(L, dtype=np.int32) * E)[:, None]).ravel()
+        out = np.bincount(keys, minlength=L * E).astype(np.int32).reshape(L, E)
         out.setflags(write=False)
         return out
 
