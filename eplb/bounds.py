@@ -35,6 +35,7 @@ __all__ = [
     "integer_bound",
     "item_bound",
     "counts_bound",
+    "group_bound",
 ]
 
 # Bisection steps of the pairing bound: 2**-40 of the starting interval is far below float noise
@@ -181,6 +182,27 @@ def row_bound(
         return simple
     stop = 2 * simple if feasible is None else feasible
     return np.maximum(simple, pairing_bound(loads, bins, cap, simple, stop))
+
+
+def group_bound(loads: np.ndarray, topology: Topology) -> np.ndarray:
+    """``loads`` ``[L, E]`` → ``[L]``: no placement that keeps expert groups whole on nodes
+    (``num_groups / num_nodes`` groups per node, as ``hierarchical`` does) has a busiest gpu
+    below this. The busiest node carries at least the mean node, and at least what the node
+    holding the heaviest group carries with the lightest other groups; with two groups per node
+    the groups paired heaviest with lightest are the best split, so its heaviest pair. The
+    busiest gpu carries at least its node's mean gpu."""
+    t = topology
+    L, N = t.num_layers, t.num_nodes
+    per_node = t.num_groups // N
+    groups = np.sort(np.asarray(loads, dtype=np.float64).reshape(L, t.num_groups, -1).sum(axis=2), axis=1)
+    node = groups.sum(axis=1) / N
+    if per_node == 2:
+        node = np.maximum(node, (groups + groups[:, ::-1]).max(axis=1))
+    elif per_node > 2:
+        node = np.maximum(node, groups[:, -1] + groups[:, : per_node - 1].sum(axis=1))
+    else:
+        node = np.maximum(node, groups[:, -1])
+    return node / (t.num_gpus // N)
 
 
 def lower_bound(loads: np.ndarray, topology: Topology) -> np.ndarray:

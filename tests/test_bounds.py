@@ -1,10 +1,12 @@
 """eplb.bounds: lower bounds on the busiest gpu."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb.bounds import pairing_bound, profile_bound, row_bound, simple_bound
+import eplb
+from eplb.bounds import group_bound, pairing_bound, profile_bound, row_bound, simple_bound
 from eplb.place.pairing import paired_max
 from eplb.workloads import zipf
 
@@ -56,3 +58,38 @@ def test_row_bound_never_exceeds_the_best_counts_with_dead_experts(seed: int, bi
     bound = row_bound(loads, bins, 2, bins, best)
     assert (bound <= best * (1 + 1e-9)).all()
     assert bound[1] == 0.0
+
+
+def _best_grouping(groups: np.ndarray, nodes: int) -> float:
+    """Brute force: the least busiest node over every split of ``groups`` (one layer) into
+    ``nodes`` nodes of equal group count."""
+    from itertools import permutations
+
+    per = groups.size // nodes
+    best = np.inf
+    for perm in permutations(range(groups.size)):
+        best = min(best, max(groups[list(perm[n * per : (n + 1) * per])].sum() for n in range(nodes)))
+    return float(best)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.sampled_from([(2, 4), (2, 6), (3, 6), (4, 8), (2, 2)]),
+    sigma=st.sampled_from([0.3, 1.0, 2.5]),
+)
+def test_group_bound_never_exceeds_the_best_split_and_is_exact_with_two_groups_per_node(
+    seed: int, shape: tuple[int, int], sigma: float
+) -> None:
+    nodes, groups = shape
+    gpn, per_group = 2, 4
+    topo = eplb.Topology(1, groups * per_group, groups * per_group + nodes * gpn, nodes * gpn, nodes, groups)
+    loads = np.random.default_rng(seed).lognormal(0.0, sigma, (1, topo.num_experts))
+    best_node = _best_grouping(loads.reshape(groups, per_group).sum(axis=1), nodes)
+    bound = group_bound(loads, topo)[0] * gpn  # back to a node's load
+    assert bound <= best_node * (1 + 1e-12)
+    if groups == 2 * nodes:
+        assert bound == pytest.approx(best_node, rel=1e-12)
+    # ... and below every hierarchical plan's busiest gpu.
+    plan = eplb.rebalance(loads, topo, "hierarchical", effort="fast")
+    assert group_bound(loads, topo)[0] <= plan.gpu_load.max() * (1 + 1e-12)

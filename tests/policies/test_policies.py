@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eplb
+from eplb.bounds import group_bound
 from eplb.workloads import SCALES, make_loads
 
 POLICIES = [p for p in eplb.policies() if p != "ilp"]
@@ -339,3 +340,18 @@ def test_hierarchical_keeps_hot_experts_off_shared_gpus() -> None:
     assert done
     assert plan.gpu_load.max() == pytest.approx(best / scale)
     assert plan.gpu_load.max() == pytest.approx(53 / 3)
+
+
+@pytest.mark.parametrize("effort", ["fast", "default"])
+def test_auto_skips_hierarchical_when_the_grouping_bound_rules_it_out(effort: str) -> None:
+    # v3-prefill lognormal 1.0: no split of groups onto nodes comes within 2 % of global's first
+    # plan, so auto takes global without planning hierarchical, and says which bound decided.
+    topo = SCALES["v3-prefill"].with_layers(4)
+    loads = make_loads("lognormal-1.0", SCALES["v3-prefill"])[:4]
+    plan = eplb.rebalance(loads, topo, "auto", effort=effort)
+    glob = eplb.rebalance(loads, topo, "global", effort=effort)
+    hier = eplb.rebalance(loads, topo, "hierarchical", effort="fast")
+    assert plan.policy_used == "global" and np.array_equal(plan.phy2log, glob.phy2log)
+    assert "grouping bound" in plan.notes[0] and "more than 2% above global's" in plan.notes[0]
+    bound = float((group_bound(loads, topo) / (loads.sum(axis=1) / topo.num_gpus)).mean())
+    assert glob.mean_imbalance * 1.02 < bound <= hier.mean_imbalance
