@@ -9,6 +9,8 @@ with ``P = B * S`` slots per layer, gpu by gpu.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 __all__ = [
@@ -76,6 +78,15 @@ def slot_sums(w: np.ndarray) -> np.ndarray:
     return w.sum(axis=-1)
 
 
+@lru_cache(maxsize=256)
+def _row_offsets(X: int, n: int, ndim: int) -> np.ndarray:
+    """``[X, 1, ...]`` (``ndim`` axes) row offsets ``x * n``, read-only: the same few shapes
+    recur on every round of a plan."""
+    out = (np.arange(X) * n).reshape((X,) + (1,) * (ndim - 1))
+    out.setflags(write=False)
+    return out
+
+
 def take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """``a`` ``[X, n]``, ``idx`` ``[X, ...]`` ints in ``[0, n)`` → ``[X, ...]``: ``a[x, idx[x, ...]]``.
 
@@ -83,5 +94,5 @@ def take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     fancy indexing that broadcasts a row index costs about four times more, and the placement
     steps gather this way on every round."""
     X, n = a.shape
-    flat = idx + (np.arange(X) * n).reshape((X,) + (1,) * (idx.ndim - 1))
+    flat = idx + _row_offsets(X, n, idx.ndim)
     return np.take(a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1), flat)

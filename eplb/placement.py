@@ -7,6 +7,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .layout import replica_counts
 from .topology import Topology
 
 __all__ = ["Placement"]
@@ -64,10 +65,7 @@ class Placement:
     @cached_property
     def logcnt(self) -> np.ndarray:
         topo = self.topology
-        L, E = topo.num_layers, topo.num_experts
-        # bincount over flat (layer, expert) keys: np.add.at took about 1 ms at v3-prefill.
-        keys = (self.phy2log + (np.arange(L, dtype=np.int32) * E)[:, None]).ravel()
-        out = np.bincount(keys, minlength=L * E).astype(np.int32).reshape(L, E)
+        out = replica_counts(self.phy2log, topo.num_experts).astype(np.int32)
         out.setflags(write=False)
         return out
 
