@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .pairing import move_candidates, paired_max
+from .pairing import move_candidates, moved_replicas, paired_max, sorted_replicas
 
 __all__ = ["excess_descent", "target_search"]
 
@@ -48,19 +48,10 @@ _EPS = 1e-12
 _FIRST_STEP = 0.005
 
 
-def _sorted_replicas(loads: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``loads``, ``counts`` ``[K, E]`` → replica sizes ascending ``[K, P]`` and their experts."""
-    K, E = loads.shape
-    ids = np.repeat(np.tile(np.arange(E), K), counts.ravel()).reshape(K, -1)
-    w = (loads / counts)[np.arange(K)[:, None], ids]
-    order = np.argsort(w, axis=1, kind="stable")
-    return np.take_along_axis(w, order, axis=1), np.take_along_axis(ids, order, axis=1)
-
-
 def _excess(w: np.ndarray, target: np.ndarray, bins: int) -> np.ndarray:
     """Sorted replicas ``[K, 2 * bins]``, ``target`` ``[K]`` → ``[K]``: the sum over the sorted
     pairing's pairs of how far each is above the target."""
-    pairs = (w + w[:, ::-1])[:, :bins]
+    pairs = w[:, :bins] + w[:, : bins - 1 : -1]
     return np.maximum(pairs - target[:, None], 0.0).sum(axis=1)
 
 
@@ -93,16 +84,16 @@ def excess_descent(
     counts = counts.copy()
     limit = 2 * bins if cap is None else cap
     target = np.asarray(target, dtype=np.float64) * (1 + _EPS)
-    w, _ = _sorted_replicas(loads, counts)
+    w, _ = sorted_replicas(loads, counts)
     cur = _excess(w, target, bins)
     active = np.flatnonzero(cur > 0)
     for _ in range(iterations):
         if active.size == 0:
             break
         A = active.size
-        sorted_w, ids = _sorted_replicas(loads[active], counts[active])
+        sorted_w, ids = sorted_replicas(loads[active], counts[active])
         tg = target[active]
-        pairs = (sorted_w + sorted_w[:, ::-1])[:, :bins]
+        pairs = sorted_w[:, :bins] + sorted_w[:, : bins - 1 : -1]
         over = np.maximum(pairs - tg[:, None], 0.0)  # [A, bins]
         # Excess carried per expert: each pair's on both of its replicas' experts.
         flat = (np.arange(A)[:, None] * E + np.concatenate([ids[:, :bins], ids[:, ::-1][:, :bins]], axis=1)).ravel()
@@ -116,16 +107,7 @@ def excess_descent(
         rows, ge, gf = move_candidates(ld, c, gain, donors, limit, spend)
         if rows.size == 0:
             break
-        # Each candidate's replicas: its row's with the gainer's and the donor's resized and one
-        # of the donor's handed to the gainer, sorted again.
-        base = ids[rows]
-        is_f = base == gf[:, None]
-        size_g = ld[rows, ge] / (c[rows, ge] + 1)
-        size_f = ld[rows, gf] / (c[rows, gf] - 1)
-        cw = np.where(base == ge[:, None], size_g[:, None], np.where(is_f, size_f[:, None], sorted_w[rows]))
-        cw[np.arange(rows.size), is_f.argmax(axis=1)] = size_g
-        cw.sort(axis=1)
-        score = _excess(cw, tg[rows], bins)
+        score = _excess(moved_replicas(sorted_w, ids, ld, c, rows, ge, gf), tg[rows], bins)
         order = np.lexsort((score, rows))
         first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
         r_best = rows[first]

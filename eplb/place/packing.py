@@ -114,7 +114,7 @@ def descending_order(weights: np.ndarray) -> np.ndarray:
 
 def packed_loads(weights: np.ndarray, assign: np.ndarray) -> np.ndarray:
     """``weights`` ``[X, n]``, ``assign`` ``[X, B, k]`` → ``[X, B]`` summed weights."""
-    return take_rows(weights, assign).sum(axis=2)
+    return slot_sums(take_rows(weights, assign))
 
 
 def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: int, per_bin: int) -> np.ndarray:
@@ -217,9 +217,7 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
         e = k[ri, b, s]
         w = take_rows(weights[rows], assign[rows])
         # Partner (q, t): bin q lacks e, and bin b lacks the partner's key.
-        ok = ~(k == e[:, None, None]).any(axis=2)[:, :, None] & ~(k[:, :, :, None] == k[ri, b][:, None, None, :]).any(
-            axis=3
-        )
+        ok = ~_any_last(k == e[:, None, None])[:, :, None] & ~_any_last(k[:, :, :, None] == k[ri, b][:, None, None, :])
         cost = np.where(ok, np.abs(w - w[ri, b, s][:, None, None]), np.inf).reshape(R, -1)
         best = cost.argmin(axis=1)
         fixable = np.isfinite(cost[ri, best])
@@ -232,6 +230,12 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
         if stuck.size:
             _cyclic(weights, keys, assign, stuck)
         rows = x
+
+
+def _any_last(x: np.ndarray) -> np.ndarray:
+    """``x`` ``[..., S]`` bool → ``[...]``: ``x.any(axis=-1)``; with two slots one vector or
+    (a reduction over a length-2 axis costs a call per element of the others)."""
+    return x[..., 0] | x[..., 1] if x.shape[-1] == 2 else x.any(axis=-1)
 
 
 def _cyclic(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, rows: np.ndarray) -> None:
@@ -308,7 +312,10 @@ def _improve(
             # smaller partner for its big item, wherever that partner sits).
             st = np.flatnonzero(stalled)
             top = srt[st, -1:]
-            small = np.argsort(w[active[st]].min(axis=2), axis=1, kind="stable")[:, :_SMALL]
+            ws = w[active[st]]
+            # Two slots: one vector minimum, not a length-2 reduction per bin.
+            smallest = np.minimum(ws[..., 0], ws[..., 1]) if per_bin == 2 else ws.min(axis=2)
+            small = np.argsort(smallest, axis=1, kind="stable")[:, :_SMALL]
             part = np.concatenate([srt[st, :wide], small], axis=1)[:, None, :]
             again = _swap_best(assign, w, k, load[st], active[st], top, part, None if floor is None else floor[st])
             stalled[st] = ~again[:, 0]
