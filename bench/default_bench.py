@@ -1,11 +1,13 @@
 """The default plan against ``effort="high"``, the first greedy plan and eplb.py, with the bound.
 
-    python -m eplb_bench.default_bench [--cases NAME,...] [--repeat 3] [--workers 1] [--json out.json]
+    python -m eplb_bench.default_bench [--cases NAME,...] [--repeat 3] [--workers 1] [--seed 0] [--no-high]
+        [--json out.json]
 
 Rows are the cases of issue 13's target table (seeded workloads of ``eplb.workloads`` at the
 standard scales of docs/scales.md) and synthetic loads shaped like large decode deployments:
 128-256 experts at two slots per gpu, zipf 0.8-1.2, lognormal sigma 1-1.5, and mixtures where
-four experts take 3-5 % of a layer each. For every row: mean imbalance over layers of
+four experts take 3-5 % of a layer each, and at full depth a Qwen3-235B-like model (94 layers,
+128 experts) on 128 gpus with routing counts shaped as ``shapes_bench``'s. For every row: mean imbalance over layers of
 ``deepseek`` (eplb.py's algorithm), the first plan (``effort="fast"``), the default and
 ``effort="high"``, all with the ``global`` policy (``auto`` where the row says so), the lower
 bound (``Plan.imbalance_lb``), at two slots per gpu also the profile bound
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,41 +44,64 @@ def hot_mix(num_layers: int, num_experts: int, seed: int = 0) -> np.ndarray:
     return x * (1 << 20)
 
 
-def cases() -> dict[str, tuple[eplb.Topology, np.ndarray, str]]:
-    """Name → (topology, loads ``[L, E]``, policy)."""
-    out: dict[str, tuple[eplb.Topology, np.ndarray, str]] = {}
+Case = tuple[eplb.Topology, np.ndarray, str]
+
+
+def cases(seed: int = 0) -> dict[str, Callable[[], Case]]:
+    """Name → a loader of (topology, loads ``[L, E]``, policy); ``seed`` shifts every case's
+    seed. Loaders, so that a run draws only the loads it measures (the routing-count rows take
+    seconds to sample)."""
+    out: dict[str, Callable[[], Case]] = {}
+
+    def scaled(scale: str, workload: str, policy: str = "global") -> Callable[[], Case]:
+        return lambda: (SCALES[scale], make_loads(workload, SCALES[scale], seed), policy)
+
     for scale in ("v3-64", "v3-prefill"):
-        t = SCALES[scale]
-        out[f"{scale} group-limited"] = (t, make_loads("group-limited", t), "global")
-    out["v3-512 zipf-1.0"] = (SCALES["v3-512"], make_loads("zipf-1.0", SCALES["v3-512"]), "global")
+        out[f"{scale} group-limited"] = scaled(scale, "group-limited")
+    out["v3-512 zipf-1.0"] = scaled("v3-512", "zipf-1.0")
     for scale in ("v3-prefill", "v3-64", "qwen3-64", "kimi-64"):
-        out[f"{scale} zipf-1.5"] = (SCALES[scale], make_loads("zipf-1.5", SCALES[scale]), "global")
-    out["v3-prefill lognormal-1.0 auto"] = (
-        SCALES["v3-prefill"],
-        make_loads("lognormal-1.0", SCALES["v3-prefill"]),
-        "auto",
-    )
+        out[f"{scale} zipf-1.5"] = scaled(scale, "zipf-1.5")
+    out["v3-prefill lognormal-1.0 auto"] = scaled("v3-prefill", "lognormal-1.0", "auto")
     L = 58
     for E, P, G in ((128, 256, 128), (256, 512, 256), (256, 384, 192)):
         t = eplb.Topology(L, E, P, G)
         tag = f"{E}e/{G}gpu/{P // G}spg"
-        out[f"{tag} zipf-0.8"] = (t, zipf(L, E, 0.8, 11), "global")
-        out[f"{tag} zipf-1.0"] = (t, zipf(L, E, 1.0, 12), "global")
-        out[f"{tag} zipf-1.2"] = (t, zipf(L, E, 1.2, 13), "global")
-        out[f"{tag} lognormal-1.0"] = (t, lognormal(L, E, 1.0, 14), "global")
-        out[f"{tag} lognormal-1.5"] = (t, lognormal(L, E, 1.5, 15), "global")
-        out[f"{tag} hot-mix"] = (t, hot_mix(L, E, 16), "global")
+        draws = {
+            "zipf-0.8": lambda E=E: zipf(L, E, 0.8, 11 + seed),
+            "zipf-1.0": lambda E=E: zipf(L, E, 1.0, 12 + seed),
+            "zipf-1.2": lambda E=E: zipf(L, E, 1.2, 13 + seed),
+            "lognormal-1.0": lambda E=E: lognormal(L, E, 1.0, 14 + seed),
+            "lognormal-1.5": lambda E=E: lognormal(L, E, 1.5, 15 + seed),
+            "hot-mix": lambda E=E: hot_mix(L, E, 16 + seed),
+        }
+        for kind, draw in draws.items():
+            out[f"{tag} {kind}"] = lambda t=t, draw=draw: (t, draw(), "global")
+    # The realistic large decode deployment at full depth: a Qwen3-235B-like model (94 layers,
+    # 128 experts, top-8) on 128 gpus with two slots each, routing counts of 16k-token windows
+    # (eplb_bench.shapes_bench's shapes).
+    t = eplb.Topology(94, 128, 256, 128)
+
+    def counts(shape: str) -> Callable[[], Case]:
+        from .shapes_bench import SHAPES, make_shape  # here: shapes_bench imports select from this module
+
+        return lambda: (t, make_shape(SHAPES[shape], 94, 128, seed=1 + seed).astype(np.float64), "global")
+
+    for shape in ("mixed 16k", "zipf1.0 16k", "dead15 logn1.0 16k"):
+        out[f"q235-94L/128gpu {shape}"] = counts(shape)
     return out
 
 
-def measure(topology: eplb.Topology, loads: np.ndarray, policy: str, repeat: int, workers: int) -> dict:
-    row: dict = {}
+def measure(
+    topology: eplb.Topology, loads: np.ndarray, policy: str, repeat: int, workers: int, high: bool = True
+) -> dict:
+    row: dict = {"high": float("nan"), "high_s": float("nan")}
     runs = [
         ("deepseek", "deepseek", {}),
         ("fast", policy, {"effort": "fast"}),
         ("default", policy, {"workers": workers}),
-        ("high", policy, {"effort": "high", "workers": workers}),
     ]
+    if high:
+        runs.append(("high", policy, {"effort": "high", "workers": workers}))
     for name, pol, opts in runs:
         secs, plan = [], None
         for _ in range(repeat):
@@ -126,8 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per plan; solve times are medians (default 1)")
     ap.add_argument("--workers", type=int, default=1, help="processes for the default and high plans (default 1)")
     ap.add_argument("--json", help="write the rows as JSON to this file")
+    ap.add_argument("--seed", type=int, default=0, help="added to every case's seed (default 0: the documented rows)")
+    ap.add_argument("--no-high", action="store_true", help="leave out effort='high' (the slowest column)")
     args = ap.parse_args(argv)
-    table = cases()
+    table = cases(args.seed)
     names = select(ap, table, args.cases, args.list)
     if names is None:
         return
@@ -139,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print("-" * len(head))
     rows = {}
     for name in names:
-        t, loads, policy = table[name]
-        r = measure(t, loads, policy, args.repeat, args.workers)
+        t, loads, policy = table[name]()
+        r = measure(t, loads, policy, args.repeat, args.workers, not args.no_high)
         rows[name] = r
         print(
             f"{name:34} {r['deepseek']:8.4f} {r['fast']:8.4f} {r['default']:8.4f} {r['high']:8.4f} {r['bound']:7.4f} "

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.cases.split(",") if args.cases else [n for n in table if n.startswith("256e/192gpu/2spg")]
     print(f"{'case':34} {'layer':>5} {'default':>8} {'lo':>8} {'hi':>8}")
     for name in names:
-        t, loads, policy = table[name]
+        t, loads, policy = table[name]()
         if t.slots_per_gpu != 2:
             raise SystemExit(f"{name}: not two slots per gpu")
         plan = eplb.rebalance(loads, t, policy)
