@@ -131,8 +131,11 @@ def repack_search(
             rows, cand = rows[keep], cand[keep]
         # A packing's swap rounds cost about S times its slots; screening far less.
         clock.spend(rows.size * B * S * S)
-        packed = pack_counts(loads[rows], cand, B)
-        value = bin_loads(loads[rows], packed).max(axis=1)
+        if screen and S == 2:
+            packed, value = _pack_paired(loads, rows, cand, B, quick[keep])
+        else:
+            packed = pack_counts(loads[rows], cand, B)
+            value = bin_loads(loads[rows], packed).max(axis=1)
         # Best candidate per row: sort by (row, value) and take each row's first.
         order = np.lexsort((value, rows))
         first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
@@ -141,6 +144,34 @@ def repack_search(
         best[x], counts[x], best_max[x] = packed[win], cand[win], value[win]
         active = x[best_max[x] > target[x]]
     return best
+
+
+def _pack_paired(
+    loads: np.ndarray, rows: np.ndarray, cand: np.ndarray, bins: int, paired: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two slots per bin: the screened candidates ``cand`` ``[K, E]`` of ``rows`` ``[K]`` (each
+    row's in ascending ``paired``, their ``paired_max``) → packings ``[K, B, 2]`` and busiest
+    bins ``[K]`` where they can matter. A packing never beats its pairing (the sorted pairing
+    is the best, in floats too: rounded sums are monotone), so a row whose first candidate's
+    packing reaches its pairing has its winner: the others are left unpacked (copies of it, at
+    +inf), and the row's pick is the same. The first candidates are packed first, the others
+    only in rows where that fails (two replicas of one expert met in the middle)."""
+    first = np.r_[True, rows[1:] != rows[:-1]]
+    head = np.flatnonzero(first)
+    packed_head = pack_counts(loads[rows[head]], cand[head], bins)
+    value_head = bin_loads(loads[rows[head]], packed_head).max(axis=1)
+    done = value_head <= paired[head]
+    # The rows' other candidates, where the first one did not settle it.
+    owner = np.cumsum(first) - 1  # each candidate's row among the heads
+    rest = np.flatnonzero(~first & ~done[owner])
+    packed = np.empty((rows.size, bins, 2), dtype=packed_head.dtype)
+    value = np.full(rows.size, np.inf)
+    packed[head], value[head] = packed_head, value_head
+    packed[~first] = packed_head[owner[~first]]
+    if rest.size:
+        packed[rest] = pack_counts(loads[rows[rest]], cand[rest], bins)
+        value[rest] = bin_loads(loads[rows[rest]], packed[rest]).max(axis=1)
+    return packed, value
 
 
 def exhaustive_counts(
