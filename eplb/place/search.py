@@ -132,7 +132,7 @@ def repack_search(
         # A packing's swap rounds cost about S times its slots; screening far less.
         clock.spend(rows.size * B * S * S)
         if screen and S == 2:
-            packed, value = _pack_paired(loads, rows, cand, B, quick[keep])
+            packed, value = _pack_paired(loads, rows, cand, B, quick[keep], best_max[rows] * (1 - REL_TOL))
         else:
             packed = pack_counts(loads[rows], cand, B)
             value = bin_loads(loads[rows], packed).max(axis=1)
@@ -147,27 +147,32 @@ def repack_search(
 
 
 def _pack_paired(
-    loads: np.ndarray, rows: np.ndarray, cand: np.ndarray, bins: int, paired: np.ndarray
+    loads: np.ndarray, rows: np.ndarray, cand: np.ndarray, bins: int, paired: np.ndarray, beat: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Two slots per bin: the screened candidates ``cand`` ``[K, E]`` of ``rows`` ``[K]`` (each
     row's in ascending ``paired``, their ``paired_max``) → packings ``[K, B, 2]`` and busiest
-    bins ``[K]`` where they can matter. A packing never beats its pairing (the sorted pairing
-    is the best, in floats too: rounded sums are monotone), so a row whose first candidate's
-    packing reaches its pairing has its winner: the others are left unpacked (copies of it, at
-    +inf), and the row's pick is the same. The first candidates are packed first, the others
-    only in rows where that fails (two replicas of one expert met in the middle)."""
+    bins ``[K]`` where they can matter: a candidate wins only below ``beat`` ``[K]``. A packing
+    never beats its pairing (the sorted pairing is the best, in floats too: rounded sums are
+    monotone), so rows whose best pairing is not below ``beat`` cannot win and are not packed,
+    and a row whose first candidate's packing reaches its pairing has its winner. The
+    candidates left unpacked get +inf (and zeros), so every row's pick is the same as with all
+    of them packed. The first candidates are packed first, the others only in rows where that
+    fails (two replicas of one expert met in the middle)."""
     first = np.r_[True, rows[1:] != rows[:-1]]
-    head = np.flatnonzero(first)
-    packed_head = pack_counts(loads[rows[head]], cand[head], bins)
-    value_head = bin_loads(loads[rows[head]], packed_head).max(axis=1)
-    done = value_head <= paired[head]
-    # The rows' other candidates, where the first one did not settle it.
     owner = np.cumsum(first) - 1  # each candidate's row among the heads
-    rest = np.flatnonzero(~first & ~done[owner])
-    packed = np.empty((rows.size, bins, 2), dtype=packed_head.dtype)
+    head = np.flatnonzero(first)
+    hope = paired[head] < beat[head]
+    packed = np.zeros((rows.size, bins, 2), dtype=np.int64)
     value = np.full(rows.size, np.inf)
-    packed[head], value[head] = packed_head, value_head
-    packed[~first] = packed_head[owner[~first]]
+    live = head[hope]
+    if live.size == 0:
+        return packed, value
+    packed[live] = pack_counts(loads[rows[live]], cand[live], bins)
+    value[live] = bin_loads(loads[rows[live]], packed[live]).max(axis=1)
+    # The rows' other candidates, where the first one might win but did not settle it.
+    open_ = hope.copy()
+    open_[hope] = value[live] > paired[live]
+    rest = np.flatnonzero(~first & open_[owner] & (paired < beat))
     if rest.size:
         packed[rest] = pack_counts(loads[rows[rest]], cand[rest], bins)
         value[rest] = bin_loads(loads[rows[rest]], packed[rest]).max(axis=1)
