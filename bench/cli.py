@@ -7,6 +7,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -29,28 +30,50 @@ from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
 
+def build_topology(values: dict[str, int], origins: dict[str, str]) -> Topology:
+    """``Topology`` from ``values`` (``layers``, ``experts``, ... as in ``_TOPO_ARGS``) whose
+    ``origins`` say where each came from (``"--slots"``, ``"from --scale small"``, ``"from the
+    trace"``): a ``ValueError`` names the fields by those, not by the library's ``num_*``
+    parameters, so that the user sees which flag (or file) to change."""
+    try:
+        return Topology(*(values[n] for n in _TOPO_ARGS))
+    except ValueError as exc:
+
+        def named(m: re.Match) -> str:
+            name, value = m.group(1), m.group(2)
+            origin = origins.get(name, "")
+            return f"{name} ({value}{', ' + origin if origin else ''})"
+
+        raise ValueError(re.sub(r"\bnum_([a-z]+) \((\d+)\)", named, str(exc))) from None
+
+
 def _topology(args: argparse.Namespace, layers: int | None, experts: int | None) -> Topology:
     """Topology from ``--scale`` or ``--topology``, then explicit flags (which win), with
     layers and experts defaulting to the trace's."""
     base: dict[str, int] = {}
+    origins: dict[str, str] = {}
     if args.scale:
         t = SCALES[args.scale]
         base = {n: getattr(t, f"num_{n}") for n in _TOPO_ARGS}
+        origins = dict.fromkeys(_TOPO_ARGS, f"from --scale {args.scale}")
     if args.topology:
         t = eio.read_topology(args.topology)
         base = {n: getattr(t, f"num_{n}") for n in _TOPO_ARGS}
+        origins = dict.fromkeys(_TOPO_ARGS, f"from {args.topology}")
     base.setdefault("nodes", 1)
     base.setdefault("groups", 1)
     for name, value in (("layers", layers), ("experts", experts)):
         if value is not None and name not in base:
             base[name] = value
+            origins[name] = "from the trace"
     for name in _TOPO_ARGS:
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
+            origins[name] = f"--{name}"
     missing = [f"--{n}" for n in _TOPO_ARGS if n not in base]
     if missing:
         raise ValueError(f"topology incomplete: give {', '.join(missing)} (or --topology CONFIG / --scale NAME)")
-    topo = Topology(*(base[n] for n in _TOPO_ARGS))
+    topo = build_topology(base, origins)
     if layers is not None and (topo.num_layers, topo.num_experts) != (layers, experts):
         raise ValueError(
             f"the trace has {layers} layers x {experts} experts but the topology says "
