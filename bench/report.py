@@ -43,6 +43,7 @@ from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
 from . import extras
 from . import io as eio
+from .cli import build_topology
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 try:
@@ -427,18 +428,47 @@ def write_plots(
     return paths
 
 
+_DEPLOYMENT_FLAGS = ("topology", "slots", "gpus", "nodes", "groups")
+
+
+def _check_deployment_flags(args: argparse.Namespace) -> None:
+    """The flags that give trace files their deployment: only with trace files (the scales have
+    their own), and counts >= 1, named by the flag."""
+    given = ["--" + n for n in _DEPLOYMENT_FLAGS if getattr(args, n) is not None]
+    if given and not args.traces:
+        raise ValueError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to trace files (the deployment they were "
+            "recorded on); none was given, and the scales have their own (docs/scales.md)"
+        )
+    for name in _DEPLOYMENT_FLAGS[1:]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be a number >= 1, got {value}")
+
+
+def _trace_topology(args: argparse.Namespace, path: str, layers: int, experts: int) -> Topology:
+    """The deployment of a trace file: ``--topology``, then ``--slots/--gpus/--nodes/--groups``
+    (which win, as in ``eplb place``); layers and experts default to the trace's."""
+    values: dict[str, int] = {"layers": layers, "experts": experts, "nodes": 1, "groups": 1}
+    origins = {"layers": "from the trace", "experts": "from the trace"}
+    if args.topology:
+        t = eio.read_topology(args.topology)
+        values = {n: getattr(t, f"num_{n}") for n in ("layers", "experts", "slots", "gpus", "nodes", "groups")}
+        origins = dict.fromkeys(values, f"from {args.topology}")
+    for name in _DEPLOYMENT_FLAGS[1:]:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+            origins[name] = f"--{name}"
+    if "slots" not in values or "gpus" not in values:
+        raise ValueError(f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus")
+    return build_topology(values, origins)
+
+
 def _trace_cases(args: argparse.Namespace) -> list[Case]:
     cases = []
     for path in args.traces:
         trace = eio.read_trace(path)
-        if args.topology:
-            topo = eio.read_topology(args.topology)
-        elif args.slots and args.gpus:
-            topo = Topology(trace.num_layers, trace.num_experts, args.slots, args.gpus, args.nodes, args.groups)
-        else:
-            raise ValueError(
-                f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus"
-            )
+        topo = _trace_topology(args, path, trace.num_layers, trace.num_experts)
         if (topo.num_layers, topo.num_experts) != (trace.num_layers, trace.num_experts):
             raise ValueError(
                 f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
@@ -518,10 +548,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--topology", help="topology config for trace files (.json/.toml)")
     for name in ("slots", "gpus"):
         ap.add_argument(
-            f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})"
+            f"--{name}",
+            type=int,
+            help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'}; overrides --topology)",
         )
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--nodes", type=int, help="nodes for trace files [1]")
+    ap.add_argument("--groups", type=int, help="expert groups for trace files [1]")
     ap.add_argument("--ilp-time-limit", type=float, help="seconds per layer for the ilp policy (quick: 2, full: 10)")
     ap.add_argument("--expert-bytes", type=float, help="bytes of one expert's weights: adds moved bytes per re-plan")
     ap.add_argument("--json", help="also write the report as JSON to this file")
@@ -531,6 +563,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """``--quick`` or the full settings with the flags applied; ``ValueError`` on bad names."""
+    _check_deployment_flags(args)
     settings = QUICK if args.quick else FULL
     overrides: dict = {"layer": args.layer}
     if args.scales:

@@ -2,10 +2,12 @@
 each error names the flags (or where a value came from), not the library's parameters, and no
 flag given is silently left unused."""
 
+import json
+
 import numpy as np
 import pytest
 
-from eplb_bench import cli
+from eplb_bench import cli, report
 
 SMALL = ["--synthetic", "zipf-1.0", "--scale", "small", "--policy", "global", "--effort", "fast"]
 
@@ -42,4 +44,48 @@ def test_place_topology_errors_name_the_trace_and_the_config(tmp_path, capsys):
     assert "slots (10, --slots) must be >= experts (16, from the trace)" in err
     (tmp_path / "d.toml").write_text("[topology]\nlayers = 2\nexperts = 16\nslots = 20\ngpus = 4\n")
     err = _err(capsys, ["place", str(tmp_path / "t.npy"), "--topology", str(tmp_path / "d.toml"), "--gpus", "3"])
+    assert f"slots (20, from {tmp_path / 'd.toml'}) must be a multiple of gpus (3, --gpus)" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slots", "20", "--gpus", "0"], "eplb-bench: error: --gpus must be a number >= 1, got 0\n"),
+        (["--slots", "20", "--gpus", "4", "--nodes", "0"], "eplb-bench: error: --nodes must be a number >= 1, got 0\n"),
+        (
+            ["--slots", "20", "--gpus", "4", "--nodes", "3"],
+            "eplb-bench: error: gpus (4, --gpus) must be a multiple of nodes (3, --nodes)\n",
+        ),
+    ],
+)
+def test_bench_trace_deployment_errors_name_the_flags(tmp_path, capsys, argv, message):
+    np.save(tmp_path / "t.npy", np.ones((2, 1, 16)))
+    assert _err(capsys, [str(tmp_path / "t.npy"), *argv], tool=report.main) == message
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        (["--scales", "small", "--slots", "99"], "--slots applies"),
+        (["--quick", "--nodes", "2", "--groups", "4"], "--nodes, --groups apply"),
+        (["--quick", "--topology", "d.toml"], "--topology applies"),
+    ],
+)
+def test_bench_deployment_flags_without_trace_files_are_refused(capsys, argv, flags):
+    err = _err(capsys, argv, tool=report.main)
+    assert err == (
+        f"eplb-bench: error: {flags} to trace files (the deployment they were recorded on); none was given, "
+        "and the scales have their own (docs/scales.md)\n"
+    )
+
+
+def test_bench_flags_override_the_trace_topology_config(tmp_path, capsys):
+    np.save(tmp_path / "t.npy", np.ones((2, 1, 16)))
+    (tmp_path / "d.toml").write_text("[topology]\nlayers = 1\nexperts = 16\nslots = 20\ngpus = 4\n")
+    argv = [str(tmp_path / "t.npy"), "--topology", str(tmp_path / "d.toml"), "--policies", "global"]
+    assert report.main([*argv, "--slots", "32", "--gpus", "2", "--json", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["placement"]
+    assert {r["scale"] for r in rows} == {"trace(2 gpus)"}  # not the config's 4 gpus, silently
+    capsys.readouterr()
+    err = _err(capsys, [*argv, "--gpus", "3"], tool=report.main)
     assert f"slots (20, from {tmp_path / 'd.toml'}) must be a multiple of gpus (3, --gpus)" in err
