@@ -330,11 +330,19 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
             (scale, SCALES[scale], "drift-0.05", drift(base, 0.05, settings.replan_steps)),
             (scale, SCALES[scale], "shift", shift(base, settings.replan_steps)),
         ]
-    sequences += [
-        (c.scale, c.topology, c.workload, c.sequence)
-        for c in trace_cases
-        if c.sequence is not None and len(c.sequence) > 1
-    ]
+    for c in trace_cases:
+        if c.sequence is None or len(c.sequence) <= 1:
+            continue
+        if len(c.sequence) <= settings.replan_every:
+            # Planned at step 0 and never re-planned: a row would claim 0 moves per re-plan.
+            print(
+                f"eplb-bench: note: {c.workload} has {len(c.sequence)} steps, so re-planning every "
+                f"{settings.replan_every} never re-plans; it is left out of the re-planning section "
+                f"(--replan-every K below {len(c.sequence)} includes it)",
+                file=sys.stderr,
+            )
+            continue
+        sequences.append((c.scale, c.topology, c.workload, c.sequence))
     replan, series = [], {}
     for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
         r, s = replan_rows(
@@ -593,6 +601,12 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.expert_bytes is not None and not (math.isfinite(args.expert_bytes) and args.expert_bytes > 0):
         # As eplb place: the bytes of one expert's weights, a finite number > 0.
         raise ValueError(f"--expert-bytes must be a number of bytes > 0, got {args.expert_bytes}")
+    if settings.replan_scales and settings.replan_every >= settings.replan_steps:
+        raise ValueError(
+            f"--replan-every must be below the {settings.replan_steps} steps of the drifting and shifting sequences "
+            f"(every {settings.replan_every} steps there would be no re-plan after the first plan), "
+            f"got {settings.replan_every}"
+        )
     if not settings.ilp_time_limit > 0:
         raise ValueError(f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}")
     if settings.layer < 0:

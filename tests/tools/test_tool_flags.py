@@ -89,3 +89,26 @@ def test_bench_flags_override_the_trace_topology_config(tmp_path, capsys):
     capsys.readouterr()
     err = _err(capsys, [*argv, "--gpus", "3"], tool=report.main)
     assert f"slots (20, from {tmp_path / 'd.toml'}) must be a multiple of gpus (3, --gpus)" in err
+
+
+@pytest.mark.parametrize(("argv", "steps"), [(["--quick", "--replan-every", "16"], 16), (["--replan-every", "64"], 64)])
+def test_bench_replan_every_that_never_replans_is_refused(capsys, argv, steps):
+    err = _err(capsys, argv, tool=report.main)
+    assert err == (
+        f"eplb-bench: error: --replan-every must be below the {steps} steps of the drifting and shifting sequences "
+        f"(every {steps} steps there would be no re-plan after the first plan), got {steps}\n"
+    )
+
+
+def test_bench_a_trace_too_short_to_replan_is_left_out_with_a_note(tmp_path, capsys):
+    np.save(tmp_path / "t.npy", np.random.default_rng(0).integers(1, 100, (4, 1, 16)))
+    argv = [str(tmp_path / "t.npy"), "--slots", "20", "--gpus", "4", "--policies", "global"]
+    assert report.main(argv) == 0  # re-planning every 8 steps (the default) of 4
+    captured = capsys.readouterr()
+    assert "## re-planning" not in captured.out  # no row claiming 0 moves per re-plan
+    assert (
+        f"eplb-bench: note: {tmp_path / 't.npy'} has 4 steps, so re-planning every 8 never re-plans; it is left "
+        "out of the re-planning section (--replan-every K below 4 includes it)"
+    ) in captured.err
+    assert report.main([*argv, "--replan-every", "2"]) == 0
+    assert "| trace(4 gpus) | " + str(tmp_path / "t.npy") + " | global | 4 | 2 |" in capsys.readouterr().out
