@@ -653,11 +653,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\neplb-bench: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
+    failed = None
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+        # Written before the tables (a reader of stdout that goes away must not lose it); one
+        # that cannot be written still leaves the tables of a run of minutes on stdout.
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+        except OSError as exc:
+            failed = f"eplb-bench: error: --json {args.json}: cannot write it ({exc.strerror or exc})"
     print(markdown(report))
     if report["plots"]:
         print("\nplots:\n" + "\n".join(report["plots"]))
+    if failed:
+        print(failed, file=sys.stderr)
+        return 2
     return 0
 
 

@@ -112,3 +112,20 @@ def test_bench_a_trace_too_short_to_replan_is_left_out_with_a_note(tmp_path, cap
     ) in captured.err
     assert report.main([*argv, "--replan-every", "2"]) == 0
     assert "| trace(4 gpus) | " + str(tmp_path / "t.npy") + " | global | 4 | 2 |" in capsys.readouterr().out
+
+
+def test_bench_a_json_file_that_cannot_be_written_is_named_and_the_tables_are_kept(tmp_path, monkeypatch, capsys):
+    np.save(tmp_path / "t.npy", np.ones((1, 1, 16)))
+    target = tmp_path / "r.json"  # fine when checked before the run ...
+    real = report.build_report
+
+    def build(*args, **kwargs):
+        target.mkdir()  # ... and a directory by the time the report is written
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(report, "build_report", build)
+    argv = [str(tmp_path / "t.npy"), "--slots", "20", "--gpus", "4", "--policies", "global", "--json", str(target)]
+    assert report.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"eplb-bench: error: --json {target}: cannot write it (Is a directory)\n"
+    assert "| trace(4 gpus) | " in captured.out  # the run's tables are not lost
