@@ -584,6 +584,12 @@ def _settings(args: argparse.Namespace) -> Settings:
     elif args.traces and not args.quick:
         # Trace files alone: a report on them, not also on every synthetic scale (minutes).
         overrides |= {"scales": (), "replan_scales": (), "step_scales": ()}
+        unused = [f for f, v in (("--workloads", args.workloads), ("--tokens-per-gpu", args.tokens_per_gpu)) if v]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} to the synthetic scales, and trace "
+                "files given alone are all the report covers: add --scales A,B (or --quick) to run them too"
+            )
     if args.workloads:
         unknown = [w for w in args.workloads if w not in WORKLOADS]
         if unknown:

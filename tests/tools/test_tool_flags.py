@@ -129,3 +129,19 @@ def test_bench_a_json_file_that_cannot_be_written_is_named_and_the_tables_are_ke
     captured = capsys.readouterr()
     assert captured.err == f"eplb-bench: error: --json {target}: cannot write it (Is a directory)\n"
     assert "| trace(4 gpus) | " in captured.out  # the run's tables are not lost
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        (["--workloads", "zipf-1.0"], "--workloads applies"),
+        (["--workloads", "zipf-1.0", "--tokens-per-gpu", "8"], "--workloads, --tokens-per-gpu apply"),
+    ],
+)
+def test_bench_synthetic_flags_with_trace_files_alone_are_refused(tmp_path, capsys, argv, flags):
+    np.save(tmp_path / "t.npy", np.ones((1, 1, 16)))
+    err = _err(capsys, [str(tmp_path / "t.npy"), "--slots", "20", "--gpus", "4", *argv], tool=report.main)
+    assert err == (
+        f"eplb-bench: error: {flags} to the synthetic scales, and trace files given alone are all the report "
+        "covers: add --scales A,B (or --quick) to run them too\n"
+    )
