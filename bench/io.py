@@ -83,6 +83,8 @@ def _empty(path: Path, what: str) -> None:
 
 
 _NPY_MAGIC, _ZIP_MAGIC = b"\x93NUMPY", b"PK\x03\x04"
+# A zip archive with no members (np.savez of no arrays) is its end record alone.
+_EMPTY_ZIP_MAGIC = b"PK\x05\x06"
 
 
 _NPZ, _TORCH, _BAD_ZIP = "an .npz archive", "a torch.save file", "a damaged or cut-short zip archive"
@@ -95,7 +97,7 @@ def _kind_of(path: Path) -> str:
         head = f.read(8)
     if head.startswith(_NPY_MAGIC):
         return "a .npy array"
-    if head.startswith(_ZIP_MAGIC):
+    if head.startswith((_ZIP_MAGIC, _EMPTY_ZIP_MAGIC)):
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()

@@ -145,3 +145,12 @@ def test_bench_synthetic_flags_with_trace_files_alone_are_refused(tmp_path, caps
         f"eplb-bench: error: {flags} to the synthetic scales, and trace files given alone are all the report "
         "covers: add --scales A,B (or --quick) to run them too\n"
     )
+
+
+def test_an_npz_archive_of_no_arrays_is_named_as_one(tmp_path, capsys):
+    np.savez(tmp_path / "none.npz")
+    err = _err(capsys, ["place", str(tmp_path / "none.npz"), "--slots", "4", "--gpus", "2"])
+    assert err == (
+        f"eplb place: error: {tmp_path / 'none.npz'}: field 'counts': missing; expected an array named counts or "
+        "logical_count (archive has: nothing)\n"
+    )  # not "not an .npz archive (not a zip archive)"
