@@ -294,7 +294,8 @@ def _place(args: argparse.Namespace) -> int:
     elif out is None:
         sys.stdout.write(eio.placement_text(plan.placement, fmt, stats, loads))
     elif fmt == "phy2log":
-        np.save(out, plan.phy2log)
+        with out.open("wb") as f:  # np.save(path) would append .npy to a name ending in .NPY
+            np.save(f, plan.phy2log)
         say(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
     else:
         kind = eio.write_placement(out, plan.placement, fmt, stats=stats, loads=loads)

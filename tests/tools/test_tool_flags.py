@@ -154,3 +154,11 @@ def test_an_npz_archive_of_no_arrays_is_named_as_one(tmp_path, capsys):
         f"eplb place: error: {tmp_path / 'none.npz'}: field 'counts': missing; expected an array named counts or "
         "logical_count (archive has: nothing)\n"
     )  # not "not an .npz archive (not a zip archive)"
+
+
+def test_place_writes_a_bare_phy2log_to_the_file_it_names(tmp_path, capsys):
+    out = tmp_path / "p.NPY"
+    assert cli.main(["place", *SMALL, "--out", str(out)]) == 0
+    assert f"wrote phy2log [1, 20] to {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.NPY"]  # not p.NPY.npy
+    assert np.load(out).shape == (1, 20)
