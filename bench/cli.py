@@ -330,7 +330,10 @@ def _read_previous(path: str, topo: Topology) -> eplb.Placement:
             f"{path}: the placement is {list(prev.shape)} (layers x slots) but the topology "
             f"needs [{topo.num_layers}, {topo.num_slots}]"
         )
-    return eplb.Placement(prev, topo)
+    try:
+        return eplb.Placement(prev, topo)
+    except ValueError as exc:  # a bare .npy of floats or of experts the topology does not have
+        raise ValueError(f"--previous {path}: not a placement of this topology: {exc}") from None
 
 
 @contextmanager

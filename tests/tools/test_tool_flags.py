@@ -162,3 +162,15 @@ def test_place_writes_a_bare_phy2log_to_the_file_it_names(tmp_path, capsys):
     assert f"wrote phy2log [1, 20] to {out}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.NPY"]  # not p.NPY.npy
     assert np.load(out).shape == (1, 20)
+
+
+def test_a_previous_npy_that_is_no_placement_is_named(tmp_path, capsys):
+    np.save(tmp_path / "floats.npy", np.arange(20, dtype=np.float64)[None] % 16)
+    err = _err(capsys, ["place", *SMALL, "--previous", str(tmp_path / "floats.npy")])
+    assert err == (
+        f"eplb place: error: --previous {tmp_path / 'floats.npy'}: not a placement of this topology: "
+        "phy2log must hold integers, got dtype float64\n"
+    )
+    np.save(tmp_path / "ids.npy", np.arange(20)[None] + 100)
+    err = _err(capsys, ["place", *SMALL, "--previous", str(tmp_path / "ids.npy")])
+    assert err.startswith(f"eplb place: error: --previous {tmp_path / 'ids.npy'}: not a placement of this topology: ")
