@@ -63,7 +63,11 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text()
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+        # Say what the file is when it is one of the binary kinds eplb reads (a .npy given as
+        # --trace-format csv), else where the text breaks.
+        kind = _kind_of(path)
+        why = f"it is {kind}" if kind else f"byte {exc.start}: {exc.reason}"
+        raise ValueError(f"{path}: not a UTF-8 text file ({why})") from None
 
 
 def _read_json(path: Path) -> object:

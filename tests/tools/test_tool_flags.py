@@ -174,3 +174,12 @@ def test_a_previous_npy_that_is_no_placement_is_named(tmp_path, capsys):
     np.save(tmp_path / "ids.npy", np.arange(20)[None] + 100)
     err = _err(capsys, ["place", *SMALL, "--previous", str(tmp_path / "ids.npy")])
     assert err.startswith(f"eplb place: error: --previous {tmp_path / 'ids.npy'}: not a placement of this topology: ")
+
+
+def test_a_binary_trace_read_as_text_says_what_it_is(tmp_path, capsys):
+    np.save(tmp_path / "t.npy", np.ones((1, 16)))
+    err = _err(capsys, ["place", str(tmp_path / "t.npy"), "--slots", "20", "--gpus", "4", "--trace-format", "csv"])
+    assert err == f"eplb place: error: {tmp_path / 't.npy'}: not a UTF-8 text file (it is a .npy array)\n"
+    np.savez(tmp_path / "d.npz", counts=np.ones((1, 16)))
+    err = _err(capsys, ["place", str(tmp_path / "t.npy"), "--topology", str(tmp_path / "d.npz")])
+    assert err == f"eplb place: error: {tmp_path / 'd.npz'}: not a UTF-8 text file (it is an .npz archive)\n"
