@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -633,6 +634,14 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 @quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
+    # Plugin policies first, as in eplb place, so that --policies (and its help) knows them.
+    from eplb_service import plugins
+
+    try:
+        plugins.load(plugins.parse(os.environ.get("EPLB_PLUGINS")))
+    except ValueError as exc:
+        print(f"eplb-bench: error: EPLB_PLUGINS: {exc}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     try:
         settings = _settings(args)
