@@ -253,6 +253,22 @@ def _place(args: argparse.Namespace) -> int:
     )
     say(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
     say(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
+    # How far from optimal the plan can be at most: each layer's imbalance over its bound.
+    gap = (
+        np.divide(plan.imbalance, plan.imbalance_lb, out=np.ones_like(plan.imbalance), where=plan.imbalance_lb > 0) - 1
+    )
+    target = getattr(eplb.get_policy(args.policy).defaults(), "gap", None)
+    within = (
+        f"; {int((gap <= target + 1e-12).sum())} of {topo.num_layers} layers within {100 * target:g} %"
+        if target is not None
+        else ""
+    )
+    say(f"gap to the bound:              mean {100 * gap.mean():.2f} %  worst {100 * gap.max():.2f} %{within}")
+    if plan.search is not None and (plan.search.layers_searched or plan.search.timed_out):
+        say(
+            f"search after the first plan:   {plan.search.layers_searched} of {topo.num_layers} layers, "
+            f"{plan.search.work:.0f} work units" + ("; cut short by --time-limit" if plan.search.timed_out else "")
+        )
     say(
         f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
         f"most replicas of one expert: {int(plan.logcnt.max())}"

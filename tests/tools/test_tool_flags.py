@@ -183,3 +183,22 @@ def test_a_binary_trace_read_as_text_says_what_it_is(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", counts=np.ones((1, 16)))
     err = _err(capsys, ["place", str(tmp_path / "t.npy"), "--topology", str(tmp_path / "d.npz")])
     assert err == f"eplb place: error: {tmp_path / 'd.npz'}: not a UTF-8 text file (it is an .npz archive)\n"
+
+
+def test_place_reports_the_gap_to_the_bound_and_the_search(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    flags = ["place", "--synthetic", "zipf-1.5", "--layers", "3", "--experts", "32", "--slots", "48", "--gpus", "24"]
+    assert cli.main([*flags, "--policy", "global", "--out", str(out)]) == 0
+    report_lines = capsys.readouterr().out.splitlines()
+    stats = json.loads(out.read_text())["stats"]
+    gap = np.array(stats["imbalance"]) / np.array(stats["imbalance_lb"]) - 1
+    within = int((gap <= 0.001 + 1e-12).sum())
+    assert (
+        f"gap to the bound:              mean {100 * gap.mean():.2f} %  worst {100 * gap.max():.2f} %; "
+        f"{within} of 3 layers within 0.1 %"
+    ) in report_lines
+    assert any(line.startswith("search after the first plan:   ") for line in report_lines) == (within < 3)
+    assert cli.main([*flags, "--policy", "deepseek"]) == 0  # no search, no gap target: the gap alone
+    assert any(
+        line.startswith("gap to the bound:") and "within" not in line for line in capsys.readouterr().out.splitlines()
+    )
