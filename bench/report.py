@@ -488,7 +488,8 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    # A name given twice is run once (small,small ran every section twice over).
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
     return names

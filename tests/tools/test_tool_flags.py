@@ -202,3 +202,21 @@ def test_place_reports_the_gap_to_the_bound_and_the_search(tmp_path, capsys):
     assert any(
         line.startswith("gap to the bound:") and "within" not in line for line in capsys.readouterr().out.splitlines()
     )
+
+
+def test_bench_a_name_given_twice_runs_once(tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["--scales", "small,small", "--workloads", "zipf-1.0, zipf-1.0", "--policies", "global,global"]
+    argv += ["--tokens-per-gpu", "8", "--replan-every", "4", "--json", str(out)]
+    assert report.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert [(r["scale"], r["workload"], r["policy"]) for r in rep["placement"]] == [
+        ("small", "zipf-1.0", "none"),
+        ("small", "zipf-1.0", "global"),
+    ]
+    assert [(r["sequence"], r["policy"]) for r in rep["replan"]] == [
+        ("drift-0.05", "none"),
+        ("drift-0.05", "global"),
+        ("shift", "none"),
+        ("shift", "global"),
+    ]
