@@ -615,8 +615,12 @@ def _settings(args: argparse.Namespace) -> Settings:
             f"(every {settings.replan_every} steps there would be no re-plan after the first plan), "
             f"got {settings.replan_every}"
         )
-    if not settings.ilp_time_limit > 0:
-        raise ValueError(f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}")
+    if not (math.isfinite(settings.ilp_time_limit) and settings.ilp_time_limit > 0):
+        # inf as in eplb place's --time-limit: no limit is not a limit.
+        raise ValueError(
+            f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}"
+            + ("" if math.isfinite(settings.ilp_time_limit) else " (not a finite number)")
+        )
     if settings.layer < 0:
         raise ValueError(f"--layer must be >= 0, got {settings.layer}")
     for scale in settings.step_scales:

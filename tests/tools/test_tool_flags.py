@@ -220,3 +220,11 @@ def test_bench_a_name_given_twice_runs_once(tmp_path):
         ("shift", "none"),
         ("shift", "global"),
     ]
+
+
+def test_bench_an_infinite_ilp_time_limit_is_refused(capsys):
+    err = _err(capsys, ["--quick", "--ilp-time-limit", "inf"], tool=report.main)
+    assert (
+        err
+        == "eplb-bench: error: --ilp-time-limit must be a positive number of seconds, got inf (not a finite number)\n"
+    )
