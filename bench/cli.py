@@ -7,6 +7,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -29,28 +30,50 @@ from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
 
+def build_topology(values: dict[str, int], origins: dict[str, str]) -> Topology:
+    """``Topology`` from ``values`` (``layers``, ``experts``, ... as in ``_TOPO_ARGS``) whose
+    ``origins`` say where each came from (``"--slots"``, ``"from --scale small"``, ``"from the
+    trace"``): a ``ValueError`` names the fields by those, not by the library's ``num_*``
+    parameters, so that the user sees which flag (or file) to change."""
+    try:
+        return Topology(*(values[n] for n in _TOPO_ARGS))
+    except ValueError as exc:
+
+        def named(m: re.Match) -> str:
+            name, value = m.group(1), m.group(2)
+            origin = origins.get(name, "")
+            return f"{name} ({value}{', ' + origin if origin else ''})"
+
+        raise ValueError(re.sub(r"\bnum_([a-z]+) \((\d+)\)", named, str(exc))) from None
+
+
 def _topology(args: argparse.Namespace, layers: int | None, experts: int | None) -> Topology:
     """Topology from ``--scale`` or ``--topology``, then explicit flags (which win), with
     layers and experts defaulting to the trace's."""
     base: dict[str, int] = {}
+    origins: dict[str, str] = {}
     if args.scale:
         t = SCALES[args.scale]
         base = {n: getattr(t, f"num_{n}") for n in _TOPO_ARGS}
+        origins = dict.fromkeys(_TOPO_ARGS, f"from --scale {args.scale}")
     if args.topology:
         t = eio.read_topology(args.topology)
         base = {n: getattr(t, f"num_{n}") for n in _TOPO_ARGS}
+        origins = dict.fromkeys(_TOPO_ARGS, f"from {args.topology}")
     base.setdefault("nodes", 1)
     base.setdefault("groups", 1)
     for name, value in (("layers", layers), ("experts", experts)):
         if value is not None and name not in base:
             base[name] = value
+            origins[name] = "from the trace"
     for name in _TOPO_ARGS:
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
+            origins[name] = f"--{name}"
     missing = [f"--{n}" for n in _TOPO_ARGS if n not in base]
     if missing:
         raise ValueError(f"topology incomplete: give {', '.join(missing)} (or --topology CONFIG / --scale NAME)")
-    topo = Topology(*(base[n] for n in _TOPO_ARGS))
+    topo = build_topology(base, origins)
     if layers is not None and (topo.num_layers, topo.num_experts) != (layers, experts):
         raise ValueError(
             f"the trace has {layers} layers x {experts} experts but the topology says "
@@ -230,6 +253,22 @@ def _place(args: argparse.Namespace) -> int:
     )
     say(f"imbalance after:               mean {plan.mean_imbalance:.4f}  worst {plan.max_imbalance:.4f}")
     say(f"lower bound:                   mean {plan.imbalance_lb.mean():.4f}  worst {plan.imbalance_lb.max():.4f}")
+    # How far from optimal the plan can be at most: each layer's imbalance over its bound.
+    gap = (
+        np.divide(plan.imbalance, plan.imbalance_lb, out=np.ones_like(plan.imbalance), where=plan.imbalance_lb > 0) - 1
+    )
+    target = getattr(eplb.get_policy(args.policy).defaults(), "gap", None)
+    within = (
+        f"; {int((gap <= target + 1e-12).sum())} of {topo.num_layers} layers within {100 * target:g} %"
+        if target is not None
+        else ""
+    )
+    say(f"gap to the bound:              mean {100 * gap.mean():.2f} %  worst {100 * gap.max():.2f} %{within}")
+    if plan.search is not None and (plan.search.layers_searched or plan.search.timed_out):
+        say(
+            f"search after the first plan:   {plan.search.layers_searched} of {topo.num_layers} layers, "
+            f"{plan.search.work:.0f} work units" + ("; cut short by --time-limit" if plan.search.timed_out else "")
+        )
     say(
         f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
         f"most replicas of one expert: {int(plan.logcnt.max())}"
@@ -271,7 +310,8 @@ def _place(args: argparse.Namespace) -> int:
     elif out is None:
         sys.stdout.write(eio.placement_text(plan.placement, fmt, stats, loads))
     elif fmt == "phy2log":
-        np.save(out, plan.phy2log)
+        with out.open("wb") as f:  # np.save(path) would append .npy to a name ending in .NPY
+            np.save(f, plan.phy2log)
         say(f"wrote phy2log {list(plan.phy2log.shape)} to {out}")
     else:
         kind = eio.write_placement(out, plan.placement, fmt, stats=stats, loads=loads)
@@ -306,7 +346,10 @@ def _read_previous(path: str, topo: Topology) -> eplb.Placement:
             f"{path}: the placement is {list(prev.shape)} (layers x slots) but the topology "
             f"needs [{topo.num_layers}, {topo.num_slots}]"
         )
-    return eplb.Placement(prev, topo)
+    try:
+        return eplb.Placement(prev, topo)
+    except ValueError as exc:  # a bare .npy of floats or of experts the topology does not have
+        raise ValueError(f"--previous {path}: not a placement of this topology: {exc}") from None
 
 
 @contextmanager

@@ -63,7 +63,11 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text()
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+        # Say what the file is when it is one of the binary kinds eplb reads (a .npy given as
+        # --trace-format csv), else where the text breaks.
+        kind = _kind_of(path)
+        why = f"it is {kind}" if kind else f"byte {exc.start}: {exc.reason}"
+        raise ValueError(f"{path}: not a UTF-8 text file ({why})") from None
 
 
 def _read_json(path: Path) -> object:
@@ -83,6 +87,8 @@ def _empty(path: Path, what: str) -> None:
 
 
 _NPY_MAGIC, _ZIP_MAGIC = b"\x93NUMPY", b"PK\x03\x04"
+# A zip archive with no members (np.savez of no arrays) is its end record alone.
+_EMPTY_ZIP_MAGIC = b"PK\x05\x06"
 
 
 _NPZ, _TORCH, _BAD_ZIP = "an .npz archive", "a torch.save file", "a damaged or cut-short zip archive"
@@ -95,7 +101,7 @@ def _kind_of(path: Path) -> str:
         head = f.read(8)
     if head.startswith(_NPY_MAGIC):
         return "a .npy array"
-    if head.startswith(_ZIP_MAGIC):
+    if head.startswith((_ZIP_MAGIC, _EMPTY_ZIP_MAGIC)):
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()

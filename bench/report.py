@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -43,6 +44,7 @@ from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
 from . import extras
 from . import io as eio
+from .cli import build_topology
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 try:
@@ -329,11 +331,19 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
             (scale, SCALES[scale], "drift-0.05", drift(base, 0.05, settings.replan_steps)),
             (scale, SCALES[scale], "shift", shift(base, settings.replan_steps)),
         ]
-    sequences += [
-        (c.scale, c.topology, c.workload, c.sequence)
-        for c in trace_cases
-        if c.sequence is not None and len(c.sequence) > 1
-    ]
+    for c in trace_cases:
+        if c.sequence is None or len(c.sequence) <= 1:
+            continue
+        if len(c.sequence) <= settings.replan_every:
+            # Planned at step 0 and never re-planned: a row would claim 0 moves per re-plan.
+            print(
+                f"eplb-bench: note: {c.workload} has {len(c.sequence)} steps, so re-planning every "
+                f"{settings.replan_every} never re-plans; it is left out of the re-planning section "
+                f"(--replan-every K below {len(c.sequence)} includes it)",
+                file=sys.stderr,
+            )
+            continue
+        sequences.append((c.scale, c.topology, c.workload, c.sequence))
     replan, series = [], {}
     for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
         r, s = replan_rows(
@@ -427,18 +437,47 @@ def write_plots(
     return paths
 
 
+_DEPLOYMENT_FLAGS = ("topology", "slots", "gpus", "nodes", "groups")
+
+
+def _check_deployment_flags(args: argparse.Namespace) -> None:
+    """The flags that give trace files their deployment: only with trace files (the scales have
+    their own), and counts >= 1, named by the flag."""
+    given = ["--" + n for n in _DEPLOYMENT_FLAGS if getattr(args, n) is not None]
+    if given and not args.traces:
+        raise ValueError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to trace files (the deployment they were "
+            "recorded on); none was given, and the scales have their own (docs/scales.md)"
+        )
+    for name in _DEPLOYMENT_FLAGS[1:]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be a number >= 1, got {value}")
+
+
+def _trace_topology(args: argparse.Namespace, path: str, layers: int, experts: int) -> Topology:
+    """The deployment of a trace file: ``--topology``, then ``--slots/--gpus/--nodes/--groups``
+    (which win, as in ``eplb place``); layers and experts default to the trace's."""
+    values: dict[str, int] = {"layers": layers, "experts": experts, "nodes": 1, "groups": 1}
+    origins = {"layers": "from the trace", "experts": "from the trace"}
+    if args.topology:
+        t = eio.read_topology(args.topology)
+        values = {n: getattr(t, f"num_{n}") for n in ("layers", "experts", "slots", "gpus", "nodes", "groups")}
+        origins = dict.fromkeys(values, f"from {args.topology}")
+    for name in _DEPLOYMENT_FLAGS[1:]:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+            origins[name] = f"--{name}"
+    if "slots" not in values or "gpus" not in values:
+        raise ValueError(f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus")
+    return build_topology(values, origins)
+
+
 def _trace_cases(args: argparse.Namespace) -> list[Case]:
     cases = []
     for path in args.traces:
         trace = eio.read_trace(path)
-        if args.topology:
-            topo = eio.read_topology(args.topology)
-        elif args.slots and args.gpus:
-            topo = Topology(trace.num_layers, trace.num_experts, args.slots, args.gpus, args.nodes, args.groups)
-        else:
-            raise ValueError(
-                f"{path}: give the deployment for trace files with --topology CONFIG or --slots and --gpus"
-            )
+        topo = _trace_topology(args, path, trace.num_layers, trace.num_experts)
         if (topo.num_layers, topo.num_experts) != (trace.num_layers, trace.num_experts):
             raise ValueError(
                 f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
@@ -449,7 +488,8 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    # A name given twice is run once (small,small ran every section twice over).
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
     return names
@@ -518,10 +558,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--topology", help="topology config for trace files (.json/.toml)")
     for name in ("slots", "gpus"):
         ap.add_argument(
-            f"--{name}", type=int, help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'})"
+            f"--{name}",
+            type=int,
+            help=f"{name} for trace files (with --{'gpus' if name == 'slots' else 'slots'}; overrides --topology)",
         )
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--nodes", type=int, help="nodes for trace files [1]")
+    ap.add_argument("--groups", type=int, help="expert groups for trace files [1]")
     ap.add_argument("--ilp-time-limit", type=float, help="seconds per layer for the ilp policy (quick: 2, full: 10)")
     ap.add_argument("--expert-bytes", type=float, help="bytes of one expert's weights: adds moved bytes per re-plan")
     ap.add_argument("--json", help="also write the report as JSON to this file")
@@ -531,6 +573,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """``--quick`` or the full settings with the flags applied; ``ValueError`` on bad names."""
+    _check_deployment_flags(args)
     settings = QUICK if args.quick else FULL
     overrides: dict = {"layer": args.layer}
     if args.scales:
@@ -543,6 +586,12 @@ def _settings(args: argparse.Namespace) -> Settings:
     elif args.traces and not args.quick:
         # Trace files alone: a report on them, not also on every synthetic scale (minutes).
         overrides |= {"scales": (), "replan_scales": (), "step_scales": ()}
+        unused = [f for f, v in (("--workloads", args.workloads), ("--tokens-per-gpu", args.tokens_per_gpu)) if v]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} to the synthetic scales, and trace "
+                "files given alone are all the report covers: add --scales A,B (or --quick) to run them too"
+            )
     if args.workloads:
         unknown = [w for w in args.workloads if w not in WORKLOADS]
         if unknown:
@@ -560,8 +609,18 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.expert_bytes is not None and not (math.isfinite(args.expert_bytes) and args.expert_bytes > 0):
         # As eplb place: the bytes of one expert's weights, a finite number > 0.
         raise ValueError(f"--expert-bytes must be a number of bytes > 0, got {args.expert_bytes}")
-    if not settings.ilp_time_limit > 0:
-        raise ValueError(f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}")
+    if settings.replan_scales and settings.replan_every >= settings.replan_steps:
+        raise ValueError(
+            f"--replan-every must be below the {settings.replan_steps} steps of the drifting and shifting sequences "
+            f"(every {settings.replan_every} steps there would be no re-plan after the first plan), "
+            f"got {settings.replan_every}"
+        )
+    if not (math.isfinite(settings.ilp_time_limit) and settings.ilp_time_limit > 0):
+        # inf as in eplb place's --time-limit: no limit is not a limit.
+        raise ValueError(
+            f"--ilp-time-limit must be a positive number of seconds, got {settings.ilp_time_limit}"
+            + ("" if math.isfinite(settings.ilp_time_limit) else " (not a finite number)")
+        )
     if settings.layer < 0:
         raise ValueError(f"--layer must be >= 0, got {settings.layer}")
     for scale in settings.step_scales:
@@ -580,6 +639,14 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 @quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
+    # Plugin policies first, as in eplb place, so that --policies (and its help) knows them.
+    from eplb_service import plugins
+
+    try:
+        plugins.load(plugins.parse(os.environ.get("EPLB_PLUGINS")))
+    except ValueError as exc:
+        print(f"eplb-bench: error: EPLB_PLUGINS: {exc}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     try:
         settings = _settings(args)
@@ -606,11 +673,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\neplb-bench: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
+    failed = None
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+        # Written before the tables (a reader of stdout that goes away must not lose it); one
+        # that cannot be written still leaves the tables of a run of minutes on stdout.
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+        except OSError as exc:
+            failed = f"eplb-bench: error: --json {args.json}: cannot write it ({exc.strerror or exc})"
     print(markdown(report))
     if report["plots"]:
         print("\nplots:\n" + "\n".join(report["plots"]))
+    if failed:
+        print(failed, file=sys.stderr)
+        return 2
     return 0
 
 

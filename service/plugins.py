@@ -4,11 +4,11 @@ A plugin is a module whose import registers policies with ``eplb.register_policy
 name one:
 - an installed package's entry point in the group ``eplb.policies``
   (``[project.entry-points."eplb.policies"] mine = "my_pkg.policies"``), loaded everywhere
-  eplb plans by name (``eplb serve``, ``eplb place``, the service's workers);
-- ``eplb serve --plugins my_pkg.policies,other`` / ``EPLB_PLUGINS`` (``eplb place`` reads
-  ``EPLB_PLUGINS``), for modules that are importable but not packaged.
+  eplb plans by name (``eplb serve``, ``eplb place``, ``eplb-bench``, the service's workers);
+- ``eplb serve --plugins my_pkg.policies,other`` / ``EPLB_PLUGINS`` (``eplb place`` and
+  ``eplb-bench`` read ``EPLB_PLUGINS``), for modules that are importable but not packaged.
 
-Only imports happen here (no grpc), so ``eplb place`` can load plugins without the service extra.
+Only imports happen here (no grpc), so the tools can load plugins without the service extra.
 """
 
 from __future__ import annotations

@@ -148,3 +148,21 @@ def test_an_installed_entry_point_reaches_eplb_place(tmp_path):
         argv, cwd=ROOT, env=env | {"EPLB_PLUGINS": module}, capture_output=True, text=True, timeout=120
     )
     assert again.returncode == 0, again.stderr
+
+
+def test_eplb_bench_benchmarks_a_plugin_policy(plugin, tmp_path, monkeypatch, capsys):
+    """EPLB_PLUGINS reaches eplb-bench as it reaches eplb place: --policies takes the plugin's
+    policy (it was 'unknown', the list of registered policies leaving it out)."""
+    from eplb_bench import report
+
+    module, name = plugin
+    monkeypatch.setenv("EPLB_PLUGINS", module)
+    np.save(tmp_path / "t.npy", np.random.default_rng(0).integers(1, 100, (1, 3, 16)))
+    out = tmp_path / "r.json"
+    argv = [str(tmp_path / "t.npy"), "--slots", "24", "--gpus", "8", "--policies", name, "--json", str(out)]
+    assert report.main(argv) == 0, capsys.readouterr().err
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["placement"]}
+    assert set(rows) == {"none", name} and "skipped" not in rows[name]
+    monkeypatch.setenv("EPLB_PLUGINS", "no_such_module_xyz")
+    assert report.main(argv) == 2
+    assert "eplb-bench: error: EPLB_PLUGINS: plugin 'no_such_module_xyz' failed to load" in capsys.readouterr().err
