@@ -1,7 +1,7 @@
 """The default plan against ``effort="high"``, the first greedy plan and eplb.py, with the bound.
 
     python -m eplb_bench.default_bench [--cases NAME,...] [--repeat 3] [--workers 1] [--seed 0] [--no-high]
-        [--json out.json]
+        [--json out.json] [--baseline DIR]
 
 Rows are the cases of issue 13's target table (seeded workloads of ``eplb.workloads`` at the
 standard scales of docs/scales.md) and synthetic loads shaped like large decode deployments:
@@ -20,8 +20,13 @@ The machine is usually shared: compare columns of one run, not runs.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -143,6 +148,60 @@ def select(ap: argparse.ArgumentParser, table: dict, chosen: str | None, list_on
     return names
 
 
+def serve(seed: int) -> None:
+    """Plan on request: each line ``case effort`` on stdin → one JSON line (cpu and wall
+    seconds of ``rebalance``, placement hash) on stdout; each case's loads are drawn once."""
+    table, jobs = cases(seed), {}
+    for line in sys.stdin:
+        name, effort = line.rstrip("\n").rsplit(" ", 1)
+        if name not in jobs:
+            jobs[name] = table[name]()
+        t, loads, policy = jobs[name]
+        c0, t0 = time.process_time(), time.perf_counter()
+        plan = eplb.rebalance(loads, t, policy, effort=effort)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        digest = hashlib.sha256(np.ascontiguousarray(plan.phy2log).tobytes()).hexdigest()[:12]
+        print(json.dumps([cpu, wall, digest]), flush=True)
+
+
+def against(baseline: str, names: list[str], repeat: int, seed: int) -> None:
+    """The ``--baseline`` table: the default and first plans of this tree's ``eplb`` and of
+    ``baseline``'s (``DIR/eplb``), in two processes asked in turn plan by plan (the order
+    swapped every repeat), so that a shared machine's drift hits both alike."""
+    trees = {"baseline": {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}, "this": dict(os.environ)}
+    cmd = [sys.executable, "-m", "eplb_bench.default_bench", "--serve", "--seed", str(seed)]
+    # From a neutral directory, so that the working directory shadows neither tree.
+    procs = {
+        k: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
+        for k, env in trees.items()
+    }
+
+    def run(tree: str, name: str, effort: str) -> list:
+        procs[tree].stdin.write(f"{name} {effort}\n")
+        procs[tree].stdin.flush()
+        line = procs[tree].stdout.readline()
+        if not line:
+            raise SystemExit(f"the {tree} tree's planning process ended (is {baseline}/eplb there?)")
+        return json.loads(line)
+
+    print("| case | effort | baseline cpu ms | this cpu ms | this / baseline | identical |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        for effort in ("fast", "default"):
+            got: dict[str, list] = {k: [] for k in trees}
+            for k in trees:
+                run(k, name, effort)  # warm-up: draws the loads, fills caches
+            for i in range(repeat):
+                for k in trees if i % 2 == 0 else reversed(list(trees)):
+                    got[k].append(run(k, name, effort))
+            b, t = (1e3 * statistics.median(x[0] for x in got[k]) for k in ("baseline", "this"))
+            same = "yes" if got["baseline"][0][2] == got["this"][0][2] else "no"
+            print(f"| {name} | {effort} | {b:.1f} | {t:.1f} | {t / b:.2f} | {same} |", flush=True)
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -154,10 +213,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write the rows as JSON to this file")
     ap.add_argument("--seed", type=int, default=0, help="added to every case's seed (default 0: the documented rows)")
     ap.add_argument("--no-high", action="store_true", help="leave out effort='high' (the slowest column)")
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="time the first and default plans of DIR/eplb (e.g. an older commit: git archive REV eplb | tar -x -C DIR) "
+        "against this tree's, alternating plan by plan (--repeat times, default 5 here), instead of the table",
+    )
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve:
+        serve(args.seed)
+        return
     table = cases(args.seed)
     names = select(ap, table, args.cases, args.list)
     if names is None:
+        return
+    if args.baseline:
+        if not os.path.isdir(os.path.join(args.baseline, "eplb")):
+            ap.error(f"--baseline {args.baseline}: no eplb package in it (expected {args.baseline}/eplb)")
+        against(args.baseline, names, args.repeat if args.repeat > 1 else 5, args.seed)
         return
     head = (
         f"{'case':34} {'eplb.py':>8} {'fast':>8} {'default':>8} {'high':>8} {'bound':>7} {'prof':>7} | "

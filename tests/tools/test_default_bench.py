@@ -2,8 +2,10 @@
 
 import json
 import math
+import os
 
 import numpy as np
+import pytest
 
 from eplb.workloads import SCALES, make_loads
 from eplb_bench import default_bench
@@ -29,3 +31,21 @@ def test_no_high_leaves_the_high_column_out(tmp_path, capsys) -> None:
     row = json.loads(out.read_text())["v3-prefill lognormal-1.0 auto"]
     assert math.isnan(row["high"]) and row["default"] <= row["fast"] <= row["deepseek"]
     assert "v3-prefill lognormal-1.0 auto" in capsys.readouterr().out
+
+
+def test_baseline_times_another_tree_plan_by_plan_and_checks_the_placements(tmp_path, capsys) -> None:
+    import shutil
+
+    import eplb
+
+    shutil.copytree(os.path.dirname(eplb.__file__), tmp_path / "eplb")
+    default_bench.main(["--cases", "v3-prefill lognormal-1.0 auto", "--baseline", str(tmp_path), "--repeat", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| v3-prefill")]
+    assert [r.split(" | ")[1] for r in rows] == ["fast", "default"]
+    assert all(r.rstrip(" |").endswith("yes") for r in rows)  # the same code plans the same
+
+
+def test_baseline_without_an_eplb_package_is_refused(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        default_bench.main(["--cases", "v3-prefill lognormal-1.0 auto", "--baseline", str(tmp_path)])
+    assert exc.value.code == 2 and "no eplb package in it" in capsys.readouterr().err
