@@ -233,9 +233,16 @@ def _repair(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray) -> None:
 
 
 def _any_last(x: np.ndarray) -> np.ndarray:
-    """``x`` ``[..., S]`` bool → ``[...]``: ``x.any(axis=-1)``; with two slots one vector or
-    (a reduction over a length-2 axis costs a call per element of the others)."""
-    return x[..., 0] | x[..., 1] if x.shape[-1] == 2 else x.any(axis=-1)
+    """``x`` ``[..., S]`` bool → ``[...]``: ``x.any(axis=-1)``. Up to 8 slots as that many vector
+    ors: a reduction over a short last axis costs a call per element of the others (3000 rows
+    of 3 slots: 46 us against 5 us)."""
+    S = x.shape[-1]
+    if S == 0 or S > 8:
+        return x.any(axis=-1)
+    out = x[..., 0].copy()
+    for j in range(1, S):
+        out |= x[..., j]
+    return out
 
 
 def _cyclic(weights: np.ndarray, keys: np.ndarray, assign: np.ndarray, rows: np.ndarray) -> None:
@@ -389,13 +396,14 @@ def _swap_best(
     score = dev.reshape(P, -1)
     # Check the best swap for a key clash; only pairs where it clashes look further.
     best = score.argmin(axis=1)
-    found = np.isfinite(score.min(axis=1))
+    # The least score is the one at the argmin: a gather, not a second reduction.
+    found = np.isfinite(np.take(score.reshape(-1), ar * score.shape[1] + best))
     i, c, j = np.unravel_index(best, (per_bin, C, per_bin))
     fq = fp.reshape(-1)[ar * C + c]  # the chosen partner bins
     kp = k2[fq]  # [P, S]: their keys
     key_h = kh.reshape(-1)[ar * per_bin + i]
     key_p = kp.reshape(-1)[ar * per_bin + j]
-    clash = found & ((kp == key_h[:, None]).any(axis=1) | (kh == key_p[:, None]).any(axis=1))
+    clash = found & (_any_last(kp == key_h[:, None]) | _any_last(kh == key_p[:, None]))
     if clash.any():
         cp = np.flatnonzero(clash)
         found[cp], best[cp] = _best_free(score[cp], kh[cp], k2[fp[cp]])
