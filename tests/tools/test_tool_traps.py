@@ -336,6 +336,25 @@ def test_trace_flags_without_a_trace_are_refused(capsys):
     assert "--seed must be an integer >= 0, got -1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--window", "0"], "--window applies to a TRACE file; none was given"),
+        (["--half-life", "-2"], "--half-life applies to a TRACE file; none was given"),
+        (
+            ["--window", "0", "--recorded-under", "p.json"],
+            "--window, --recorded-under apply to a TRACE file; none was given",
+        ),
+    ],
+)
+def test_a_trace_flag_without_a_trace_is_refused_for_that_before_its_range(capsys, argv, message):
+    # --window 0 got the range error ("--window must be a number of steps >= 1"), as if a
+    # window of 1 would have done.
+    assert cli.main(["place", *SMALL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "must be" not in err
+
+
 def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
     topo = eplb.Topology(2, 16, 20, 4, 1, 1)
     seq = np.round(np.stack([make_loads("zipf-1.0", topo, seed) for seed in range(4)]))
