@@ -19,6 +19,11 @@ Checks, each printed with its figures (exit code 1 if one fails):
 - every watcher saw consecutive versions (no gap, no duplicate) and ends at the last version;
 - every replica answers SERVING within one lease (``--lease-seconds``) of its restart, or of
   Redis answering again.
+
+No replica log may hold a traceback; each one found is quoted in the result's ``tracebacks``
+by ``traceback_excerpts(text)``, which does the same for any ``eplb serve`` log (the replica
+logs stay in ``--workdir`` when given): the log line before each traceback and its last lines,
+the exception's included.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from .processes import RedisProcess, ServeProcess
 
-__all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos"]
+__all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos", "traceback_excerpts"]
 
 SERVICE = "eplb.v1.ExpertLoadBalancerService"
 NAME = "chaos"
@@ -367,11 +372,12 @@ class _Harness:
         for path in sorted(self.workdir.glob("replica*.log")):
             text = path.read_text(errors="replace")
             res.tracebacks_in_logs += text.count("Traceback")
-            res.tracebacks += [f"{path.name}: {excerpt}" for excerpt in _traceback_excerpts(text)]
+            res.tracebacks += [f"{path.name}: {excerpt}" for excerpt in traceback_excerpts(text)]
 
 
-def _traceback_excerpts(text: str, tail: int = 6) -> list[str]:
-    """Each traceback in ``text``: the log line before it and its last ``tail`` lines."""
+def traceback_excerpts(text: str, tail: int = 6) -> list[str]:
+    """Each traceback in the log ``text``, as one string: the log line before it (which says
+    what failed) and its last ``tail`` lines, ending with the exception's line."""
     lines = text.splitlines()
     out = []
     for i, line in enumerate(lines):

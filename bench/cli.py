@@ -131,6 +131,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             "give one of --scale NAME and --topology CONFIG (flags such as --gpus then change single fields)"
         )
+    # Whether a flag applies at all comes before its range: --window 0 without a TRACE is
+    # wrong for want of a TRACE, whatever the window.
+    unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
+    given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
+            + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given")
+        )
     for name, (what, op, limit) in _NUMBERS.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value >= limit if op == ">=" else value > limit)):
@@ -139,13 +148,6 @@ def _check_flags(args: argparse.Namespace) -> None:
                 f"--{name.replace('_', '-')} must be {what} {op} {limit}, got {value}"
                 + ("" if math.isfinite(value) else " (not a finite number)")
             )
-    unused = _SYNTHETIC_ONLY if args.trace else _TRACE_ONLY
-    given = ["--" + n.replace("_", "-") for n in unused if getattr(args, n) is not None]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
-            + ("to synthetic workloads, not to a TRACE" if args.trace else "to a TRACE file; none was given")
-        )
     if not args.trace and not args.synthetic:
         # Planning a default workload nobody asked for, and writing nothing, helps no one.
         raise ValueError(

@@ -38,6 +38,8 @@ from typing import TypeVar
 import numpy as np
 
 import eplb
+from eplb.loads import check_layer_sums
+from eplb.policies.deepseek import FLOAT32_LAYER_SUM
 from eplb.simulate import simulate_steps
 from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
@@ -89,12 +91,32 @@ def check_policies(requested: tuple[str, ...]) -> None:
         )
 
 
-def _skip_reason(policy: str, topology: Topology, scale: str = "") -> str | None:
+class PolicyFailure(Exception):
+    """A policy raised on a case it applies to: its bug (e.g. ``eplb.PolicyError``, an invalid
+    plan), which fails the run rather than showing as a skipped row."""
+
+    def __init__(self, policy: str, case: str, exc: BaseException) -> None:
+        detail = " ".join(str(exc).split())  # one line, whatever the policy's message holds
+        super().__init__(f"policy {policy!r} failed on {case}: {type(exc).__name__}: {detail}")
+
+
+def _skip_reason(policy: str, topology: Topology, scale: str = "", loads: np.ndarray | None = None) -> str | None:
+    """Why ``policy`` does not apply to this case (a row saying so), or None: it must plan it."""
     if policy == "hierarchical" and not topology.hierarchical_ok:
         return f"num_groups ({topology.num_groups}) % num_nodes ({topology.num_nodes}) != 0"
     if policy == "ilp" and scale != "small" and not scale.startswith("trace"):
         # One CP-SAT model per layer: minutes to hours at the model scales.
         return "ilp runs on the small scale and trace files only"
+    if policy == "ilp" and topology.num_slots > topology.num_experts * topology.num_gpus:
+        return (
+            f"ilp keeps at most one replica of an expert per gpu: num_slots ({topology.num_slots}) > "
+            f"num_experts x num_gpus ({topology.num_experts * topology.num_gpus})"
+        )
+    if policy == "deepseek" and loads is not None:
+        try:  # eplb.py's float32 arithmetic: the library's own check and message
+            check_layer_sums(loads, FLOAT32_LAYER_SUM, "loads", "policy 'deepseek' computes in float32 as eplb.py does")
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -107,7 +129,7 @@ def plan_case(
     row: dict = {"scale": case.scale, "workload": case.workload, "policy": policy}
     lb = eplb.imbalance_lb(loads, topo)
     row["imbalance_lb_mean"] = float(lb.mean())
-    reason = _skip_reason(policy, topo, case.scale)
+    reason = _skip_reason(policy, topo, case.scale, loads)
     if reason:
         return row | {"skipped": reason}, None, None
     if policy == "none":
@@ -118,8 +140,10 @@ def plan_case(
             options = {"time_limit": ilp_time_limit} if policy == "ilp" else {}
             plan = eplb.rebalance(loads, topo, policy, **options)
             seconds = time.perf_counter() - t0
-        except (ValueError, ImportError) as exc:  # e.g. the ilp extra is not installed
+        except ImportError as exc:  # a missing extra: ilp without OR-Tools, a plugin's dependency
             return row | {"skipped": str(exc)}, None, None
+        except Exception as exc:  # noqa: BLE001  (whatever it is, the policy failed where it applies)
+            raise PolicyFailure(policy, f"{case.scale} / {case.workload}", exc) from exc
         placement = plan.placement
         if plan.solver_status:
             row["solver_status"] = sorted(set(plan.solver_status))
@@ -145,9 +169,11 @@ def add_ilp_gap(rows: list[dict]) -> None:
             r["gap_to_ilp"] = r["imbalance_mean"] / ilp[key] - 1.0
 
 
-def replan_series(topology: Topology, seq: np.ndarray, policy: str, every: int) -> dict:
+def replan_series(topology: Topology, seq: np.ndarray, policy: str, every: int, where: str = "a sequence") -> dict:
     """``seq``: ``[T, L, E]``. Re-plan every ``every`` steps on the last ``every`` steps
-    (the first plan uses step 0) and score each step with the placement in service then.
+    (the first plan uses step 0) and score each step with the placement in service then;
+    ``PolicyFailure`` (naming ``where``) when the policy raises, but for an ``ImportError``
+    (a missing extra), which passes through.
 
     Returns ``imbalance [T]`` (mean over layers), ``replan_steps [R]`` and ``moves [R]``
     (slots changed by each re-plan after the first).
@@ -159,7 +185,12 @@ def replan_series(topology: Topology, seq: np.ndarray, policy: str, every: int) 
     for t in range(T):
         if t % every == 0 and policy != "none":
             window = seq[0] if t == 0 else seq[max(0, t - every) : t].sum(axis=0)
-            plan = eplb.rebalance(window, topology, policy, previous=placement)
+            try:
+                plan = eplb.rebalance(window, topology, policy, previous=placement)
+            except ImportError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (as in plan_case: the policy's failure)
+                raise PolicyFailure(policy, f"{where} (re-planning at step {t})", exc) from exc
             if placement is not None:
                 moves.append(int(plan.moves.sum()))
             placement = plan.placement
@@ -178,9 +209,12 @@ def replan_rows(
 ) -> tuple[list[dict], dict]:
     rows, series = [], {}
     for policy in policies:
-        if policy == "ilp" or _skip_reason(policy, topology, scale):
+        if policy == "ilp" or _skip_reason(policy, topology, scale, seq.sum(axis=0)):
             continue
-        s = replan_series(topology, seq, policy, every)
+        try:
+            s = replan_series(topology, seq, policy, every, f"{scale} / {name}")
+        except ImportError:  # a missing extra: its placement row says so
+            continue
         series[policy] = s
         rows.append(
             {
@@ -312,11 +346,26 @@ FULL = Settings(
 
 
 def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path | None = None) -> dict:
-    """Run every section; returns ``{"placement": rows, "replan": rows, "steps": rows, "plots": paths}``."""
+    """Run every section; returns ``{"placement": rows, "replan": rows, "steps": rows, "plots": paths}``.
+
+    A policy that fails on a case it applies to (``PolicyFailure``) stops the run: the report
+    then holds the rows made before it and ``"failed"``, one line naming the policy, the case
+    and the error (no plots)."""
+    report: dict = {"placement": [], "replan": [], "steps": [], "plots": []}
+    try:
+        _run_sections(settings, list(trace_cases), plots, report)
+    except PolicyFailure as exc:
+        add_ilp_gap(report["placement"])
+        report["failed"] = str(exc)
+    return report
+
+
+def _run_sections(settings: Settings, trace_cases: list[Case], plots: Path | None, report: dict) -> None:
+    """Appends each section's rows to ``report``'s lists as they are made."""
     cases = [Case(s, w, SCALES[s], make_loads(w, SCALES[s])) for s in settings.scales for w in settings.workloads]
-    cases += list(trace_cases)
+    cases += trace_cases
     tasks = [(c, p) for c in cases for p in policies_for(c.topology, c.scale, settings.policies)]
-    rows, per_case = [], {}
+    rows, per_case = report["placement"], {}
     for case, policy in tqdm(tasks, desc="placement", disable=not sys.stderr.isatty()):
         row, placement, imb = plan_case(case, policy, settings.ilp_time_limit)
         rows.append(row)
@@ -344,7 +393,7 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
             )
             continue
         sequences.append((c.scale, c.topology, c.workload, c.sequence))
-    replan, series = [], {}
+    replan, series = report["replan"], {}
     for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
         r, s = replan_rows(
             scale, stopo, name, seq, policies_for(stopo, scale, settings.policies), settings.replan_every
@@ -354,7 +403,7 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
         replan += r
         series[(scale, name)] = s
 
-    steps = []
+    steps = report["steps"]
     for scale in settings.step_scales:
         stopo = SCALES[scale]
         uniform = np.ones(stopo.num_experts)
@@ -384,10 +433,8 @@ def build_report(settings: Settings, trace_cases: list[Case] = (), plots: Path |
             settings.layer,
         )
 
-    report = {"placement": rows, "replan": replan, "steps": steps, "plots": []}
     if plots is not None:
         report["plots"] = [str(p) for p in write_plots(plots, cases, per_case, rows, series, settings)]
-    return report
 
 
 def write_plots(
@@ -687,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(failed, file=sys.stderr)
         return 2
+    if "failed" in report:
+        print(f"eplb-bench: error: {report['failed']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,6 +7,7 @@ an engine needs the wire contract and ``eplb`` and nothing else of the service.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,7 +131,13 @@ def deployment_pb(
     interval_s: float = 0.0,
     report_count: int = 0,
     min_gain_percent: float = 0.0,
-    max_moves: int = 0,
+    max_moves: int | None = None,
+    max_layer_moves: int | None = None,
+    tolerance: float | None = None,
+    layer_tolerance: float | None = None,
+    effort: str | None = None,
+    work_budget: int | None = None,
+    time_limit_s: float | None = None,
     ranks: Sequence[int] = (),
     switch_margin_steps: int | None = None,
     expert_bytes: int = 0,
@@ -138,7 +145,18 @@ def deployment_pb(
     """A ``Deployment`` message for ``topology``: a sliding window of ``window_s`` seconds (or
     exponential decay with ``half_life_s``; neither: the service's default, sliding 10 minutes;
     both: ``ValueError``), re-planned every ``interval_s`` seconds and/or every
-    ``report_count`` reports, published when the gain is at least ``min_gain_percent``."""
+    ``report_count`` reports, published when the gain is at least ``min_gain_percent``.
+
+    ``Migration``: ``tolerance`` and ``layer_tolerance`` (finite fractions >= 0; None: the
+    service fills in the library's 0.01 and 0.05), ``max_moves`` and ``max_layer_moves``
+    (integers >= 0, slots rewritten per re-plan in all and per layer; None: no limit).
+    ``Planning``: ``effort`` (one of ``eplb.EFFORTS``; None: ``"default"``), ``work_budget``
+    (an integer >= 0, work units per layer; None: the effort's), ``time_limit_s`` (seconds >
+    0; None: the service's cap of half the trigger interval, else none). A value outside
+    these raises ``ValueError`` naming the argument, before anything is sent; which policies
+    take which option is the service's check (``INVALID_ARGUMENT`` on the field)."""
+    _check_migration(tolerance, layer_tolerance, max_moves, max_layer_moves)
+    _check_planning(effort, work_budget, time_limit_s)
     msg = pb.Deployment(
         name=name, topology=topology_to_pb(topology), policy=policy, ranks=list(ranks), expert_bytes=expert_bytes
     )
@@ -152,10 +170,65 @@ def deployment_pb(
     msg.trigger.interval.FromNanoseconds(int(interval_s * 1e9))
     msg.trigger.report_count = report_count
     msg.trigger.min_gain_percent = min_gain_percent
-    msg.trigger.max_moves = max_moves
+    for field, value in (
+        ("tolerance", tolerance),
+        ("layer_tolerance", layer_tolerance),
+        ("max_moves", max_moves),
+        ("max_layer_moves", max_layer_moves),
+    ):
+        if value is not None:
+            setattr(msg.migration, field, value)
+    if effort is not None:
+        msg.planning.effort = effort
+    if work_budget is not None:
+        msg.planning.work_budget = work_budget
+    if time_limit_s is not None:
+        msg.planning.time_limit.FromNanoseconds(int(time_limit_s * 1e9))
     if switch_margin_steps is not None:
         msg.switch_margin_steps = switch_margin_steps
     return msg
+
+
+def _is_count(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def _check_migration(
+    tolerance: float | None, layer_tolerance: float | None, max_moves: int | None, max_layer_moves: int | None
+) -> None:
+    """The service's rules for ``Migration`` (a finite number >= 0; budgets are unsigned)."""
+    defaults = eplb.Migration()
+    for arg, value in (("tolerance", tolerance), ("layer_tolerance", layer_tolerance)):
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"{arg} must be a finite number >= 0 (a fraction, 0.01 = 1 %) or None (the service's "
+                f"default, {getattr(defaults, arg)}), got {value!r}"
+            )
+    for arg, value in (("max_moves", max_moves), ("max_layer_moves", max_layer_moves)):
+        if value is not None and not _is_count(value):
+            raise ValueError(f"{arg} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
+
+
+def _check_planning(effort: str | None, work_budget: int | None, time_limit_s: float | None) -> None:
+    """The service's rules for ``Planning``: a known effort, an unsigned work budget, a time
+    limit > 0 (a finite one: the wire's Duration has no infinity)."""
+    if effort is not None and effort not in eplb.EFFORTS:
+        raise ValueError(
+            f"effort must be one of {', '.join(map(repr, eplb.EFFORTS))} or None (the service's default, "
+            f"'default'), got {effort!r}"
+        )
+    if work_budget is not None and not _is_count(work_budget):
+        raise ValueError(
+            f"work_budget must be an integer >= 0 (work units per layer) or None (the effort's), got {work_budget!r}"
+        )
+    if time_limit_s is not None and not (_is_number(time_limit_s) and math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise ValueError(
+            f"time_limit_s must be a finite number of seconds > 0 or None (no limit), got {time_limit_s!r}"
+        )
 
 
 def check_health(channel: grpc.Channel, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> bool:

@@ -23,147 +23,114 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-__all__ = ["LATENCY_BUCKETS", "Metrics", "TimedStore"]
+__all__ = ["LATENCY_BUCKETS", "SERIES", "Metrics", "Series", "TimedStore"]
 
 # Seconds: unary reads take ~1 ms, report batches and Redis scripts a few, plans up to minutes.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-# Gauges and counters labelled by deployment first, dropped by ``forget``.
-_PER_DEPLOYMENT = (
-    "reports",
-    "rebalances",
-    "rebalance_seconds",
-    "imbalance",
-    "version",
-    "watchers",
-    "budget_limited",
-    "replan_failures",
-    "reports_rejected",
-    "rollouts",
-)
+
+@dataclass(frozen=True)
+class Series:
+    """One ``eplb_`` series as ``/metrics`` shows it: ``name`` as scraped (a counter's ends in
+    ``_total``), ``kind`` (``counter``, ``gauge`` or ``histogram``), its label names in order,
+    its help text, and a histogram's bucket bounds in seconds."""
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+# Every eplb_ series a server registers, by the Metrics attribute that updates it (the table in
+# docs/service.md §Metrics lists the same): for dashboards, alerts and checks of the docs.
+SERIES: dict[str, Series] = {
+    # Per deployment.
+    "reports": Series("eplb_reports_total", "counter", ("deployment", "outcome"), "Load reports received"),
+    "rebalances": Series("eplb_rebalances_total", "counter", ("deployment", "policy", "outcome"), "Re-plans"),
+    "rebalance_seconds": Series(
+        "eplb_rebalance_seconds",
+        "histogram",
+        ("deployment", "policy"),
+        "Time to plan a rebalance (window read, solve, publish)",
+        (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    ),
+    "imbalance": Series(
+        "eplb_imbalance", "gauge", ("deployment",), "Mean imbalance of the current placement when it was planned"
+    ),
+    "version": Series(
+        "eplb_placement_version", "gauge", ("deployment",), "Current placement version seen by this replica"
+    ),
+    "watchers": Series("eplb_watchers", "gauge", ("deployment",), "Open WatchPlacements streams on this replica"),
+    "budget_limited": Series(
+        "eplb_budget_limited_total",
+        "counter",
+        ("deployment",),
+        "Published re-plans that a move budget held below their tolerances",
+    ),
+    "replan_failures": Series(
+        "eplb_replan_failures_total",
+        "counter",
+        ("deployment",),
+        "Triggered re-plans that raised (the trigger loop goes on with other deployments)",
+    ),
+    "reports_rejected": Series(
+        "eplb_reports_rejected_total",
+        "counter",
+        ("deployment", "reason"),
+        "Load reports refused, by reason (e.g. invalid, over_cap, unknown_rank, stale_version)",
+    ),
+    "rollouts": Series(
+        "eplb_rollout_total",
+        "counter",
+        ("deployment", "state"),
+        "Placement versions whose rollout reached a state: prepared (every rank), switched (every rank), failed (aborted)",
+    ),
+    # Per RPC method (short name, e.g. ReportLoad) and status code name (e.g. OK, UNAVAILABLE).
+    "rpc_requests": Series(
+        "eplb_rpc_requests_total", "counter", ("method", "code"), "gRPC calls finished, by method and status code"
+    ),
+    "rpc_latency": Series(
+        "eplb_rpc_latency_seconds",
+        "histogram",
+        ("method",),
+        "gRPC call duration, start to status (streams: their whole life)",
+        LATENCY_BUCKETS,
+    ),
+    # The store (Redis or in-memory).
+    "store_up": Series("eplb_store_up", "gauge", (), "1 while the store answered its last call, 0 after it failed"),
+    "store_latency": Series(
+        "eplb_store_latency_seconds",
+        "histogram",
+        ("op",),
+        "Store call duration by operation (failed calls included)",
+        LATENCY_BUCKETS,
+    ),
+    "store_errors": Series(
+        "eplb_store_errors_total", "counter", ("op",), "Store calls that failed because the store was unreachable"
+    ),
+}
+
+# Series labelled by deployment first, dropped by ``forget``.
+_PER_DEPLOYMENT = tuple(attr for attr, s in SERIES.items() if s.labels[:1] == ("deployment",))
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
 @dataclass(frozen=True)
 class Metrics:
-    """One registry per server, so several servers in one process (tests) do not collide."""
+    """One registry per server, so several servers in one process (tests) do not collide; an
+    attribute per entry of ``SERIES`` (``metrics.reports``, ...)."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
         r = self.registry
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen: set once, here
-        # Per deployment.
-        set_("reports", Counter("eplb_reports", "Load reports received", ["deployment", "outcome"], registry=r))
-        set_("rebalances", Counter("eplb_rebalances", "Re-plans", ["deployment", "policy", "outcome"], registry=r))
-        set_(
-            "rebalance_seconds",
-            Histogram(
-                "eplb_rebalance_seconds",
-                "Time to plan a rebalance (window read, solve, publish)",
-                ["deployment", "policy"],
-                registry=r,
-                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            ),
-        )
-        set_(
-            "imbalance",
-            Gauge(
-                "eplb_imbalance",
-                "Mean imbalance of the current placement when it was planned",
-                ["deployment"],
-                registry=r,
-            ),
-        )
-        set_(
-            "version",
-            Gauge(
-                "eplb_placement_version", "Current placement version seen by this replica", ["deployment"], registry=r
-            ),
-        )
-        set_(
-            "watchers",
-            Gauge("eplb_watchers", "Open WatchPlacements streams on this replica", ["deployment"], registry=r),
-        )
-        set_(
-            "budget_limited",
-            Counter(
-                "eplb_budget_limited",
-                "Published re-plans that a move budget held below their tolerances",
-                ["deployment"],
-                registry=r,
-            ),
-        )
-        set_(
-            "replan_failures",
-            Counter(
-                "eplb_replan_failures",
-                "Triggered re-plans that raised (the trigger loop goes on with other deployments)",
-                ["deployment"],
-                registry=r,
-            ),
-        )
-        set_(
-            "reports_rejected",
-            Counter(
-                "eplb_reports_rejected",
-                "Load reports refused, by reason (e.g. invalid, over_cap, unknown_rank, stale_version)",
-                ["deployment", "reason"],
-                registry=r,
-            ),
-        )
-        set_(
-            "rollouts",
-            Counter(
-                "eplb_rollout",
-                "Placement versions whose rollout reached a state: prepared (every rank), switched (every rank), failed (aborted)",
-                ["deployment", "state"],
-                registry=r,
-            ),
-        )
-        # Per RPC method (short name, e.g. ReportLoad) and status code name (e.g. OK, UNAVAILABLE).
-        set_(
-            "rpc_requests",
-            Counter(
-                "eplb_rpc_requests",
-                "gRPC calls finished, by method and status code",
-                ["method", "code"],
-                registry=r,
-            ),
-        )
-        set_(
-            "rpc_latency",
-            Histogram(
-                "eplb_rpc_latency_seconds",
-                "gRPC call duration, start to status (streams: their whole life)",
-                ["method"],
-                registry=r,
-                buckets=LATENCY_BUCKETS,
-            ),
-        )
-        # The store (Redis or in-memory).
-        set_(
-            "store_up",
-            Gauge("eplb_store_up", "1 while the store answered its last call, 0 after it failed", registry=r),
-        )
-        set_(
-            "store_latency",
-            Histogram(
-                "eplb_store_latency_seconds",
-                "Store call duration by operation (failed calls included)",
-                ["op"],
-                registry=r,
-                buckets=LATENCY_BUCKETS,
-            ),
-        )
-        set_(
-            "store_errors",
-            Counter(
-                "eplb_store_errors",
-                "Store calls that failed because the store was unreachable",
-                ["op"],
-                registry=r,
-            ),
-        )
+        for attr, series in SERIES.items():
+            # prometheus-client adds a counter's _total itself.
+            name = series.name.removesuffix("_total") if series.kind == "counter" else series.name
+            extra = {"buckets": series.buckets} if series.buckets else {}
+            metric = _KINDS[series.kind](name, series.help, series.labels, registry=r, **extra)
+            object.__setattr__(self, attr, metric)  # frozen: set once, here
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)

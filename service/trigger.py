@@ -18,7 +18,8 @@ __all__ = ["TriggerSpec", "decide", "due"]
 
 @dataclass(frozen=True)
 class TriggerSpec:
-    """``interval_s`` and/or ``report_count`` start a plan (0 disables either); ``min_gain_percent``
+    """``interval_s`` (once a report arrived since the last plan) and/or ``report_count`` start a
+    plan (0 disables either); ``min_gain_percent``
     and ``max_moves`` (the deployment's one move budget, 0: none) decide whether it is published."""
 
     interval_s: float = 0.0
@@ -32,8 +33,10 @@ class TriggerSpec:
 
 
 def due(spec: TriggerSpec, marks: PlanMarks, now: float) -> str | None:
-    """Why a plan is due now (for logs), or None."""
-    if spec.interval_s > 0 and now - marks.planned_at >= spec.interval_s:
+    """Why a plan is due now (for logs), or None. The interval starts a plan only once a report
+    arrived since the last plan: without one the window can only have aged, and planning it
+    again every interval costs a plan each time and publishes nothing new."""
+    if spec.interval_s > 0 and now - marks.planned_at >= spec.interval_s and marks.reports > marks.planned_reports:
         return f"interval {spec.interval_s:g}s elapsed"
     if spec.report_count > 0 and marks.reports - marks.planned_reports >= spec.report_count:
         return f"{marks.reports - marks.planned_reports} reports since the last plan"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
@@ -244,3 +245,62 @@ def test_a_sliding_and_a_decay_window_at_once_is_refused():
         wire.deployment_pb("d1", TOPO, window_s=60, half_life_s=30)
     assert wire.deployment_pb("d1", TOPO, half_life_s=30).window.HasField("decay")
     assert not wire.deployment_pb("d1", TOPO).HasField("window")  # the service's default
+
+
+def test_create_deployment_sets_planning_and_migration_and_the_plans_follow_them(server):
+    # The client could not set Planning or Migration, and its max_moves went to the deprecated
+    # Trigger.max_moves.
+    options = dict(tolerance=0.0, layer_tolerance=0.0, max_moves=5, max_layer_moves=2)
+    planning = dict(effort="high", work_budget=0, time_limit_s=30)
+    loads = np.random.default_rng(3).lognormal(0, 2, (4, 16)).round() + 1
+    with ServiceClient(server.address) as client:
+        client.create_deployment("d1", TOPO, policy="global", **options, **planning)
+        stored = client.get_deployment("d1")
+        assert stored.migration == pb.Migration(**options)
+        assert stored.trigger.max_moves == 0  # the deprecated field stays unset
+        assert stored.planning.effort == "high" and stored.planning.work_budget == 0
+        assert stored.planning.time_limit.ToNanoseconds() == 30 * 10**9
+        client.ack("d1", 0, 1)  # the engines hold version 1: re-plans keep what they can of it
+        with LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.05) as reporter:
+            assert reporter.add(loads) and reporter.flush(10)
+        plan = client.rebalance("d1", force=True)
+    want = eplb.rebalance(
+        loads,
+        TOPO,
+        "global",
+        previous=eplb.Placement.contiguous(TOPO),
+        effort="high",
+        work_budget=0,
+        time_limit=30,
+        **options,
+    )
+    assert want.total_moves == 5 and want.moves.max() == 2 and want.replan.budget_limited
+    got = wire.placement_from_pb(plan.placement, TOPO)
+    assert plan.published and got.placement == want.placement
+    assert plan.placement.stats.moves == 5 and plan.placement.stats.budget_limited
+
+
+@pytest.mark.parametrize(
+    "option, value, allowed",
+    [
+        ("tolerance", -0.01, "a finite number >= 0"),
+        ("tolerance", float("nan"), "a finite number >= 0"),
+        ("layer_tolerance", float("inf"), "a finite number >= 0"),
+        ("max_moves", -1, "an integer >= 0"),
+        ("max_moves", 2.5, "an integer >= 0"),
+        ("max_layer_moves", True, "an integer >= 0"),
+        ("effort", "max", "one of 'fast', 'default', 'high'"),
+        ("work_budget", -5, "an integer >= 0"),
+        ("time_limit_s", 0, "a finite number of seconds > 0"),
+        ("time_limit_s", float("inf"), "a finite number of seconds > 0"),
+    ],
+)
+def test_bad_planning_and_migration_options_are_refused_before_any_call(option, value, allowed):
+    # A dead address: a ValueError at once, not an RPC retried until its deadline.
+    with ServiceClient(f"127.0.0.1:{free_port()}", timeout_s=5) as client:
+        start = time.monotonic()
+        with pytest.raises(
+            ValueError, match=rf"^{option} must be {re.escape(allowed)}.*, got {re.escape(repr(value))}$"
+        ):
+            client.create_deployment("d1", TOPO, **{option: value})
+        assert time.monotonic() - start < 1

@@ -54,8 +54,8 @@ def test_random_transitions_in_chunks_switch_layer_by_layer_correctly() -> None:
                 layers_per_call=per_call,
                 verify=True,
             )
-            assert mover.staging_bytes_needed("staged") <= budget
-            assert max(mover._chunk_slots(c) for c in mover.chunks) * SLOT <= budget
+            # The receive buffers of this rank's largest chunk, in slots of SLOT bytes, fit.
+            assert mover.slot_bytes == SLOT and mover.staging_bytes_needed("staged") <= budget
             for chunk in mover.chunks:
                 while mover.prepare():
                     pass
@@ -80,13 +80,21 @@ def test_spare_slots_match_each_ranks_own_cycles() -> None:
     """The chunking uses the schedule's cycles for the spare slot; each rank's own order of
     local copies needs the spare in exactly those layers."""
     rng = np.random.default_rng(5)
+    one = eplb.Topology(1, 4, 8, 2)
     for _ in range(40):
         topo = eplb.Topology(3, 4, 8, 2)
         old, new = _random_placement(topo, rng), _random_placement(topo, rng)
         for r in range(2):
-            mover = WeightMover(encoded_layers(old, r), old, new, transport=ThreadWorld(2).transport(r))
-            need = staged_slots(mover.schedule)[:, r]
-            assert [mover._chunk_slots(range(layer, layer + 1)) for layer in range(3)] == need.tolist()
+            need = staged_slots(
+                WeightMover(encoded_layers(old, r), old, new, transport=ThreadWorld(2).transport(r)).schedule
+            )
+            # A mover of one layer stages that layer alone: its buffers are the layer's slots.
+            staged = []
+            for layer in range(3):
+                o, n = (eplb.Placement(p.phy2log[layer : layer + 1], one) for p in (old, new))
+                mover = WeightMover(encoded_layers(o, r), o, n, transport=ThreadWorld(2).transport(r))
+                staged.append(mover.staging_bytes_needed("staged") // mover.slot_bytes)
+            assert staged == need[:, r].tolist()
 
 
 def test_a_layer_that_alone_does_not_fit_is_refused_with_the_bytes_it_needs() -> None:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from eplb_bench.chaos_bench import ChaosConfig, run_chaos
+from eplb_bench.chaos_bench import ChaosConfig, run_chaos, traceback_excerpts
 
 
 @pytest.mark.slow
@@ -29,8 +29,6 @@ def test_chaos_loses_no_report_and_skips_no_version(tmp_path):
 
 
 def test_a_traceback_in_a_replica_log_is_quoted_with_its_exception():
-    from eplb_bench.chaos_bench import _traceback_excerpts
-
     log = "\n".join(
         [
             "12:00:01 INFO eplb_service.trigger: re-plan of d1",
@@ -42,7 +40,7 @@ def test_a_traceback_in_a_replica_log_is_quoted_with_its_exception():
             "12:00:03 INFO eplb_service.trigger: next",
         ]
     )
-    (excerpt,) = _traceback_excerpts(log)
+    (excerpt,) = traceback_excerpts(log)
     assert excerpt.splitlines()[0].endswith("re-plan of d1 failed")
     assert excerpt.splitlines()[-1] == "ValueError: loads must be finite"
     assert "next" not in excerpt

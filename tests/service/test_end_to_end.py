@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import numpy as np
 import pytest
@@ -159,3 +161,36 @@ async def test_an_interval_trigger_publishes_once_while_the_load_stays_the_same(
     assert got.placement.version == 2 and got.placement.stats.moves > 0
     dry = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
     assert dry.placement.stats.moves == 0 and "moves no slot" in dry.reason
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_an_interval_trigger_plans_only_after_new_reports(serve, connect, prefix, caplog, store):
+    # An idle deployment re-planned its empty or unchanged window every interval ("plan d1:
+    # skipped, imbalance 1.0000 -> 1.0000", a plan's cost each time, nothing published).
+    caplog.set_level(logging.INFO, logger="eplb_service.planner")
+    c = connect(await serve(**({"redis_url": REDIS_URL, "key_prefix": prefix()} if store == "redis" else {})))
+    deployment = small_deployment()
+    deployment.trigger.interval.FromSeconds(1)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))
+    engine = EngineClient(c.channel, "d1", rank=0)
+
+    def plans() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan d1:")]
+
+    async def wait_for_plans(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(plans()) < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    await asyncio.sleep(2.5)  # over two intervals, no report yet
+    assert plans() == []
+    await engine.report([skewed_loads(0)])
+    await wait_for_plans(1)
+    assert len(plans()) == 1 and plans()[0].startswith("plan d1: published")
+    await asyncio.sleep(2.5)  # no report since: the same window, not planned again
+    assert len(plans()) == 1
+    await engine.report([skewed_loads(1)])
+    await wait_for_plans(2)  # a new report: re-planned at the next interval, as before
+    assert len(plans()) == 2
+    await asyncio.sleep(2.5)
+    assert len(plans()) == 2

@@ -16,10 +16,16 @@ from eplb_service.redis_store import POOL_CONNECTIONS
 N = 130
 
 
-async def all_live(server, n: int, timeout: float = 30.0) -> None:
+def seen_version(server, name: str) -> float | None:
+    """``eplb_placement_version{deployment=name}`` on ``server``: the version its follower of the
+    deployment (or its own create or publish) delivered; None before any."""
+    return server.metrics.registry.get_sample_value("eplb_placement_version", {"deployment": name})
+
+
+async def all_seen(server, names: list[str], version: int = 1, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while sum(1 for local in server.balancer._local.values() if local.hub.live) < n:
-        assert time.monotonic() < deadline, "the replica never followed every deployment"
+    while any(seen_version(server, n) != version for n in names):
+        assert time.monotonic() < deadline, f"the replica never followed every deployment to version {version}"
         await asyncio.sleep(0.1)
 
 
@@ -39,11 +45,11 @@ async def test_130_deployments_on_two_replicas_and_a_third_joining(serve, connec
     await asyncio.gather(
         *(ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n))) for n in names)
     )
-    await all_live(a, N)
-    await all_live(b, N)
+    await all_seen(a, names)
+    await all_seen(b, names)  # b created none: its followers delivered them
     c = await serve(redis_url=REDIS_URL, key_prefix=p)
     cc = connect(c)
-    await all_live(c, N)
+    await all_seen(c, names)
     for client in (ca, cb, cc):
         health = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -52,6 +58,8 @@ async def test_130_deployments_on_two_replicas_and_a_third_joining(serve, connec
     # A re-plan through the newcomer reaches the others' followers.
     out = await cc.stub.Rebalance(pb.RebalanceRequest(deployment="m129", force=True))
     assert out.published and out.placement.version == 2
+    await all_seen(a, ["m129"], version=2, timeout=5)  # a and b see it only by following
+    await all_seen(b, ["m129"], version=2, timeout=5)
     deadline = time.monotonic() + 5
     while (await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="m129"))).placement.version != 2:
         assert time.monotonic() < deadline

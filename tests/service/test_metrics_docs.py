@@ -6,9 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-from prometheus_client import Counter
 
-from eplb_service.metrics import Metrics
+from eplb_service.metrics import SERIES, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("docs/service.md", "docs/rollout.md")
@@ -17,12 +16,21 @@ PACKAGES = {"eplb_service", "eplb_engine", "eplb_bench"}  # named in the same do
 
 def registered() -> dict[str, tuple[str, ...]]:
     """Series name as scraped (counters end in ``_total``) → label names, for the eplb_ series."""
+    return {s.name: s.labels for s in SERIES.values()}
+
+
+def families() -> dict[str, object]:
+    """The eplb_ metric families a server's registry holds, by name as scraped."""
     out = {}
-    for metric in vars(Metrics()).values():
-        if hasattr(metric, "_labelnames"):  # prometheus_client offers no public label listing
-            name = metric._name + ("_total" if isinstance(metric, Counter) else "")
-            out[name] = tuple(metric._labelnames)
+    for family in Metrics().registry.collect():
+        if family.name.startswith("eplb_"):
+            out[family.name + ("_total" if family.type == "counter" else "")] = family
     return out
+
+
+def test_the_server_registers_every_series_of_the_catalogue_and_no_other():
+    got = {name: (f.type, f.documentation) for name, f in families().items()}
+    assert got == {s.name: (s.kind, s.help) for s in SERIES.values()}
 
 
 def documented_table() -> dict[str, tuple[str, ...]]:
@@ -59,5 +67,5 @@ def test_rollout_help_names_the_states_the_service_counts():
     source = (ROOT / "service/deployments.py").read_text()
     states = set(re.findall(r'\("(\w+)", rollout\.became_\w+', source))
     assert states == {"prepared", "switched", "failed"}
-    help_text = Metrics().rollouts._documentation
+    help_text = families()["eplb_rollout_total"].documentation
     assert all(state in help_text for state in states), help_text

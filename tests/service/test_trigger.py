@@ -33,4 +33,10 @@ def test_due_by_interval_or_report_count():
         due(SPEC, PlanMarks(reports=10, planned_reports=0, planned_at=100.0), now=120.0)
         == "10 reports since the last plan"
     )
-    assert due(SPEC, PlanMarks(reports=0, planned_reports=0, planned_at=100.0), now=160.0) == "interval 60s elapsed"
+    assert due(SPEC, PlanMarks(reports=3, planned_reports=2, planned_at=100.0), now=160.0) == "interval 60s elapsed"
+
+
+def test_the_interval_waits_for_a_report_since_the_last_plan():
+    # An idle deployment re-planned its unchanged (or empty) window every interval.
+    assert due(SPEC, PlanMarks(reports=0, planned_reports=0, planned_at=100.0), now=160.0) is None
+    assert due(SPEC, PlanMarks(reports=7, planned_reports=7, planned_at=100.0), now=1e6) is None

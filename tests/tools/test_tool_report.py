@@ -1,6 +1,8 @@
 """eplb-bench: the report's numbers are the library's metrics; plots open as PNGs of the set size."""
 
 import json
+import os
+import uuid
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -159,3 +161,124 @@ def test_trace_with_a_time_axis_gets_a_replanning_row_and_plot(tmp_path, monkeyp
         f"| {mine['moves_per_replan']:.1f} | {mine['moved_fraction']:.3f} | {mine['moves_per_replan']:.2f} |"
         in capsys.readouterr().out
     )
+
+
+# Plugin policies that are broken in three ways: an invalid plan (eplb.PolicyError), a plain
+# ValueError of their own, any other exception.
+BROKEN = {
+    "invalid-plan": "return eplb.PolicyResult(np.zeros((topology.num_layers, 3), dtype=np.int32), 'x')",
+    "value-error": "raise ValueError('index 17 out of range')",
+    "zero-division": "return 1 / 0",
+}
+PLUGIN = """
+import numpy as np, eplb
+
+
+@eplb.register_policy("{name}")
+def broken(loads, topology, options):
+    {body}
+"""
+
+
+@pytest.fixture
+def broken_plugin(tmp_path, monkeypatch):
+    """``make(body)`` writes a plugin module registering a policy that runs ``body``, named in
+    EPLB_PLUGINS → the policy's name; unregistered afterwards."""
+    made = []
+
+    def make(body: str) -> str:
+        tag = uuid.uuid4().hex[:8]
+        module, name = f"eplb_test_bench_plugin_{tag}", f"broken-{tag}"
+        (tmp_path / f"{module}.py").write_text(PLUGIN.format(name=name, body=body))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("EPLB_PLUGINS", module)
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        if name in eplb.policies():
+            eplb.unregister_policy(name)
+
+
+@pytest.mark.parametrize(
+    "kind, error",
+    [
+        ("invalid-plan", "PolicyError: policy '{name}' returned an invalid placement: phy2log has shape (3, 3)"),
+        ("value-error", "ValueError: index 17 out of range"),
+        ("zero-division", "ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_broken_policy_fails_the_run_after_the_tables_so_far(broken_plugin, tmp_path, capsys, kind, error):
+    # It was a "skipped" row and status 0 (the ZeroDivisionError a traceback).
+    name = broken_plugin(BROKEN[kind])
+    trace = tmp_path / "t.npy"
+    np.save(trace, np.random.default_rng(0).integers(1, 100, (1, 3, 16)))
+    out = tmp_path / "r.json"
+    argv = [str(trace), "--slots", "24", "--gpus", "8", "--policies", f"global,{name},deepseek", "--json", str(out)]
+    assert report.main(argv) == 1
+    stdout, stderr = capsys.readouterr()
+    line = f"eplb-bench: error: policy {name!r} failed on trace(8 gpus) / {trace}: {error.format(name=name)}"
+    assert len(stderr.splitlines()) == 1 and stderr.startswith(line)
+    table = [r for r in stdout.splitlines() if r.startswith(f"| trace(8 gpus) | {trace} |")]
+    assert [r.split(" | ")[2] for r in table] == ["none", "global"]  # the rows before it
+    assert "skipped" not in stdout
+    rep = json.loads(out.read_text())
+    assert [r["policy"] for r in rep["placement"]] == ["none", "global"]
+    assert rep["failed"] == stderr.strip().removeprefix("eplb-bench: error: ")
+
+
+def test_what_does_not_apply_is_still_a_skipped_row(broken_plugin):
+    topo = eplb.Topology(1, 4, 12, 2)
+    # deepseek computes in float32: layers summing above 2**127 are beyond it.
+    huge = report.Case("trace(2 gpus)", "t", topo, np.full((1, 4), 1e39))
+    row, placement, _ = report.plan_case(huge, "deepseek")
+    assert placement is None and row["skipped"].startswith("loads too large: layer 0 sums to 4e+39")
+    assert "policy 'deepseek' computes in float32 as eplb.py does" in row["skipped"]
+    # ilp keeps one replica of an expert per gpu: 12 slots cannot fit 4 experts x 2 gpus.
+    row, placement, _ = report.plan_case(report.Case("trace(2 gpus)", "t", topo, np.ones((1, 4))), "ilp")
+    assert placement is None and row["skipped"] == (
+        "ilp keeps at most one replica of an expert per gpu: num_slots (12) > num_experts x num_gpus (8)"
+    )
+    # A missing extra: the policy's dependency is not installed.
+    name = broken_plugin("import eplb_no_such_dependency_xyz")
+    from eplb_service import plugins
+
+    plugins.load(plugins.parse(os.environ["EPLB_PLUGINS"]))
+    row, placement, _ = report.plan_case(report.Case("trace(2 gpus)", "t", topo, np.ones((1, 4))), name)
+    assert placement is None and row["skipped"] == "No module named 'eplb_no_such_dependency_xyz'"
+
+
+def test_a_policy_that_fails_only_when_re_planning_fails_the_run_there(broken_plugin, tmp_path, capsys):
+    # Whole-trace sums (the placement section) plan; the re-planning windows, smaller, do not.
+    name = broken_plugin(
+        "if loads.sum() < 1000:\n        raise RuntimeError('window too small')\n"
+        "    return eplb.PolicyResult(eplb.Placement.contiguous(topology).phy2log, 'x')"
+    )
+    trace = tmp_path / "seq.npy"
+    np.save(trace, np.full((6, 2, 16), 10))  # 320 tokens a step
+    argv = [str(trace), "--slots", "20", "--gpus", "4", "--policies", name, "--replan-every", "2"]
+    assert report.main(argv) == 1
+    stdout, stderr = capsys.readouterr()
+    assert stderr == (
+        f"eplb-bench: error: policy {name!r} failed on trace(4 gpus) / {trace} (re-planning at step 0): "
+        "RuntimeError: window too small\n"
+    )
+    assert f"| trace(4 gpus) | {trace} | {name} | 1.2500 |" in stdout  # its placement row, planned
+
+
+def test_a_policy_missing_its_dependency_is_skipped_in_every_section(broken_plugin, tmp_path, capsys):
+    name = broken_plugin("import eplb_no_such_dependency_xyz")
+    trace = tmp_path / "seq.npy"
+    np.save(trace, np.random.default_rng(1).integers(1, 100, (6, 2, 16)))
+    out = tmp_path / "r.json"
+    argv = [str(trace), "--slots", "20", "--gpus", "4", "--policies", f"{name},global", "--replan-every", "2"]
+    argv += ["--json", str(out)]
+    assert report.main(argv) == 0, capsys.readouterr().err
+    rep = json.loads(out.read_text())
+    assert [(r["policy"], r.get("skipped")) for r in rep["placement"]] == [
+        ("none", None),
+        (name, "No module named 'eplb_no_such_dependency_xyz'"),
+        ("global", None),
+    ]
+    assert [r["policy"] for r in rep["replan"]] == ["none", "global"]

@@ -264,7 +264,7 @@ def test_bench_help_is_plain_text(capsys):
     assert "re-planning   imbalance over a drifting" in text and "docs/scales.md" in text
 
 
-def test_docs_the_tools_point_at_are_in_the_repo():
+def test_docs_the_tools_point_at_are_in_the_repo(capsys):
     texts = [
         ROOT / "README.md",
         *sorted((ROOT / "docs").glob("*.md")),
@@ -275,7 +275,10 @@ def test_docs_the_tools_point_at_are_in_the_repo():
     assert "docs/scales.md" in cited
     assert [c for c in sorted(cited) if not (ROOT / c).is_file()] == []
     assert not [p.name for p in texts if "BENCHMARKS.md" in p.read_text()]
-    scale_help = cli.build_parser()._subparsers._group_actions[0].choices["place"].format_help()
+    with pytest.raises(SystemExit) as exc:  # eplb place --help, as a user reads it
+        cli.main(["place", "--help"])
+    assert exc.value.code == 0
+    scale_help = capsys.readouterr().out
     assert "--scale" in scale_help and "docs/scales.md" in scale_help
     # A command the docs say the README runs must be in the README.
     readme = (ROOT / "README.md").read_text()
@@ -331,6 +334,25 @@ def test_trace_flags_without_a_trace_are_refused(capsys):
     assert "--window, --trace-format apply to a TRACE file; none was given" in capsys.readouterr().err
     assert cli.main(["place", *SMALL, "--seed", "-1"]) == 2
     assert "--seed must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--window", "0"], "--window applies to a TRACE file; none was given"),
+        (["--half-life", "-2"], "--half-life applies to a TRACE file; none was given"),
+        (
+            ["--window", "0", "--recorded-under", "p.json"],
+            "--window, --recorded-under apply to a TRACE file; none was given",
+        ),
+    ],
+)
+def test_a_trace_flag_without_a_trace_is_refused_for_that_before_its_range(capsys, argv, message):
+    # --window 0 got the range error ("--window must be a number of steps >= 1"), as if a
+    # window of 1 would have done.
+    assert cli.main(["place", *SMALL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "must be" not in err
 
 
 def test_bench_on_trace_files_alone_reports_only_them(tmp_path, capsys):
