@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import REL_TOL, replica_counts
+from ..layout import REL_TOL, replica_counts, take_rows
 
 __all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
@@ -147,7 +147,7 @@ def count_repair(
         lo = loads[active]
         cnt = replica_counts(sub, E)
         w = lo / np.maximum(cnt, 1)
-        load = w[ra[:, None, None], sub].sum(axis=2)  # [A, B]
+        load = take_rows(w, sub).sum(axis=2)  # [A, B]
         tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
         n_over = (excess > 0).sum(axis=1)
@@ -161,28 +161,28 @@ def count_repair(
             if A == 0:
                 return
         flat = (ra[:, None, None] * E + sub).ravel()  # each slot's (row, expert)
-
-        def per_expert(per_slot: np.ndarray) -> np.ndarray:
-            return np.bincount(flat, weights=per_slot.ravel(), minlength=A * E).reshape(A, E)
-
-        # Gainers: relief each could give to the bins above the target.
-        shed = np.where(cnt < cap, lo / np.maximum(cnt, 1) - lo / (cnt + 1), 0.0)  # [A, E]
-        relief = per_expert(np.minimum(excess[:, :, None], shed[ra[:, None, None], sub]))
+        total = excess.sum(axis=1)
+        # Gainers: relief each could give to the bins above the target. Only their slots add
+        # anything (elsewhere the excess is zero), so only those go into the sum, in the
+        # same order: the same values.
+        shed = np.where(cnt < cap, w - lo / (cnt + 1), 0.0)  # [A, E]
+        oa, ob = np.nonzero(excess > 0)
+        keys = (oa[:, None] * E + sub[oa, ob]).ravel()
+        part = np.minimum(excess[oa, ob][:, None], shed.reshape(-1)[keys].reshape(-1, S)).ravel()
+        relief = np.bincount(keys, weights=part, minlength=A * E).reshape(A, E)
         gain = _first_smallest(-relief, H)  # [A, H]
         # Donors: replicated experts whose bins would go least above the target.
         take = np.where(cnt >= 2, lo / np.maximum(cnt - 1, 1) - w, 0.0)  # [A, E]
-        harm = per_expert(np.maximum(load[:, :, None] + take[ra[:, None, None], sub] - tgt[:, :, None], 0.0))
+        harm = np.maximum(load[:, :, None] + take_rows(take, sub) - tgt[:, :, None], 0.0)
+        harm = np.bincount(flat, weights=harm.ravel(), minlength=A * E).reshape(A, E)
         harm = np.where(cnt >= 2, harm + 1e-9 * take, np.inf)
         don = _first_smallest(harm, D)  # [A, D]
-        d_h = shed[ra[:, None], gain]  # [A, H]
-        t_f = take[ra[:, None], don]  # [A, D]
-        t_ok = np.isfinite(harm[ra[:, None], don])  # fewer than D replicated experts: no donors
-        # Which bins hold each (row, expert), looked up for the gainers and donors: one gather
-        # instead of comparing every slot with each of them.
-        holds = np.zeros((A * E, B), dtype=bool)
-        holds[flat, np.tile(np.repeat(np.arange(B), S), A)] = True
-        Hh = holds[ra[:, None] * E + gain]  # [A, H, B]: bin holds gainer
-        Hf = holds[ra[:, None] * E + don]  # [A, D, B]: bin holds donor
+        d_h = take_rows(shed, gain)  # [A, H]
+        t_f = take_rows(take, don)  # [A, D]
+        t_ok = np.isfinite(take_rows(harm, don))  # fewer than D replicated experts: no donors
+        # Which bins hold each gainer and donor: every slot's (row, expert) looked up in a
+        # table of the gainers' (donors') ranks, instead of an [A, E, B] table of all experts.
+        Hh, Hf = (_holders(flat, ra[:, None] * E + ids, (A, E, B, S)) for ids in (gain, don))  # [A, H | D, B]
         # Before q's own change a move (h, f) changes only the bins holding h (they shed d_h)
         # and those holding f (they take t_f): the excess after it is the current one plus what
         # h's bins change, what f's bins change, and a correction on the few bins holding both.
@@ -199,15 +199,16 @@ def count_repair(
         cnt_h = (Hh & (shed_h > t3)).sum(axis=2) - (Hh & (lb > t3)).sum(axis=2)
         tot_f = np.where(Hf, over(took_f) - over(lb), 0.0).sum(axis=2)  # [A, D]
         cnt_f = (Hf & (took_f > t3)).sum(axis=2) - (Hf & (lb > t3)).sum(axis=2)
-        tot = excess.sum(axis=1)[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
+        tot = total[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
         cnt_over = n_over[:, None, None] + cnt_h[:, :, None] + cnt_f[:, None, :]
-        # Bins holding both: they shed d_h and take t_f at once.
+        # Each bin q holding a donor ([n] entries, few: few bins hold a given donor), by the
+        # gainers [n, H]: whether q holds that gainer too.
         fa, fd, fq = np.nonzero(Hf & t_ok[:, :, None])
-        ia, ih = np.repeat(fa, H), np.tile(np.arange(H), fa.size)
-        i_d, iq = np.repeat(fd, H), np.repeat(fq, H)
-        both = Hh[ia, ih, iq]
-        ia, ih, i_d, iq = ia[both], ih[both], i_d[both], iq[both]
-        if ia.size:
+        held = Hh[fa, :, fq]  # [n, H]
+        # Bins holding both: they shed d_h and take t_f at once.
+        bi, ih = np.nonzero(held)
+        if bi.size:
+            ia, i_d, iq = fa[bi], fd[bi], fq[bi]
             x, tb = load[ia, iq], tgt[ia, 0]
             xh, xf = x - d_h[ia, ih], x + t_f[ia, i_d]
             xb = xh + t_f[ia, i_d]
@@ -220,40 +221,55 @@ def count_repair(
             key = (ia * H + ih) * D + i_d
             tot += np.bincount(key, weights=fix, minlength=A * H * D).reshape(A, H, D)
             cnt_over += np.bincount(key, weights=fix_n, minlength=A * H * D).reshape(A, H, D).astype(np.int64)
-        # Moves (h, f, q) that can be made: q holds f and not h. Few bins hold a given donor,
-        # so what q's own change does is worked out for those entries only.
-        a_, h_, d_, q_ = np.repeat(fa, H), np.tile(np.arange(H), fa.size), np.repeat(fd, H), np.repeat(fq, H)
-        can = ~Hh[a_, h_, q_] & (gain[a_, h_] != don[a_, d_]) & (d_h[a_, h_] > 0)
-        a_, h_, d_, q_ = a_[can], h_[can], d_[can], q_[can]
+        # Moves (h, f, q) that can be made: q holds f and not h. What q's own change does is
+        # worked out per entry of the [n, H] grid, its parts per (q, f) and per h first.
+        don_n = don[fa, fd]
+        can = ~held & (gain[fa] != don_n[:, None]) & (d_h[fa] > 0)
+        ci, h_ = np.nonzero(can)
+        a_, d_, q_ = fa[ci], fd[ci], fq[ci]
         # At q (holding f, not h) the donor's replica leaves and h's new one arrives; before
         # that q had taken t_f like every bin of f.
-        w_h_new = lo[a_, gain[a_, h_]] / (cnt[a_, gain[a_, h_]] + 1)
-        at_q = load[a_, q_] - w[a_, don[a_, d_]] + w_h_new
-        q_over = np.maximum(at_q - tgt[a_, 0], 0.0)
-        o_q = np.maximum(load[a_, q_] + t_f[a_, d_] - tgt[a_, 0], 0.0)
-        tot_q = tot[a_, h_, d_] - o_q + q_over  # with q = that bin
-        cnt_q = cnt_over[a_, h_, d_] - (o_q > 0) + (q_over > 0)
+        w_h_new = (take_rows(lo, gain) / (take_rows(cnt, gain) + 1))[a_, h_]
+        load_q, tgt_q = load[fa, fq], tgt[fa, 0]
+        at_q = (load_q - take_rows(w, don)[fa, fd])[ci] + w_h_new
+        q_over = np.maximum(at_q - tgt_q[ci], 0.0)
+        o_q = np.maximum(load_q + t_f[fa, fd] - tgt_q, 0.0)[ci]
+        grid = (a_ * H + h_) * D + d_
+        tot_q = tot.reshape(-1)[grid] - o_q + q_over  # with q = that bin
+        cnt_q = cnt_over.reshape(-1)[grid] - (o_q > 0) + (q_over > 0)
         good = cnt_q <= (n_over - min_fixed)[a_]
-        good &= tot_q < excess.sum(axis=1)[a_] * (1 - 1e-9)
+        good &= tot_q < total[a_] * (1 - 1e-9)
         # Per row, so a row's choice never depends on which rows it is planned with: the least
-        # score, ties to the first (h, f, q) in grid order.
-        scale = excess.sum(axis=1)[a_] + 1.0
+        # score, ties to the first (h, f, q) in grid order. The entries come row by row, so
+        # two segment minima do what a sort by (row, score, position) would.
+        scale = total[a_] + 1.0
         a_, where_ = a_[good], ((h_ * D + d_) * B + q_)[good]
         value = (cnt_q + tot_q / scale)[good]
         if a_.size == 0:
             return
-        order = np.lexsort((where_, value, a_))
-        first = order[np.r_[True, a_[order][1:] != a_[order][:-1]]]
-        moved = np.zeros(A, dtype=bool)
-        moved[a_[first]] = True
-        best = np.zeros(A, dtype=np.int64)
-        best[a_[first]] = where_[first]
-        a = ra[moved]
-        hi, di, q = np.unravel_index(best[moved], (H, D, B))
+        starts = np.flatnonzero(np.concatenate(([True], a_[1:] != a_[:-1])))
+        least = np.repeat(np.minimum.reduceat(value, starts), np.diff(starts, append=a_.size))
+        a = a_[starts]
+        best = np.minimum.reduceat(np.where(value == least, where_, H * D * B), starts)
+        hi, di, q = np.unravel_index(best, (H, D, B))
         h, f = gain[a, hi], don[a, di]
         slot = (sub[a, q] == f[:, None]).argmax(axis=1)
         phy[active[a], q, slot] = h
-        active = active[moved]
+        active = active[a]
+
+
+def _holders(flat: np.ndarray, ids: np.ndarray, shape: tuple[int, int, int, int]) -> np.ndarray:
+    """``flat`` ``[A * B * S]`` each slot's ``row * E + expert``, ``ids`` ``[A, K]`` keys of that
+    form, distinct within a row, ``shape`` ``(A, E, B, S)`` → ``[A, K, B]`` whether bin ``b`` of
+    row ``a`` holds ``ids[a, k]``."""
+    A, E, B, S = shape
+    K = ids.shape[1]
+    rank = np.full(A * E, -1, dtype=np.int64)
+    rank[ids] = np.arange(K)
+    hit = np.flatnonzero(rank[flat] >= 0)
+    out = np.zeros((A, K, B), dtype=bool)
+    out[hit // (B * S), rank[flat[hit]], hit // S % B] = True
+    return out
 
 
 def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
