@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
 from ..place.counts import refine_counts
 from ..place.packing import swap_improve
 from ..place.replicate import replica_cap, waterfill
@@ -383,47 +383,53 @@ def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.
     E = loads.shape[1]
     flat = phy.reshape(R, B * S).copy()
     w = loads / np.maximum(counts, 1)
-    ra = np.arange(R)
-    slot_w = w[ra[:, None], flat]
+    slot_w = take_rows(w, flat)
     gpu_load = slot_w.reshape(R, B, S).sum(axis=2)
     have = replica_counts(phy, E)
     # Replicas to drop: each losing expert's replicas on its busiest gpus first. Rank every
-    # slot within its (row, expert) by the load of its gpu, heaviest first.
-    slot_gpu_load = np.repeat(gpu_load, S, axis=1)
-    r_, e_ = np.repeat(ra, B * S), flat.ravel()
-    order = np.lexsort((-slot_gpu_load.ravel(), e_, r_))
+    # slot of a losing expert within its (row, expert) by the load of its gpu, heaviest first
+    # (ties in slot order); the other slots keep their expert whatever their rank.
+    drop = np.maximum(have - counts, 0)
+    r_, p_ = np.nonzero(take_rows(drop, flat))
+    e_ = flat[r_, p_]
+    order = np.lexsort((-gpu_load[r_, p_ // S], e_, r_))
     key = r_[order] * E + e_[order]
     pos = np.arange(order.size)
-    first = np.maximum.accumulate(np.where(np.r_[True, key[1:] != key[:-1]], pos, 0))
+    first = np.maximum.accumulate(np.where(np.concatenate(([True], key[1:] != key[:-1])), pos, 0))
     rank = np.empty_like(pos)
     rank[order] = pos - first
-    free = (rank < np.maximum(have - counts, 0)[r_, e_]).reshape(R, B * S)
+    free = np.zeros((R, B * S), dtype=bool)
+    free[r_, p_] = rank < drop[r_, e_]
     gpu_load -= np.where(free, slot_w, 0.0).reshape(R, B, S).sum(axis=2)
-    holds = np.zeros((R, B, E), dtype=bool)
-    kept = ~free.reshape(R, B, S)
-    rk, bk, sk = np.nonzero(kept)
-    holds[rk, bk, phy[rk, bk, sk]] = True
-    # Replicas to add, heaviest first, each into the freed slot on the lightest gpu lacking it.
+    # Replicas to add, heaviest first (ties by expert id), each into the freed slot on the
+    # lightest gpu lacking it: ``ids`` [R, K] lists each row's, padded with -1.
     gain = np.maximum(counts - have, 0)
-    K = int(gain.sum(axis=1).max(initial=0))
+    per_row = gain.sum(axis=1)
+    K = int(per_row.max(initial=0))
     ids = np.full((R, max(K, 1)), -1, dtype=np.int64)
-    for r in np.flatnonzero(gain.sum(axis=1)):
-        g = np.repeat(np.arange(E), gain[r])
-        ids[r, : g.size] = g[np.argsort(-w[r, g], kind="stable")]
+    gr, ge = np.nonzero(gain)
+    reps = gain[gr, ge]
+    gr, ge = np.repeat(gr, reps), np.repeat(ge, reps)
+    order = np.lexsort((-w[gr, ge], gr))
+    gr, ge = gr[order], ge[order]
+    ids[gr, np.arange(gr.size) - (np.cumsum(per_row) - per_row)[gr]] = ge
     ok = np.ones(R, dtype=bool)
     for k in range(K):
-        e = ids[:, k]
-        act = e >= 0
-        fits = free.reshape(R, B, S) & ~holds[ra, :, np.maximum(e, 0)][:, :, None]
-        score = np.where(fits, gpu_load[:, :, None], np.inf).reshape(R, B * S)
+        # Only the rows with a k-th replica to add.
+        r = np.flatnonzero(ids[:, k] >= 0)
+        e = ids[r, k]
+        # A gpu holds e if a slot not free holds it (kept, or written in an earlier step).
+        free_r = free[r].reshape(-1, B, S)
+        holds = ((flat[r].reshape(-1, B, S) == e[:, None, None]) & ~free_r).any(axis=2)
+        fits = free_r & ~holds[:, :, None]
+        score = np.where(fits, gpu_load[r][:, :, None], np.inf).reshape(r.size, B * S)
         pick = score.argmin(axis=1)
-        placed = act & np.isfinite(score[ra, pick])
-        ok &= ~act | placed
-        r, p, x = ra[placed], pick[placed], e[placed]
+        placed = np.isfinite(score[np.arange(r.size), pick])
+        ok[r[~placed]] = False
+        r, p, x = r[placed], pick[placed], e[placed]
         flat[r, p] = x
         free[r, p] = False
         gpu_load[r, p // S] += w[r, x]
-        holds[r, p // S, x] = True
     ok &= ~free.any(axis=1)
     return flat.reshape(R, B, S), ok
 
