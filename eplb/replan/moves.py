@@ -46,22 +46,25 @@ def chain_improve(
         if active.size == 0:
             return
         sub = phy[active]
-        A = active.size
-        ra = np.arange(A)
-        w = (loads[active] / np.maximum(replica_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
+        w = take_rows(loads[active] / np.maximum(replica_counts(sub, E), 1), sub)  # [A, B, S]
         load = w.sum(axis=2)
         excess = load - (target[active] * (1 + REL_TOL))[:, None]
         length, gs_all, ss_all, u, k0 = _chain(w, sub, excess, load.argmin(axis=1))
         made = length >= min_length
         if not made.any():
             return
-        for a in np.flatnonzero(made):
-            row, k = active[a], length[a]
-            gs, ss = gs_all[a, :k], ss_all[a, :k]
-            items = sub[a, gs, ss]
-            phy[row, gs[0], ss[0]] = sub[a, u[a], k0[a]]
-            phy[row, gs[1:], ss[1:]] = items[:-1]
-            phy[row, u[a], k0[a]] = items[-1]
+        # Every chain at once: its bins are distinct and above the target, u below it, so no
+        # two writes of a row meet. Each bin takes the item of the step before (the first
+        # u's), u the last.
+        a = np.flatnonzero(made)
+        k = length[a]
+        gs, ss = gs_all[a, : k.max()], ss_all[a, : k.max()]  # [M, K]
+        items = sub[a[:, None], gs, ss]
+        incoming = np.concatenate([sub[a, u[a], k0[a]][:, None], items[:, :-1]], axis=1)
+        step = np.arange(gs.shape[1]) < k[:, None]
+        rows = np.broadcast_to(active[a][:, None], gs.shape)
+        phy[rows[step], gs[step], ss[step]] = incoming[step]
+        phy[active[a], u[a], k0[a]] = items[np.arange(a.size), k - 1]
         active = active[made]
 
 
@@ -80,20 +83,28 @@ def _chain(w: np.ndarray, sub: np.ndarray, excess: np.ndarray, u: np.ndarray) ->
     steps_s = np.zeros((A, B), dtype=np.int64)
     length = np.zeros(A, dtype=np.int64)
     going = free.any(axis=1) & (room > 0)
+    # Only bins above the target can join a chain: each row's, in bin order, padded with bins
+    # that cannot (the first least score in this order is the first in the row's).
+    F = int(free.sum(axis=1).max(initial=0))
+    fb = np.argsort(~free, axis=1, kind="stable")[:, :F]  # [A, F]
+    wc, sc = (np.take_along_axis(v, fb[:, :, None], axis=1) for v in (w, sub))  # [A, F, S]
+    ec, fr = (np.take_along_axis(v, fb, axis=1) for v in (excess, free))  # [A, F]
+    # Staying within u's room does not change along the chain.
+    roomy = (wc - b_w[:, None, None]) <= room[:, None, None]
     n = 0
     while n < B:
         # Rows whose chain still grows; the others are done.
         x = np.flatnonzero(going)
         if x.size == 0:
             break
-        wx, ex, cw = w[x], excess[x], cur_w[x]
+        wx, ex, cw = wc[x], ec[x], cur_w[x]
         # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
         # incoming expert.
-        ok = free[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
-        ok &= (wx - b_w[x][:, None, None]) <= room[x][:, None, None]
+        ok = fr[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
+        ok &= roomy[x]
         # (Which bins hold the incoming expert: a scan of the rows' slots, cheaper than keeping
         # an [A, B, E] presence table for the few experts a chain passes on.)
-        ok &= ~(sub[x] == cur_e[x][:, None, None]).any(axis=2)[:, :, None]
+        ok &= ~(sc[x] == cur_e[x][:, None, None]).any(axis=2)[:, :, None]
         # The item that sheds the excess with the least to spare first: the room below the
         # target is what limits a chain (measured: fewer slots than the lightest item).
         waste = wx - cw[:, None, None] - ex[:, :, None]
@@ -101,10 +112,10 @@ def _chain(w: np.ndarray, sub: np.ndarray, excess: np.ndarray, u: np.ndarray) ->
         pick = score.argmin(axis=1)
         found = np.isfinite(score[np.arange(x.size), pick])
         going[x[~found]] = False
-        x, (g, s) = x[found], np.divmod(pick[found], S)
-        steps_g[x, n], steps_s[x, n] = g, s
-        cur_w[x], cur_e[x] = w[x, g, s], sub[x, g, s]
-        free[x, g] = False
+        x, (f, s) = x[found], np.divmod(pick[found], S)
+        steps_g[x, n], steps_s[x, n] = fb[x, f], s
+        cur_w[x], cur_e[x] = wc[x, f, s], sc[x, f, s]
+        fr[x, f] = False
         n += 1
         # The chain closes when u may take the last item.
         length[x[~(sub[x, u[x]] == cur_e[x][:, None]).any(axis=1)]] = n
