@@ -321,7 +321,7 @@ def rotate_improve(
         if active.size == 0:
             return
         sub = phy[active]
-        w = (loads[active] / replica_counts(sub, E))[np.arange(active.size)[:, None, None], sub]  # [A, B, S]
+        w = take_rows(loads[active] / replica_counts(sub, E), sub)  # [A, B, S]
         load = w.sum(axis=2)
         above = load > target[active][:, None]
         keep = above.sum(axis=1) >= 2
@@ -350,37 +350,51 @@ def rotate_improve(
         bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
         n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
         m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
-        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
-        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
-        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
-        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
         in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
         bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
         nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
         mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
-        # A rotation needs a feasible pair on each of the three bins: the grid is built only for
-        # the (row, h2, q) triples that have all three (few, after the first rounds).
-        f1 = np.isfinite(m1).any(axis=(2, 3))  # [A, H]
-        f2 = np.isfinite(m2).any(axis=(3, 4))  # [A, H, Q]
-        fq = np.isfinite(mq).any(axis=(2, 3))  # [A, Q]
-        pa, ph, pq = np.nonzero(f1[:, :, None] & f2 & fq[:, None, :])
+        # A rotation needs a feasible pair on each of the three bins: h2's pairs are scored only
+        # for the (row, h2, q) triples where h1 and q have one, and the grid is built only for
+        # the triples where some (i, j, k) is feasible on all three bins at once (few: most
+        # triples have none, and the float grid costs several times more than this test).
+        g1, gq = np.isfinite(m1), np.isfinite(mq)
+        pa, ph, pq = np.nonzero(g1.any(axis=(2, 3))[:, :, None] & gq.any(axis=(2, 3))[:, None, :])
+        th, tq = pa * H + ph, pa * Q + pq  # each triple's (row, h2) and (row, q), flat
+
+        def at(v: np.ndarray, i: np.ndarray) -> np.ndarray:
+            return v.reshape((-1,) + v.shape[2:])[i]
+
+        c_wt, c_kt, b_wt = at(c_w, th), at(c_k, th), at(b_w, tq)  # [triple, S]
+        in_h2 = c_kt[:, :, None] == at(b_k, tq)[:, None, :]  # [triple, j, k]
+        bad_b = in_h2.any(axis=1, keepdims=True) & ~in_h2
+        n2 = at(L2, th)[:, None, None] - c_wt[:, :, None] + b_wt[:, None, :]
+        m2 = np.where((n2 <= tgt[pa][:, None, None]) & ~bad_b, n2, np.inf)
+        # The j that would join an h1 slot i to a q slot k, as bits (packed over j, a byte per
+        # eight slots): the test is [i, k] per triple.
+        j1 = at(np.packbits(g1, axis=3, bitorder="little"), th)  # [triple, i, bytes]
+        j2 = np.packbits(np.isfinite(m2), axis=1, bitorder="little")  # [triple, bytes, k]
+        hit = j1[:, :, None, 0] & j2[:, None, 0, :]
+        for byte in range(1, j1.shape[2]):
+            hit |= j1[:, :, None, byte] & j2[:, None, byte, :]
+        some = ((hit != 0) & at(gq, tq)).any(axis=(1, 2))
+        pa, th, tq, m2 = pa[some], th[some], tq[some], m2[some]
         if pa.size == 0:
             return
         # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        score = np.maximum(m1[pa, ph][:, :, :, None], m2[pa, ph, pq][:, None, :, :])
-        np.maximum(score, mq[pa, pq][:, :, None, :], out=score)
+        score = np.maximum(at(m1, th)[:, :, :, None], m2[:, None, :, :])
+        np.maximum(score, at(mq, tq)[:, :, None, :], out=score)
         score = score.reshape(pa.size, -1)
         inner = score.argmin(axis=1)
         value = score[np.arange(pa.size), inner]
         # Per row the least value, ties to the first (h2, q) and then the first slots: what an
-        # argmin over the row's whole [H, Q, S, S, S] grid gives.
-        order = np.lexsort((np.arange(pa.size), value, pa))
-        first = order[np.r_[True, pa[order][1:] != pa[order][:-1]]]
-        first = first[np.isfinite(value[first])]
-        if first.size == 0:
-            return
+        # argmin over the row's whole [H, Q, S, S, S] grid gives. The triples come row by row,
+        # so two segment minima do what a sort by (row, value, position) would.
+        starts = np.flatnonzero(np.concatenate(([True], pa[1:] != pa[:-1])))
+        least = np.repeat(np.minimum.reduceat(value, starts), np.diff(starts, append=pa.size))
+        first = np.minimum.reduceat(np.where(value == least, np.arange(pa.size), pa.size), starts)
         x = pa[first]
-        hi_, qi = ph[first], pq[first]
+        hi_, qi = th[first] % H, tq[first] % Q
         i, j, k = np.unravel_index(inner[first], (S, S, S))
         h2, q = h2s[x, hi_], qs[x, qi]
         rows_ = active[x]
