@@ -292,11 +292,17 @@ def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
     if k >= E or E <= 128:
         return np.argsort(key, axis=1, kind="stable")[:, :k]
     kth = np.partition(key, k - 1, axis=1)[:, k - 1 : k]
-    below = key < kth
-    tie = key == kth
-    take = below | (tie & (np.cumsum(tie, axis=1) <= k - below.sum(axis=1, keepdims=True)))
-    idx = np.nonzero(take)[1].reshape(A, k)  # k per row, in index order
-    return np.take_along_axis(idx, np.argsort(np.take_along_axis(key, idx, axis=1), axis=1, kind="stable"), axis=1)
+    take = key <= kth
+    # Only rows with more ties at the k-th value than places left need them counted off.
+    crowded = np.flatnonzero(take.sum(axis=1) > k)
+    if crowded.size:
+        sub, at = key[crowded], kth[crowded]
+        below, tie = sub < at, sub == at
+        take[crowded] = below | (tie & (np.cumsum(tie, axis=1) <= k - below.sum(axis=1, keepdims=True)))
+    idx = np.nonzero(take)[1]  # k per row, in index order
+    # One stable sort by (row, key) for all rows: a sort per row of k costs more.
+    rows = np.repeat(np.arange(A), k)
+    return idx[np.lexsort((key[rows, idx], rows))].reshape(A, k)
 
 
 def rotate_improve(
