@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
 from ..place.counts import refine_counts
 from ..place.packing import swap_improve
 from ..place.replicate import replica_cap, waterfill
@@ -43,6 +43,7 @@ def repair_previous(
     fresh: np.ndarray | None = None,
     give_up: float | None = None,
     every_order: bool = True,
+    repeats: int = 1,
 ) -> dict[str, np.ndarray]:
     """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
     ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
@@ -60,6 +61,9 @@ def repair_previous(
     ``give_up``: rows (layers, or nodes of a layer) whose busiest gpu is more than this many
     times their target are left as they are in the repair that keeps the counts (see
     ``_repair_rows``); ``None``: every row is repaired. ``every_order``: see ``_best_order``.
+    ``repeats``: the layers may be that many copies of the first ``L / repeats`` (the stacked
+    targets of ``_repairs``); the recount, which does not depend on the target, then runs on
+    one copy.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
@@ -67,20 +71,33 @@ def repair_previous(
     node_exp = _node_experts(prev, t) if by_node and t.num_nodes > 1 else None
     if node_exp is None:
         phy = prev.reshape(L, t.num_gpus, S).astype(np.int64)
-        repaired = _repair_rows(loads, phy, target, None, None, t, give_up=give_up, every_order=every_order)
+        repaired = _repair_rows(
+            loads, phy, target, None, None, t, give_up=give_up, every_order=every_order, repeats=repeats
+        )
         out = {"repaired": _to_global(repaired[0], None, prev, t)}
         if fresh is not None:
             counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
             recounted = _repair_rows(
-                loads, phy, target, counts, None, t, like=repaired, give_up=give_up, every_order=every_order
+                loads,
+                phy,
+                target,
+                counts,
+                None,
+                t,
+                like=repaired,
+                give_up=give_up,
+                every_order=every_order,
+                repeats=repeats,
             )
             out["recounted"] = _to_global(recounted[0], None, prev, t)
         return out
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
-    repaired = _repair_rows(loads, phy, target, None, node_exp, t, give_up=give_up, every_order=every_order)
+    repaired = _repair_rows(
+        loads, phy, target, None, node_exp, t, give_up=give_up, every_order=every_order, repeats=repeats
+    )
     recounted = _repair_rows(
-        loads, phy, target, True, node_exp, t, like=repaired, give_up=give_up, every_order=every_order
+        loads, phy, target, True, node_exp, t, like=repaired, give_up=give_up, every_order=every_order, repeats=repeats
     )
     out = {
         "repaired": _to_global(repaired[0], node_exp, prev, t),
@@ -134,6 +151,7 @@ def _repairs(
         np.tile(fresh, (K, 1)),
         give_up,
         every_order,
+        K,
     )
     swapped = "regrouped" in out
     if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
@@ -202,6 +220,7 @@ def _repair_rows(
     like: tuple[np.ndarray, ...] | None = None,
     give_up: float | None = None,
     every_order: bool = True,
+    repeats: int = 1,
 ) -> tuple[np.ndarray, ...]:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
@@ -217,7 +236,9 @@ def _repair_rows(
     one that failed) and whose busiest bin is more than this many times their target are
     left as they are: from a start that far off, such as the contiguous first placement, a
     repair with counts kept does not come within the layer tolerance, and its count moves and
-    swaps are most of a re-plan's time (``eplb.replan.choose`` says what it costs)."""
+    swaps are most of a re-plan's time (``eplb.replan.choose`` says what it costs).
+    ``repeats``: when the rows are that many copies of the first ``R / repeats`` (loads, start
+    and counts; checked), the recount runs on one copy."""
     S = t.slots_per_gpu
     bins = phy.shape[1]
     if node_exp is not None:
@@ -235,9 +256,14 @@ def _repair_rows(
     cap = replica_cap(row_loads.shape[1], bins * S, bins)
     start = phy
     if counts is not None and cap is not None:
-        if counts is True:
-            counts = waterfill(row_loads, bins * S, cap)
-        recounted, ok = recount(row_loads, phy, counts)
+        # The targets of a stacked repair share each row's start, and neither the water-filling
+        # nor the recount depends on the target: one copy of the rows is enough.
+        same = repeats > 1 and all(_copies(x, repeats) for x in (row_loads, phy, counts) if x is not True)
+        one = slice(0, phy.shape[0] // repeats if same else phy.shape[0])
+        counts = waterfill(row_loads[one], bins * S, cap) if counts is True else counts[one]
+        recounted, ok = recount(row_loads[one], phy[one], counts)
+        if same:
+            recounted, ok = np.tile(recounted, (repeats, 1, 1)), np.tile(ok, repeats)
         start = np.where((ok & distinct_rows(phy))[:, None, None], recounted, phy)
     top = bin_loads(row_loads, start).max(axis=1)
     todo = top > tgt
@@ -252,6 +278,12 @@ def _repair_rows(
     if rows.size:
         out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order)
     return out, start, row_loads, tgt
+
+
+def _copies(x: np.ndarray, k: int) -> bool:
+    """``x`` ``[R, ...]`` → whether it is ``k`` copies, one after the other, of its first ``R / k`` rows."""
+    n = x.shape[0] // k
+    return n * k == x.shape[0] and bool((x.reshape((k, n) + x.shape[1:]) == x[:n]).all())
 
 
 def _best_order(
@@ -383,47 +415,53 @@ def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.
     E = loads.shape[1]
     flat = phy.reshape(R, B * S).copy()
     w = loads / np.maximum(counts, 1)
-    ra = np.arange(R)
-    slot_w = w[ra[:, None], flat]
+    slot_w = take_rows(w, flat)
     gpu_load = slot_w.reshape(R, B, S).sum(axis=2)
     have = replica_counts(phy, E)
     # Replicas to drop: each losing expert's replicas on its busiest gpus first. Rank every
-    # slot within its (row, expert) by the load of its gpu, heaviest first.
-    slot_gpu_load = np.repeat(gpu_load, S, axis=1)
-    r_, e_ = np.repeat(ra, B * S), flat.ravel()
-    order = np.lexsort((-slot_gpu_load.ravel(), e_, r_))
+    # slot of a losing expert within its (row, expert) by the load of its gpu, heaviest first
+    # (ties in slot order); the other slots keep their expert whatever their rank.
+    drop = np.maximum(have - counts, 0)
+    r_, p_ = np.nonzero(take_rows(drop, flat))
+    e_ = flat[r_, p_]
+    order = np.lexsort((-gpu_load[r_, p_ // S], e_, r_))
     key = r_[order] * E + e_[order]
     pos = np.arange(order.size)
-    first = np.maximum.accumulate(np.where(np.r_[True, key[1:] != key[:-1]], pos, 0))
+    first = np.maximum.accumulate(np.where(np.concatenate(([True], key[1:] != key[:-1])), pos, 0))
     rank = np.empty_like(pos)
     rank[order] = pos - first
-    free = (rank < np.maximum(have - counts, 0)[r_, e_]).reshape(R, B * S)
+    free = np.zeros((R, B * S), dtype=bool)
+    free[r_, p_] = rank < drop[r_, e_]
     gpu_load -= np.where(free, slot_w, 0.0).reshape(R, B, S).sum(axis=2)
-    holds = np.zeros((R, B, E), dtype=bool)
-    kept = ~free.reshape(R, B, S)
-    rk, bk, sk = np.nonzero(kept)
-    holds[rk, bk, phy[rk, bk, sk]] = True
-    # Replicas to add, heaviest first, each into the freed slot on the lightest gpu lacking it.
+    # Replicas to add, heaviest first (ties by expert id), each into the freed slot on the
+    # lightest gpu lacking it: ``ids`` [R, K] lists each row's, padded with -1.
     gain = np.maximum(counts - have, 0)
-    K = int(gain.sum(axis=1).max(initial=0))
+    per_row = gain.sum(axis=1)
+    K = int(per_row.max(initial=0))
     ids = np.full((R, max(K, 1)), -1, dtype=np.int64)
-    for r in np.flatnonzero(gain.sum(axis=1)):
-        g = np.repeat(np.arange(E), gain[r])
-        ids[r, : g.size] = g[np.argsort(-w[r, g], kind="stable")]
+    gr, ge = np.nonzero(gain)
+    reps = gain[gr, ge]
+    gr, ge = np.repeat(gr, reps), np.repeat(ge, reps)
+    order = np.lexsort((-w[gr, ge], gr))
+    gr, ge = gr[order], ge[order]
+    ids[gr, np.arange(gr.size) - (np.cumsum(per_row) - per_row)[gr]] = ge
     ok = np.ones(R, dtype=bool)
     for k in range(K):
-        e = ids[:, k]
-        act = e >= 0
-        fits = free.reshape(R, B, S) & ~holds[ra, :, np.maximum(e, 0)][:, :, None]
-        score = np.where(fits, gpu_load[:, :, None], np.inf).reshape(R, B * S)
+        # Only the rows with a k-th replica to add.
+        r = np.flatnonzero(ids[:, k] >= 0)
+        e = ids[r, k]
+        # A gpu holds e if a slot not free holds it (kept, or written in an earlier step).
+        free_r = free[r].reshape(-1, B, S)
+        holds = ((flat[r].reshape(-1, B, S) == e[:, None, None]) & ~free_r).any(axis=2)
+        fits = free_r & ~holds[:, :, None]
+        score = np.where(fits, gpu_load[r][:, :, None], np.inf).reshape(r.size, B * S)
         pick = score.argmin(axis=1)
-        placed = act & np.isfinite(score[ra, pick])
-        ok &= ~act | placed
-        r, p, x = ra[placed], pick[placed], e[placed]
+        placed = np.isfinite(score[np.arange(r.size), pick])
+        ok[r[~placed]] = False
+        r, p, x = r[placed], pick[placed], e[placed]
         flat[r, p] = x
         free[r, p] = False
         gpu_load[r, p // S] += w[r, x]
-        holds[r, p // S, x] = True
     ok &= ~free.any(axis=1)
     return flat.reshape(R, B, S), ok
 

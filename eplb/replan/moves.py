@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import REL_TOL, replica_counts
+from ..layout import REL_TOL, replica_counts, take_rows
 
 __all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
@@ -46,22 +46,25 @@ def chain_improve(
         if active.size == 0:
             return
         sub = phy[active]
-        A = active.size
-        ra = np.arange(A)
-        w = (loads[active] / np.maximum(replica_counts(sub, E), 1))[ra[:, None, None], sub]  # [A, B, S]
+        w = take_rows(loads[active] / np.maximum(replica_counts(sub, E), 1), sub)  # [A, B, S]
         load = w.sum(axis=2)
         excess = load - (target[active] * (1 + REL_TOL))[:, None]
         length, gs_all, ss_all, u, k0 = _chain(w, sub, excess, load.argmin(axis=1))
         made = length >= min_length
         if not made.any():
             return
-        for a in np.flatnonzero(made):
-            row, k = active[a], length[a]
-            gs, ss = gs_all[a, :k], ss_all[a, :k]
-            items = sub[a, gs, ss]
-            phy[row, gs[0], ss[0]] = sub[a, u[a], k0[a]]
-            phy[row, gs[1:], ss[1:]] = items[:-1]
-            phy[row, u[a], k0[a]] = items[-1]
+        # Every chain at once: its bins are distinct and above the target, u below it, so no
+        # two writes of a row meet. Each bin takes the item of the step before (the first
+        # u's), u the last.
+        a = np.flatnonzero(made)
+        k = length[a]
+        gs, ss = gs_all[a, : k.max()], ss_all[a, : k.max()]  # [M, K]
+        items = sub[a[:, None], gs, ss]
+        incoming = np.concatenate([sub[a, u[a], k0[a]][:, None], items[:, :-1]], axis=1)
+        step = np.arange(gs.shape[1]) < k[:, None]
+        rows = np.broadcast_to(active[a][:, None], gs.shape)
+        phy[rows[step], gs[step], ss[step]] = incoming[step]
+        phy[active[a], u[a], k0[a]] = items[np.arange(a.size), k - 1]
         active = active[made]
 
 
@@ -80,20 +83,28 @@ def _chain(w: np.ndarray, sub: np.ndarray, excess: np.ndarray, u: np.ndarray) ->
     steps_s = np.zeros((A, B), dtype=np.int64)
     length = np.zeros(A, dtype=np.int64)
     going = free.any(axis=1) & (room > 0)
+    # Only bins above the target can join a chain: each row's, in bin order, padded with bins
+    # that cannot (the first least score in this order is the first in the row's).
+    F = int(free.sum(axis=1).max(initial=0))
+    fb = np.argsort(~free, axis=1, kind="stable")[:, :F]  # [A, F]
+    wc, sc = (np.take_along_axis(v, fb[:, :, None], axis=1) for v in (w, sub))  # [A, F, S]
+    ec, fr = (np.take_along_axis(v, fb, axis=1) for v in (excess, free))  # [A, F]
+    # Staying within u's room does not change along the chain.
+    roomy = (wc - b_w[:, None, None]) <= room[:, None, None]
     n = 0
     while n < B:
         # Rows whose chain still grows; the others are done.
         x = np.flatnonzero(going)
         if x.size == 0:
             break
-        wx, ex, cw = w[x], excess[x], cur_w[x]
+        wx, ex, cw = wc[x], ec[x], cur_w[x]
         # Items that shed the bin's excess, stay within u's room, and whose bin lacks the
         # incoming expert.
-        ok = free[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
-        ok &= (wx - b_w[x][:, None, None]) <= room[x][:, None, None]
+        ok = fr[x][:, :, None] & (wx >= cw[:, None, None] + ex[:, :, None])
+        ok &= roomy[x]
         # (Which bins hold the incoming expert: a scan of the rows' slots, cheaper than keeping
         # an [A, B, E] presence table for the few experts a chain passes on.)
-        ok &= ~(sub[x] == cur_e[x][:, None, None]).any(axis=2)[:, :, None]
+        ok &= ~(sc[x] == cur_e[x][:, None, None]).any(axis=2)[:, :, None]
         # The item that sheds the excess with the least to spare first: the room below the
         # target is what limits a chain (measured: fewer slots than the lightest item).
         waste = wx - cw[:, None, None] - ex[:, :, None]
@@ -101,10 +112,10 @@ def _chain(w: np.ndarray, sub: np.ndarray, excess: np.ndarray, u: np.ndarray) ->
         pick = score.argmin(axis=1)
         found = np.isfinite(score[np.arange(x.size), pick])
         going[x[~found]] = False
-        x, (g, s) = x[found], np.divmod(pick[found], S)
-        steps_g[x, n], steps_s[x, n] = g, s
-        cur_w[x], cur_e[x] = w[x, g, s], sub[x, g, s]
-        free[x, g] = False
+        x, (f, s) = x[found], np.divmod(pick[found], S)
+        steps_g[x, n], steps_s[x, n] = fb[x, f], s
+        cur_w[x], cur_e[x] = wc[x, f, s], sc[x, f, s]
+        fr[x, f] = False
         n += 1
         # The chain closes when u may take the last item.
         length[x[~(sub[x, u[x]] == cur_e[x][:, None]).any(axis=1)]] = n
@@ -147,7 +158,7 @@ def count_repair(
         lo = loads[active]
         cnt = replica_counts(sub, E)
         w = lo / np.maximum(cnt, 1)
-        load = w[ra[:, None, None], sub].sum(axis=2)  # [A, B]
+        load = take_rows(w, sub).sum(axis=2)  # [A, B]
         tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
         n_over = (excess > 0).sum(axis=1)
@@ -161,28 +172,28 @@ def count_repair(
             if A == 0:
                 return
         flat = (ra[:, None, None] * E + sub).ravel()  # each slot's (row, expert)
-
-        def per_expert(per_slot: np.ndarray) -> np.ndarray:
-            return np.bincount(flat, weights=per_slot.ravel(), minlength=A * E).reshape(A, E)
-
-        # Gainers: relief each could give to the bins above the target.
-        shed = np.where(cnt < cap, lo / np.maximum(cnt, 1) - lo / (cnt + 1), 0.0)  # [A, E]
-        relief = per_expert(np.minimum(excess[:, :, None], shed[ra[:, None, None], sub]))
+        total = excess.sum(axis=1)
+        # Gainers: relief each could give to the bins above the target. Only their slots add
+        # anything (elsewhere the excess is zero), so only those go into the sum, in the
+        # same order: the same values.
+        shed = np.where(cnt < cap, w - lo / (cnt + 1), 0.0)  # [A, E]
+        oa, ob = np.nonzero(excess > 0)
+        keys = (oa[:, None] * E + sub[oa, ob]).ravel()
+        part = np.minimum(excess[oa, ob][:, None], shed.reshape(-1)[keys].reshape(-1, S)).ravel()
+        relief = np.bincount(keys, weights=part, minlength=A * E).reshape(A, E)
         gain = _first_smallest(-relief, H)  # [A, H]
         # Donors: replicated experts whose bins would go least above the target.
         take = np.where(cnt >= 2, lo / np.maximum(cnt - 1, 1) - w, 0.0)  # [A, E]
-        harm = per_expert(np.maximum(load[:, :, None] + take[ra[:, None, None], sub] - tgt[:, :, None], 0.0))
+        harm = np.maximum(load[:, :, None] + take_rows(take, sub) - tgt[:, :, None], 0.0)
+        harm = np.bincount(flat, weights=harm.ravel(), minlength=A * E).reshape(A, E)
         harm = np.where(cnt >= 2, harm + 1e-9 * take, np.inf)
         don = _first_smallest(harm, D)  # [A, D]
-        d_h = shed[ra[:, None], gain]  # [A, H]
-        t_f = take[ra[:, None], don]  # [A, D]
-        t_ok = np.isfinite(harm[ra[:, None], don])  # fewer than D replicated experts: no donors
-        # Which bins hold each (row, expert), looked up for the gainers and donors: one gather
-        # instead of comparing every slot with each of them.
-        holds = np.zeros((A * E, B), dtype=bool)
-        holds[flat, np.tile(np.repeat(np.arange(B), S), A)] = True
-        Hh = holds[ra[:, None] * E + gain]  # [A, H, B]: bin holds gainer
-        Hf = holds[ra[:, None] * E + don]  # [A, D, B]: bin holds donor
+        d_h = take_rows(shed, gain)  # [A, H]
+        t_f = take_rows(take, don)  # [A, D]
+        t_ok = np.isfinite(take_rows(harm, don))  # fewer than D replicated experts: no donors
+        # Which bins hold each gainer and donor: every slot's (row, expert) looked up in a
+        # table of the gainers' (donors') ranks, instead of an [A, E, B] table of all experts.
+        Hh, Hf = (_holders(flat, ra[:, None] * E + ids, (A, E, B, S)) for ids in (gain, don))  # [A, H | D, B]
         # Before q's own change a move (h, f) changes only the bins holding h (they shed d_h)
         # and those holding f (they take t_f): the excess after it is the current one plus what
         # h's bins change, what f's bins change, and a correction on the few bins holding both.
@@ -199,15 +210,16 @@ def count_repair(
         cnt_h = (Hh & (shed_h > t3)).sum(axis=2) - (Hh & (lb > t3)).sum(axis=2)
         tot_f = np.where(Hf, over(took_f) - over(lb), 0.0).sum(axis=2)  # [A, D]
         cnt_f = (Hf & (took_f > t3)).sum(axis=2) - (Hf & (lb > t3)).sum(axis=2)
-        tot = excess.sum(axis=1)[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
+        tot = total[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
         cnt_over = n_over[:, None, None] + cnt_h[:, :, None] + cnt_f[:, None, :]
-        # Bins holding both: they shed d_h and take t_f at once.
+        # Each bin q holding a donor ([n] entries, few: few bins hold a given donor), by the
+        # gainers [n, H]: whether q holds that gainer too.
         fa, fd, fq = np.nonzero(Hf & t_ok[:, :, None])
-        ia, ih = np.repeat(fa, H), np.tile(np.arange(H), fa.size)
-        i_d, iq = np.repeat(fd, H), np.repeat(fq, H)
-        both = Hh[ia, ih, iq]
-        ia, ih, i_d, iq = ia[both], ih[both], i_d[both], iq[both]
-        if ia.size:
+        held = Hh[fa, :, fq]  # [n, H]
+        # Bins holding both: they shed d_h and take t_f at once.
+        bi, ih = np.nonzero(held)
+        if bi.size:
+            ia, i_d, iq = fa[bi], fd[bi], fq[bi]
             x, tb = load[ia, iq], tgt[ia, 0]
             xh, xf = x - d_h[ia, ih], x + t_f[ia, i_d]
             xb = xh + t_f[ia, i_d]
@@ -220,40 +232,55 @@ def count_repair(
             key = (ia * H + ih) * D + i_d
             tot += np.bincount(key, weights=fix, minlength=A * H * D).reshape(A, H, D)
             cnt_over += np.bincount(key, weights=fix_n, minlength=A * H * D).reshape(A, H, D).astype(np.int64)
-        # Moves (h, f, q) that can be made: q holds f and not h. Few bins hold a given donor,
-        # so what q's own change does is worked out for those entries only.
-        a_, h_, d_, q_ = np.repeat(fa, H), np.tile(np.arange(H), fa.size), np.repeat(fd, H), np.repeat(fq, H)
-        can = ~Hh[a_, h_, q_] & (gain[a_, h_] != don[a_, d_]) & (d_h[a_, h_] > 0)
-        a_, h_, d_, q_ = a_[can], h_[can], d_[can], q_[can]
+        # Moves (h, f, q) that can be made: q holds f and not h. What q's own change does is
+        # worked out per entry of the [n, H] grid, its parts per (q, f) and per h first.
+        don_n = don[fa, fd]
+        can = ~held & (gain[fa] != don_n[:, None]) & (d_h[fa] > 0)
+        ci, h_ = np.nonzero(can)
+        a_, d_, q_ = fa[ci], fd[ci], fq[ci]
         # At q (holding f, not h) the donor's replica leaves and h's new one arrives; before
         # that q had taken t_f like every bin of f.
-        w_h_new = lo[a_, gain[a_, h_]] / (cnt[a_, gain[a_, h_]] + 1)
-        at_q = load[a_, q_] - w[a_, don[a_, d_]] + w_h_new
-        q_over = np.maximum(at_q - tgt[a_, 0], 0.0)
-        o_q = np.maximum(load[a_, q_] + t_f[a_, d_] - tgt[a_, 0], 0.0)
-        tot_q = tot[a_, h_, d_] - o_q + q_over  # with q = that bin
-        cnt_q = cnt_over[a_, h_, d_] - (o_q > 0) + (q_over > 0)
+        w_h_new = (take_rows(lo, gain) / (take_rows(cnt, gain) + 1))[a_, h_]
+        load_q, tgt_q = load[fa, fq], tgt[fa, 0]
+        at_q = (load_q - take_rows(w, don)[fa, fd])[ci] + w_h_new
+        q_over = np.maximum(at_q - tgt_q[ci], 0.0)
+        o_q = np.maximum(load_q + t_f[fa, fd] - tgt_q, 0.0)[ci]
+        grid = (a_ * H + h_) * D + d_
+        tot_q = tot.reshape(-1)[grid] - o_q + q_over  # with q = that bin
+        cnt_q = cnt_over.reshape(-1)[grid] - (o_q > 0) + (q_over > 0)
         good = cnt_q <= (n_over - min_fixed)[a_]
-        good &= tot_q < excess.sum(axis=1)[a_] * (1 - 1e-9)
+        good &= tot_q < total[a_] * (1 - 1e-9)
         # Per row, so a row's choice never depends on which rows it is planned with: the least
-        # score, ties to the first (h, f, q) in grid order.
-        scale = excess.sum(axis=1)[a_] + 1.0
+        # score, ties to the first (h, f, q) in grid order. The entries come row by row, so
+        # two segment minima do what a sort by (row, score, position) would.
+        scale = total[a_] + 1.0
         a_, where_ = a_[good], ((h_ * D + d_) * B + q_)[good]
         value = (cnt_q + tot_q / scale)[good]
         if a_.size == 0:
             return
-        order = np.lexsort((where_, value, a_))
-        first = order[np.r_[True, a_[order][1:] != a_[order][:-1]]]
-        moved = np.zeros(A, dtype=bool)
-        moved[a_[first]] = True
-        best = np.zeros(A, dtype=np.int64)
-        best[a_[first]] = where_[first]
-        a = ra[moved]
-        hi, di, q = np.unravel_index(best[moved], (H, D, B))
+        starts = np.flatnonzero(np.concatenate(([True], a_[1:] != a_[:-1])))
+        least = np.repeat(np.minimum.reduceat(value, starts), np.diff(starts, append=a_.size))
+        a = a_[starts]
+        best = np.minimum.reduceat(np.where(value == least, where_, H * D * B), starts)
+        hi, di, q = np.unravel_index(best, (H, D, B))
         h, f = gain[a, hi], don[a, di]
         slot = (sub[a, q] == f[:, None]).argmax(axis=1)
         phy[active[a], q, slot] = h
-        active = active[moved]
+        active = active[a]
+
+
+def _holders(flat: np.ndarray, ids: np.ndarray, shape: tuple[int, int, int, int]) -> np.ndarray:
+    """``flat`` ``[A * B * S]`` each slot's ``row * E + expert``, ``ids`` ``[A, K]`` keys of that
+    form, distinct within a row, ``shape`` ``(A, E, B, S)`` → ``[A, K, B]`` whether bin ``b`` of
+    row ``a`` holds ``ids[a, k]``."""
+    A, E, B, S = shape
+    K = ids.shape[1]
+    rank = np.full(A * E, -1, dtype=np.int64)
+    rank[ids] = np.arange(K)
+    hit = np.flatnonzero(rank[flat] >= 0)
+    out = np.zeros((A, K, B), dtype=bool)
+    out[hit // (B * S), rank[flat[hit]], hit // S % B] = True
+    return out
 
 
 def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
@@ -265,11 +292,17 @@ def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
     if k >= E or E <= 128:
         return np.argsort(key, axis=1, kind="stable")[:, :k]
     kth = np.partition(key, k - 1, axis=1)[:, k - 1 : k]
-    below = key < kth
-    tie = key == kth
-    take = below | (tie & (np.cumsum(tie, axis=1) <= k - below.sum(axis=1, keepdims=True)))
-    idx = np.nonzero(take)[1].reshape(A, k)  # k per row, in index order
-    return np.take_along_axis(idx, np.argsort(np.take_along_axis(key, idx, axis=1), axis=1, kind="stable"), axis=1)
+    take = key <= kth
+    # Only rows with more ties at the k-th value than places left need them counted off.
+    crowded = np.flatnonzero(take.sum(axis=1) > k)
+    if crowded.size:
+        sub, at = key[crowded], kth[crowded]
+        below, tie = sub < at, sub == at
+        take[crowded] = below | (tie & (np.cumsum(tie, axis=1) <= k - below.sum(axis=1, keepdims=True)))
+    idx = np.nonzero(take)[1]  # k per row, in index order
+    # One stable sort by (row, key) for all rows: a sort per row of k costs more.
+    rows = np.repeat(np.arange(A), k)
+    return idx[np.lexsort((key[rows, idx], rows))].reshape(A, k)
 
 
 def rotate_improve(
@@ -294,7 +327,7 @@ def rotate_improve(
         if active.size == 0:
             return
         sub = phy[active]
-        w = (loads[active] / replica_counts(sub, E))[np.arange(active.size)[:, None, None], sub]  # [A, B, S]
+        w = take_rows(loads[active] / replica_counts(sub, E), sub)  # [A, B, S]
         load = w.sum(axis=2)
         above = load > target[active][:, None]
         keep = above.sum(axis=1) >= 2
@@ -323,37 +356,51 @@ def rotate_improve(
         bad_c = in_h1.any(axis=2, keepdims=True) & ~in_h1
         n1 = L1[:, None, None, None] - a_w[:, None, :, None] + c_w[:, :, None, :]  # [A, H, i, j]
         m1 = np.where((n1 <= t4) & ~bad_c & h2_ok[:, :, None, None], n1, np.inf)
-        in_h2 = c_k[:, :, None, :, None] == b_k[:, None, :, None, :]  # [A, H, Q, j, k]
-        bad_b = in_h2.any(axis=3, keepdims=True) & ~in_h2
-        n2 = L2[:, :, None, None, None] - c_w[:, :, None, :, None] + b_w[:, None, :, None, :]
-        m2 = np.where((n2 <= tgt[:, None, None, None, None]) & ~bad_b, n2, np.inf)
         in_q = b_k[:, :, None, :] == a_k[:, None, :, None]  # [A, Q, i, k]
         bad_a = in_q.any(axis=3, keepdims=True) & ~in_q
         nq = Lq[:, :, None, None] - b_w[:, :, None, :] + a_w[:, None, :, None]  # [A, Q, i, k]
         mq = np.where((nq <= t4) & ~bad_a, nq, np.inf)
-        # A rotation needs a feasible pair on each of the three bins: the grid is built only for
-        # the (row, h2, q) triples that have all three (few, after the first rounds).
-        f1 = np.isfinite(m1).any(axis=(2, 3))  # [A, H]
-        f2 = np.isfinite(m2).any(axis=(3, 4))  # [A, H, Q]
-        fq = np.isfinite(mq).any(axis=(2, 3))  # [A, Q]
-        pa, ph, pq = np.nonzero(f1[:, :, None] & f2 & fq[:, None, :])
+        # A rotation needs a feasible pair on each of the three bins: h2's pairs are scored only
+        # for the (row, h2, q) triples where h1 and q have one, and the grid is built only for
+        # the triples where some (i, j, k) is feasible on all three bins at once (few: most
+        # triples have none, and the float grid costs several times more than this test).
+        g1, gq = np.isfinite(m1), np.isfinite(mq)
+        pa, ph, pq = np.nonzero(g1.any(axis=(2, 3))[:, :, None] & gq.any(axis=(2, 3))[:, None, :])
+        th, tq = pa * H + ph, pa * Q + pq  # each triple's (row, h2) and (row, q), flat
+
+        def at(v: np.ndarray, i: np.ndarray) -> np.ndarray:
+            return v.reshape((-1,) + v.shape[2:])[i]
+
+        c_wt, c_kt, b_wt = at(c_w, th), at(c_k, th), at(b_w, tq)  # [triple, S]
+        in_h2 = c_kt[:, :, None] == at(b_k, tq)[:, None, :]  # [triple, j, k]
+        bad_b = in_h2.any(axis=1, keepdims=True) & ~in_h2
+        n2 = at(L2, th)[:, None, None] - c_wt[:, :, None] + b_wt[:, None, :]
+        m2 = np.where((n2 <= tgt[pa][:, None, None]) & ~bad_b, n2, np.inf)
+        # The j that would join an h1 slot i to a q slot k, as bits (packed over j, a byte per
+        # eight slots): the test is [i, k] per triple.
+        j1 = at(np.packbits(g1, axis=3, bitorder="little"), th)  # [triple, i, bytes]
+        j2 = np.packbits(np.isfinite(m2), axis=1, bitorder="little")  # [triple, bytes, k]
+        hit = j1[:, :, None, 0] & j2[:, None, 0, :]
+        for byte in range(1, j1.shape[2]):
+            hit |= j1[:, :, None, byte] & j2[:, None, byte, :]
+        some = ((hit != 0) & at(gq, tq)).any(axis=(1, 2))
+        pa, th, tq, m2 = pa[some], th[some], tq[some], m2[some]
         if pa.size == 0:
             return
         # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        score = np.maximum(m1[pa, ph][:, :, :, None], m2[pa, ph, pq][:, None, :, :])
-        np.maximum(score, mq[pa, pq][:, :, None, :], out=score)
+        score = np.maximum(at(m1, th)[:, :, :, None], m2[:, None, :, :])
+        np.maximum(score, at(mq, tq)[:, :, None, :], out=score)
         score = score.reshape(pa.size, -1)
         inner = score.argmin(axis=1)
         value = score[np.arange(pa.size), inner]
         # Per row the least value, ties to the first (h2, q) and then the first slots: what an
-        # argmin over the row's whole [H, Q, S, S, S] grid gives.
-        order = np.lexsort((np.arange(pa.size), value, pa))
-        first = order[np.r_[True, pa[order][1:] != pa[order][:-1]]]
-        first = first[np.isfinite(value[first])]
-        if first.size == 0:
-            return
+        # argmin over the row's whole [H, Q, S, S, S] grid gives. The triples come row by row,
+        # so two segment minima do what a sort by (row, value, position) would.
+        starts = np.flatnonzero(np.concatenate(([True], pa[1:] != pa[:-1])))
+        least = np.repeat(np.minimum.reduceat(value, starts), np.diff(starts, append=pa.size))
+        first = np.minimum.reduceat(np.where(value == least, np.arange(pa.size), pa.size), starts)
         x = pa[first]
-        hi_, qi = ph[first], pq[first]
+        hi_, qi = th[first] % H, tq[first] % Q
         i, j, k = np.unravel_index(inner[first], (S, S, S))
         h2, q = h2s[x, hi_], qs[x, qi]
         rows_ = active[x]
