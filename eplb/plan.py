@@ -15,12 +15,15 @@ __all__ = ["Plan", "SearchStats", "ReplanStats", "SolverStats"]
 class SearchStats:
     """What the anytime search after the first plan did: ``work`` units spent,
     ``layers_searched`` (layers not within ``gap`` of their bound after the first plan),
-    ``layers_at_bound`` (within ``gap`` at the end) and whether ``time_limit`` cut it short."""
+    ``layers_at_bound`` (within ``gap`` at the end), whether ``time_limit`` cut it short
+    (``timed_out``) and whether the first plan alone ran past the limit (``first_plan_over``:
+    the first plan always runs whole, so the plan took longer than the limit)."""
 
     work: float = 0.0
     layers_searched: int = 0
     layers_at_bound: int = 0
     timed_out: bool = False
+    first_plan_over: bool = False
 
     def __add__(self, other: SearchStats) -> SearchStats:
         return SearchStats(
@@ -28,6 +31,7 @@ class SearchStats:
             self.layers_searched + other.layers_searched,
             self.layers_at_bound + other.layers_at_bound,
             self.timed_out or other.timed_out,
+            self.first_plan_over or other.first_plan_over,
         )
 
 

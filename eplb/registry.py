@@ -159,14 +159,32 @@ def get_policy(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(policies())}") from None
 
 
+# Under a time limit, the share of what is left after a re-plan's first plan that its fresh
+# plan's search may take: the repairs of the previous placement after it need the rest, and
+# they are what keeps moves low (at v3-prefill they take most of an unlimited re-plan's time).
+FRESH_SHARE = 0.5
+
+
 def _fresh_for_replan(
-    spec: PolicySpec, loads: np.ndarray, topology: Topology, opts: PlanOptions, migration: Migration, bound: np.ndarray
+    spec: PolicySpec,
+    loads: np.ndarray,
+    topology: Topology,
+    opts: PlanOptions,
+    migration: Migration,
+    bound: np.ndarray,
+    deadline: float | None = None,
 ) -> tuple[PolicyResult, np.ndarray | None]:
     """A re-plan's fresh plan ``[L, P]`` and yardstick ``[L]`` (imbalance; ``None``: the fresh
     plan's own): the first plan everywhere, then the policy's full plan on the layers whose
     first plan is not near their bound (``eplb.replan.fresh``); the others measure against the
-    bound plus the search's gap."""
-    result = spec.fn(loads, topology, dataclasses.replace(opts, effort="fast"))
+    bound plus the search's gap. ``deadline`` (a ``time.perf_counter()`` value): the full plan
+    searches for ``FRESH_SHARE`` of the time left after the first plan, and not at all when
+    none is left (those layers then measure against their first plan)."""
+    # The first plan runs whole, as first plans do; the deadline is checked after it.
+    first_opts = dataclasses.replace(opts, effort="fast", time_limit=None)
+    begun = time.perf_counter()
+    result = spec.fn(loads, topology, first_opts)
+    took = time.perf_counter() - begun
     if not isinstance(result, PolicyResult):
         return result, None  # rebalance names the error
     load = metrics.gpu_loads(loads, Placement(result.phy2log, topology))
@@ -182,13 +200,24 @@ def _fresh_for_replan(
         first, bound, float(opts.gap), min(migration.tolerance, most), min(migration.layer_tolerance, most)
     )
     rest = np.flatnonzero(~done)
-    phy2log, search, notes = result.phy2log.copy(), SearchStats(), result.notes
-    if rest.size:
+    phy2log, notes = result.phy2log.copy(), result.notes
+    left = None if deadline is None else deadline - time.perf_counter()
+    over = left is not None and left <= 0
+    # The full plan makes the first plan of its layers again before it searches: with less
+    # time for it than that took (for auto, two first plans: an overestimate), no search.
+    short = left is not None and FRESH_SHARE * left <= took * rest.size / topology.num_layers
+    search = SearchStats(timed_out=over or (short and rest.size > 0), first_plan_over=over)
+    if over:
+        notes += ("time_limit ran out during the re-plan's first plan, which always runs whole: no search after it",)
+    elif rest.size and short:
+        notes += ("time_limit left too little time for a search after the re-plan's first plan",)
+    elif rest.size:
         # The policy that planned the first plan (auto names the one it chose), so that every
         # layer keeps the same grouping.
-        full = get_policy(result.policy_used).fn(loads[rest], topology.with_layers(rest.size), opts)
+        full_opts = opts if left is None else dataclasses.replace(opts, time_limit=FRESH_SHARE * left)
+        full = get_policy(result.policy_used).fn(loads[rest], topology.with_layers(rest.size), full_opts)
         phy2log[rest] = full.phy2log
-        search = full.search or search
+        search = search + full.search if full.search else search
         notes += full.notes
     fresh_imb = metrics.imbalance(metrics.gpu_loads(loads, Placement(phy2log, topology)))
     yardstick = np.where(done, reach, fresh_imb)
@@ -222,10 +251,13 @@ def rebalance(
             raise ValueError(f"previous placement is for {previous.topology}, not {topology}")
     opts, migration = spec.parse(options)
     start = time.perf_counter()
+    # One deadline for the whole plan: first plans, search, and a re-plan's repairs.
+    limit = opts.time_limit if isinstance(opts, PlanOptions) else None
+    deadline = None if limit is None else start + float(limit)
     bound = metrics.imbalance_lb(arr, topology)
     reference = None
     if previous is not None and migration is not None and isinstance(opts, PlanOptions) and opts.effort != "fast":
-        result, reference = _fresh_for_replan(spec, arr, topology, opts, migration, bound)
+        result, reference = _fresh_for_replan(spec, arr, topology, opts, migration, bound, deadline)
     else:
         result = spec.fn(arr, topology, opts)
     if not isinstance(result, PolicyResult):
@@ -239,7 +271,9 @@ def rebalance(
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))
         by_node = result.groups_on_nodes
-        phy2log, replan, more = choose(arr, previous, phy2log, topology, migration, by_node, workers, reference)
+        phy2log, replan, more = choose(
+            arr, previous, phy2log, topology, migration, by_node, workers, reference, deadline
+        )
         notes += more
     elif previous is not None:
         notes += (f"policy {policy!r} plans from scratch: moves are counted against previous, not kept low",)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounds import row_bound
-from ..budget import Budget
+from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
 from ..plan import SearchStats
 from ..topology import Topology
@@ -130,7 +130,9 @@ def _donors(donors: object, slots_per_gpu: int) -> int:
     return 4 if slots_per_gpu <= 2 else 8
 
 
-def plan_placement(loads: np.ndarray, topology: Topology, options: PlanOptions) -> tuple[np.ndarray, SearchStats]:
+def plan_placement(
+    loads: np.ndarray, topology: Topology, options: PlanOptions, deadline: float | None = None
+) -> tuple[np.ndarray, SearchStats]:
     """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]`` and what the search did.
 
     Hierarchical (groups → nodes → gpus) when the topology has nodes and groups, else global.
@@ -143,7 +145,10 @@ def plan_placement(loads: np.ndarray, topology: Topology, options: PlanOptions) 
        more than ``gap`` above what they can reach (their lower bound, or the layer's busiest
        node), until ``work_budget`` units per layer are spent or ``time_limit`` is up; rows of
        one chunk borrow each other's replica counts by load rank (``borrow``).
-    Requires ``num_groups % num_nodes == 0``.
+    Requires ``num_groups % num_nodes == 0``. ``deadline``: a ``time.perf_counter()`` value
+    the search stops before (default: now plus ``time_limit``), for a caller whose limit
+    started earlier. The first plan (1-3) runs whole whatever the time: it is what the limit
+    can never cut, and ``SearchStats.first_plan_over`` says when it alone ran past it.
     """
     topo = topology
     if topo.num_groups % topo.num_nodes:
@@ -152,13 +157,18 @@ def plan_placement(loads: np.ndarray, topology: Topology, options: PlanOptions) 
             f"({topo.num_nodes}); use policy 'global'"
         )
     opts = options
-    deadline = None if opts.time_limit is None else time.perf_counter() + float(opts.time_limit)
+    if deadline is None and opts.time_limit is not None:
+        deadline = time.perf_counter() + float(opts.time_limit)
     workers = int(opts.workers)
     L = topo.num_layers
     if workers == 1 or L <= CHUNK:
         return _plan_chunks(loads, topo, opts, deadline)
-    starts = list(range(0, L, CHUNK))
-    jobs = [(loads[a : a + CHUNK], topo.with_layers(min(CHUNK, L - a)), opts, deadline) for a in starts]
+    chunks = -(-L // CHUNK)
+    # With a deadline, one job per process, each a run of whole chunks: a job plans all its
+    # first plans before it searches, where a chunk queued behind another's search would start
+    # its first plan only at the deadline. Chunks stay chunks, so the plan is the same.
+    size = CHUNK if deadline is None else CHUNK * -(-chunks // min(workers, chunks))
+    jobs = [(loads[a : a + size], topo.with_layers(min(size, L - a)), opts, deadline) for a in range(0, L, size)]
     parts = list(worker_pool(workers).map(_plan_job, jobs))
     stats = SearchStats()
     for _, st in parts:
@@ -173,12 +183,17 @@ def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
 def _plan_chunks(
     loads: np.ndarray, topo: Topology, opts: PlanOptions, deadline: float | None
 ) -> tuple[np.ndarray, SearchStats]:
+    # The first plan runs whole, whatever the time: it is what any plan returns at least. The
+    # clock starts after it, as it is no step of the search.
     rows = _first_plan(loads, topo, opts)
+    clock = None if deadline is None else Clock(deadline)
+    over = clock is not None and clock.left() <= 0
     stats = SearchStats()
-    if opts.effort != "fast":
+    if opts.effort != "fast" and not over:
         for a in range(0, topo.num_layers, CHUNK):
-            stats += _search(rows, slice(a, min(a + CHUNK, topo.num_layers)), topo, opts, deadline)
-    return rows.finish(), stats
+            stats += _search(rows, slice(a, min(a + CHUNK, topo.num_layers)), topo, opts, clock)
+    late = clock is not None and clock.expired
+    return rows.finish(), stats + SearchStats(timed_out=late, first_plan_over=over)
 
 
 @dataclass
@@ -257,7 +272,7 @@ def _first_plan(loads: np.ndarray, topo: Topology, opts: PlanOptions) -> _Rows:
     return _Rows(local_loads, slot_local, node_experts, floor, cap)
 
 
-def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, deadline: float | None) -> SearchStats:
+def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, clock: Clock | None) -> SearchStats:
     """The anytime search on the rows of ``layers``, in place on ``rows.phy``."""
     N = topo.num_nodes
     n_layers = layers.stop - layers.start
@@ -266,12 +281,16 @@ def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, deadl
     X, B, S = phy.shape
     if cap is None or B < 2:
         return SearchStats()
+    if clock is not None and clock.expired:
+        # Past the deadline even the bound (a bisection per row at two slots per gpu, 60 ms per
+        # chunk at v3-512 on a loaded core) is time over the limit: these layers go unsearched.
+        return SearchStats(timed_out=True)
     per_layer = opts.work_per_layer
     now = busiest(loads, phy)
     reach = np.maximum(row_bound(loads, B, S, cap, now), rows.floor[sel])
     target = reach * (1 + float(opts.gap))
     todo = np.flatnonzero(now > target)
-    budget = Budget(float(per_layer) * n_layers, deadline)
+    budget = Budget(float(per_layer) * n_layers, clock)
     if todo.size == 0 or per_layer == 0:
         at_bound = (now <= target).reshape(n_layers, N).all(axis=1)
         return SearchStats(0.0, 0, int(at_bound.sum()), False)
@@ -305,14 +324,15 @@ def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, deadl
     rows.phy[sel.start + todo] = best
     after = busiest(loads, rows.phy[sel])
     layer_ok = (after <= target).reshape(n_layers, N).all(axis=1)
-    searched = np.unique(todo // N).size
+    # Not np.unique: numpy 2 imports numpy.ma on its first call (40-100 ms), here often past
+    # the deadline.
+    searched = int(np.count_nonzero(np.bincount(todo // N, minlength=n_layers)))
     return SearchStats(budget.spent, searched, int(layer_ok.sum()), budget.timed_out)
 
 
 def _spent(budget: Budget, stage: Budget) -> None:
     """Charge what a stage's budget (``Budget.share``) spent to the budget it came from."""
     budget.spend(stage.spent)
-    budget.timed_out |= stage.timed_out
 
 
 def place_global(loads: np.ndarray, topology: Topology, options: PlanOptions | None = None) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..budget import Budget
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
-from .packing import pack_counts
+from .packing import pack_counts_in_time
 
 __all__ = ["borrow_counts", "same_profile"]
 
@@ -82,9 +82,9 @@ def borrow_counts(
         return phy, none
     rows, give = np.asarray(rows), np.asarray(give)
     cost = B * S * S
-    if budget.units is not None:
-        fit = int(max(budget.units - budget.spent, 0.0) // cost)
-        rows, give = rows[:fit], give[:fit]
+    # All candidates are packed in one go: as many as the units left and the time left pay for.
+    fit = budget.fit(rows.size, cost)
+    rows, give = rows[:fit], give[:fit]
     if rows.size == 0:
         return phy, none
     cand = np.empty((rows.size, E), dtype=np.int64)
@@ -94,7 +94,8 @@ def borrow_counts(
     budget.spend(rows.size * cost)
     if rows.size == 0:
         return phy, none
-    packed = pack_counts(loads[rows], cand, B)
+    packed = pack_counts_in_time(loads[rows], cand, B, budget.clock)
+    rows, give, cand = rows[: len(packed)], give[: len(packed)], cand[: len(packed)]
     value = bin_loads(loads[rows], packed).max(axis=1)
     order = np.lexsort((value, rows))
     first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds import item_bound
+from ..budget import Clock
 from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums, take_rows
 
 __all__ = ["WIDE_SPREAD", "pack", "packed_loads", "improve", "swap_improve", "pack_counts", "descending_order"]
@@ -264,14 +265,15 @@ def improve(
     max_rounds: int = 32,
     pairs: int = 8,
     target: np.ndarray | None = None,
+    clock: Clock | None = None,
 ) -> None:
     """Lower the heaviest bin of an existing packing by item swaps, in place.
 
     ``weights``, ``keys``: ``[X, n]``; ``assign``: ``[X, B, k]`` item indices. A row stops as
     soon as its heaviest bin is at most ``target[row]`` (``[X]``), so a re-plan makes only the
-    swaps it needs.
+    swaps it needs; every row stops between rounds when ``clock`` is out.
     """
-    _improve(weights, keys, assign, max_rounds, pairs, target)
+    _improve(weights, keys, assign, max_rounds, pairs, target, clock=clock)
 
 
 def _improve(
@@ -282,6 +284,7 @@ def _improve(
     pairs: int,
     target: np.ndarray | None = None,
     spread: int = 1,
+    clock: Clock | None = None,
 ) -> None:
     rows, num_bins, per_bin = assign.shape
     if num_bins < 2:
@@ -304,7 +307,7 @@ def _improve(
         if target is not None:
             keep = load.max(axis=1) > target[active]
             active, load = active[keep], load[keep]
-        if active.size == 0:
+        if active.size == 0 or (clock is not None and clock.out()):
             return
         srt = np.argsort(load, axis=1, kind="stable")
         # Cheap round: i-th heaviest with i-th lightest, all pairs at once.
@@ -454,18 +457,51 @@ def _best_free(score: np.ndarray, kh: np.ndarray, kp: np.ndarray) -> tuple[np.nd
 
 
 def swap_improve(
-    loads: np.ndarray, phy: np.ndarray, rows: np.ndarray, rounds: int, target: np.ndarray | None = None
+    loads: np.ndarray,
+    phy: np.ndarray,
+    rows: np.ndarray,
+    rounds: int,
+    target: np.ndarray | None = None,
+    clock: Clock | None = None,
 ) -> None:
     """Swap slots between bins of ``phy`` ``[X, B, S]`` (rows ``rows``, in place) to lower each
-    row's busiest bin, stopping at ``target`` ``[X]``; counts stay as they are."""
+    row's busiest bin, stopping at ``target`` ``[X]`` (every row once ``clock`` is out); counts
+    stay as they are."""
     sub = phy[rows]
     A, B, S = sub.shape
     cnt = replica_counts(sub, loads.shape[1])
     keys = sub.reshape(A, B * S)
     weights = take_rows(loads[rows] / cnt, keys)
     assign = np.broadcast_to(np.arange(B * S).reshape(B, S), (A, B, S)).copy()
-    improve(weights, keys, assign, max_rounds=rounds, target=None if target is None else target[rows])
+    improve(weights, keys, assign, max_rounds=rounds, target=None if target is None else target[rows], clock=clock)
     phy[rows] = take_rows(keys, assign)
+
+
+# Under a deadline, candidate rows are packed in pieces of about this many work units
+# (eplb.budget; a row of ``B`` bins of ``S`` slots costs ``B * S * S``), the clock checked
+# between them: a whole batch is one step no prediction bounds, a piece a few tens of
+# milliseconds at the standard scales.
+PIECE_UNITS = 1 << 17
+
+
+def pack_counts_in_time(
+    loads: np.ndarray, counts: np.ndarray, bins: int, clock: Clock | None, max_rounds: int = 16
+) -> np.ndarray:
+    """``pack_counts`` of the rows in order, in pieces of ``PIECE_UNITS`` with ``clock`` checked
+    between them: ``[n, B, S]`` for the first ``n`` rows of ``loads``, ``counts`` ``[X, E]``,
+    all of them without a clock or while it is not out (rows are packed independently, so a
+    row's packing does not depend on the pieces)."""
+    X = counts.shape[0]
+    if clock is None or X == 0:
+        return pack_counts(loads, counts, bins, max_rounds)
+    S = int(counts[0].sum()) // bins
+    piece = max(1, PIECE_UNITS // (bins * S * S))
+    parts = [pack_counts(loads[:piece], counts[:piece], bins, max_rounds)]
+    for a in range(piece, X, piece):
+        if clock.out():
+            break
+        parts.append(pack_counts(loads[a : a + piece], counts[a : a + piece], bins, max_rounds))
+    return np.concatenate(parts)
 
 
 def pack_counts(loads: np.ndarray, counts: np.ndarray, bins: int, max_rounds: int = 16) -> np.ndarray:

@@ -16,11 +16,11 @@ from math import comb
 import numpy as np
 
 from ..bounds import counts_bound
-from ..budget import Budget
+from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, replica_counts
 from .counts import refine_counts
 from .excess import target_search
-from .packing import pack_counts
+from .packing import pack_counts, pack_counts_in_time
 from .pairing import pair_counts, pair_counts_sweep, pair_descent, paired_max
 from .replicate import count_vectors
 
@@ -82,8 +82,10 @@ def repack_search(
         if active.size == 0 or clock.out():
             break
         # A step packs its candidates in one go: hold it to the units left, so a small
-        # budget (a re-plan's) is not overrun several times by one step.
-        step = batch if clock.units is None else min(batch, int((clock.units - clock.spent) // (B * S * S)))
+        # budget (a re-plan's) is not overrun several times by one step, and to the time left.
+        step = clock.fit(batch, B * S * S)
+        if clock.timed_out:
+            break
         per_row = max(1, step // active.size)
         if E * (E - 1) <= per_row:
             e, f = np.nonzero(~np.eye(E, dtype=bool))
@@ -121,7 +123,9 @@ def repack_search(
             if S == 2:
                 quick = paired_max(loads[rows], cand)
             else:
-                quick = bin_loads(loads[rows], pack_counts(loads[rows], cand, B, max_rounds=_QUICK)).max(axis=1)
+                rough = pack_counts_in_time(loads[rows], cand, B, clock.clock, max_rounds=_QUICK)
+                rows, cand = rows[: len(rough)], cand[: len(rough)]
+                quick = bin_loads(loads[rows], rough).max(axis=1)
             order = np.lexsort((quick, rows))
             starts = np.r_[0, np.flatnonzero(rows[order][1:] != rows[order][:-1]) + 1]
             rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
@@ -132,9 +136,11 @@ def repack_search(
         # A packing's swap rounds cost about S times its slots; screening far less.
         clock.spend(rows.size * B * S * S)
         if screen and S == 2:
-            packed, value = _pack_paired(loads, rows, cand, B, quick[keep], best_max[rows] * (1 - REL_TOL))
+            packed, value = _pack_paired(loads, rows, cand, B, quick[keep], best_max[rows] * (1 - REL_TOL), clock.clock)
         else:
-            packed = pack_counts(loads[rows], cand, B)
+            # Under a deadline only the candidates packed in time count.
+            packed = pack_counts_in_time(loads[rows], cand, B, clock.clock)
+            rows, cand = rows[: len(packed)], cand[: len(packed)]
             value = bin_loads(loads[rows], packed).max(axis=1)
         # Best candidate per row: sort by (row, value) and take each row's first.
         order = np.lexsort((value, rows))
@@ -147,7 +153,13 @@ def repack_search(
 
 
 def _pack_paired(
-    loads: np.ndarray, rows: np.ndarray, cand: np.ndarray, bins: int, paired: np.ndarray, beat: np.ndarray
+    loads: np.ndarray,
+    rows: np.ndarray,
+    cand: np.ndarray,
+    bins: int,
+    paired: np.ndarray,
+    beat: np.ndarray,
+    clock: Clock | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Two slots per bin: the screened candidates ``cand`` ``[K, E]`` of ``rows`` ``[K]`` (each
     row's in ascending ``paired``, their ``paired_max``) → packings ``[K, B, 2]`` and busiest
@@ -157,7 +169,8 @@ def _pack_paired(
     and a row whose first candidate's packing reaches its pairing has its winner. The
     candidates left unpacked get +inf (and zeros), so every row's pick is the same as with all
     of them packed. The first candidates are packed first, the others only in rows where that
-    fails (two replicas of one expert met in the middle)."""
+    fails (two replicas of one expert met in the middle). Under ``clock`` only the candidates
+    packed in time count (``pack_counts_in_time``); the rest stay at +inf."""
     first = np.r_[True, rows[1:] != rows[:-1]]
     owner = np.cumsum(first) - 1  # each candidate's row among the heads
     head = np.flatnonzero(first)
@@ -167,15 +180,20 @@ def _pack_paired(
     live = head[hope]
     if live.size == 0:
         return packed, value
-    packed[live] = pack_counts(loads[rows[live]], cand[live], bins)
-    value[live] = bin_loads(loads[rows[live]], packed[live]).max(axis=1)
-    # The rows' other candidates, where the first one might win but did not settle it.
-    open_ = hope.copy()
-    open_[hope] = value[live] > paired[live]
-    rest = np.flatnonzero(~first & open_[owner] & (paired < beat))
-    if rest.size:
-        packed[rest] = pack_counts(loads[rows[rest]], cand[rest], bins)
-        value[rest] = bin_loads(loads[rows[rest]], packed[rest]).max(axis=1)
+    got = pack_counts_in_time(loads[rows[live]], cand[live], bins, clock)
+    live = live[: len(got)]
+    packed[live] = got
+    value[live] = bin_loads(loads[rows[live]], got).max(axis=1)
+    # The rows' other candidates, where the first one might win but did not settle it (a head
+    # not packed in time settles nothing: its row's others stay unpacked too).
+    settled = np.ones(head.size, dtype=bool)
+    settled[np.flatnonzero(hope)[: len(got)]] = value[live] <= paired[live]
+    rest = np.flatnonzero(~first & ~settled[owner] & (paired < beat))
+    if rest.size and (clock is None or not clock.out()):
+        got = pack_counts_in_time(loads[rows[rest]], cand[rest], bins, clock)
+        rest = rest[: len(got)]
+        packed[rest] = got
+        value[rest] = bin_loads(loads[rows[rest]], got).max(axis=1)
     return packed, value
 
 
@@ -200,16 +218,24 @@ def exhaustive_counts(
     order = np.argsort(bound[rows, vec], kind="stable")
     rows, vec = rows[order], vec[order]
     clock = budget or Budget()
-    for start in range(0, rows.size, limit):
+    start = 0
+    while start < rows.size:
         if clock.out():
             break
-        r, v = rows[start : start + limit], vec[start : start + limit]
+        # Batches of ``limit``, fewer where the time left pays for fewer (the units are
+        # checked between batches only, as they always were).
+        size = limit if clock.clock is None else clock.clock.fit(limit, P * S)
+        if clock.timed_out:
+            break
+        r, v = rows[start : start + size], vec[start : start + size]
+        start += size
         keep = bound[r, v] < best_max[r] * (1 - REL_TOL)  # bounds of earlier winners prune more
         r, v = r[keep], v[keep]
         if r.size == 0:
             break
         clock.spend(r.size * P * S)
-        packed = pack_counts(loads[r], vectors[v], B)
+        packed = pack_counts_in_time(loads[r], vectors[v], B, clock.clock)
+        r, v = r[: len(packed)], v[: len(packed)]
         value = bin_loads(loads[r], packed).max(axis=1)
         order = np.lexsort((value, r))
         first = order[np.r_[True, r[order][1:] != r[order][:-1]]]
@@ -238,7 +264,8 @@ def refine_thorough(
     deadline."""
     budget = budget or Budget()
     _, B, S = phy.shape
-    if S == 2 and B > 1:
+    # The pairing start is one step whatever the units left; only the deadline skips it.
+    if S == 2 and B > 1 and not budget.late():
         phy = _pair_start(loads, phy, cap, budget)
     # Count moves get three quarters of what is left, leaving room for a repack step.
     # Two slots per bin: the wide search's donors and steps at every effort, the pairing screen
@@ -247,7 +274,6 @@ def refine_thorough(
     first = budget.share(0.75)
     cand = refine_counts(loads, phy, cap, iterations=32, donors=donors, target=target, budget=first)
     budget.spend(first.spent)
-    budget.timed_out |= first.timed_out
     better = bin_loads(loads, cand).max(axis=1) < bin_loads(loads, phy).max(axis=1)
     start = np.where(better[:, None, None], cand, phy)
     start = exhaustive_counts(loads, start, cap, budget=budget)
@@ -265,7 +291,6 @@ def refine_thorough(
         stage = budget.share(_SWEEP_SHARE)
         alt, _ = _pair_sweep(loads, phy, cap, stage, target)
         budget.spend(stage.spent)
-        budget.timed_out |= stage.timed_out
         win = bin_loads(loads, alt).max(axis=1) < bin_loads(loads, out).max(axis=1) * (1 - REL_TOL)
         out = np.where(win[:, None, None], alt, out)
         if not budget.out():
@@ -278,7 +303,6 @@ def refine_thorough(
                 stage = budget.share(_EXCESS_SHARE)
                 out = _pair_polish(loads, out, cap, stage, target)
                 budget.spend(stage.spent)
-                budget.timed_out |= stage.timed_out
                 out = _pair_target(loads, out, cap, budget, target, lean=True)
             else:
                 out = _pair_polish(loads, out, cap, budget, target)
@@ -291,7 +315,6 @@ def refine_thorough(
             stage = budget.share(_TARGET_SHARE)
             out = _pair_target(loads, out, cap, stage, target)
             budget.spend(stage.spent)
-            budget.timed_out |= stage.timed_out
     return out
 
 
@@ -306,7 +329,8 @@ def _pair_start(loads: np.ndarray, phy: np.ndarray, cap: int | None, budget: Bud
     rows = np.flatnonzero(counts.sum(axis=1) > 0)
     if rows.size == 0:
         return phy
-    packed = pack_counts(loads[rows], counts[rows], B)
+    packed = pack_counts_in_time(loads[rows], counts[rows], B, budget.clock)
+    rows = rows[: len(packed)]
     win = bin_loads(loads[rows], packed).max(axis=1) < now[rows] * (1 - REL_TOL)
     out = phy.copy()
     out[rows[win]] = packed[win]
@@ -369,7 +393,6 @@ def _pair_polish(
     start = replica_counts(phy, loads.shape[1]) if start is None else start
     counts = pair_descent(loads, start, B, cap, target=target, spend=spend)
     budget.spend(stage.spent)
-    budget.timed_out |= stage.timed_out
     return _packed_where_better(loads, phy, counts, now)
 
 
@@ -394,7 +417,7 @@ def _spender(budget: Budget, unit: float) -> Callable[[int], int]:
     def spend(candidates: int) -> int:
         if budget.out():
             return 0
-        fit = candidates if budget.units is None else min(candidates, int((budget.units - budget.spent) // unit))
+        fit = budget.fit(candidates, unit)
         budget.spend(fit * unit)
         return fit
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
 from ..place.counts import refine_counts
 from ..place.packing import swap_improve
@@ -44,6 +45,7 @@ def repair_previous(
     give_up: float | None = None,
     every_order: bool = True,
     repeats: int = 1,
+    clock: Clock | None = None,
 ) -> dict[str, np.ndarray]:
     """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
     ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
@@ -64,6 +66,7 @@ def repair_previous(
     ``repeats``: the layers may be that many copies of the first ``L / repeats`` (the stacked
     targets of ``_repairs``); the recount, which does not depend on the target, then runs on
     one copy.
+    ``clock``: the re-plan's deadline; a repair it stops is still a candidate, as far as it got.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
@@ -72,7 +75,7 @@ def repair_previous(
     if node_exp is None:
         phy = prev.reshape(L, t.num_gpus, S).astype(np.int64)
         repaired = _repair_rows(
-            loads, phy, target, None, None, t, give_up=give_up, every_order=every_order, repeats=repeats
+            loads, phy, target, None, None, t, give_up=give_up, every_order=every_order, repeats=repeats, clock=clock
         )
         out = {"repaired": _to_global(repaired[0], None, prev, t)}
         if fresh is not None:
@@ -88,16 +91,27 @@ def repair_previous(
                 give_up=give_up,
                 every_order=every_order,
                 repeats=repeats,
+                clock=clock,
             )
             out["recounted"] = _to_global(recounted[0], None, prev, t)
         return out
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
     repaired = _repair_rows(
-        loads, phy, target, None, node_exp, t, give_up=give_up, every_order=every_order, repeats=repeats
+        loads, phy, target, None, node_exp, t, give_up=give_up, every_order=every_order, repeats=repeats, clock=clock
     )
     recounted = _repair_rows(
-        loads, phy, target, True, node_exp, t, like=repaired, give_up=give_up, every_order=every_order, repeats=repeats
+        loads,
+        phy,
+        target,
+        True,
+        node_exp,
+        t,
+        like=repaired,
+        give_up=give_up,
+        every_order=every_order,
+        repeats=repeats,
+        clock=clock,
     )
     out = {
         "repaired": _to_global(repaired[0], node_exp, prev, t),
@@ -108,7 +122,7 @@ def repair_previous(
     # it is below the target), the incoming group's experts taking the outgoing group's
     # slots, then recount and repair.
     swapped = None
-    for _ in range(t.num_groups // 2):
+    for _ in range(0 if clock is not None and clock.expired else t.num_groups // 2):
         nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target)
         if nxt is None:
             break
@@ -116,7 +130,7 @@ def repair_previous(
     if swapped is not None:
         # Only the nodes that swapped a group start anywhere else than the recount did.
         regrouped = _repair_rows(
-            loads, phy, target, True, swapped, t, like=recounted, give_up=give_up, every_order=every_order
+            loads, phy, target, True, swapped, t, like=recounted, give_up=give_up, every_order=every_order, clock=clock
         )
         out["regrouped"] = _to_global(regrouped[0], swapped, prev, t)
     return out
@@ -132,6 +146,7 @@ def _repairs(
     pad: bool = False,
     give_up: float | None = None,
     every_order: bool = True,
+    clock: Clock | None = None,
 ) -> tuple[list[tuple[str, np.ndarray]], bool]:
     """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
     pairs, target by target, and whether any layer swapped groups between nodes. The targets
@@ -152,6 +167,7 @@ def _repairs(
         give_up,
         every_order,
         K,
+        clock,
     )
     swapped = "regrouped" in out
     if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
@@ -163,18 +179,23 @@ def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
     ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
     ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``), ``give_up`` and
-    ``every_order`` (see ``repair_previous``). Also whether any layer swapped groups.
-    Layers are independent here, so a chunk's rows equal those of all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order = job
+    ``every_order`` (see ``repair_previous``) and ``deadline`` (a ``time.perf_counter()`` value
+    or ``None``, see ``candidates``). Also whether any layer swapped groups, and whether the
+    deadline stopped a repair. Layers are independent here, so a chunk's rows equal those of
+    all layers at once."""
+    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline = job
+    clock = None if deadline is None else Clock(deadline)
     previous = Placement(old, topology)
     ways = [("kept", old)] if ends else []
     swapped = False
     if targets:
-        repaired, swapped = _repairs(loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order)
+        repaired, swapped = _repairs(
+            loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order, clock
+        )
         ways += repaired
     if ends:
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
-    return (*score(ways, loads, old, topology), swapped)
+    return (*score(ways, loads, old, topology), swapped, clock is not None and clock.expired)
 
 
 def candidates(
@@ -188,10 +209,15 @@ def candidates(
     workers: int,
     give_up: float | None = None,
     every_order: bool = True,
-) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
-    """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``:
+    deadline: float | None = None,
+) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``
+    and whether the deadline stopped a repair:
     in this process, or in ``workers`` processes, each taking an equal share of the layers (the
-    same result: any split gives it). ``give_up``, ``every_order``: see ``repair_previous``."""
+    same result: any split gives it). ``give_up``, ``every_order``: see ``repair_previous``.
+    ``deadline`` (a ``time.perf_counter()`` value): repairs stop between their rounds when the
+    next would pass it, where they got to; the kept placement and the fresh plan aligned are
+    made whatever the time, so every layer has a candidate within the tolerances."""
     L = topology.num_layers
     step = -(-L // min(workers, L))
     jobs, pad = [], step < L
@@ -199,7 +225,7 @@ def candidates(
         b = min(a + step, L)
         chunk = topology.with_layers(b - a)
         tg = [t[a:b] for t in targets]
-        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order))
+        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline))
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
     names = parts[0][0]
     keep = np.ones(len(names), dtype=bool)
@@ -207,7 +233,7 @@ def candidates(
         keep = np.array([n != "regrouped" for n in names])
     names = [n for n, k in zip(names, keep) if k]
     cands, imb, moves = (np.concatenate([p[i][keep] for p in parts], axis=1) for i in (1, 2, 3))
-    return names, cands, imb, moves
+    return names, cands, imb, moves, any(p[5] for p in parts)
 
 
 def _repair_rows(
@@ -221,6 +247,7 @@ def _repair_rows(
     give_up: float | None = None,
     every_order: bool = True,
     repeats: int = 1,
+    clock: Clock | None = None,
 ) -> tuple[np.ndarray, ...]:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
@@ -275,8 +302,9 @@ def _repair_rows(
         out[same] = like[0][same]
         todo &= ~same
     rows = np.flatnonzero(todo)
-    if rows.size:
-        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order)
+    # The recount above is work of its own: check before the repairs start.
+    if rows.size and not (clock is not None and clock.out()):
+        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order, clock)
     return out, start, row_loads, tgt
 
 
@@ -287,12 +315,18 @@ def _copies(x: np.ndarray, k: int) -> bool:
 
 
 def _best_order(
-    loads: np.ndarray, phy: np.ndarray, cand: np.ndarray, tgt: np.ndarray, cap: int | None, every_order: bool = True
+    loads: np.ndarray,
+    phy: np.ndarray,
+    cand: np.ndarray,
+    tgt: np.ndarray,
+    cap: int | None,
+    every_order: bool = True,
+    clock: Clock | None = None,
 ) -> np.ndarray:
     """``cand`` ``[R, B, S]`` (``phy`` recounted, or ``phy`` itself) repaired towards ``tgt``
     ``[R]`` in two orders (three with few slots per gpu), the best per row (fewest slots
     rewritten from ``phy``); without ``every_order`` only the one that starts with count moves
-    (all three with few slots per gpu, where it loses most often)."""
+    (all three with few slots per gpu, where it loses most often), nor once ``clock`` is out."""
     rows = cand.shape[0]
     # Two orders, the better per row: count moves that relieve every gpu of an expert that
     # grew (one slot, see ``eplb.replan.moves``) then ejection chains (k bins with k + 1), or
@@ -305,16 +339,16 @@ def _best_order(
     if cap is not None:
         dist = np.flatnonzero(distinct_rows(cand))
         sub = c[dist]
-        count_repair(loads[dist], sub, tgt[dist], cap)
+        count_repair(loads[dist], sub, tgt[dist], cap, clock=clock)
         c[dist] = sub
     # Rows without a count move take chains first.
-    counted = _finish(loads, c, tgt, cap, chains=True)
+    counted = _finish(loads, c, tgt, cap, chains=True, clock=clock)
     few = phy.shape[2] <= _CHAINS_FIRST_SLOTS
-    if not every_order and not few:
+    if (not every_order and not few) or (clock is not None and clock.expired):
         return counted
-    outs = [counted, _finish(loads, cand.copy(), tgt, cap, chains=False)]
+    outs = [counted, _finish(loads, cand.copy(), tgt, cap, chains=False, clock=clock)]
     if few:
-        outs.append(_finish(loads, cand.copy(), tgt, cap, chains=True))
+        outs.append(_finish(loads, cand.copy(), tgt, cap, chains=True, clock=clock))
     # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
     # compared per row (a sort by keys), so a row's pick never depends on the other rows. Ties
     # go to the order that starts with count moves.
@@ -341,27 +375,31 @@ def _to_global(local: np.ndarray, node_exp: np.ndarray | None, prev: np.ndarray,
     return out.reshape(t.num_layers, t.num_slots)
 
 
-def _finish(loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool) -> np.ndarray:
+def _finish(
+    loads: np.ndarray, c: np.ndarray, tgt: np.ndarray, cap: int | None, chains: bool, clock: Clock | None = None
+) -> np.ndarray:
     """``c`` ``[R, B, S]`` repaired towards ``tgt`` ``[R]``: chains (or not), rotations, swaps,
-    count moves and swaps again. Chains, rotations and count moves need one replica of an
-    expert per bin, so rows that have two skip them (each row on its own)."""
+    count moves and swaps again, each stopping between rounds once ``clock`` is out. Chains,
+    rotations and count moves need one replica of an expert per bin, so rows that have two
+    skip them (each row on its own)."""
     dist = np.flatnonzero(distinct_rows(c))
     if dist.size:
         sub = c[dist]
         if chains:
-            chain_improve(loads[dist], sub, tgt[dist])
-        rotate_improve(loads[dist], sub, tgt[dist])
+            chain_improve(loads[dist], sub, tgt[dist], clock=clock)
+        rotate_improve(loads[dist], sub, tgt[dist], clock=clock)
         c[dist] = sub
     # Swaps and count moves leave a row at its target as it is: only the others go in.
     above = np.flatnonzero(bin_loads(loads, c).max(axis=1) > tgt)
     if above.size:
-        swap_improve(loads, c, above, 64, tgt)
+        swap_improve(loads, c, above, 64, tgt, clock)
     if cap is not None:
         above = bin_loads(loads, c).max(axis=1) > tgt
         dist = np.flatnonzero(above & distinct_rows(c))
         if dist.size:
-            c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=32, target=tgt[dist])
-            swap_improve(loads, c, dist, 64, tgt)
+            budget = None if clock is None else Budget(None, clock)
+            c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=32, target=tgt[dist], budget=budget)
+            swap_improve(loads, c, dist, 64, tgt, clock)
     return c
 
 

@@ -28,6 +28,7 @@ that stays on a gpu keeps its slot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,11 @@ from .pick import pick as cheapest
 from .pick import pick_within, score
 
 __all__ = ["Migration", "choose", "DEFAULT_TOLERANCE", "DEFAULT_LAYER_TOLERANCE"]
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
 
 # Defaults for re-planning with `previous=` (bench/drift_bench.py measures the trade-off): the
 # mean imbalance over layers may exceed a fresh plan's by 1 %, any one layer's by 5 %.
@@ -110,6 +116,7 @@ def choose(
     by_node: bool,
     workers: int = 1,
     reference: np.ndarray | None = None,
+    deadline: float | None = None,
 ) -> tuple[np.ndarray, ReplanStats, tuple[str, ...]]:
     """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
     few slots from ``previous`` as it can while the mean imbalance over layers stays within
@@ -138,6 +145,11 @@ def choose(
     ``reference`` ``[L]``: the imbalance to measure against per layer in place of ``fresh``'s
     (``eplb.replan.fresh``: the bound plus the search's gap where ``fresh`` is a first plan
     near it); ``fresh`` stays the candidate and the source of replica counts.
+
+    ``deadline`` (a ``time.perf_counter()`` value, the caller's time limit): repairs stop where
+    they got to when their next round would pass it, and none start past it (nor the partial
+    repairs of a binding move budget); kept and fresh aligned are always candidates, so the
+    pick still meets the tolerances and the move budgets, with more moves.
     """
     # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
     # num_gpus - 1 already allows every placement; capping there keeps the repair targets
@@ -161,46 +173,72 @@ def choose(
     # not (e.g. the contiguous first version) cannot be kept or repaired within nodes, so
     # those layers take the fresh plan aligned onto it.
     whole = groups_whole(old, topology) if by_node and topology.num_nodes > 1 else np.ones(L, dtype=bool)
+    notes: tuple[str, ...] = ()
+    cut = False
     if not whole.all():
-        names, cands, imb, moves = candidates(loads, old, fresh, topology, [], by_node, True, workers)
+        names, cands, imb, moves, _ = candidates(loads, old, fresh, topology, [], by_node, True, workers)
     elif keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
         ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
         targets = [(1.0 + k * tolerance) * fresh_max for k in ks]
         give_up = _GIVE_UP if max_moves is None and max_layer_moves is None else None
-        names, cands, imb, moves = candidates(loads, old, fresh, topology, targets, by_node, True, workers, give_up)
+        if _past(deadline):
+            targets = []
+            notes += (
+                "time_limit: no time was left to repair the previous placement; layers kept it or took the fresh plan",
+            )
+        names, cands, imb, moves, cut = candidates(
+            loads, old, fresh, topology, targets, by_node, True, workers, give_up, deadline=deadline
+        )
     else:
         names, cands, imb, moves = score([("kept", old)], loads, old, topology)
     if not whole.all():
         # Only the fresh plan keeps groups whole there: no move budget can hold it back.
         pick = np.where(whole, pick_within(moves, imb, cap, budget, max_layer_moves), len(names) - 1)
-        return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, False, whole)
+        return _result(
+            names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, False, whole, notes
+        )
     pick = pick_within(moves, imb, cap, budget, max_layer_moves)
     cols = np.arange(L)
     limited = False
     if max_moves is not None or max_layer_moves is not None:
         missed = imb[pick, cols].sum() > budget or (imb[pick, cols] > cap).any()
         if missed or (max_moves is not None and moves[pick, cols].sum() > max_moves):
-            # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
-            kept_max = kept_load.max(axis=1)
-            targets = [
-                np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL
-            ]
-            # Only the order that starts with count moves, a third of the work: on these shallow
-            # targets it gave the same rows as the best of three on 74-97 % of the rows and
-            # 0.1-2.1 % more slots in all (drift_bench sequences with a 5 % budget, 5 steps).
-            more = candidates(loads, old, fresh, topology, targets, by_node, False, workers, every_order=False)
-            # Fresh aligned stays last.
-            names = names[:-1] + more[0] + names[-1:]
-            cands, imb, moves = (np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:]))
-            pick = pick_within(moves, imb, cap, budget, max_layer_moves)
+            if _past(deadline):
+                notes += ("time_limit: no time was left for the partial repairs a binding move budget takes",)
+            else:
+                # Budgets bind: partial repairs are the cheap steps a tight budget can still take.
+                kept_max = kept_load.max(axis=1)
+                targets = [
+                    np.maximum(fresh_max + f * (kept_max - fresh_max), (1.0 + tolerance) * fresh_max) for f in _PARTIAL
+                ]
+                # Only the order that starts with count moves, a third of the work: on these
+                # shallow targets it gave the same rows as the best of three on 74-97 % of the
+                # rows and 0.1-2.1 % more slots in all (drift_bench sequences with a 5 % budget,
+                # 5 steps).
+                more = candidates(
+                    loads, old, fresh, topology, targets, by_node, False, workers, every_order=False, deadline=deadline
+                )
+                # Fresh aligned stays last.
+                names = names[:-1] + more[0] + names[-1:]
+                cands, imb, moves = (
+                    np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:4])
+                )
+                cut |= more[4]
+                pick = pick_within(moves, imb, cap, budget, max_layer_moves)
             if max_moves is not None and moves[pick, cols].sum() > max_moves:
                 fits = np.ones_like(moves, dtype=bool) if max_layer_moves is None else moves <= max_layer_moves
                 fits[0] = True  # kept: no moves
                 pick = cheapest(np.where(fits, imb, np.inf), moves, max_moves)
             limited = True
-    return _result(names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, limited, whole)
+    if cut:
+        notes += (
+            "time_limit stopped the repairs of the previous placement early: layers took them as far as they got",
+        )
+    return _result(
+        names, cands, pick, imb, moves, fresh_imb, tolerance, max_moves, max_layer_moves, limited, whole, notes
+    )
 
 
 def _result(
@@ -215,15 +253,16 @@ def _result(
     max_layer_moves: int | None,
     limited: bool,
     whole: np.ndarray,
+    notes: tuple[str, ...] = (),
 ) -> tuple[np.ndarray, ReplanStats, tuple[str, ...]]:
-    """The picked candidate per layer, how many layers took each way, and notes."""
+    """The picked candidate per layer, how many layers took each way, and notes (after
+    ``notes``)."""
     cols = np.arange(pick.size)
     out = cands[pick, cols]
     taken = dict.fromkeys(("kept", "repaired", "recounted", "regrouped", "replanned"), 0)
     for i, name in enumerate(names):
         taken[name] += int((pick == i).sum())
     stats = ReplanStats(**{f"layers_{n}": v for n, v in taken.items()}, budget_limited=bool(limited))
-    notes: tuple[str, ...] = ()
     if not whole.all():
         notes += (
             f"previous placement splits expert groups across nodes in {int((~whole).sum())} layers: "

@@ -23,27 +23,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..budget import Clock
 from ..layout import REL_TOL, replica_counts, take_rows
 
 __all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
 
 def chain_improve(
-    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, min_length: int = 2
+    loads: np.ndarray,
+    phy: np.ndarray,
+    target: np.ndarray,
+    rounds: int = 32,
+    min_length: int = 2,
+    clock: Clock | None = None,
 ) -> None:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (at most one replica of an expert per bin, in
     place), ``target`` ``[X]``: ejection chains that bring bins above the target under it,
     counts unchanged. Each round every row with bins above its target makes one chain of at
     least ``min_length`` bins above it (shorter ones are rotations' and swaps' business),
     starting from its lightest bin (measured: trying the three lightest and keeping the longest
-    chain saves nothing); a row stops when it finds none."""
+    chain saves nothing); a row stops when it finds none, every row when ``clock`` is out."""
     X, B, S = phy.shape
     if B < 3 or S < 1:
         return
     E = loads.shape[1]
     active = np.arange(X)
     for _ in range(rounds):
-        if active.size == 0:
+        # Each round leaves whole moves behind: a repair stopped by the clock is a candidate.
+        if active.size == 0 or (clock is not None and clock.out()):
             return
         sub = phy[active]
         w = take_rows(loads[active] / np.maximum(replica_counts(sub, E), 1), sub)  # [A, B, S]
@@ -131,6 +138,7 @@ def count_repair(
     gainers: int = 8,
     donors: int = 8,
     min_fixed: int = 1,
+    clock: Clock | None = None,
 ) -> None:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` (in place), ``target`` ``[X]``: count moves that
     bring bins above the target under it for one rewritten slot each.
@@ -142,7 +150,7 @@ def count_repair(
     excess they could relieve, donors those whose bins have the most room for what they would
     take. Each round every row makes the move that leaves the fewest bins above the target
     (then the least excess), if that is at least ``min_fixed`` fewer and the excess drops;
-    ``h`` stays within ``cap`` replicas."""
+    ``h`` stays within ``cap`` replicas. Every row stops when ``clock`` is out."""
     X, B, S = phy.shape
     E = loads.shape[1]
     if B < 2 or cap < 2:
@@ -150,7 +158,8 @@ def count_repair(
     active = np.arange(X)
     H, D = min(gainers, E), min(donors, E)
     for _ in range(rounds):
-        if active.size == 0:
+        # Each round leaves whole moves behind: a repair stopped by the clock is a candidate.
+        if active.size == 0 or (clock is not None and clock.out()):
             return
         sub = phy[active]
         A = active.size
@@ -306,7 +315,13 @@ def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
 
 
 def rotate_improve(
-    loads: np.ndarray, phy: np.ndarray, target: np.ndarray, rounds: int = 32, partners: int = 4, seconds: int = 4
+    loads: np.ndarray,
+    phy: np.ndarray,
+    target: np.ndarray,
+    rounds: int = 32,
+    partners: int = 4,
+    seconds: int = 4,
+    clock: Clock | None = None,
 ) -> None:
     """Three-slot rotations that bring two bins above ``target`` (``[X]``) under it at once, in
     place on ``phy`` ``[X, B, S]`` (counts unchanged): the heaviest bin ``h1`` hands an item
@@ -315,7 +330,7 @@ def rotate_improve(
     to ``h1``. Two swaps would rewrite four slots for the same two bins. Each round every row
     with two bins above its target makes the feasible rotation (all three at most the target,
     no expert twice on a bin) that leaves the heaviest of the three lightest; a row stops when
-    it has none."""
+    it has none, every row when ``clock`` is out."""
     X, B, S = phy.shape
     if B < 3 or S < 1:
         return
@@ -324,7 +339,8 @@ def rotate_improve(
     H = min(seconds, B - 2)
     active = np.arange(X)
     for _ in range(rounds):
-        if active.size == 0:
+        # Each round leaves whole moves behind: a repair stopped by the clock is a candidate.
+        if active.size == 0 or (clock is not None and clock.out()):
             return
         sub = phy[active]
         w = take_rows(loads[active] / replica_counts(sub, E), sub)  # [A, B, S]

@@ -355,3 +355,27 @@ def test_auto_skips_hierarchical_when_the_grouping_bound_rules_it_out(effort: st
     assert "grouping bound" in plan.notes[0] and "more than 2% above global's" in plan.notes[0]
     bound = float((group_bound(loads, topo) / (loads.sum(axis=1) / topo.num_gpus)).mean())
     assert glob.mean_imbalance * 1.02 < bound <= hier.mean_imbalance
+
+
+def test_auto_counts_its_comparison_of_first_plans_against_the_time_limit(monkeypatch) -> None:
+    # The comparison outlasts the limit: the old auto then planned the chosen policy in full
+    # with a limit of its own, searching past the caller's. Now the chosen first plan returns.
+    import importlib
+    import time
+
+    policies = importlib.import_module("eplb.policies")  # eplb.policies the name is a function
+    real = policies.gpu_loads
+
+    def slow(loads: np.ndarray, placement: eplb.Placement) -> np.ndarray:
+        time.sleep(0.25)  # one comparison (global alone, where the grouping bound rules out hierarchical) outlasts it
+        return real(loads, placement)
+
+    monkeypatch.setattr(policies, "gpu_loads", slow)
+    topo = SCALES["v3-prefill"].with_layers(4)
+    loads = make_loads("zipf-1.5", SCALES["v3-prefill"])[:4]
+    plan = eplb.rebalance(loads, topo, "auto", time_limit=0.2)
+    assert plan.search.work == 0 and plan.search.timed_out and plan.search.first_plan_over
+    assert plan.notes[0].startswith("auto: ") and any("ran out during the first plan" in n for n in plan.notes)
+    assert np.array_equal(plan.phy2log, eplb.rebalance(loads, topo, "auto", effort="fast").phy2log)
+    searched = eplb.rebalance(loads, topo, "auto")
+    assert searched.policy_used == plan.policy_used and searched.search.work > 0

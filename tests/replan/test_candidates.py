@@ -110,7 +110,7 @@ def test_giving_up_hopeless_repairs_from_the_contiguous_start_costs_no_moves(top
     cap = 1.05 * fresh.imbalance * (1 + 1e-12)
     picks = {}
     for give_up in (None, 2.5):
-        names, cands, imb, moves = candidates(loads, old, fresh.phy2log, topo, targets, False, True, 1, give_up)
+        names, cands, imb, moves, _ = candidates(loads, old, fresh.phy2log, topo, targets, False, True, 1, give_up)
         pick = pick_within(moves, imb, cap, budget, None)
         cols = np.arange(topo.num_layers)
         picks[give_up] = (moves[pick, cols].sum(), imb[pick, cols], moves[names.index("repaired")])

@@ -250,3 +250,54 @@ def test_a_replan_searches_only_the_layers_whose_first_plan_is_far_from_the_boun
     assert plan.mean_imbalance <= 1.01 * fresh.mean_imbalance + 1e-9
     again = eplb.rebalance(loads, topo, "global", previous=prev, workers=2)
     assert np.array_equal(again.phy2log, plan.phy2log)
+
+
+def _drifted(layers: int) -> tuple[eplb.Topology, np.ndarray, eplb.Placement]:
+    topo = SCALES["v3-prefill"].with_layers(layers)
+    loads = make_loads("zipf-1.5", SCALES["v3-prefill"])[:layers]
+    base = eplb.rebalance(loads, topo, "global")
+    return topo, drift(loads, 0.2, 1, seed=1)[0], base.placement
+
+
+def test_a_replan_with_no_time_left_takes_kept_or_fresh_aligned_within_its_bounds() -> None:
+    import time
+
+    from eplb.replan.choose import Migration, choose
+
+    topo, snap, previous = _drifted(8)
+    fresh = eplb.rebalance(snap, topo, "global")
+    past = time.perf_counter() - 1.0
+    phy, stats, notes = choose(snap, previous, fresh.phy2log, topo, Migration(), False, deadline=past)
+    assert stats.layers_repaired == stats.layers_recounted == 0
+    assert stats.layers_kept + stats.layers_replanned == topo.num_layers
+    assert any("no time was left to repair" in n for n in notes)
+    imb = eplb.imbalance(eplb.gpu_loads(snap, eplb.Placement(phy, topo)))
+    assert imb.sum() <= 1.01 * fresh.imbalance.sum() * (1 + 1e-12)
+    budget = topo.num_layers * topo.num_slots // 20
+    phy, stats, notes = choose(snap, previous, fresh.phy2log, topo, Migration(max_moves=budget), False, deadline=past)
+    assert eplb.moves(previous, eplb.Placement(phy, topo)).sum() <= budget  # a hard limit, whatever the time
+    assert stats.budget_limited and any("partial repairs" in n for n in notes)
+
+
+def test_a_replans_repairs_stop_at_the_time_limit(monkeypatch) -> None:
+    # Each round of ejection chains takes 0.2 s: the old re-plan made every repair round
+    # whatever its time limit (2 s here for a 0.5 s limit). Now the repairs stop between
+    # rounds, the layers take them as far as they got or the fresh plan, and a note says so.
+    import time
+
+    from eplb.replan import moves
+
+    real = moves._chain
+
+    def slow(*args: object) -> tuple:
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(moves, "_chain", slow)
+    topo, snap, previous = _drifted(8)
+    start = time.perf_counter()
+    plan = eplb.rebalance(snap, topo, "global", previous=previous, time_limit=0.5)
+    elapsed = time.perf_counter() - start
+    # One round may start just before the limit (0.2 s); the margin is for a loaded machine.
+    assert elapsed < 0.5 + 0.75
+    assert any("stopped the repairs" in n or "no time was left to repair" in n for n in plan.notes)
