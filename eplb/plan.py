@@ -15,7 +15,9 @@ __all__ = ["Plan", "SearchStats", "ReplanStats", "SolverStats"]
 class SearchStats:
     """What the anytime search after the first plan did: ``work`` units spent,
     ``layers_searched`` (layers not within ``gap`` of their bound after the first plan),
-    ``layers_at_bound`` (within ``gap`` at the end), whether ``time_limit`` cut it short
+    ``layers_at_bound`` (within ``gap`` of their bound at the end, counted by the search: 0 with
+    ``effort="fast"``, where none runs; ``Plan.imbalance`` against ``Plan.imbalance_lb`` tells
+    for any plan), whether ``time_limit`` cut it short
     (``timed_out``) and whether the first plan alone ran past the limit (``first_plan_over``:
     the first plan always runs whole, so the plan took longer than the limit)."""
 
