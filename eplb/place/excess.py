@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .pairing import move_candidates, moved_replicas, paired_max, sorted_replicas
+from .pairing import move_candidates, moved_replicas, pair_sums, paired_max, sorted_replicas
 
 __all__ = ["excess_descent", "target_search"]
 
@@ -48,10 +48,10 @@ _EPS = 1e-12
 _FIRST_STEP = 0.005
 
 
-def _excess(w: np.ndarray, target: np.ndarray, bins: int) -> np.ndarray:
+def _excess(w: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Sorted replicas ``[K, 2 * bins]``, ``target`` ``[K]`` → ``[K]``: the sum over the sorted
     pairing's pairs of how far each is above the target."""
-    pairs = w[:, :bins] + w[:, : bins - 1 : -1]
+    pairs = pair_sums(w)
     return np.maximum(pairs - target[:, None], 0.0).sum(axis=1)
 
 
@@ -85,7 +85,7 @@ def excess_descent(
     limit = 2 * bins if cap is None else cap
     target = np.asarray(target, dtype=np.float64) * (1 + _EPS)
     w, _ = sorted_replicas(loads, counts)
-    cur = _excess(w, target, bins)
+    cur = _excess(w, target)
     active = np.flatnonzero(cur > 0)
     for _ in range(iterations):
         if active.size == 0:
@@ -93,7 +93,7 @@ def excess_descent(
         A = active.size
         sorted_w, ids = sorted_replicas(loads[active], counts[active])
         tg = target[active]
-        pairs = sorted_w[:, :bins] + sorted_w[:, : bins - 1 : -1]
+        pairs = pair_sums(sorted_w)
         over = np.maximum(pairs - tg[:, None], 0.0)  # [A, bins]
         # Excess carried per expert: each pair's on both of its replicas' experts.
         flat = (np.arange(A)[:, None] * E + np.concatenate([ids[:, :bins], ids[:, ::-1][:, :bins]], axis=1)).ravel()
@@ -107,7 +107,7 @@ def excess_descent(
         rows, ge, gf = move_candidates(ld, c, gain, donors, limit, spend)
         if rows.size == 0:
             break
-        score = _excess(moved_replicas(sorted_w, ids, ld, c, rows, ge, gf), tg[rows], bins)
+        score = _excess(moved_replicas(sorted_w, ids, ld, c, rows, ge, gf), tg[rows])
         order = np.lexsort((score, rows))
         first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
         r_best = rows[first]

@@ -31,6 +31,7 @@ __all__ = [
     "pair_counts_sweep",
     "pair_descent",
     "paired_max",
+    "pair_sums",
     "move_candidates",
     "moved_replicas",
     "sorted_replicas",
@@ -46,9 +47,14 @@ def paired_max(loads: np.ndarray, counts: np.ndarray) -> np.ndarray:
     two replicas of one expert meeting in the middle, which a packing then swaps apart)."""
     X, E = loads.shape
     ids = np.repeat(np.tile(np.arange(E), X), counts.ravel()).reshape(X, -1)
-    w = np.sort(take_rows(loads / counts, ids), axis=1)
-    half = w.shape[1] // 2  # each pair once: w_i + w_(P-1-i) for i < P / 2
-    return (w[:, :half] + w[:, : half - 1 : -1]).max(axis=1)
+    return pair_sums(np.sort(take_rows(loads / counts, ids), axis=1)).max(axis=1)
+
+
+def pair_sums(w: np.ndarray) -> np.ndarray:
+    """Sorted replicas ``[K, 2 * bins]`` → ``[K, bins]``: the i-th lightest plus the i-th heaviest,
+    each pair once (half the additions of ``(w + w[:, ::-1])[:, :bins]``, the same values)."""
+    half = w.shape[1] // 2
+    return w[:, :half] + w[:, : half - 1 : -1]
 
 
 def pair_counts(
@@ -242,7 +248,7 @@ def pair_descent(
 
     def key(w: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sorted replicas ``[K, 2 * bins]`` → the busiest pair and the pairs near it ``[K]``."""
-        pairs = w[:, :bins] + w[:, : bins - 1 : -1]
+        pairs = pair_sums(w)
         top = pairs.max(axis=1)
         soft = np.count_nonzero(pairs > top[:, None] - tau[rows, None], axis=1)
         return top, soft
@@ -257,7 +263,7 @@ def pair_descent(
         A = active.size
         ra = np.arange(A)
         sorted_w, ids = sorted_replicas(loads[active], counts[active])
-        pairs = sorted_w[:, :bins] + sorted_w[:, : bins - 1 : -1]
+        pairs = pair_sums(sorted_w)
         # Experts of the ng_pairs busiest pairs (light and heavy side).
         top_i = np.argsort(-pairs, axis=1, kind="stable")[:, :ng_pairs]
         g_pair = np.concatenate([ids[ra[:, None], top_i], ids[ra[:, None], 2 * bins - 1 - top_i]], axis=1)
