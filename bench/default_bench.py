@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +34,8 @@ import eplb
 from eplb.bounds import profile_bound
 from eplb.place.replicate import replica_cap
 from eplb.workloads import SCALES, lognormal, make_loads, zipf
+
+from .trees import TreePair
 
 
 def hot_mix(num_layers: int, num_experts: int, seed: int = 0) -> np.ndarray:
@@ -168,38 +169,20 @@ def against(baseline: str, names: list[str], repeat: int, seed: int) -> None:
     """The ``--baseline`` table: the default and first plans of this tree's ``eplb`` and of
     ``baseline``'s (``DIR/eplb``), in two processes asked in turn plan by plan (the order
     swapped every repeat), so that a shared machine's drift hits both alike."""
-    trees = {"baseline": {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}, "this": dict(os.environ)}
-    cmd = [sys.executable, "-m", "eplb_bench.default_bench", "--serve", "--seed", str(seed)]
-    # From a neutral directory, so that the working directory shadows neither tree.
-    procs = {
-        k: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
-        for k, env in trees.items()
-    }
-
-    def run(tree: str, name: str, effort: str) -> list:
-        procs[tree].stdin.write(f"{name} {effort}\n")
-        procs[tree].stdin.flush()
-        line = procs[tree].stdout.readline()
-        if not line:
-            raise SystemExit(f"the {tree} tree's planning process ended (is {baseline}/eplb there?)")
-        return json.loads(line)
-
     print("| case | effort | baseline cpu ms | this cpu ms | this / baseline | identical |")
     print("|---|---|---|---|---|---|")
-    for name in names:
-        for effort in ("fast", "default"):
-            got: dict[str, list] = {k: [] for k in trees}
-            for k in trees:
-                run(k, name, effort)  # warm-up: draws the loads, fills caches
-            for i in range(repeat):
-                for k in trees if i % 2 == 0 else reversed(list(trees)):
-                    got[k].append(run(k, name, effort))
-            b, t = (1e3 * statistics.median(x[0] for x in got[k]) for k in ("baseline", "this"))
-            same = "yes" if got["baseline"][0][2] == got["this"][0][2] else "no"
-            print(f"| {name} | {effort} | {b:.1f} | {t:.1f} | {t / b:.2f} | {same} |", flush=True)
-    for proc in procs.values():
-        proc.stdin.close()
-        proc.wait()
+    with TreePair("eplb_bench.default_bench", baseline, ("--seed", str(seed))) as pair:
+        for name in names:
+            for effort in ("fast", "default"):
+                got: dict[str, list] = {k: [] for k in pair.TREES}
+                for k in pair.TREES:
+                    pair.ask(k, f"{name} {effort}")  # warm-up: draws the loads, fills caches
+                for i in range(repeat):
+                    for k in pair.TREES if i % 2 == 0 else reversed(pair.TREES):
+                        got[k].append(pair.ask(k, f"{name} {effort}"))
+                b, t = (1e3 * statistics.median(x[0] for x in got[k]) for k in ("baseline", "this"))
+                same = "yes" if got["baseline"][0][2] == got["this"][0][2] else "no"
+                print(f"| {name} | {effort} | {b:.1f} | {t:.1f} | {t / b:.2f} | {same} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,9 +30,7 @@ import argparse
 import cProfile
 import hashlib
 import json
-import os
 import pstats
-import subprocess
 import sys
 import time
 
@@ -40,6 +38,8 @@ import numpy as np
 
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
+
+from .trees import TreePair
 
 # name: (scale, policy, move budget as a share of all slots, previous placement).
 CASES = {
@@ -111,48 +111,27 @@ def serve() -> None:
 
 def against(baseline: str, cases: list[str], counts: list[int], repeats: int) -> None:
     """The ``--baseline`` table: this tree's ``eplb`` and ``baseline``'s, alternating."""
-    trees = {"baseline": {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}, "this": dict(os.environ)}
-    # From a neutral directory, so that the working directory shadows neither tree.
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "eplb_bench.replan_bench", "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd="/",
-        )
-        for name, env in trees.items()
-    }
-
-    def run(name: str, case: str, w: int) -> list:
-        procs[name].stdin.write(f"{case} {w}\n")
-        procs[name].stdin.flush()
-        return json.loads(procs[name].stdout.readline())
-
     print("| case | workers | baseline ms | this ms | ratio | baseline cpu ms | this cpu ms | ratio | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for case in cases:
-        got: dict[tuple[str, int], list] = {}
-        for name in trees:
-            for w in counts:
-                run(name, case, w)  # warm-up: starts the pools
-        for i in range(repeats):
-            for name in trees if i % 2 == 0 else reversed(list(trees)):
+    with TreePair("eplb_bench.replan_bench", baseline) as pair:
+        for case in cases:
+            got: dict[tuple[str, int], list] = {}
+            for name in pair.TREES:
                 for w in counts:
-                    got.setdefault((name, w), []).append(run(name, case, w))
-        for w in counts:
-            b, t = got[("baseline", w)], got[("this", w)]
-            bw, tw = (np.median([x[0] for x in r]) * 1e3 for r in (b, t))
-            bc, tc = (np.median([x[1] for x in r]) * 1e3 for r in (b, t))
-            print(
-                f"| {case} | {w} | {bw:.0f} | {tw:.0f} | {bw / tw:.2f}x | {bc:.0f} | {tc:.0f} | {bc / tc:.2f}x | "
-                f"{'yes' if b[0][2] == t[0][2] else 'no'} |",
-                flush=True,
-            )
-    for proc in procs.values():
-        proc.stdin.close()
-        proc.wait()
+                    pair.ask(name, f"{case} {w}")  # warm-up: starts the pools
+            for i in range(repeats):
+                for name in pair.TREES if i % 2 == 0 else reversed(pair.TREES):
+                    for w in counts:
+                        got.setdefault((name, w), []).append(pair.ask(name, f"{case} {w}"))
+            for w in counts:
+                b, t = got[("baseline", w)], got[("this", w)]
+                bw, tw = (np.median([x[0] for x in r]) * 1e3 for r in (b, t))
+                bc, tc = (np.median([x[1] for x in r]) * 1e3 for r in (b, t))
+                print(
+                    f"| {case} | {w} | {bw:.0f} | {tw:.0f} | {bw / tw:.2f}x | {bc:.0f} | {tc:.0f} | {bc / tc:.2f}x | "
+                    f"{'yes' if b[0][2] == t[0][2] else 'no'} |",
+                    flush=True,
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
