@@ -338,8 +338,10 @@ def _survivor_plan(arr: np.ndarray, live: Survivors, policy: str, previous: Plac
                 f"replica, {filled} empty slots filled",
             )
         prev_red = Placement(full, red)
-    # At effort="fast" one repair of the carried placement, not three in three orders: the
-    # lost slots make it far from balanced, and fast plans are about time.
+    # At effort="fast" the carried placement's repairs aim at one target in one order, not three
+    # in three: fast plans are about time. Keeping the counts alone and leaving out the fresh
+    # plan aligned cost too much balance where a node went down (survivor_bench, v3-decode-144:
+    # 3.19 against the fast plan's 1.68).
     quick = options.get("effort") == "fast"
     inner = _plan(arr, red, get_policy(name), name, prev_red, options, quick)
     placement = Placement(live.expand(inner.phy2log), topology)

@@ -65,6 +65,8 @@ class Survivors:
 
 
 def _down_list(topology: Topology, down_gpus: object) -> tuple[int, ...]:
+    if down_gpus is None:
+        return ()
     try:
         items = list(down_gpus)  # type: ignore[call-overload]
     except TypeError:
@@ -80,7 +82,7 @@ def _down_list(topology: Topology, down_gpus: object) -> tuple[int, ...]:
 
 
 def survivors(topology: Topology, down_gpus: object = ()) -> Survivors:
-    """The live gpus' problem for ``topology`` with ``down_gpus`` down.
+    """The live gpus' problem for ``topology`` with ``down_gpus`` (ids; ``None``: none) down.
 
     Raises ``ValueError`` for ids out of range or listed twice, and when the live gpus have
     fewer slots than there are experts (naming the live slots, the experts and the gpus down).

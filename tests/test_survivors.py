@@ -233,3 +233,21 @@ def test_simulate_routes_no_token_to_a_down_gpu():
     assert np.isnan(exp[1]) and np.isclose(np.nansum(exp), 3 * 64 * 2)
     stats = simulate.simulate_steps(pop, p, 64, 2, 20)
     assert np.isfinite(stats.expected_ratio) and stats.expected_ratio >= 1.0
+
+
+def test_fast_survivor_plan_repairs_the_carried_placement_toward_the_fast_plan():
+    topo = SCALES["qwen3-64"].with_layers(6)
+    loads = make_loads("lognormal-1.0", topo)
+    prev = eplb.rebalance(loads, topo).placement
+    fast = eplb.rebalance(loads, topo, previous=prev, down_gpus=[8, 9], effort="fast")
+    assert (fast.logcnt >= 1).all()
+    assert (fast.phy2log[:, 24:30] == -1).all()
+    fresh = eplb.rebalance(loads, topo, down_gpus=[8, 9], effort="fast")
+    assert fast.mean_imbalance <= fresh.mean_imbalance * 1.01 * (1 + 1e-9)
+    # The carried placement alone (restore, no repair) is what the repair starts from: it is
+    # no better balanced than the fast plan.
+    live = survivors(topo, [8, 9])
+    carried = eplb.Placement(live.expand(restore(loads, live.restrict(prev.phy2log), live.reduced, False)), topo)
+    assert fast.mean_imbalance <= eplb.imbalance(eplb.gpu_loads(loads, carried)).mean()
+    again = eplb.rebalance(loads, topo, previous=prev, down_gpus=[9, 8], effort="fast")
+    assert again.placement == fast.placement

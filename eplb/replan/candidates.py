@@ -142,7 +142,7 @@ def _repairs(
     topology: Topology,
     targets: list,
     by_node: bool,
-    fresh: np.ndarray | None,
+    fresh: np.ndarray,
     pad: bool = False,
     give_up: float | None = None,
     every_order: bool = True,
@@ -163,7 +163,7 @@ def _repairs(
         stacked,
         np.concatenate(targets),
         by_node,
-        None if fresh is None else np.tile(fresh, (K, 1)),
+        np.tile(fresh, (K, 1)),
         give_up,
         every_order,
         K,
@@ -183,17 +183,17 @@ def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     or ``None``, see ``candidates``). Also whether any layer swapped groups, and whether the
     deadline stopped a repair. Layers are independent here, so a chunk's rows equal those of
     all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline, quick = job
+    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline = job
     clock = None if deadline is None else Clock(deadline)
     previous = Placement(old, topology)
     ways = [("kept", old)] if ends else []
     swapped = False
     if targets:
         repaired, swapped = _repairs(
-            loads, previous, topology, targets, by_node, None if quick else fresh, pad, give_up, every_order, clock
+            loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order, clock
         )
         ways += repaired
-    if ends and not quick:
+    if ends:
         ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
     return (*score(ways, loads, old, topology), swapped, clock is not None and clock.expired)
 
@@ -210,7 +210,6 @@ def candidates(
     give_up: float | None = None,
     every_order: bool = True,
     deadline: float | None = None,
-    quick: bool = False,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``
     and whether the deadline stopped a repair:
@@ -218,10 +217,7 @@ def candidates(
     same result: any split gives it). ``give_up``, ``every_order``: see ``repair_previous``.
     ``deadline`` (a ``time.perf_counter()`` value): repairs stop between their rounds when the
     next would pass it, where they got to; the kept placement and the fresh plan aligned are
-    made whatever the time, so every layer has a candidate within the tolerances.
-    ``quick``: only the repairs that keep the replica counts (flat topologies; hierarchical
-    ones recount within nodes all the same), and no fresh plan aligned (``ends`` then gives
-    the kept placement alone): a survivor plan at ``effort="fast"``."""
+    made whatever the time, so every layer has a candidate within the tolerances."""
     L = topology.num_layers
     step = -(-L // min(workers, L))
     jobs, pad = [], step < L
@@ -229,9 +225,7 @@ def candidates(
         b = min(a + step, L)
         chunk = topology.with_layers(b - a)
         tg = [t[a:b] for t in targets]
-        jobs.append(
-            (loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline, quick)
-        )
+        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline))
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
     names = parts[0][0]
     keep = np.ones(len(names), dtype=bool)

@@ -162,8 +162,6 @@ def choose(
     most = float(topology.num_gpus - 1)
     tolerance, layer_tolerance = min(migration.tolerance, most), min(migration.layer_tolerance, most)
     max_moves, max_layer_moves = migration.max_moves, migration.max_layer_moves
-    # The move budgets' partial repairs go before the fresh plan aligned, which quick leaves out.
-    quick = quick and max_moves is None and max_layer_moves is None
     old = previous.phy2log
     L = topology.num_layers
     fresh_load = gpu_loads(loads, Placement(fresh, topology))
@@ -196,7 +194,7 @@ def choose(
                 "time_limit: no time was left to repair the previous placement; layers kept it or took the fresh plan",
             )
         names, cands, imb, moves, cut = candidates(
-            loads, old, fresh, topology, targets, by_node, True, workers, give_up, not quick, deadline, quick
+            loads, old, fresh, topology, targets, by_node, True, workers, give_up, not quick, deadline=deadline
         )
     else:
         names, cands, imb, moves = score([("kept", old)], loads, old, topology)
