@@ -5,7 +5,8 @@ is the entry point; ``policies()`` lists what ``policy`` accepts and ``get_polic
 what it is (its options, whether it re-plans migration-aware). The library's rooms:
 ``eplb.place`` (placement steps and the anytime planner), ``eplb.replan`` (re-planning from
 a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
-``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies). The tool modules
+``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies),
+``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``). The tool modules
 (``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ...) load on first use.
 """
 

@@ -9,6 +9,9 @@ Writing and reading files is the caller's job (``eplb_bench.io``). Readers raise
 - vLLM-shaped arrays: ``physical_to_logical [L, P]``, ``logical_to_physical [L, E, R]``
   (-1 padded, ``R = P - E + 1``) and ``logical_replica_count [L, E]``;
 - a per-gpu listing a person can read (and :func:`from_listing` can parse back).
+
+Empty slots (-1, every slot of a down gpu) travel as -1 in every format, as vLLM's
+fault-tolerance maps write them.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def from_native(doc: object) -> Placement:
 
 
 def _topology_for(phy2log: np.ndarray, num_gpus: int, num_nodes: int, num_groups: int, field: str) -> Topology:
-    # Every expert holds >= 1 slot, so the largest id present is E - 1.
+    # Every expert holds >= 1 slot, so the largest id present is E - 1 (empty slots are -1).
     L, P = phy2log.shape
     try:
         return Topology(L, int(phy2log.max()) + 1, P, num_gpus, num_nodes, num_groups)
@@ -144,8 +147,8 @@ def from_sglang(doc: object, num_gpus: int, num_nodes: int = 1, num_groups: int 
     if not isinstance(doc, dict) or field not in doc:
         raise ValueError(f'field {field!r}: missing; expected {{"{field}": [layers][slots]}}')
     arr = _int_array(doc[field], field, 2, "[layers][slots]")
-    if arr.min() < 0:
-        raise ValueError(f"field {field!r}: expected expert ids >= 0, got {int(arr.min())}")
+    if arr.min() < -1:
+        raise ValueError(f"field {field!r}: expected expert ids >= 0 or -1 (empty slot), got {int(arr.min())}")
     return _placement(arr, _topology_for(arr, num_gpus, num_nodes, num_groups, field), field)
 
 
@@ -169,8 +172,10 @@ def from_vllm(arrays: dict, num_gpus: int, num_nodes: int = 1, num_groups: int =
                 f"field {key!r}: missing; expected physical_to_logical [L, P], logical_to_physical [L, E, R], logical_replica_count [L, E]"
             )
     p2l = _int_array(arrays["physical_to_logical"], "physical_to_logical", 2, "[layers, slots]")
-    if p2l.min() < 0:
-        raise ValueError(f"field 'physical_to_logical': expected expert ids >= 0, got {int(p2l.min())}")
+    if p2l.min() < -1:
+        raise ValueError(
+            f"field 'physical_to_logical': expected expert ids >= 0 or -1 (empty slot), got {int(p2l.min())}"
+        )
     placement = _placement(
         p2l, _topology_for(p2l, num_gpus, num_nodes, num_groups, "physical_to_logical"), "physical_to_logical"
     )
@@ -192,29 +197,33 @@ def from_vllm(arrays: dict, num_gpus: int, num_nodes: int = 1, num_groups: int =
         )
     layer, expert, _ = np.nonzero(valid)
     if not np.array_equal(p2l[layer, l2p[valid]], expert):
+        # An empty slot (-1) fails here too: logical_to_physical may never point at one.
         raise ValueError("field 'logical_to_physical': lists a slot whose physical_to_logical entry is another expert")
     return placement
 
 
 _HEADER = re.compile(r"# eplb placement v1: " + " ".join(rf"{n.removeprefix('num_')}=(\d+)" for n in _TOPO_FIELDS))
-_LINE = re.compile(r"layer (\d+) gpu (\d+) node (\d+):([\d ]*)(?:\|.*)?$")
+_LINE = re.compile(r"layer (\d+) gpu (\d+) node (\d+):([-\d ]*)(?:\|.*)?$")
 
 
 def to_listing(placement: Placement, loads: np.ndarray | None = None) -> str:
     """Placement (+ optional ``loads [L, E]``) → one text line per (layer, gpu) with the
-    experts in its slots (slot order) and, given loads, its tokens and share of the mean."""
+    experts in its slots (slot order, -1 for an empty slot) and, given loads, its tokens and
+    share of the mean over live gpus (a down gpu's line says ``down``)."""
     topo = placement.topology
     head = " ".join(f"{n.removeprefix('num_')}={getattr(topo, n)}" for n in _TOPO_FIELDS)
     lines = [f"# eplb placement v1: {head}", "# layer L gpu G node N: experts in slot order | tokens (x mean gpu load)"]
     on_gpu = placement.experts_on_gpu()
     load = gpu_loads(loads, placement) if loads is not None else None
     for layer in range(topo.num_layers):
-        mean = load[layer].mean() if load is not None else 0.0
+        mean = np.nanmean(load[layer]) if load is not None else 0.0
         for gpu in range(topo.num_gpus):
             text = f"layer {layer} gpu {gpu} node {gpu // topo.gpus_per_node}: " + " ".join(
                 map(str, on_gpu[layer, gpu])
             )
-            if load is not None:
+            if load is not None and np.isnan(load[layer, gpu]):
+                text += " | down"
+            elif load is not None:
                 ratio = load[layer, gpu] / mean if mean > 0 else 1.0
                 text += f" | {load[layer, gpu]:.1f} ({ratio:.3f}x)"
             lines.append(text)
@@ -228,7 +237,8 @@ def from_listing(text: str) -> Placement:
     if not match:
         raise ValueError("line 1: expected '# eplb placement v1: layers=L experts=E slots=P gpus=G nodes=N groups=K'")
     topo = Topology(*map(int, match.groups()))
-    phy2log = np.full((topo.num_layers, topo.num_gpus, topo.slots_per_gpu), -1, dtype=np.int64)
+    # -2 marks a (layer, gpu) no line gave: -1 is an empty slot.
+    phy2log = np.full((topo.num_layers, topo.num_gpus, topo.slots_per_gpu), -2, dtype=np.int64)
     for number, line in enumerate(lines, 1):
         if line.startswith("#"):
             continue
@@ -244,7 +254,7 @@ def from_listing(text: str) -> Placement:
                 f"line {number}: layer {layer} gpu {gpu} out of range (layers={topo.num_layers}, gpus={topo.num_gpus})"
             )
         phy2log[layer, gpu] = list(map(int, experts))
-    if (phy2log < 0).any():
-        layer, gpu, _ = np.argwhere(phy2log < 0)[0]
+    if (phy2log == -2).any():
+        layer, gpu, _ = np.argwhere(phy2log == -2)[0]
         raise ValueError(f"expected a line for every (layer, gpu); layer {layer} gpu {gpu} is missing")
     return _placement(phy2log.reshape(topo.num_layers, topo.num_slots), topo, "experts")

@@ -17,6 +17,7 @@ __all__ = [
     "REL_TOL",
     "GOOD_ENOUGH",
     "replica_counts",
+    "per_replica",
     "bin_loads",
     "busiest",
     "distinct_per_bin",
@@ -34,18 +35,30 @@ GOOD_ENOUGH = 1e-3
 
 
 def replica_counts(phy: np.ndarray, num_experts: int) -> np.ndarray:
-    """``phy`` ``[X, ...]`` expert ids → ``[X, E]`` int64 replicas of each expert per row."""
+    """``phy`` ``[X, ...]`` expert ids (-1: an empty slot, counted for no expert) → ``[X, E]``
+    int64 replicas of each expert per row."""
     X = phy.shape[0]
-    # One bincount over (row, expert) keys: np.add.at is several times slower on the hot path.
-    keys = (np.arange(X, dtype=np.int64)[:, None] * num_experts + phy.reshape(X, -1)).ravel()
-    return np.bincount(keys, minlength=X * num_experts).reshape(X, num_experts).astype(np.int64, copy=False)
+    # One bincount over (row, expert + 1) keys, so that an empty slot (-1) lands in a column of
+    # its own that is dropped: np.add.at is several times slower on the hot path.
+    width = num_experts + 1
+    keys = (np.arange(X, dtype=np.int64)[:, None] * width + 1 + phy.reshape(X, -1)).ravel()
+    counts = np.bincount(keys, minlength=X * width).reshape(X, width)
+    return np.ascontiguousarray(counts[:, 1:], dtype=np.int64)
+
+
+def per_replica(loads: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """``loads``, ``cnt`` ``[X, E]`` → float64 ``[X, E + 1]``: each replica's load, and a last
+    column of zeros, which ``take_rows`` reads for an empty slot (-1)."""
+    out = np.zeros((loads.shape[0], loads.shape[1] + 1))
+    np.divide(loads, np.maximum(cnt, 1), out=out[:, :-1])
+    return out
 
 
 def bin_loads(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
     """``loads`` ``[X, E]``, ``phy`` ``[X, B, S]`` → ``[X, B]`` load of each bin (each replica
-    carries its expert's load over its replica count)."""
+    carries its expert's load over its replica count; an empty slot, -1, carries none)."""
     cnt = replica_counts(phy, loads.shape[1])
-    return slot_sums(take_rows(loads / np.maximum(cnt, 1), phy))
+    return slot_sums(take_rows(per_replica(loads, cnt), phy))
 
 
 def busiest(loads: np.ndarray, phy: np.ndarray) -> np.ndarray:
@@ -92,7 +105,10 @@ def take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
     The same values as ``a[np.arange(X)[:, None, ...], idx]``, through one flat ``np.take``:
     fancy indexing that broadcasts a row index costs about four times more, and the placement
-    steps gather this way on every round."""
+    steps gather this way on every round. An index of -1 (an empty slot) reads the previous
+    row's last entry (row 0: the last row's): give ``a`` a trailing column of zeros
+    (``per_replica``) and an empty slot reads 0. The placement steps themselves plan on the
+    live gpus only (``eplb.survivors``), so their slots are never empty."""
     X, n = a.shape
     flat = idx + _row_offsets(X, n, idx.ndim)
     return np.take(a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1), flat)

@@ -15,13 +15,18 @@ __all__ = ["Placement"]
 
 @dataclass(frozen=True, eq=False)
 class Placement:
-    """``phy2log``: int32 ``[L, P]``, the expert held by each slot.
+    """``phy2log``: int32 ``[L, P]``, the expert held by each slot, -1 for an empty slot.
+
+    A gpu whose every slot is empty in every layer is down (``down_gpus``): it is absent from
+    every metric (``eplb.metrics``), and ``rebalance(..., down_gpus=[...])`` plans such
+    placements (vLLM's fault-tolerance maps mark a dead rank's slots with -1 the same way).
 
     Derived maps (computed once, read-only):
-    - ``logcnt``: int32 ``[L, E]``, replicas per expert;
+    - ``logcnt``: int32 ``[L, E]``, replicas per expert (empty slots count for none);
     - ``log2phy``: int32 ``[L, E, R]``, the slots of each expert in ascending slot order,
-      padded with -1; ``R = topology.max_replicas`` so the shape is fixed for a topology;
-    - ``gpu_of_slot``: int32 ``[P]``.
+      padded with -1 (never an empty slot); ``R = topology.max_replicas`` so the shape is
+      fixed for a topology;
+    - ``gpu_of_slot``: int32 ``[P]``; ``live`` bool ``[G]`` and ``down_gpus``.
 
     Construction validates shapes and ranges against ``topology`` and raises ``ValueError``.
     """
@@ -39,9 +44,10 @@ class Placement:
         want = (topo.num_layers, topo.num_slots)
         if arr.shape != want:
             raise ValueError(f"phy2log has shape {arr.shape}; expected [num_layers, num_slots] = {list(want)}")
-        if arr.size and (arr.min() < 0 or arr.max() >= topo.num_experts):
+        if arr.size and (arr.min() < -1 or arr.max() >= topo.num_experts):
             raise ValueError(
-                f"phy2log holds expert ids in [{arr.min()}, {arr.max()}]; allowed range is [0, {topo.num_experts - 1}]"
+                f"phy2log holds expert ids in [{arr.min()}, {arr.max()}]; allowed range is "
+                f"[0, {topo.num_experts - 1}], or -1 for an empty slot"
             )
         arr = np.ascontiguousarray(arr, dtype=np.int32)
         arr.setflags(write=False)
@@ -71,39 +77,62 @@ class Placement:
 
     @cached_property
     def _by_expert(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``[L, P]`` slots sorted by expert (stable), their experts, and their replica ranks."""
+        """``[L, P]`` slots sorted by expert (stable), their experts, and their replica ranks
+        (-1 for empty slots, which sort first)."""
         order = np.argsort(self.phy2log, axis=1, kind="stable")
         sorted_exp = np.take_along_axis(self.phy2log, order, axis=1)
-        starts = np.cumsum(self.logcnt, axis=1) - self.logcnt
-        rank = np.arange(self.topology.num_slots)[None, :] - np.take_along_axis(starts, sorted_exp, axis=1)
-        return order, sorted_exp, rank
+        empty = self.topology.num_slots - self.logcnt.sum(axis=1, keepdims=True)
+        starts = np.cumsum(self.logcnt, axis=1) - self.logcnt + empty
+        rank = np.arange(self.topology.num_slots)[None, :] - np.take_along_axis(
+            starts, np.maximum(sorted_exp, 0), axis=1
+        )
+        return order, sorted_exp, np.where(sorted_exp >= 0, rank, -1)
 
     @cached_property
     def log2phy(self) -> np.ndarray:
         topo = self.topology
         L, P = topo.num_layers, topo.num_slots
         order, sorted_exp, rank = self._by_expert
-        # Stable sort keeps each expert's slots in ascending slot order.
+        # Stable sort keeps each expert's slots in ascending slot order; empty slots go nowhere.
         out = np.full((L, topo.num_experts, topo.max_replicas), -1, dtype=np.int32)
-        out[np.broadcast_to(np.arange(L)[:, None], (L, P)), sorted_exp, rank] = order
+        held = sorted_exp >= 0
+        out[np.broadcast_to(np.arange(L)[:, None], (L, P))[held], sorted_exp[held], rank[held]] = order[held]
         out.setflags(write=False)
         return out
 
     @cached_property
     def replica_rank(self) -> np.ndarray:
-        """int32 ``[L, P]``: the index of each slot among its expert's replicas."""
+        """int32 ``[L, P]``: the index of each slot among its expert's replicas (-1: empty)."""
         order, _, rank = self._by_expert
         out = np.empty_like(self.phy2log)
         np.put_along_axis(out, order, rank.astype(np.int32), axis=1)
         out.setflags(write=False)
         return out
 
+    @cached_property
+    def live(self) -> np.ndarray:
+        """bool ``[G]``: gpus holding an expert in some layer (the others are down)."""
+        topo = self.topology
+        out = (self.phy2log.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu) >= 0).any(axis=(0, 2))
+        out.setflags(write=False)
+        return out
+
+    @property
+    def down_gpus(self) -> tuple[int, ...]:
+        """The gpus whose every slot is empty in every layer."""
+        return tuple(int(g) for g in np.flatnonzero(~self.live))
+
+    @property
+    def full(self) -> bool:
+        """Whether every slot holds an expert."""
+        return bool(self.phy2log.min(initial=0) >= 0)
+
     @property
     def gpu_of_slot(self) -> np.ndarray:
         return np.arange(self.topology.num_slots, dtype=np.int32) // self.topology.slots_per_gpu
 
     def experts_on_gpu(self) -> np.ndarray:
-        """int32 ``[L, G, P // G]``: the experts each gpu holds."""
+        """int32 ``[L, G, P // G]``: the experts each gpu holds (-1: an empty slot)."""
         topo = self.topology
         return self.phy2log.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu)
 

@@ -85,7 +85,8 @@ class Plan:
     - ``imbalance_lb``: the lower bound over mean gpu load, no placement can go below it;
     - ``balancedness``: mean / max gpu load, what vLLM and SGLang log;
     - ``moves``: slots whose expert differs from ``previous`` (zeros without one);
-    - ``gpu_load``: ``[L, G]`` tokens per gpu.
+    - ``gpu_load``: ``[L, G]`` tokens per gpu (NaN for a down gpu: absent).
+    ``single_homed`` and ``single_node`` count the experts at risk when one gpu (one node) fails.
     ``policy`` is the policy asked for, ``policy_used`` what ran (``auto`` resolves to one),
     ``notes`` say why (e.g. a fallback). Typed facts, ``None`` where they do not apply:
     ``search`` (``SearchStats``: what the anytime search after the first plan did), ``replan``
@@ -127,6 +128,27 @@ class Plan:
     @property
     def logcnt(self) -> np.ndarray:
         return self.placement.logcnt
+
+    @property
+    def down_gpus(self) -> tuple[int, ...]:
+        """The gpus the plan leaves empty (``rebalance(..., down_gpus=...)``)."""
+        return self.placement.down_gpus
+
+    @property
+    def single_homed(self) -> np.ndarray:
+        """int64 ``[L]``: experts with exactly one replica (lost if that gpu fails)."""
+        return (self.placement.logcnt == 1).sum(axis=1)
+
+    @property
+    def single_node(self) -> np.ndarray | None:
+        """int64 ``[L]``: experts whose every replica is on one node (lost if that node fails);
+        ``None`` with one node."""
+        topo = self.placement.topology
+        if topo.num_nodes == 1:
+            return None
+        l2p = self.placement.log2phy
+        node = np.where(l2p >= 0, l2p // topo.slots_per_node, -1)
+        return ((node == node[:, :, :1]) | (node < 0)).all(axis=2).sum(axis=1)
 
     @property
     def mean_imbalance(self) -> float:

@@ -12,6 +12,9 @@ gpu load equals :func:`eplb.gpu_loads` of the popularity and the per-step spread
 of the placement's average imbalance. Uniform popularity (with topk**2 <= E) draws a uniform
 k-subset by rejection (O(N k)); any other popularity uses systematic sampling in a random order per
 token (Madow), whose inclusion probabilities are exactly ``pi``.
+
+A down gpu (``Placement.down_gpus``) takes no tokens: ``G`` above counts the live gpus, the
+routing never reaches an empty slot, and a down gpu's expected load is NaN (absent).
 """
 
 from __future__ import annotations
@@ -101,12 +104,18 @@ def inclusion_probabilities(popularity: np.ndarray, topk: int) -> np.ndarray:
 def expected_gpu_load(
     popularity: np.ndarray, placement: Placement, tokens_per_gpu: int, topk: int, layer: int = 0
 ) -> np.ndarray:
-    """``popularity``: ``[E]`` → ``[G]`` expected visits per gpu per step (replicas split evenly)."""
+    """``popularity``: ``[E]`` → ``[G]`` expected visits per gpu per step (replicas split
+    evenly; NaN for a down gpu)."""
     topo = placement.topology
     pi = inclusion_probabilities(popularity, topk)
-    tokens = topo.num_gpus * tokens_per_gpu
-    per_slot = tokens * pi[placement.phy2log[layer]] / placement.logcnt[layer][placement.phy2log[layer]]
-    return per_slot.reshape(topo.num_gpus, topo.slots_per_gpu).sum(axis=1)
+    tokens = int(placement.live.sum()) * tokens_per_gpu
+    phy = placement.phy2log[layer]
+    held = phy >= 0
+    per_slot = np.zeros(topo.num_slots)
+    per_slot[held] = tokens * pi[phy[held]] / placement.logcnt[layer][phy[held]]
+    out = per_slot.reshape(topo.num_gpus, topo.slots_per_gpu).sum(axis=1)
+    out[~placement.live] = np.nan
+    return out
 
 
 def _uniform_subsets(rng: np.random.Generator, n: int, num_experts: int, topk: int) -> np.ndarray:
@@ -148,7 +157,8 @@ def sample_gpu_loads(
     layer: int = 0,
     seed: int = 0,
 ) -> np.ndarray:
-    """``popularity``: ``[E]`` → int64 ``[steps, G]`` expert visits per gpu in each sampled step."""
+    """``popularity``: ``[E]`` → int64 ``[steps, G]`` expert visits per gpu in each sampled step
+    (``tokens_per_gpu`` per live gpu; a down gpu gets none)."""
     topo = placement.topology
     if tokens_per_gpu < 1 or steps < 1:
         raise ValueError(f"tokens_per_gpu ({tokens_per_gpu}) and steps ({steps}) must be >= 1")
@@ -164,8 +174,8 @@ def sample_gpu_loads(
     logcnt = placement.logcnt[layer]
     log2phy = placement.log2phy[layer]
     spg = topo.slots_per_gpu
-    total = steps * topo.num_gpus * tokens_per_gpu
-    per_step = topo.num_gpus * tokens_per_gpu
+    per_step = int(placement.live.sum()) * tokens_per_gpu
+    total = steps * per_step
     out = np.zeros(steps * topo.num_gpus, dtype=np.int64)
     for start in range(0, total, _CHUNK):
         n = min(_CHUNK, total - start)
@@ -189,12 +199,12 @@ def simulate_steps(
 ) -> StepStats:
     """``popularity``: ``[E]`` → :class:`StepStats` of ``steps`` sampled steps on ``layer``."""
     loads = sample_gpu_loads(popularity, placement, tokens_per_gpu, topk, steps, layer=layer, seed=seed)
-    mean_load = float(tokens_per_gpu * topk)  # every token makes exactly topk visits
+    mean_load = float(tokens_per_gpu * topk)  # every token makes exactly topk visits, on live gpus
     expected = expected_gpu_load(popularity, placement, tokens_per_gpu, topk, layer)
     return StepStats(
         ratio=loads.max(axis=1) / mean_load,
         mean_load=mean_load,
-        expected_ratio=float(expected.max() / expected.mean()),
+        expected_ratio=float(np.nanmax(expected) / np.nanmean(expected)),
         tokens_per_gpu=tokens_per_gpu,
         topk=topk,
     )

@@ -12,6 +12,11 @@ into what a mover executes: one incoming copy per (layer, gpu, expert), local co
 fills within each gpu, and peer-to-peer rounds in which each gpu exchanges with at most one
 peer (same-node pairs matched first), with byte counts and a predicted time from a
 bandwidth model (``Bandwidth``).
+
+Down gpus (every slot -1 in ``new``) neither send nor receive; a slot that empties copies
+nothing. An expert that no live gpu held in ``old`` (its replicas were all on gpus now down)
+has no source: its copies are ``RESTORE`` transfers (``src_slot`` and ``src_gpu`` -1), which
+the engine loads from a host copy or the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = [
     "INTER_NODE",
     "INTRA_NODE",
     "LOCAL",
+    "RESTORE",
     "Bandwidth",
     "TransferPlan",
     "TransferSchedule",
@@ -34,8 +40,8 @@ __all__ = [
     "transfer_schedule",
 ]
 
-LOCAL, INTRA_NODE, INTER_NODE = 0, 1, 2
-KIND_NAMES = ("local", "intra-node", "inter-node")
+LOCAL, INTRA_NODE, INTER_NODE, RESTORE = 0, 1, 2, 3
+KIND_NAMES = ("local", "intra-node", "inter-node", "restore")
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,11 +49,12 @@ class TransferPlan:
     """``T`` copies, each an expert's weights from ``src_slot`` (old) to ``dst_slot`` (new).
 
     Per-transfer int64 ``[T]`` arrays, sorted by (layer, dst_slot): ``layer``, ``dst_slot``,
-    ``src_slot``, ``expert``, ``kind`` (``LOCAL`` 0, ``INTRA_NODE`` 1, ``INTER_NODE`` 2), and
+    ``src_slot``, ``expert``, ``kind`` (``LOCAL`` 0, ``INTRA_NODE`` 1, ``INTER_NODE`` 2,
+    ``RESTORE`` 3: no live gpu holds the expert, ``src_slot`` and ``src_gpu`` are -1), and
     ``src_gpu``, ``dst_gpu``. Per-gpu float64 ``[G]`` bytes over all layers: ``sent_bytes`` and
     ``received_bytes`` count copies between gpus (local copies cross no link and are in
-    ``local_bytes``), ``cross_node_sent_bytes`` / ``cross_node_received_bytes`` the inter-node
-    part of them.
+    ``local_bytes``; restores in ``restored_bytes``), ``cross_node_sent_bytes`` /
+    ``cross_node_received_bytes`` the inter-node part of them.
     """
 
     topology: Topology
@@ -63,6 +70,7 @@ class TransferPlan:
     local_bytes: np.ndarray
     cross_node_sent_bytes: np.ndarray
     cross_node_received_bytes: np.ndarray
+    restored_bytes: np.ndarray
 
     @property
     def num_transfers(self) -> int:
@@ -75,7 +83,7 @@ class TransferPlan:
 
     def kind_counts(self) -> dict[str, int]:
         """Transfers of each kind, by name."""
-        counts = np.bincount(self.kind, minlength=3)
+        counts = np.bincount(self.kind, minlength=len(KIND_NAMES))
         return {name: int(n) for name, n in zip(KIND_NAMES, counts)}
 
 
@@ -102,17 +110,22 @@ def transfer_plan(old: Placement, new: Placement, topology: Topology, *, expert_
         raise ValueError(f"expert_bytes must be a finite number >= 0 or an [L] = [{L}] array of them")
 
     gpu = np.arange(G)
-    # held[l, e, g]: gpu g held expert e in the old placement; first_slot: its lowest such slot.
-    old_gpu_exp = old.phy2log.reshape(L, G, S)
-    held = np.zeros((L, E, G), dtype=bool)
+    # held[l, e, g]: gpu g held expert e in the old placement and is live in the new one (a
+    # down gpu sends nothing); first_slot: its lowest such slot. Empty slots (-1) index a
+    # column E of their own, dropped.
+    source = (old.phy2log >= 0) & np.repeat(new.live, S)[None]
+    old_gpu_exp = np.where(source, old.phy2log, E).reshape(L, G, S)
+    held = np.zeros((L, E + 1, G), dtype=bool)
     held[np.arange(L)[:, None, None], old_gpu_exp, gpu[None, :, None]] = True
+    held = held[:, :E]
     # A slot that keeps its expert is the best source: its content never changes, so a mover
-    # may read it at any time; among changed slots the lowest id.
-    changed = old.phy2log != new.phy2log  # [L, P]
-    first_key = np.full((L, E, G), 2 * P, dtype=np.int64)
-    slot_key = np.arange(P)[None] + P * changed.astype(np.int64)  # [L, P]
+    # may read it at any time; among changed slots the lowest id. A slot that empties needs
+    # no copy.
+    changed = (old.phy2log != new.phy2log) & (new.phy2log >= 0)  # [L, P]
+    first_key = np.full((L, E + 1, G), 2 * P, dtype=np.int64)
+    slot_key = np.arange(P)[None] + P * (old.phy2log != new.phy2log).astype(np.int64)  # [L, P]
     np.minimum.at(first_key, (np.arange(L)[:, None, None], old_gpu_exp, gpu[None, :, None]), slot_key.reshape(L, G, S))
-    first_slot = first_key % P
+    first_slot = first_key[:, :E] % P
 
     lay, dst = np.nonzero(changed)
     exp = new.phy2log[lay, dst].astype(np.int64)
@@ -122,9 +135,9 @@ def transfer_plan(old: Placement, new: Placement, topology: Topology, *, expert_
     cand_kind = np.where(
         gpu[None] == dgpu[:, None], LOCAL, np.where(gpu[None] // gpn == (dgpu // gpn)[:, None], INTRA_NODE, INTER_NODE)
     )
-    cand_kind = np.where(cand, cand_kind, 3)
-    kind = cand_kind.min(axis=1)
-    allowed = cand_kind == kind[:, None]  # [T, G]
+    cand_kind = np.where(cand, cand_kind, RESTORE)
+    kind = cand_kind.min(axis=1)  # RESTORE: no live gpu holds the expert
+    allowed = (cand_kind == kind[:, None]) & cand  # [T, G]
     T = lay.size
 
     # Rank transfers within their layer: fewest candidate senders first (they have no choice).
@@ -139,17 +152,19 @@ def transfer_plan(old: Placement, new: Placement, topology: Topology, *, expert_
     bounds = np.searchsorted(rank[by_rank], np.arange(int(rank.max(initial=-1)) + 2))
     for k in range(len(bounds) - 1):  # one pass per rank; each pass covers every layer at once
         idx = by_rank[bounds[k] : bounds[k + 1]]
-        # Local copies load no link, so they do not count as sent.
+        # Local copies load no link, so they do not count as sent; restores have no sender.
         key = sent_layer[lay[idx]] * (G * (P + 1)) * L + sent_total[None] * G + gpu[None]
         pick = np.where(allowed[idx], key, np.iinfo(np.int64).max).argmin(axis=1)
         src_gpu[idx] = pick
-        remote = kind[idx] != LOCAL
+        remote = (kind[idx] != LOCAL) & (kind[idx] != RESTORE)
         sent_layer[lay[idx][remote], pick[remote]] += 1
         sent_total += np.bincount(pick[remote], minlength=G)
 
-    src = first_slot[lay, exp, src_gpu]
+    restore = kind == RESTORE
+    src_gpu[restore] = -1
+    src = np.where(restore, -1, first_slot[lay, exp, np.maximum(src_gpu, 0)])
     nbytes = size[lay]
-    remote = kind != LOCAL
+    remote = (kind != LOCAL) & ~restore
     cross = kind == INTER_NODE
     return TransferPlan(
         topology=topology,
@@ -165,6 +180,7 @@ def transfer_plan(old: Placement, new: Placement, topology: Topology, *, expert_
         local_bytes=np.bincount(dgpu[~remote], nbytes[~remote], minlength=G),
         cross_node_sent_bytes=np.bincount(src_gpu[cross], nbytes[cross], minlength=G),
         cross_node_received_bytes=np.bincount(dgpu[cross], nbytes[cross], minlength=G),
+        restored_bytes=np.bincount(dgpu[restore], nbytes[restore], minlength=G),
     )
 
 
@@ -214,10 +230,13 @@ class TransferSchedule:
     (the first slot of the gpu that needs the expert), ``recv_kind`` (``INTRA_NODE`` /
     ``INTER_NODE``) and ``recv_round`` (the layer's round it travels in).
     Local copies, int64 ``[K]``: ``local_layer``, ``local_src_slot`` (old content of a slot
-    of the same gpu), ``local_dst_slot``. Fills, int64 ``[F]``: ``fill_layer``,
-    ``fill_src_slot`` (a received slot, new content), ``fill_dst_slot`` (another slot of
-    the same gpu that needs the same expert). Every changed slot is the destination of
-    exactly one receive, local copy or fill; unchanged slots appear nowhere.
+    of the same gpu), ``local_dst_slot``. Restores, int64 ``[Q]``, one per (layer, gpu,
+    expert) that no live gpu held (the engine loads it: host copy or checkpoint):
+    ``restore_layer``, ``restore_expert``, ``restore_dst_gpu``, ``restore_dst_slot``. Fills,
+    int64 ``[F]``: ``fill_layer``, ``fill_src_slot`` (a received or restored slot, new
+    content), ``fill_dst_slot`` (another slot of the same gpu that needs the same expert).
+    Every changed slot that holds an expert in ``new`` is the destination of exactly one
+    receive, local copy, restore or fill; unchanged slots and slots that empty appear nowhere.
 
     Per layer: ``rounds`` int64 ``[L]``; ``predicted_comm_seconds`` and
     ``predicted_local_seconds`` float64 ``[L]`` (peer rounds; the copies within each gpu,
@@ -244,6 +263,10 @@ class TransferSchedule:
     local_layer: np.ndarray
     local_src_slot: np.ndarray
     local_dst_slot: np.ndarray
+    restore_layer: np.ndarray
+    restore_expert: np.ndarray
+    restore_dst_gpu: np.ndarray
+    restore_dst_slot: np.ndarray
     fill_layer: np.ndarray
     fill_src_slot: np.ndarray
     fill_dst_slot: np.ndarray
@@ -316,7 +339,8 @@ def transfer_schedule(
     size = np.broadcast_to(np.asarray(expert_bytes, dtype=np.float64), (L,)).copy()
     size.setflags(write=False)
 
-    # One receive per (layer, dst gpu, expert): the lowest destination slot; the rest are fills.
+    # One receive (or restore) per (layer, dst gpu, expert): the lowest destination slot; the
+    # rest are fills.
     remote = np.flatnonzero(tp.kind != LOCAL)
     order = remote[np.lexsort((tp.dst_slot[remote], tp.expert[remote], tp.dst_gpu[remote], tp.layer[remote]))]
     group = np.stack([tp.layer[order], tp.dst_gpu[order], tp.expert[order]])
@@ -325,6 +349,8 @@ def transfer_schedule(
     prim, dup = order[first], order[~first]
     primary_of_dup = order[np.flatnonzero(first)[np.cumsum(first) - 1]][~first]
     local = np.flatnonzero(tp.kind == LOCAL)
+    restores = prim[tp.kind[prim] == RESTORE]
+    prim = prim[tp.kind[prim] != RESTORE]
 
     rl, rs, rd = tp.layer[prim], tp.src_gpu[prim], tp.dst_gpu[prim]
     rank_in_pair = _rank_within(np.stack([rl, rs, rd]), tp.dst_slot[prim])
@@ -381,6 +407,10 @@ def transfer_schedule(
         local_layer=tp.layer[local],
         local_src_slot=tp.src_slot[local],
         local_dst_slot=tp.dst_slot[local],
+        restore_layer=tp.layer[restores],
+        restore_expert=tp.expert[restores],
+        restore_dst_gpu=tp.dst_gpu[restores],
+        restore_dst_slot=tp.dst_slot[restores],
         fill_layer=tp.layer[dup],
         fill_src_slot=tp.dst_slot[primary_of_dup],
         fill_dst_slot=tp.dst_slot[dup],

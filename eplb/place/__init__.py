@@ -6,6 +6,7 @@
 - ``hot``: the few hottest experts' counts chosen together so no gpu holds two of them;
 - ``pairing``: counts built for a target busiest gpu at two slots per gpu;
 - ``search``: the anytime search after the first plan;
+- ``spread``: hot experts' replicas spread over nodes (``rebalance(spread_nodes=True)``);
 - ``anytime``: the planner that runs them (``plan_placement``, ``PlanOptions``).
 
 Each step works on the ``[rows, bins, slots]`` layout of ``eplb.layout``. Re-planning from a

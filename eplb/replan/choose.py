@@ -117,6 +117,7 @@ def choose(
     workers: int = 1,
     reference: np.ndarray | None = None,
     deadline: float | None = None,
+    quick: bool = False,
 ) -> tuple[np.ndarray, ReplanStats, tuple[str, ...]]:
     """``loads`` ``[L, E]``, ``fresh`` ``[L, P]`` (a fresh plan) → ``phy2log`` ``[L, P]`` moving as
     few slots from ``previous`` as it can while the mean imbalance over layers stays within
@@ -150,6 +151,10 @@ def choose(
     they got to when their next round would pass it, and none start past it (nor the partial
     repairs of a binding move budget); kept and fresh aligned are always candidates, so the
     pick still meets the tolerances and the move budgets, with more moves.
+
+    ``quick``: one repair, keeping the replica counts, aiming at ``(1 + tolerance)`` of
+    fresh's busiest gpu in one order (a survivor plan at ``effort="fast"``, where the previous placement lost slots and the
+    time is what counts).
     """
     # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
     # num_gpus - 1 already allows every placement; capping there keeps the repair targets
@@ -180,7 +185,7 @@ def choose(
     elif keep_imb.sum() > budget or (keep_imb > cap).any():
         # Repairs aim at (1 + k * tolerance) of fresh for each k of _TARGETS that a layer may go
         # to: deeper ones make up for layers left cheaper.
-        ks = [k for k in _TARGETS if k == 1.0 or (tolerance > 0 and k * tolerance <= layer_tolerance)]
+        ks = [k for k in _TARGETS if k == 1.0 or (not quick and tolerance > 0 and k * tolerance <= layer_tolerance)]
         targets = [(1.0 + k * tolerance) * fresh_max for k in ks]
         give_up = _GIVE_UP if max_moves is None and max_layer_moves is None else None
         if _past(deadline):
@@ -189,7 +194,7 @@ def choose(
                 "time_limit: no time was left to repair the previous placement; layers kept it or took the fresh plan",
             )
         names, cands, imb, moves, cut = candidates(
-            loads, old, fresh, topology, targets, by_node, True, workers, give_up, deadline=deadline
+            loads, old, fresh, topology, targets, by_node, True, workers, give_up, not quick, deadline=deadline
         )
     else:
         names, cands, imb, moves = score([("kept", old)], loads, old, topology)
