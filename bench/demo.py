@@ -5,7 +5,8 @@ each its own process in one gloo group, route tokens whose expert popularity dri
 shifts (``eplb.workloads.shift``), report what they routed through the real ``LoadReporter``,
 receive placements through the real ``PlacementWatcher``, move their expert weights with the
 real ``WeightMover`` and switch maps at one step on every rank through the rollout protocol
-(``Rollout`` with the process-group barrier, or ``--barrier service``). With the process-group
+(``Rollout`` with the process-group barrier, or ``--barrier service``), all wired by one
+``BalancedRank`` per rank. With the process-group
 barrier each re-plan is switched in chunks of at most two layers, each chunk's receives within
 a budget of one gpu's worth of slots and each chunk switched at its own agreed step.
 
@@ -156,33 +157,20 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from eplb_engine.client import ServiceClient
-    from eplb_engine.reporter import LoadReporter
-    from eplb_engine.rollout import AckSender, MoverApplier, ProcessGroupBarrier, Rollout, ServiceBarrier
-    from eplb_engine.watcher import PlacementWatcher
+    from eplb_engine import BalancedRank
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg.gloo_port))
     dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60))
-    mover_group = dist.new_group(backend="gloo")  # the mover's transfers never hold up the steps' collectives
     topo = cfg.topology
     L, P, E, S, G = topo.num_layers, topo.num_slots, topo.num_experts, topo.slots_per_gpu, topo.num_gpus
-    client = ServiceClient(cfg.address)
-    initial = client.get_placement(cfg.deployment, topology=topo)
-    layers = make_weights(topo, rank, initial.placement)
-    # The rank holds the initial version's weights: say so before any load is reported, so the
-    # service's first re-plan keeps what it can (without an ack it plans v2 fresh: docs/service.md).
-    client.ack(cfg.deployment, rank, initial.version, "switched")
+    # The rank's weights start as the service's version 1 (the contiguous map the demo creates).
+    layers = make_weights(topo, rank, eplb.Placement.contiguous(topo))
     # Chunks of at most two layers within a small receive-buffer budget (one gpu's slots: any
     # one layer fits), so CI runs the chunked rollout; the service barrier agrees one step per
     # version, so it moves versions whole.
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
     staging, chunk_layers = (S * slot_bytes, 2) if cfg.barrier == "group" else (None, None)
-    applier = MoverApplier(layers, mover_group, staging_bytes=staging, chunk_layers=chunk_layers, verify=True)
-    if cfg.barrier == "service":
-        barrier = ServiceBarrier(client, cfg.deployment, rank)
-    else:
-        barrier = ProcessGroupBarrier(acks=AckSender(client, cfg.deployment, rank))
     series: list[float] = []
     pending: list[dict] = []
     done_events: list[dict] = []
@@ -197,7 +185,8 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             "error": event.error,
         }
         if event.kind == "switched":
-            sched, report = applier.schedule, applier.report
+            applier = balanced.applier
+            sched, report, stats = applier.schedule, applier.report, balanced.rollout.current.stats
             item.update(
                 bytes=sched.bytes,
                 rounds=sched.total_rounds,
@@ -208,31 +197,41 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
                 chunks=event.chunks,
                 staged_bytes=applier.staged_bytes,
                 staging_bytes=staging,
+                planned_before=stats.imbalance_before,
+                planned_after=stats.imbalance_after,
+                moves=stats.moves,
             )
         pending.append(item)
 
-    rollout = Rollout(initial, applier, barrier, timeout_s=30.0, on_event=on_event)
-    plans: dict[int, object] = {}
-
-    def offer(published: object) -> None:
-        plans[published.version] = published.stats
-        rollout.offer(published)
-
-    watcher = PlacementWatcher(cfg.address, cfg.deployment, offer, topology=topo, rank=rank, ack=False)
-    reporter = LoadReporter(cfg.address, cfg.deployment, rank, topo, interval_s=0.25)
+    # One object wires the client, the reporter, the watcher, the rollout, its barrier and the
+    # mover (on a process group of its own, so its transfers never hold up the steps'
+    # collectives), and acks version 1 before any load is reported: the service's first
+    # re-plan then keeps what it can (without an ack it plans v2 fresh: docs/service.md).
+    balanced = BalancedRank(
+        cfg.address,
+        cfg.deployment,
+        rank,
+        topo,
+        layers,
+        barrier=cfg.barrier,
+        staging_bytes=staging,
+        chunk_layers=chunk_layers,
+        timeout_s=30.0,
+        on_event=on_event,
+        report_interval_s=0.25,
+        verify=True,
+    )
     pop = popularity(cfg)
     rng = np.random.default_rng(cfg.seed * 1000 + rank + 1)
     misrouted = routed = 0
     dist.barrier()
     start = time.perf_counter()
     for step in range(cfg.steps):
-        current = rollout.step(step)
+        current = balanced.step(step)
         counts = rng.multinomial(cfg.tokens * cfg.topk, pop[step * len(pop) // cfg.steps])
         hist = route(counts, current.placement, offset=step + rank)
-        if rollout.mixed:  # between chunks no published version describes the map: report per expert
-            reporter.add(counts)
-        else:
-            reporter.add(hist.sum(axis=2), version=current.version, copy=False)
+        # Tokens per slot; folded per expert while a chunked re-plan mixes versions.
+        balanced.record(hist.sum(axis=2), copy=False)
         # The dispatch: every rank learns what reached the slots it holds, and checks them.
         total = torch.from_numpy(hist.reshape(-1).astype(np.int64))
         dist.all_reduce(total)
@@ -247,13 +246,6 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
                     s = item["step"]
                     item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
                     item["measured_after"] = float(np.mean(series[s : s + _AFTER_STEPS]))
-                    stats = plans.get(item["version"])
-                    if stats is not None:
-                        item.update(
-                            planned_before=stats.imbalance_before,
-                            planned_after=stats.imbalance_after,
-                            moves=stats.moves,
-                        )
                 item["t"] = time.perf_counter() - start
                 events.put(("event", item))
                 done_events.append(item)
@@ -263,11 +255,8 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         # Pace the steps; every rank waits in the all-reduce for the slowest anyway.
         time.sleep(max(0.0, start + (step + 1) * cfg.step_ms / 1000 - time.perf_counter()))
     elapsed = time.perf_counter() - start
-    reporter.close(timeout_s=2.0)
-    stats = reporter.stats()
-    watcher.close()
-    rollout.close()
-    client.close()
+    balanced.close(timeout_s=2.0)
+    stats = balanced.reporter.stats()
     dist.barrier()
     dist.destroy_process_group()
     events.put(
@@ -281,7 +270,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
                 "series": series,
                 "events": done_events + pending,
                 "reporter": asdict(stats),
-                "late": getattr(barrier, "late", 0),
+                "late": getattr(balanced.barrier, "late", 0),
             },
         )
     )
@@ -532,9 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch",
         "torch.distributed",
         "eplb_service.server",
-        "eplb_engine.client",
-        "eplb_engine.rollout",
-        "eplb_engine.watcher",
+        "eplb_engine.balanced_rank",
     ]
     try:
         extras.require(*needed, *(["matplotlib"] if args.plots else []))
