@@ -36,12 +36,13 @@ except ImportError as exc:  # the client half of eplb_engine works without torch
     raise ImportError("eplb_engine's WeightMover needs torch: pip install 'eplb[engine]'") from exc
 
 from eplb import Placement
-from eplb.transfer import Bandwidth, TransferSchedule, transfer_schedule
+from eplb.transfer import Bandwidth, TransferSchedule, staged_chunks, staged_slots, transfer_schedule
 
 from .checksum import slot_checksum
 from .local_order import SPARE, order_local_copies
 from .transport import P2P, DistTransport, Transport
 
+# staged_chunks and staged_slots live in eplb.transfer (pure numpy); importable from here as documented.
 __all__ = ["MoveReport", "WeightMover", "staged_chunks", "staged_slots"]
 
 # Below this many bytes a slot's copy is launch-bound: batch such copies into one kernel.
@@ -458,60 +459,6 @@ class WeightMover:
             checked_slots=len(checked),
             mismatches=tuple((layer, slot) for layer, slot, ok in checked if not ok),
         )
-
-
-def staged_slots(schedule: TransferSchedule) -> np.ndarray:
-    """int64 ``[L, G]``: receive-buffer slots gpu ``g`` needs to stage layer ``l``: its
-    receives, plus one spare slot where its local copies of the layer form a cycle."""
-    topo = schedule.topology
-    L, G = topo.num_layers, topo.num_gpus
-    recv = np.bincount(schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu, minlength=L * G).reshape(L, G)
-    return recv + (schedule.cycles > 0)
-
-
-def staged_chunks(
-    schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None, chunk_layers: int | None = None
-) -> tuple[range, ...]:
-    """The layers ``0..L-1`` cut greedily into consecutive chunks whose staged receives (plus
-    one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu, at most
-    ``chunk_layers`` layers each; every rank computes the same chunks from the schedule.
-    ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
-    when one layer alone does not fit on some gpu (with the bytes it needs)."""
-    L = schedule.topology.num_layers
-    if chunk_layers is not None and (
-        isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1
-    ):
-        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
-    if staging_bytes is None:
-        step = chunk_layers or max(L, 1)
-        return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
-        raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
-    topo = schedule.topology
-    G = topo.num_gpus
-    recv = np.bincount(schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu, minlength=L * G).reshape(L, G)
-    spare = schedule.cycles > 0
-    chunks: list[range] = []
-    start = 0
-    held = np.zeros(G, dtype=np.int64)
-    cyc = np.zeros(G, dtype=bool)
-    for layer in range(L):
-        alone = recv[layer] + spare[layer]
-        if int(alone.max()) * slot_bytes > staging_bytes:
-            g = int(alone.argmax())
-            raise ValueError(
-                f"staging_bytes={staging_bytes} is below what layer {layer} alone needs staged on gpu {g}: "
-                f"{int(alone[g]) * slot_bytes} bytes ({int(alone[g])} slots of {slot_bytes} bytes); the smallest budget "
-                f"for this transition is {int((recv + spare).max()) * slot_bytes} bytes"
-            )
-        full = chunk_layers is not None and layer - start == chunk_layers
-        if full or int((held + recv[layer] + (cyc | spare[layer])).max()) * slot_bytes > staging_bytes:
-            chunks.append(range(start, layer))
-            start, held, cyc = layer, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=bool)
-        held = held + recv[layer]
-        cyc = cyc | spare[layer]
-    chunks.append(range(start, L))
-    return tuple(chunks)
 
 
 class _nullcontext:
