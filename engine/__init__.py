@@ -15,6 +15,7 @@ from typing import Any
 # torch-free client names never pull in torch. Add an entry per public name.
 _LAZY: dict[str, str] = {
     "BalancedRank": "balanced_rank",
+    "Draft": "balanced_rank",
     "WeightMover": "mover",
     "MoveReport": "mover",
     "DistTransport": "transport",
@@ -30,6 +31,7 @@ _LAZY: dict[str, str] = {
     "AsyncServiceClient": "aio",
     "ServiceBarrier": "rollout",
     "ProcessGroupBarrier": "rollout",
+    "RolloutGroup": "rollout",
     "AckSender": "rollout",
 }
 

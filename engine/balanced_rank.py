@@ -12,12 +12,19 @@ collective), the service barrier switches whole versions only (with the default 
 switched physical counts must be folded to experts before they are reported.
 ``BalancedRank`` wires them so and refuses, with a ``ValueError`` naming the options, the
 combinations that cannot work.
+
+A draft model (MTP, speculative decoding) whose MoE layers have experts of their own is a
+second deployment on the same ranks (``draft=Draft(...)``): own experts, slots, loads and
+versions, its own mover group, watcher and reporter, and its switches agreed with the
+target's in one all-reduce a step (``RolloutGroup``), so that when both change they switch
+at the same step. The service keeps per-deployment switch steps and nothing across them.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,14 +41,36 @@ from .rollout import (
     ProcessGroupBarrier,
     Rollout,
     RolloutEvent,
+    RolloutGroup,
     ServiceBarrier,
 )
 from .watcher import PlacementWatcher
 from .wire import PublishedPlacement
 
-__all__ = ["BalancedRank", "Part", "fold_slot_counts"]
+__all__ = ["BalancedRank", "Draft", "Part", "fold_slot_counts"]
 
 OnSwitch = Callable[[int, tuple[int, ...], eplb.Placement], None]
+OnEvent = Callable[[RolloutEvent], None]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A draft model's MoE layers as their own deployment on the same ranks.
+
+    ``deployment``: its name at the service (created like any other, with its own topology:
+    its layers, experts and slots on the same gpus); ``layers``: this rank's draft expert
+    tensors per layer (``WeightMover``'s ``layers``); ``topology``: checked against the
+    service's (``None``: taken from it); ``on_switch`` / ``on_event``: as ``BalancedRank``'s,
+    for the draft; ``staging_bytes`` / ``chunk_layers``: the draft's ``MoverApplier`` budget.
+    """
+
+    deployment: str
+    layers: object
+    topology: eplb.Topology | None = None
+    on_switch: OnSwitch | None = None
+    on_event: OnEvent | None = None
+    staging_bytes: int | None = DEFAULT_STAGING_BYTES
+    chunk_layers: int | None = None
 
 
 def fold_slot_counts(counts: object, placement: eplb.Placement) -> object:
@@ -124,11 +153,13 @@ class BalancedRank:
     ``on_switch(step, layers, routing)``: write the rows ``layers`` of ``routing`` into the
     engine's maps (on the step thread, weights in place). ``ack_initial``: tell the service
     at start that this rank holds the current version (so its first re-plan moves from it).
-    ``report_interval_s``: how often loads go to the service.
+    ``report_interval_s``: how often loads go to the service. ``draft``: a ``Draft`` model on
+    the same ranks, switched with this one (``barrier="group"`` only); its part is ``draft``.
 
-    Its parts stay reachable: ``client``, ``barrier``, ``target`` (a ``Part``: ``rollout``,
-    ``applier``, ``watcher``, ``reporter``); ``rollout``, ``applier``, ``watcher`` and
-    ``reporter`` are the target's.
+    Its parts stay reachable: ``client``, ``barrier`` (the target's), ``target`` and ``draft``
+    (``Part``: ``rollout``, ``applier``, ``watcher``, ``reporter``, ``record``; ``draft`` is
+    ``None`` without one); ``rollout``, ``applier``, ``watcher`` and ``reporter`` are the
+    target's.
     """
 
     def __init__(
@@ -147,10 +178,11 @@ class BalancedRank:
         applier: Applier | None = None,
         timeout_s: float = 120.0,
         on_switch: OnSwitch | None = None,
-        on_event: Callable[[RolloutEvent], None] | None = None,
+        on_event: OnEvent | None = None,
         ack_initial: bool = True,
         report_interval_s: float = 1.0,
         token: str | None = None,
+        draft: Draft | None = None,
         **mover_options: object,
     ) -> None:
         if barrier not in ("group", "service"):
@@ -168,6 +200,13 @@ class BalancedRank:
                     "fail at run time): pass staging_bytes=None (every incoming expert staged at once, and no "
                     "chunk_layers) or barrier='group'"
                 )
+        if draft is not None and barrier == "service":
+            raise ValueError(
+                "draft= switches the draft's placement with the target's at one step, which only the engine's "
+                "process group agrees: use barrier='group' with a draft"
+            )
+        if draft is not None and draft.deployment == deployment:
+            raise ValueError(f"the draft needs a deployment of its own, not {deployment!r} again")
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -186,39 +225,53 @@ class BalancedRank:
             self.client = ServiceClient(addresses, token=token)
             stack.callback(self.client.close)
             self.rank, self.deployment = rank, deployment
-            topo = self._topology(deployment, topology, size)
-            if applier is None:
-                _check_layers(layers, topo)
-                if mover_group is None:
-                    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-                    mover_group = dist.new_group(ranks=ranks)
-                applier = MoverApplier(
-                    layers, mover_group, staging_bytes=staging_bytes, chunk_layers=chunk_layers, **mover_options
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+            specs = [(deployment, topology, layers, applier, on_switch, on_event, staging_bytes, chunk_layers)]
+            if draft is not None:
+                specs.append(
+                    (draft.deployment, draft.topology, draft.layers, None, draft.on_switch, draft.on_event)
+                    + (draft.staging_bytes, draft.chunk_layers)
                 )
-            initial = self.client.get_placement(deployment, topology=topo)
-            self.barrier: Barrier = (
-                ProcessGroupBarrier(group, acks=AckSender(self.client, deployment, rank))
-                if barrier == "group"
-                else ServiceBarrier(self.client, deployment, rank)
-            )
-            stack.callback(self.barrier.close)
-            rollout = Rollout(
-                initial, applier, self.barrier, timeout_s=timeout_s, on_event=on_event, on_switch=on_switch
-            )
-            if ack_initial:
-                self.client.ack(deployment, rank, initial.version, "switched")
-            watcher = PlacementWatcher(
-                self.client.endpoints,
-                deployment,
-                rollout.offer,
-                topology=topo,
-                rank=rank,
-                ack=False,  # the rollout acks prepared / switched / failed itself
-                since_version=initial.version,
-            )
-            stack.callback(watcher.close)
-            reporter = LoadReporter(self.client.endpoints, deployment, rank, topo, interval_s=report_interval_s)
-            self.target = Part(deployment, topo, rollout, applier, watcher, reporter)
+            built: list[Part] = []
+            for name, given, tensors, part_applier, switched, event, budget, chunk in specs:
+                topo = self._topology(name, given, size)
+                if part_applier is None:
+                    _check_layers(tensors, topo)
+                    # The target may use mover_group; a draft gets a group of its own: the two
+                    # deployments' prepares run at once, on their rollouts' workers.
+                    movers = mover_group if mover_group is not None and not built else dist.new_group(ranks=ranks)
+                    part_applier = MoverApplier(
+                        tensors, movers, staging_bytes=budget, chunk_layers=chunk, **mover_options
+                    )
+                initial = self.client.get_placement(name, topology=topo)
+                part_barrier: Barrier = (
+                    ProcessGroupBarrier(group, acks=AckSender(self.client, name, rank))
+                    if barrier == "group"
+                    else ServiceBarrier(self.client, name, rank)
+                )
+                stack.callback(part_barrier.close)
+                rollout = Rollout(
+                    initial, part_applier, part_barrier, timeout_s=timeout_s, on_event=event, on_switch=switched
+                )
+                if ack_initial:
+                    self.client.ack(name, rank, initial.version, "switched")
+                watcher = PlacementWatcher(
+                    self.client.endpoints,
+                    name,
+                    rollout.offer,
+                    topology=topo,
+                    rank=rank,
+                    ack=False,  # the rollout acks prepared / switched / failed itself
+                    since_version=initial.version,
+                )
+                stack.callback(watcher.close)
+                reporter = LoadReporter(self.client.endpoints, name, rank, topo, interval_s=report_interval_s)
+                stack.callback(reporter.close)
+                built.append(Part(name, topo, rollout, part_applier, watcher, reporter))
+            self.target = built[0]
+            self.draft = built[1] if draft is not None else None
+            self.barrier = self.target.rollout.barrier
+            self._group = RolloutGroup([part.rollout for part in built]) if draft is not None else None
             self._closed = False
             stack.pop_all()
 
@@ -249,11 +302,21 @@ class BalancedRank:
     def reporter(self) -> LoadReporter:
         return self.target.reporter
 
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The target's ``Part``, then the draft's if there is one."""
+        return (self.target,) if self.draft is None else (self.target, self.draft)
+
     def step(self, step: int) -> PublishedPlacement:
-        """At a step boundary (every rank, every step): advances the rollout and returns the
-        placement to route with from this step on. Never blocks on the network or the move;
-        at a switch step it writes the staged weights (``commit``) before returning."""
-        self.target._stepped(self.target.rollout.step(step))
+        """At a step boundary (every rank, every step): advances the rollouts and returns the
+        target's placement to route with from this step on (``draft.routed``: the draft's).
+        Never blocks on the network or the move; at a switch step it writes the staged
+        weights (``commit``) before returning."""
+        if self._group is None:
+            self.target._stepped(self.target.rollout.step(step))
+        else:
+            for part, routed in zip(self.parts, self._group.step(step)):
+                part._stepped(routed)
         return self.target.routed
 
     def record(self, counts: object, *, copy: bool = True) -> bool:
@@ -267,9 +330,11 @@ class BalancedRank:
         if self._closed:
             return
         self._closed = True
-        self.target.reporter.close(timeout_s)
-        self.target.watcher.close()
-        self.target.rollout.close()
+        for part in self.parts:
+            part.reporter.close(timeout_s)
+            part.watcher.close()
+        for part in self.parts:
+            part.rollout.close()
         self.client.close()
 
     def __enter__(self) -> BalancedRank:

@@ -70,6 +70,7 @@ __all__ = [
     "Rollout",
     "ServiceBarrier",
     "ProcessGroupBarrier",
+    "RolloutGroup",
     "AckSender",
 ]
 
@@ -215,11 +216,13 @@ class Local:
 class Decision:
     """What the ranks agreed at a step boundary: start preparing ``start`` (0: nothing to
     start; the current version: move an aborted version's switched layers back), ``switch``
-    to the target (its current chunk's layers) from this step on, or ``abort`` it."""
+    to the target (its current chunk's layers) from this step on, ``abort`` it, or ``hold``
+    its last switch (it is ready; another deployment of a ``RolloutGroup`` is changing)."""
 
     start: int = 0
     switch: bool = False
     abort: bool = False
+    hold: bool = False  # ready, but the last switch waits for another deployment (RolloutGroup)
 
 
 class Barrier(Protocol):
@@ -372,14 +375,26 @@ class ProcessGroupBarrier:
         self._failed_sent = 0
 
     def sync(self, step: int, local: Local) -> Decision:
-        pairs = (local.offered, local.target, local.chunk, int(local.revert))
-        t = self._torch.tensor(
-            [v for x in pairs for v in (x, -x)]
-            + [int(local.target > 0 and not local.prepared), int(bool(local.failed))],
-            dtype=self._torch.int64,
-        )
+        (reduced,) = self.reduce([local])
+        decision = self.decide(local, reduced)
+        self.report(step, local, decision)
+        return decision
+
+    def reduce(self, locals_: Sequence[Local]) -> list[list[int]]:
+        """One all-reduce (MAX) of every ``Local``'s ten values: what ``decide`` reads, per local."""
+        values = []
+        for local in locals_:
+            pairs = (local.offered, local.target, local.chunk, int(local.revert))
+            values += [v for x in pairs for v in (x, -x)]
+            values += [int(local.target > 0 and not local.prepared), int(bool(local.failed))]
+        t = self._torch.tensor(values, dtype=self._torch.int64)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         v = [int(x) for x in t.tolist()]
+        return [v[i : i + 10] for i in range(0, len(v), 10)]
+
+    @staticmethod
+    def decide(local: Local, v: Sequence[int]) -> Decision:
+        """The decision every rank draws from the same reduced values ``v`` (no side effects)."""
         (max_offered, min_offered), (max_target, min_target), (max_chunk, min_chunk), (max_revert, min_revert) = (
             (v[i], -v[i + 1]) for i in range(0, 8, 2)
         )
@@ -390,21 +405,85 @@ class ProcessGroupBarrier:
             if min_offered == max_offered and min_offered > local.current:
                 return Decision(start=min_offered)
             return Decision()
-        moving_back = local.target == local.current  # acks are about versions, not about reverts
         if failed or min_target != max_target or min_chunk != max_chunk:
-            if self.acks is not None and local.failed and not moving_back and self._failed_sent != local.target:
-                self._failed_sent = local.target
-                self.acks.send(local.target, "failed", step, local.failed)
             return Decision(abort=True)
-        if not_ready == 0:
-            if self.acks is not None and local.final and not moving_back:
-                self.acks.send(local.target, "switched", step)
-            return Decision(switch=True)
-        return Decision()
+        return Decision(switch=True) if not_ready == 0 else Decision()
+
+    def report(self, step: int, local: Local, decision: Decision) -> None:
+        """Acks what was decided (after any coupling of deployments): FAILED with this rank's
+        error, SWITCHED after a version's last chunk; moving layers back is not acked (acks are
+        about versions, not about reverts)."""
+        if self.acks is None or local.target in (0, local.current):
+            return
+        if decision.abort and local.failed and self._failed_sent != local.target:
+            self._failed_sent = local.target
+            self.acks.send(local.target, "failed", step, local.failed)
+        elif decision.switch and local.final:
+            self.acks.send(local.target, "switched", step)
 
     def close(self) -> None:
         if self.acks is not None:
             self.acks.close()
+
+
+class RolloutGroup:
+    """Rollouts of several deployments on the same ranks, agreed by one all-reduce a step: a
+    target model and its draft (MTP, speculative decoding), each with its own experts, slots,
+    loads and versions. Each rollout keeps its own ``ProcessGroupBarrier`` (for its acks; all
+    on one group) and applier; the service keeps nothing across them.
+
+    Each deployment starts, prepares, switches chunks and aborts as on its own, with one rule
+    joining them: **a version's last switch waits while another deployment is changing** (a
+    version in flight, agreed to start, or offered on some rank), and then both switch at the
+    same step. So when both change they switch together; when one changes alone it switches
+    alone; when one fails, the other goes on. A deployment kept waiting so does not time out
+    for it (its wait restarts); a version offered on some ranks but never reaching the others
+    keeps the other deployment waiting, as it would keep its own from starting.
+    """
+
+    def __init__(self, rollouts: Sequence[Rollout]) -> None:
+        if not rollouts:
+            raise ValueError("a RolloutGroup needs at least one rollout")
+        barriers = [r.barrier for r in rollouts]
+        if not all(isinstance(b, ProcessGroupBarrier) for b in barriers):
+            kinds = sorted({type(b).__name__ for b in barriers})
+            raise ValueError(
+                f"a RolloutGroup agrees its switches through the engine's process group: every rollout needs a "
+                f"ProcessGroupBarrier, got {', '.join(kinds)}"
+            )
+        if any(b.group is not barriers[0].group for b in barriers):
+            raise ValueError("every rollout of a RolloutGroup needs its ProcessGroupBarrier on the same group")
+        if len({id(b) for b in barriers}) != len(barriers):
+            raise ValueError("each rollout of a RolloutGroup needs a ProcessGroupBarrier of its own (its acks)")
+        self.rollouts = tuple(rollouts)
+
+    def step(self, step: int) -> list[PublishedPlacement]:
+        """At a step boundary: advances every rollout; returns each one's placement to route with."""
+        locals_ = [r._local() for r in self.rollouts]
+        barriers = [r.barrier for r in self.rollouts]
+        reduced = barriers[0].reduce(locals_)
+        decisions = [ProcessGroupBarrier.decide(local, v) for local, v in zip(locals_, reduced)]
+        decisions = _together(decisions, locals_, reduced)
+        for barrier, local, decision in zip(barriers, locals_, decisions):
+            barrier.report(step, local, decision)
+        return [r._apply(step, d) for r, d in zip(self.rollouts, decisions)]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        for rollout in self.rollouts:
+            rollout.close(timeout_s)
+
+
+def _together(decisions: list[Decision], locals_: list[Local], reduced: list[list[int]]) -> list[Decision]:
+    """``RolloutGroup``'s rule: a last switch holds while another deployment is changing and
+    not switching its own last chunk at this step. Drawn from the reduced values and the agreed
+    decisions only, so every rank holds alike."""
+    finishing = [d.switch and local.final for d, local in zip(decisions, locals_)]
+    changing = [v[2] > 0 or d.start != 0 or v[0] > local.current for d, local, v in zip(decisions, locals_, reduced)]
+    out = []
+    for i, decision in enumerate(decisions):
+        held = finishing[i] and any(changing[j] and not finishing[j] for j in range(len(decisions)) if j != i)
+        out.append(Decision(hold=True) if held else decision)
+    return out
 
 
 class Phase(enum.Enum):
@@ -458,6 +537,7 @@ class _Transition:
     chunk: int = 0
     seconds: float = 0.0  # this chunk's prepare, once read
     ready_at: float = 0.0  # when it returned, once read
+    wait_from: float = 0.0  # the wait for the other ranks runs from here (ready_at, or the last hold)
     error: str = ""
     total_prepare: float = 0.0  # over the chunks switched so far
     total_wait: float = 0.0
@@ -564,6 +644,8 @@ class Rollout:
                 self._start(target)
         elif decision.switch and phase is Phase.READY:
             self._switch(move, step)
+        elif decision.hold and phase is Phase.READY:
+            move.wait_from = time.monotonic()  # waiting for another deployment, not for the ranks
         elif decision.abort and phase in (Phase.READY, Phase.FAILED) and move.future.done():
             # (a timed-out prepare still running is rolled back once it returns)
             self._abort(move, step)
@@ -588,7 +670,7 @@ class Rollout:
             elif now - move.started > self.timeout_s:
                 move.error = f"prepare of version {move.published.version} timed out after {self.timeout_s:g} s"
                 self._enter(Phase.FAILED)
-        elif self._phase is Phase.READY and now - move.ready_at > self.timeout_s:
+        elif self._phase is Phase.READY and now - move.wait_from > self.timeout_s:
             move.error = f"version {move.published.version}: other ranks not ready {self.timeout_s:g} s after this one"
             self._enter(Phase.FAILED)
         elif self._phase is Phase.FAILED and not move.ready_at and move.future.done():
@@ -605,7 +687,7 @@ class Rollout:
         else:
             if chunks is not None:
                 move.chunks = chunks
-        move.seconds, move.ready_at = finished - move.started, finished
+        move.seconds, move.ready_at, move.wait_from = finished - move.started, finished, finished
 
     def _start(self, target: PublishedPlacement, revert: bool = False) -> None:
         old, new = self.routing, target.placement
