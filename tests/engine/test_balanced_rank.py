@@ -9,21 +9,18 @@ from __future__ import annotations
 import os
 import re
 import time
-import traceback
-import zlib
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import assert_same_map, spawn_ranks
 from mover_sim import TENSORS, check_layers, encoded_layers
 from svc_thread import ServerThread, free_port
 
 import eplb
-from eplb_engine import BalancedRank, ServiceClient
+from eplb_engine import BalancedRank, Draft, ServiceClient
 from eplb_engine.balanced_rank import fold_slot_counts
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -44,77 +41,69 @@ def acks(address: str, deployment: str) -> list[tuple[int, int]]:
         return [(a.rank, a.version) for a in got]
 
 
-def _rank(rank: int, address: str, port: int, barrier: str, out: dict) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-        deployment = f"d-{barrier}"
-        layers = encoded_layers(eplb.Placement.contiguous(TOPO), rank)
-        budget = TOPO.slots_per_gpu * SLOT if barrier == "group" else None  # group: several chunks a version
-        switches: list[tuple[int, tuple[int, ...]]] = []
-        with BalancedRank(
-            address,
-            deployment,
-            rank,
-            TOPO,
-            layers,
-            barrier=barrier,
-            staging_bytes=budget,
-            timeout_s=20.0,
-            report_interval_s=0.1,
-            on_switch=lambda step, lay, routing: switches.append((step, tuple(lay))),
-            verify=True,
-        ) as br:
-            added: list[tuple[tuple[int, ...], int | None, bool]] = []
-            add = br.reporter.add
+def _rank(rank: int, address: str, barrier: str) -> dict:
+    deployment = f"d-{barrier}"
+    layers = encoded_layers(eplb.Placement.contiguous(TOPO), rank)
+    budget = TOPO.slots_per_gpu * SLOT if barrier == "group" else None  # group: several chunks a version
+    switches: list[tuple[int, tuple[int, ...]]] = []
+    with BalancedRank(
+        address,
+        deployment,
+        rank,
+        TOPO,
+        layers,
+        barrier=barrier,
+        staging_bytes=budget,
+        timeout_s=20.0,
+        report_interval_s=0.1,
+        on_switch=lambda step, lay, routing: switches.append((step, tuple(lay))),
+        verify=True,
+    ) as br:
+        added: list[tuple[tuple[int, ...], int | None, bool]] = []
+        add = br.reporter.add
 
-            def spy(counts, version=None, **kw):  # the real add, remembering what it was given
-                added.append((tuple(counts.shape), version, br.rollout.mixed))
-                return add(counts, version, **kw)
+        def spy(counts, version=None, **kw):  # the real add, remembering what it was given
+            added.append((tuple(counts.shape), version, br.rollout.mixed))
+            return add(counts, version, **kw)
 
-            br.reporter.add = spy
-            dist.barrier()
-            out[f"acks_at_start_{rank}"] = acks(address, deployment)
-            deadline, step, mixed_steps = time.monotonic() + 60, 0, 0
-            while True:
-                routed = br.step(step)
-                check_layers(layers, routed.placement, rank)  # every slot holds what the map routes to it
-                crc = zlib.crc32(routed.placement.phy2log.tobytes())
-                agree = torch.tensor([crc, -crc], dtype=torch.int64)
-                dist.all_reduce(agree, op=dist.ReduceOp.MAX)
-                assert agree[0] == -agree[1], f"ranks route with different maps at step {step}"
-                mixed_steps += br.rollout.mixed
-                br.record(slot_counts(routed.placement, step))
-                if step == 5:
-                    assert br.reporter.flush(10)
-                    dist.barrier()  # both ranks' loads are in the window
-                    if rank == 0:
-                        assert br.client.rebalance(deployment, force=True).published
-                stop = torch.tensor([int(br.rollout.current.version >= 2 or time.monotonic() > deadline)])
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-                if stop.item():
-                    break
-                step += 1
-                time.sleep(0.005)
-            report = br.applier.report
-            out[rank] = {
-                "version": br.rollout.current.version,
-                "events": [(e.kind, e.version, e.chunks) for e in br.rollout.events],
-                "switches": switches,
-                "mixed_steps": mixed_steps,
-                "added": added,
-                "mismatches": len(report.mismatches),
-                "checked": report.checked_slots,
-                "final": br.rollout.routing.phy2log.tolist(),
-            }
-        stats = br.reporter.stats()
-        out[f"stats_{rank}"] = (stats.accepted, stats.rejected, stats.invalid_adds, stats.pending)
+        br.reporter.add = spy
         dist.barrier()
-        out[f"acks_at_end_{rank}"] = acks(address, deployment)
-        dist.destroy_process_group()
-    except BaseException:  # reported to the parent, which fails the test with it
-        out[rank] = traceback.format_exc()
-        raise
+        at_start = acks(address, deployment)
+        deadline, step, mixed_steps = time.monotonic() + 60, 0, 0
+        while True:
+            routed = br.step(step)
+            check_layers(layers, routed.placement, rank)  # every slot holds what the map routes to it
+            assert_same_map(routed.placement, step)
+            mixed_steps += br.rollout.mixed
+            br.record(slot_counts(routed.placement, step))
+            if step == 5:
+                assert br.reporter.flush(10)
+                dist.barrier()  # both ranks' loads are in the window
+                if rank == 0:
+                    assert br.client.rebalance(deployment, force=True).published
+            stop = torch.tensor([int(br.rollout.current.version >= 2 or time.monotonic() > deadline)])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
+            step += 1
+            time.sleep(0.005)
+        report = br.applier.report
+        res = {
+            "acks_at_start": at_start,
+            "version": br.rollout.current.version,
+            "events": [(e.kind, e.version, e.chunks) for e in br.rollout.events],
+            "switches": switches,
+            "mixed_steps": mixed_steps,
+            "added": added,
+            "mismatches": len(report.mismatches),
+            "checked": report.checked_slots,
+            "final": br.rollout.routing.phy2log.tolist(),
+        }
+    stats = br.reporter.stats()
+    res["stats"] = (stats.accepted, stats.rejected, stats.invalid_adds, stats.pending)
+    dist.barrier()
+    res["acks_at_end"] = acks(address, deployment)
+    return res
 
 
 @pytest.mark.slow
@@ -126,20 +115,15 @@ def test_two_ranks_switch_a_replan_through_balanced_rank(barrier):
             client.create_deployment(
                 f"d-{barrier}", TOPO, interval_s=3600, switch_margin_steps=20, expert_bytes=SLOT
             )  # only the forced re-plan
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.spawn(_rank, args=(server.address, free_port(), barrier, out), nprocs=2, join=True)
-            out = dict(out)
+        runs = spawn_ranks(_rank, 2, server.address, barrier)
     finally:
         server.stop()
-    runs = [out[r] for r in range(2)]
-    assert all(isinstance(run, dict) for run in runs), runs
     # BalancedRank acked the version each rank started on, and the rollout the one it switched to.
-    assert out["acks_at_start_0"] == [(0, 1), (1, 1)] and out["acks_at_end_1"] == [(0, 2), (1, 2)]
-    for r, run in enumerate(runs):
+    assert runs[0]["acks_at_start"] == [(0, 1), (1, 1)] and runs[1]["acks_at_end"] == [(0, 2), (1, 2)]
+    for run in runs:
         assert run["version"] == 2 and run["switches"] == runs[0]["switches"] and run["final"] == runs[0]["final"]
         assert run["mismatches"] == 0
-        accepted, rejected, invalid, pending = out[f"stats_{r}"]
+        accepted, rejected, invalid, pending = run["stats"]
         assert accepted > 0 and rejected == invalid == pending == 0
         logical, physical = (TOPO.num_layers, TOPO.num_experts), (TOPO.num_layers, TOPO.num_slots)
         # Mixed steps' counts went out per expert, the others per slot tagged with the version routed.
@@ -196,6 +180,8 @@ def one_rank():
         (dict(topology=eplb.Topology(2, 4, 8, 1)), "differs from deployment 'one'"),
         (dict(deployment="two", topology=None), "deployment 'two' has num_gpus = 2; the process group has 1 ranks"),
         (dict(layers="short"), "layers has 1 entries; the topology has num_layers = 2"),
+        (dict(barrier="service", staging_bytes=None, draft="one-draft"), "use barrier='group' with a draft"),
+        (dict(draft="one"), "the draft needs a deployment of its own, not 'one' again"),
     ],
 )
 def test_inconsistent_options_are_refused_at_construction(one_rank, kwargs, message):
@@ -210,6 +196,8 @@ def test_inconsistent_options_are_refused_at_construction(one_rank, kwargs, mess
     args.update(kwargs)
     if args.get("group") == "world":
         args["group"] = args["mover_group"] = dist.group.WORLD
+    if "draft" in args:
+        args["draft"] = Draft(args["draft"], args["layers"])
     if args["layers"] == "short":
         args["layers"] = encoded_layers(eplb.Placement.contiguous(topo), 0)[:1]
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -221,27 +209,19 @@ def test_inconsistent_options_are_refused_at_construction(one_rank, kwargs, mess
 DOC = Path(__file__).resolve().parents[2] / "docs" / "rollout.md"
 
 
-def _doc_rank(rank: int, address: str, port: int, out: dict) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-        block = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)[0]
-        ns = {
-            "rank": rank,
-            "topology": TOPO,
-            "layers": encoded_layers(eplb.Placement.contiguous(TOPO), rank),
-            "steps": 30,
-            "run_step": lambda log2phy, logcnt: slot_counts(eplb.Placement.contiguous(TOPO), 0),
-        }
-        exec(compile(block.replace("127.0.0.1:50051", address), str(DOC), "exec"), ns)
-        stats = ns["balanced"].reporter.stats()
-        out[rank] = (stats.added, stats.accepted, stats.pending, ns["balanced"].rollout.current.version)
-        dist.barrier()
-        out["acks"] = acks(address, "my-model")
-        dist.destroy_process_group()
-    except BaseException:
-        out[rank] = traceback.format_exc()
-        raise
+def _doc_rank(rank: int, address: str) -> tuple:
+    block = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)[0]
+    ns = {
+        "rank": rank,
+        "topology": TOPO,
+        "layers": encoded_layers(eplb.Placement.contiguous(TOPO), rank),
+        "steps": 30,
+        "run_step": lambda log2phy, logcnt: slot_counts(eplb.Placement.contiguous(TOPO), 0),
+    }
+    exec(compile(block.replace("127.0.0.1:50051", address), str(DOC), "exec"), ns)
+    stats = ns["balanced"].reporter.stats()
+    dist.barrier()
+    return stats.added, stats.accepted, stats.pending, acks(address, "my-model")
 
 
 @pytest.mark.slow
@@ -250,12 +230,9 @@ def test_the_rollout_guides_balanced_rank_block_runs_as_written():
     try:
         with ServiceClient(server.address) as client:
             client.create_deployment("my-model", TOPO)
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.spawn(_doc_rank, args=(server.address, free_port(), out), nprocs=2, join=True)
-            out = dict(out)
+        out = spawn_ranks(_doc_rank, 2, server.address)
     finally:
         server.stop()
     # Each rank recorded its 30 steps, all sent and accepted by the time the block's `with` closed.
-    assert out[0][:1] == out[1][:1] == (30,) and out[0][1] > 0 and out[0][2] == out[1][2] == 0, out
-    assert out["acks"] == [(0, 1), (1, 1)]
+    assert out[0][0] == out[1][0] == 30 and out[0][1] > 0 and out[0][2] == out[1][2] == 0, out
+    assert out[1][3] == [(0, 1), (1, 1)]

@@ -5,18 +5,15 @@ real service, through a re-plan of both with real weights."""
 
 from __future__ import annotations
 
-import os
 import time
-import traceback
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import assert_same_map, spawn_ranks
 from mover_sim import TENSORS, check_layers, encoded_layers
-from svc_thread import ServerThread, free_port
+from svc_thread import ServerThread
 from test_rollout_group import Recorder, published
 
 import eplb
@@ -41,42 +38,29 @@ def events(rollout: Rollout) -> list[tuple[str, int, int]]:
     return [(e.kind, e.version, e.step) for e in rollout.events]
 
 
-def _worker(rank: int, world: int, port: int, out: dict) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-        res = {}
-        # 1. Both change: the target prepares slowly (0.4 s), the draft at once and with a
-        # timeout (0.15 s) shorter than its wait for the target: it waits, and does not time out.
-        target = Rollout(published(1), Recorder(delay_s=0.4), ProcessGroupBarrier())
-        draft = Rollout(published(1), Recorder(), ProcessGroupBarrier(), timeout_s=0.15)
-        group = RolloutGroup([target, draft])
-        routed = run(group, {(2, 0): published(2), (3 + rank, 1): published(2)}, 160)
-        res["both"] = (routed, events(target), events(draft))
-        # 2. Only the draft changes: it switches alone.
-        routed = run(group, {(1, 1): published(3)}, 40)
-        res["draft_alone"] = (routed, events(target), events(draft))
-        # 3. The target fails on rank 1 while the draft changes: the draft goes on.
-        target.applier.delay_s, target.applier.fail = 0.05, rank == 1
-        routed = run(group, {(1, 0): published(3), (1, 1): published(4)}, 60)
-        res["target_fails"] = (routed, events(target), events(draft))
-        group.close()
-        out[rank] = res
-        dist.destroy_process_group()
-    except BaseException:
-        out[rank] = traceback.format_exc()
-        raise
+def _worker(rank: int) -> dict:
+    res = {}
+    # 1. Both change: the target prepares slowly (0.4 s), the draft at once and with a
+    # timeout (0.15 s) shorter than its wait for the target: it waits, and does not time out.
+    target = Rollout(published(1), Recorder(delay_s=0.4), ProcessGroupBarrier())
+    draft = Rollout(published(1), Recorder(), ProcessGroupBarrier(), timeout_s=0.15)
+    group = RolloutGroup([target, draft])
+    routed = run(group, {(2, 0): published(2), (3 + rank, 1): published(2)}, 160)
+    res["both"] = (routed, events(target), events(draft))
+    # 2. Only the draft changes: it switches alone.
+    routed = run(group, {(1, 1): published(3)}, 40)
+    res["draft_alone"] = (routed, events(target), events(draft))
+    # 3. The target fails on rank 1 while the draft changes: the draft goes on.
+    target.applier.delay_s, target.applier.fail = 0.05, rank == 1
+    routed = run(group, {(1, 0): published(3), (1, 1): published(4)}, 60)
+    res["target_fails"] = (routed, events(target), events(draft))
+    group.close()
+    return res
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    world = 2
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(world, free_port(), out), nprocs=world, join=True)
-        res = dict(out)
-    assert all(isinstance(res[r], dict) for r in range(world)), res
-    return res
+    return spawn_ranks(_worker, 2)
 
 
 @pytest.mark.slow
@@ -127,54 +111,50 @@ def hot_counts(placement: eplb.Placement) -> np.ndarray:
     return hot[placement.phy2log] / placement.logcnt[rows, placement.phy2log]
 
 
-def _rank(rank: int, address: str, port: int, out: dict) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-        layers = encoded_layers(eplb.Placement.contiguous(TARGET), rank)
-        draft_layers = encoded_layers(eplb.Placement.contiguous(DRAFT), rank)
-        with BalancedRank(
-            address,
-            "target",
-            rank,
-            TARGET,
-            layers,
-            chunk_layers=1,  # the target switches layer by layer: its last chunk goes with the draft
-            report_interval_s=0.1,
-            timeout_s=20.0,
-            draft=Draft("target-draft", draft_layers, DRAFT),
-        ) as br:
-            deadline, step = time.monotonic() + 60, 0
-            while True:
-                routed = br.step(step)
-                check_layers(layers, routed.placement, rank)
-                check_layers(draft_layers, br.draft.routed.placement, rank)
-                br.record(hot_counts(routed.placement))
-                br.draft.record(hot_counts(br.draft.routed.placement))
-                if step == 5:
-                    assert br.reporter.flush(10) and br.draft.reporter.flush(10)
-                    dist.barrier()
-                    if rank == 0:  # both re-planned at once
-                        assert br.client.rebalance("target", force=True).published
-                        assert br.client.rebalance("target-draft", force=True).published
-                done = min(p.rollout.current.version for p in br.parts) >= 2
-                stop = torch.tensor([int(done or time.monotonic() > deadline)])
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-                if stop.item():
-                    break
-                step += 1
-                time.sleep(0.005)
-            out[rank] = [[(e.kind, e.version, e.step, e.chunks) for e in p.rollout.events] for p in br.parts]
-        dist.barrier()
-        with ServiceClient(address) as client:
-            out[f"acks_{rank}"] = [
-                [(a.rank, a.version) for a in client.call("GetDeployment", pb.GetDeploymentRequest(name=n)).acks]
-                for n in ("target", "target-draft")
-            ]
-        dist.destroy_process_group()
-    except BaseException:
-        out[rank] = traceback.format_exc()
-        raise
+def _rank(rank: int, address: str) -> dict:
+    layers = encoded_layers(eplb.Placement.contiguous(TARGET), rank)
+    draft_layers = encoded_layers(eplb.Placement.contiguous(DRAFT), rank)
+    with BalancedRank(
+        address,
+        "target",
+        rank,
+        TARGET,
+        layers,
+        chunk_layers=1,  # the target switches layer by layer: its last chunk goes with the draft
+        report_interval_s=0.1,
+        timeout_s=20.0,
+        draft=Draft("target-draft", draft_layers, DRAFT),
+    ) as br:
+        deadline, step = time.monotonic() + 60, 0
+        while True:
+            routed = br.step(step)
+            check_layers(layers, routed.placement, rank)
+            check_layers(draft_layers, br.draft.routed.placement, rank)
+            assert_same_map(routed.placement, step)
+            assert_same_map(br.draft.routed.placement, step)
+            br.record(hot_counts(routed.placement))
+            br.draft.record(hot_counts(br.draft.routed.placement))
+            if step == 5:
+                assert br.reporter.flush(10) and br.draft.reporter.flush(10)
+                dist.barrier()
+                if rank == 0:  # both re-planned at once
+                    assert br.client.rebalance("target", force=True).published
+                    assert br.client.rebalance("target-draft", force=True).published
+            done = min(p.rollout.current.version for p in br.parts) >= 2
+            stop = torch.tensor([int(done or time.monotonic() > deadline)])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
+            step += 1
+            time.sleep(0.005)
+        events = [[(e.kind, e.version, e.step, e.chunks) for e in p.rollout.events] for p in br.parts]
+    dist.barrier()
+    with ServiceClient(address) as client:
+        got = [
+            [(a.rank, a.version) for a in client.call("GetDeployment", pb.GetDeploymentRequest(name=n)).acks]
+            for n in ("target", "target-draft")
+        ]
+    return {"events": events, "acks": got}
 
 
 @pytest.mark.slow
@@ -184,14 +164,11 @@ def test_balanced_rank_switches_a_target_and_its_draft_together():
         with ServiceClient(server.address) as client:
             client.create_deployment("target", TARGET, interval_s=3600, expert_bytes=SLOT)
             client.create_deployment("target-draft", DRAFT, interval_s=3600, expert_bytes=SLOT)
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.spawn(_rank, args=(server.address, free_port(), out), nprocs=2, join=True)
-            out = dict(out)
+        out = spawn_ranks(_rank, 2, server.address)
     finally:
         server.stop()
-    assert out[0] == out[1], out  # every slot was checked against its map at every step, on both ranks
-    (target,), (draft,) = out[0]
+    assert out[0]["events"] == out[1]["events"], out  # every slot was checked against its map at every step
+    (target,), (draft,) = out[0]["events"]
     assert target[:2] == ("switched", 2) and draft[:2] == ("switched", 2)
     assert target[3] > 1 and target[2] == draft[2]  # the target in chunks; its last chunk with the draft
-    assert out["acks_1"] == [[(0, 2), (1, 2)], [(0, 2), (1, 2)]]  # each deployment's own versions
+    assert out[1]["acks"] == [[(0, 2), (1, 2)], [(0, 2), (1, 2)]]  # each deployment's own versions
