@@ -5,7 +5,8 @@ each its own process in one gloo group, route tokens whose expert popularity dri
 shifts (``eplb.workloads.shift``), report what they routed through the real ``LoadReporter``,
 receive placements through the real ``PlacementWatcher``, move their expert weights with the
 real ``WeightMover`` and switch maps at one step on every rank through the rollout protocol
-(``Rollout`` with the process-group barrier, or ``--barrier service``). With the process-group
+(``Rollout`` with the process-group barrier, or ``--barrier service``), all wired by one
+``BalancedRank`` per rank. With the process-group
 barrier each re-plan is switched in chunks of at most two layers, each chunk's receives within
 a budget of one gpu's worth of slots and each chunk switched at its own agreed step.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -27,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,6 +68,7 @@ class DemoConfig:
     window_s: float = 2.0
     min_gain_percent: float = 3.0
     barrier: str = "group"
+    draft_layers: int = 0  # a draft model's MoE layers, its own deployment (0: none)
     # Service barrier: steps from the last PREPARED ack to the switch. 0.5 s at 20 ms steps: a
     # shared 2-core machine can hold up a rank's ack thread for longer than the default 8 steps.
     switch_margin_steps: int = 25
@@ -75,19 +79,35 @@ class DemoConfig:
 
     @property
     def topology(self) -> eplb.Topology:
+        return self._topology(self.layers, self.experts)
+
+    @property
+    def draft_topology(self) -> eplb.Topology:
+        """The draft model's MoE layers: ``draft_layers`` layers of half the experts (its own)."""
+        return self._topology(self.draft_layers, self.experts // 2)
+
+    @property
+    def draft_deployment(self) -> str:
+        return f"{self.deployment}-draft"
+
+    def _topology(self, layers: int, experts: int) -> eplb.Topology:
         nodes = 2 if self.ranks % 2 == 0 else 1
-        slots_per_gpu = -(-round(self.experts * (1 + self.redundant)) // self.ranks)
-        return eplb.Topology(self.layers, self.experts, slots_per_gpu * self.ranks, self.ranks, nodes, self.groups)
+        slots_per_gpu = -(-round(experts * (1 + self.redundant)) // self.ranks)
+        groups = math.gcd(self.groups, experts)
+        return eplb.Topology(layers, experts, slots_per_gpu * self.ranks, self.ranks, nodes, groups)
 
     @property
     def steps(self) -> int:
         return max(1, int(self.seconds * 1000 / self.step_ms))
 
 
-def popularity(cfg: DemoConfig) -> np.ndarray:
-    """``[T, L, E]`` expert popularity per phase (rows sum to 1): zipf drifting, reshuffled halfway."""
-    base = zipf(cfg.layers, cfg.experts, cfg.zipf_s, cfg.seed)
-    seq = shift(base, 40, sigma=cfg.drift_sigma, seed=cfg.seed)
+def popularity(cfg: DemoConfig, topo: eplb.Topology | None = None, seed: int | None = None) -> np.ndarray:
+    """``[T, L, E]`` expert popularity per phase (rows sum to 1) of ``topo``'s experts
+    (default: the target's, with ``cfg.seed``): zipf drifting, reshuffled halfway."""
+    topo = topo or cfg.topology
+    seed = cfg.seed if seed is None else seed
+    base = zipf(topo.num_layers, topo.num_experts, cfg.zipf_s, seed)
+    seq = shift(base, 40, sigma=cfg.drift_sigma, seed=seed)
     return seq / seq.sum(axis=-1, keepdims=True)
 
 
@@ -156,104 +176,121 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from eplb_engine.client import ServiceClient
-    from eplb_engine.reporter import LoadReporter
-    from eplb_engine.rollout import AckSender, MoverApplier, ProcessGroupBarrier, Rollout, ServiceBarrier
-    from eplb_engine.watcher import PlacementWatcher
+    from eplb_engine import BalancedRank, Draft
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg.gloo_port))
     dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60))
-    mover_group = dist.new_group(backend="gloo")  # the mover's transfers never hold up the steps' collectives
-    topo = cfg.topology
-    L, P, E, S, G = topo.num_layers, topo.num_slots, topo.num_experts, topo.slots_per_gpu, topo.num_gpus
-    client = ServiceClient(cfg.address)
-    initial = client.get_placement(cfg.deployment, topology=topo)
-    layers = make_weights(topo, rank, initial.placement)
-    # The rank holds the initial version's weights: say so before any load is reported, so the
-    # service's first re-plan keeps what it can (without an ack it plans v2 fresh: docs/service.md).
-    client.ack(cfg.deployment, rank, initial.version, "switched")
+    # The models: the target, and the draft's MoE layers (their own deployment) with --draft-layers.
+    models = [_Model("target", cfg.topology, cfg.deployment, cfg.seed)]
+    if cfg.draft_layers:
+        models.append(_Model("draft", cfg.draft_topology, cfg.draft_deployment, cfg.seed + 1))
+    for model in models:
+        # The rank's weights start as the service's version 1 (the contiguous map the demo creates).
+        model.layers = make_weights(model.topo, rank, eplb.Placement.contiguous(model.topo))
+        model.pop = popularity(cfg, model.topo, model.seed)
     # Chunks of at most two layers within a small receive-buffer budget (one gpu's slots: any
     # one layer fits), so CI runs the chunked rollout; the service barrier agrees one step per
     # version, so it moves versions whole.
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
+    S = cfg.topology.slots_per_gpu
     staging, chunk_layers = (S * slot_bytes, 2) if cfg.barrier == "group" else (None, None)
-    applier = MoverApplier(layers, mover_group, staging_bytes=staging, chunk_layers=chunk_layers, verify=True)
-    if cfg.barrier == "service":
-        barrier = ServiceBarrier(client, cfg.deployment, rank)
-    else:
-        barrier = ProcessGroupBarrier(acks=AckSender(client, cfg.deployment, rank))
-    series: list[float] = []
     pending: list[dict] = []
     done_events: list[dict] = []
 
-    def on_event(event: object) -> None:
-        item = {
-            "kind": event.kind,
-            "version": event.version,
-            "step": event.step,
-            "prepare_s": event.prepare_seconds,
-            "wait_s": event.wait_seconds,
-            "error": event.error,
-        }
-        if event.kind == "switched":
-            sched, report = applier.schedule, applier.report
-            item.update(
-                bytes=sched.bytes,
-                rounds=sched.total_rounds,
-                predicted_s=sched.predicted_seconds,
-                commit_s=applier.commit_seconds,
-                checked_slots=report.checked_slots,
-                mismatches=len(report.mismatches),
-                chunks=event.chunks,
-                staged_bytes=applier.staged_bytes,
-                staging_bytes=staging,
-            )
-        pending.append(item)
+    def on_event(model: _Model) -> Callable[[object], None]:
+        def record(event: object) -> None:
+            item = {
+                "model": model.name,
+                "kind": event.kind,
+                "version": event.version,
+                "step": event.step,
+                "prepare_s": event.prepare_seconds,
+                "wait_s": event.wait_seconds,
+                "error": event.error,
+            }
+            if event.kind == "switched":
+                part = balanced.parts[models.index(model)]
+                sched, report, stats = part.applier.schedule, part.applier.report, part.rollout.current.stats
+                item.update(
+                    bytes=sched.bytes,
+                    rounds=sched.total_rounds,
+                    predicted_s=sched.predicted_seconds,
+                    commit_s=part.applier.commit_seconds,
+                    checked_slots=report.checked_slots,
+                    mismatches=len(report.mismatches),
+                    chunks=event.chunks,
+                    staged_bytes=part.applier.staged_bytes,
+                    staging_bytes=staging,
+                    planned_before=stats.imbalance_before,
+                    planned_after=stats.imbalance_after,
+                    moves=stats.moves,
+                )
+            pending.append(item)
 
-    rollout = Rollout(initial, applier, barrier, timeout_s=30.0, on_event=on_event)
-    plans: dict[int, object] = {}
+        return record
 
-    def offer(published: object) -> None:
-        plans[published.version] = published.stats
-        rollout.offer(published)
-
-    watcher = PlacementWatcher(cfg.address, cfg.deployment, offer, topology=topo, rank=rank, ack=False)
-    reporter = LoadReporter(cfg.address, cfg.deployment, rank, topo, interval_s=0.25)
-    pop = popularity(cfg)
+    draft = None
+    if cfg.draft_layers:
+        draft = Draft(
+            cfg.draft_deployment,
+            models[1].layers,
+            cfg.draft_topology,
+            on_event=on_event(models[1]),
+            staging_bytes=staging,
+            chunk_layers=chunk_layers,
+        )
+    # One object wires the client, the reporters, the watchers, the rollouts, their barrier and
+    # the movers (on process groups of their own, so their transfers never hold up the steps'
+    # collectives), and acks version 1 before any load is reported: the service's first
+    # re-plan then keeps what it can (without an ack it plans v2 fresh: docs/service.md).
+    balanced = BalancedRank(
+        cfg.address,
+        cfg.deployment,
+        rank,
+        cfg.topology,
+        models[0].layers,
+        barrier=cfg.barrier,
+        staging_bytes=staging,
+        chunk_layers=chunk_layers,
+        timeout_s=30.0,
+        on_event=on_event(models[0]),
+        report_interval_s=0.25,
+        draft=draft,
+        verify=True,
+    )
     rng = np.random.default_rng(cfg.seed * 1000 + rank + 1)
-    misrouted = routed = 0
     dist.barrier()
     start = time.perf_counter()
     for step in range(cfg.steps):
-        current = rollout.step(step)
-        counts = rng.multinomial(cfg.tokens * cfg.topk, pop[step * len(pop) // cfg.steps])
-        hist = route(counts, current.placement, offset=step + rank)
-        if rollout.mixed:  # between chunks no published version describes the map: report per expert
-            reporter.add(counts)
-        else:
-            reporter.add(hist.sum(axis=2), version=current.version, copy=False)
-        # The dispatch: every rank learns what reached the slots it holds, and checks them.
-        total = torch.from_numpy(hist.reshape(-1).astype(np.int64))
+        balanced.step(step)
+        hists = []
+        for model, part in zip(models, balanced.parts):
+            counts = rng.multinomial(cfg.tokens * cfg.topk, model.pop[step * len(model.pop) // cfg.steps])
+            hists.append(route(counts, part.routed.placement, offset=step + rank))
+            # Tokens per slot; folded per expert while a chunked re-plan mixes versions.
+            part.record(hists[-1].sum(axis=2), copy=False)
+            model.routed += int(counts.sum())
+        # The dispatch (both models in one all-reduce): every rank learns what reached the
+        # slots it holds, and checks them.
+        total = torch.from_numpy(np.concatenate([h.reshape(-1) for h in hists]).astype(np.int64))
         dist.all_reduce(total)
-        misrouted += misrouted_here(total.numpy().reshape(L, P, E), layers, topo, rank)
-        routed += int(counts.sum())
+        offset = 0
+        for model, hist in zip(models, hists):
+            got = total.numpy()[offset : offset + hist.size].reshape(hist.shape)
+            offset += hist.size
+            model.misrouted += misrouted_here(got, model.layers, model.topo, rank)
+            if rank == 0:
+                topo = model.topo
+                gpu = got.reshape(topo.num_layers, topo.num_gpus, -1).sum(axis=2)
+                model.series.append(float((gpu.max(axis=1) / gpu.mean(axis=1)).mean()))
         if rank == 0:
-            gpu = total.numpy().reshape(L, G, S * E).sum(axis=2)
-            series.append(float((gpu.max(axis=1) / gpu.mean(axis=1)).mean()))
             for item in [p for p in pending if step >= p["step"] + _AFTER_STEPS or p["kind"] != "switched"]:
                 pending.remove(item)
                 if item["kind"] == "switched":
-                    s = item["step"]
+                    s, series = item["step"], models[[m.name for m in models].index(item["model"])].series
                     item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
                     item["measured_after"] = float(np.mean(series[s : s + _AFTER_STEPS]))
-                    stats = plans.get(item["version"])
-                    if stats is not None:
-                        item.update(
-                            planned_before=stats.imbalance_before,
-                            planned_after=stats.imbalance_after,
-                            moves=stats.moves,
-                        )
                 item["t"] = time.perf_counter() - start
                 events.put(("event", item))
                 done_events.append(item)
@@ -263,11 +300,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         # Pace the steps; every rank waits in the all-reduce for the slowest anyway.
         time.sleep(max(0.0, start + (step + 1) * cfg.step_ms / 1000 - time.perf_counter()))
     elapsed = time.perf_counter() - start
-    reporter.close(timeout_s=2.0)
-    stats = reporter.stats()
-    watcher.close()
-    rollout.close()
-    client.close()
+    balanced.close(timeout_s=2.0)
     dist.barrier()
     dist.destroy_process_group()
     events.put(
@@ -275,16 +308,36 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             "done",
             {
                 "rank": rank,
-                "misrouted": misrouted,
-                "routed": routed,
                 "seconds": elapsed,
-                "series": series,
                 "events": done_events + pending,
-                "reporter": asdict(stats),
-                "late": getattr(barrier, "late", 0),
+                "late": getattr(balanced.barrier, "late", 0),
+                "models": {
+                    m.name: {
+                        "misrouted": m.misrouted,
+                        "routed": m.routed,
+                        "series": m.series,
+                        "reporter": asdict(part.reporter.stats()),
+                    }
+                    for m, part in zip(models, balanced.parts)
+                },
             },
         )
     )
+
+
+@dataclass
+class _Model:
+    """One model's side on a rank: its deployment, weights, popularity and tallies."""
+
+    name: str
+    topo: eplb.Topology
+    deployment: str
+    seed: int
+    layers: list = field(default_factory=list)
+    pop: np.ndarray | None = None
+    misrouted: int = 0
+    routed: int = 0
+    series: list = field(default_factory=list)
 
 
 class _Service:
@@ -314,11 +367,12 @@ def _pb() -> object:
 
 
 def _line(e: dict) -> str:
+    who = "draft " if e.get("model") == "draft" else ""
     if e["kind"] != "switched":
-        return f"  v{e['version']:<3} {e['kind']} at step {e['step']}: {e['error'] or 'another rank failed'}; kept the previous map"
+        return f"  {who}v{e['version']:<3} {e['kind']} at step {e['step']}: {e['error'] or 'another rank failed'}; kept the previous map"
     planned = f"{e['planned_before']:.3f} -> {e['planned_after']:.3f}" if "planned_before" in e else "?"
     return (
-        f"  v{e['version']:<3} t={e['t']:5.1f}s step {e['step']:<5} imbalance {planned} planned, "
+        f"  {who}v{e['version']:<3} t={e['t']:5.1f}s step {e['step']:<5} imbalance {planned} planned, "
         f"{e['measured_before']:.3f} -> {e['measured_after']:.3f} measured | moves {e.get('moves', '?')} "
         f"{e['bytes'] / 1e3:.1f} kB in {e['rounds']} rounds | move predicted {e['predicted_s'] * 1e3:.2f} ms (GPU model), "
         f"measured {e['prepare_s'] * 1e3:.0f} ms prepare, {e['wait_s'] * 1e3:.0f} ms to the switch, {e['commit_s'] * 1e3:.1f} ms commit"
@@ -343,19 +397,30 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
 
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
     cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": free_port()})
+    deployments = {cfg.deployment: topo}
+    if cfg.draft_layers:
+        deployments[cfg.draft_deployment] = cfg.draft_topology
     with ServiceClient(service.address) as client:
-        client.create_deployment(
-            cfg.deployment,
-            topo,
-            window_s=cfg.window_s,
-            interval_s=cfg.replan_s,
-            min_gain_percent=cfg.min_gain_percent,
-            expert_bytes=slot_bytes,
-            switch_margin_steps=cfg.switch_margin_steps,
-        )
+        for name, deployment_topo in deployments.items():
+            client.create_deployment(
+                name,
+                deployment_topo,
+                window_s=cfg.window_s,
+                interval_s=cfg.replan_s,
+                min_gain_percent=cfg.min_gain_percent,
+                expert_bytes=slot_bytes,
+                switch_margin_steps=cfg.switch_margin_steps,
+            )
+    dt = cfg.draft_topology
+    draft = (
+        f"; a draft model of {dt.num_layers} MoE layers x {dt.num_experts} experts on {dt.num_slots} slots "
+        f"(deployment {cfg.draft_deployment})"
+        if cfg.draft_layers
+        else ""
+    )
     print(
         f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
-        f"{topo.num_experts} experts on {topo.num_slots} slots; {cfg.steps} steps of {cfg.step_ms:g} ms, "
+        f"{topo.num_experts} experts on {topo.num_slots} slots{draft}; {cfg.steps} steps of {cfg.step_ms:g} ms, "
         f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier",
         file=out,
         flush=True,
@@ -384,8 +449,11 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
         # Where the service saw each rank end up (the ranks' acks, sent before they finished).
         with ServiceClient(service.address) as client:
             acks = {
-                a.rank: (a.version, a.failed_version)
-                for a in client.call("GetDeployment", _pb().GetDeploymentRequest(name=cfg.deployment)).acks
+                name: {
+                    a.rank: (a.version, a.failed_version)
+                    for a in client.call("GetDeployment", _pb().GetDeploymentRequest(name=name)).acks
+                }
+                for name in deployments
             }
     finally:
         for p in procs:
@@ -393,28 +461,36 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
                 p.terminate()
         service.stop()
     summary = _summary(cfg, results, time.perf_counter() - wall)
-    summary["service_acked_versions"] = [acks.get(r, (0, 0))[0] for r in range(cfg.ranks)]
-    summary["service_failed_versions"] = sorted({acks[r][1] for r in acks if acks[r][1]})
+    for key, name in (("", cfg.deployment), ("draft_", cfg.draft_deployment)):
+        if name in acks:
+            got = acks[name]
+            summary[f"service_{key}acked_versions"] = [got.get(r, (0, 0))[0] for r in range(cfg.ranks)]
+            summary[f"service_{key}failed_versions"] = sorted({got[r][1] for r in got if got[r][1]})
     _print_summary(summary, out)
     return summary
 
 
 def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
-    series = np.asarray(results[0]["series"])
-    switched = [e for e in results[0]["events"] if e["kind"] == "switched"]
+    model = {name: [r["models"][name] for r in results.values()] for name in results[0]["models"]}
+    series = np.asarray(model["target"][0]["series"])
+    events = {name: [e for e in results[0]["events"] if e.get("model") == name] for name in model}
+    switched = [e for e in events["target"] if e["kind"] == "switched"]
     others = [e for r in results.values() for e in r["events"] if e["kind"] != "switched"]
     shift_step = cfg.steps // 2
     first = switched[0]["step"] if switched else len(series)
     last_q = series[int(0.8 * len(series)) :]
     balanced = series[first + _AFTER_STEPS // 5 : shift_step] if first < shift_step else series[first:]
-    return {
+    reporters = [m["reporter"] for ranks in model.values() for m in ranks]
+    everything = [e for r in results.values() for e in r["events"]]
+    summary = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("address", "gloo_port")},
         "seconds": round(wall_s, 2),
         "routing_seconds": round(max(r["seconds"] for r in results.values()), 2),
         "steps": int(len(series)),
         "tokens_routed": int(len(series) * cfg.tokens * cfg.ranks),
-        "dispatches_checked": int(sum(r["routed"] for r in results.values())),
-        "misrouted_dispatches": int(sum(r["misrouted"] for r in results.values())),
+        # every model's (token, layer, expert) dispatches: the target's, and the draft's if any
+        "dispatches_checked": int(sum(m["routed"] for ranks in model.values() for m in ranks)),
+        "misrouted_dispatches": int(sum(m["misrouted"] for ranks in model.values() for m in ranks)),
         "replans_applied": len(switched),
         "rollouts_failed": len(others),
         "late_switches": int(sum(r["late"] for r in results.values())),
@@ -428,14 +504,27 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
         "move_seconds_predicted": float(sum(e["predicted_s"] for e in switched)),
         "chunks_per_replan": [int(e.get("chunks", 1)) for e in switched],
         "staged_bytes_max": int(max((e.get("staged_bytes", 0) for e in switched), default=0)),
-        "checksum_mismatches": int(sum(e.get("mismatches", 0) for r in results.values() for e in r["events"])),
-        "reports_accepted": int(sum(r["reporter"]["accepted"] for r in results.values())),
-        "reports_dropped": int(
-            sum(r["reporter"]["dropped_reports"] + r["reporter"]["dropped_adds"] for r in results.values())
-        ),
+        "checksum_mismatches": int(sum(e.get("mismatches", 0) for e in everything)),
+        "reports_accepted": int(sum(r["accepted"] for r in reporters)),
+        "reports_dropped": int(sum(r["dropped_reports"] + r["dropped_adds"] for r in reporters)),
         "replans": switched,
         "series": series.tolist(),
     }
+    if "draft" in model:
+        drafted = [e for e in events["draft"] if e["kind"] == "switched"]
+        target_steps = {e["step"] for e in switched}
+        dseries = np.asarray(model["draft"][0]["series"])
+        summary["draft"] = {
+            "dispatches_checked": int(sum(m["routed"] for m in model["draft"])),
+            "misrouted_dispatches": int(sum(m["misrouted"] for m in model["draft"])),
+            "replans_applied": len(drafted),
+            # a draft switch at a step where the target's version switched too (its last chunk)
+            "switched_with_target": sum(e["step"] in target_steps for e in drafted),
+            "imbalance_initial": float(dseries[: drafted[0]["step"]].mean()) if drafted else float("nan"),
+            "imbalance_final": float(dseries[int(0.8 * len(dseries)) :].mean()),
+            "replans": drafted,
+        }
+    return summary
 
 
 def _print_summary(s: dict, out: object) -> None:
@@ -456,6 +545,16 @@ def _print_summary(s: dict, out: object) -> None:
         file=out,
         flush=True,
     )
+    d = s.get("draft")
+    if d:
+        print(
+            f"  draft: {d['dispatches_checked']} dispatches checked, {d['misrouted_dispatches']} misrouted; "
+            f"{d['replans_applied']} re-plans applied, {d['switched_with_target']} at the same step as the target's; "
+            f"imbalance {d['imbalance_initial']:.3f} -> {d['imbalance_final']:.3f}; the service has the ranks at "
+            f"versions {s.get('service_draft_acked_versions')}",
+            file=out,
+            flush=True,
+        )
 
 
 def write_plot(summary: dict, directory: Path) -> Path:
@@ -521,20 +620,29 @@ def main(argv: list[str] | None = None) -> int:
         default=d.barrier,
         help="agree the switch step through the ranks' process group or the service's AckPlacement [group]",
     )
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=d.draft_layers,
+        metavar="N",
+        help="also run a draft model (MTP) of N MoE layers as its own deployment, switched with the target [0]",
+    )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--plots", type=Path, metavar="DIR", help="write DIR/imbalance.png")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
     args = ap.parse_args(argv)
     if not 2 <= args.ranks <= 16 or args.seconds <= 0:
         ap.error("--ranks must be in [2, 16] and --seconds > 0")
+    if not 0 <= args.draft_layers <= 8:
+        ap.error("--draft-layers must be in [0, 8]")
+    if args.draft_layers and args.barrier == "service":
+        ap.error("--draft-layers needs --barrier group: the draft switches with the target through the process group")
     # The extras the run imports (in its rank processes too), found out before it starts.
     needed = [
         "torch",
         "torch.distributed",
         "eplb_service.server",
-        "eplb_engine.client",
-        "eplb_engine.rollout",
-        "eplb_engine.watcher",
+        "eplb_engine.balanced_rank",
     ]
     try:
         extras.require(*needed, *(["matplotlib"] if args.plots else []))
@@ -548,7 +656,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"eplb demo: error: {problem}", file=sys.stderr)
         return 2
-    summary = run(DemoConfig(ranks=args.ranks, seconds=args.seconds, barrier=args.barrier, seed=args.seed))
+    summary = run(
+        DemoConfig(
+            ranks=args.ranks, seconds=args.seconds, barrier=args.barrier, seed=args.seed, draft_layers=args.draft_layers
+        )
+    )
     if args.plots:
         print(f"wrote {write_plot(summary, args.plots)}")
     if args.json:

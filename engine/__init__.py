@@ -1,7 +1,8 @@
 """eplb_engine: what an inference engine runs to use the balancer.
 
-The client half (load reporting, placement watching, wire helpers) needs only grpcio and
-numpy; the weight mover and the engine adapters need torch. Torch-backed names are
+``BalancedRank`` is the one object an engine rank needs: it wires the parts below. The
+client half (load reporting, placement watching, wire helpers) needs only grpcio and numpy;
+``BalancedRank``, the weight mover and the engine adapters need torch. Torch-backed names are
 resolved on first access, so ``import eplb_engine`` works on a machine without torch.
 """
 
@@ -13,6 +14,8 @@ from typing import Any
 # name -> submodule that defines it; imported on first attribute access (PEP 562), so the
 # torch-free client names never pull in torch. Add an entry per public name.
 _LAZY: dict[str, str] = {
+    "BalancedRank": "balanced_rank",
+    "Draft": "balanced_rank",
     "WeightMover": "mover",
     "MoveReport": "mover",
     "DistTransport": "transport",
@@ -28,6 +31,7 @@ _LAZY: dict[str, str] = {
     "AsyncServiceClient": "aio",
     "ServiceBarrier": "rollout",
     "ProcessGroupBarrier": "rollout",
+    "RolloutGroup": "rollout",
     "AckSender": "rollout",
 }
 

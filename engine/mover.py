@@ -16,7 +16,10 @@ rank of the group makes the same calls in the same order):
   completely in place; a receive lands straight in its slot when nothing reads that slot's
   old content, else in the staging buffer, which is reused layer after layer.
 
-In both, the tensors are written in place (same storage: CUDA graphs stay valid), copies
+``WeightMover`` is the face of both: its first ``prepare()`` or ``step()`` picks the mode
+(``_StagedMove`` or ``_DirectMove``), and both run over one per-rank plan (``_RankPlan``: the
+slot views, the schedule and this rank's work per layer, the receive buffers, the exchanges
+and copies). In both, the tensors are written in place (same storage: CUDA graphs stay valid), copies
 within a gpu copy each byte once (cycles through one spare slot), and on a GPU the work runs
 on the mover's own CUDA stream.
 """
@@ -36,12 +39,13 @@ except ImportError as exc:  # the client half of eplb_engine works without torch
     raise ImportError("eplb_engine's WeightMover needs torch: pip install 'eplb[engine]'") from exc
 
 from eplb import Placement
-from eplb.transfer import Bandwidth, TransferSchedule, transfer_schedule
+from eplb.transfer import Bandwidth, TransferSchedule, staged_chunks, staged_slots, transfer_schedule
 
 from .checksum import slot_checksum
 from .local_order import SPARE, order_local_copies
 from .transport import P2P, DistTransport, Transport
 
+# staged_chunks and staged_slots live in eplb.transfer (pure numpy); importable from here as documented.
 __all__ = ["MoveReport", "WeightMover", "staged_chunks", "staged_slots"]
 
 # Below this many bytes a slot's copy is launch-bound: batch such copies into one kernel.
@@ -132,56 +136,21 @@ class WeightMover:
         verify: bool = False,
         batch_copies: bool = True,
     ) -> None:
-        if not isinstance(old, Placement) or not isinstance(new, Placement):
-            raise ValueError("old and new must be eplb.Placement objects")
-        if old.topology != new.topology:
-            raise ValueError(f"old placement is for {old.topology}, new for {new.topology}: they must match")
-        topo = old.topology
-        self._names, self._slot_shapes, self._dtypes, self.device = _check_layers(
-            layers, topo.num_layers, topo.slots_per_gpu
-        )
-        # slot views made once (unbind is one call per tensor), not per copy
-        self._views = [{name: layer[name].unbind(0) for name in self._names} for layer in layers]
-        self.batch_copies = batch_copies
-        self._small = {
-            n
-            for n, shape, dt in zip(self._names, self._slot_shapes, self._dtypes)
-            if math.prod(shape) * torch.empty(0, dtype=dt).element_size() < _SMALL_SLOT_BYTES
-        }
         if layers_per_call is not None and (
             isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1
         ):
             raise ValueError(f"layers_per_call must be a positive integer or None, got {layers_per_call!r}")
-        self._transport = transport if transport is not None else DistTransport(group)
-        if self._transport.size != topo.num_gpus:
-            raise ValueError(
-                f"the process group has {self._transport.size} ranks; the topology has num_gpus = {topo.num_gpus}"
-            )
-        self.rank = self._transport.rank
-        self.topology = topo
-        self.layers_per_call = layers_per_call or topo.num_layers
-        self.verify = verify
-        self.slot_bytes = sum(
-            math.prod(shape) * torch.empty(0, dtype=dt).element_size()
-            for shape, dt in zip(self._slot_shapes, self._dtypes)
+        self._plan = plan = _RankPlan(
+            layers, old, new, group, transport, round_experts, bandwidth, verify=verify, batch_copies=batch_copies
         )
-        self.schedule: TransferSchedule = transfer_schedule(
-            old, new, topo, expert_bytes=float(self.slot_bytes), bandwidth=bandwidth, round_experts=round_experts
-        )
-        self._work = _rank_work(self.schedule, self.rank)
-        self._spare_needed = int(any(dst == SPARE for work in self._work for _, dst in work.local))
+        self.schedule: TransferSchedule = plan.schedule
+        self.rank, self.topology, self.device, self.slot_bytes = plan.rank, plan.topology, plan.device, plan.slot_bytes
+        self.verify, self.batch_copies = verify, batch_copies
+        self.layers_per_call = layers_per_call or plan.topology.num_layers
         self._staging_cap = staging_bytes
         self._chunk_layers = chunk_layers
         self._chunks: tuple[range, ...] | None = None
-        self._chunk = 0  # staged: the chunk being prepared / committed next
-        self._closed = False  # rolled back after committing chunks: nothing more to do
-        self._mode: str | None = None
-        self._next = 0  # next layer to prepare / step
-        self._committed = False
-        self._pool: dict[str, tuple[torch.Tensor, ...]] | None = None  # name -> buffer slot views
-        self._pool_index: list[dict[int, int]] = [{} for _ in range(topo.num_layers)]  # layer -> {dst slot: buffer}
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._verified: list[tuple[int, int, bool]] = []
+        self._move: _StagedMove | _DirectMove | None = None  # the mode, once the first call picked it
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -203,31 +172,35 @@ class WeightMover:
 
     def _pool_slots(self, mode: str) -> int:
         if mode == "staged":
-            return max((self._chunk_slots(chunk) for chunk in self.chunks), default=0)
+            return max((self._plan.chunk_slots(chunk) for chunk in self.chunks), default=0)
         if mode == "direct":
-            reads = max((sum(1 for rnd in w.recvs for _, d in rnd if d in w.read_slots) for w in self._work), default=0)
-            return reads + self._spare_needed
+            return self._plan.direct_slots()
         raise ValueError(f"mode must be 'staged' or 'direct', got {mode!r}")
-
-    def _chunk_slots(self, chunk: range) -> int:
-        works = [self._work[layer] for layer in chunk]
-        recvs = sum(len(rnd) for w in works for rnd in w.recvs)
-        return recvs + int(any(dst == SPARE for w in works for _, dst in w.local))
 
     @property
     def prepared_layers(self) -> int:
         """Layers prepared (staged) or moved (direct) so far."""
-        return self._next
+        return self._move.next if self._move is not None else 0
 
     @property
     def done(self) -> bool:
         """Every layer is in place (direct), or committed (staged)."""
-        return self._committed or (self._mode == "direct" and self._next == self.topology.num_layers)
+        return self._move is not None and self._move.done
 
     @property
     def committed_layers(self) -> int:
         """Staged: layers ``0 .. committed_layers - 1`` hold the new placement (whole chunks)."""
-        return self.chunks[self._chunk - 1].stop if self._mode == "staged" and self._chunk else 0
+        return self._move.committed_layers if isinstance(self._move, _StagedMove) else 0
+
+    @property
+    def fully_prepared(self) -> bool:
+        """Every layer is prepared (with several chunks: the last chunk is)."""
+        return isinstance(self._move, _StagedMove) and self._move.next == self.topology.num_layers
+
+    @property
+    def chunk_prepared(self) -> bool:
+        """The current chunk is prepared: ``commit()`` may run."""
+        return isinstance(self._move, _StagedMove) and self._move.chunk_prepared
 
     # -- staged: prepare / commit / rollback ----------------------------------------------
 
@@ -236,25 +209,7 @@ class WeightMover:
         chunk into receive buffers and send what peers need from this rank; live slots are
         only read. Collective over the group. Returns the layers prepared by this call (0 once
         the current chunk is prepared: ``commit()`` it, then prepare the next)."""
-        self._enter("staged")
-        if self._chunk >= len(self.chunks):
-            return 0
-        layers = self._take(num_layers, self.chunks[self._chunk].stop)
-        with self._on_stream():
-            for layer in layers:
-                self._exchange_layer(layer, direct=False)
-                self._plan_local(layer)
-        return len(layers)
-
-    @property
-    def fully_prepared(self) -> bool:
-        """Every layer is prepared (with several chunks: the last chunk is)."""
-        return self._mode == "staged" and self._next == self.topology.num_layers
-
-    @property
-    def chunk_prepared(self) -> bool:
-        """The current chunk is prepared: ``commit()`` may run."""
-        return self._mode == "staged" and self._chunk < len(self.chunks) and self._next == self.chunks[self._chunk].stop
+        return self._enter("staged").prepare(self._count(num_layers))
 
     def commit(self) -> MoveReport:
         """Write the current chunk's live slots (copies within this gpu only, no peer
@@ -262,25 +217,10 @@ class WeightMover:
         from that step on those layers route with the new map. The engine's current stream
         waits for the writes, so the next step reads new weights. The receive buffers are then
         free for the next chunk; after the last, the mover is ``done``."""
-        if self._mode != "staged" or self._committed or self._closed:
+        move = self._move
+        if not isinstance(move, _StagedMove) or move.committed or move.closed:
             raise ValueError("commit() needs a prepared, not yet committed or rolled back mover")
-        chunk = self.chunks[self._chunk]
-        if self._next != chunk.stop:
-            raise ValueError(
-                f"commit() before chunk {self._chunk} (layers {chunk.start}..{chunk.stop - 1}) is prepared "
-                f"({self._next - chunk.start} of {len(chunk)} layers)"
-            )
-        with self._on_stream():
-            for layer in chunk:
-                self._local_layer(layer)
-                self._pool_index[layer] = {}
-        self._finish()
-        self._chunk += 1
-        self._free = 0  # the next chunk's receives reuse the buffers (stream order keeps it safe)
-        if self._chunk == len(self.chunks):
-            self._committed = True
-            self._pool = None
-        return self._report(chunk)
+        return move.commit()
 
     def rollback(self) -> None:
         """Drop the receive buffers of a prepare that will not be committed; the live weights
@@ -288,22 +228,16 @@ class WeightMover:
         Layers of chunks already committed keep the new placement (``committed_layers``):
         the mover is then finished; moving them back is a new transition. Not possible after
         the last ``commit()``."""
-        if self._committed:
+        move = self._move
+        if isinstance(move, _StagedMove) and move.committed:
             raise ValueError("rollback() after commit(): the live weights already hold the new placement")
-        if self._mode == "direct" and self._next:
+        if isinstance(move, _DirectMove) and move.next:
             raise ValueError("rollback() after direct step(): those layers were written in place")
-        self.synchronize()
-        self._pool = None
-        self._pool_index = [{} for _ in range(self.topology.num_layers)]
-        for work in self._work:
-            work.expected.clear()
-            work.launches = []
-        if self._mode == "staged" and self._chunk:
-            self._closed = True
-            self._next = self.committed_layers
+        self._plan.drop()
+        if isinstance(move, _StagedMove) and move.chunk:
+            move.close()
             return
-        self._next = 0
-        self._mode = None
+        self._move = None  # nothing written: the mover is as new
 
     # -- direct: step / run ---------------------------------------------------------------
 
@@ -311,82 +245,243 @@ class WeightMover:
         """Move the next ``num_layers`` (default ``layers_per_call``) layers in place: peer rounds,
         then the copies within the gpu. Collective over the group. The engine must not run
         those layers until this returns (its current stream waits for the writes)."""
-        self._enter("direct")
-        layers = self._take(num_layers)
-        with self._on_stream():
-            for layer in layers:
-                self._pool_index[layer] = {}
-                self._exchange_layer(layer, direct=True)
-                self._plan_local(layer)
-                self._local_layer(layer)
-        self._finish()
-        return self._report(layers)
+        return self._enter("direct").step(self._count(num_layers))
 
     def run(self) -> MoveReport:
         """Every remaining layer in place (``step`` over all of them)."""
-        return self.step(self.topology.num_layers - self._next)
+        return self.step(self.topology.num_layers - self.prepared_layers)
 
     def synchronize(self) -> None:
         """Block the host until the mover's queued GPU work is done."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._plan.synchronize()
 
     # -- internals ------------------------------------------------------------------------
 
-    def _enter(self, mode: str) -> None:
-        if self._committed or self._closed:
+    def _count(self, num_layers: int | None) -> int:
+        n = self.layers_per_call if num_layers is None else num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
+        return n
+
+    def _enter(self, mode: str) -> _StagedMove | _DirectMove:
+        """The mode's move: made (its buffers allocated within the budget) by the first call."""
+        move = self._move
+        if move is not None and (isinstance(move, _StagedMove) and (move.committed or move.closed)):
             raise ValueError(
                 "this mover already committed or rolled back committed chunks; make a new WeightMover for the next transition"
             )
-        if self._mode not in (None, mode):
-            raise ValueError(f"this mover runs {self._mode}; prepare()/commit() and step() do not mix")
-        if self._mode is None:
+        if move is not None and move.mode != mode:
+            raise ValueError(f"this mover runs {move.mode}; prepare()/commit() and step() do not mix")
+        if move is None:
             need = self.staging_bytes_needed(mode)
             if self._staging_cap is not None and need > self._staging_cap:
                 raise ValueError(
                     f"staging_bytes={self._staging_cap} is below what {mode} mode needs on rank {self.rank}: "
                     f"{need} bytes ({need // self.slot_bytes} slots of {self.slot_bytes} bytes)"
                 )
-            n = self._pool_slots(mode)
-            with self._on_stream():
-                self._pool = {
-                    name: torch.empty((n, *shape), dtype=dt, device=self.device).unbind(0)
-                    for name, shape, dt in zip(self._names, self._slot_shapes, self._dtypes)
-                }
-            self._spare = n - 1
-            self._free = 0
-            self._transport.start(self.device)
-            self._mode = mode
+            self._plan.allocate(self._pool_slots(mode))
+            move = self._move = _StagedMove(self._plan, self.chunks) if mode == "staged" else _DirectMove(self._plan)
+        return move
 
-    def _take(self, num_layers: int | None, stop: int | None = None) -> range:
-        n = self.layers_per_call if num_layers is None else num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
-        start = self._next
-        self._next = min(self.topology.num_layers if stop is None else stop, start + n)
-        return range(start, self._next)
 
-    def _on_stream(self):
-        if self._stream is None:
+class _StagedMove:
+    """Staged mode over a plan: chunk by chunk, ``prepare`` into the buffers, ``commit`` in place."""
+
+    mode = "staged"
+
+    def __init__(self, plan: _RankPlan, chunks: tuple[range, ...]) -> None:
+        self.plan, self.chunks = plan, chunks
+        self.chunk = 0  # the chunk being prepared / committed next
+        self.next = 0  # the next layer to prepare
+        self.committed = False  # every chunk committed
+        self.closed = False  # rolled back after committing chunks: nothing more to do
+
+    @property
+    def done(self) -> bool:
+        return self.committed
+
+    @property
+    def committed_layers(self) -> int:
+        return self.chunks[self.chunk - 1].stop if self.chunk else 0
+
+    @property
+    def chunk_prepared(self) -> bool:
+        return self.chunk < len(self.chunks) and self.next == self.chunks[self.chunk].stop
+
+    def prepare(self, n: int) -> int:
+        if self.chunk >= len(self.chunks):
+            return 0
+        start, self.next = self.next, min(self.chunks[self.chunk].stop, self.next + n)
+        with self.plan.on_stream():
+            for layer in range(start, self.next):
+                self.plan.exchange_layer(layer, direct=False)
+                self.plan.plan_local(layer)
+        return self.next - start
+
+    def commit(self) -> MoveReport:
+        chunk = self.chunks[self.chunk]
+        if self.next != chunk.stop:
+            raise ValueError(
+                f"commit() before chunk {self.chunk} (layers {chunk.start}..{chunk.stop - 1}) is prepared "
+                f"({self.next - chunk.start} of {len(chunk)} layers)"
+            )
+        plan = self.plan
+        with plan.on_stream():
+            for layer in chunk:
+                plan.local_layer(layer)
+                plan.pool_index[layer] = {}
+        plan.finish()
+        self.chunk += 1
+        plan.free = 0  # the next chunk's receives reuse the buffers (stream order keeps it safe)
+        if self.chunk == len(self.chunks):
+            self.committed = True
+            plan.pool = None
+        return plan.report(chunk)
+
+    def close(self) -> None:
+        self.closed = True
+        self.next = self.committed_layers
+
+
+class _DirectMove:
+    """Direct mode over a plan: layer by layer, in place."""
+
+    mode = "direct"
+    committed_layers = 0
+
+    def __init__(self, plan: _RankPlan) -> None:
+        self.plan = plan
+        self.next = 0  # the next layer to move
+
+    @property
+    def done(self) -> bool:
+        return self.next == self.plan.topology.num_layers
+
+    def step(self, n: int) -> MoveReport:
+        plan = self.plan
+        layers = range(self.next, min(plan.topology.num_layers, self.next + n))
+        self.next = layers.stop
+        with plan.on_stream():
+            for layer in layers:
+                plan.pool_index[layer] = {}
+                plan.exchange_layer(layer, direct=True)
+                plan.plan_local(layer)
+                plan.local_layer(layer)
+        plan.finish()
+        return plan.report(layers)
+
+
+class _RankPlan:
+    """One rank's part of one transition, shared by both modes: the tensors' slot views, the
+    transfer schedule and this rank's work per layer, the receive buffers, and the three
+    kinds of work (peer exchanges, copies within the gpu, the report) on the mover's stream."""
+
+    def __init__(
+        self,
+        layers: Sequence[Mapping[str, torch.Tensor]],
+        old: Placement,
+        new: Placement,
+        group: dist.ProcessGroup | None,
+        transport: Transport | None,
+        round_experts: int | None,
+        bandwidth: Bandwidth | None,
+        *,
+        verify: bool,
+        batch_copies: bool,
+    ) -> None:
+        if not isinstance(old, Placement) or not isinstance(new, Placement):
+            raise ValueError("old and new must be eplb.Placement objects")
+        if old.topology != new.topology:
+            raise ValueError(f"old placement is for {old.topology}, new for {new.topology}: they must match")
+        topo = old.topology
+        self.names, self.slot_shapes, self.dtypes, self.device = _check_layers(
+            layers, topo.num_layers, topo.slots_per_gpu
+        )
+        # slot views made once (unbind is one call per tensor), not per copy
+        self.views = [{name: layer[name].unbind(0) for name in self.names} for layer in layers]
+        self.batch_copies, self.verify = batch_copies, verify
+        self.small = {
+            n
+            for n, shape, dt in zip(self.names, self.slot_shapes, self.dtypes)
+            if math.prod(shape) * torch.empty(0, dtype=dt).element_size() < _SMALL_SLOT_BYTES
+        }
+        self.transport = transport if transport is not None else DistTransport(group)
+        if self.transport.size != topo.num_gpus:
+            raise ValueError(
+                f"the process group has {self.transport.size} ranks; the topology has num_gpus = {topo.num_gpus}"
+            )
+        self.rank = self.transport.rank
+        self.topology = topo
+        self.slot_bytes = sum(
+            math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+            for shape, dt in zip(self.slot_shapes, self.dtypes)
+        )
+        self.schedule = transfer_schedule(
+            old, new, topo, expert_bytes=float(self.slot_bytes), bandwidth=bandwidth, round_experts=round_experts
+        )
+        self.work = _rank_work(self.schedule, self.rank)
+        self.spare_needed = int(any(dst == SPARE for work in self.work for _, dst in work.local))
+        self.pool: dict[str, tuple[torch.Tensor, ...]] | None = None  # name -> buffer slot views
+        self.pool_index: list[dict[int, int]] = [{} for _ in range(topo.num_layers)]  # layer -> {dst slot: buffer}
+        self.spare = self.free = 0
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.verified: list[tuple[int, int, bool]] = []
+
+    def chunk_slots(self, chunk: range) -> int:
+        """Buffer slots staged mode needs for ``chunk``: its receives, plus a spare for a cycle."""
+        works = [self.work[layer] for layer in chunk]
+        recvs = sum(len(rnd) for w in works for rnd in w.recvs)
+        return recvs + int(any(dst == SPARE for w in works for _, dst in w.local))
+
+    def direct_slots(self) -> int:
+        """Buffer slots direct mode needs: the most receives of one layer whose slot is still read."""
+        reads = max((sum(1 for rnd in w.recvs for _, d in rnd if d in w.read_slots) for w in self.work), default=0)
+        return reads + self.spare_needed
+
+    def allocate(self, n: int) -> None:
+        """``n`` buffer slots per tensor name (the last is the spare); starts the transport."""
+        with self.on_stream():
+            self.pool = {
+                name: torch.empty((n, *shape), dtype=dt, device=self.device).unbind(0)
+                for name, shape, dt in zip(self.names, self.slot_shapes, self.dtypes)
+            }
+        self.spare, self.free = n - 1, 0
+        self.transport.start(self.device)
+
+    def drop(self) -> None:
+        """Frees the buffers and forgets the work planned in them."""
+        self.synchronize()
+        self.pool = None
+        self.pool_index = [{} for _ in range(self.topology.num_layers)]
+        for work in self.work:
+            work.expected.clear()
+            work.launches = []
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def on_stream(self):
+        if self.stream is None:
             return _nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
 
-    def _finish(self) -> None:
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+    def finish(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def _exchange_layer(self, layer: int, direct: bool) -> None:
-        work, tensors = self._work[layer], self._views[layer]
+    def exchange_layer(self, layer: int, direct: bool) -> None:
+        work, tensors = self.work[layer], self.views[layer]
         if direct:
-            self._free = 0
-        index = self._pool_index[layer]
+            self.free = 0
+        index = self.pool_index[layer]
         for sends, recvs in zip(work.sends, work.recvs):
             ops: list[P2P] = []
             checks: list[tuple[int, torch.Tensor]] = []
             # Both sides list a pair's operations in schedule order, names sorted: they match.
             for peer, slot in sends:
-                for name in self._names:
+                for name in self.names:
                     ops.append(P2P(True, peer, tensors[name][slot]))
                 if self.verify:
                     ops.append(P2P(True, peer, slot_checksum(tensors, slot)))
@@ -395,38 +490,38 @@ class WeightMover:
                     target = tensors  # nothing reads this slot's old content: land in place
                     at = slot
                 else:
-                    at = index[slot] = self._free
-                    self._free += 1
-                    target = self._pool
-                for name in self._names:
+                    at = index[slot] = self.free
+                    self.free += 1
+                    target = self.pool
+                for name in self.names:
                     ops.append(P2P(False, peer, target[name][at]))
                 if self.verify:
-                    cks = torch.empty(2 * len(self._names), dtype=torch.int64, device=self.device)
+                    cks = torch.empty(2 * len(self.names), dtype=torch.int64, device=self.device)
                     ops.append(P2P(False, peer, cks))
                     checks.append((slot, cks))
             if ops:
-                self._transport.exchange(ops)
+                self.transport.exchange(ops)
             for slot, cks in checks:
                 work.expected[slot] = cks
 
-    def _plan_local(self, layer: int) -> None:
+    def plan_local(self, layer: int) -> None:
         """Build the layer's copy launches (host work) ahead of running them: in staged mode at
         the end of its prepare, so ``commit()`` only launches."""
-        work, tensors, pool = self._work[layer], self._views[layer], self._pool
-        spare = ("pool", self._spare)
+        work, tensors, pool = self.work[layer], self.views[layer], self.pool
+        spare = ("pool", self.spare)
         copies = [(spare if s == SPARE else ("slot", s), spare if d == SPARE else ("slot", d)) for s, d in work.local]
-        copies += [(("pool", buf), ("slot", dst)) for dst, buf in self._pool_index[layer].items()]
+        copies += [(("pool", buf), ("slot", dst)) for dst, buf in self.pool_index[layer].items()]
         copies += [(("slot", s), ("slot", d)) for s, d in work.fills]
         launches: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] = []
         for wave in _waves(copies) if self.batch_copies else [[c] for c in copies]:
-            for name in self._names:
+            for name in self.names:
                 srcs = [(pool if sk == "pool" else tensors)[name][s] for (sk, s), _ in wave]
                 dsts = [(pool if dk == "pool" else tensors)[name][d] for _, (dk, d) in wave]
-                launches.append((self.batch_copies and name in self._small, dsts, srcs))
+                launches.append((self.batch_copies and name in self.small, dsts, srcs))
         work.launches = launches
 
-    def _local_layer(self, layer: int) -> None:
-        work, tensors = self._work[layer], self._views[layer]
+    def local_layer(self, layer: int) -> None:
+        work, tensors = self.work[layer], self.views[layer]
         if self.verify:
             for src, dst in work.copies:  # old content of the sources, before any write
                 work.expected[dst] = slot_checksum(tensors, src)
@@ -442,14 +537,14 @@ class WeightMover:
                 work.expected[dst] = work.expected[src]
             for slot, want in work.expected.items():
                 got = slot_checksum(tensors, slot)
-                self._verified.append((layer, slot, bool(torch.equal(got, want))))
+                self.verified.append((layer, slot, bool(torch.equal(got, want))))
             work.expected.clear()
 
-    def _report(self, layers: range) -> MoveReport:
+    def report(self, layers: range) -> MoveReport:
         s, g = self.schedule, self.rank
         sel = list(layers)
         wanted = set(sel)
-        checked = [(layer, slot, ok) for layer, slot, ok in self._verified if layer in wanted]
+        checked = [(layer, slot, ok) for layer, slot, ok in self.verified if layer in wanted]
         return MoveReport(
             layers=tuple(sel),
             received_bytes=int(s.received_bytes[sel, g].sum()),
@@ -458,60 +553,6 @@ class WeightMover:
             checked_slots=len(checked),
             mismatches=tuple((layer, slot) for layer, slot, ok in checked if not ok),
         )
-
-
-def staged_slots(schedule: TransferSchedule) -> np.ndarray:
-    """int64 ``[L, G]``: receive-buffer slots gpu ``g`` needs to stage layer ``l``: its
-    receives, plus one spare slot where its local copies of the layer form a cycle."""
-    topo = schedule.topology
-    L, G = topo.num_layers, topo.num_gpus
-    recv = np.bincount(schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu, minlength=L * G).reshape(L, G)
-    return recv + (schedule.cycles > 0)
-
-
-def staged_chunks(
-    schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None, chunk_layers: int | None = None
-) -> tuple[range, ...]:
-    """The layers ``0..L-1`` cut greedily into consecutive chunks whose staged receives (plus
-    one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu, at most
-    ``chunk_layers`` layers each; every rank computes the same chunks from the schedule.
-    ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
-    when one layer alone does not fit on some gpu (with the bytes it needs)."""
-    L = schedule.topology.num_layers
-    if chunk_layers is not None and (
-        isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1
-    ):
-        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
-    if staging_bytes is None:
-        step = chunk_layers or max(L, 1)
-        return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
-        raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
-    topo = schedule.topology
-    G = topo.num_gpus
-    recv = np.bincount(schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu, minlength=L * G).reshape(L, G)
-    spare = schedule.cycles > 0
-    chunks: list[range] = []
-    start = 0
-    held = np.zeros(G, dtype=np.int64)
-    cyc = np.zeros(G, dtype=bool)
-    for layer in range(L):
-        alone = recv[layer] + spare[layer]
-        if int(alone.max()) * slot_bytes > staging_bytes:
-            g = int(alone.argmax())
-            raise ValueError(
-                f"staging_bytes={staging_bytes} is below what layer {layer} alone needs staged on gpu {g}: "
-                f"{int(alone[g]) * slot_bytes} bytes ({int(alone[g])} slots of {slot_bytes} bytes); the smallest budget "
-                f"for this transition is {int((recv + spare).max()) * slot_bytes} bytes"
-            )
-        full = chunk_layers is not None and layer - start == chunk_layers
-        if full or int((held + recv[layer] + (cyc | spare[layer])).max()) * slot_bytes > staging_bytes:
-            chunks.append(range(start, layer))
-            start, held, cyc = layer, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=bool)
-        held = held + recv[layer]
-        cyc = cyc | spare[layer]
-    chunks.append(range(start, L))
-    return tuple(chunks)
 
 
 class _nullcontext:

@@ -15,14 +15,19 @@ after every weight it routes to has arrived. ``Rollout`` runs that protocol on o
    failure, makes every rank ``rollback`` and keep the old map; the failure is acked as
    ``ACK_STATE_FAILED`` with the error, which the service counts.
 
+Each rank's side is a state machine (``Phase``: idle, preparing, ready, failed, reverting; the
+transitions are listed at ``_TRANSITIONS`` and ``Rollout._enter`` is the only place the phase
+changes). Everything happens on the step thread at step boundaries; the prepare is a future on
+the rollout's one-worker executor, whose outcome the step thread reads once.
+
 The agreement comes from a ``Barrier``, two of which are here: ``ServiceBarrier`` (through
 the service's ``AckPlacement``: the switch step is the largest PREPARED step plus the
 deployment's ``switch_margin_steps``) and ``ProcessGroupBarrier`` (through the engine's own
 ``torch.distributed`` group: an all-reduce at each step boundary; the switch is the step at
 which the all-reduce shows every rank ready). docs/rollout.md compares them.
 
-**Chunks.** An applier with a memory budget (``MoverApplier``'s ``staging_bytes``) may switch
-a version in chunks of layers: prepare chunk k, switch its layers at an agreed step, then
+**Chunks.** A ``ChunkedApplier`` (``MoverApplier``, with its memory budget ``staging_bytes``)
+may switch a version in chunks of layers: prepare chunk k, switch its layers at an agreed step, then
 chunk k + 1. Each MoE layer routes with its own map, so between chunks the routing map
 (``Rollout.routing``) takes the switched layers from the new placement and the others from
 the old, and every layer's weights match its own map. Only ``ProcessGroupBarrier`` agrees
@@ -35,13 +40,15 @@ mixed (a ``"partial"`` event), and the next version moves from the mixed map.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 
@@ -53,7 +60,9 @@ from .wire import PublishedPlacement
 __all__ = [
     "DEFAULT_STAGING_BYTES",
     "Applier",
+    "ChunkedApplier",
     "MoverApplier",
+    "Phase",
     "Barrier",
     "Local",
     "Decision",
@@ -61,6 +70,7 @@ __all__ = [
     "Rollout",
     "ServiceBarrier",
     "ProcessGroupBarrier",
+    "RolloutGroup",
     "AckSender",
 ]
 
@@ -73,12 +83,7 @@ log = logging.getLogger(__name__)
 
 class Applier(Protocol):
     """What a rank does to its weights; ``WeightMover``-backed appliers live in the engine.
-
-    A chunked applier also has ``chunks`` (the layers of each chunk, the same on every rank,
-    set by ``prepare``) and ``prepare_next()``: ``prepare`` then prepares chunk 0, each
-    ``commit`` makes one chunk live, ``prepare_next`` prepares the chunk after the last
-    committed one. Without them the applier moves whole versions (one chunk of every layer).
-    """
+    It moves whole versions (one chunk of every layer) unless it is a ``ChunkedApplier``."""
 
     def prepare(self, old: eplb.Placement, new: eplb.Placement) -> None:
         """Moves this rank's weights for ``new`` (on the rollout's worker thread) without
@@ -90,6 +95,19 @@ class Applier(Protocol):
     def rollback(self) -> None:
         """Drops whatever the prepare in flight did; the layers not yet committed keep the
         weights ``old`` routes to."""
+
+
+@runtime_checkable
+class ChunkedApplier(Applier, Protocol):
+    """An applier that switches a version in chunks of layers: ``prepare`` prepares chunk 0
+    and sets ``chunks`` (the layers of each chunk, the same on every rank), each ``commit``
+    makes one chunk live, ``prepare_next`` prepares the chunk after the last committed one.
+    ``Rollout`` tells one apart by these two members (``isinstance``), once, at construction."""
+
+    chunks: tuple[tuple[int, ...], ...]
+
+    def prepare_next(self) -> None:
+        """Prepares the chunk after the last committed one (on the rollout's worker)."""
 
 
 class MoverApplier:
@@ -198,11 +216,13 @@ class Local:
 class Decision:
     """What the ranks agreed at a step boundary: start preparing ``start`` (0: nothing to
     start; the current version: move an aborted version's switched layers back), ``switch``
-    to the target (its current chunk's layers) from this step on, or ``abort`` it."""
+    to the target (its current chunk's layers) from this step on, ``abort`` it, or ``hold``
+    its last switch (it is ready; another deployment of a ``RolloutGroup`` is changing)."""
 
     start: int = 0
     switch: bool = False
     abort: bool = False
+    hold: bool = False  # ready, but the last switch waits for another deployment (RolloutGroup)
 
 
 class Barrier(Protocol):
@@ -355,14 +375,26 @@ class ProcessGroupBarrier:
         self._failed_sent = 0
 
     def sync(self, step: int, local: Local) -> Decision:
-        pairs = (local.offered, local.target, local.chunk, int(local.revert))
-        t = self._torch.tensor(
-            [v for x in pairs for v in (x, -x)]
-            + [int(local.target > 0 and not local.prepared), int(bool(local.failed))],
-            dtype=self._torch.int64,
-        )
+        (reduced,) = self.reduce([local])
+        decision = self.decide(local, reduced)
+        self.report(step, local, decision)
+        return decision
+
+    def reduce(self, locals_: Sequence[Local]) -> list[list[int]]:
+        """One all-reduce (MAX) of every ``Local``'s ten values: what ``decide`` reads, per local."""
+        values = []
+        for local in locals_:
+            pairs = (local.offered, local.target, local.chunk, int(local.revert))
+            values += [v for x in pairs for v in (x, -x)]
+            values += [int(local.target > 0 and not local.prepared), int(bool(local.failed))]
+        t = self._torch.tensor(values, dtype=self._torch.int64)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         v = [int(x) for x in t.tolist()]
+        return [v[i : i + 10] for i in range(0, len(v), 10)]
+
+    @staticmethod
+    def decide(local: Local, v: Sequence[int]) -> Decision:
+        """The decision every rank draws from the same reduced values ``v`` (no side effects)."""
         (max_offered, min_offered), (max_target, min_target), (max_chunk, min_chunk), (max_revert, min_revert) = (
             (v[i], -v[i + 1]) for i in range(0, 8, 2)
         )
@@ -373,39 +405,146 @@ class ProcessGroupBarrier:
             if min_offered == max_offered and min_offered > local.current:
                 return Decision(start=min_offered)
             return Decision()
-        moving_back = local.target == local.current  # acks are about versions, not about reverts
         if failed or min_target != max_target or min_chunk != max_chunk:
-            if self.acks is not None and local.failed and not moving_back and self._failed_sent != local.target:
-                self._failed_sent = local.target
-                self.acks.send(local.target, "failed", step, local.failed)
             return Decision(abort=True)
-        if not_ready == 0:
-            if self.acks is not None and local.final and not moving_back:
-                self.acks.send(local.target, "switched", step)
-            return Decision(switch=True)
-        return Decision()
+        return Decision(switch=True) if not_ready == 0 else Decision()
+
+    def report(self, step: int, local: Local, decision: Decision) -> None:
+        """Acks what was decided (after any coupling of deployments): FAILED with this rank's
+        error, SWITCHED after a version's last chunk; moving layers back is not acked (acks are
+        about versions, not about reverts)."""
+        if self.acks is None or local.target in (0, local.current):
+            return
+        if decision.abort and local.failed and self._failed_sent != local.target:
+            self._failed_sent = local.target
+            self.acks.send(local.target, "failed", step, local.failed)
+        elif decision.switch and local.final:
+            self.acks.send(local.target, "switched", step)
 
     def close(self) -> None:
         if self.acks is not None:
             self.acks.close()
 
 
+class RolloutGroup:
+    """Rollouts of several deployments on the same ranks, agreed by one all-reduce a step: a
+    target model and its draft (MTP, speculative decoding), each with its own experts, slots,
+    loads and versions. Each rollout keeps its own ``ProcessGroupBarrier`` (for its acks; all
+    on one group) and applier; the service keeps nothing across them.
+
+    Each deployment starts, prepares, switches chunks and aborts as on its own, with one rule
+    joining them: **a version's last switch waits while another deployment is changing** (a
+    version in flight, agreed to start, or offered on some rank), and then both switch at the
+    same step. So when both change they switch together; when one changes alone it switches
+    alone; when one fails, the other goes on. A deployment kept waiting so does not time out
+    for it (its wait restarts); a version offered on some ranks but never reaching the others
+    keeps the other deployment waiting, as it would keep its own from starting.
+    """
+
+    def __init__(self, rollouts: Sequence[Rollout]) -> None:
+        if not rollouts:
+            raise ValueError("a RolloutGroup needs at least one rollout")
+        barriers = [r.barrier for r in rollouts]
+        if not all(isinstance(b, ProcessGroupBarrier) for b in barriers):
+            kinds = sorted({type(b).__name__ for b in barriers})
+            raise ValueError(
+                f"a RolloutGroup agrees its switches through the engine's process group: every rollout needs a "
+                f"ProcessGroupBarrier, got {', '.join(kinds)}"
+            )
+        if any(b.group is not barriers[0].group for b in barriers):
+            raise ValueError("every rollout of a RolloutGroup needs its ProcessGroupBarrier on the same group")
+        if len({id(b) for b in barriers}) != len(barriers):
+            raise ValueError("each rollout of a RolloutGroup needs a ProcessGroupBarrier of its own (its acks)")
+        self.rollouts = tuple(rollouts)
+
+    def step(self, step: int) -> list[PublishedPlacement]:
+        """At a step boundary: advances every rollout; returns each one's placement to route with."""
+        locals_ = [r._local() for r in self.rollouts]
+        barriers = [r.barrier for r in self.rollouts]
+        reduced = barriers[0].reduce(locals_)
+        decisions = [ProcessGroupBarrier.decide(local, v) for local, v in zip(locals_, reduced)]
+        decisions = _together(decisions, locals_, reduced)
+        for barrier, local, decision in zip(barriers, locals_, decisions):
+            barrier.report(step, local, decision)
+        return [r._apply(step, d) for r, d in zip(self.rollouts, decisions)]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        for rollout in self.rollouts:
+            rollout.close(timeout_s)
+
+
+def _together(decisions: list[Decision], locals_: list[Local], reduced: list[list[int]]) -> list[Decision]:
+    """``RolloutGroup``'s rule: a last switch holds while another deployment is changing and
+    not switching its own last chunk at this step. Drawn from the reduced values and the agreed
+    decisions only, so every rank holds alike."""
+    finishing = [d.switch and local.final for d, local in zip(decisions, locals_)]
+    changing = [v[2] > 0 or d.start != 0 or v[0] > local.current for d, local, v in zip(decisions, locals_, reduced)]
+    out = []
+    for i, decision in enumerate(decisions):
+        held = finishing[i] and any(changing[j] and not finishing[j] for j in range(len(decisions)) if j != i)
+        out.append(Decision(hold=True) if held else decision)
+    return out
+
+
+class Phase(enum.Enum):
+    """Where one rank's rollout stands between two step boundaries (``Rollout.phase``).
+
+    ``IDLE``: nothing in flight (the routing map is ``current``'s, or mixed after a failed move
+    back); ``PREPARING``: the worker prepares the transition's current chunk; ``READY``: it
+    prepared, the rank waits for the others; ``FAILED``: the prepare raised or timed out, the
+    rank waits for the agreed abort (and for a timed-out prepare to return); ``REVERTING``: an
+    aborted version's switched layers wait for every rank to roll back, then move back. The
+    switch itself (``commit`` at the agreed step) runs inline on the step thread: an edge, not
+    a phase.
+    """
+
+    IDLE = "idle"
+    PREPARING = "preparing"
+    READY = "ready"
+    FAILED = "failed"
+    REVERTING = "reverting"
+
+
+# Every change of phase, and what makes it (``Rollout._enter`` refuses any other):
+#   IDLE, REVERTING -> PREPARING  the barrier agreed to start (a version, or the move back)
+#   PREPARING -> READY            the prepare's future returned (read once, at a step boundary)
+#   PREPARING -> FAILED           it raised, or ran past timeout_s
+#   READY -> FAILED               the other ranks were not ready within timeout_s
+#   READY -> PREPARING            a chunk switched; the next chunk's prepare starts
+#   READY -> IDLE                 the last chunk switched
+#   READY, FAILED -> IDLE         aborted (nothing switched, or the move back failed: "partial")
+#   PREPARING -> IDLE             closed: the prepare returned within close()'s wait, rolled back
+#   READY, FAILED -> REVERTING    aborted after chunks switched: they wait to be moved back
+_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.PREPARING}),
+    Phase.REVERTING: frozenset({Phase.PREPARING}),
+    Phase.PREPARING: frozenset({Phase.READY, Phase.FAILED, Phase.IDLE}),
+    Phase.READY: frozenset({Phase.FAILED, Phase.PREPARING, Phase.IDLE, Phase.REVERTING}),
+    Phase.FAILED: frozenset({Phase.IDLE, Phase.REVERTING}),
+}
+
+
 @dataclass
-class _Prepare:
-    """The prepare in flight (of one chunk at a time): its worker thread and outcome."""
+class _Transition:
+    """The move in flight (one chunk prepared at a time), written by the step thread only: the
+    worker's outcome comes back through ``future``, read once."""
 
     published: PublishedPlacement
-    started: float
-    revert: bool = False  # moving an aborted version's switched layers back to ``published``
+    revert: bool  # moving an aborted version's switched layers back to ``published``
+    future: futures.Future
+    started: float  # this chunk's prepare
     chunks: tuple[tuple[int, ...], ...] = ()  # known once chunk 0 is prepared
     chunk: int = 0
-    thread: threading.Thread | None = None
-    done: bool = False
+    seconds: float = 0.0  # this chunk's prepare, once read
+    ready_at: float = 0.0  # when it returned, once read
+    wait_from: float = 0.0  # the wait for the other ranks runs from here (ready_at, or the last hold)
     error: str = ""
-    seconds: float = 0.0  # this chunk's prepare
-    ready_at: float = 0.0
     total_prepare: float = 0.0  # over the chunks switched so far
     total_wait: float = 0.0
+
+    @property
+    def final(self) -> bool:
+        return not self.chunks or self.chunk == len(self.chunks) - 1
 
 
 class Rollout:
@@ -418,7 +557,10 @@ class Rollout:
     route with ``routing`` (a whole ``eplb.Placement``; write its rows ``layers`` into the
     engine's maps, e.g. ``apply_to_vllm(state, routing, layers=layers)``). ``current`` is the
     last version switched everywhere; ``routing`` the map to route with (``current``'s, but
-    mixed while a chunked version is half switched: ``mixed``).
+    mixed while a chunked version is half switched: ``mixed``); ``phase`` where it stands.
+
+    The prepares run on a one-worker executor of the rollout's own, one at a time; the worker
+    writes no state: the step thread reads each prepare's outcome from its future, once.
     """
 
     def __init__(
@@ -436,12 +578,18 @@ class Rollout:
         self.applier, self.barrier, self.timeout_s = applier, barrier, timeout_s
         self.on_event, self.on_switch = on_event, on_switch
         self.events: list[RolloutEvent] = []
-        self._lock = threading.Lock()
+        self._chunked = isinstance(applier, ChunkedApplier)
+        self._lock = threading.Lock()  # offer() runs on the watcher's thread
         self._offered: PublishedPlacement | None = None
         self._refused = 0  # a version that failed here is not prepared again
-        self._prep: _Prepare | None = None
-        self._revert = False  # switched layers of an aborted version wait to be moved back
+        self._phase = Phase.IDLE
+        self._move: _Transition | None = None
         self._routed = initial
+        self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-prepare")
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
 
     @property
     def mixed(self) -> bool:
@@ -454,97 +602,132 @@ class Rollout:
             if published.version > max(self.current.version, self._offered.version if self._offered else 0):
                 self._offered = published
 
+    def step(self, step: int) -> PublishedPlacement:
+        """At a step boundary: advances the rollout and returns the placement to route with
+        from this step on: ``current``, or, while ``mixed``, ``current`` with ``placement``
+        replaced by ``routing`` (its version is still ``current``'s)."""
+        return self._apply(step, self.barrier.sync(step, self._local()))
+
     def _local(self) -> Local:
+        """This rank's side at this step boundary: reads a finished prepare's outcome and
+        checks the timeouts first (``PREPARING``/``READY`` -> ``READY``/``FAILED``)."""
+        self._poll(time.monotonic())
         with self._lock:
             offered = (
                 self._offered.version
                 if self._offered and self._offered.version > self._refused
                 else self.current.version
             )
-        prep = self._prep
-        if prep is None:
-            return Local(self.current.version, offered, 0, False, "", revert=self._revert)
-        error = prep.error
-        if not prep.done and not error and time.monotonic() - prep.started > self.timeout_s:
-            error = prep.error = f"prepare of version {prep.published.version} timed out after {self.timeout_s:g} s"
-        elif prep.done and not error and time.monotonic() - prep.ready_at > self.timeout_s:
-            error = prep.error = (
-                f"version {prep.published.version}: other ranks not ready {self.timeout_s:g} s after this one"
-            )
-        final = not prep.chunks or prep.chunk == len(prep.chunks) - 1
+        move, phase = self._move, self._phase
+        if move is None:
+            return Local(self.current.version, offered, 0, False, "", revert=phase is Phase.REVERTING)
         return Local(
-            self.current.version, offered, prep.published.version, prep.done and not error, error, prep.chunk, final
+            self.current.version,
+            offered,
+            move.published.version,
+            phase is Phase.READY,
+            move.error if phase is Phase.FAILED else "",
+            move.chunk,
+            move.final,
         )
 
-    def step(self, step: int) -> PublishedPlacement:
-        """At a step boundary: advances the rollout and returns the placement to route with
-        from this step on: ``current``, or, while ``mixed``, ``current`` with ``placement``
-        replaced by ``routing`` (its version is still ``current``'s)."""
-        decision = self.barrier.sync(step, self._local())
-        prep = self._prep
-        if decision.start and prep is None:
-            if self._revert:
-                if decision.start == self.current.version:
-                    self._start(self.current, revert=True)
-            else:
-                with self._lock:
-                    target = self._offered
-                if target is not None and target.version == decision.start:
-                    self._start(target)
-        elif decision.switch and prep is not None:
-            self._switch(prep, step)
-        elif decision.abort and prep is not None and (prep.done or prep.error):
-            self._abort(prep, step)
+    def _apply(self, step: int, decision: Decision) -> PublishedPlacement:
+        """Carries out what the ranks agreed at this step boundary; returns the map to route with."""
+        phase, move = self._phase, self._move
+        if decision.start and phase is Phase.REVERTING:
+            if decision.start == self.current.version:
+                self._start(self.current, revert=True)
+        elif decision.start and phase is Phase.IDLE:
+            with self._lock:
+                target = self._offered
+            if target is not None and target.version == decision.start:
+                self._start(target)
+        elif decision.switch and phase is Phase.READY:
+            self._switch(move, step)
+        elif decision.hold and phase is Phase.READY:
+            move.wait_from = time.monotonic()  # waiting for another deployment, not for the ranks
+        elif decision.abort and phase in (Phase.READY, Phase.FAILED) and move.future.done():
+            # (a timed-out prepare still running is rolled back once it returns)
+            self._abort(move, step)
         return self._routed
 
+    # -- transitions ----------------------------------------------------------------------
+
+    def _enter(self, phase: Phase) -> None:
+        """The one place the phase changes."""
+        if phase not in _TRANSITIONS[self._phase]:
+            raise RuntimeError(f"rollout cannot go from {self._phase.value} to {phase.value}")
+        self._phase = phase
+
+    def _poll(self, now: float) -> None:
+        move = self._move
+        if move is None:
+            return
+        if self._phase is Phase.PREPARING:
+            if move.future.done():
+                self._read(move, now)
+                self._enter(Phase.FAILED if move.error else Phase.READY)
+            elif now - move.started > self.timeout_s:
+                move.error = f"prepare of version {move.published.version} timed out after {self.timeout_s:g} s"
+                self._enter(Phase.FAILED)
+        elif self._phase is Phase.READY and now - move.wait_from > self.timeout_s:
+            move.error = f"version {move.published.version}: other ranks not ready {self.timeout_s:g} s after this one"
+            self._enter(Phase.FAILED)
+        elif self._phase is Phase.FAILED and not move.ready_at and move.future.done():
+            self._read(move, now)  # a timed-out prepare returned: its own outcome no longer matters
+
+    def _read(self, move: _Transition, now: float) -> None:
+        """The prepare's outcome, read once: its chunks and finishing time, or its error."""
+        try:
+            chunks, finished = move.future.result()
+        except Exception as exc:  # reported through the barrier, then rolled back
+            log.error("preparing version %d failed", move.published.version, exc_info=exc)
+            move.error = move.error or f"{type(exc).__name__}: {exc}"
+            finished = now
+        else:
+            if chunks is not None:
+                move.chunks = chunks
+        move.seconds, move.ready_at, move.wait_from = finished - move.started, finished, finished
+
     def _start(self, target: PublishedPlacement, revert: bool = False) -> None:
-        prep = self._prep = _Prepare(target, time.monotonic(), revert=revert)
         old, new = self.routing, target.placement
-        chunked = getattr(self.barrier, "chunked", False)
+        future = self._executor.submit(self._prepare_first, old, new, target.version)
+        self._move = _Transition(target, revert, future, time.monotonic())
+        self._enter(Phase.PREPARING)
 
-        def first() -> None:
-            self.applier.prepare(old, new)
-            chunks = tuple(getattr(self.applier, "chunks", ()) or (tuple(range(new.topology.num_layers)),))
-            if len(chunks) > 1 and not chunked:
-                raise ValueError(
-                    f"version {target.version} needs {len(chunks)} chunks under the applier's staging budget, and "
-                    f"{type(self.barrier).__name__} switches whole versions only: raise the applier's staging_bytes "
-                    f"(None: every incoming expert at once) or use ProcessGroupBarrier"
-                )
-            prep.chunks = chunks
+    def _prepare_first(
+        self, old: eplb.Placement, new: eplb.Placement, version: int
+    ) -> tuple[tuple[tuple[int, ...], ...], float]:
+        """On the worker: chunk 0 (the applier cuts the chunks); returns them and the time it ended."""
+        self.applier.prepare(old, new)
+        whole = (tuple(range(new.topology.num_layers)),)
+        chunks = (tuple(tuple(c) for c in self.applier.chunks) or whole) if self._chunked else whole
+        if len(chunks) > 1 and not self.barrier.chunked:
+            raise ValueError(
+                f"version {version} needs {len(chunks)} chunks under the applier's staging budget, and "
+                f"{type(self.barrier).__name__} switches whole versions only: raise the applier's staging_bytes "
+                f"(None: every incoming expert at once) or use ProcessGroupBarrier"
+            )
+        return chunks, time.monotonic()
 
-        self._run(prep, first)
+    def _prepare_next(self) -> tuple[None, float]:
+        """On the worker: the chunk after the last committed one."""
+        self.applier.prepare_next()
+        return None, time.monotonic()
 
-    def _run(self, prep: _Prepare, body: Callable[[], None]) -> None:
-        prep.started, prep.done, prep.error = time.monotonic(), False, ""
-
-        def run() -> None:
-            try:
-                body()
-            except Exception as exc:  # reported through the barrier, then rolled back
-                log.exception("preparing version %d failed", prep.published.version)
-                prep.error = prep.error or f"{type(exc).__name__}: {exc}"
-            prep.seconds = time.monotonic() - prep.started
-            prep.ready_at = time.monotonic()
-            prep.done = True
-
-        name = f"eplb-{'revert' if prep.revert else 'prepare'}-{prep.published.version}-{prep.chunk}"
-        prep.thread = threading.Thread(target=run, name=name, daemon=True)
-        prep.thread.start()
-
-    def _switch(self, prep: _Prepare, step: int) -> None:
-        layers = prep.chunks[prep.chunk]
+    def _switch(self, move: _Transition, step: int) -> None:
+        layers = move.chunks[move.chunk]
         self.applier.commit()
-        prep.total_prepare += prep.seconds
-        prep.total_wait += time.monotonic() - prep.ready_at
-        last = prep.chunk == len(prep.chunks) - 1
+        now = time.monotonic()
+        move.total_prepare += move.seconds
+        move.total_wait += now - move.ready_at
+        last = move.final
         if last:  # the chunks cover every layer: the routing map is the target's
-            self._prep = None
-            if not prep.revert:
-                self.current = prep.published
+            if not move.revert:
+                self.current = move.published
             self.routing = self.current.placement
         else:
-            target = prep.published.placement
+            target = move.published.placement
             rows = self.routing.phy2log.copy()
             rows[list(layers)] = target.phy2log[list(layers)]
             self.routing = eplb.Placement(rows, target.topology)
@@ -552,53 +735,61 @@ class Rollout:
         if self.on_switch is not None:
             self.on_switch(step, layers, self.routing)
         if not last:
-            prep.chunk += 1
-            self._run(prep, self.applier.prepare_next)
+            move.chunk += 1
+            move.future, move.started, move.seconds, move.ready_at = (
+                self._executor.submit(self._prepare_next),
+                time.monotonic(),
+                0.0,
+                0.0,
+            )
+            self._enter(Phase.PREPARING)
             return
-        kind = "reverted" if prep.revert else "switched"
-        self._revert = False
+        self._move = None
+        self._enter(Phase.IDLE)
         self._event(
             RolloutEvent(
-                kind, prep.published.version, step, prep.total_prepare, prep.total_wait, chunks=len(prep.chunks)
+                "reverted" if move.revert else "switched",
+                move.published.version,
+                step,
+                move.total_prepare,
+                move.total_wait,
+                chunks=len(move.chunks),
             )
         )
 
-    def _abort(self, prep: _Prepare, step: int) -> None:
-        if prep.thread is not None and prep.thread.is_alive():
-            return  # a timed-out prepare still running: roll back once it returns
+    def _abort(self, move: _Transition, step: int) -> None:
         self.applier.rollback()
-        self._prep = None
-        wait = time.monotonic() - prep.ready_at if prep.done else 0.0
-        seconds, waited = prep.total_prepare + prep.seconds, prep.total_wait + wait
-        if prep.revert:  # moving back failed: the layers switched so far stay as they are
-            self._revert = False
+        self._move = None
+        seconds = move.total_prepare + move.seconds
+        waited = move.total_wait + (time.monotonic() - move.ready_at if move.ready_at else 0.0)
+        if move.revert:  # moving back failed: the layers switched so far stay as they are
+            self._enter(Phase.IDLE)
             self._routed = self.current if not self.mixed else replace(self.current, placement=self.routing)
-            log.error("moving version %d's switched layers back failed: routing stays mixed", prep.published.version)
+            log.error("moving version %d's switched layers back failed: routing stays mixed", move.published.version)
             self._event(
                 RolloutEvent(
                     "partial",
-                    prep.published.version,
+                    move.published.version,
                     step,
                     seconds,
                     waited,
-                    prep.error or "another rank failed",
-                    chunks=prep.chunk,
+                    move.error or "another rank failed",
+                    chunks=move.chunk,
                 )
             )
             return
-        mine = bool(prep.error)
         with self._lock:  # an aborted version is not prepared again; a newer one may be
-            self._refused = max(self._refused, prep.published.version)
-        self._revert = self.mixed
+            self._refused = max(self._refused, move.published.version)
+        self._enter(Phase.REVERTING if self.mixed else Phase.IDLE)
         self._event(
             RolloutEvent(
-                "failed" if mine else "aborted",
-                prep.published.version,
+                "failed" if move.error else "aborted",
+                move.published.version,
                 step,
                 seconds,
                 waited,
-                prep.error,
-                chunks=prep.chunk,
+                move.error,
+                chunks=move.chunk,
             )
         )
 
@@ -607,13 +798,17 @@ class Rollout:
         if self.on_event is not None:
             self.on_event(event)
 
-    def close(self, timeout_s: float = 2.0) -> None:
+    def close(self, timeout_s: float = 2.0, *, close_barrier: bool = True) -> None:
         """Waits up to ``timeout_s`` for a prepare in flight (its transfers are collective: peers
-        closing at the same step finish theirs) and rolls it back, then closes the barrier."""
-        prep = self._prep
-        if prep is not None and prep.thread is not None:
-            prep.thread.join(timeout_s)
-            if not prep.thread.is_alive():
+        closing at the same step finish theirs) and rolls it back, then closes the barrier
+        (unless ``close_barrier`` is False: a barrier shared with other rollouts)."""
+        move = self._move
+        if move is not None:
+            futures.wait([move.future], timeout=timeout_s)
+            if move.future.done():
                 self.applier.rollback()
-                self._prep = None
-        self.barrier.close()
+                self._move = None
+                self._enter(Phase.IDLE)
+        self._executor.shutdown(wait=False)
+        if close_barrier:
+            self.barrier.close()

@@ -17,6 +17,10 @@ Down gpus (every slot -1 in ``new``) neither send nor receive; a slot that empti
 nothing. An expert that no live gpu held in ``old`` (its replicas were all on gpus now down)
 has no source: its copies are ``RESTORE`` transfers (``src_slot`` and ``src_gpu`` -1), which
 the engine loads from a host copy or the checkpoint.
+
+``staged_chunks(schedule, slot_bytes, staging_bytes)`` cuts the layers into consecutive chunks
+whose incoming copies fit a receive-buffer budget on every gpu (``staged_slots``: the buffer
+slots per layer and gpu), so a mover can switch a transition chunk by chunk.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ __all__ = [
     "Bandwidth",
     "TransferPlan",
     "TransferSchedule",
+    "staged_chunks",
+    "staged_slots",
     "transfer_plan",
     "transfer_schedule",
 ]
@@ -423,6 +429,63 @@ def transfer_schedule(
         predicted_comm_seconds=comm,
         predicted_local_seconds=local_bytes.max(axis=1, initial=0.0) / (bandwidth.local_gb_s * 1e9),
     )
+
+
+def staged_slots(schedule: TransferSchedule) -> np.ndarray:
+    """int64 ``[L, G]``: receive-buffer slots gpu ``g`` needs to stage layer ``l``: its
+    receives, plus one spare slot where its local copies of the layer form a cycle."""
+    return _staged_receives(schedule) + (schedule.cycles > 0)
+
+
+def staged_chunks(
+    schedule: TransferSchedule, slot_bytes: int, staging_bytes: int | None, chunk_layers: int | None = None
+) -> tuple[range, ...]:
+    """The layers ``0..L-1`` cut greedily into consecutive chunks whose staged receives (plus
+    one spare slot where a cycle needs it) fit ``staging_bytes`` on every gpu, at most
+    ``chunk_layers`` layers each; every rank computes the same chunks from the schedule.
+    ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
+    when one layer alone does not fit on some gpu (with the bytes it needs)."""
+    L = schedule.topology.num_layers
+    if chunk_layers is not None and (
+        isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1
+    ):
+        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
+    if staging_bytes is None:
+        step = chunk_layers or max(L, 1)
+        return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
+        raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
+    G = schedule.topology.num_gpus
+    recv = _staged_receives(schedule)
+    spare = schedule.cycles > 0
+    chunks: list[range] = []
+    start = 0
+    held = np.zeros(G, dtype=np.int64)
+    cyc = np.zeros(G, dtype=bool)
+    for layer in range(L):
+        alone = recv[layer] + spare[layer]
+        if int(alone.max()) * slot_bytes > staging_bytes:
+            g = int(alone.argmax())
+            raise ValueError(
+                f"staging_bytes={staging_bytes} is below what layer {layer} alone needs staged on gpu {g}: "
+                f"{int(alone[g]) * slot_bytes} bytes ({int(alone[g])} slots of {slot_bytes} bytes); the smallest budget "
+                f"for this transition is {int((recv + spare).max()) * slot_bytes} bytes"
+            )
+        full = chunk_layers is not None and layer - start == chunk_layers
+        if full or int((held + recv[layer] + (cyc | spare[layer])).max()) * slot_bytes > staging_bytes:
+            chunks.append(range(start, layer))
+            start, held, cyc = layer, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=bool)
+        held = held + recv[layer]
+        cyc = cyc | spare[layer]
+    chunks.append(range(start, L))
+    return tuple(chunks)
+
+
+def _staged_receives(schedule: TransferSchedule) -> np.ndarray:
+    """int64 ``[L, G]``: the incoming copies gpu ``g`` receives for layer ``l``."""
+    L, G = schedule.topology.num_layers, schedule.topology.num_gpus
+    keys = schedule.recv_layer.astype(np.int64) * G + schedule.recv_dst_gpu
+    return np.bincount(keys, minlength=L * G).reshape(L, G)
 
 
 def _rank_within(keys: np.ndarray, order_by: np.ndarray) -> np.ndarray:

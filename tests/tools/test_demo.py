@@ -64,11 +64,42 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
     assert (tmp_path / "imbalance.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
+def test_demo_with_a_draft_model_checks_both_models_dispatches(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "5", "--draft-layers", "1"]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    d = s["draft"]
+    # The draft's one MoE layer routed every token of every step too, each checked against the weights.
+    assert d["dispatches_checked"] == 3 * 250 * 1024 * 4 * 1 and d["misrouted_dispatches"] == 0
+    assert s["dispatches_checked"] == 3 * 250 * 1024 * 4 * (6 + 1) and s["misrouted_dispatches"] == 0
+    assert s["checksum_mismatches"] == 0 and s["rollouts_failed"] == 0
+    # Its own deployment, versions and re-plans: the service has every rank at its last one.
+    assert d["replans_applied"] >= 1 and d["imbalance_final"] < d["imbalance_initial"]
+    assert s["service_draft_acked_versions"] == [d["replans"][-1]["version"]] * 3
+    assert s["service_acked_versions"] == [s["replans"][-1]["version"]] * 3
+    assert 0 <= d["switched_with_target"] <= d["replans_applied"] and "draft v2" in proc.stdout
+
+
 def test_demo_refuses_bad_flags():
     proc = subprocess.run(
         [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "1"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and "--ranks must be in [2, 16]" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--draft-layers", "1", "--barrier", "service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--draft-layers needs --barrier group" in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,89 @@
+"""The rollout's state machine on a group of one (gloo): the phases one rank walks through,
+one step boundary at a time, for a switch, a failed prepare and a prepare that times out."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from svc_thread import free_port
+from test_rollout_group import Recorder, published
+
+from eplb_engine.rollout import ChunkedApplier, MoverApplier, Phase, ProcessGroupBarrier, Rollout
+
+
+@pytest.fixture(scope="module")
+def group_of_one():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Gated(Recorder):
+    """A prepare that returns when the test opens ``gate``; it records the thread it ran on."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(fail=fail)
+        self.gate = threading.Event()
+        self.threads: list[str] = []
+
+    def prepare(self, old, new) -> None:
+        self.threads.append(threading.current_thread().name)
+        assert self.gate.wait(10)
+        super().prepare(old, new)
+
+
+def settle(rollout: Rollout, applier: Gated, step: int) -> Phase:
+    """Opens the gate, waits for the prepare's future, and steps once."""
+    applier.gate.set()
+    time.sleep(0.05)
+    rollout.step(step)
+    return rollout.phase
+
+
+def test_a_switch_goes_idle_preparing_ready_idle(group_of_one):
+    applier = Gated()
+    rollout = Rollout(published(1), applier, ProcessGroupBarrier())
+    assert rollout.step(0).version == 1 and rollout.phase is Phase.IDLE
+    rollout.offer(published(2))
+    rollout.step(1)  # the barrier agrees to start: the prepare runs on the worker
+    assert rollout.phase is Phase.PREPARING and rollout.step(2).version == 1  # still preparing
+    # The outcome is read at a step boundary, where the barrier sees the rank ready and switches.
+    assert settle(rollout, applier, 3) is Phase.IDLE and rollout.current.version == 2
+    assert applier.calls == ["prepare", "commit"] and applier.threads[0].startswith("eplb-prepare")
+    assert [(e.kind, e.version, e.step) for e in rollout.events] == [("switched", 2, 3)]
+    rollout.close()
+
+
+def test_a_failed_prepare_goes_failed_then_idle_and_is_not_prepared_again(group_of_one):
+    applier = Gated(fail=True)
+    rollout = Rollout(published(1), applier, ProcessGroupBarrier())
+    rollout.offer(published(2))
+    rollout.step(0)
+    assert settle(rollout, applier, 1) is Phase.IDLE  # FAILED, then the agreed abort at the same boundary
+    assert [(e.kind, e.error) for e in rollout.events] == [("failed", "RuntimeError: staging buffer allocation failed")]
+    rollout.step(2)
+    assert rollout.phase is Phase.IDLE and applier.calls == ["prepare", "rollback"]  # v2 is refused
+    rollout.close()
+
+
+def test_a_timed_out_prepare_is_rolled_back_only_once_it_returns(group_of_one):
+    applier = Gated()
+    rollout = Rollout(published(1), applier, ProcessGroupBarrier(), timeout_s=0.05)
+    rollout.offer(published(2))
+    rollout.step(0)
+    time.sleep(0.1)
+    rollout.step(1)  # timed out: FAILED, but the prepare still runs, so no rollback yet
+    assert rollout.phase is Phase.FAILED and applier.calls == []
+    assert settle(rollout, applier, 2) is Phase.IDLE and applier.calls == ["prepare", "rollback"]
+    assert [(e.kind, e.error) for e in rollout.events] == [("failed", "prepare of version 2 timed out after 0.05 s")]
+    rollout.close()
+
+
+def test_chunked_appliers_are_told_apart_by_the_declared_protocol():
+    assert isinstance(MoverApplier(layers=[]), ChunkedApplier)
+    assert not isinstance(Recorder(), ChunkedApplier)
