@@ -7,7 +7,6 @@ and, batched with the reports that arrive meanwhile, made durable in the store w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -197,6 +196,7 @@ class Ingest:
 
     async def _flush_all(self) -> None:
         now = time.time()
+        unavailable: StoreUnavailable | None = None
         for local in list(self._local.values()):
             spec = local.window_spec
             # Unchanged windows only change when a bucket expires (decay is applied by the reader),
@@ -205,5 +205,12 @@ class Ingest:
             stale = local.flushed_at > 0 and now - local.flushed_at >= expiry
             if local.hub.deleted or not (local.dirty or stale):
                 continue
-            with contextlib.suppress(NotFound):
+            try:
                 await self._flush(local, now)
+            except NotFound:
+                continue
+            except StoreUnavailable as exc:
+                # On Redis Cluster one master's deployments fail while the others' flush.
+                unavailable = exc
+        if unavailable is not None:
+            raise unavailable

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
@@ -368,6 +369,25 @@ def _cluster_client(url: str, prefix: str) -> RedisCluster:
     )
 
 
+class _ClusterScript:
+    """A Lua script on Redis Cluster: EVALSHA, and EVAL on the one master that lacks it.
+
+    redis-py's registered scripts load a missing script with SCRIPT LOAD on every master, so
+    one master down failed the first call of a script on every other one.
+    """
+
+    def __init__(self, r: RedisCluster, source: str) -> None:
+        self._r = r
+        self._source = source
+        self._sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, keys: list[str], args: list[object]) -> object:
+        try:
+            return await self._r.evalsha(self._sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._r.eval(self._source, len(keys), *keys, *args)
+
+
 class RedisStore:
     """Implements :class:`.store.Store` on one Redis URL or a Redis Cluster's seed nodes
     (``redis+cluster://``, ``rediss+cluster://``; see :mod:`.cluster`)."""
@@ -415,13 +435,14 @@ class RedisStore:
             )
             self._index_keys = [f"{prefix}:deployments"]
             self._announcements = _Announcements(self._r, prefix, self._reader, lambda _: "redis")
-        self._create = self._r.register_script(_CREATE)
-        self._publish = self._r.register_script(_PUBLISH)
-        self._accept = self._r.register_script(_ACCEPT)
-        self._ack = self._r.register_script(_ACK)
-        self._release = self._r.register_script(_RELEASE)
-        self._renew = self._r.register_script(_RENEW)
-        self._put_window = self._r.register_script(_PUT_WINDOW)
+        script = (lambda src: _ClusterScript(self._r, src)) if self.cluster else self._r.register_script
+        self._create = script(_CREATE)
+        self._publish = script(_PUBLISH)
+        self._accept = script(_ACCEPT)
+        self._ack = script(_ACK)
+        self._release = script(_RELEASE)
+        self._renew = script(_RENEW)
+        self._put_window = script(_PUT_WINDOW)
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
@@ -440,12 +461,17 @@ class RedisStore:
         """``host:port`` of the master owning ``key``'s slot (Redis Cluster only)."""
         return self._r.get_node_from_key(key).name
 
+    def down(self, names: list[str]) -> set[str]:
+        if not self._down or not self._r.nodes_manager.slots_cache:
+            return set()
+        return {n for n in names if self._master_of(self.key(n, "meta")) in self._down}
+
     @property
     def degraded(self) -> str | None:
         """What is down while the rest answers (Redis Cluster: masters that missed the last ping)."""
         if not self._down:
             return None
-        return f"redis cluster master(s) down: {', '.join(sorted(self._down))} (their slots' deployments fail)"
+        return f"redis cluster master(s) down: {', '.join(sorted(self._down))}"
 
     @contextlib.contextmanager
     def _on(self, name: str) -> Iterator[None]:
