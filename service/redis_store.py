@@ -571,6 +571,11 @@ class RedisStore:
     async def _names(self) -> set[str]:
         """Every indexed name; on Redis Cluster a bucket whose master is down gives its last
         known names (``StoreUnavailable`` only if it was never read)."""
+        if self.cluster:
+            with _unavailable():
+                # Concurrent first commands on a cluster client that is not initialized yet
+                # race (redis-py: "'NoneType' object has no attribute 'writelines'").
+                await self._r.initialize()
         live = [k for k in self._index_keys if not (self._down and self._master_of(k) in self._down)]
         answers = dict(zip(live, await asyncio.gather(*(self._r.smembers(k) for k in live), return_exceptions=True)))
         names: set[str] = set()
