@@ -582,7 +582,7 @@ class RedisStore:
         for key in self._index_keys:
             members = answers.get(key, StoreUnavailable(f"the master of {key} is down"))
             if isinstance(members, (RedisError, OSError, StoreUnavailable)):
-                if key not in self._index_cache:
+                if not self.cluster or key not in self._index_cache:
                     raise StoreUnavailable(f"redis unavailable: {members}")
                 members = self._index_cache[key]
             elif isinstance(members, BaseException):
