@@ -3,6 +3,7 @@ and a real local Redis Cluster (3 masters on free ports, started once per sessio
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -90,12 +91,19 @@ def private_redis() -> PrivateRedis:
 def redis_cluster() -> ClusterProcesses:
     """3 cluster-enabled masters (``cluster-require-full-coverage no``, no persistence) in a
     temp directory; never on 6379. Tests that kill a master start it again and wait for ok."""
+    if os.environ.get("EPLB_TEST_CLUSTER_PORTS"):
+        # Started by .ci/run (which removes it at exit).
+        ports = [int(p) for p in os.environ["EPLB_TEST_CLUSTER_PORTS"].split(",")]
+        cluster = ClusterProcesses.attach(Path(os.environ["EPLB_TEST_CLUSTER_DIR"]), ports)
+        yield cluster
+        cluster.stop()  # the masters a test restarted; .ci/run stops the rest
+        return
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are not on PATH")
     with tempfile.TemporaryDirectory(prefix="eplb-cluster-") as directory:
         cluster = ClusterProcesses(Path(directory), appendfsync=None)
-        cluster.start()
         try:
+            cluster.start()
             yield cluster
         finally:
             cluster.stop()
