@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from . import arrays, limits, validation
+from . import arrays, report_counts, validation
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
@@ -92,15 +92,10 @@ class Ingest:
         kind = request.WhichOneof("counts")
         try:
             if kind == "logical":
-                counts = arrays.decode_counts(
-                    request.logical, "logical", (topo.num_layers, topo.num_experts), cap=limits.MAX_REPORT_COUNT
-                )
+                counts = await report_counts.decode(request.logical, "logical", (topo.num_layers, topo.num_experts))
             elif kind == "physical":
-                phys = arrays.decode_counts(
-                    request.physical.counts,
-                    "physical.counts",
-                    (topo.num_layers, topo.num_slots),
-                    cap=limits.MAX_REPORT_COUNT,
+                phys = await report_counts.decode(
+                    request.physical.counts, "physical.counts", (topo.num_layers, topo.num_slots)
                 )
                 counts = await self._to_logical(local, phys, request.physical.placement_version)
             else:
