@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -35,7 +36,7 @@ import redis
 
 from .processes import RedisProcess, ServeProcess
 from .redis_cluster import ClusterProcesses
-from .service_bench import V3, _create, _pct
+from .service_bench import V3, _create, _latency_worker, _pct
 
 PAYLOAD = V3["num_layers"] * V3["num_experts"] * 4
 INGEST_PROCS = 2
@@ -88,36 +89,6 @@ def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: f
     asyncio.run(main())
 
 
-def _latency_worker(target: str, name: str, seconds: float, out: mp.Queue) -> None:
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_service.client import EngineClient, channel
-
-    async def main() -> None:
-        chan = channel(target)
-        stub = EngineClient(chan, name, 0).stub
-        req = pb.GetPlacementRequest(deployment=name)
-        await stub.GetPlacement(req)
-        lat: list[float] = []
-        deadline = time.perf_counter() + seconds
-
-        async def caller(i: int) -> None:
-            nxt = time.perf_counter() + 0.005 * i / 4
-            while True:
-                await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
-                nxt += 0.005
-                t = time.perf_counter()
-                if t > deadline:
-                    return
-                await stub.GetPlacement(req)
-                lat.append(time.perf_counter() - t)
-
-        await asyncio.gather(*(caller(i) for i in range(4)))
-        await chan.close()
-        out.put(lat)
-
-    asyncio.run(main())
-
-
 def _net_input(ports: list[int]) -> int:
     total = 0
     for port in ports:
@@ -133,11 +104,12 @@ def _run(targets: list[str], names: list[str], ports: list[int], seconds: float,
     procs = [
         ctx.Process(target=_ingest_worker, args=(targets, names, w, seconds, rate, out)) for w in range(INGEST_PROCS)
     ]
-    procs.append(ctx.Process(target=_latency_worker, args=(targets[0], names[0], seconds, lat_out)))
+    # 4 GetPlacement callers, each every 5 ms.
+    procs.append(ctx.Process(target=_latency_worker, args=(targets[0], names[0], 4, seconds, 0.005, lat_out)))
     for p in procs:
         p.start()
     results = [out.get() for _ in range(INGEST_PROCS)]
-    lat = lat_out.get()
+    lat, _ = lat_out.get()
     for p in procs:
         p.join()
     time.sleep(1.5)  # the replicas' last flushes
@@ -165,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = []
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="eplb-ingest-") as tmp:
         workdir = Path(tmp)
         for kind in args.kinds:
@@ -183,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 backend.stop()
     print()
-    print(f"ingestion, int32 [58, 256] reports (payload {PAYLOAD} bytes), medians of {args.repeats} run(s)")
+    print(
+        f"ingestion, int32 [58, 256] reports (payload {PAYLOAD} bytes), medians of {args.repeats} run(s); "
+        f"{os.cpu_count()} cores, load average {load:.1f} at start"
+    )
     print(f"{'redis':8} {'replicas':>8} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} "
           f"{'p99 ms':>7} | {'paced rep/s':>11} {'p99 ms':>7}")  # fmt: skip
     for row in rows:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from .processes import free_port
+from .processes import free_port, wait_loaded
 
 __all__ = ["ClusterProcesses"]
 
@@ -98,23 +98,12 @@ class ClusterProcesses:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + timeout
         try:
-            while True:
-                try:
-                    if client.info("persistence").get("loading", 0) == 0:
-                        return
-                except (redis.ConnectionError, redis.BusyLoadingError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"redis-server on port {port} did not answer within {timeout:g}s "
-                        f"(exit status {self.procs[port].poll()}; see {node_dir / 'redis.log'})"
-                    )
-                time.sleep(0.02)
-        finally:
-            client.close()
+            wait_loaded(port, timeout, f" (see {node_dir / 'redis.log'})")
+        except TimeoutError:
+            if self.procs[port].poll() is not None:
+                raise TimeoutError(f"redis-server on port {port} exited; see {node_dir / 'redis.log'}") from None
+            raise
 
     def wait_ok(self, timeout: float = 20.0) -> None:
         """Until every live master says the cluster is ok and every slot has an owner."""
