@@ -43,7 +43,14 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
@@ -333,6 +340,10 @@ def _stream_id(entry_id: bytes) -> tuple[int, int]:
 def _unavailable() -> Iterator[None]:
     try:
         yield
+    except (ClusterDownError, TryAgainError, MasterDownError) as exc:
+        # Redis Cluster answers while a master rejoins or slots move: transient, like a
+        # connection error (they are ResponseErrors, which otherwise mean a bug, e.g. in a script).
+        raise StoreUnavailable(f"redis cluster unavailable: {exc}") from exc
     except ResponseError:
         raise
     except (RedisError, OSError) as exc:
@@ -494,15 +505,12 @@ class RedisStore:
         with _unavailable():
             await self._r.initialize()
         masters = self._r.get_primaries()
-        answers = await asyncio.gather(
-            *(self._r.execute_command("INFO", "server", target_nodes=m) for m in masters), return_exceptions=True
-        )
         down = set()
-        for master, info in zip(masters, answers):
-            if isinstance(info, (RedisError, OSError)):
+        for master in masters:  # one at a time, as in _names
+            try:
+                info = await self._r.execute_command("INFO", "server", target_nodes=master)
+            except (RedisError, OSError):
                 down.add(master.name)
-            elif isinstance(info, BaseException):
-                raise info
             else:
                 self._run_ids[master.name] = str(info.get("run_id", ""))
         self._down = down
@@ -577,7 +585,14 @@ class RedisStore:
                 # race (redis-py: "'NoneType' object has no attribute 'writelines'").
                 await self._r.initialize()
         live = [k for k in self._index_keys if not (self._down and self._master_of(k) in self._down)]
-        answers = dict(zip(live, await asyncio.gather(*(self._r.smembers(k) for k in live), return_exceptions=True)))
+        answers: dict[str, object] = {}
+        for key in live:
+            # One at a time: concurrent commands to a master that just came back raced in
+            # redis-py's cluster client ("'NoneType' object has no attribute 'writelines'").
+            try:
+                answers[key] = await self._r.smembers(key)
+            except (RedisError, OSError) as exc:
+                answers[key] = exc
         names: set[str] = set()
         for key in self._index_keys:
             members = answers.get(key, StoreUnavailable(f"the master of {key} is down"))
