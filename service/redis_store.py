@@ -282,13 +282,14 @@ class _Announcements:
         rounds = 0
         while subs and not self._closed:
             try:
-                await self._read_once(subs)
-                rounds += 1
-                # Polling rounds are short: deletions are checked about every _FOLLOW_BLOCK_MS.
-                if self._reader is not None or rounds % round(_FOLLOW_BLOCK_MS / 1000 / _CLUSTER_POLL_S) == 0:
-                    await self._check_generations(subs)
+                with _unavailable():
+                    await self._read_once(subs)
+                    rounds += 1
+                    # Polling rounds are short: deletions are checked about every _FOLLOW_BLOCK_MS.
+                    if self._reader is not None or rounds % round(_FOLLOW_BLOCK_MS / 1000 / _CLUSTER_POLL_S) == 0:
+                        await self._check_generations(subs)
                 backoff = 0.05
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, StoreUnavailable) as exc:
                 # Every follower ends with UNAVAILABLE and re-subscribes once Redis answers.
                 for sub in list(subs):
                     sub.queue.put_nowait(StoreUnavailable(f"redis unavailable: {exc}"))
@@ -348,6 +349,13 @@ def _unavailable() -> Iterator[None]:
         raise
     except (RedisError, OSError) as exc:
         raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+    except AttributeError as exc:
+        # redis-py's asyncio cluster client, when a master rejoins: a call writes on a
+        # connection that another call just closed ("'NoneType' object has no attribute
+        # 'writelines'"): a broken connection, retried by the caller like any other.
+        if "writelines" not in str(exc):
+            raise
+        raise StoreUnavailable(f"redis unavailable: connection closed under the call ({exc})") from exc
 
 
 # Three quick retries (0.1 s at most) cover pooled connections broken by a Redis restart;
