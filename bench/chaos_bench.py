@@ -1,7 +1,7 @@
 """Chaos run: replicas and Redis killed and restarted at random under steady load, then checked.
 
     python -m eplb_bench.chaos_bench --seconds 300 [--replicas 3] [--ranks 16] [--watchers 50]
-                                     [--lease-seconds 5] [--seed 0] [--json FILE]
+                                     [--lease-seconds 5] [--seed 0] [--cluster] [--json FILE]
 
 Starts a private ``redis-server`` (free port, temp directory, AOF with ``appendfsync always``,
 so every write Redis acknowledged survives a kill of Redis: without persistence a Redis kill
@@ -12,6 +12,11 @@ each, retrying a failed batch with the same seqs on another replica until one an
 to the last version they saw; a planner forces a ``Rebalance`` through a random replica every
 0.5 s. For ``--seconds``, one event at a time at random moments: SIGKILL a replica, SIGTERM a
 replica, or SIGKILL Redis, then restart it after a random pause.
+
+``--cluster`` runs on a private 3-master Redis Cluster instead (``bench/redis_cluster.py``: free
+ports, each master in its own directory with the same AOF settings, ``cluster-require-full-coverage
+no``), and the Redis event is a SIGKILL of the master that owns the deployment's slot, restarted
+on its port and directory (its AOF and ``nodes.conf`` bring its data and slots back).
 
 Checks, each printed with its figures (exit code 1 if one fails):
 - every report is counted exactly once: the window (a dry-run ``Rebalance``) holds exactly the
@@ -53,6 +58,7 @@ from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from .processes import RedisProcess, ServeProcess
+from .redis_cluster import ClusterProcesses
 
 __all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos", "traceback_excerpts"]
 
@@ -87,6 +93,8 @@ class ChaosConfig:
     lease_s: float = 5.0
     report_period_s: float = 0.25
     seed: int = 0
+    # A 3-master Redis Cluster instead of one Redis; the Redis event kills the deployment's master.
+    cluster: bool = False
 
 
 @dataclass
@@ -146,7 +154,7 @@ class _Harness:
         self.rng = random.Random(config.seed)
         self.log = log
         self.result = ChaosResult(config)
-        self.redis = RedisProcess(workdir)
+        self.redis = ClusterProcesses(workdir / "cluster") if config.cluster else RedisProcess(workdir)
         self.counts = arrays.encode(np.ones((LAYERS, EXPERTS), np.int32))
         self.workdir = workdir
         self.replicas: list[ServeProcess] = []
@@ -171,7 +179,7 @@ class _Harness:
             "--log-level",
             "WARNING",
         )
-        prefix = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.prefix = prefix = f"chaos-{uuid.uuid4().hex[:8]}"
         self.replicas = [
             ServeProcess(self.redis.url, prefix, self.workdir / f"replica{i}.log", flags)
             for i in range(self.cfg.replicas)
@@ -290,7 +298,16 @@ class _Harness:
             kind = kinds.pop()
             self.result.events[kind] += 1
             down_s = self.rng.uniform(0.2, 2.0)
-            if kind == "sigkill_redis":
+            if kind == "sigkill_redis" and self.cfg.cluster:
+                port = await asyncio.to_thread(self.redis.port_of, f"{self.prefix}:{{{NAME}}}:meta")
+                self.log(f"{time.strftime('%X')} chaos: SIGKILL the deployment's master {port}, back in {down_s:.1f}s")
+                await asyncio.to_thread(self.redis.kill, port)
+                await asyncio.sleep(down_s)
+                await asyncio.to_thread(self.redis.start_node, port)
+                await asyncio.to_thread(self.redis.wait_ok)
+                back = time.monotonic()
+                await asyncio.gather(*(self.serving_within(i, back, kind) for i in range(len(self.replicas))))
+            elif kind == "sigkill_redis":
                 self.log(f"{time.strftime('%X')} chaos: SIGKILL redis, back in {down_s:.1f}s")
                 await asyncio.to_thread(self.redis.kill)
                 await asyncio.sleep(down_s)
@@ -424,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-period", type=float, default=0.25, help="seconds between a rank's batches of 5 reports")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=None, help="keep Redis files and replica logs here")
+    ap.add_argument("--cluster", action="store_true", help="a 3-master Redis Cluster; SIGKILL the deployment's master")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     config = ChaosConfig(
@@ -434,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         lease_s=args.lease_seconds,
         report_period_s=args.report_period,
         seed=args.seed,
+        cluster=args.cluster,
     )
     result = run_chaos(config, args.workdir)
     summary = result.summary()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["RedisProcess", "ServeProcess", "free_port", "serve_argv"]
+__all__ = ["RedisProcess", "ServeProcess", "free_port", "serve_argv", "wait_loaded"]
 
 
 def free_port() -> int:
@@ -97,6 +97,25 @@ class ServeProcess:
             self.proc = None
 
 
+def wait_loaded(port: int, timeout: float, why: str = "") -> None:
+    """Until the ``redis-server`` on ``port`` serves data (PING answers while the AOF is still
+    loading); ``TimeoutError`` after ``timeout`` seconds, with ``why`` appended."""
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                if client.info("persistence").get("loading", 0) == 0:
+                    return
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis-server on port {port} did not answer within {timeout:g}s{why}")
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
 @dataclass
 class RedisProcess:
     """A private ``redis-server`` in ``directory``; ``appendfsync`` None runs without persistence."""
@@ -130,21 +149,7 @@ class RedisProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    # PING answers while the AOF is still loading; wait until data is served.
-                    if client.info("persistence").get("loading", 0) == 0:
-                        return
-                except (redis.ConnectionError, redis.BusyLoadingError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"redis-server on port {self.port} did not answer within {timeout:g}s")
-                time.sleep(0.02)
-        finally:
-            client.close()
+        wait_loaded(self.port, timeout)
 
     def kill(self) -> None:
         """SIGKILL: no shutdown save, no goodbye to clients."""

@@ -70,6 +70,7 @@ class Balancer(Deployments, Ingest, Planner, Recovery):
         metrics: Metrics | None = None,
         config: BalancerConfig | None = None,
         on_health: Callable[[bool], None] | None = None,
+        on_deployment_health: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
@@ -80,6 +81,9 @@ class Balancer(Deployments, Ingest, Planner, Recovery):
         self.solver = Solver(self.config.plan_workers, self.config.compute_workers, self.config.plugins)
         self.healthy = True
         self._on_health = on_health
+        self._on_deployment_health = on_deployment_health
+        # Deployments whose part of the store is down while the rest answers (recovery.py).
+        self._down: set[str] = set()
         self._local: dict[str, LocalDeployment] = {}
         self._latest: dict[str, pb.Placement] = {}
         self._run_id: str | None = None

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from . import limits, plugins
 from .balancer import BalancerConfig
+from .cluster import parse_cluster_url
 from .logs import LOG_FORMATS, JsonFormatter, setup_logging
 from .server import ServerConfig, StartError, start_server
 
@@ -71,8 +72,15 @@ def _one_of(names: tuple[str, ...], normalise: Callable[[str], str] = str) -> Ca
 
 
 def _redis_url(text: str) -> str:
+    try:
+        if parse_cluster_url(text) is not None:
+            return text
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
-        raise argparse.ArgumentTypeError(f"must be a redis://, rediss:// or unix:// URL, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a redis://, rediss://, unix://, redis+cluster:// or rediss+cluster:// URL, got {text!r}"
+        )
     return text
 
 
@@ -95,7 +103,8 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         "REDIS_URL",
         None,
         _redis_url,
-        "redis://… for state shared by replicas; unset: embedded in-memory store",
+        "redis://… for state shared by replicas, redis+cluster://HOST:PORT[,HOST:PORT…] for a Redis "
+        "Cluster's seed nodes; unset: embedded in-memory store",
     ),
     "key_prefix": ("--key-prefix", "KEY_PREFIX", "eplb", str, "Redis key prefix"),
     "token_file": (

@@ -7,14 +7,13 @@ and, batched with the reports that arrive meanwhile, made durable in the store w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from . import arrays, limits, validation
+from . import arrays, report_counts, validation
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
@@ -93,15 +92,10 @@ class Ingest:
         kind = request.WhichOneof("counts")
         try:
             if kind == "logical":
-                counts = arrays.decode_counts(
-                    request.logical, "logical", (topo.num_layers, topo.num_experts), cap=limits.MAX_REPORT_COUNT
-                )
+                counts = await report_counts.decode(request.logical, "logical", (topo.num_layers, topo.num_experts))
             elif kind == "physical":
-                phys = arrays.decode_counts(
-                    request.physical.counts,
-                    "physical.counts",
-                    (topo.num_layers, topo.num_slots),
-                    cap=limits.MAX_REPORT_COUNT,
+                phys = await report_counts.decode(
+                    request.physical.counts, "physical.counts", (topo.num_layers, topo.num_slots)
                 )
                 counts = await self._to_logical(local, phys, request.physical.placement_version)
             else:
@@ -197,6 +191,7 @@ class Ingest:
 
     async def _flush_all(self) -> None:
         now = time.time()
+        unavailable: StoreUnavailable | None = None
         for local in list(self._local.values()):
             spec = local.window_spec
             # Unchanged windows only change when a bucket expires (decay is applied by the reader),
@@ -205,5 +200,12 @@ class Ingest:
             stale = local.flushed_at > 0 and now - local.flushed_at >= expiry
             if local.hub.deleted or not (local.dirty or stale):
                 continue
-            with contextlib.suppress(NotFound):
+            try:
                 await self._flush(local, now)
+            except NotFound:
+                continue
+            except StoreUnavailable as exc:
+                # On Redis Cluster one master's deployments fail while the others' flush.
+                unavailable = exc
+        if unavailable is not None:
+            raise unavailable

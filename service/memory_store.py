@@ -49,6 +49,9 @@ class MemoryStore:
     async def ping(self) -> str:
         return self._run_id
 
+    def down(self, names: list[str]) -> set[str]:
+        return set()
+
     async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
         if deployment.name in self._states:
             raise AlreadyExists(f"deployment {deployment.name!r} already exists")

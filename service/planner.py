@@ -108,6 +108,8 @@ class Planner:
             except NotFound:
                 continue
             except StoreUnavailable:
+                if name in self._down:
+                    continue  # its Redis Cluster master is down; the others re-plan
                 raise  # every deployment would fail alike: the health check reports it
             except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
                 self.metrics.replan_failures.labels(name).inc()

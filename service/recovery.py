@@ -27,6 +27,20 @@ class Recovery:
             await self._restore_all(run_id)
         self._run_id = run_id
         self._set_health(True)
+        self._set_down(self.store.down(list(self._local)))
+
+    def _set_down(self, down: set[str]) -> None:
+        """Deployments whose part of the store is down while the rest answers (a Redis Cluster
+        master): health NOT_SERVING for ``<service>/<deployment>`` of those, the rest SERVING."""
+        if down != self._down:
+            if down:
+                log.warning("store partly down: deployments %s unavailable", ", ".join(sorted(down)))
+            else:
+                log.warning("store whole again")
+            if self._on_deployment_health is not None:
+                for name in self._down | down | set(self._local):
+                    self._on_deployment_health(name, name not in down)
+            self._down = down
 
     def _set_health(self, ok: bool) -> None:
         if ok != self.healthy:

@@ -6,7 +6,8 @@ below touch one slot only):
 
 | key | type | holds |
 |---|---|---|
-| ``P:deployments`` | set | deployment names (the only key outside a deployment's slot) |
+| ``P:deployments`` | set | deployment names, on one Redis (the only key outside a deployment's slot) |
+| ``P:{index:<k>}:deployments`` | set | on Redis Cluster: the names whose CRC32 is ``k`` mod 16, each bucket a slot of its own |
 | ``P:{d}:deployment`` | string | the ``eplb.v1.Deployment`` message, serialized |
 | ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at``, ``gen`` (generation) |
 | ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
@@ -15,24 +16,44 @@ below touch one slot only):
 | ``P:{d}:acks`` | hash | ``<rank>`` → latest switched version, ``<rank>:p`` prepared, ``<rank>:f`` failed |
 | ``P:{d}:rollout`` | hash | ``<v>:step`` largest PREPARED step, ``<v>:switch`` switch step, ``<v>:aborted`` (recent versions) |
 | ``P:{d}:windows`` | hash | replica id → that replica's window blob (see ``windows.py``) |
-| ``P:{d}:wal`` | stream | ``b=<blob>``: the sums of one accepted batch of reports, until its replica's next flush folds it in |
+| ``P:{d}:wal`` | stream | ``b=<EPW1 blob>``: write-ahead entries of earlier releases (read and dropped when stale, never written) |
+| ``P:{d}:wal2`` | stream | ``b=<EPW2 blob>``: the sums of one accepted batch of reports at their own width, until its replica's next flush folds it in |
 | ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
+
+On Redis Cluster (``redis+cluster://`` seed nodes, :mod:`.cluster`) no command names keys of
+two slots: the deployments index is 16 buckets (listed one by one; their sizes are cached, so
+the deployment-count limit still holds while a bucket's master is down), the announce streams
+are polled per master (one pipeline of single-stream reads per master), and the store's run id
+is one per master, so a master that restarted empty gets its deployments written back while
+the others are untouched. A master that stops answering fails the calls on the deployments of
+its slots at once (``StoreUnavailable``, naming it) until it answers again; the others go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
+from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout
 from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
@@ -44,6 +65,11 @@ POOL_CONNECTIONS = 32
 # The shared reader blocks this long per XREAD, and checks the followed deployments' generations
 # between reads: a deletion or re-creation reaches every replica's followers within about this.
 _FOLLOW_BLOCK_MS = 500
+# On Redis Cluster, announce streams of different deployments are in different slots, which no
+# one XREAD may name: each master's followed streams are read by one pipeline this often.
+_CLUSTER_POLL_S = 0.05
+# Index buckets on Redis Cluster (a slot each; a deployment's bucket is CRC32(name) mod this).
+_INDEX_BUCKETS = 16
 
 # KEYS: meta, deployment, placement:<v>, announce; ARGV: version, deployment, placement,
 # maxlen, now, only_if_newer, generation (the deployment's create time: a re-created deployment
@@ -215,62 +241,84 @@ class _Subscription:
 
 
 class _Announcements:
-    """Tails every followed deployment's announce stream with one blocking XREAD at a time."""
+    """Tails every followed deployment's announce stream: on one Redis with one blocking XREAD
+    at a time on its own connection; on Redis Cluster with one poller per master (``group_of``
+    names a stream's master), so a master that is down pauses only its own followers."""
 
-    def __init__(self, reader: redis.Redis, r: redis.Redis, prefix: str) -> None:
+    def __init__(
+        self, r: redis.Redis | RedisCluster, prefix: str, reader: redis.Redis | None, group_of: Callable[[str], str]
+    ) -> None:
         self._reader = reader
         self._r = r
         self._prefix = prefix
-        self._subs: set[_Subscription] = set()
-        self._task: asyncio.Task | None = None
+        self._group_of = group_of
+        self._subs: dict[str, set[_Subscription]] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
         self._closed = False
 
     def subscribe(self, name: str, stream: str, cursor: bytes, gen: int) -> _Subscription:
         sub = _Subscription(name, stream, cursor, gen)
-        self._subs.add(sub)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="redis-announcements")
+        group = self._group_of(stream)
+        self._subs.setdefault(group, set()).add(sub)
+        task = self._tasks.get(group)
+        if task is None or task.done():
+            self._tasks[group] = asyncio.create_task(self._run(group), name=f"redis-announcements-{group}")
         return sub
 
     def unsubscribe(self, sub: _Subscription) -> None:
-        self._subs.discard(sub)
+        for subs in self._subs.values():
+            subs.discard(sub)
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=2.0)
+        for task in self._tasks.values():
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks.values(), timeout=2.0)
 
-    async def _run(self) -> None:
+    async def _run(self, group: str) -> None:
         backoff = 0.05
-        while self._subs and not self._closed:
+        subs = self._subs[group]
+        rounds = 0
+        while subs and not self._closed:
             try:
-                await self._read_once()
-                await self._check_generations()
+                with _unavailable():
+                    await self._read_once(subs)
+                    rounds += 1
+                    # Polling rounds are short: deletions are checked about every _FOLLOW_BLOCK_MS.
+                    if self._reader is not None or rounds % round(_FOLLOW_BLOCK_MS / 1000 / _CLUSTER_POLL_S) == 0:
+                        await self._check_generations(subs)
                 backoff = 0.05
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, StoreUnavailable) as exc:
                 # Every follower ends with UNAVAILABLE and re-subscribes once Redis answers.
-                for sub in list(self._subs):
+                for sub in list(subs):
                     sub.queue.put_nowait(StoreUnavailable(f"redis unavailable: {exc}"))
-                self._subs.clear()
+                subs.clear()
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
 
-    async def _read_once(self) -> None:
+    async def _read_once(self, subs: set[_Subscription]) -> None:
         cursors: dict[str, bytes] = {}
-        for sub in self._subs:
+        for sub in subs:
             cursors[sub.stream] = min(cursors.get(sub.stream, sub.cursor), sub.cursor, key=_stream_id)
-        entries = await self._reader.xread(cursors, count=256, block=_FOLLOW_BLOCK_MS)
+        if self._reader is not None:
+            entries = await self._reader.xread(cursors, count=256, block=_FOLLOW_BLOCK_MS)
+        else:
+            async with self._r.pipeline(transaction=False) as p:
+                for stream, cursor in cursors.items():
+                    p.xread({stream: cursor}, count=256)
+                entries = [e for out in await p.execute() for e in out or []]
+            await asyncio.sleep(_CLUSTER_POLL_S)
         for stream, items in entries or []:
             stream = stream.decode()
-            for sub in [s for s in self._subs if s.stream == stream]:
+            for sub in [s for s in subs if s.stream == stream]:
                 for entry_id, fields in items:
                     if _stream_id(entry_id) > _stream_id(sub.cursor):
                         sub.cursor = entry_id
                         sub.queue.put_nowait(int(fields[b"version"]))
 
-    async def _check_generations(self) -> None:
-        subs = list(self._subs)
+    async def _check_generations(self, subs: set[_Subscription]) -> None:
+        subs = list(subs)
         if not subs:
             return
         async with self._r.pipeline(transaction=False) as p:
@@ -280,7 +328,7 @@ class _Announcements:
         for i, sub in enumerate(subs):
             exists, gen = out[2 * i], out[2 * i + 1]
             if not exists or _other_generation(gen, sub.gen):
-                self._subs.discard(sub)
+                self.unsubscribe(sub)
                 sub.queue.put_nowait(NotFound(f"deployment {sub.name!r} was deleted"))
 
 
@@ -293,57 +341,127 @@ def _stream_id(entry_id: bytes) -> tuple[int, int]:
 def _unavailable() -> Iterator[None]:
     try:
         yield
+    except (ClusterDownError, TryAgainError, MasterDownError) as exc:
+        # Redis Cluster answers while a master rejoins or slots move: transient, like a
+        # connection error (they are ResponseErrors, which otherwise mean a bug, e.g. in a script).
+        raise StoreUnavailable(f"redis cluster unavailable: {exc}") from exc
     except ResponseError:
         raise
     except (RedisError, OSError) as exc:
         raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+    except AttributeError as exc:
+        # redis-py's asyncio cluster client, when a master rejoins: a call writes on a
+        # connection that another call just closed ("'NoneType' object has no attribute
+        # 'writelines'"): a broken connection, retried by the caller like any other.
+        if "writelines" not in str(exc):
+            raise
+        raise StoreUnavailable(f"redis unavailable: connection closed under the call ({exc})") from exc
+
+
+# Three quick retries (0.1 s at most) cover pooled connections broken by a Redis restart;
+# anything longer would only delay the UNAVAILABLE the caller should see while Redis is down.
+# Connection errors only: retried timeouts made a call to a hung Redis wait four socket
+# timeouts (4.1 s) instead of one.
+def _retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=0.05, base=0.01), 3, supported_errors=(redis.ConnectionError,))
+
+
+def _cluster_client(url: str, prefix: str) -> RedisCluster:
+    seeds = parse_cluster_url(url)
+    assert seeds is not None
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in seeds.nodes],
+        # A master that is down takes its own slots down, not the others'; the servers must say
+        # so too (cluster-require-full-coverage no), or every slot answers CLUSTERDOWN.
+        require_full_coverage=False,
+        ssl=seeds.tls,
+        username=seeds.username,
+        password=seeds.password,
+        # Per master, as the pool of one Redis is.
+        max_connections=POOL_CONNECTIONS,
+        client_name=f"eplb:{prefix}",
+        socket_connect_timeout=1.0,
+        socket_timeout=1.0,
+        retry=_retry(),
+        health_check_interval=0,
+        **dict(seeds.options),
+    )
+
+
+class _ClusterScript:
+    """A Lua script on Redis Cluster: EVALSHA, and EVAL on the one master that lacks it.
+
+    redis-py's registered scripts load a missing script with SCRIPT LOAD on every master, so
+    one master down failed the first call of a script on every other one.
+    """
+
+    def __init__(self, r: RedisCluster, source: str) -> None:
+        self._r = r
+        self._source = source
+        self._sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, keys: list[str], args: list[object]) -> object:
+        try:
+            return await self._r.evalsha(self._sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._r.eval(self._source, len(keys), *keys, *args)
 
 
 class RedisStore:
-    """Implements :class:`.store.Store` on one Redis (or Redis Cluster) URL."""
+    """Implements :class:`.store.Store` on one Redis URL or a Redis Cluster's seed nodes
+    (``redis+cluster://``, ``rediss+cluster://``; see :mod:`.cluster`)."""
 
     def __init__(self, url: str, prefix: str = "eplb") -> None:
         self.prefix = prefix
-        # Three quick retries (0.1 s at most) cover pooled connections broken by a Redis
-        # restart; anything longer would only delay the UNAVAILABLE the caller should see while
-        # Redis is down.
-        # A bounded pool that makes callers wait for a free connection rather than fail: a
-        # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections, however
-        # many deployments and calls it serves.
-        self._r = redis.Redis.from_pool(
-            redis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=POOL_CONNECTIONS,
-                timeout=2.0,
-                client_name=f"eplb:{prefix}",
-                socket_connect_timeout=1.0,
-                # No call on this pool blocks (the announce reader has its own connection): a hung
-                # Redis costs a call at most about this long.
-                socket_timeout=1.0,
-                # Connection errors only: retried timeouts made a call to a hung Redis wait
-                # four socket timeouts (4.1 s) instead of one.
-                retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 3, supported_errors=(redis.ConnectionError,)),
-                health_check_interval=0,
+        self.cluster = parse_cluster_url(url) is not None
+        # Masters (host:port) that did not answer the last ping, and each master's run id.
+        self._down: set[str] = set()
+        self._run_ids: dict[str, str] = {}
+        # Index bucket → its last known names (Redis Cluster: a bucket's master may be down).
+        self._index_cache: dict[str, set[str]] = {}
+        if self.cluster:
+            self._r: redis.Redis | RedisCluster = _cluster_client(url, prefix)
+            self._reader = None
+            self._index_keys = [f"{prefix}:{{index:{k}}}:deployments" for k in range(_INDEX_BUCKETS)]
+            self._announcements = _Announcements(self._r, prefix, None, self._master_of)
+        else:
+            # A bounded pool that makes callers wait for a free connection rather than fail: a
+            # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections,
+            # however many deployments and calls it serves.
+            self._r = redis.Redis.from_pool(
+                redis.BlockingConnectionPool.from_url(
+                    url,
+                    max_connections=POOL_CONNECTIONS,
+                    timeout=2.0,
+                    client_name=f"eplb:{prefix}",
+                    socket_connect_timeout=1.0,
+                    # No call on this pool blocks (the announce reader has its own connection): a
+                    # hung Redis costs a call at most about this long.
+                    socket_timeout=1.0,
+                    retry=_retry(),
+                    health_check_interval=0,
+                )
             )
-        )
-        self._create = self._r.register_script(_CREATE)
-        self._publish = self._r.register_script(_PUBLISH)
-        self._accept = self._r.register_script(_ACCEPT)
-        self._ack = self._r.register_script(_ACK)
-        self._release = self._r.register_script(_RELEASE)
-        self._renew = self._r.register_script(_RENEW)
-        self._put_window = self._r.register_script(_PUT_WINDOW)
-        # One blocking reader over every followed deployment's announce stream, on its own
-        # connection: the connections a replica holds do not grow with its deployments.
-        self._reader = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=1.0,
-            socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
-            health_check_interval=0,
-            max_connections=1,
-            client_name=f"eplb:{prefix}",
-        )
-        self._announcements = _Announcements(self._reader, self._r, prefix)
+            # One blocking reader over every followed deployment's announce stream, on its own
+            # connection: the connections a replica holds do not grow with its deployments.
+            self._reader = redis.Redis.from_url(
+                url,
+                socket_connect_timeout=1.0,
+                socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
+                health_check_interval=0,
+                max_connections=1,
+                client_name=f"eplb:{prefix}",
+            )
+            self._index_keys = [f"{prefix}:deployments"]
+            self._announcements = _Announcements(self._r, prefix, self._reader, lambda _: "redis")
+        script = (lambda src: _ClusterScript(self._r, src)) if self.cluster else self._r.register_script
+        self._create = script(_CREATE)
+        self._publish = script(_PUBLISH)
+        self._accept = script(_ACCEPT)
+        self._ack = script(_ACK)
+        self._release = script(_RELEASE)
+        self._renew = script(_RENEW)
+        self._put_window = script(_PUT_WINDOW)
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
@@ -352,17 +470,72 @@ class RedisStore:
         """Every fixed key of a deployment (placements are per version, see ``delete``)."""
         return [
             self.key(name, k)
-            for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "lease")
+            for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "wal2", "lease")
         ]
 
-    async def ping(self) -> str:
+    def _index_key(self, name: str) -> str:
+        return self._index_keys[binascii.crc32(name.encode()) % len(self._index_keys)]
+
+    def _master_of(self, key: str) -> str:
+        """``host:port`` of the master owning ``key``'s slot (Redis Cluster only)."""
+        return self._r.get_node_from_key(key).name
+
+    def down(self, names: list[str]) -> set[str]:
+        if not self._down or not self._r.nodes_manager.slots_cache:
+            return set()
+        return {n for n in names if self._master_of(self.key(n, "meta")) in self._down}
+
+    @property
+    def degraded(self) -> str | None:
+        """What is down while the rest answers (Redis Cluster: masters that missed the last ping)."""
+        if not self._down:
+            return None
+        return f"redis cluster master(s) down: {', '.join(sorted(self._down))}"
+
+    @contextlib.contextmanager
+    def _on(self, name: str) -> Iterator[None]:
+        """``_unavailable`` for a call on deployment ``name``; on Redis Cluster it fails at once,
+        naming the master, while the master of ``name``'s slot missed the last ping."""
+        if self._down and self._r.nodes_manager.slots_cache:
+            master = self._master_of(self.key(name, "meta"))
+            if master in self._down:
+                raise StoreUnavailable(
+                    f"redis cluster master {master}, which holds deployment {name!r}, is down; retry later"
+                )
         with _unavailable():
-            info = await self._r.info("server")
-        return str(info.get("run_id", ""))
+            yield
+
+    async def ping(self) -> str:
+        if not self.cluster:
+            with _unavailable():
+                info = await self._r.info("server")
+            return str(info.get("run_id", ""))
+        with _unavailable():
+            await self._r.initialize()
+        masters = self._r.get_primaries()
+        down = set()
+        for master in masters:  # one at a time, as in _names
+            try:
+                info = await self._r.execute_command("INFO", "server", target_nodes=master)
+            except (RedisError, OSError):
+                down.add(master.name)
+            else:
+                self._run_ids[master.name] = str(info.get("run_id", ""))
+        self._down = down
+        if len(down) == len(masters):
+            raise StoreUnavailable(f"redis unavailable: no cluster master answers ({', '.join(sorted(down))})")
+        # One id per master, a down one's as last seen: a master that restarted empty changes
+        # the id (its deployments are written back; the others' restores find their versions).
+        return ",".join(f"{m}={run_id}" for m, run_id in sorted(self._run_ids.items()))
 
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name
-        with _unavailable():
+        if only_if_newer and self._down and self._master_of(self.key(name, "meta")) in self._down:
+            # A restore (after a master restarted empty) skips masters that are down (only
+            # Redis Cluster has some down and others up): one that comes back empty has a new
+            # run id and triggers its own restore.
+            return False
+        with self._on(name):
             written = await self._create(
                 keys=[
                     self.key(name, "meta"),
@@ -380,8 +553,18 @@ class RedisStore:
                     generation(deployment),
                 ],
             )
-            if written:
-                await self._r.sadd(f"{self.prefix}:deployments", name)
+        if written or only_if_newer:
+            # A restore indexes the name even when the data was there: on Redis Cluster the
+            # index bucket may have been on the master that restarted empty.
+            try:
+                with _unavailable():
+                    await self._r.sadd(self._index_key(name), name)
+            except StoreUnavailable:
+                if not only_if_newer:
+                    # Not listed, so no other replica would follow it: undo, and let the caller retry.
+                    with contextlib.suppress(StoreUnavailable), _unavailable():
+                        await self._r.delete(*self.keys_of(name), self.key(name, f"placement:{placement.version}"))
+                    raise
         return bool(written)
 
     async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
@@ -392,7 +575,7 @@ class RedisStore:
         return await self._write(deployment, placement, only_if_newer=True)
 
     async def get(self, name: str) -> DeploymentRecord:
-        with _unavailable():
+        with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
                 raw, version = (
                     await p.get(self.key(name, "deployment")).hget(self.key(name, "meta"), "version").execute()
@@ -401,32 +584,72 @@ class RedisStore:
             raise NotFound(f"deployment {name!r} not found")
         return DeploymentRecord(pb.Deployment.FromString(raw), int(version))
 
+    async def _names(self) -> set[str]:
+        """Every indexed name; on Redis Cluster a bucket whose master is down gives its last
+        known names (``StoreUnavailable`` only if it was never read)."""
+        if self.cluster:
+            with _unavailable():
+                # Concurrent first commands on a cluster client that is not initialized yet
+                # race (redis-py: "'NoneType' object has no attribute 'writelines'").
+                await self._r.initialize()
+        live = [k for k in self._index_keys if not (self._down and self._master_of(k) in self._down)]
+        answers: dict[str, object] = {}
+        for key in live:
+            # One at a time: concurrent commands to a master that just came back raced in
+            # redis-py's cluster client ("'NoneType' object has no attribute 'writelines'").
+            try:
+                answers[key] = await self._r.smembers(key)
+            except (RedisError, OSError) as exc:
+                answers[key] = exc
+        names: set[str] = set()
+        for key in self._index_keys:
+            members = answers.get(key, StoreUnavailable(f"the master of {key} is down"))
+            if isinstance(members, (RedisError, OSError, StoreUnavailable)):
+                if not self.cluster or key not in self._index_cache:
+                    raise StoreUnavailable(f"redis unavailable: {members}")
+                members = self._index_cache[key]
+            elif isinstance(members, BaseException):
+                raise members
+            else:
+                members = {n.decode() for n in members}
+                self._index_cache[key] = members
+            names |= members
+        return names
+
     async def list(self) -> list[DeploymentRecord]:
-        with _unavailable():
-            names = sorted(n.decode() for n in await self._r.smembers(f"{self.prefix}:deployments"))
         out = []
-        for name in names:
-            with contextlib.suppress(NotFound):
+        for name in sorted(await self._names()):
+            try:
                 out.append(await self.get(name))
+            except NotFound:
+                continue
+            except StoreUnavailable:
+                if not self.cluster:
+                    raise
+                # Its master is down: listed again once it answers.
         return out
 
     async def count(self) -> int:
-        with _unavailable():
-            return int(await self._r.scard(f"{self.prefix}:deployments"))
+        return len(await self._names())
 
     async def delete(self, name: str) -> None:
-        with _unavailable():
+        with self._on(name):
             version = await self._r.hget(self.key(name, "meta"), "version")
             if version is None:
+                # A delete that lost its master between its two steps left the name indexed.
+                with contextlib.suppress(StoreUnavailable), _unavailable():
+                    await self._r.srem(self._index_key(name), name)
                 raise NotFound(f"deployment {name!r} not found")
             v = int(version)
             placements = [self.key(name, f"placement:{i}") for i in range(max(1, v - PLACEMENTS_KEPT), v + 1)]
             # One DEL of same-slot keys: atomic, and on Cluster still a single-slot command.
             await self._r.delete(*self.keys_of(name), *placements)
-            await self._r.srem(f"{self.prefix}:deployments", name)
+        with _unavailable():
+            await self._r.srem(self._index_key(name), name)
+        self._index_cache.get(self._index_key(name), set()).discard(name)
 
     async def placement(self, name: str, version: int = 0) -> pb.Placement:
-        with _unavailable():
+        with self._on(name):
             if not version:
                 cur = await self._r.hget(self.key(name, "meta"), "version")
                 if cur is None:
@@ -439,7 +662,7 @@ class RedisStore:
 
     async def publish(self, name: str, placement: pb.Placement) -> None:
         v = placement.version
-        with _unavailable():
+        with self._on(name):
             before = await self._publish(
                 keys=[
                     self.key(name, "meta"),
@@ -456,7 +679,7 @@ class RedisStore:
 
     async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
         stream = self.key(name, "announce")
-        with _unavailable():
+        with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
                 cur, stored_gen, last = await (
                     p.hget(self.key(name, "meta"), "version")
@@ -500,7 +723,7 @@ class RedisStore:
         keep_s: float,
     ) -> tuple[list[bool], str | None]:
         fresh = [True] * len(pairs)
-        keys = [self.key(name, "seq"), self.key(name, "meta"), self.key(name, "wal")]
+        keys = [self.key(name, "seq"), self.key(name, "meta"), self.key(name, "wal2")]
         # Duplicates are rare (client retries): send the batch as if all were new, and only when
         # the script finds some were not, once more with the sums of the new ones.
         while any(fresh):
@@ -508,7 +731,7 @@ class RedisStore:
             for (rank, seq), f in zip(pairs, fresh):
                 if f:
                     args += [rank, seq]
-            with _unavailable():
+            with self._on(name):
                 out = await self._accept(keys=keys, args=args)
             if out == -1:
                 raise NotFound(f"deployment {name!r} not found")
@@ -519,7 +742,7 @@ class RedisStore:
         return fresh, None
 
     async def marks(self, name: str) -> PlanMarks:
-        with _unavailable():
+        with self._on(name):
             reports, planned, at = await self._r.hmget(
                 self.key(name, "meta"), "reports", "planned_reports", "planned_at"
             )
@@ -528,39 +751,46 @@ class RedisStore:
         return PlanMarks(int(reports), int(planned or 0), float(at or 0.0))
 
     async def mark_planned(self, name: str, reports: int, at: float) -> None:
-        with _unavailable():
+        with self._on(name):
             await self._r.hset(self.key(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
 
     async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
-        with _unavailable():
+        with self._on(name):
             out = await self._put_window(
-                keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal")],
+                keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal2")],
                 args=[replica, blob, *folded],
             )
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
 
     async def windows(self, name: str) -> dict[str, bytes]:
-        with _unavailable():
+        with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
-                raw, wal = await p.hgetall(self.key(name, "windows")).xrange(self.key(name, "wal")).execute()
+                raw, wal, wal2 = await (
+                    p.hgetall(self.key(name, "windows"))
+                    .xrange(self.key(name, "wal"))
+                    .xrange(self.key(name, "wal2"))
+                    .execute()
+                )
         out = {k.decode(): v for k, v in raw.items()}
-        out.update((f"wal:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in wal)
+        for stream, entries in (("wal", wal), ("wal2", wal2)):
+            out.update((f"{stream}:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in entries)
         return out
 
     async def drop_windows(self, name: str, keys: list[str]) -> None:
-        replicas = [k for k in keys if not k.startswith("wal:")]
-        wal = [k[4:] for k in keys if k.startswith("wal:")]
-        with _unavailable():
+        replicas = [k for k in keys if not k.startswith(("wal:", "wal2:"))]
+        with self._on(name):
             if replicas:
                 await self._r.hdel(self.key(name, "windows"), *replicas)
-            if wal:
-                await self._r.xdel(self.key(name, "wal"), *wal)
+            for stream in ("wal", "wal2"):
+                ids = [k[len(stream) + 1 :] for k in keys if k.startswith(f"{stream}:")]
+                if ids:
+                    await self._r.xdel(self.key(name, stream), *ids)
 
     async def ack(
         self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
     ) -> Rollout:
-        with _unavailable():
+        with self._on(name):
             out = await self._ack(
                 keys=[self.key(name, "acks"), self.key(name, "rollout"), self.key(name, "meta")],
                 args=[rank, version, state, step, margin, PLACEMENTS_KEPT, *ranks],
@@ -571,7 +801,7 @@ class RedisStore:
         return Rollout(acked, prepared, failed, n, switch, bool(aborted), bool(b_prep), bool(b_sw), bool(b_fail))
 
     async def acks(self, name: str) -> dict[int, RankState]:
-        with _unavailable():
+        with self._on(name):
             raw = await self._r.hgetall(self.key(name, "acks"))
         fields: dict[int, dict[str, int]] = {}
         for k, v in raw.items():
@@ -581,18 +811,19 @@ class RedisStore:
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         key = self.key(name, "lease")
-        with _unavailable():
+        with self._on(name):
             return bool(await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))))
 
     async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
-        with _unavailable():
+        with self._on(name):
             return bool(await self._renew(keys=[self.key(name, "lease")], args=[owner, max(1, int(ttl_s * 1000))]))
 
     async def release_lease(self, name: str, owner: str) -> None:
-        with _unavailable():
+        with self._on(name):
             await self._release(keys=[self.key(name, "lease")], args=[owner])
 
     async def close(self) -> None:
         await self._announcements.close()
-        await self._reader.aclose()
+        if self._reader is not None:
+            await self._reader.aclose()
         await self._r.aclose()

@@ -165,7 +165,13 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
             asyncio.ensure_future(health_servicer.set(service, status))
 
     balancer_config = replace(config.balancer, max_message_bytes=config.max_message_bytes)
-    balancer = Balancer(store, metrics, balancer_config, on_health=on_health)
+
+    def on_deployment_health(name: str, ok: bool) -> None:
+        # One master of a Redis Cluster down: only its deployments say so, as <service>/<name>.
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.ensure_future(health_servicer.set(f"{SERVICE_NAME}/{name}", status))
+
+    balancer = Balancer(store, metrics, balancer_config, on_health=on_health, on_deployment_health=on_deployment_health)
     # First, so it also counts (and maps) the calls auth refuses.
     calls = ErrorInterceptor(metrics)
     interceptors: list[grpc.aio.ServerInterceptor] = [calls]

@@ -42,7 +42,12 @@ class PlanMarks:
 
 class Store(Protocol):
     async def ping(self) -> str:
-        """Returns an id of the backing store's run; a new id means it restarted empty."""
+        """Returns an id of the backing store's run; a new id means it restarted empty (on Redis
+        Cluster one id per master: a master that restarted empty changes it)."""
+
+    def down(self, names: list[str]) -> set[str]:
+        """Those of ``names`` whose part of the store did not answer the last ``ping`` while the
+        rest did (Redis Cluster: deployments in a down master's slots); empty otherwise."""
 
     async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
         """Stores the deployment with ``placement`` as version 1; ``AlreadyExists`` if present."""

@@ -7,9 +7,20 @@ replica's blob. A batch of reports is accepted together with a write-ahead blob 
 blobs plus the write-ahead entries always hold every accepted report, whenever a replica dies. Store memory is therefore ``replicas × L × E × 8`` bytes per deployment,
 whatever the number of reporting ranks, the report rate or the window length.
 
-Blob layout (little-endian): magic ``b"EPW1"``, kind ``u8`` (0 sliding, 1 decay),
-``f64`` time the sums are as of, ``u64`` reports, ``f64`` half-life seconds (0 for sliding),
-then ``L × E`` ``f64`` sums, row-major.
+Two formats, both little-endian, told apart by their magic and both read by :func:`sum_blobs`:
+
+- ``b"EPW1"`` (window blobs, and write-ahead entries of earlier releases): kind ``u8`` (0
+  sliding, 1 decay), ``f64`` time the sums are as of, ``u64`` reports, ``f64`` half-life
+  seconds (0 for sliding), then ``L × E`` ``f64`` sums, row-major.
+- ``b"EPW2"`` (write-ahead entries, :func:`encode_sums`): the same header plus a ``u8`` dtype
+  code (0 int32, 1 int64, 2 float32, 3 float64), then ``L × E`` sums of that dtype: the
+  narrowest one that holds the batch's sums exactly, so an int32 report costs 4 bytes a count,
+  not 8, and a batch whose sums overflow int32 widens to int64 (that entry only).
+
+A replica of an earlier release treats a blob of another length as stale and deletes it, so
+EPW2 entries live in a write-ahead stream of their own that those replicas never read (the
+store's ``wal2``, see :mod:`.redis_store`): a mixed fleet loses nothing; an old replica's plan
+only leaves out the new replicas' entries until those replicas fold them into their EPW1 blob.
 """
 
 from __future__ import annotations
@@ -25,6 +36,11 @@ __all__ = ["WindowSpec", "SlidingWindow", "DecayWindow", "make_window", "encode_
 
 _HEADER = struct.Struct("<4sBdQd")
 _MAGIC = b"EPW1"
+_MAGIC2 = b"EPW2"
+_ENTRY_DTYPES = (np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("<f8"))
+_INT32_MAX = np.iinfo(np.int32).max
+# float64 holds every integer below this exactly, so integer-valued sums below it are exact.
+_EXACT_INT = 2.0**53
 
 
 @dataclass(frozen=True)
@@ -134,23 +150,47 @@ def make_window(shape: tuple[int, int], spec: WindowSpec) -> SlidingWindow | Dec
 
 
 def encode_blob(window: SlidingWindow | DecayWindow, now: float) -> bytes:
-    """The window as of ``now`` → the blob flushed to the store (layout in the module doc)."""
+    """The window as of ``now`` → the EPW1 blob flushed to the store (layout in the module doc)."""
     sums, n = window.total(now)
-    return encode_sums(sums, n, now, window.spec)
+    return _header(_MAGIC, n, now, window.spec) + np.asarray(sums, dtype="<f8").tobytes()
+
+
+def _header(magic: bytes, reports: int, at: float, spec: WindowSpec) -> bytes:
+    decay = spec.kind == "decay"
+    return _HEADER.pack(magic, int(decay), at, reports, spec.half_life_s if decay else 0.0)
 
 
 def encode_sums(sums: np.ndarray, reports: int, at: float, spec: WindowSpec) -> bytes:
-    """``sums``: float64 ``[L, E]`` of ``reports`` reports as of ``at`` → a blob (also the
-    write-ahead entry the store keeps with a batch of accepted reports until a flush folds it)."""
-    decay = spec.kind == "decay"
-    header = _HEADER.pack(_MAGIC, int(decay), at, reports, spec.half_life_s if decay else 0.0)
-    return header + np.asarray(sums, dtype="<f8").tobytes()
+    """``sums``: ``[L, E]`` of ``reports`` reports as of ``at`` → the EPW2 write-ahead entry the
+    store keeps with a batch of accepted reports until a flush folds it, in the narrowest dtype
+    that holds every sum exactly (int32 for int32 reports, also folded from physical counts)."""
+    sums = np.asarray(sums)
+    code = 3
+    if sums.dtype.kind in "iu" or (sums == np.floor(sums)).all():
+        top = sums.max(initial=0)
+        code = 0 if top <= _INT32_MAX else 1 if top < _EXACT_INT else 3
+    elif (sums.astype(np.float32) == sums).all():
+        code = 2
+    return _header(_MAGIC2, reports, at, spec) + bytes([code]) + sums.astype(_ENTRY_DTYPES[code]).tobytes()
+
+
+def _decode(blob: bytes, shape: tuple[int, int]) -> np.ndarray | None:
+    """An EPW1 or EPW2 blob's float64 ``[L, E]`` sums; None when it is neither (or of another shape)."""
+    size = shape[0] * shape[1]
+    if blob[:4] == _MAGIC and len(blob) == _HEADER.size + size * 8:
+        return np.frombuffer(blob, dtype="<f8", offset=_HEADER.size).reshape(shape)
+    if blob[:4] == _MAGIC2 and len(blob) > _HEADER.size and blob[_HEADER.size] < len(_ENTRY_DTYPES):
+        dt = _ENTRY_DTYPES[blob[_HEADER.size]]
+        if len(blob) == _HEADER.size + 1 + size * dt.itemsize:
+            return np.frombuffer(blob, dtype=dt, offset=_HEADER.size + 1).reshape(shape).astype(np.float64)
+    return None
 
 
 def sum_blobs(
     blobs: dict[str, bytes], shape: tuple[int, int], now: float, stale_after_s: float
 ) -> tuple[np.ndarray, int, list[str]]:
-    """Replica blobs → float64 ``[L, E]`` summed as of ``now``, reports, and stale replica ids.
+    """Replica blobs and write-ahead entries (EPW1 or EPW2) → float64 ``[L, E]`` summed as of
+    ``now``, reports, and stale keys.
 
     Decay sums are decayed from their flush time to ``now``; blobs older than ``stale_after_s``
     belong to replicas that stopped flushing and are left out, and so are blobs holding a NaN
@@ -159,16 +199,15 @@ def sum_blobs(
     total = np.zeros(shape)
     reports = 0
     stale = []
-    want = _HEADER.size + shape[0] * shape[1] * 8
     for replica, blob in blobs.items():
-        if len(blob) != want or blob[:4] != _MAGIC:
+        sums = _decode(blob, shape)
+        if sums is None:
             stale.append(replica)
             continue
         _, kind, at, n, half_life = _HEADER.unpack_from(blob)
         if now - at > stale_after_s:
             stale.append(replica)
             continue
-        sums = np.frombuffer(blob, dtype="<f8", offset=_HEADER.size).reshape(shape)
         if not np.isfinite(sums).all():
             stale.append(replica)
             continue

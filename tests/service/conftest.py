@@ -1,16 +1,21 @@
-"""Fixtures: real servers on 127.0.0.1:0, real channels, real Redis with a per-test key prefix."""
+"""Fixtures: real servers on 127.0.0.1:0, real channels, real Redis with a per-test key prefix,
+and a real local Redis Cluster (3 masters on free ports, started once per session)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import redis
 from svc_helpers import FAST, REDIS_URL, PrivateRedis
 
+from eplb_bench.redis_cluster import ClusterProcesses
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import auth_metadata, channel
 from eplb_service.server import RunningServer, ServerConfig, start_server
@@ -80,3 +85,33 @@ def private_redis() -> PrivateRedis:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> ClusterProcesses:
+    """3 cluster-enabled masters (``cluster-require-full-coverage no``, no persistence) in a
+    temp directory; never on 6379. Tests that kill a master start it again and wait for ok."""
+    if os.environ.get("EPLB_TEST_CLUSTER_PORTS"):
+        # Started by .ci/run (which removes it at exit).
+        ports = [int(p) for p in os.environ["EPLB_TEST_CLUSTER_PORTS"].split(",")]
+        cluster = ClusterProcesses.attach(Path(os.environ["EPLB_TEST_CLUSTER_DIR"]), ports)
+        yield cluster
+        cluster.stop()  # the masters a test restarted; .ci/run stops the rest
+        return
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not on PATH")
+    with tempfile.TemporaryDirectory(prefix="eplb-cluster-") as directory:
+        cluster = ClusterProcesses(Path(directory), appendfsync=None)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The store's tests run on both kinds: one Redis (6379) and the local Redis Cluster."""
+    if request.param == "redis":
+        return REDIS_URL
+    return request.getfixturevalue("redis_cluster").url

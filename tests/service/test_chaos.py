@@ -28,6 +28,21 @@ def test_chaos_loses_no_report_and_skips_no_version(tmp_path):
     assert result.tracebacks_in_logs == 0, "\n\n".join(result.tracebacks)
 
 
+@pytest.mark.slow
+def test_chaos_on_a_redis_cluster_loses_no_report_when_a_master_is_killed(tmp_path):
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not on PATH")
+    config = ChaosConfig(seconds=20, replicas=2, ranks=16, watchers=50, lease_s=5.0, seed=12, cluster=True)
+    result = run_chaos(config)
+    # The deployment's master was SIGKILLed and restarted (AOF), replicas too, under load.
+    assert set(result.events) == {"sigkill_replica", "sigterm_replica", "sigkill_redis"}
+    assert result.reports_sent > 1000 and result.versions > 5
+    assert result.failures == []
+    assert result.window_reports == result.reports_sent and result.resent_accepted == 0
+    assert result.watcher_gaps == result.watcher_duplicates == result.watchers_behind == 0
+    assert result.tracebacks_in_logs == 0, "\n\n".join(result.tracebacks)
+
+
 def test_a_traceback_in_a_replica_log_is_quoted_with_its_exception():
     log = "\n".join(
         [

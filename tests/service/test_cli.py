@@ -116,8 +116,13 @@ def test_a_taken_metrics_port_fails_cleanly():
         (["--log-level", "BOGUS"], ["--log-level", "DEBUG, INFO, WARNING, ERROR, CRITICAL", "'BOGUS'"]),
         (
             ["--redis-url", "http://x"],
-            ["--redis-url", "redis://, rediss:// or unix://", "'http://x'"],
+            ["--redis-url", "redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://", "'http://x'"],
         ),  # used to be a ValueError traceback
+        (
+            ["--redis-url", "redis+cluster://127.0.0.1:7000,127.0.0.1"],
+            ["--redis-url", "HOST:PORT seed nodes", "'127.0.0.1'"],
+        ),
+        (["--redis-url", "rediss+cluster://h:7000?ssl_bogus=1"], ["--redis-url", "unknown option 'ssl_bogus'"]),
         (["--redis-url", "redis://127.0.0.1:notaport/0"], ["--redis-url", "port"]),
         (["--host", "10.255.255.1"], ["--host", "10.255.255.1", "Cannot assign requested address"]),
         (

@@ -1,0 +1,218 @@
+"""Ingestion at scale: reports/s accepted and GetPlacement p99, by Redis kind, replicas and
+deployments, and what each report costs Redis.
+
+    python -m eplb_bench.ingest_bench [--kinds redis,cluster] [--replicas 1,2] [--deployments 1,50]
+        [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE]
+
+For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
+without persistence, on free loopback ports in a temp directory) and each count of ``eplb
+serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` reports), two runs:
+
+- max: two client processes stream ReportLoad as fast as the replicas accept (spread over the
+  replicas and deployments) for ``--seconds``; prints accepted reports/s and the bytes Redis
+  read from its clients per accepted report (``INFO stats`` ``total_net_input_bytes``, every
+  master summed) against the report's payload (59,392 bytes);
+- paced: the same clients send ``--rate`` reports/s in total.
+
+In both, a third process calls GetPlacement on the first replica every 5 ms (4 callers) and
+prints its p99. Each figure is the median over ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from .processes import RedisProcess, ServeProcess
+from .redis_cluster import ClusterProcesses
+from .service_bench import V3, _create, _latency_worker, _pct
+
+PAYLOAD = V3["num_layers"] * V3["num_experts"] * 4
+INGEST_PROCS = 2
+STREAMS = 8  # per client process
+
+
+def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: float, rate: float, out: mp.Queue):
+    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_service.client import EngineClient, channel
+
+    rng = np.random.default_rng(worker)
+    pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
+
+    async def main() -> None:
+        chans = [channel(t) for t in targets]
+        stubs = [EngineClient(c, names[0], 0).stub for c in chans]
+        deadline = time.perf_counter() + seconds
+        # Distinct ranks per stream (seqs only grow within a rank): rank = worker * STREAMS + i.
+        seq0 = time.time_ns() // 1000
+
+        async def stream(i: int) -> int:
+            rank = worker * STREAMS + i
+            interval = STREAMS * INGEST_PROCS / rate if rate else 0.0
+
+            async def requests():
+                k = 0
+                nxt = time.perf_counter() + interval * i / STREAMS
+                while time.perf_counter() < deadline:
+                    if interval:
+                        await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+                        nxt += interval
+                    k += 1
+                    yield pb.ReportLoadRequest(
+                        deployment=names[(i + k * STREAMS) % len(names)],
+                        rank=rank,
+                        seq=seq0 + k,
+                        logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]),
+                    )
+
+            resp = await stubs[(worker + i) % len(stubs)].ReportLoad(requests())
+            return resp.accepted
+
+        start = time.perf_counter()
+        accepted = sum(await asyncio.gather(*(stream(i) for i in range(STREAMS))))
+        elapsed = time.perf_counter() - start
+        for c in chans:
+            await c.close()
+        out.put((accepted, elapsed))
+
+    asyncio.run(main())
+
+
+def _net_input(ports: list[int]) -> int:
+    total = 0
+    for port in ports:
+        with redis.Redis(port=port) as r:
+            total += int(r.info("stats")["total_net_input_bytes"])
+    return total
+
+
+def _run(targets: list[str], names: list[str], ports: list[int], seconds: float, rate: float) -> dict:
+    ctx = mp.get_context("spawn")
+    out, lat_out = ctx.Queue(), ctx.Queue()
+    before = _net_input(ports)
+    procs = [
+        ctx.Process(target=_ingest_worker, args=(targets, names, w, seconds, rate, out)) for w in range(INGEST_PROCS)
+    ]
+    # 4 GetPlacement callers, each every 5 ms.
+    procs.append(ctx.Process(target=_latency_worker, args=(targets[0], names[0], 4, seconds, 0.005, lat_out)))
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in range(INGEST_PROCS)]
+    lat, _ = lat_out.get()
+    for p in procs:
+        p.join()
+    time.sleep(1.5)  # the replicas' last flushes
+    accepted = sum(a for a, _ in results)
+    elapsed = max(e for _, e in results)
+    return {
+        "reports_per_s": accepted / elapsed,
+        "bytes_per_report": (_net_input(ports) - before) / max(1, accepted),
+        "get_p99_ms": _pct(lat, 99) * 1e3,
+    }
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    return [(k, r, d) for k in args.kinds for r in args.replicas for d in args.deployments]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", type=lambda s: s.split(","), default=["redis", "cluster"])
+    ap.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    ap.add_argument("--deployments", type=lambda s: [int(x) for x in s.split(",")], default=[1, 50])
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--rate", type=float, default=2000.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    rows = []
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="eplb-ingest-") as tmp:
+        workdir = Path(tmp)
+        for kind in args.kinds:
+            if kind == "cluster":
+                backend = ClusterProcesses(workdir / "cluster", appendfsync=None)
+                backend.start()
+                url, ports = backend.url, backend.ports
+            else:
+                backend = RedisProcess(workdir, appendfsync=None)
+                backend.start()
+                url, ports = backend.url, [backend.port]
+            try:
+                for _, replicas, deployments in [c for c in _configs(args) if c[0] == kind]:
+                    rows.append(_measure(kind, url, ports, replicas, deployments, args, workdir))
+                    _print_row(rows[-1])
+            finally:
+                backend.stop()
+    print()
+    print(
+        f"ingestion, int32 [58, 256] reports (payload {PAYLOAD} bytes), medians of {args.repeats} run(s); "
+        f"{os.cpu_count()} cores, load average {load:.1f} at start"
+    )
+    print(f"{'redis':8} {'replicas':>8} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} "
+          f"{'p99 ms':>7} | {'paced rep/s':>11} {'p99 ms':>7}")  # fmt: skip
+    for row in rows:
+        _print_row(row)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: int, args, workdir: Path) -> dict:
+    prefix = f"ingest-{uuid.uuid4().hex[:8]}"
+    servers = [
+        ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING")) for i in range(replicas)
+    ]
+    for s in servers:
+        s.start()
+    try:
+        for s in servers:
+            s.wait_listening()
+        names = [f"d{i}" for i in range(deployments)]
+        for name in names:
+            _create(servers[0].target, name, ranks=INGEST_PROCS * STREAMS)
+        targets = [s.target for s in servers]
+        runs_max = [_run(targets, names, ports, args.seconds, 0.0) for _ in range(args.repeats)]
+        runs_paced = [_run(targets, names, ports, args.seconds, args.rate) for _ in range(args.repeats)]
+    finally:
+        for s in servers:
+            s.stop()
+
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    return {
+        "redis": kind,
+        "replicas": replicas,
+        "deployments": deployments,
+        "max_reports_per_s": med(runs_max, "reports_per_s"),
+        "bytes_per_report": med(runs_max, "bytes_per_report"),
+        "max_get_p99_ms": med(runs_max, "get_p99_ms"),
+        "paced_reports_per_s": med(runs_paced, "reports_per_s"),
+        "paced_bytes_per_report": med(runs_paced, "bytes_per_report"),
+        "paced_get_p99_ms": med(runs_paced, "get_p99_ms"),
+    }
+
+
+def _print_row(r: dict) -> None:
+    print(
+        f"{r['redis']:8} {r['replicas']:>8} {r['deployments']:>7} {r['max_reports_per_s']:>10.0f} "
+        f"{r['bytes_per_report']:>9.0f} {r['bytes_per_report'] / PAYLOAD:>9.2f} {r['max_get_p99_ms']:>7.1f} | "
+        f"{r['paced_reports_per_s']:>11.0f} {r['paced_get_p99_ms']:>7.1f}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""The service on a real local Redis Cluster (3 masters, ``cluster-require-full-coverage no``).
+
+Before: every CreateDeployment on a cluster failed with ``INTERNAL: MovedError`` (the
+deployments set lives in another slot), the announce reader's multi-stream XREAD failed with
+CROSSSLOT, and after one master was SIGKILLed every call on the other masters' deployments
+failed while health stayed SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_helpers import small_deployment
+
+from eplb_service import limits
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.client import EngineClient
+from eplb_service.cluster import ClusterUrl, parse_cluster_url
+from eplb_service.server import SERVICE_NAME
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_cluster_urls_name_seed_nodes_tls_credentials_and_options():
+    assert parse_cluster_url("redis://127.0.0.1:6379/0") is None
+    assert parse_cluster_url("redis+cluster://127.0.0.1:7000,[::1]:7001/") == ClusterUrl(
+        (("127.0.0.1", 7000), ("::1", 7001)), False, None, None
+    )
+    url = parse_cluster_url("rediss+cluster://eplb:p%40ss@h1:7000?ssl_ca_certs=/ca.pem")
+    assert url == ClusterUrl((("h1", 7000),), True, "eplb", "p@ss", (("ssl_ca_certs", "/ca.pem"),))
+    with pytest.raises(ValueError, match="HOST:PORT seed nodes"):
+        parse_cluster_url("redis+cluster://h1:7000,h2")
+    with pytest.raises(ValueError, match="unknown option 'db'"):
+        parse_cluster_url("redis+cluster://h1:7000?db=1")
+
+
+async def health(c, service: str) -> int:
+    return (await health_pb2_grpc.HealthStub(c.channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+async def eventually(fn, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await fn():
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_two_replicas_serve_deployments_spread_over_the_masters(serve, connect, redis_url):
+    p = f"eplb-test-{uuid.uuid4().hex[:10]}"
+    a, b = (
+        connect(await serve(redis_url=redis_url, key_prefix=p)),
+        connect(await serve(redis_url=redis_url, key_prefix=p)),
+    )
+    names = [f"d{i}" for i in range(6)]
+    for n in names:
+        await a.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
+    listed = await b.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert [d.name for d in listed.deployments] == names
+    watches = [b.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment=n)) for n in names]
+    assert [(await w.read()).placement.version for w in watches] == [1] * 6
+    loads = np.arange(64, dtype=np.int32).reshape(4, 16)
+    for n in names:
+        assert (await EngineClient(b.channel, n, rank=0).report([loads])).accepted == 1
+        out = await a.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))
+        assert out.published and out.window_reports == 1
+    assert [(await w.read()).placement.version for w in watches] == [2] * 6
+    await a.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d3"))
+    listed = await b.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert [d.name for d in listed.deployments] == ["d0", "d1", "d2", "d4", "d5"]
+
+
+async def test_a_dead_master_takes_down_only_the_deployments_of_its_slots(serve, connect, redis_cluster, monkeypatch):
+    p = f"eplb-test-{uuid.uuid4().hex[:10]}"
+    by_port: dict[int, str] = {}
+    i = 0
+    while len(by_port) < len(redis_cluster.ports):
+        by_port.setdefault(redis_cluster.port_of(f"{p}:{{d{i}}}:meta"), f"d{i}")
+        i += 1
+    victim_port = redis_cluster.ports[1]
+    victim = by_port[victim_port]
+    others = [n for port, n in by_port.items() if port != victim_port]
+    a = connect(await serve(redis_url=redis_cluster.url, key_prefix=p))
+    b = connect(await serve(redis_url=redis_cluster.url, key_prefix=p))
+    for n in by_port.values():
+        await a.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
+        await a.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))
+    # b follows every deployment (as its refresh makes it do), so it can serve them from memory.
+    watches = {n: b.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment=n)) for n in by_port.values()}
+    for w in watches.values():
+        while (await w.read()).placement.version < 2:
+            pass
+    watch = watches[others[0]]
+    loads = np.ones((4, 16), dtype=np.int32)
+
+    redis_cluster.kill(victim_port)  # no persistence: it comes back empty
+    try:
+        await eventually(lambda: _is(health(b, f"{SERVICE_NAME}/{victim}"), NOT_SERVING))
+        assert await health(b, SERVICE_NAME) == SERVING and await health(b, "") == SERVING
+        for n in others:
+            assert await health(b, f"{SERVICE_NAME}/{n}") == SERVING
+            assert (await EngineClient(b.channel, n, rank=0).report([loads])).accepted == 1
+            assert (await a.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))).published
+        assert (await watch.read()).placement.version == 3
+        # The dead master's deployment: its placement from memory, its writes refused at once.
+        got = await b.stub.GetPlacement(pb.GetPlacementRequest(deployment=victim))
+        assert got.placement.version == 2
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await EngineClient(b.channel, victim, rank=0).report([loads])
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"127.0.0.1:{victim_port}" in info.value.details() and time.monotonic() - started < 0.5
+        # The deployment-count limit still holds (the index bucket sizes are remembered).
+        monkeypatch.setattr(limits, "MAX_DEPLOYMENTS", len(by_port))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await a.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("one-too-many")))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        redis_cluster.start_node(victim_port)
+        redis_cluster.wait_ok()
+    # Back empty: the replicas write its deployment back (that master only) and it serves again.
+    await eventually(lambda: _is(health(b, f"{SERVICE_NAME}/{victim}"), SERVING))
+    await eventually(lambda: _reports(b, victim, loads), timeout=15)
+    got = await a.stub.GetDeployment(pb.GetDeploymentRequest(name=victim))
+    assert got.deployment.version == 2
+    listed = await a.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert sorted(d.name for d in listed.deployments) == sorted(by_port.values())
+
+
+async def _is(coro, want) -> bool:
+    return await coro == want
+
+
+async def _reports(c, name: str, loads: np.ndarray) -> bool:
+    return (await EngineClient(c.channel, name, rank=1).report([loads])).accepted == 1

@@ -1,0 +1,108 @@
+"""What a report costs the store: write-ahead entries at the width the counts came in (EPW2, in
+their own ``wal2`` stream), and a fleet mixing this release with the previous one loses nothing.
+
+Before: each accepted report was a float64 EPW1 entry: 118,813 bytes for an int32 [58, 256]
+report whose payload is 59,392."""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import redis
+from svc_helpers import FAST, REDIS_URL
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.client import EngineClient
+from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
+
+SHAPE = (58, 256)
+# A deployment whose reports are not folded during the test (flush every minute).
+SLOW_FLUSH = replace(FAST, flush_s=60.0)
+
+
+def deployment(name: str) -> pb.Deployment:
+    return pb.Deployment(
+        name=name,
+        topology=pb.Topology(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8),
+        policy="auto",
+    )
+
+
+def wal_entries(prefix: str, name: str, stream: str) -> list[bytes]:
+    with redis.Redis.from_url(REDIS_URL) as r:
+        return [f[b"b"] for _, f in r.xrange(f"{prefix}:{{{name}}}:{stream}")]
+
+
+@pytest.fixture
+async def replica(serve, connect, prefix):
+    p = prefix()
+    server = await serve(
+        redis_url=REDIS_URL, key_prefix=p, balancer=replace(SLOW_FLUSH, replica_id=uuid.uuid4().hex[:8])
+    )
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment("big")))
+    return p, c
+
+
+async def test_an_int32_report_is_written_at_int32_width(replica):
+    p, c = replica
+    counts = np.random.default_rng(0).integers(0, 1 << 20, SHAPE, dtype=np.int32)
+    assert (await EngineClient(c.channel, "big", rank=0).report([counts])).accepted == 1
+    (entry,) = wal_entries(p, "big", "wal2")
+    assert len(entry) <= 1.3 * counts.nbytes, f"{len(entry)} bytes for a {counts.nbytes}-byte report"
+    assert wal_entries(p, "big", "wal") == []  # nothing an old replica could misread
+    sums, n, stale = sum_blobs({"wal2:1": entry}, SHAPE, time.time(), 60)
+    assert n == 1 and stale == [] and np.array_equal(sums, counts)
+
+
+async def test_physical_counts_folded_into_experts_stay_int32(replica):
+    p, c = replica
+    placement = (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="big"))).placement
+    counts = np.ones((58, 288), dtype=np.int32)
+    out = await EngineClient(c.channel, "big", rank=1).report([counts], placement_version=placement.version)
+    assert out.accepted == 1
+    (entry,) = wal_entries(p, "big", "wal2")
+    assert len(entry) <= 1.3 * 58 * 256 * 4
+    sums, _, _ = sum_blobs({"wal2:1": entry}, SHAPE, time.time(), 60)
+    assert sums.sum() == counts.sum()
+
+
+def test_sums_that_overflow_int32_widen_that_entry_only():
+    spec = WindowSpec()
+    big = np.full(SHAPE, 2**31 - 1, dtype=np.float64) * 2  # two int32-max reports in one batch
+    wide = encode_sums(big, 2, time.time(), spec)
+    narrow = encode_sums(np.ones(SHAPE), 1, time.time(), spec)
+    assert len(wide) > 58 * 256 * 8 and len(narrow) < 58 * 256 * 4 + 64
+    sums, n, stale = sum_blobs({"a": wide, "b": narrow}, SHAPE, time.time(), 60)
+    assert n == 3 and stale == [] and np.array_equal(sums, big + 1)
+    fractional = encode_sums(np.full(SHAPE, 0.1), 1, time.time(), spec)
+    assert np.array_equal(sum_blobs({"f": fractional}, SHAPE, time.time(), 60)[0], np.full(SHAPE, 0.1))
+
+
+def _old_replica_sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int]) -> list[str]:
+    """The previous release's rule (service/windows.py before EPW2): a blob of another length
+    or magic is stale, and its planner deletes it."""
+    want = struct.calcsize("<4sBdQd") + shape[0] * shape[1] * 8
+    return [k for k, b in blobs.items() if len(b) != want or b[:4] != b"EPW1"]
+
+
+async def test_a_mixed_fleet_loses_no_entry(replica):
+    p, c = replica
+    counts = np.full(SHAPE, 3, dtype=np.int32)
+    assert (await EngineClient(c.channel, "big", rank=0).report([counts])).accepted == 1
+    with redis.Redis.from_url(REDIS_URL) as r:
+        # What an old replica's planner reads (its windows hash and its wal stream) holds
+        # nothing it would call stale and delete: the new entry is in wal2, which it never reads.
+        old_view = {k.decode(): v for k, v in r.hgetall(f"{p}:{{big}}:windows").items()}
+        old_view.update((f"wal:{i.decode()}", f[b"b"]) for i, f in r.xrange(f"{p}:{{big}}:wal"))
+        assert _old_replica_sum_blobs(old_view, SHAPE) == []
+        # An old replica's entry (EPW1, float64, in wal) counts in this release's plans.
+        epw1 = struct.pack("<4sBdQd", b"EPW1", 0, time.time(), 1, 0.0) + np.full(SHAPE, 2.0).tobytes()
+        r.xadd(f"{p}:{{big}}:wal", {"b": epw1})
+    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="big", dry_run=True))
+    assert out.window_reports == 2 and out.window_tokens == float(counts.sum() + 2 * counts.size)

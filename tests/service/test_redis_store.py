@@ -1,0 +1,115 @@
+"""The Redis store's own suite, on both kinds of Redis: one server (6379) and a 3-master Redis
+Cluster (``redis_url`` is parametrized). Before cluster support every create on the cluster
+failed with MovedError (the deployments set lives in another slot) and the announce reader's
+multi-stream XREAD failed with CROSSSLOT."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.errors import AlreadyExists, NotFound
+from eplb_service.redis_store import RedisStore
+from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
+
+
+def deployment(name: str) -> pb.Deployment:
+    d = pb.Deployment(name=name)
+    d.create_time.FromNanoseconds(time.time_ns())
+    return d
+
+
+@pytest.fixture
+async def store(redis_url):
+    s = RedisStore(redis_url, f"eplb-test-{uuid.uuid4().hex[:10]}")
+    yield s
+    for record in await s.list():
+        await s.delete(record.deployment.name)
+    await s.close()
+
+
+async def test_deployments_are_created_listed_counted_and_deleted(store):
+    names = [f"d{i}" for i in range(8)]  # spread over the cluster's masters
+    for n in names:
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+    with pytest.raises(AlreadyExists):
+        await store.create(deployment("d3"), pb.Placement(deployment="d3", version=1))
+    assert [r.deployment.name for r in await store.list()] == names
+    assert await store.count() == 8
+    assert (await store.get("d5")).version == 1
+    await store.delete("d5")
+    with pytest.raises(NotFound):
+        await store.get("d5")
+    assert await store.count() == 7 and "d5" not in [r.deployment.name for r in await store.list()]
+
+
+async def test_followers_of_deployments_in_different_slots_see_every_version(store):
+    names = ["a", "b", "c", "e"]
+    for n in names:
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+    seen: dict[str, list[int]] = {n: [] for n in names}
+
+    async def follow(n: str) -> None:
+        async for p in store.follow(n, 0):
+            seen[n].append(p.version)
+
+    tasks = [asyncio.create_task(follow(n)) for n in names]
+    await asyncio.sleep(0.3)
+    for v in (2, 3):
+        for n in names:
+            await store.publish(n, pb.Placement(deployment=n, version=v))
+    deadline = time.monotonic() + 5
+    while any(s != [1, 2, 3] for s in seen.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for t in tasks:
+        t.cancel()
+    assert seen == {n: [1, 2, 3] for n in names}
+
+
+async def test_a_follower_ends_with_not_found_when_its_deployment_is_deleted(store):
+    await store.create(deployment("gone"), pb.Placement(deployment="gone", version=1))
+
+    async def follow() -> list[int]:
+        return [p.version async for p in store.follow("gone", 0)]
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.3)
+    await store.delete("gone")
+    with pytest.raises(NotFound):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_reports_are_accepted_once_with_their_entry_and_folded_by_a_flush(store):
+    await store.create(deployment("w"), pb.Placement(deployment="w", version=1))
+    spec = WindowSpec()
+    counts = np.arange(12, dtype=np.float64).reshape(3, 4)
+    fresh, entry = await store.accept_reports(
+        "w", [(0, 1), (1, 1)], lambda f: encode_sums(counts * sum(f), sum(f), time.time(), spec), 60
+    )
+    assert fresh == [True, True] and entry is not None
+    fresh, _ = await store.accept_reports("w", [(0, 1)], lambda f: encode_sums(counts, sum(f), time.time(), spec), 60)
+    assert fresh == [False]
+    blobs = await store.windows("w")
+    assert list(blobs) == [f"wal2:{entry}"]
+    sums, reports, stale = sum_blobs(blobs, (3, 4), time.time(), 60)
+    assert reports == 2 and stale == [] and np.array_equal(sums, counts * 2)
+    await store.put_window("w", "replica-a", encode_sums(counts * 2, 2, time.time(), spec), [entry])
+    assert list(await store.windows("w")) == ["replica-a"]
+    assert (await store.marks("w")).reports == 2
+
+
+async def test_acks_and_leases_work_on_each_deployment(store):
+    for n in ("x", "y"):
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+        rollout = await store.ack(n, 0, 1, 0, 0, [0, 1], 2)
+        assert rollout.ranks_acked == 1 and rollout.num_ranks == 2
+        assert (await store.acks(n))[0].switched == 1
+        assert await store.acquire_lease(n, "me", 5) and not await store.acquire_lease(n, "you", 5)
+        assert await store.renew_lease(n, "me", 5)
+        await store.release_lease(n, "me")
+        assert await store.acquire_lease(n, "you", 5)
