@@ -411,13 +411,13 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
                 expert_bytes=slot_bytes,
                 switch_margin_steps=cfg.switch_margin_steps,
             )
-    dt = cfg.draft_topology
-    draft = (
-        f"; a draft model of {dt.num_layers} MoE layers x {dt.num_experts} experts on {dt.num_slots} slots "
-        f"(deployment {cfg.draft_deployment})"
-        if cfg.draft_layers
-        else ""
-    )
+    draft = ""
+    if cfg.draft_layers:
+        dt = cfg.draft_topology
+        draft = (
+            f"; a draft model of {dt.num_layers} MoE layers x {dt.num_experts} experts on {dt.num_slots} slots "
+            f"(deployment {cfg.draft_deployment})"
+        )
     print(
         f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
         f"{topo.num_experts} experts on {topo.num_slots} slots{draft}; {cfg.steps} steps of {cfg.step_ms:g} ms, "
