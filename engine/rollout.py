@@ -187,6 +187,8 @@ def _sum_reports(reports: Sequence[object]) -> object:
         local_copy_bytes=sum(r.local_copy_bytes for r in reports),
         checked_slots=sum(r.checked_slots for r in reports),
         mismatches=tuple(m for r in reports for m in r.mismatches),
+        restored=sum(r.restored for r in reports),
+        restored_bytes=sum(r.restored_bytes for r in reports),
     )
 
 

@@ -145,10 +145,17 @@ def transfer_stats(
 ) -> pb.TransferStats:
     """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer.transfer_schedule``:
     one receive per gpu and expert, in rounds of at most one peer per gpu) → ``TransferStats``,
-    timed by the schedule's default bandwidth model."""
+    timed by the schedule's default bandwidth model. Experts no live gpu held (restores: the
+    engines load them, no peer sends them) are counted apart, in ``restored_*``."""
     from eplb.transfer import transfer_schedule
 
-    return pb.TransferStats(**transfer_schedule(old, new, topo, expert_bytes=float(expert_bytes)).stats())
+    schedule = transfer_schedule(old, new, topo, expert_bytes=float(expert_bytes))
+    restored = schedule.restore_layer
+    return pb.TransferStats(
+        **schedule.stats(),
+        restored_experts=int(restored.size),
+        restored_bytes=int(round(float(schedule.expert_bytes[restored].sum()))),
+    )
 
 
 def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:

@@ -176,18 +176,22 @@ class PlanStats(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds")
+    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds", "restored_experts", "restored_bytes")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CROSS_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_ROUND_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     cross_node_bytes: int
     rounds: int
     max_rank_round_bytes: int
     predicted_seconds: float
-    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
+    restored_experts: int
+    restored_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., restored_experts: _Optional[int] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("deployment", "version", "phy2log", "stats", "create_time")
