@@ -30,6 +30,18 @@ SURVIVOR_POLICY = "auto"
 SURVIVOR_OPTIONS = {"effort": "fast"}
 
 
+def _eplb_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eplb")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+EPLB_VERSION = _eplb_version()
+
+
 def survivor_plan(
     base: PublishedPlacement, down_gpus: Sequence[int], down_ranks: Sequence[int] | None = None
 ) -> PublishedPlacement:
@@ -42,6 +54,15 @@ def survivor_plan(
     ``ValueError`` (the library's) when too few live slots remain for every expert.
     """
     topo = base.placement.topology
+    mine = EPLB_VERSION
+    if base.eplb_version and base.eplb_version != mine:
+        log.warning(
+            "version %d was planned with eplb %s and this rank runs eplb %s: its survivor placement may differ "
+            "from the service's and the other ranks' (ranks on one release agree with each other)",
+            base.version,
+            base.eplb_version,
+            mine,
+        )
     down = sorted(int(g) for g in down_gpus)
     loads = base.loads if base.loads is not None else np.ones((topo.num_layers, topo.num_experts))
     plan = eplb.rebalance(loads, topo, SURVIVOR_POLICY, previous=base.placement, down_gpus=down, **SURVIVOR_OPTIONS)
@@ -59,6 +80,7 @@ def survivor_plan(
         down_ranks_version=base.version + 1,
         survivor_of=base.version,
         loads=base.loads,
+        eplb_version=mine,
     )
 
 

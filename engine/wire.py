@@ -102,7 +102,8 @@ class PublishedPlacement:
     knows its expert size). ``down_ranks``: the ranks down in this version (they take no part
     in its rollout); ``down_ranks_version``: the version whose SetRanksDown made that set;
     ``survivor_of``: for a survivor placement, the version it was planned from (0: a normal
-    plan); ``loads``: float64 ``[L, E]``, the loads it was planned from (None: not sent).
+    plan); ``loads``: float64 ``[L, E]``, the loads it was planned from (None: not sent);
+    ``eplb_version``: the eplb release the service planned it with ("" for version 1).
     """
 
     deployment: str
@@ -113,6 +114,7 @@ class PublishedPlacement:
     down_ranks_version: int = 0
     survivor_of: int = 0
     loads: np.ndarray | None = None
+    eplb_version: str = ""
 
 
 def placement_from_pb(msg: pb.Placement, topology: eplb.Topology) -> PublishedPlacement:
@@ -143,6 +145,7 @@ def placement_from_pb(msg: pb.Placement, topology: eplb.Topology) -> PublishedPl
         down_ranks_version=msg.down_ranks_version,
         survivor_of=msg.survivor_of,
         loads=loads,
+        eplb_version=msg.eplb_version,
     )
 
 

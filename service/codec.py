@@ -109,6 +109,19 @@ SURVIVOR_POLICY = "auto"
 SURVIVOR_OPTIONS = {"effort": "fast"}
 
 
+def _eplb_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eplb")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# Recorded in every planned placement (Placement.eplb_version).
+EPLB_VERSION = _eplb_version()
+
+
 def survivor_loads(placement: pb.Placement, shape: tuple[int, int]) -> np.ndarray:
     """float64 ``[L, E]``: ``placement``'s loads snapshot, or ones when it has none."""
     if placement.HasField("loads"):

@@ -189,7 +189,7 @@ class Deployments:
         out = pb.Deployment()
         out.CopyFrom(record.deployment)
         out.version = record.version
-        current = await self.placement(name)
+        current = await self._known(name, lambda: self.store.placement(name))
         return pb.GetDeploymentResponse(
             down_ranks=current.down_ranks,
             deployment=out,
@@ -293,7 +293,9 @@ class Deployments:
                 f"rank {request.rank} is down in version {request.version} (down ranks {list(acked.down_ranks)}); "
                 "it takes no part in that version's rollout (SetRanksDown up=[rank] plans it in again)"
             )
-        current = await self.placement(name)
+        # The store's current version, not this replica's memory of it: a replica that has not
+        # seen the survivor placement yet must not let the superseded version finish.
+        current = await self.store.placement(name)
         counted = codec.live_ranks(record.deployment, acked)
         superseded = request.version < current.down_ranks_version
         if superseded:

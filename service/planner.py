@@ -202,6 +202,7 @@ class Planner:
             down_ranks=current.down_ranks,
             down_ranks_version=current.down_ranks_version,
             loads=arrays.encode(loads.astype(np.float32)),
+            eplb_version=codec.EPLB_VERSION,
         )
         candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
         reason = decide(local.trigger, float(loads.sum()), stats.gain_percent, stats.moves, force) or ""
@@ -293,6 +294,7 @@ class Planner:
                     down_ranks=sorted(now_down),
                     down_ranks_version=version,
                     survivor_of=current.version,
+                    eplb_version=codec.EPLB_VERSION,
                 )
                 if current.HasField("loads"):
                     out.loads.CopyFrom(current.loads)

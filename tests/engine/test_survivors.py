@@ -213,3 +213,18 @@ def test_balanced_ranks_carry_on_without_a_dead_rank_and_the_service_agrees():
     assert list(info.down_ranks) == [1]
     # The survivors acked the survivor version; the dead rank took no part.
     assert sorted((a.rank, a.version) for a in info.acks if a.version == 2) == [(0, 2), (2, 2)]
+
+
+def test_a_base_planned_with_another_eplb_release_is_warned_about(caplog):
+    from dataclasses import replace
+
+    from eplb_engine.survivors import EPLB_VERSION
+
+    base = wire.PublishedPlacement("d1", 2, eplb.Placement.contiguous(TOPO), pb.PlanStats(), eplb_version=EPLB_VERSION)
+    with caplog.at_level("WARNING", logger="eplb_engine.survivors"):
+        same = survivor_plan(base, [1])
+        assert not caplog.records and same.eplb_version == EPLB_VERSION
+        other = survivor_plan(replace(base, eplb_version="0.0.1-other"), [1])
+    (record,) = caplog.records
+    assert "planned with eplb 0.0.1-other and this rank runs eplb" in record.getMessage()
+    assert np.array_equal(other.placement.phy2log, same.placement.phy2log)  # planned all the same

@@ -119,7 +119,7 @@ PREP, SWITCH = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED
 @pytest.fixture(params=["memory", "redis"])
 async def fleet(request, serve, connect, prefix):
     """A server (in-process or Redis store) with d1 (8 gpus, ranks 0..7) at version 2, planned
-    from reported loads, and its client."""
+    from reported loads, its client and version 2."""
     kw = {"redis_url": REDIS_URL, "key_prefix": prefix()} if request.param == "redis" else {}
     server = await serve(**kw)
     c = connect(server)
@@ -128,8 +128,9 @@ async def fleet(request, serve, connect, prefix):
     d.expert_bytes = 1000
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     assert (await EngineClient(c.channel, "d1", rank=0).report([skewed(5)])).accepted == 1
-    assert (await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
-    return server, c
+    planned = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+    assert planned.published
+    return server, c, planned.placement
 
 
 def phy(placement: pb.Placement) -> np.ndarray:
@@ -141,14 +142,14 @@ def set_down(c, down=(), up=(), reason=""):
 
 
 async def test_a_rank_down_publishes_a_survivor_placement_at_once(fleet, caplog):
-    server, c = fleet
-    base = (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))).placement
+    server, c, base = fleet
     assert base.version == 2 and base.HasField("loads") and not base.down_ranks
     with caplog.at_level("WARNING", logger="eplb_service.audit"):
         out = await set_down(c, down=[3], reason="nccl timeout on rank 3")
     assert out.published and list(out.down_ranks) == [3]
     p = out.placement
     assert p.version == 3 and list(p.down_ranks) == [3] and p.down_ranks_version == 3 and p.survivor_of == 2
+    assert p.eplb_version == base.eplb_version == codec.EPLB_VERSION != ""
     got = phy(p)
     assert (got[:, 9:12] == -1).all() and (got[:, np.r_[0:9, 12:24]] >= 0).all()
     assert all((np.bincount(row[row >= 0], minlength=16) >= 1).all() for row in got)
@@ -176,7 +177,7 @@ async def test_a_rank_down_publishes_a_survivor_placement_at_once(fleet, caplog)
 
 
 async def test_a_rank_back_up_is_planned_in_again(fleet):
-    server, c = fleet
+    server, c, base = fleet
     await set_down(c, down=[3, 5])
     out = await set_down(c, up=[3])
     assert out.published and list(out.down_ranks) == [5] and out.placement.version == 4
@@ -187,7 +188,7 @@ async def test_a_rank_back_up_is_planned_in_again(fleet):
 
 
 async def test_set_ranks_down_refusals_name_the_field(fleet):
-    server, c = fleet
+    server, c, base = fleet
     cases = [
         (dict(down=[9]), "down[0]", "rank 9 is not a gpu's rank"),
         (dict(down=[2, 2]), "down[1]", "listed twice"),
@@ -206,11 +207,11 @@ async def test_set_ranks_down_refusals_name_the_field(fleet):
     ((field, why),) = status_details(err.value)
     assert field == "down" and "only 15 live slots" in why and "16 experts" in why
     # Nothing was published by the refusals.
-    assert (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))).placement.version == 2
+    assert (await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))).deployment.version == 2
 
 
 async def test_rollouts_count_the_live_ranks_and_one_in_flight_aborts_when_a_rank_dies(fleet):
-    server, c = fleet
+    server, c, base = fleet
 
     def ack(rank, version, state, step=0):
         return c.stub.AckPlacement(

@@ -194,7 +194,7 @@ class TransferStats(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., restored_experts: _Optional[int] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time", "down_ranks", "down_ranks_version", "survivor_of", "loads")
+    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time", "down_ranks", "down_ranks_version", "survivor_of", "loads", "eplb_version")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class Placement(_message.Message):
     DOWN_RANKS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SURVIVOR_OF_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    EPLB_VERSION_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     phy2log: Array
@@ -213,7 +214,8 @@ class Placement(_message.Message):
     down_ranks_version: int
     survivor_of: int
     loads: Array
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., down_ranks_version: _Optional[int] = ..., survivor_of: _Optional[int] = ..., loads: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    eplb_version: str
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., down_ranks_version: _Optional[int] = ..., survivor_of: _Optional[int] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., eplb_version: _Optional[str] = ...) -> None: ...
 
 class CreateDeploymentRequest(_message.Message):
     __slots__ = ("deployment", "initial_phy2log")
