@@ -127,3 +127,52 @@ def test_a_placement_with_a_gpu_down_decodes_from_the_wire():
     )
     got = placement_from_pb(msg, TOPO)
     assert got.placement.down_gpus == (1,) and np.array_equal(got.placement.phy2log, new.phy2log)
+
+
+def test_host_backup_serves_the_restores_it_holds_and_passes_the_rest_on():
+    from eplb_engine.backup import HostExpertBackup, at_risk
+
+    old = eplb.Placement.contiguous(TOPO)  # experts 4..7 have one replica (gpus 1 and 2)
+    assert at_risk(old) == [(lay, e) for lay in range(3) for e in range(4, 8)]
+    assert at_risk(old, gpu=1) == [(lay, e) for lay in range(3) for e in (6, 7)]
+    hot = np.zeros((3, 8))
+    hot[2, 7] = 5.0
+    assert at_risk(old, gpu=1, loads=hot)[0] == (2, 7)
+    assert at_risk(old, share=(1, 2)) == at_risk(old)[1::2]
+    new = eplb.rebalance(_loads(0), TOPO, previous=old, down_gpus=[1]).placement
+    schedule = transfer_schedule(old, new, TOPO)
+    slot = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
+    world = ThreadWorld(3)
+    backups = []
+
+    def rank(i: int):
+        g = [0, 2, 3][i]
+        source_calls: list = []
+        backup = HostExpertBackup(_restore(source_calls), budget_bytes=100 * slot)
+        assert backup.keep(at_risk(old, gpu=g)) == len(at_risk(old, gpu=g)) and backup.held_bytes > 0
+        held = len(source_calls)
+        layers = encoded_layers(old, g)
+        report = WeightMover(layers, old, new, transport=world.transport(i), restore=backup, verify=True).run()
+        check_layers(layers, new, g)
+        backups.append((g, backup, len(source_calls) - held, report))
+
+    world.run(rank)
+    for g, backup, later, report in backups:
+        mine = int((schedule.restore_dst_gpu == g).sum())
+        # gpu 1's experts were in every other gpu's backup: every restore a hit, none from the source.
+        assert report.restored == mine and backup.hits == mine and backup.misses == later == 0 and report.ok
+    small = HostExpertBackup(_restore([]), budget_bytes=2 * slot, pin=False)
+    assert small.keep(at_risk(old)) == 2 and small.held_bytes == 2 * slot and (0, 4) in small
+    assert small(0, 6)["w2"].shape == (3, 2) and small.misses == 1
+    assert small.keep([(1, 5)]) == 1 and (0, 4) not in small and small.held_bytes == slot
+    with pytest.raises(ValueError, match="budget_bytes must be an integer >= 0"):
+        HostExpertBackup(_restore([]), budget_bytes=-1)
+
+
+def test_experts_whose_replicas_share_one_gpu_are_at_risk():
+    from eplb_engine.backup import at_risk
+
+    # expert 0 twice on gpu 0, expert 1 on gpus 0 and 1, expert 2 once on gpu 1
+    placement = eplb.Placement(np.array([[0, 0, 1, 2]]), eplb.Topology(1, 3, 4, 2))
+    assert at_risk(placement) == [(0, 0), (0, 2)]
+    assert at_risk(placement, gpu=0) == [(0, 2)]
