@@ -172,7 +172,7 @@ def test_host_backup_serves_the_restores_it_holds_and_passes_the_rest_on():
 def test_experts_whose_replicas_share_one_gpu_are_at_risk():
     from eplb_engine.backup import at_risk
 
-    # expert 0 twice on gpu 0, expert 1 on gpus 0 and 1, expert 2 once on gpu 1
-    placement = eplb.Placement(np.array([[0, 0, 1, 2]]), eplb.Topology(1, 3, 4, 2))
+    # expert 0 twice on gpu 0, expert 1 on gpus 0 and 1, expert 2 twice on gpu 1
+    placement = eplb.Placement(np.array([[0, 0, 1, 1, 2, 2]]), eplb.Topology(1, 3, 6, 2))
     assert at_risk(placement) == [(0, 0), (0, 2)]
     assert at_risk(placement, gpu=0) == [(0, 2)]
