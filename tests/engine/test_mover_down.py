@@ -176,3 +176,15 @@ def test_experts_whose_replicas_share_one_gpu_are_at_risk():
     placement = eplb.Placement(np.array([[0, 0, 1, 1, 2, 2]]), eplb.Topology(1, 3, 6, 2))
     assert at_risk(placement) == [(0, 0), (0, 2)]
     assert at_risk(placement, gpu=0) == [(0, 2)]
+
+
+def test_restore_bench_restores_half_the_experts_from_both_sources(capsys):
+    import json
+
+    from eplb_bench import restore_bench
+
+    restore_bench.main(["--layers", "2", "--experts", "4", "--hidden", "256", "--inter", "128", "--repeats", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["source"] for r in rows] == ["pinned HostExpertBackup", "pageable host"]
+    assert [r["restored"] for r in rows] == [4, 4] and rows[0]["bytes"] == rows[1]["bytes"] > 0
+    assert rows[0]["backup_host_bytes"] == rows[0]["bytes"] > 0 and rows[1]["backup_host_bytes"] == 0
