@@ -293,9 +293,12 @@ class Deployments:
                 f"rank {request.rank} is down in version {request.version} (down ranks {list(acked.down_ranks)}); "
                 "it takes no part in that version's rollout (SetRanksDown up=[rank] plans it in again)"
             )
-        # The store's current version, not this replica's memory of it: a replica that has not
-        # seen the survivor placement yet must not let the superseded version finish.
-        current = await self.store.placement(name)
+        # The store's current version (``record``), not an older one this replica remembers: a
+        # replica that has not seen the survivor placement yet must not let the superseded
+        # version finish. Its memory serves when it is that version (placements are large).
+        current = await self.placement(name)
+        if current.version < record.version:
+            current = await self.store.placement(name)
         counted = codec.live_ranks(record.deployment, acked)
         superseded = request.version < current.down_ranks_version
         if superseded:

@@ -40,9 +40,11 @@ async def test_physical_counts_under_a_placement_with_a_gpu_down_fold_like_logic
     c = connect(server)
     placement = survivor_placement([3])
     assert placement.down_gpus == (3,) and (placement.logcnt > 1).any()
-    await c.stub.CreateDeployment(
+    created = await c.stub.CreateDeployment(
         pb.CreateDeploymentRequest(deployment=small_deployment("phys"), initial_phy2log=arr(placement.phy2log))
     )
+    # An initial placement with gpu 3 empty: rank 3 is down from version 1 on.
+    assert list(created.placement.down_ranks) == [3] and created.placement.down_ranks_version == 1
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("logi")))
     loads = skewed(1)
     # Per slot: each expert's load split over its replicas (integers: the remainder to the first).
