@@ -286,8 +286,12 @@ class Deployments:
         if request.version > record.version:
             raise FailedPrecondition(f"version {request.version} is not published yet (current {record.version})")
         name = request.deployment
-        # A version's rollout counts the ranks live in it; a rank down there takes no part.
-        acked = await self.placement(name, request.version)
+        # A version's rollout counts the ranks live in it; a rank down there takes no part. A
+        # version older than the kept ones is counted with the current version's down ranks.
+        try:
+            acked = await self.placement(name, request.version)
+        except NotFound:
+            acked = await self.store.placement(name)
         if request.rank in acked.down_ranks:
             raise FailedPrecondition(
                 f"rank {request.rank} is down in version {request.version} (down ranks {list(acked.down_ranks)}); "

@@ -239,3 +239,15 @@ async def test_rollouts_count_the_live_ranks_and_one_in_flight_aborts_when_a_ran
     for r in live:
         out = await ack(r, 3, SWITCH, 30)
     assert out.ranks_acked == 7
+
+
+async def test_an_ack_of_a_version_no_longer_kept_is_still_recorded(serve, connect):
+    server = await serve()
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    for _ in range(18):  # versions 2..19: version 1 and 2 are no longer kept (16 are)
+        assert (await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
+    out = await c.stub.AckPlacement(
+        pb.AckPlacementRequest(deployment="d1", rank=0, version=2, state=pb.ACK_STATE_SWITCHED)
+    )
+    assert out.ranks_acked == 1 and out.num_ranks == 8
