@@ -103,3 +103,8 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.ComputePlacementResponse:
         return await self.balancer.compute(request, context.time_remaining())
+
+    async def SetRanksDown(
+        self, request: pb.SetRanksDownRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRanksDownResponse:
+        return await self.balancer.set_ranks_down(request, context.peer(), context.time_remaining())
