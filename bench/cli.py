@@ -1,5 +1,6 @@
 """The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
-``eplb serve`` (the balancer service) and ``eplb demo`` (service, engine ranks and mover on CPU)."""
+``eplb serve`` (the balancer service), ``eplb demo`` (service, engine ranks and mover on CPU) and
+``eplb ctl`` (ask a running service, bench/ctl.py)."""
 
 from __future__ import annotations
 
@@ -626,6 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     d.set_defaults(fn=None)
+    c = sub.add_parser(
+        "ctl",
+        help="ask a running service: list, show, placement, rebalance, watch, health (eplb ctl --help)",
+        add_help=False,
+    )
+    c.set_defaults(fn=None)
     return ap
 
 
@@ -654,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if args.command == "ctl":
+        from .ctl import main as ctl_main  # grpc only for ctl: it checks the service extra itself
+
+        return ctl_main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
