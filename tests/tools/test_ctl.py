@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -310,3 +312,66 @@ def test_unknown_deployment_and_the_eplb_entry_point(
     assert capsys.readouterr().err == (
         "eplb ctl show: error: deployment 'nope' not found (NOT_FOUND; eplb ctl list shows the deployments)\n"
     )
+
+
+def test_tls_with_the_service_certificate(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    s = served(tls_cert=cert, tls_key=key)
+    assert run(capsys, "--address", s.address, "--tls-ca", str(cert), "list") == (0, "no deployments\n", "")
+    assert run(capsys, "--address", s.address, "--tls-ca", str(cert), "health") == (0, f"{s.address}: SERVING\n", "")
+    code, _, err = run(capsys, "--address", s.address, "--timeout", "0.5", "list")  # plaintext to a TLS port
+    assert code == 2 and err.startswith("eplb ctl list: error: cannot reach the service at")
+    code, _, err = run(capsys, "--address", s.address, "--tls-ca", str(tmp_path / "nope.pem"), "list")
+    assert (
+        code == 2
+        and err
+        == f"eplb ctl list: error: --tls-ca {tmp_path / 'nope.pem'}: cannot read it (No such file or directory)\n"
+    )
+
+
+def test_watch_reconnects_after_the_service_restarts(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture
+) -> None:
+    import redis
+
+    prefix = f"eplb-test-{uuid.uuid4().hex[:10]}"
+    url = "redis://127.0.0.1:6379/0"
+    first = served(redis_url=url, key_prefix=prefix)
+    try:
+        first.client.create_deployment("d1", TOPO)
+        first.report("d1", _loads(), range(8))
+        port = first.server.port
+        second: list[Served] = []
+
+        def restart() -> None:
+            while first.server.metrics.watchers.labels("d1")._value.get() < 1:
+                time.sleep(0.02)
+            first.stop()
+            first.stop = lambda: None
+            second.append(served(redis_url=url, key_prefix=prefix, port=port))
+            second[0].client.rebalance("d1", force=True)
+
+        t = threading.Thread(target=restart)
+        t.start()
+        code, out, err = run(capsys, "--address", first.address, "watch", "d1", "--count", "2")
+        t.join()
+        assert code == 0 and [line.split()[5] for line in out.splitlines()] == ["1:", "2:"]
+        said = err.splitlines()
+        assert len(said) == 2 and said[0].startswith("eplb ctl watch: lost the service (")
+        assert said[1] == f"eplb ctl watch: reconnected to {first.address}"
+    finally:
+        r = redis.Redis.from_url(url)
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()

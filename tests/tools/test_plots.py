@@ -190,3 +190,30 @@ def test_over_time_puts_none_apart_and_moves_on_a_log_scale(tmp_path: Path, figu
     labels = lambda ax: {line.get_label() for line in ax.get_lines()} - {f"_child{i}" for i in range(9)}
     assert labels(top) == {"none (contiguous)"} and labels(mid) == {"deepseek", "global"}
     assert bottom.get_yscale() == "log" and len(bottom.patches) == 4  # none's zero moves not drawn
+
+
+def test_bench_plots_include_the_heatmap_of_a_multi_layer_case(tmp_path: Path) -> None:
+    from eplb_bench import report
+
+    settings = report.Settings(
+        scales=("v3-prefill",),
+        workloads=("zipf-1.0",),
+        policies=("global",),
+        replan_scales=(),
+        replan_steps=4,
+        replan_every=2,
+        step_scales=(),
+        tokens_per_gpu=(8,),
+        sim_steps=5,
+        topk=2,
+        layer=0,
+        ilp_time_limit=1.0,
+    )
+    names = sorted(Path(p).name for p in report.build_report(settings, plots=tmp_path)["plots"])
+    assert names == [
+        "gpu_load_v3-prefill_zipf-1.0_layer0.png",
+        "imbalance_per_layer_v3-prefill_zipf-1.0.png",
+        "placement_v3-prefill_zipf-1.0_global.png",
+        "solve_time_by_scale.png",
+    ]
+    assert mpimg.imread(tmp_path / "placement_v3-prefill_zipf-1.0_global.png").shape[:2] == (546, 1020)
