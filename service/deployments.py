@@ -196,9 +196,15 @@ class Deployments:
             d.CopyFrom(record.deployment)
             d.version = record.version
             out.append(d)
-        # Concurrently: on Redis each status is a few round trips, and a list of hundreds of
-        # deployments should not take hundreds of them in a row.
-        statuses = await asyncio.gather(*(self._status(r) for r in records), return_exceptions=True)
+        # Concurrently, 32 at a time: on Redis each status is a few round trips, and a list of
+        # hundreds of deployments should not take hundreds in a row, nor open a connection each.
+        limit = asyncio.Semaphore(32)
+
+        async def status(record: DeploymentRecord) -> pb.DeploymentStatus:
+            async with limit:
+                return await self._status(record)
+
+        statuses = await asyncio.gather(*(status(r) for r in records), return_exceptions=True)
         return pb.ListDeploymentsResponse(
             deployments=out,
             # One whose part of the store did not answer (or that was deleted meanwhile) gets an
