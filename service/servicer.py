@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from . import arrays
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from .balancer import Balancer
@@ -81,9 +82,11 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     async def GetPlacement(
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPlacementResponse:
-        return self._response(
-            pb.GetPlacementResponse, await self.balancer.placement(request.deployment, request.version)
-        )
+        placement = await self.balancer.placement(request.deployment, request.version)
+        if not request.include_window_loads:
+            return self._response(pb.GetPlacementResponse, placement)
+        loads, reports = await self.balancer.window_loads(request.deployment)
+        return pb.GetPlacementResponse(placement=placement, window_loads=arrays.encode(loads), window_reports=reports)
 
     async def WatchPlacements(
         self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext
