@@ -251,3 +251,22 @@ async def test_an_ack_of_a_version_no_longer_kept_is_still_recorded(serve, conne
         pb.AckPlacementRequest(deployment="d1", rank=0, version=2, state=pb.ACK_STATE_SWITCHED)
     )
     assert out.ranks_acked == 1 and out.num_ranks == 8
+
+
+async def test_deployment_status_counts_the_live_ranks_of_the_current_version(serve, connect):
+    """``DeploymentStatus`` (eplb ctl's list/show) counts acks over the ranks the current version
+    lives on: a rank down in it is not one the rollout waits for."""
+    c = connect(await serve())
+    placement = survivor_placement([3])
+    await c.stub.CreateDeployment(
+        pb.CreateDeploymentRequest(deployment=small_deployment("st"), initial_phy2log=arr(placement.phy2log))
+    )
+    for rank in (0, 1):
+        await c.stub.AckPlacement(
+            pb.AckPlacementRequest(deployment="st", rank=rank, version=1, state=pb.ACK_STATE_SWITCHED)
+        )
+    got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="st"))
+    assert list(got.down_ranks) == [3]
+    assert got.status.num_ranks == 7 and got.status.ranks_acked == 2
+    listed = await c.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert listed.statuses[0].num_ranks == 7
