@@ -105,6 +105,10 @@ _GLOB = re.compile(r"[A-Za-z0-9._\-*?\[\]!]{1,128}")
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 
 
+def _a(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 def token_sha256(token: str | bytes) -> str:
     """The hex SHA-256 of ``token`` (what the auth file stores): ``printf %s TOKEN | sha256sum``."""
     return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()
@@ -143,7 +147,7 @@ class Grant:
             roles = [r.value for r in Role if r is Role.ADMIN or method in ROLE_METHODS[r]]
             allowed = "admin only" if len(roles) == 1 else f"allowed for {', '.join(roles)} tokens"
             where = f" (deployment {deployment!r})" if deployment is not None else ""
-            return f"a {self.role.value} token may not call {method}{where}: {allowed}"
+            return f"{_a(self.role.value)} token may not call {method}{where}: {allowed}"
         if deployment is not None and not self.sees(deployment):
             return (
                 f"deployment {deployment!r} is outside this {self.role.value} token's deployments "
@@ -488,7 +492,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             _denial.set((label, "no bearer token" if label == "none" else "unknown token"))
             return self._refusal(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
         if details.method not in HANDLER_CHECKED and grant.role is not Role.ADMIN:
-            why = f"a {grant.role.value} token may not call {details.method}: admin only"
+            why = f"{_a(grant.role.value)} token may not call {details.method}: admin only"
             _denial.set((label, why))
             return self._refusal(handler, details.method, grpc.StatusCode.PERMISSION_DENIED, why)
         _caller.set(grant.sha256)
