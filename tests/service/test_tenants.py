@@ -661,3 +661,12 @@ def test_eplb_serve_logs_the_metrics_port_and_reloads_the_auth_file_on_sighup(tm
     )
     assert out.returncode == 2
     assert f"eplb serve: error: --auth-file: {auth}: tokens[0].sha256" in out.stderr
+
+
+def test_every_rpc_of_the_service_has_a_decided_scope_check():
+    """A method added to the proto is admin only until servicer.py checks it and auth.py names it."""
+    from eplb_service.auth import HANDLER_CHECKED, ROLE_METHODS
+
+    service = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"]
+    assert {f"/{service.full_name}/{m.name}" for m in service.methods} == set(HANDLER_CHECKED)
+    assert set().union(*ROLE_METHODS.values()) <= {m.name for m in service.methods}
