@@ -7,8 +7,8 @@ and ``--auth-file`` (JSON, reloaded on SIGHUP), scoped tokens stored only as has
                  "deployments": ["<glob>", ...]}]}
 
 ``admin`` may do everything on every deployment (its globs are ignored); ``engine`` may call
-ReportLoad, AckPlacement, GetPlacement, WatchPlacements and GetDeployment on the deployments its
-globs match, and the stateless ComputePlacement; ``reader`` GetDeployment, ListDeployments,
+ReportLoad, AckPlacement, GetPlacement, WatchPlacements, GetDeployment and SetRanksDown on the
+deployments its globs match, and the stateless ComputePlacement; ``reader`` GetDeployment, ListDeployments,
 GetPlacement and WatchPlacements on its deployments, and ``/metrics``. A method not named here
 (one added to the service later) is admin only.
 
@@ -76,7 +76,16 @@ class Role(enum.Enum):
 # What each role but admin may call (admin: everything). Anything else is admin only.
 ROLE_METHODS: Mapping[Role, frozenset[str]] = {
     Role.ENGINE: frozenset(
-        {"ReportLoad", "AckPlacement", "GetPlacement", "WatchPlacements", "GetDeployment", "ComputePlacement"}
+        {
+            "ReportLoad",
+            "AckPlacement",
+            "GetPlacement",
+            "WatchPlacements",
+            "GetDeployment",
+            "ComputePlacement",
+            # The engine that detected a death says so (BalancedRank(tell_service=True)).
+            "SetRanksDown",
+        }
     ),
     Role.READER: frozenset({"GetDeployment", "ListDeployments", "GetPlacement", "WatchPlacements"}),
 }
@@ -97,6 +106,7 @@ HANDLER_CHECKED = frozenset(
         "AckPlacement",
         "Rebalance",
         "ComputePlacement",
+        "SetRanksDown",
     )
 )
 

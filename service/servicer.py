@@ -131,3 +131,9 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     ) -> pb.ComputePlacementResponse:
         self._check(context, "ComputePlacement")
         return await self.balancer.compute(request, context.time_remaining())
+
+    async def SetRanksDown(
+        self, request: pb.SetRanksDownRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRanksDownResponse:
+        self._check(context, "SetRanksDown", request.deployment)
+        return await self.balancer.set_ranks_down(request, context.peer(), context.time_remaining())

@@ -113,6 +113,9 @@ async def calls_by_method(c, deployment: str) -> dict[str, grpc.StatusCode]:
         "Rebalance": await code_of(
             c.stub.Rebalance(pb.RebalanceRequest(deployment=deployment, dry_run=True), metadata=md)
         ),
+        "SetRanksDown": await code_of(
+            c.stub.SetRanksDown(pb.SetRanksDownRequest(deployment=deployment, up=[0]), metadata=md)
+        ),
         "CreateDeployment": await code_of(
             c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(deployment)), metadata=md)
         ),
@@ -130,6 +133,7 @@ ALL_DENIED = dict.fromkeys(
         "AckPlacement",
         "ComputePlacement",
         "Rebalance",
+        "SetRanksDown",
         "CreateDeployment",
     ],
     DENIED,
@@ -148,6 +152,7 @@ async def test_each_role_may_call_what_it_is_given_and_nothing_else(serve, conne
         "ReportLoad": OK,
         "AckPlacement": OK,
         "ComputePlacement": OK,
+        "SetRanksDown": OK,
     }
     assert await calls_by_method(reader, "team-a-1") == {
         **ALL_DENIED,

@@ -176,32 +176,46 @@ class PlanStats(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds")
+    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds", "restored_experts", "restored_bytes")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CROSS_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_ROUND_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     cross_node_bytes: int
     rounds: int
     max_rank_round_bytes: int
     predicted_seconds: float
-    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
+    restored_experts: int
+    restored_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., restored_experts: _Optional[int] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time")
+    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time", "down_ranks", "down_ranks_version", "survivor_of", "loads", "eplb_version")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_RANKS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SURVIVOR_OF_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    EPLB_VERSION_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     phy2log: Array
     stats: PlanStats
     create_time: _timestamp_pb2.Timestamp
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    down_ranks_version: int
+    survivor_of: int
+    loads: Array
+    eplb_version: str
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., down_ranks_version: _Optional[int] = ..., survivor_of: _Optional[int] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., eplb_version: _Optional[str] = ...) -> None: ...
 
 class CreateDeploymentRequest(_message.Message):
     __slots__ = ("deployment", "initial_phy2log")
@@ -238,12 +252,14 @@ class RankAck(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., failed_version: _Optional[int] = ...) -> None: ...
 
 class GetDeploymentResponse(_message.Message):
-    __slots__ = ("deployment", "acks")
+    __slots__ = ("deployment", "acks", "down_ranks")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
     deployment: Deployment
     acks: _containers.RepeatedCompositeFieldContainer[RankAck]
-    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ...) -> None: ...
+    down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ..., down_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ()
@@ -396,6 +412,28 @@ class ComputePlacementRequest(_message.Message):
     planning: Planning
     expert_bytes: int
     def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., planning: _Optional[_Union[Planning, _Mapping]] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+
+class SetRanksDownRequest(_message.Message):
+    __slots__ = ("deployment", "down", "up", "reason")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    down: _containers.RepeatedScalarFieldContainer[int]
+    up: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, deployment: _Optional[str] = ..., down: _Optional[_Iterable[int]] = ..., up: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetRanksDownResponse(_message.Message):
+    __slots__ = ("down_ranks", "published", "placement")
+    DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    published: bool
+    placement: Placement
+    def __init__(self, down_ranks: _Optional[_Iterable[int]] = ..., published: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class ComputePlacementResponse(_message.Message):
     __slots__ = ("phy2log", "logcnt", "stats")
