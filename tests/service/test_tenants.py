@@ -373,8 +373,9 @@ async def test_refused_calls_are_logged_once_per_token_and_reason_with_a_count(s
     server, _ = await tenant_server(serve, connect, tmp_path)
     guessed, engine = connect(server, token="guessed"), connect(server, token=ENGINE_A)
     caplog.set_level(logging.INFO, logger="eplb_service.audit")
-    for c, request in ((guessed, "team-a-1"), (engine, "team-b-1")):
-        for _ in range(10):  # 1,000 each, 100 at a time
+    # 2,000 calls with an unknown token and 500 of an engine token outside its scope, 100 at a time.
+    for c, request, rounds in ((guessed, "team-a-1", 20), (engine, "team-b-1", 5)):
+        for _ in range(rounds):
             codes = await asyncio.gather(
                 *(
                     code_of(c.stub.GetPlacement(pb.GetPlacementRequest(deployment=request), metadata=c.metadata))
@@ -394,7 +395,16 @@ async def test_refused_calls_are_logged_once_per_token_and_reason_with_a_count(s
     caplog.clear()
     server.access.refusals.flush(everything=True)
     summaries = sorted((r.audit, r.count) for r in caplog.records)
-    assert summaries == [("auth_failure", 999), ("permission_denied", 999)]
+    assert summaries == [("auth_failure", 1999), ("permission_denied", 499)]
+    # The server ends windows on its own: with a short one, the count comes without another refusal.
+    server.access.refusals.window_s = 0.3
+    for _ in range(3):
+        await code_of(guessed.stub.GetPlacement(pb.GetPlacementRequest(deployment="x"), metadata=guessed.metadata))
+    for _ in range(40):
+        if any(getattr(r, "count", 0) == 2 for r in caplog.records):
+            break
+        await asyncio.sleep(0.1)
+    assert [r.count for r in caplog.records[2:]] == [1, 2]
 
 
 def test_refusal_log_windows_and_its_bound_on_keys(caplog):
