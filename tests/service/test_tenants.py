@@ -685,3 +685,26 @@ def test_every_rpc_of_the_service_has_a_decided_scope_check():
     service = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"]
     assert {f"/{service.full_name}/{m.name}" for m in service.methods} == set(HANDLER_CHECKED)
     assert set().union(*ROLE_METHODS.values()) <= {m.name for m in service.methods}
+
+
+async def test_a_cancelled_scoped_watch_logs_no_error_and_gives_its_watcher_back(serve, connect, tmp_path, caplog):
+    server, admin = await tenant_server(serve, connect, tmp_path)
+    caplog.set_level(logging.DEBUG)
+    engine = connect(server, token=ENGINE_A)
+    watchers = lambda: server.metrics.registry.get_sample_value("eplb_watchers", {"deployment": "team-a-1"})  # noqa: E731
+    calls = [
+        engine.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="team-a-1"), metadata=engine.metadata)
+        for _ in range(5)
+    ]
+    for call in calls:
+        assert (await asyncio.wait_for(call.read(), 5)).placement.version == 1
+    assert watchers() == 5
+    for call in calls:
+        call.cancel()
+    for _ in range(50):
+        if watchers() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert watchers() == 0
+    await server.stop(0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
