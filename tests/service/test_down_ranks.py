@@ -8,7 +8,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from svc_helpers import REDIS_URL, small_deployment, status_details
+from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_details
 
 import eplb
 import eplb.transfer
@@ -245,6 +245,7 @@ async def test_an_ack_of_a_version_no_longer_kept_is_still_recorded(serve, conne
     server = await serve()
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(c.stub)
     for _ in range(18):  # versions 2..19: version 1 and 2 are no longer kept (16 are)
         assert (await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     out = await c.stub.AckPlacement(
