@@ -71,6 +71,12 @@ class LocalDeployment:
     flush_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Why the last triggered re-plan failed, None while they succeed (logs once per change).
     failing: str | None = None
+    # Liveness (service/liveness.py; 0: off): rank → the latest report or ack this replica
+    # answered, those not written to the store yet, and the ranks last counted suspect.
+    suspect_after_s: float = 0.0
+    seen: dict[int, float] = field(default_factory=dict)
+    seen_unwritten: dict[int, float] = field(default_factory=dict)
+    suspect: frozenset[int] = frozenset()
 
 
 class Deployments:
@@ -101,6 +107,7 @@ class Deployments:
             make_window((topo.num_layers, topo.num_experts), spec),
             hub,
             frozenset(codec.deployment_ranks(deployment)),
+            suspect_after_s=codec.suspect_after_s(deployment),
         )
         self._local[name] = local
         hub.start()
@@ -190,8 +197,12 @@ class Deployments:
         out.CopyFrom(record.deployment)
         out.version = record.version
         current = await self._known(name, lambda: self.store.placement(name))
+        suspect = []
+        if codec.suspect_after_s(record.deployment):
+            suspect = await self._suspects(await self._get_local(name), set(current.down_ranks))
         return pb.GetDeploymentResponse(
             down_ranks=current.down_ranks,
+            suspect_ranks=suspect,
             deployment=out,
             acks=[
                 pb.RankAck(
@@ -324,6 +335,7 @@ class Deployments:
             rollout = dataclasses.replace(
                 rollout, num_ranks=len(counted) - 1, aborted=rollout.aborted or not rollout.switch_step
             )
+        self._saw(await self._get_local(name), request.rank)
         if request.state == rollout_states.FAILED:
             log.warning(
                 "%s rank %d failed to prepare version %d: %s",
