@@ -213,13 +213,17 @@ class Deployments:
         )
 
     async def list(self) -> pb.ListDeploymentsResponse:
-        out = []
+        out, suspect = [], []
         for record in await self.store.list():
             d = pb.Deployment()
             d.CopyFrom(record.deployment)
             d.version = record.version
             out.append(d)
-        return pb.ListDeploymentsResponse(deployments=out)
+            # This replica's last count (service/liveness.py): no store read per deployment.
+            local = self._local.get(d.name)
+            if local is not None and local.suspect:
+                suspect.append(pb.DeploymentSuspects(deployment=d.name, ranks=sorted(local.suspect)))
+        return pb.ListDeploymentsResponse(deployments=out, suspect_ranks=suspect)
 
     async def delete(self, name: str) -> None:
         self._check_writable()

@@ -45,7 +45,7 @@ def suspects(
         last = seen.ranks.get(rank)
         since = max(0.0, now - (start if last is None else last))
         if since > after_s + margin_s:
-            out.append(pb.SuspectRank(rank=rank, seconds_since_seen=round(since, 3), ever_seen=last is not None))
+            out.append(pb.SuspectRank(rank=rank, seconds_since_seen=since, ever_seen=last is not None))
     return out
 
 

@@ -91,8 +91,10 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
         found = await until(lambda: _both(c.stub, name))
         assert set(found) == {6, 7}
         assert found[6].ever_seen and not found[7].ever_seen
-        assert all(s.seconds_since_seen > AFTER_S + LIVENESS_S for s in found.values())
+        assert all(s.seconds_since_seen > AFTER_S + LIVENESS_S for s in found.values()), found
         assert await until(lambda: gauge_is(server, name, 2.0)), gauge(server, name)
+        listed = await c.stub.ListDeployments(pb.ListDeploymentsRequest())
+        assert [(s.deployment, list(s.ranks)) for s in listed.suspect_ranks] == [(name, [6, 7])]
         # Shown only: still planned in (no rank down, gpus 6 and 7 hold experts).
         placement = (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment=name))).placement
         assert list(placement.down_ranks) == []
@@ -106,9 +108,13 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
         await EngineClient(c.channel, name, rank=6).report([LOADS])
         assert await suspect_of(c.stub, name) == {}
         assert await until(lambda: gauge_is(server, name, 0.0)), gauge(server, name)
+        assert not (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).suspect_ranks
     finally:
         stop.set()
         await reporters
+    await c.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name=name))
+    await asyncio.sleep(3 * LIVENESS_S)
+    assert gauge(server, name) is None  # the series goes with the deployment
 
 
 async def _both(stub: object, name: str) -> dict[int, pb.SuspectRank] | None:

@@ -286,10 +286,20 @@ class ListDeploymentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListDeploymentsResponse(_message.Message):
-    __slots__ = ("deployments",)
+    __slots__ = ("deployments", "suspect_ranks")
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_RANKS_FIELD_NUMBER: _ClassVar[int]
     deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
-    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ...) -> None: ...
+    suspect_ranks: _containers.RepeatedCompositeFieldContainer[DeploymentSuspects]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ..., suspect_ranks: _Optional[_Iterable[_Union[DeploymentSuspects, _Mapping]]] = ...) -> None: ...
+
+class DeploymentSuspects(_message.Message):
+    __slots__ = ("deployment", "ranks")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deployment: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeleteDeploymentRequest(_message.Message):
     __slots__ = ("name",)
