@@ -78,7 +78,7 @@ async def _run(url: str, ranks: int, repeats: int) -> dict:
                 start = time.perf_counter()
                 response = await stub.GetDeployment(pb.GetDeploymentRequest(name=name))
                 samples.append(time.perf_counter() - start)
-            assert not response.suspect_ranks
+            assert not response.status.suspect_ranks
             calls[name] = _ms(samples)[0]
         w, r = _ms(writes), _ms(reads)
         return {

@@ -32,12 +32,14 @@ from .errors import (
     StoreUnavailable,
 )
 from .hub import PlacementHub
+from .store import DeploymentRecord, created_seconds
 from .trigger import TriggerSpec
 from .windows import (
     DecayWindow,
     SlidingWindow,
     WindowSpec,
     make_window,
+    sum_blobs,
 )
 
 if TYPE_CHECKING:
@@ -197,12 +199,8 @@ class Deployments:
         out.CopyFrom(record.deployment)
         out.version = record.version
         current = await self._known(name, lambda: self.store.placement(name))
-        suspect = []
-        if codec.suspect_after_s(record.deployment):
-            suspect = await self._suspects(await self._get_local(name), set(current.down_ranks))
         return pb.GetDeploymentResponse(
             down_ranks=current.down_ranks,
-            suspect_ranks=suspect,
             deployment=out,
             acks=[
                 pb.RankAck(
@@ -210,20 +208,78 @@ class Deployments:
                 )
                 for r, a in sorted(acks.items())
             ],
+            status=await self._status(record, acks),
         )
 
     async def list(self) -> pb.ListDeploymentsResponse:
-        out, suspect = [], []
-        for record in await self.store.list():
+        out = []
+        records = await self.store.list()
+        for record in records:
             d = pb.Deployment()
             d.CopyFrom(record.deployment)
             d.version = record.version
             out.append(d)
-            # This replica's last count (service/liveness.py): no store read per deployment.
-            local = self._local.get(d.name)
-            if local is not None and local.suspect:
-                suspect.append(pb.DeploymentSuspects(deployment=d.name, ranks=sorted(local.suspect)))
-        return pb.ListDeploymentsResponse(deployments=out, suspect_ranks=suspect)
+        # Concurrently, 32 at a time: on Redis each status is a few round trips, and a list of
+        # hundreds of deployments should not take hundreds in a row, nor open a connection each.
+        limit = asyncio.Semaphore(32)
+
+        async def status(record: DeploymentRecord) -> pb.DeploymentStatus:
+            async with limit:
+                return await self._status(record)
+
+        statuses = await asyncio.gather(*(status(r) for r in records), return_exceptions=True)
+        return pb.ListDeploymentsResponse(
+            deployments=out,
+            # One whose part of the store did not answer (or that was deleted meanwhile) gets an
+            # empty status rather than failing the list.
+            statuses=[s if isinstance(s, pb.DeploymentStatus) else pb.DeploymentStatus() for s in statuses],
+        )
+
+    async def _status(
+        self, record: DeploymentRecord, acks: dict[int, rollout_states.RankState] | None = None
+    ) -> pb.DeploymentStatus:
+        """Where ``record``'s deployment stands: its current version's rollout and stats, and when
+        it was last planned (``DeploymentStatus``)."""
+        name, version = record.deployment.name, record.version
+        if acks is None:
+            acks = await self.store.acks(name)
+        marks = await self.store.marks(name)
+        latest = self._latest.get(name)
+        # This replica's copy when it has the current version (a v3-sized placement is not read
+        # from Redis per deployment per list), else the store's.
+        current = latest if latest is not None and latest.version == version else await self.store.placement(name)
+        # The current version's live ranks: a rank down in it takes no part in its rollout.
+        ranks = [r for r in codec.deployment_ranks(record.deployment) if r not in set(current.down_ranks)]
+        acked, prepared, failed = rollout_states.version_counts(acks, ranks, version)
+        status = pb.DeploymentStatus(
+            version=version,
+            version_time=current.create_time,
+            ranks_acked=acked,
+            ranks_prepared=prepared,
+            ranks_failed=failed,
+            num_ranks=len(ranks),
+            stats=current.stats,
+        )
+        if marks.planned_at != created_seconds(record.deployment):
+            status.last_plan_time.FromNanoseconds(int(marks.planned_at * 1e9))
+        if codec.suspect_after_s(record.deployment):
+            # Read fresh (service/liveness.py), merged with this replica's own times.
+            status.suspect_ranks.extend(
+                await self._suspects(record.deployment, set(current.down_ranks), self._local.get(name))
+            )
+        return status
+
+    async def window_loads(self, name: str) -> tuple[np.ndarray, int]:
+        """``[L, E]`` float64 tokens in ``name``'s load window as a plan would read it now (every
+        replica's last flush and the write-ahead entries not folded yet), and the reports behind."""
+        validation.check_name(name, "deployment")
+        local = await self._get_local(name)
+        topo = local.topology
+        blobs = await self.store.windows(name)
+        loads, reports, _ = sum_blobs(
+            blobs, (topo.num_layers, topo.num_experts), time.time(), local.window_spec.stale_after_s
+        )
+        return loads, reports
 
     async def delete(self, name: str) -> None:
         self._check_writable()

@@ -1,7 +1,8 @@
 """Liveness: which ranks of a deployment went quiet (``Deployment.liveness.suspect_after``).
 
 A rank from which no replica received a report or an ack for longer than ``suspect_after`` is
-**suspect**: ``GetDeployment`` lists it and ``eplb_suspect_ranks{deployment}`` counts it. It is
+**suspect**: ``DeploymentStatus.suspect_ranks`` (in ``GetDeployment`` and ``ListDeployments``)
+lists it and ``eplb_suspect_ranks{deployment}`` counts it. It is
 only shown; the service never plans a rank out on its own (``SetRanksDown`` does that), and a
 rank down is never suspect.
 
@@ -24,7 +25,7 @@ from . import codec
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import NotFound, StoreUnavailable
-from .store import Seen
+from .store import Seen, created_seconds
 
 __all__ = ["Liveness", "suspects"]
 
@@ -73,23 +74,28 @@ class Liveness:
                 local.seen_unwritten[rank] = max(at, local.seen_unwritten.get(rank, 0.0))
             raise
 
-    async def _suspects(self, local: LocalDeployment, down: set[int], now: float | None = None) -> list[pb.SuspectRank]:
-        """The suspect ranks of ``local`` (those in ``down`` excluded): the store's times, merged
-        with this replica's own (a rank that just reported here is live at once)."""
-        if not local.suspect_after_s:
+    async def _suspects(
+        self, deployment: pb.Deployment, down: set[int], local: LocalDeployment | None
+    ) -> list[pb.SuspectRank]:
+        """The suspect ranks of ``deployment`` (those in ``down`` excluded): the store's times,
+        merged with this replica's own when it follows the deployment (``local``: a rank that
+        just reported here is live at once)."""
+        after_s = codec.suspect_after_s(deployment)
+        if not after_s:
             return []
-        seen = await self.store.seen(local.deployment.name)
-        for rank, at in local.seen.items():
-            if at > seen.ranks.get(rank, 0.0):
-                seen.ranks[rank] = at
+        seen = await self.store.seen(deployment.name)
+        if local is not None and local.deployment.create_time == deployment.create_time:
+            for rank, at in local.seen.items():
+                if at > seen.ranks.get(rank, 0.0):
+                    seen.ranks[rank] = at
         return suspects(
-            codec.deployment_ranks(local.deployment),
+            codec.deployment_ranks(deployment),
             down,
             seen,
-            local.deployment.create_time.ToNanoseconds() / 1e9,
-            local.suspect_after_s,
+            created_seconds(deployment),
+            after_s,
             self.config.liveness_s,
-            time.time() if now is None else now,
+            time.time(),
         )
 
     async def _liveness_all(self) -> None:
@@ -103,7 +109,9 @@ class Liveness:
             try:
                 await self._write_seen(local)
                 latest = self._latest.get(name)
-                found = await self._suspects(local, set(latest.down_ranks) if latest is not None else set())
+                found = await self._suspects(
+                    local.deployment, set(latest.down_ranks) if latest is not None else set(), local
+                )
             except NotFound:
                 continue
             except StoreUnavailable as exc:

@@ -22,6 +22,7 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
     Aborted,
+    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -157,6 +158,13 @@ class Planner:
             blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s
         )
         await self.store.drop_windows(name, stale)
+        if force and not loads.any():
+            # A forced plan of no load is a plan of nothing (from the first-plan path, a fresh one
+            # that moves most slots): the placement in service stays.
+            raise FailedPrecondition(
+                f"the load window of {name!r} is empty (no load reported, or all of it older than "
+                f"stale_after_s): a forced re-plan would plan nothing, so the current placement stays"
+            )
         current = await self.store.placement(name)
         previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
         options = codec.migration_options(local.deployment.migration, policy)

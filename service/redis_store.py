@@ -57,7 +57,7 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen, created_seconds
 
 __all__ = ["RedisStore"]
 
@@ -615,7 +615,10 @@ class RedisStore:
                     deployment.SerializeToString(),
                     placement.SerializeToString(),
                     ANNOUNCE_MAXLEN,
-                    time.time(),
+                    # A new deployment counts as planned at its creation (the trigger's interval
+                    # runs from there), exactly its create_time: a later plan time says it was
+                    # planned since (DeploymentStatus.last_plan_time).
+                    time.time() if only_if_newer else created_seconds(deployment),
                     int(only_if_newer),
                     generation(deployment),
                 ],

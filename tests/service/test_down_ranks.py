@@ -8,7 +8,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from svc_helpers import REDIS_URL, small_deployment, status_details
+from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_details
 
 import eplb
 import eplb.transfer
@@ -245,9 +245,29 @@ async def test_an_ack_of_a_version_no_longer_kept_is_still_recorded(serve, conne
     server = await serve()
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(c.stub)
     for _ in range(18):  # versions 2..19: version 1 and 2 are no longer kept (16 are)
         assert (await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     out = await c.stub.AckPlacement(
         pb.AckPlacementRequest(deployment="d1", rank=0, version=2, state=pb.ACK_STATE_SWITCHED)
     )
     assert out.ranks_acked == 1 and out.num_ranks == 8
+
+
+async def test_deployment_status_counts_the_live_ranks_of_the_current_version(serve, connect):
+    """``DeploymentStatus`` (eplb ctl's list/show) counts acks over the ranks the current version
+    lives on: a rank down in it is not one the rollout waits for."""
+    c = connect(await serve())
+    placement = survivor_placement([3])
+    await c.stub.CreateDeployment(
+        pb.CreateDeploymentRequest(deployment=small_deployment("st"), initial_phy2log=arr(placement.phy2log))
+    )
+    for rank in (0, 1):
+        await c.stub.AckPlacement(
+            pb.AckPlacementRequest(deployment="st", rank=rank, version=1, state=pb.ACK_STATE_SWITCHED)
+        )
+    got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="st"))
+    assert list(got.down_ranks) == [3]
+    assert got.status.num_ranks == 7 and got.status.ranks_acked == 2
+    listed = await c.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert listed.statuses[0].num_ranks == 7

@@ -40,7 +40,7 @@ def with_liveness(name: str, after_s: float = AFTER_S) -> pb.Deployment:
 
 async def suspect_of(stub: object, name: str) -> dict[int, pb.SuspectRank]:
     response = await stub.GetDeployment(pb.GetDeploymentRequest(name=name))
-    return {s.rank: s for s in response.suspect_ranks}
+    return {s.rank: s for s in response.status.suspect_ranks}
 
 
 async def until(check: object, timeout_s: float = 5.0) -> object:
@@ -94,7 +94,7 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
         assert all(s.seconds_since_seen > AFTER_S + LIVENESS_S for s in found.values()), found
         assert await until(lambda: gauge_is(server, name, 2.0)), gauge(server, name)
         listed = await c.stub.ListDeployments(pb.ListDeploymentsRequest())
-        assert [(s.deployment, list(s.ranks)) for s in listed.suspect_ranks] == [(name, [6, 7])]
+        assert [[s.rank for s in status.suspect_ranks] for status in listed.statuses] == [[6, 7]]
         # Shown only: still planned in (no rank down, gpus 6 and 7 hold experts).
         placement = (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment=name))).placement
         assert list(placement.down_ranks) == []
@@ -108,7 +108,7 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
         await EngineClient(c.channel, name, rank=6).report([LOADS])
         assert await suspect_of(c.stub, name) == {}
         assert await until(lambda: gauge_is(server, name, 0.0)), gauge(server, name)
-        assert not (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).suspect_ranks
+        assert not (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).statuses[0].suspect_ranks
     finally:
         stop.set()
         await reporters

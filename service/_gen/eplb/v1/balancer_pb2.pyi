@@ -270,36 +270,50 @@ class SuspectRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., seconds_since_seen: _Optional[float] = ..., ever_seen: _Optional[bool] = ...) -> None: ...
 
 class GetDeploymentResponse(_message.Message):
-    __slots__ = ("deployment", "acks", "down_ranks", "suspect_ranks")
+    __slots__ = ("deployment", "acks", "down_ranks", "status")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
     DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
-    SUSPECT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     deployment: Deployment
     acks: _containers.RepeatedCompositeFieldContainer[RankAck]
     down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    status: DeploymentStatus
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[DeploymentStatus, _Mapping]] = ...) -> None: ...
+
+class DeploymentStatus(_message.Message):
+    __slots__ = ("version", "version_time", "ranks_acked", "ranks_prepared", "ranks_failed", "num_ranks", "last_plan_time", "stats", "suspect_ranks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_TIME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PREPARED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PLAN_TIME_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    version_time: _timestamp_pb2.Timestamp
+    ranks_acked: int
+    ranks_prepared: int
+    ranks_failed: int
+    num_ranks: int
+    last_plan_time: _timestamp_pb2.Timestamp
+    stats: PlanStats
     suspect_ranks: _containers.RepeatedCompositeFieldContainer[SuspectRank]
-    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., suspect_ranks: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., version_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks_acked: _Optional[int] = ..., ranks_prepared: _Optional[int] = ..., ranks_failed: _Optional[int] = ..., num_ranks: _Optional[int] = ..., last_plan_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., suspect_ranks: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListDeploymentsResponse(_message.Message):
-    __slots__ = ("deployments", "suspect_ranks")
+    __slots__ = ("deployments", "statuses")
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
-    SUSPECT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
     deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
-    suspect_ranks: _containers.RepeatedCompositeFieldContainer[DeploymentSuspects]
-    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ..., suspect_ranks: _Optional[_Iterable[_Union[DeploymentSuspects, _Mapping]]] = ...) -> None: ...
-
-class DeploymentSuspects(_message.Message):
-    __slots__ = ("deployment", "ranks")
-    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
-    RANKS_FIELD_NUMBER: _ClassVar[int]
-    deployment: str
-    ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, deployment: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    statuses: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ..., statuses: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
 
 class DeleteDeploymentRequest(_message.Message):
     __slots__ = ("name",)
@@ -342,18 +356,24 @@ class ReportLoadResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
-    __slots__ = ("deployment", "version")
+    __slots__ = ("deployment", "version", "include_window_loads")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_WINDOW_LOADS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    include_window_loads: bool
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., include_window_loads: _Optional[bool] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("placement",)
+    __slots__ = ("placement", "window_loads", "window_reports")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LOADS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REPORTS_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    window_loads: Array
+    window_reports: int
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., window_loads: _Optional[_Union[Array, _Mapping]] = ..., window_reports: _Optional[int] = ...) -> None: ...
 
 class WatchPlacementsRequest(_message.Message):
     __slots__ = ("deployment", "since_version")
