@@ -2,9 +2,8 @@
 
 A rank from which no replica received a report or an ack for longer than ``suspect_after`` is
 **suspect**: ``DeploymentStatus.suspect_ranks`` (in ``GetDeployment`` and ``ListDeployments``)
-lists it and ``eplb_suspect_ranks{deployment}`` counts it. It is
-only shown; the service never plans a rank out on its own (``SetRanksDown`` does that), and a
-rank down is never suspect.
+lists it and ``eplb_suspect_ranks{deployment}`` counts it. It is only shown; the service never
+plans a rank out on its own (``SetRanksDown`` does that), and a rank down is never suspect.
 
 Several replicas may serve one deployment, so the times they saw are shared through the store
 (``Store.record_seen``, a hash per deployment on Redis): each replica notes the latest report or
