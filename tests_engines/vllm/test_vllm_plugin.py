@@ -1,0 +1,129 @@
+"""The vLLM drop-in (``eplb_engine.adapters.vllm_plugin``) through vLLM's own plugin loading:
+the ``vllm.general_plugins`` entry point is found by ``load_general_plugins()``, and with
+``EPLB_ADDRESSES`` set vLLM's real ``EplbState`` follows a real eplb service through a re-plan
+on two gloo ranks. CPU patches as in ``vllm_world`` (tests only)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from vllm_world import coded, cpu_streams, fake_moe, model_config, run_ranks, vllm_world
+
+L, E, R = 2, 8, 4  # MoE layers, experts, redundant slots: P = 12 over 2 ranks
+HOT = 7
+
+
+def test_the_entry_point_is_declared_for_vllms_plugin_group():
+    found = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == "eplb"]
+    assert [ep.value for ep in found] == ["eplb_engine.adapters.vllm_plugin:register"]
+
+
+def _loaded(rank: int, world: int, port: int, addresses: str) -> dict:
+    """vLLM's plugin loading in a fresh process: without EPLB_ADDRESSES nothing changes; with
+    it, EplbState's add_model and step are eplb's."""
+    if addresses:
+        os.environ["EPLB_ADDRESSES"] = addresses
+    from vllm.distributed.eplb.eplb_state import EplbState
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return {
+        "installed": bool(EplbState.__dict__.get("_eplb_installed")),
+        "step": EplbState.step.__qualname__,
+    }
+
+
+def test_vllms_plugin_loading_installs_the_drop_in_only_when_addresses_are_set():
+    assert run_ranks(_loaded, 1, "")[0] == {"installed": False, "step": "EplbState.step"}
+    got = run_ranks(_loaded, 1, "127.0.0.1:1")[0]
+    assert got["installed"] and "eplb_step" in got["step"]
+
+
+def _drop_in(rank: int, world: int, port: int, address: str) -> dict:
+    os.environ["EPLB_ADDRESSES"] = address
+    os.environ["EPLB_DEPLOYMENT"] = "vllm-drop-in"
+    config = {"num_redundant_experts": R, "window_size": 10, "step_interval": 2147483647}
+    with vllm_world(rank, world, port, **config) as parallel, cpu_streams():
+        import torch.distributed as dist
+        from vllm.distributed.eplb.eplb_state import EplbState
+        from vllm.plugins import load_general_plugins
+
+        from eplb_engine.client import ServiceClient
+
+        load_general_plugins()  # vLLM's own discovery: the entry point installs the drop-in
+        state = EplbState(parallel, torch.device("cpu"))
+        model = fake_moe(L, E, R, world, rank)
+        state.add_model(model, model_config())  # eplb's add_model: take_over, then this rank wired
+        ms = next(iter(state.model_states.values()))
+        ours = next(iter(state._eplb_ranks.values()))
+        P, S = model.num_physical_experts, model.num_local_physical_experts
+        client = ServiceClient(address)
+        deadline, step, forced = time.monotonic() + 60, 0, False
+        while True:
+            # Expert HOT is hot: every token goes to its replicas (vLLM's map, as routed now).
+            for layer, moe in enumerate(model.moe_layers):
+                tokens = torch.zeros(P, dtype=torch.int32)
+                slots = ms.logical_to_physical_map[layer, HOT]
+                slots = slots[slots >= 0]
+                tokens[slots] = 100 // len(slots)
+                tokens[:E] += 1
+                moe.route(tokens)
+            state.step()  # vLLM's step, then the pass reported and the rollout's step boundary
+            step += 1
+            if step == 6:
+                assert ours.reporter.flush(10)
+                dist.barrier()
+                if rank == 0:
+                    forced = client.rebalance("vllm-drop-in", force=True).published
+            done = torch.tensor([int(ours.rollout.current.version >= 2 or time.monotonic() > deadline)])
+            dist.all_reduce(done, op=dist.ReduceOp.MAX)
+            if done.item():
+                break
+            time.sleep(0.01)
+        new = ours.rollout.current.placement
+        result = {
+            "version": ours.rollout.current.version,
+            "forced": forced,
+            "accepted": ours.reporter.stats().accepted,
+            "replicas_of_hot": int(new.logcnt[:, HOT].min()),
+            "p2l_is_new": ms.physical_to_logical_map.tolist() == new.phy2log.tolist(),
+            "weights_are_new": all(
+                torch.equal(
+                    model.expert_weights[layer][i],
+                    coded(layer, torch.from_numpy(new.phy2log[layer, rank * S : (rank + 1) * S].copy()), w),
+                )
+                for layer in range(L)
+                for i, w in enumerate((4, 2))
+            ),
+            "window_total": int(ms.expert_load_window.sum()),
+        }
+        state.__dict__["_eplb_ranks"].clear()
+        ours.close()
+        client.close()
+        return result
+
+
+def test_drop_in_follows_a_real_service_through_a_replan():
+    """End to end through vLLM's plugin loading: rank 0 creates the deployment from vLLM's map,
+    both ranks report every pass (vLLM's window is per rank), a forced re-plan gives the hot
+    expert more replicas, and both ranks end on version 2 with vLLM's maps and the expert
+    weights moved to it, vLLM never rearranging on its own."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "engine"))  # the service harness
+    from svc_thread import ServerThread
+
+    server = ServerThread().start()
+    try:
+        out = run_ranks(_drop_in, 2, server.address)
+    finally:
+        server.stop()
+    assert out[0]["forced"], out
+    for rank in (0, 1):
+        got = out[rank]
+        assert got["version"] == 2 and got["accepted"] > 0, got
+        assert got["replicas_of_hot"] > 1 and got["p2l_is_new"] and got["weights_are_new"], got
+        assert got["window_total"] > 0, got
