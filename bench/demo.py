@@ -659,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", type=Path, metavar="DIR", help="write DIR/imbalance.png")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
     args = ap.parse_args(argv)
-    if not 2 <= args.ranks <= 16 or args.seconds <= 0:
-        ap.error("--ranks must be in [2, 16] and --seconds > 0")
+    if not 2 <= args.ranks <= 16:
+        ap.error(f"--ranks must be in [2, 16], got {args.ranks}")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        ap.error(f"--seconds must be a finite number > 0, got {args.seconds:g}")
     if not 0 <= args.draft_layers <= 8:
         ap.error("--draft-layers must be in [0, 8]")
     if args.draft_layers and args.barrier == "service":

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import eplb
+from eplb_bench import cli
 from eplb_bench.demo import DemoConfig, make_weights, misrouted_here, route, slot_experts
 
 
@@ -88,18 +89,15 @@ def test_demo_with_a_draft_model_checks_both_models_dispatches(tmp_path):
     assert 0 <= d["switched_with_target"] <= d["replans_applied"] and "draft v2" in proc.stdout
 
 
-def test_demo_refuses_bad_flags():
-    proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "1"], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 2 and "--ranks must be in [2, 16]" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--draft-layers", "1", "--barrier", "service"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--draft-layers needs --barrier group" in proc.stderr
+def test_demo_refuses_bad_flags(capsys):
+    # In-process: argparse refusals need no process (one importing torch took 2-15 s).
+    for argv, message in (
+        (["--ranks", "1"], "--ranks must be in [2, 16], got 1"),
+        (["--draft-layers", "1", "--barrier", "service"], "--draft-layers needs --barrier group"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["demo", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -119,14 +117,13 @@ def test_demo_refuses_bad_flags():
         (["--plots", "{tmp}/file"], "--plots {tmp}/file: is a file; give a directory"),
     ],
 )
-def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, flags, message):
+def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, capsys, flags, message):
     (tmp_path / "file").write_text("")
     flags = [f.format(tmp=tmp_path) for f in flags]
-    proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", *flags], capture_output=True, text=True, timeout=60
-    )
+    code = cli.main(["demo", *flags])
+    captured = capsys.readouterr()
     # One line, before any service or rank starts (nothing on stdout).
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
+    assert (code, captured.out, captured.err) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
     assert not (tmp_path / "no").exists()
 
 
