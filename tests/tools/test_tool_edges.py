@@ -133,3 +133,39 @@ def test_an_unknown_flag_far_from_any_gets_no_suggestion(capsys):
         cli.main(["place", *SMALL, "--zzzzqqq"])
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == "eplb place: error: unrecognized arguments: --zzzzqqq"
+
+
+def test_a_plan_too_large_for_the_memory_is_refused_before_allocating(capsys, monkeypatch):
+    # It used to grow to 23.5 GB and be killed by the kernel without a word.
+    import time
+
+    allocated = []
+    monkeypatch.setattr(cli, "make_loads", lambda *a: allocated.append(a))
+    argv = ["place", "--synthetic", "zipf-1.0", "--layers", "1", "--experts", "100000000", "--slots", "100000000"]
+    start = time.monotonic()
+    err = _err(capsys, [*argv, "--gpus", "1"])
+    assert time.monotonic() - start < 5 and allocated == []
+    assert err.startswith(
+        "eplb place: error: a plan of 1 layer x 100000000 experts on 100000000 slots (100000000 per gpu) needs "
+        "about 40 PB of memory (eplb.limits.plan_bytes), more than the "
+    )
+    assert err.endswith(" available (MemAvailable); plan fewer layers, experts or slots per gpu\n")
+
+
+def test_the_size_check_names_the_estimate_and_the_limit_it_was_given():
+    import eplb
+
+    topo = eplb.Topology(2, 1000, 1000, 10)
+    need = 2 * (128 * 1000 + 2 * 1000 * 10 + 4 * 100 * 100)
+    cli.check_plan_fits(topo, available=need)  # fits exactly
+    with pytest.raises(ValueError, match=r"needs about 376 kB of memory .*, more than the 376 kB available"):
+        cli.check_plan_fits(topo, available=need - 1)
+
+
+def test_the_service_limits_are_the_cores():
+    import eplb.limits
+    import eplb_service.limits
+
+    for name in eplb_service.limits.__all__:
+        assert getattr(eplb_service.limits, name) is getattr(eplb.limits, name)
+    assert eplb_service.limits.MAX_LAYERS == 1024 and eplb.limits.MAX_REPORT_COUNT == 1e12
