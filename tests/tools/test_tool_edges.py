@@ -169,3 +169,13 @@ def test_the_service_limits_are_the_cores():
     for name in eplb_service.limits.__all__:
         assert getattr(eplb_service.limits, name) is getattr(eplb.limits, name)
     assert eplb_service.limits.MAX_LAYERS == 1024 and eplb.limits.MAX_REPORT_COUNT == 1e12
+
+
+def test_eplb_bench_refuses_a_trace_deployment_too_large_for_the_memory(tmp_path, capsys):
+    from eplb_bench import report
+
+    np.save(tmp_path / "t.npy", np.ones((2, 1, 16)))
+    assert report.main([str(tmp_path / "t.npy"), "--slots", "200000000", "--gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-bench: error: a plan of 1 layer x 16 experts on 200000000 slots (200000000 per gpu)")
+    assert "(MemAvailable)" in err and err.count("\n") == 1
