@@ -179,3 +179,22 @@ def test_eplb_bench_refuses_a_trace_deployment_too_large_for_the_memory(tmp_path
     err = capsys.readouterr().err
     assert err.startswith("eplb-bench: error: a plan of 1 layer x 16 experts on 200000000 slots (200000000 per gpu)")
     assert "(MemAvailable)" in err and err.count("\n") == 1
+
+
+def test_random_bytes_in_a_pt_are_not_called_python_objects(tmp_path, capsys):
+    # Both used to read "it holds Python objects besides tensors, numbers and containers".
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    (tmp_path / "noise.pt").write_bytes(b"\x13\x37" + rng.bytes(4000))
+    (tmp_path / "torn.pt").write_bytes(b"\x80\x02" + b"\xf2" * 100)  # a pickle header, then no opcode
+    small = ["--scale", "small", "--policy", "global"]
+    err = _err(capsys, ["place", str(tmp_path / "noise.pt"), *small])
+    assert err == (
+        f"eplb place: error: {tmp_path / 'noise.pt'}: not an SGLang expert-distribution dump saved by torch.save "
+        "(it starts with neither a zip nor a pickle header: damaged, or another kind of file)\n"
+    )
+    err = _err(capsys, ["place", str(tmp_path / "torn.pt"), *small])
+    assert err == (
+        f"eplb place: error: {tmp_path / 'torn.pt'}: not a readable SGLang expert-distribution dump "
+        "(its pickle is damaged (an invalid opcode))\n"
+    )
