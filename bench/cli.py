@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import math
 import os
@@ -99,11 +100,64 @@ def _output(args: argparse.Namespace) -> tuple[Path | None, str | None]:
     if not out.parent.is_dir():
         raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
     if out.suffix.lower() == ".npy" and args.format is None:
-        return out, "phy2log"
+        fmt = "phy2log"
+    else:
+        try:
+            fmt = eio.placement_output_format(out, args.format)
+        except ValueError as exc:
+            raise ValueError(f"--out {exc}; or .npy for a bare phy2log array") from None
+    _check_writable("--out", out)
+    return out, fmt
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    """Opens ``path`` for appending (an existing file is not changed; a new one is removed
+    again), so that a file that cannot be written is refused before planning, naming ``flag``."""
+    existed = path.exists()
     try:
-        return out, eio.placement_output_format(out, args.format)
-    except ValueError as exc:
-        raise ValueError(f"--out {exc}; or .npy for a bare phy2log array") from None
+        with path.open("ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); give a writable file path") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def available_bytes() -> int | None:
+    """Memory this machine can give a new allocation now (``MemAvailable`` in /proc/meminfo),
+    None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return ""  # unreachable
+
+
+def check_plan_fits(topo: Topology, available: int | None = None) -> None:
+    """Refuses, before anything is allocated, a plan whose estimated memory
+    (``eplb.limits.plan_bytes``) is more than the memory available (``available``, default
+    ``available_bytes()``): the kernel would otherwise kill the process without a word."""
+    from eplb.limits import plan_bytes
+
+    available = available_bytes() if available is None else available
+    need = plan_bytes(topo)
+    if available is not None and need > available:
+        raise ValueError(
+            f"a plan of {_count(topo.num_layers, 'layers')} x {topo.num_experts} experts on {topo.num_slots} slots "
+            f"({topo.slots_per_gpu} per gpu) needs about {_size(need)} of memory (eplb.limits.plan_bytes), more than "
+            f"the {_size(available)} available (MemAvailable); plan fewer layers, experts or slots per gpu"
+        )
 
 
 def plot_target(flag: str, value: str) -> Path:
@@ -193,7 +247,10 @@ def _place(args: argparse.Namespace) -> int:
     if args.trace:
         phy2log = eio.read_phy2log(args.recorded_under) if args.recorded_under else None
         trace = eio.read_trace(args.trace, args.trace_format, phy2log)
+        if "duplicate_rows" in trace.meta and eio.trace_format_of(Path(args.trace), args.trace_format) == "csv":
+            _warn(f"{args.trace}: {trace.meta['duplicate_rows']}")
         topo = _topology(args, trace.num_layers, trace.num_experts)
+        check_plan_fits(topo)
         if args.window is not None and args.window > trace.num_steps:
             raise ValueError(
                 f"--window must be between 1 and the trace's {_count(trace.num_steps, 'steps')}, got {args.window}"
@@ -212,6 +269,7 @@ def _place(args: argparse.Namespace) -> int:
         if args.scale is None and args.topology is None and args.slots is None:
             args.scale = "v3-prefill"
         topo = _topology(args, None, None)
+        check_plan_fits(topo)  # before the workload's [L, E] loads too
         workload, seed = args.synthetic, args.seed or 0
         loads = make_loads(workload, topo, seed)
         source = f"synthetic {workload} (seed {seed})"
@@ -237,6 +295,12 @@ def _place(args: argparse.Namespace) -> int:
         # rebalance checks the loads too; here so the error comes before the figures below,
         # which would overflow (with numpy's warning) on loads too large to plan.
         check_loads(loads, topo)
+    if not loads.any():
+        # Every placement balances nothing perfectly: "imbalance 1.0" would read as a result.
+        _warn(
+            f"the loads planned ({source}) are all zero: any placement balances them, so the plan and its "
+            "imbalance 1.0 say nothing about a real load"
+        )
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
     show = args.progress or sys.stderr.isatty()
@@ -331,7 +395,7 @@ def _place(args: argparse.Namespace) -> int:
             "or --format FMT to print it"
         )
     elif out is None:
-        sys.stdout.write(eio.placement_text(plan.placement, fmt, stats, loads))
+        _to_stdout(eio.placement_text(plan.placement, fmt, stats, loads))
     elif fmt == "phy2log":
         with out.open("wb") as f:  # np.save(path) would append .npy to a name ending in .NPY
             np.save(f, plan.phy2log)
@@ -354,6 +418,28 @@ def _place(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(message: str) -> None:
+    print(f"eplb place: warning: {message}", file=sys.stderr)
+
+
+def _to_stdout(text: str) -> None:
+    """Writes the placement to stdout (``--out -``); a stdout that takes no more (a full disk,
+    ``> /dev/full``) is one error naming the flag, and the exit's flush is kept quiet."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went away: quiet_on_broken_pipe
+    except OSError as exc:
+        try:  # what stayed in the buffer would fail again, with a traceback, at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        raise ValueError(
+            f"--out -: cannot write the placement to stdout ({exc.strerror or exc}); give --out FILE"
+        ) from None
+
+
 def _count(value: int, plural: str) -> str:
     return f"{value} {plural if value != 1 else plural[:-1]}"
 
@@ -365,8 +451,15 @@ def _read_previous(path: str, topo: Topology) -> eplb.Placement:
     record only the map, whose shape is checked."""
     p = Path(path)
     recorded = None
-    if p.suffix.lower() != ".npy" and p.is_file() and eio.placement_format_of(p) in ("native", "listing"):
-        recorded = eio.read_placement(p).topology
+    try:
+        if p.suffix.lower() != ".npy" and p.is_file() and eio.placement_format_of(p) in ("native", "listing"):
+            recorded = eio.read_placement(p).topology
+        prev = eio.read_phy2log(path)
+    except ValueError:
+        _refuse_a_trace(path)
+        raise
+    if prev.ndim != 2:
+        _refuse_a_trace(path)
     if recorded is not None and recorded != topo:
         differ = [n for n in _TOPO_ARGS if getattr(recorded, f"num_{n}") != getattr(topo, f"num_{n}")]
         had = ", ".join(_count(getattr(recorded, f"num_{n}"), n) for n in differ)
@@ -375,7 +468,6 @@ def _read_previous(path: str, topo: Topology) -> eplb.Placement:
             f"--previous {path}: the placement was planned for {had} but the flags give {want}; "
             f"re-plan with the topology in service ({', '.join('--' + n for n in differ)}) or plan afresh without --previous"
         )
-    prev = eio.read_phy2log(path)
     if prev.shape != (topo.num_layers, topo.num_slots):
         raise ValueError(
             f"{path}: the placement is {list(prev.shape)} (layers x slots) but the topology "
@@ -385,6 +477,19 @@ def _read_previous(path: str, topo: Topology) -> eplb.Placement:
         return eplb.Placement(prev, topo)
     except ValueError as exc:  # a bare .npy of floats or of experts the topology does not have
         raise ValueError(f"--previous {path}: not a placement of this topology: {exc}") from None
+
+
+def _refuse_a_trace(path: str) -> None:
+    """Raises the ``ValueError`` that says ``--previous path`` is a load trace, if it reads as one."""
+    try:
+        trace = eio.read_trace(path)
+    except (ValueError, OSError):
+        return
+    raise ValueError(
+        f"--previous {path}: this looks like a load trace ({trace.num_steps} steps x {trace.num_layers} layers x "
+        f"{trace.num_experts} experts of counts), not a placement (layers x slots of expert ids); give it as TRACE, "
+        "and the placement in service as --previous"
+    )
 
 
 @contextmanager
@@ -636,6 +741,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _subparser(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (its usage in errors, not the top level's)."""
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return ap
+
+
+def _unrecognized(parser: argparse.ArgumentParser, rest: list[str]) -> str:
+    """argparse's "unrecognized arguments", with the flag meant where one is close (argparse
+    suggests none before Python 3.14)."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in rest:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 @quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     # Plugin policies first, so that --policy offers them (eplb_service.plugins imports no grpc).
@@ -666,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ctl_main(rest)
     if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        _subparser(ap, args.command).error(_unrecognized(_subparser(ap, args.command), rest))
     try:
         return args.fn(args)
     except BrokenPipeError:

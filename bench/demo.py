@@ -25,6 +25,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import tempfile
 import threading
@@ -40,6 +41,7 @@ import eplb
 from eplb.workloads import shift, zipf
 
 from . import extras
+from .pipes import INTERRUPTED_STATUS
 
 __all__ = ["DemoConfig", "run", "main"]
 
@@ -387,10 +389,18 @@ def _chunks(e: dict) -> str:
 
 
 def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
-    """Runs the demo, printing a line per applied re-plan; returns the summary."""
-    topo = cfg.topology
+    """Runs the demo, printing a line per applied re-plan; returns the summary. Interrupted
+    (Ctrl-C), it stops the ranks and the service before the KeyboardInterrupt goes on."""
     wall = time.perf_counter()
     service = _Service()
+    try:
+        return _run(cfg, service, out, wall)
+    finally:
+        service.stop()
+
+
+def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
+    topo = cfg.topology
     from eplb_engine.client import ServiceClient
 
     from .processes import free_port  # here: that module imports redis (the service extra)
@@ -428,8 +438,15 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, events), daemon=True) for r in range(cfg.ranks)]
-    for p in procs:
-        p.start()
+    # The ranks start with SIGINT ignored (a Python interpreter keeps an ignored SIGINT): a
+    # Ctrl-C reaches the whole foreground process group, and each rank would print its own
+    # KeyboardInterrupt traceback; this process stops them instead (the finally below).
+    restore = _ignore_sigint()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        restore()
     results: dict[int, dict] = {}
     deadline = time.monotonic() + cfg.seconds + 120
     try:
@@ -459,7 +476,9 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        service.stop()
+        for p in procs:
+            if p.pid is not None:
+                p.join(5)
     summary = _summary(cfg, results, time.perf_counter() - wall)
     for key, name in (("", cfg.deployment), ("draft_", cfg.draft_deployment)):
         if name in acks:
@@ -468,6 +487,15 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
             summary[f"service_{key}failed_versions"] = sorted({got[r][1] for r in got if got[r][1]})
     _print_summary(summary, out)
     return summary
+
+
+def _ignore_sigint() -> Callable[[], None]:
+    """Ignores SIGINT in this process (so in the processes it starts now); returns the undo.
+    Outside the main thread (where handlers cannot be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
@@ -631,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", type=Path, metavar="DIR", help="write DIR/imbalance.png")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
     args = ap.parse_args(argv)
-    if not 2 <= args.ranks <= 16 or args.seconds <= 0:
-        ap.error("--ranks must be in [2, 16] and --seconds > 0")
+    if not 2 <= args.ranks <= 16:
+        ap.error(f"--ranks must be in [2, 16], got {args.ranks}")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        ap.error(f"--seconds must be a finite number > 0, got {args.seconds:g}")
     if not 0 <= args.draft_layers <= 8:
         ap.error("--draft-layers must be in [0, 8]")
     if args.draft_layers and args.barrier == "service":
@@ -656,11 +686,20 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"eplb demo: error: {problem}", file=sys.stderr)
         return 2
-    summary = run(
-        DemoConfig(
-            ranks=args.ranks, seconds=args.seconds, barrier=args.barrier, seed=args.seed, draft_layers=args.draft_layers
+    try:
+        summary = run(
+            DemoConfig(
+                ranks=args.ranks,
+                seconds=args.seconds,
+                barrier=args.barrier,
+                seed=args.seed,
+                draft_layers=args.draft_layers,
+            )
         )
-    )
+    except KeyboardInterrupt:
+        # run() has stopped the ranks and the service on its way out (its finally).
+        print("\neplb demo: interrupted; ranks stopped, nothing written", file=sys.stderr)
+        return INTERRUPTED_STATUS
     if args.plots:
         print(f"wrote {write_plot(summary, args.plots)}")
     if args.json:

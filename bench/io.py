@@ -186,6 +186,13 @@ def _load_torch(path: Path) -> object:
     kind = _kind_of(path)
     if kind and kind not in (_TORCH, _BAD_ZIP, "a Python pickle"):  # torch's legacy format is a pickle
         raise _not(path, "an SGLang expert-distribution dump saved by torch.save", kind, "")
+    if not kind:
+        # Neither torch.save's zip nor its legacy pickle: torch's weights-only loader would call
+        # whatever the bytes are "Python objects besides tensors".
+        raise ValueError(
+            f"{path}: not an SGLang expert-distribution dump saved by torch.save (it starts with neither a zip "
+            "nor a pickle header: damaged, or another kind of file)"
+        )
     try:
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of files it then refuses anyway.
@@ -194,11 +201,13 @@ def _load_torch(path: Path) -> object:
     except (EOFError, RuntimeError, pickle.UnpicklingError) as exc:
         # Never torch's advice to re-run with weights_only=False: that unpickles anything (runs
         # code), and an expert-distribution dump holds only tensors and plain containers.
-        why = (
-            "it holds Python objects besides tensors, numbers and containers, which eplb does not unpickle"
-            if "weights_only" in str(exc) or "Weights only" in str(exc)
-            else (str(exc).splitlines() or ["cut short"])[0]
-        )
+        text = str(exc)
+        if "Unsupported operand" in text:  # bytes that are no pickle opcode: not objects, damage
+            why = "its pickle is damaged (an invalid opcode)"
+        elif "weights_only" in text or "Weights only" in text:
+            why = "it holds Python objects besides tensors, numbers and containers, which eplb does not unpickle"
+        else:
+            why = (text.splitlines() or ["cut short"])[0]
         raise ValueError(f"{path}: not a readable SGLang expert-distribution dump ({why})") from None
     if isinstance(obj, dict):
         return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in obj.items()}

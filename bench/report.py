@@ -46,7 +46,7 @@ from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
 from . import extras
 from . import io as eio
-from .cli import build_topology
+from .cli import build_topology, check_plan_fits
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 try:
@@ -547,6 +547,7 @@ def _trace_cases(args: argparse.Namespace) -> list[Case]:
                 f"{path}: the trace has {trace.num_layers} layers x {trace.num_experts} experts; the topology says "
                 f"{topo.num_layers} x {topo.num_experts}"
             )
+        check_plan_fits(topo)  # before any policy allocates for it (as eplb place)
         cases.append(Case(f"trace({topo.num_gpus} gpus)", str(path), topo, trace.window(), trace.counts))
     return cases
 

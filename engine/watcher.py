@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # The service refused the caller's credentials: the same token would be refused again.
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+# Each attempt to reach the service: short, so that a service that is down is said so (and
+# retried, at the next address) within a second, not after the client's 10 s of retries.
+_ATTEMPT_S = 1.0
 
 
 class PlacementWatcher:
@@ -41,7 +44,11 @@ class PlacementWatcher:
 
     A token the service refuses (``UNAUTHENTICATED``, ``PERMISSION_DENIED``) will not get
     better by retrying: the watcher stops, logs it once and keeps it in ``last_error``, and
-    ``gave_up`` is True. Any other failure is retried (a missing deployment may be created).
+    ``gave_up`` is True. Any other failure is retried (a missing deployment may be created):
+    ``last_error`` says why the watcher is not connected ("" once it is again; a service that
+    is down reads ``UNAVAILABLE: ...`` within a second), ``connected`` whether the last call
+    reached the service, ``reconnects`` counts the attempts after a failure, and a WARNING is
+    logged on the first failure of an outage and one on recovery (not one per attempt).
     """
 
     def __init__(
@@ -69,7 +76,10 @@ class PlacementWatcher:
         self.failed = 0
         self.reconnects = 0
         self.last_error = ""
+        self.connected = False
         self.gave_up = False
+        self._failing = False  # in an outage: its first failure was logged, recovery not yet
+        self._outage_from = 0  # reconnects when the outage began
         self._stop = threading.Event()
         self._changed = threading.Condition()
         self._call: grpc.Future | None = None
@@ -109,14 +119,23 @@ class PlacementWatcher:
         while not self._stop.is_set():
             stub = self.endpoints.stub()
             try:
-                if self.topology is None:
-                    self.topology = self.client.topology(self.deployment)
+                if self.topology is None or self._failing:
+                    # A round trip before the stream, which may send nothing for a while: it
+                    # says whether the service is reachable again (and tells the topology).
+                    reply = self.client.call(
+                        "GetDeployment", pb.GetDeploymentRequest(name=self.deployment), timeout_s=_ATTEMPT_S
+                    )
+                    if self.topology is None:
+                        self.topology = wire.topology_from_pb(reply.deployment.topology)
+                    self._recovered()
+                    stub = self.endpoints.stub()  # the call may have moved to another address
                 self._call = stub.WatchPlacements(
                     pb.WatchPlacementsRequest(deployment=self.deployment, since_version=self.version),
                     metadata=self.endpoints.metadata,
                 )
                 for response in self._call:
                     backoff.reset()
+                    self._recovered()
                     self._deliver(response.placement)
                     if self._stop.is_set():
                         return
@@ -124,7 +143,17 @@ class PlacementWatcher:
                 if self._stop.is_set():
                     return
                 self.last_error = f"{exc.code().name}: {exc.details()}"
+                self.connected = False
                 if exc.code() in TRANSIENT:
+                    if not self._failing:
+                        self._outage_from = self.reconnects
+                        log.warning(
+                            "watching %s at %s: %s; retrying until it answers",
+                            self.deployment,
+                            self.endpoints.address,
+                            self.last_error,
+                        )
+                    self._failing = True
                     self.endpoints.failover(stub)
                 elif exc.code() in _REFUSED:
                     log.error("watching %s: %s; not retrying with this token", self.deployment, self.last_error)
@@ -133,10 +162,28 @@ class PlacementWatcher:
                         self._changed.notify_all()
                     return
                 else:
-                    # Not the network's fault (deployment missing, auth): retry, keep saying why.
+                    # Not the network's fault (deployment missing): retry, keep saying why.
                     log.warning("watching %s: %s", self.deployment, self.last_error)
+                    if not self._failing:
+                        self._outage_from = self.reconnects
+                    self._failing = True
             self.reconnects += 1
             self._stop.wait(backoff.delay())
+
+    def _recovered(self) -> None:
+        """A call reached the service: the end of an outage, if in one (logged once)."""
+        if self._failing:
+            attempts = self.reconnects - self._outage_from
+            log.warning(
+                "watching %s: reached %s again after %d attempt%s",
+                self.deployment,
+                self.endpoints.address,
+                attempts,
+                "" if attempts == 1 else "s",
+            )
+        self._failing = False
+        self.connected = True
+        self.last_error = ""
 
     def _deliver(self, msg: pb.Placement) -> None:
         if msg.version <= self.version:

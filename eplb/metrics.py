@@ -19,7 +19,15 @@ __all__ = ["gpu_loads", "imbalance", "balancedness", "lower_bound", "imbalance_l
 def gpu_loads(loads: np.ndarray, placement: Placement) -> np.ndarray:
     """``loads``: ``[L, E]``; returns float64 ``[L, G]``: tokens each gpu serves, replicas
     splitting evenly; an empty slot serves none, and a down gpu's load is NaN (absent)."""
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a Placement, got {type(placement).__name__}")
     topo = placement.topology
+    shape = np.shape(loads)
+    if shape != (topo.num_layers, topo.num_experts):
+        raise ValueError(
+            f"loads has shape {list(shape)}; the placement needs [num_layers, num_experts] = "
+            f"[{topo.num_layers}, {topo.num_experts}]"
+        )
     # A last column of zeros: an empty slot's -1 reads it.
     per_replica = np.zeros((topo.num_layers, topo.num_experts + 1))
     np.divide(np.asarray(loads, dtype=np.float64), np.maximum(placement.logcnt, 1), out=per_replica[:, :-1])

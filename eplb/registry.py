@@ -268,6 +268,15 @@ def rebalance(
         if previous.topology != topology:
             raise ValueError(f"previous placement is for {previous.topology}, not {topology}")
     spec.parse(options)  # bad options fail before any work, with the policy's names
+    bounds = [f.name for f in dataclasses.fields(Migration) if f.name in options]
+    if bounds and previous is None:
+        # They bound a re-plan's moves from previous; without it there is nothing to bound,
+        # and planning as if they held would hide the caller's mistake.
+        raise ValueError(
+            f"{', '.join(bounds)} bound{'s' if len(bounds) == 1 else ''} a re-plan from the placement in "
+            "service: give previous=Placement, or leave "
+            f"{'it' if len(bounds) == 1 else 'them'} out for a fresh plan"
+        )
     if not isinstance(spread_nodes, bool):
         raise ValueError(f"spread_nodes must be True or False, got {spread_nodes!r}")
     if live.down or (previous is not None and not previous.full):

@@ -161,12 +161,34 @@ def from_counts_json(doc: object) -> LoadTrace:
     )
 
 
+def _duplicates(idx: dict[str, np.ndarray], steps: bool) -> dict:
+    """``{"duplicate_rows": what}`` when rows of a long CSV repeat a (step, layer, expert): their
+    counts are summed (a log of several passes may mean that), but a caller should say so."""
+    keys = np.stack([idx["step"], idx["layer"], idx["expert"]], axis=1)
+    _, first, seen = np.unique(keys, axis=0, return_index=True, return_counts=True)
+    extra = int((seen - 1).sum())
+    if not extra:
+        return {}
+    repeated = np.ones(len(keys), dtype=bool)
+    repeated[first] = False
+    row = int(np.argmax(repeated))
+    original = int(np.flatnonzero((keys == keys[row]).all(axis=1))[0])
+    step, layer, expert = (int(v) for v in keys[row])
+    where = f"{'step ' + str(step) + ', ' if steps else ''}layer {layer}, expert {expert}"
+    return {
+        "duplicate_rows": f"{extra} row{'s repeat' if extra > 1 else ' repeats'} an earlier ({'step, ' if steps else ''}layer, "
+        f"expert) and {'were' if extra > 1 else 'was'} summed with it; the first: line {row + 2} repeats line "
+        f"{original + 2} ({where})"
+    }
+
+
 def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
     """CSV rows → trace. Two layouts:
 
     - long, with a header ``layer,expert,count`` (optionally ``step`` first): one row per
       (step, layer, expert); missing pairs are 0 and the sizes are the largest indices + 1
-      (so list trailing experts with a 0 count);
+      (so list trailing experts with a 0 count); rows repeating a (step, layer, expert) are
+      summed, and ``meta["duplicate_rows"]`` says how many and where the first is;
     - wide, no header: one row per layer, one column per expert (``[L, E]``).
     """
     rows = [r for r in rows if r and any(c.strip() for c in r)]
@@ -200,7 +222,7 @@ def from_csv_rows(rows: list[list[str]]) -> LoadTrace:
         idx = {k: data[k].astype(np.int64) for k in ("step", "layer", "expert")}
         counts = np.zeros((idx["step"].max() + 1, idx["layer"].max() + 1, idx["expert"].max() + 1))
         np.add.at(counts, (idx["step"], idx["layer"], idx["expert"]), data["count"])
-        return from_array(counts, "count")
+        return from_array(counts, "count", _duplicates(idx, "step" in cols))
     widths = [len(r) for r in rows]
     if len(set(widths)) != 1:
         line = next(i for i, w in enumerate(widths, 1) if w != widths[0])

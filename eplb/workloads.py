@@ -114,6 +114,11 @@ WORKLOADS: tuple[str, ...] = (
 
 def make_loads(workload: str, topology: Topology, seed: int = 0) -> np.ndarray:
     """``[L, E]`` loads of a named workload (``WORKLOADS``) for ``topology``."""
+    if not isinstance(workload, str):
+        swapped = " (the arguments are (workload, topology): swapped?)" if isinstance(topology, str) else ""
+        raise ValueError(f"workload must be a name such as {WORKLOADS[0]!r}, got {type(workload).__name__}{swapped}")
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
     L, E = topology.num_layers, topology.num_experts
     kind, _, arg = workload.partition("-")
     if kind == "zipf" and arg:

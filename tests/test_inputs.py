@@ -141,3 +141,43 @@ def test_previous_placement_must_match_topology() -> None:
     prev = eplb.Placement.contiguous(eplb.Topology(1, 4, 8, 4))
     with pytest.raises(ValueError, match="previous placement is for"):
         eplb.rebalance(np.ones((2, 4)), TOPO, "global", previous=prev)
+
+
+def test_gpu_loads_names_a_shape_that_does_not_fit_the_placement() -> None:
+    # It used to be numpy's "operands could not be broadcast together".
+    topo = eplb.Topology(2, 8, 8, 4)
+    placement = eplb.Placement.contiguous(topo)
+    with pytest.raises(
+        ValueError, match=re.escape("loads has shape [2, 6]; the placement needs [num_layers, num_experts] = [2, 8]")
+    ):
+        eplb.gpu_loads(np.ones((2, 6)), placement)
+    with pytest.raises(ValueError, match="placement must be a Placement, got ndarray"):
+        eplb.gpu_loads(np.ones((2, 8)), placement.phy2log)
+    assert eplb.gpu_loads(np.ones((2, 8)), placement).tolist() == [[2.0] * 4] * 2
+
+
+def test_make_loads_with_swapped_arguments_says_so() -> None:
+    # It used to be AttributeError: 'Topology' object has no attribute 'partition'.
+    from eplb.workloads import make_loads
+
+    topo = eplb.Topology(2, 8, 8, 4)
+    with pytest.raises(
+        ValueError,
+        match=r"workload must be a name such as 'zipf-0.5', got Topology \(the arguments are \(workload, topology\): swapped\?\)",
+    ):
+        make_loads(topo, "zipf-1.0")
+    with pytest.raises(ValueError, match="topology must be a Topology, got tuple"):
+        make_loads("zipf-1.0", (2, 8, 8, 4))
+    assert make_loads("zipf-1.0", topo).shape == (2, 8)
+
+
+@pytest.mark.parametrize("options", [dict(tolerance=0.5), dict(max_moves=3, layer_tolerance=0.1)])
+def test_rebalance_refuses_replan_bounds_without_previous(options: dict) -> None:
+    # tolerance=0.5 without previous= used to be ignored silently (eplb place refuses it).
+    topo = eplb.Topology(2, 8, 8, 4)
+    loads = np.arange(16.0).reshape(2, 8)
+    names = ", ".join(k for k in ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves") if k in options)
+    with pytest.raises(ValueError, match=re.escape(f"{names} bound") + ".*give previous=Placement"):
+        eplb.rebalance(loads, topo, "global", **options)
+    previous = eplb.Placement.contiguous(topo)
+    assert eplb.rebalance(loads, topo, "global", previous=previous, **options).replan is not None

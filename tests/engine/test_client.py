@@ -306,3 +306,31 @@ def test_bad_planning_and_migration_options_are_refused_before_any_call(option, 
         ):
             client.create_deployment("d1", TOPO, **{option: value})
         assert time.monotonic() - start < 1
+
+
+def test_watcher_of_a_service_that_is_down_says_why_and_logs_the_outage_and_recovery(caplog):
+    # It used to wait 10 s in the client's retries of the topology: last_error '', reconnects 0
+    # and nothing logged after 5 s.
+    import logging
+
+    port = free_port()  # closed: nothing listens on it yet
+    s = ServerThread(port=port)
+    with caplog.at_level(logging.WARNING, logger="eplb_engine.watcher"):
+        with PlacementWatcher(f"127.0.0.1:{port}", "d1", lambda p: None, rank=0, ack=False) as watcher:
+            assert watcher.wait_for(1, timeout_s=3) is False
+            assert watcher.last_error.startswith("UNAVAILABLE"), watcher.last_error
+            assert watcher.reconnects >= 1 and not watcher.connected and not watcher.gave_up
+            down = [r for r in caplog.records if "retrying until it answers" in r.getMessage()]
+            assert len(down) == 1 and "UNAVAILABLE" in down[0].getMessage()
+            s.start()
+            try:
+                with ServiceClient(s.address) as client:
+                    client.create_deployment("d1", TOPO)
+                assert watcher.wait_for(1, timeout_s=10)
+                assert watcher.connected and watcher.last_error == ""
+                again = [r for r in caplog.records if "again after" in r.getMessage()]
+                assert len(again) == 1 and again[0].levelno == logging.WARNING
+                assert len([r for r in caplog.records if "retrying until it answers" in r.getMessage()]) == 1
+            finally:
+                watcher.close()
+                s.stop()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import eplb
+from eplb_bench import cli
 from eplb_bench.demo import DemoConfig, make_weights, misrouted_here, route, slot_experts
 
 
@@ -92,18 +93,15 @@ def test_demo_with_a_draft_model_checks_both_models_dispatches(tmp_path):
     assert 0 <= d["switched_with_target"] <= d["replans_applied"] and "draft v2" in proc.stdout
 
 
-def test_demo_refuses_bad_flags():
-    proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "1"], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 2 and "--ranks must be in [2, 16]" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--draft-layers", "1", "--barrier", "service"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--draft-layers needs --barrier group" in proc.stderr
+def test_demo_refuses_bad_flags(capsys):
+    # In-process: argparse refusals need no process (one importing torch took 2-15 s).
+    for argv, message in (
+        (["--ranks", "1"], "--ranks must be in [2, 16], got 1"),
+        (["--draft-layers", "1", "--barrier", "service"], "--draft-layers needs --barrier group"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["demo", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -123,14 +121,13 @@ def test_demo_refuses_bad_flags():
         (["--plots", "{tmp}/file"], "--plots {tmp}/file: is a file; give a directory"),
     ],
 )
-def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, flags, message):
+def test_demo_refuses_output_paths_it_cannot_write_before_the_run(tmp_path, capsys, flags, message):
     (tmp_path / "file").write_text("")
     flags = [f.format(tmp=tmp_path) for f in flags]
-    proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", *flags], capture_output=True, text=True, timeout=60
-    )
+    code = cli.main(["demo", *flags])
+    captured = capsys.readouterr()
     # One line, before any service or rank starts (nothing on stdout).
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
+    assert (code, captured.out, captured.err) == (2, "", f"eplb demo: error: {message.format(tmp=tmp_path)}\n")
     assert not (tmp_path / "no").exists()
 
 
@@ -159,3 +156,54 @@ def test_the_check_counts_tokens_routed_with_a_map_the_weights_do_not_hold():
     layers[2]["w2"][5] += 4.0
     assert slot_experts(layers, topo)[2, 5] == -1
     assert misrouted_here(route(counts, held, offset=0), layers, topo, 0) == route(counts, held, offset=0)[2, 5].sum()
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Command lines of the live processes in session ``sid`` (the demo's and its ranks')."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            # fields: state, ppid, pgrp, session, ...; a zombie is gone already
+            if int(fields[3]) == sid and fields[0] != "Z":
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
+    import os
+    import signal
+    import time
+
+    # Ctrl-C signals the terminal's whole foreground process group: the demo and its ranks.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "2", "--seconds", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("eplb demo: service on"), first + proc.stderr.read()
+        time.sleep(3)  # the ranks are up, importing torch or routing
+        assert len(_session_processes(proc.pid)) > 2  # the demo, its ranks (and their helper)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines() == ["eplb demo: interrupted; ranks stopped, nothing written"], err
+    time.sleep(0.5)
+    assert _session_processes(proc.pid) == []
