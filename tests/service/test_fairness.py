@@ -8,12 +8,14 @@ import asyncio
 import uuid
 from dataclasses import replace
 
+import grpc
 import numpy as np
 import pytest
 from svc_helpers import FAST, small_deployment
 
 from eplb_service import limits
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.cli import parse_args
 from eplb_service.client import EngineClient
 
@@ -73,3 +75,97 @@ def test_small_plan_workers_flag(monkeypatch):
     with pytest.raises(SystemExit) as info:
         parse_args(["--small-plan-workers", "-1"])
     assert info.value.code == 2
+
+
+# A 1 MiB placement (64 x 4096 int32): a client that does not read stops the server's write of
+# it, where a small one would fit in the transport's buffers. The greedy policy plans it fast.
+WIDE = pb.Topology(num_layers=64, num_experts=4096, num_slots=4096, num_gpus=512, num_nodes=64, num_groups=1)
+
+
+# A connection of its own per channel (as engines have; channels alike would share one).
+STALLING = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 8 << 20)]
+
+
+async def wide_deployment(serve, connect):
+    server = await serve()
+    c = connect(server)
+    d = pb.Deployment(name="wide", topology=WIDE, policy="deepseek")
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    return server, c
+
+
+async def publish(c, name: str = "wide") -> int:
+    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment=name, force=True), timeout=60)
+    assert out.published
+    return out.placement.version
+
+
+async def test_a_watcher_that_reads_gets_every_version_in_order(serve, connect):
+    _, c = await wide_deployment(serve, connect)
+    seen: list[int] = []
+
+    async def read() -> None:
+        async for placement in EngineClient(c.channel, "wide", rank=0).watch():
+            seen.append(placement.version)
+
+    reader = asyncio.create_task(read())
+    while not seen:
+        await asyncio.sleep(0.01)
+    last = 0
+    for _ in range(8):  # back to back: each new version while the last may still be in flight
+        last = await publish(c)
+    for _ in range(200):
+        if seen[-1] == last:
+            break
+        await asyncio.sleep(0.05)
+    reader.cancel()
+    assert seen == list(range(1, last + 1))
+
+
+async def test_a_stalled_watcher_then_reading_gets_the_latest_with_a_gap(serve, connect):
+    server, c = await wide_deployment(serve, connect)
+    # Its own connection, as an engine has, with the transport's window at its 64 KiB start (no
+    # BDP probing): the client takes no more of a message than that until it reads.
+    own = grpc.aio.insecure_channel(server.target, options=[*STALLING, ("grpc.http2.bdp_probe", 0)])
+    stalled = pb_grpc.ExpertLoadBalancerServiceStub(own).WatchPlacements(pb.WatchPlacementsRequest(deployment="wide"))
+    await stalled.wait_for_connection()
+    last = 0
+    for _ in range(6):  # over 2 s: the watcher's stream has held its message past hub.STALL_S
+        last = await publish(c)
+        await asyncio.sleep(0.4)
+    seen = []
+    while not seen or seen[-1] < last:
+        seen.append((await asyncio.wait_for(stalled.read(), 30)).placement.version)
+    stalled.cancel()
+    await own.close()
+    assert seen[0] == 1 and seen[-1] == last
+    assert seen == sorted(set(seen))  # increasing, no duplicate
+    # Latest-wins: the versions published while it stalled were not queued for it.
+    assert len(seen) < last, seen
+
+
+async def test_cancelling_stalled_watches_logs_no_error(serve, connect, caplog):
+    server, c = await wide_deployment(serve, connect)
+    chans = [grpc.aio.insecure_channel(server.target, options=STALLING) for _ in range(4)]
+    calls = [
+        pb_grpc.ExpertLoadBalancerServiceStub(ch).WatchPlacements(pb.WatchPlacementsRequest(deployment="wide"))
+        for ch in chans
+    ]
+    for call in calls:
+        await call.wait_for_connection()
+    for _ in range(3):
+        await publish(c)
+    await asyncio.sleep(0.3)
+    assert server.metrics.watchers.labels("wide")._value.get() == 4
+    with caplog.at_level("DEBUG"):
+        for call in calls:
+            call.cancel()  # each with a 1 MiB write pending on the server
+        for ch in chans:
+            await ch.close()
+        for _ in range(100):
+            if server.metrics.watchers.labels("wide")._value.get() == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+    assert server.metrics.watchers.labels("wide")._value.get() == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
