@@ -91,6 +91,8 @@ async def wide_deployment(serve, connect):
     c = connect(server)
     d = pb.Deployment(name="wide", topology=WIDE, policy="deepseek")
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    await report(c, "wide", (WIDE.num_layers, WIDE.num_experts), 3)  # a forced re-plan needs a window
+    await asyncio.sleep(0.3)  # flushed (flush_s 0.1)
     return server, c
 
 
