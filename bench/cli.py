@@ -1,5 +1,6 @@
 """The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
-``eplb serve`` (the balancer service) and ``eplb demo`` (service, engine ranks and mover on CPU)."""
+``eplb serve`` (the balancer service), ``eplb demo`` (service, engine ranks and mover on CPU) and
+``eplb ctl`` (ask a running service, bench/ctl.py)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,25 @@ def _output(args: argparse.Namespace) -> tuple[Path | None, str | None]:
         raise ValueError(f"--out {exc}; or .npy for a bare phy2log array") from None
 
 
+def plot_target(flag: str, value: str) -> Path:
+    """Where ``flag`` (``--plot FILE``) writes its heatmap, checked before any work: matplotlib
+    there (the bench extra), a suffix it writes, a directory that exists."""
+    from .plots_check import PLOT_SUFFIXES  # the suffixes, without importing matplotlib
+
+    try:
+        extras.require("matplotlib")
+    except ImportError as exc:
+        raise ValueError(extras.missing(flag, "bench", exc)) from None
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{flag} {value}: is a directory; give a file name such as {path / 'placement.png'}")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"{flag} {value}: give a file ending in {', '.join(PLOT_SUFFIXES)}")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {value}: directory {path.parent} does not exist")
+    return path
+
+
 # Numeric flags: (what the value is, the comparison, the limit). Checked here so the error
 # names the flag, not the library's parameter.
 _NUMBERS = {
@@ -166,6 +186,7 @@ def _place(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise ValueError(extras.missing("--policy ilp", "ilp", exc)) from None
     out, fmt = _output(args)
+    plot = plot_target("--plot", args.plot) if args.plot else None
     planning = _planning(args)
     # The placement on stdout keeps stdout clean for a pipe; the report goes to stderr then.
     report = sys.stderr if out is None and fmt is not None else sys.stdout
@@ -318,6 +339,18 @@ def _place(args: argparse.Namespace) -> int:
     else:
         kind = eio.write_placement(out, plan.placement, fmt, stats=stats, loads=loads)
         say(f"wrote {kind} placement to {out}")
+    if plot is not None:
+        from . import plots  # matplotlib only for --plot
+
+        plots.placement_heatmap(
+            plot,
+            loads,
+            plan.placement,
+            previous,
+            title=f"eplb place: {source}, policy {plan.policy_used}",
+            label=f"plan ({plan.policy_used})",
+        )
+        say(f"wrote plot to {plot}")
     return 0
 
 
@@ -574,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
         "- for stdout, the report then going to stderr)",
     )
     p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw a layer x gpu heatmap of gpu load / mean under the plan (beside --previous, moved "
+        "slots marked) to FILE (.png, .svg or .pdf; needs the bench extra)",
+    )
+    p.add_argument(
         "--progress",
         action="store_true",
         help="show progress on stderr even when it is not a terminal "
@@ -588,6 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     d.set_defaults(fn=None)
+    c = sub.add_parser(
+        "ctl",
+        help="ask a running service: list, show, placement, rebalance, watch, health (eplb ctl --help)",
+        add_help=False,
+    )
+    c.set_defaults(fn=None)
     return ap
 
 
@@ -616,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if args.command == "ctl":
+        from .ctl import main as ctl_main  # grpc only for ctl: it checks the service extra itself
+
+        return ctl_main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -455,14 +455,30 @@ def write_plots(
                 out / f"gpu_load_{tag}_layer{layer}.png", bars, f"{case.scale} {case.workload}: gpu load, layer {layer}"
             )
         )
-        paths.append(
-            plots.imbalance_per_layer(
-                out / f"imbalance_per_layer_{tag}.png",
-                {p: imb for p, (_, imb) in placed.items()},
-                eplb.imbalance_lb(case.loads, case.topology),
-                f"{case.scale} {case.workload}: imbalance per layer",
-            )
+        per_layer = plots.imbalance_per_layer(
+            out / f"imbalance_per_layer_{tag}.png",
+            {p: imb for p, (_, imb) in placed.items()},
+            eplb.imbalance_lb(case.loads, case.topology),
+            f"{case.scale} {case.workload}: imbalance per layer",
         )
+        if per_layer is not None:  # None for one layer
+            paths.append(per_layer)
+        # The heatmap of the last of our policies that ran, beside the contiguous placement
+        # (one layer: the bars above say it all).
+        ours = [p for p in placed if p in OUR_POLICIES]
+        if ours and "none" in placed and case.topology.num_layers > 1:
+            paths.append(
+                plots.placement_heatmap(
+                    out / f"placement_{tag}_{ours[-1]}.png",
+                    case.loads,
+                    placed[ours[-1]][0],
+                    placed["none"][0],
+                    title=f"{case.scale} {case.workload}: {ours[-1]} beside the contiguous placement",
+                    label=ours[-1],
+                    previous_label="none (contiguous)",
+                    mark_moves=False,
+                )
+            )
     for (scale, name), by_policy in series.items():
         steps = next(iter(by_policy.values()))["replan_steps"] if by_policy else np.array([])
         tag = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{scale}_{Path(name).name}")
@@ -480,7 +496,8 @@ def write_plots(
         if "solve_seconds" in r and r["policy"] != "none":
             seconds.setdefault(r["policy"], {}).setdefault(r["scale"], []).append(r["solve_seconds"])
     medians = {p: {s: float(np.median(v)) for s, v in by.items()} for p, by in seconds.items()}
-    paths.append(plots.solve_time_by_scale(out / "solve_time_by_scale.png", medians))
+    most = max((len(v) for by in seconds.values() for v in by.values()), default=1)
+    paths.append(plots.solve_time_by_scale(out / "solve_time_by_scale.png", medians, most))
     return paths
 
 

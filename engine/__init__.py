@@ -33,6 +33,8 @@ _LAZY: dict[str, str] = {
     "ProcessGroupBarrier": "rollout",
     "RolloutGroup": "rollout",
     "AckSender": "rollout",
+    "survivor_plan": "survivors",
+    "same_survivor": "survivors",
 }
 
 __all__ = sorted(_LAZY)

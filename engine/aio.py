@@ -23,6 +23,7 @@ from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
 from .client import (
+    EXISTING_OK,
     TRANSIENT,
     Backoff,
     Retry,
@@ -108,9 +109,14 @@ class AsyncServiceClient:
         try:
             return (await self.call("CreateDeployment", create_request(name, topology, initial, options))).deployment
         except grpc.aio.AioRpcError as exc:
-            if not (exist_ok and exc.code() == grpc.StatusCode.ALREADY_EXISTS):
+            if not (exist_ok and exc.code() in EXISTING_OK):
                 raise
-        return same_topology(name, await self.get_deployment(name), topology)
+            refused = exc
+        try:
+            existing = await self.get_deployment(name)
+        except grpc.aio.AioRpcError:
+            raise refused from None
+        return same_topology(name, existing, topology)
 
     async def get_deployment(self, name: str) -> pb.Deployment:
         return (await self.call("GetDeployment", pb.GetDeploymentRequest(name=name))).deployment

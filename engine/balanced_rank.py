@@ -23,6 +23,7 @@ at the same step. The service keeps per-deployment switch steps and nothing acro
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ from .watcher import PlacementWatcher
 from .wire import PublishedPlacement
 
 __all__ = ["BalancedRank", "Draft", "Part", "fold_slot_counts"]
+
+log = logging.getLogger(__name__)
 
 OnSwitch = Callable[[int, tuple[int, ...], eplb.Placement], None]
 OnEvent = Callable[[RolloutEvent], None]
@@ -318,6 +321,75 @@ class BalancedRank:
             for part, routed in zip(self.parts, self._group.step(step)):
                 part._stepped(routed)
         return self.target.routed
+
+    def ranks_down(
+        self,
+        down: Sequence[int],
+        group: object,
+        mover_group: object,
+        *,
+        restore: Callable[[int, int], object] | None = None,
+        tell_service: bool = True,
+        timeout_s: float = 30.0,
+    ) -> PublishedPlacement:
+        """Ranks ``down`` died (the engine's runtime said so: a collective that timed out, a
+        heartbeat): carry on over the survivors. Call it on every survivor, on the step thread
+        between two steps, after rebuilding ``group`` (the barrier's) and ``mover_group`` (the
+        mover's) over the survivors, e.g. ``dist.new_group(survivors,
+        use_local_synchronization=True)`` twice.
+
+        The transition in flight is dropped, the rollout agrees through ``group`` from now on
+        and moves weights through ``mover_group`` (``restore``: the loader of experts that no
+        live rank holds, ``WeightMover``'s), and the survivor placement every survivor computes
+        alike from the current version (``survivors.survivor_plan``) is offered: the next steps
+        switch to it (with ``barrier="service"`` nothing is offered here: the service aborts the
+        version in flight, and its own survivor placement, the same map, comes through the
+        watcher). With ``tell_service`` the service hears of it too (``SetRanksDown``,
+        idempotent, so every survivor may send it; an unreachable service is logged, the local
+        plan stands): its own survivor placement is the same map, which the ranks then take
+        without moving weights. Returns the survivor placement offered. Ranks are gpus here
+        (the deployment's ranks 0 .. num_gpus - 1)."""
+        import grpc
+
+        from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+
+        from .survivors import survivor_plan
+
+        if self.draft is not None:
+            raise ValueError("ranks_down with a draft model is not supported: its rollouts share one barrier")
+        part = self.target
+        applier = part.applier
+        if not isinstance(applier, MoverApplier):
+            raise ValueError(f"ranks_down needs the MoverApplier, not {type(applier).__name__}: regroup your own")
+        rollout = part.rollout
+        on_group = isinstance(rollout.barrier, ProcessGroupBarrier)
+        if on_group:
+            barrier = ProcessGroupBarrier(group, acks=AckSender(self.client, part.deployment, self.rank))
+            rollout.regroup(barrier, timeout_s)
+            self.barrier = barrier
+        applier.group = mover_group
+        if restore is not None:
+            applier.options["restore"] = restore
+        base = rollout.current
+        gone = sorted(set(int(r) for r in down) | set(base.down_ranks))
+        survivor = survivor_plan(base, gone)
+        if on_group:
+            rollout.offer(survivor, supersede=True)
+        # With the service barrier the switch is the service's to agree (it aborts the version
+        # in flight and counts the live ranks): the ranks take its survivor placement, the same
+        # map, through the watcher.
+        if tell_service:
+            try:
+                self.client.endpoints.stub().SetRanksDown(
+                    pb.SetRanksDownRequest(
+                        deployment=part.deployment, down=gone, reason=f"rank {self.rank}: ranks {sorted(down)} died"
+                    ),
+                    metadata=self.client.endpoints.metadata,
+                    timeout=5.0,
+                )
+            except grpc.RpcError as exc:
+                log.warning("SetRanksDown of %s failed (%s): the survivors' own plan stands", part.deployment, exc)
+        return survivor
 
     def record(self, counts: object, *, copy: bool = True) -> bool:
         """The target's ``Part.record``: ``counts [L, P]`` tokens per slot of the step just routed."""

@@ -116,6 +116,11 @@ class Retry:
         return min(self.backoff.delay(), max(0.0, self.deadline - time.monotonic()))
 
 
+# create_deployment(exist_ok=True) reads the deployment on these: it exists, or the token may not
+# create it (an engine token), in which case it must already exist.
+EXISTING_OK = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED)
+
+
 def create_request(
     name: str, topology: eplb.Topology, initial: eplb.Placement | None, options: dict[str, object]
 ) -> pb.CreateDeploymentRequest:
@@ -257,13 +262,20 @@ class ServiceClient:
     ) -> pb.Deployment:
         """Creates deployment ``name`` for ``topology`` (``options``: ``wire.deployment_pb``'s) and
         returns it as stored. ``exist_ok``: an existing deployment of the same topology is
-        returned instead of ``ALREADY_EXISTS`` (a different topology raises ``ValueError``)."""
+        returned instead of ``ALREADY_EXISTS`` (a different topology raises ``ValueError``); so
+        it is for an engine token, which may not create (``PERMISSION_DENIED``) but may read the
+        deployment an admin created."""
         try:
             return self.call("CreateDeployment", create_request(name, topology, initial, options)).deployment
         except grpc.RpcError as exc:
-            if not (exist_ok and exc.code() == grpc.StatusCode.ALREADY_EXISTS):
+            if not (exist_ok and exc.code() in EXISTING_OK):
                 raise
-        return same_topology(name, self.get_deployment(name), topology)
+            refused = exc
+        try:
+            existing = self.get_deployment(name)
+        except grpc.RpcError:
+            raise refused from None  # not there (or not visible either): the create's own error
+        return same_topology(name, existing, topology)
 
     def get_deployment(self, name: str) -> pb.Deployment:
         return self.call("GetDeployment", pb.GetDeploymentRequest(name=name)).deployment

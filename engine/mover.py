@@ -22,12 +22,20 @@ slot views, the schedule and this rank's work per layer, the receive buffers, th
 and copies). In both, the tensors are written in place (same storage: CUDA graphs stay valid), copies
 within a gpu copy each byte once (cycles through one spare slot), and on a GPU the work runs
 on the mover's own CUDA stream.
+
+**Gpus down.** A gpu whose slots are all empty (-1) in ``new`` takes no part: the group may be
+the live gpus alone (rebuilt over the survivors, ``group rank i`` = the ``i``-th live gpu of
+``new``) or every gpu of the topology. An expert that no live gpu held in ``old`` has no
+source: ``eplb.transfer`` lists it as a restore, and the mover loads it through the engine's
+``restore(layer, expert) -> {name: tensor}`` (a host copy, ``HostExpertBackup``, or the
+checkpoint): in the prepare (staged) or the step (direct), kept where the loader returned it
+until the slot is written, with the other copies within the gpu.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +67,8 @@ class MoveReport:
     ``layers``: the layers written; ``received_bytes`` / ``sent_bytes``: peer traffic of those
     layers; ``local_copy_bytes``: bytes copied within the gpu; ``checked_slots``: slots whose
     checksum was compared with the source's (``verify=True``); ``mismatches``: ``(layer, slot)``
-    pairs whose content differs from the source's.
+    pairs whose content differs from the source's; ``restored`` / ``restored_bytes``: experts
+    loaded through ``restore`` (no live gpu held them) and their bytes.
     """
 
     layers: tuple[int, ...]
@@ -68,6 +77,8 @@ class MoveReport:
     local_copy_bytes: int
     checked_slots: int = 0
     mismatches: tuple[tuple[int, int], ...] = ()
+    restored: int = 0
+    restored_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -85,6 +96,7 @@ class _LayerWork:
     local: list[tuple[int, int]]  # the same in in-place order, SPARE = the spare slot
     fills: list[tuple[int, int]]  # (received slot, other slot needing the expert)
     read_slots: set[int]  # slots whose old content is read by a send or a local copy
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (expert, slot) loaded via restore
     expected: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> checksum (verify)
     launches: list = field(default_factory=list)  # (fused, dsts, srcs) built by _plan_local
 
@@ -98,7 +110,15 @@ class WeightMover:
     ``w13_scale [S, ...]``); each name has the same shape and dtype in every layer, all
     tensors contiguous on one device. ``old``, ``new``: placements ``[L, P]`` of one
     topology. ``group``: the process group whose rank ``g`` is gpu ``g`` of the topology
-    (default: the world); or ``transport`` to bring your own.
+    (default: the world); or ``transport`` to bring your own. With gpus down in ``new`` the
+    group may hold the live gpus alone (rank ``i`` is the ``i``-th live gpu of ``new``), or
+    ``gpus`` says which gpu each group rank is (every live gpu of ``new`` among them).
+
+    ``restore(layer, expert) -> {name: tensor}``: the weights of an expert that no live gpu
+    held in ``old`` (its replicas were all on gpus now down), one slot's worth per name (the
+    shape of ``layers[l][name][0]``; any device: copied in). Needed only when the transition
+    has restores (``schedule.restore_*``); without it such a mover raises ``ValueError`` at
+    construction, naming the experts.
 
     ``staging_bytes``: budget for the receive buffers. Staged mode cuts the layers into
     ``chunks`` whose receives fit it on every rank (``staged_chunks``; ``None``: one chunk,
@@ -135,13 +155,25 @@ class WeightMover:
         bandwidth: Bandwidth | None = None,
         verify: bool = False,
         batch_copies: bool = True,
+        restore: Callable[[int, int], Mapping[str, torch.Tensor]] | None = None,
+        gpus: Sequence[int] | None = None,
     ) -> None:
         if layers_per_call is not None and (
             isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1
         ):
             raise ValueError(f"layers_per_call must be a positive integer or None, got {layers_per_call!r}")
         self._plan = plan = _RankPlan(
-            layers, old, new, group, transport, round_experts, bandwidth, verify=verify, batch_copies=batch_copies
+            layers,
+            old,
+            new,
+            group,
+            transport,
+            round_experts,
+            bandwidth,
+            verify=verify,
+            batch_copies=batch_copies,
+            restore=restore,
+            gpus=gpus,
         )
         self.schedule: TransferSchedule = plan.schedule
         self.rank, self.topology, self.device, self.slot_bytes = plan.rank, plan.topology, plan.device, plan.slot_bytes
@@ -315,6 +347,7 @@ class _StagedMove:
         with self.plan.on_stream():
             for layer in range(start, self.next):
                 self.plan.exchange_layer(layer, direct=False)
+                self.plan.load_layer(layer)
                 self.plan.plan_local(layer)
         return self.next - start
 
@@ -365,6 +398,7 @@ class _DirectMove:
             for layer in layers:
                 plan.pool_index[layer] = {}
                 plan.exchange_layer(layer, direct=True)
+                plan.load_layer(layer)
                 plan.plan_local(layer)
                 plan.local_layer(layer)
         plan.finish()
@@ -388,6 +422,8 @@ class _RankPlan:
         *,
         verify: bool,
         batch_copies: bool,
+        restore: Callable[[int, int], Mapping[str, torch.Tensor]] | None = None,
+        gpus: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(old, Placement) or not isinstance(new, Placement):
             raise ValueError("old and new must be eplb.Placement objects")
@@ -406,11 +442,10 @@ class _RankPlan:
             if math.prod(shape) * torch.empty(0, dtype=dt).element_size() < _SMALL_SLOT_BYTES
         }
         self.transport = transport if transport is not None else DistTransport(group)
-        if self.transport.size != topo.num_gpus:
-            raise ValueError(
-                f"the process group has {self.transport.size} ranks; the topology has num_gpus = {topo.num_gpus}"
-            )
-        self.rank = self.transport.rank
+        # gpu_of[i]: the gpu of group rank i; group_rank: the inverse (gpu -> group rank).
+        self.gpu_of = _group_gpus(self.transport.size, new, gpus)
+        self.group_rank = {g: i for i, g in enumerate(self.gpu_of)}
+        self.rank = self.gpu_of[self.transport.rank]  # this rank's gpu of the topology
         self.topology = topo
         self.slot_bytes = sum(
             math.prod(shape) * torch.empty(0, dtype=dt).element_size()
@@ -420,6 +455,16 @@ class _RankPlan:
             old, new, topo, expert_bytes=float(self.slot_bytes), bandwidth=bandwidth, round_experts=round_experts
         )
         self.work = _rank_work(self.schedule, self.rank)
+        self.restore = restore
+        mine = self.schedule.restore_dst_gpu == self.rank
+        if mine.any() and restore is None:
+            s = self.schedule
+            lost = sorted({(int(a), int(b)) for a, b in zip(s.restore_layer[mine], s.restore_expert[mine])})
+            raise ValueError(
+                f"gpu {self.rank} must restore {len(lost)} expert(s) that no live gpu holds ((layer, expert): "
+                f"{lost[:8]}{' ...' if len(lost) > 8 else ''}); pass restore=(layer, expert) -> {{name: tensor}}"
+            )
+        self.loaded: list[dict[int, Mapping[str, torch.Tensor]]] = [{} for _ in range(topo.num_layers)]
         self.spare_needed = int(any(dst == SPARE for work in self.work for _, dst in work.local))
         self.pool: dict[str, tuple[torch.Tensor, ...]] | None = None  # name -> buffer slot views
         self.pool_index: list[dict[int, int]] = [{} for _ in range(topo.num_layers)]  # layer -> {dst slot: buffer}
@@ -453,6 +498,7 @@ class _RankPlan:
         self.synchronize()
         self.pool = None
         self.pool_index = [{} for _ in range(self.topology.num_layers)]
+        self.loaded = [{} for _ in range(self.topology.num_layers)]
         for work in self.work:
             work.expected.clear()
             work.launches = []
@@ -480,12 +526,14 @@ class _RankPlan:
             ops: list[P2P] = []
             checks: list[tuple[int, torch.Tensor]] = []
             # Both sides list a pair's operations in schedule order, names sorted: they match.
-            for peer, slot in sends:
+            for gpu, slot in sends:
+                peer = self.group_rank[gpu]
                 for name in self.names:
                     ops.append(P2P(True, peer, tensors[name][slot]))
                 if self.verify:
                     ops.append(P2P(True, peer, slot_checksum(tensors, slot)))
-            for peer, slot in recvs:
+            for gpu, slot in recvs:
+                peer = self.group_rank[gpu]
                 if direct and slot not in work.read_slots:
                     target = tensors  # nothing reads this slot's old content: land in place
                     at = slot
@@ -504,20 +552,48 @@ class _RankPlan:
             for slot, cks in checks:
                 work.expected[slot] = cks
 
+    def load_layer(self, layer: int) -> None:
+        """Loads the layer's restored experts through ``restore`` (kept where the loader put
+        them until ``local_layer`` writes their slots); ``ValueError`` on a misfit."""
+        work = self.work[layer]
+        for expert, slot in work.restores:
+            got = self.restore(layer, expert)
+            if not isinstance(got, Mapping) or sorted(got) != self.names:
+                have = sorted(got) if isinstance(got, Mapping) else type(got).__name__
+                raise ValueError(f"restore({layer}, {expert}) returned {have}; the mover needs tensors {self.names}")
+            for name, shape, dt in zip(self.names, self.slot_shapes, self.dtypes):
+                t = got[name]
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dt:
+                    what = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(
+                        f"restore({layer}, {expert})[{name!r}] is {what}; a slot of it is {list(shape)} {dt}"
+                    )
+            self.loaded[layer][slot] = got
+
     def plan_local(self, layer: int) -> None:
         """Build the layer's copy launches (host work) ahead of running them: in staged mode at
         the end of its prepare, so ``commit()`` only launches."""
         work, tensors, pool = self.work[layer], self.views[layer], self.pool
+        loaded = self.loaded[layer]
         spare = ("pool", self.spare)
         copies = [(spare if s == SPARE else ("slot", s), spare if d == SPARE else ("slot", d)) for s, d in work.local]
         copies += [(("pool", buf), ("slot", dst)) for dst, buf in self.pool_index[layer].items()]
+        # Restored experts land after the local copies (which read the slots' old content) and
+        # before the fills (which may copy a restored slot to the gpu's other slots needing it).
+        copies += [(("host", dst), ("slot", dst)) for dst in loaded]
         copies += [(("slot", s), ("slot", d)) for s, d in work.fills]
+
+        def view(kind: str, i: int, name: str) -> torch.Tensor:
+            return loaded[i][name] if kind == "host" else (pool if kind == "pool" else tensors)[name][i]
+
         launches: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] = []
         for wave in _waves(copies) if self.batch_copies else [[c] for c in copies]:
+            host = any(sk == "host" for (sk, _), _ in wave)
             for name in self.names:
-                srcs = [(pool if sk == "pool" else tensors)[name][s] for (sk, s), _ in wave]
-                dsts = [(pool if dk == "pool" else tensors)[name][d] for _, (dk, d) in wave]
-                launches.append((self.batch_copies and name in self.small, dsts, srcs))
+                srcs = [view(sk, s, name) for (sk, s), _ in wave]
+                dsts = [view(dk, d, name) for _, (dk, d) in wave]
+                # A loaded expert may sit on another device: one copy_ each, never fused.
+                launches.append((self.batch_copies and name in self.small and not host, dsts, srcs))
         work.launches = launches
 
     def local_layer(self, layer: int) -> None:
@@ -525,6 +601,9 @@ class _RankPlan:
         if self.verify:
             for src, dst in work.copies:  # old content of the sources, before any write
                 work.expected[dst] = slot_checksum(tensors, src)
+            for dst, got in self.loaded[layer].items():
+                one = {name: got[name].to(self.device).unsqueeze(0) for name in self.names}
+                work.expected[dst] = slot_checksum(one, 0)
         for fused, dsts, srcs in work.launches:
             if fused:
                 torch._foreach_copy_(dsts, srcs)
@@ -532,6 +611,7 @@ class _RankPlan:
                 for a, b in zip(dsts, srcs):
                     a.copy_(b)
         work.launches = []
+        self.loaded[layer] = {}
         if self.verify:
             for src, dst in work.fills:
                 work.expected[dst] = work.expected[src]
@@ -545,6 +625,7 @@ class _RankPlan:
         sel = list(layers)
         wanted = set(sel)
         checked = [(layer, slot, ok) for layer, slot, ok in self.verified if layer in wanted]
+        restored = int(np.isin(s.restore_layer[s.restore_dst_gpu == g], sel).sum())
         return MoveReport(
             layers=tuple(sel),
             received_bytes=int(s.received_bytes[sel, g].sum()),
@@ -552,6 +633,8 @@ class _RankPlan:
             local_copy_bytes=int(s.local_copy_bytes[sel, g].sum()),
             checked_slots=len(checked),
             mismatches=tuple((layer, slot) for layer, slot, ok in checked if not ok),
+            restored=restored,
+            restored_bytes=restored * self.slot_bytes,
         )
 
 
@@ -634,5 +717,30 @@ def _rank_work(s: TransferSchedule, rank: int) -> list[_LayerWork]:
         fm = (s.fill_layer == layer) & (s.fill_dst_slot // S == rank)
         fills = [(int(a) - base, int(b) - base) for a, b in zip(s.fill_src_slot[fm], s.fill_dst_slot[fm])]
         read = {src for src, _ in local} | {src for rnd in sends for _, src in rnd}
-        out.append(_LayerWork(sends, recvs, local, order_local_copies(local), fills, read))
+        rm = (s.restore_layer == layer) & (s.restore_dst_gpu == rank)
+        restores = [(int(e), int(d) - base) for e, d in zip(s.restore_expert[rm], s.restore_dst_slot[rm])]
+        out.append(_LayerWork(sends, recvs, local, order_local_copies(local), fills, read, restores=restores))
+    return out
+
+
+def _group_gpus(size: int, new: Placement, gpus: Sequence[int] | None) -> list[int]:
+    """The gpu of each rank of a mover group of ``size`` ranks: ``gpus`` when given, else every
+    gpu of the topology (``size == num_gpus``) or the live gpus of ``new`` in order."""
+    G = new.topology.num_gpus
+    live = [int(g) for g in np.flatnonzero(new.live)]
+    if gpus is None:
+        if size == G:
+            return list(range(G))
+        if size == len(live):
+            return live
+        raise ValueError(
+            f"the process group has {size} ranks; the topology has num_gpus = {G}"
+            + (f" and {len(live)} live in the new placement (gpus {list(new.down_gpus)} down)" if len(live) < G else "")
+        )
+    out = [int(g) for g in gpus]
+    if len(out) != size or len(set(out)) != size or not all(0 <= g < G for g in out):
+        raise ValueError(f"gpus must list {size} distinct gpu ids in [0, {G - 1}] (one per group rank), got {out}")
+    missing = sorted(set(live) - set(out))
+    if missing:
+        raise ValueError(f"gpus {missing} are live in the new placement but not in the mover's group (gpus={out})")
     return out

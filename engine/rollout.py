@@ -40,6 +40,7 @@ mixed (a ``"partial"`` event), and the next version moves from the mixed map.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import queue
@@ -187,6 +188,8 @@ def _sum_reports(reports: Sequence[object]) -> object:
         local_copy_bytes=sum(r.local_copy_bytes for r in reports),
         checked_slots=sum(r.checked_slots for r in reports),
         mismatches=tuple(m for r in reports for m in r.mismatches),
+        restored=sum(r.restored for r in reports),
+        restored_bytes=sum(r.restored_bytes for r in reports),
     )
 
 
@@ -515,9 +518,10 @@ class Phase(enum.Enum):
 #   READY, FAILED -> IDLE         aborted (nothing switched, or the move back failed: "partial")
 #   PREPARING -> IDLE             closed: the prepare returned within close()'s wait, rolled back
 #   READY, FAILED -> REVERTING    aborted after chunks switched: they wait to be moved back
+#   PREPARING, READY, FAILED, REVERTING -> IDLE   a rank died (regroup): dropped on this rank
 _TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.PREPARING}),
-    Phase.REVERTING: frozenset({Phase.PREPARING}),
+    Phase.REVERTING: frozenset({Phase.PREPARING, Phase.IDLE}),
     Phase.PREPARING: frozenset({Phase.READY, Phase.FAILED, Phase.IDLE}),
     Phase.READY: frozenset({Phase.FAILED, Phase.PREPARING, Phase.IDLE, Phase.REVERTING}),
     Phase.FAILED: frozenset({Phase.IDLE, Phase.REVERTING}),
@@ -596,10 +600,16 @@ class Rollout:
         """Some layers route with a version other than ``current`` (between chunks)."""
         return self.routing is not self.current.placement
 
-    def offer(self, published: PublishedPlacement) -> None:
-        """Hands over a new version (e.g. as ``PlacementWatcher``'s callback); the latest wins."""
+    def offer(self, published: PublishedPlacement, *, supersede: bool = False) -> None:
+        """Hands over a new version (e.g. as ``PlacementWatcher``'s callback); the latest wins.
+        ``supersede``: this one wins over any version offered before, and over an earlier
+        refusal of its number (a survivor placement computed on the rank after a death: the
+        versions offered before it count the dead rank)."""
         with self._lock:
-            if published.version > max(self.current.version, self._offered.version if self._offered else 0):
+            if supersede and published.version > self.current.version:
+                self._offered = published
+                self._refused = min(self._refused, published.version - 1)
+            elif published.version > max(self.current.version, self._offered.version if self._offered else 0):
                 self._offered = published
 
     def step(self, step: int) -> PublishedPlacement:
@@ -792,6 +802,38 @@ class Rollout:
                 chunks=move.chunk,
             )
         )
+
+    def regroup(self, barrier: Barrier, timeout_s: float = 30.0) -> None:
+        """A rank died: from now on agree through ``barrier`` (over the survivors' group; the
+        applier's group is the caller's to replace). A transition in flight is dropped on this
+        rank alone, without the barrier (every survivor does the same when it learns of the
+        death): its prepare is waited for up to ``timeout_s`` (its transfers fail or finish
+        once the peer is gone) and rolled back; layers of it already switched stay switched
+        (``routing`` is then mixed, and the next transition moves from it). Call it on the step
+        thread, between two ``step()`` calls, on every survivor, then ``offer`` the survivor
+        placement (``eplb_engine.survivors.survivor_plan``)."""
+        move = self._move
+        if move is not None:
+            futures.wait([move.future], timeout=timeout_s)
+            if not move.future.done():
+                raise RuntimeError(
+                    f"the prepare of version {move.published.version} did not return within {timeout_s:g} s of the "
+                    "rank's death; its transfers still wait on the dead peer (abort the old group first)"
+                )
+            with contextlib.suppress(Exception):  # its outcome no longer matters, only that it ended
+                move.future.result()
+            self.applier.rollback()
+            self._move = None
+            self._enter(Phase.IDLE)
+            self._routed = self.current if not self.mixed else replace(self.current, placement=self.routing)
+            self._event(
+                RolloutEvent("aborted", move.published.version, -1, move.seconds, 0.0, "a rank died", chunks=move.chunk)
+            )
+        elif self._phase is Phase.REVERTING:
+            self._enter(Phase.IDLE)  # the survivor placement moves from the mixed map instead
+        old, self.barrier = self.barrier, barrier
+        with contextlib.suppress(Exception):
+            old.close()
 
     def _event(self, event: RolloutEvent) -> None:
         self.events.append(event)

@@ -152,7 +152,11 @@ class PlacementWatcher:
             self.version = msg.version
             self.delivered += 1
             self._changed.notify_all()
-        if self.ack:
+        if self.ack and self.rank in msg.down_ranks:
+            # A rank down in this version takes no part in its rollout (the service refuses its
+            # acks); it is planned in again by SetRanksDown(up=[rank]).
+            log.info("rank %d is down in version %d of %s: not acking it", self.rank, msg.version, self.deployment)
+        elif self.ack:
             try:
                 self.client.ack(self.deployment, self.rank, msg.version, "failed" if error else "switched", error=error)
             except grpc.RpcError as exc:

@@ -97,14 +97,24 @@ def topology_from_pb(msg: pb.Topology) -> eplb.Topology:
 class PublishedPlacement:
     """One published version of a deployment's placement, decoded.
 
-    ``placement.phy2log`` is int32 ``[L, P]``; ``stats`` is the wire ``PlanStats`` (imbalance
-    before and after, moves, transfer figures when the deployment knows its expert size).
+    ``placement.phy2log`` is int32 ``[L, P]`` (-1: the slots of a down gpu); ``stats`` is the
+    wire ``PlanStats`` (imbalance before and after, moves, transfer figures when the deployment
+    knows its expert size). ``down_ranks``: the ranks down in this version (they take no part
+    in its rollout); ``down_ranks_version``: the version whose SetRanksDown made that set;
+    ``survivor_of``: for a survivor placement, the version it was planned from (0: a normal
+    plan); ``loads``: float64 ``[L, E]``, the loads it was planned from (None: not sent);
+    ``eplb_version``: the eplb release the service planned it with ("" for version 1).
     """
 
     deployment: str
     version: int
     placement: eplb.Placement
     stats: pb.PlanStats
+    down_ranks: tuple[int, ...] = ()
+    down_ranks_version: int = 0
+    survivor_of: int = 0
+    loads: np.ndarray | None = None
+    eplb_version: str = ""
 
 
 def placement_from_pb(msg: pb.Placement, topology: eplb.Topology) -> PublishedPlacement:
@@ -118,7 +128,25 @@ def placement_from_pb(msg: pb.Placement, topology: eplb.Topology) -> PublishedPl
         )
     if phy2log.dtype.kind != "i":
         raise ValueError(f"placement.phy2log: dtype {phy2log.dtype} must be an integer type")
-    return PublishedPlacement(msg.deployment, msg.version, eplb.Placement(phy2log, topology), msg.stats)
+    loads = None
+    if msg.HasField("loads"):
+        loads = decode_array(msg.loads, "placement.loads").astype(np.float64)
+        if loads.shape != (topology.num_layers, topology.num_experts):
+            raise ValueError(
+                f"placement.loads: shape {list(loads.shape)} does not fit the topology's [layers, experts] = "
+                f"{[topology.num_layers, topology.num_experts]}"
+            )
+    return PublishedPlacement(
+        msg.deployment,
+        msg.version,
+        eplb.Placement(phy2log, topology),
+        msg.stats,
+        down_ranks=tuple(int(r) for r in msg.down_ranks),
+        down_ranks_version=msg.down_ranks_version,
+        survivor_of=msg.survivor_of,
+        loads=loads,
+        eplb_version=msg.eplb_version,
+    )
 
 
 def deployment_pb(

@@ -2,6 +2,7 @@
 
 The token is read, first found first, from ``--token-file``/``EPLB_TOKEN_FILE``, ``--token``, or
 ``EPLB_TOKEN``; ``--token`` shows in ``ps`` and shell history, so prefer the file or the variable.
+It is one admin token; ``--auth-file`` adds scoped tokens (auth.py), re-read on SIGHUP.
 """
 
 from __future__ import annotations
@@ -113,6 +114,13 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         None,
         Path,
         "read the token from this file (surrounding whitespace stripped)",
+    ),
+    "auth_file": (
+        "--auth-file",
+        "AUTH_FILE",
+        None,
+        Path,
+        'JSON {"tokens": [{"sha256", "role", "deployments"}]}: scoped tokens (docs/service.md); re-read on SIGHUP',
     ),
     "tls_cert": ("--tls-cert", "TLS_CERT", None, Path, "PEM certificate chain"),
     "tls_key": ("--tls-key", "TLS_KEY", None, Path, "PEM private key"),
@@ -258,6 +266,7 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         redis_url=args.redis_url,
         key_prefix=args.key_prefix,
         token=token,
+        auth_file=args.auth_file,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         max_message_bytes=args.max_message_bytes,
@@ -301,6 +310,9 @@ async def _serve(config: ServerConfig, fmt: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if config.auth_file is not None:
+        # Without an auth file SIGHUP keeps its default (the process ends), as before.
+        loop.add_signal_handler(signal.SIGHUP, running.reload_auth)
     print(_listening_line(fmt, config.host, running.port), flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %.1fs)", config.grace_s)

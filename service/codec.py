@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import eplb
 
-from . import limits
+from . import arrays, limits
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
@@ -17,6 +19,10 @@ from .windows import WindowSpec
 
 __all__ = [
     "deployment_ranks",
+    "down_gpus",
+    "gpu_ranks",
+    "live_ranks",
+    "survivor_loads",
     "accepts",
     "replans",
     "migration_options",
@@ -72,6 +78,55 @@ def migration_options(msg: pb.Migration, policy: str) -> dict[str, float]:
 def deployment_ranks(msg: pb.Deployment) -> list[int]:
     """The ranks that report and acknowledge (deployments stored before ranks existed: one per gpu)."""
     return list(msg.ranks) if msg.ranks else list(range(msg.topology.num_gpus))
+
+
+def gpu_ranks(msg: pb.Deployment) -> list[int] | None:
+    """``ranks[g]`` for each gpu ``g`` (``Deployment.ranks``'s first ``num_gpus``); None when the
+    deployment names fewer ranks than gpus (no rank-to-gpu map: SetRanksDown is refused)."""
+    ranks = deployment_ranks(msg)
+    G = msg.topology.num_gpus
+    return ranks[:G] if len(ranks) >= G else None
+
+
+def down_gpus(msg: pb.Deployment, placement: pb.Placement) -> list[int]:
+    """The gpus of ``placement.down_ranks`` (sorted)."""
+    ranks = gpu_ranks(msg) or []
+    down = set(placement.down_ranks)
+    return [g for g, r in enumerate(ranks) if r in down]
+
+
+def live_ranks(msg: pb.Deployment, placement: pb.Placement) -> list[int]:
+    """The ranks a rollout of ``placement`` counts: the deployment's, less those down in it."""
+    down = set(placement.down_ranks)
+    return [r for r in deployment_ranks(msg) if r not in down]
+
+
+# Survivor plans (SetRanksDown) are planned so that every engine rank can compute the same one
+# without the service (eplb_engine.survivors.survivor_plan, the same call): the base version's
+# loads snapshot (uniform without one), policy "auto" at effort "fast", the library's default
+# migration trade-off, no time limit and no move budget.
+SURVIVOR_POLICY = "auto"
+SURVIVOR_OPTIONS = {"effort": "fast"}
+
+
+def _eplb_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eplb")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# Recorded in every planned placement (Placement.eplb_version).
+EPLB_VERSION = _eplb_version()
+
+
+def survivor_loads(placement: pb.Placement, shape: tuple[int, int]) -> np.ndarray:
+    """float64 ``[L, E]``: ``placement``'s loads snapshot, or ones when it has none."""
+    if placement.HasField("loads"):
+        return arrays.decode(placement.loads, "loads", shape).astype(np.float64)
+    return np.ones(shape)
 
 
 def switch_margin(msg: pb.Deployment) -> int:
@@ -145,10 +200,17 @@ def transfer_stats(
 ) -> pb.TransferStats:
     """The weight copies from ``old`` to ``new`` ``[L, P]`` (``eplb.transfer.transfer_schedule``:
     one receive per gpu and expert, in rounds of at most one peer per gpu) → ``TransferStats``,
-    timed by the schedule's default bandwidth model."""
+    timed by the schedule's default bandwidth model. Experts no live gpu held (restores: the
+    engines load them, no peer sends them) are counted apart, in ``restored_*``."""
     from eplb.transfer import transfer_schedule
 
-    return pb.TransferStats(**transfer_schedule(old, new, topo, expert_bytes=float(expert_bytes)).stats())
+    schedule = transfer_schedule(old, new, topo, expert_bytes=float(expert_bytes))
+    restored = schedule.restore_layer
+    return pb.TransferStats(
+        **schedule.stats(),
+        restored_experts=int(restored.size),
+        restored_bytes=int(round(float(schedule.expert_bytes[restored].sum()))),
+    )
 
 
 def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:

@@ -8,6 +8,7 @@ of them; a deployment's replica-local state is a :class:`LocalDeployment`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,12 +32,14 @@ from .errors import (
     StoreUnavailable,
 )
 from .hub import PlacementHub
+from .store import DeploymentRecord, created_seconds
 from .trigger import TriggerSpec
 from .windows import (
     DecayWindow,
     SlidingWindow,
     WindowSpec,
     make_window,
+    sum_blobs,
 )
 
 if TYPE_CHECKING:
@@ -157,8 +160,21 @@ class Deployments:
             phy2log=arrays.encode(placement.phy2log),
             stats=pb.PlanStats(policy="initial", policy_used="initial"),
         )
+        if placement.down_gpus:
+            # An initial placement with gpus empty: their ranks are down from the start.
+            ranks = codec.gpu_ranks(deployment)
+            if ranks is None:
+                raise InvalidArgument(
+                    FieldViolation(
+                        "initial_phy2log",
+                        f"gpus {list(placement.down_gpus)} hold no expert, but deployment.ranks names fewer ranks "
+                        f"than num_gpus: no rank to mark down",
+                    )
+                )
+            first.down_ranks.extend(sorted(ranks[g] for g in placement.down_gpus))
+            first.down_ranks_version = 1
         first.create_time.FromNanoseconds(int(now * 1e9))
-        _check_fits(first, self.config.max_message_bytes)
+        _check_fits(first, self.config.max_message_bytes, topo)
         await self.store.create(deployment, first)
         self._forget(deployment.name)  # a stale local copy of an earlier deployment of this name
         self._adopt(deployment)
@@ -175,7 +191,9 @@ class Deployments:
         out = pb.Deployment()
         out.CopyFrom(record.deployment)
         out.version = record.version
+        current = await self._known(name, lambda: self.store.placement(name))
         return pb.GetDeploymentResponse(
+            down_ranks=current.down_ranks,
             deployment=out,
             acks=[
                 pb.RankAck(
@@ -183,16 +201,73 @@ class Deployments:
                 )
                 for r, a in sorted(acks.items())
             ],
+            status=await self._status(record, acks),
         )
 
     async def list(self) -> pb.ListDeploymentsResponse:
         out = []
-        for record in await self.store.list():
+        records = await self.store.list()
+        for record in records:
             d = pb.Deployment()
             d.CopyFrom(record.deployment)
             d.version = record.version
             out.append(d)
-        return pb.ListDeploymentsResponse(deployments=out)
+        # Concurrently, 32 at a time: on Redis each status is a few round trips, and a list of
+        # hundreds of deployments should not take hundreds in a row, nor open a connection each.
+        limit = asyncio.Semaphore(32)
+
+        async def status(record: DeploymentRecord) -> pb.DeploymentStatus:
+            async with limit:
+                return await self._status(record)
+
+        statuses = await asyncio.gather(*(status(r) for r in records), return_exceptions=True)
+        return pb.ListDeploymentsResponse(
+            deployments=out,
+            # One whose part of the store did not answer (or that was deleted meanwhile) gets an
+            # empty status rather than failing the list.
+            statuses=[s if isinstance(s, pb.DeploymentStatus) else pb.DeploymentStatus() for s in statuses],
+        )
+
+    async def _status(
+        self, record: DeploymentRecord, acks: dict[int, rollout_states.RankState] | None = None
+    ) -> pb.DeploymentStatus:
+        """Where ``record``'s deployment stands: its current version's rollout and stats, and when
+        it was last planned (``DeploymentStatus``)."""
+        name, version = record.deployment.name, record.version
+        if acks is None:
+            acks = await self.store.acks(name)
+        marks = await self.store.marks(name)
+        latest = self._latest.get(name)
+        # This replica's copy when it has the current version (a v3-sized placement is not read
+        # from Redis per deployment per list), else the store's.
+        current = latest if latest is not None and latest.version == version else await self.store.placement(name)
+        # The current version's live ranks: a rank down in it takes no part in its rollout.
+        ranks = [r for r in codec.deployment_ranks(record.deployment) if r not in set(current.down_ranks)]
+        acked, prepared, failed = rollout_states.version_counts(acks, ranks, version)
+        status = pb.DeploymentStatus(
+            version=version,
+            version_time=current.create_time,
+            ranks_acked=acked,
+            ranks_prepared=prepared,
+            ranks_failed=failed,
+            num_ranks=len(ranks),
+            stats=current.stats,
+        )
+        if marks.planned_at != created_seconds(record.deployment):
+            status.last_plan_time.FromNanoseconds(int(marks.planned_at * 1e9))
+        return status
+
+    async def window_loads(self, name: str) -> tuple[np.ndarray, int]:
+        """``[L, E]`` float64 tokens in ``name``'s load window as a plan would read it now (every
+        replica's last flush and the write-ahead entries not folded yet), and the reports behind."""
+        validation.check_name(name, "deployment")
+        local = await self._get_local(name)
+        topo = local.topology
+        blobs = await self.store.windows(name)
+        loads, reports, _ = sum_blobs(
+            blobs, (topo.num_layers, topo.num_experts), time.time(), local.window_spec.stale_after_s
+        )
+        return loads, reports
 
     async def delete(self, name: str) -> None:
         self._check_writable()
@@ -266,20 +341,48 @@ class Deployments:
             raise InvalidArgument(violations)
         self._check_writable()
         record = await self._known(request.deployment, lambda: self.store.get(request.deployment))
-        ranks = codec.deployment_ranks(record.deployment)
-        validation.check_rank(request.rank, ranks, "rank")
+        validation.check_rank(request.rank, codec.deployment_ranks(record.deployment), "rank")
         if request.version > record.version:
             raise FailedPrecondition(f"version {request.version} is not published yet (current {record.version})")
+        name = request.deployment
+        # A version's rollout counts the ranks live in it; a rank down there takes no part. A
+        # version older than the kept ones is counted with the current version's down ranks.
+        try:
+            acked = await self.placement(name, request.version)
+        except NotFound:
+            acked = await self.store.placement(name)
+        if request.rank in acked.down_ranks:
+            raise FailedPrecondition(
+                f"rank {request.rank} is down in version {request.version} (down ranks {list(acked.down_ranks)}); "
+                "it takes no part in that version's rollout (SetRanksDown up=[rank] plans it in again)"
+            )
+        # The store's current version (``record``), not an older one this replica remembers: a
+        # replica that has not seen the survivor placement yet must not let the superseded
+        # version finish. Its memory serves when it is that version (placements are large).
+        current = await self.placement(name)
+        if current.version < record.version:
+            current = await self.store.placement(name)
+        counted = codec.live_ranks(record.deployment, acked)
+        superseded = request.version < current.down_ranks_version
+        if superseded:
+            # The ranks went down (or up) while this version was rolling out: the survivor
+            # placement supersedes it. A switch step fixed before the change stands (ranks may
+            # already route with it); none is fixed after it: the rank that never acks (-1)
+            # keeps the version from completing, on either store.
+            counted = [*counted, -1]
         rollout = await self.store.ack(
-            request.deployment,
+            name,
             request.rank,
             request.version,
             request.state,
             request.step,
-            ranks,
+            counted,
             codec.switch_margin(record.deployment),
         )
-        name = request.deployment
+        if superseded:
+            rollout = dataclasses.replace(
+                rollout, num_ranks=len(counted) - 1, aborted=rollout.aborted or not rollout.switch_step
+            )
         if request.state == rollout_states.FAILED:
             log.warning(
                 "%s rank %d failed to prepare version %d: %s",
@@ -298,15 +401,59 @@ class Deployments:
                 log.info("%s version %d: %s", name, request.version, what)
         return rollout.to_pb()
 
+    async def set_ranks_down(
+        self, request: pb.SetRanksDownRequest, who: str = "", deadline_s: float | None = None
+    ) -> pb.SetRanksDownResponse:
+        """Checks a ``SetRanksDown`` and applies it (``Planner._publish_survivors``). ``who``:
+        the caller, for the audit log."""
+        validation.check_name(request.deployment, "deployment")
+        violations = []
+        if len(request.reason) > 256:
+            violations.append(FieldViolation("reason", f"{len(request.reason)} characters; at most 256"))
+        if not request.down and not request.up:
+            violations.append(FieldViolation("down", "name at least one rank in down or up"))
+        if violations:
+            raise InvalidArgument(violations)
+        local = await self._get_local(request.deployment)
+        ranks = codec.gpu_ranks(local.deployment)
+        if ranks is None:
+            raise FailedPrecondition(
+                f"{request.deployment!r} names {len(codec.deployment_ranks(local.deployment))} ranks for "
+                f"{local.topology.num_gpus} gpus: Deployment.ranks[g] must name every gpu's rank to mark ranks down"
+            )
+        known = set(ranks)
+        for name, items in (("down", request.down), ("up", request.up)):
+            seen: set[int] = set()
+            for i, r in enumerate(items):
+                if r not in known:
+                    shown = (
+                        f"{ranks[0]} .. {ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ranks[:16]
+                    )
+                    violations.append(
+                        FieldViolation(f"{name}[{i}]", f"rank {r} is not a gpu's rank of the deployment ({shown})")
+                    )
+                elif r in seen:
+                    violations.append(FieldViolation(f"{name}[{i}]", f"rank {r} is listed twice"))
+                seen.add(r)
+        both = sorted(set(request.down) & set(request.up))
+        if both:
+            violations.append(FieldViolation("up", f"ranks {both} are in both down and up"))
+        if violations:
+            raise InvalidArgument(violations)
+        self._check_writable()
+        return await self._publish_survivors(local, set(request.down), set(request.up), who, request.reason, deadline_s)
 
-# Room a published placement needs beyond version 1's message: its stats (notes, moves, bytes).
+
+# Room a published placement needs beyond version 1's message and its loads: its stats (notes, moves, bytes).
 _STATS_HEADROOM = 1024
 
 
-def _check_fits(first: pb.Placement, max_message_bytes: int) -> None:
+def _check_fits(first: pb.Placement, max_message_bytes: int, topo: eplb.Topology) -> None:
     """Refuses a deployment whose placements would not fit in one message of this server: every
-    GetPlacement and WatchPlacements answer would fail with RESOURCE_EXHAUSTED."""
-    size = first.ByteSize() + _STATS_HEADROOM
+    GetPlacement and WatchPlacements answer would fail with RESOURCE_EXHAUSTED. Later versions
+    carry the float32 ``[L, E]`` loads they were planned from, counted here."""
+    loads = arrays.encode(np.zeros((topo.num_layers, topo.num_experts), dtype=np.float32))
+    size = first.ByteSize() + pb.Placement(loads=loads).ByteSize() + _STATS_HEADROOM
     if size > max_message_bytes:
         L, P = first.phy2log.shape
         raise InvalidArgument(

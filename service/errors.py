@@ -36,10 +36,12 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "OutOfRange",
+    "PermissionDenied",
     "ResourceExhausted",
     "ServiceError",
     "ShuttingDown",
     "StoreUnavailable",
+    "Unauthenticated",
     "to_status",
 ]
 
@@ -103,6 +105,18 @@ class OutOfRange(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class PermissionDenied(ServiceError):
+    """A known token outside its role or deployments (auth.py)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(ServiceError):
+    """No valid token: missing, unknown, or revoked by a reload of the auth file (auth.py)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class ShuttingDown(ServiceError):
@@ -251,8 +265,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 latency = self._latencies[call.label] = self._metrics.rpc_latency.labels(call.label)
             count.inc()
             latency.observe(time.perf_counter() - call.start)
-        # A refused token is audited by auth, before the request is even decoded.
-        if audited is not None and call.code != "UNAUTHENTICATED":
+        # A refused token is audited by auth (throttled), not once per call here.
+        if audited is not None and call.code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
             name = audited(request)
             audit.info(
                 "audit: %s %r by %s: %s",

@@ -164,8 +164,22 @@ class Ingest:
             while len(local.phy2log) > 16:
                 local.phy2log.pop(next(iter(local.phy2log)))
         L, E = local.topology.num_layers, local.topology.num_experts
-        index = phy2log.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[:, None]
-        return np.bincount(index.ravel(), weights=phys.ravel(), minlength=L * E).reshape(L, E)
+        # Empty slots (-1: a down gpu's) route no token: counts there mean the report was
+        # recorded under another placement, and folding them would bin them into the previous
+        # layer's last expert.
+        empty = phy2log < 0
+        if empty.any() and (phys[empty] != 0).any():
+            lay, slot = (int(i[0]) for i in np.nonzero(empty & (phys != 0)))
+            raise InvalidArgument(
+                FieldViolation(
+                    "physical.counts",
+                    f"layer {lay} slot {slot} has counts but holds no expert in placement version {version} "
+                    f"(its gpu is down); counts of empty slots must be 0",
+                )
+            )
+        index = np.where(empty, L * E, phy2log.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[:, None])
+        folded = np.bincount(index.ravel(), weights=phys.ravel(), minlength=L * E + 1)
+        return folded[: L * E].reshape(L, E)
 
     def _check_writable(self) -> None:
         """Fails at once while the store is known to be down, rather than after its timeouts:

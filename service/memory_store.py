@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound
 from .rollout import RankState, Rollout, VersionRollout, apply_ack
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, created_seconds
 
 __all__ = ["MemoryStore"]
 
@@ -55,7 +55,9 @@ class MemoryStore:
     async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
         if deployment.name in self._states:
             raise AlreadyExists(f"deployment {deployment.name!r} already exists")
-        self._states[deployment.name] = _State(deployment, {placement.version: placement}, placement.version)
+        self._states[deployment.name] = _State(
+            deployment, {placement.version: placement}, placement.version, planned_at=created_seconds(deployment)
+        )
         await self._notify()
 
     async def restore(self, deployment: pb.Deployment, placement: pb.Placement) -> bool:

@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 import eplb
+from eplb.survivors import survivors
 
 from . import arrays, codec, validation
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
     Aborted,
+    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -36,6 +38,7 @@ from .windows import (
 __all__ = ["Planner"]
 
 log = logging.getLogger(__name__)
+audit = logging.getLogger("eplb_service.audit")
 
 
 class Planner:
@@ -155,9 +158,20 @@ class Planner:
             blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s
         )
         await self.store.drop_windows(name, stale)
+        if force and not loads.any():
+            # A forced plan of no load is a plan of nothing (from the first-plan path, a fresh one
+            # that moves most slots): the placement in service stays.
+            raise FailedPrecondition(
+                f"the load window of {name!r} is empty (no load reported, or all of it older than "
+                f"stale_after_s): a forced re-plan would plan nothing, so the current placement stays"
+            )
         current = await self.store.placement(name)
         previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))
         options = codec.migration_options(local.deployment.migration, policy)
+        down = codec.down_gpus(local.deployment, current)
+        if down:
+            # The ranks down stay out of every plan until SetRanksDown brings them back.
+            options["down_gpus"] = down
         if codec.replans(policy) and local.trigger.max_moves:
             # Plan within the move budget rather than plan past it and be refused (deployments
             # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
@@ -189,7 +203,15 @@ class Planner:
         stats = solved.stats
         stats.notes.extend(notes)
         before = stats.imbalance_before
-        candidate = pb.Placement(deployment=name, phy2log=arrays.encode(solved.phy2log), stats=stats)
+        candidate = pb.Placement(
+            deployment=name,
+            phy2log=arrays.encode(solved.phy2log),
+            stats=stats,
+            down_ranks=current.down_ranks,
+            down_ranks_version=current.down_ranks_version,
+            loads=arrays.encode(loads.astype(np.float32)),
+            eplb_version=codec.EPLB_VERSION,
+        )
         candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
         reason = decide(local.trigger, float(loads.sum()), stats.gain_percent, stats.moves, force) or ""
         response = pb.RebalanceResponse(window_tokens=float(loads.sum()), window_reports=reports)
@@ -222,6 +244,88 @@ class Planner:
             f", version {candidate.version}" if response.published else "",
         )
         return response
+
+    async def _publish_survivors(
+        self, local: LocalDeployment, down: set[int], up: set[int], who: str, reason: str, deadline_s: float | None
+    ) -> pb.SetRanksDownResponse:
+        """Marks ``down`` ranks down and ``up`` ranks up; a change publishes a survivor placement
+        at once (the current placement's experts carried onto the live gpus, lost ones
+        restored; ``codec.SURVIVOR_*``), past the gain gate and the move budget. Under the
+        planning lease, so no re-plan of the same version publishes meanwhile."""
+        name, topo = local.deployment.name, local.topology
+        wait_s = 60.0 if deadline_s is None else max(0.0, deadline_s - 0.1)
+        async with local.lock:
+            owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
+            deadline = time.monotonic() + wait_s
+            while not await self.store.acquire_lease(name, owner, self.config.lease_s):
+                if time.monotonic() > deadline:
+                    raise Aborted(f"another replica has been planning {name!r} for over {wait_s:g}s; retry later")
+                await asyncio.sleep(0.02)
+            async with self._renewing(name, owner):
+                current = await self.store.placement(name)
+                was = set(current.down_ranks)
+                now_down = (was | down) - up
+                if now_down == was:
+                    return pb.SetRanksDownResponse(down_ranks=sorted(was), published=False, placement=current)
+                ranks = codec.gpu_ranks(local.deployment)
+                gpus = [g for g, r in enumerate(ranks) if r in now_down]
+                try:
+                    survivors(topo, gpus)
+                except ValueError as exc:
+                    raise InvalidArgument(
+                        FieldViolation("down", f"ranks {sorted(now_down)} down (gpus {gpus}) leave too few: {exc}")
+                    ) from None
+                shape = (topo.num_layers, topo.num_slots)
+                previous = arrays.decode(current.phy2log, "phy2log", shape).astype(np.int32)
+                job = Job(
+                    codec.survivor_loads(current, (topo.num_layers, topo.num_experts)),
+                    _topology_tuple(topo),
+                    codec.SURVIVOR_POLICY,
+                    previous,
+                    {**codec.SURVIVOR_OPTIONS, "down_gpus": gpus},
+                    baseline=previous,
+                    expert_bytes=local.deployment.expert_bytes,
+                )
+                start = time.perf_counter()
+                solved = await self.solver.replan(job)
+                stats = solved.stats
+                stats.notes.append(
+                    f"survivor plan (SetRanksDown): ranks down {sorted(now_down)} (were {sorted(was)}), from version "
+                    f"{current.version}; published past the gain gate and the move budget"
+                )
+                version = current.version + 1
+                out = pb.Placement(
+                    deployment=name,
+                    version=version,
+                    phy2log=arrays.encode(solved.phy2log),
+                    stats=stats,
+                    down_ranks=sorted(now_down),
+                    down_ranks_version=version,
+                    survivor_of=current.version,
+                    eplb_version=codec.EPLB_VERSION,
+                )
+                if current.HasField("loads"):
+                    out.loads.CopyFrom(current.loads)
+                out.create_time.FromNanoseconds(int(time.time() * 1e9))
+                await self.store.publish(name, out)
+                self._seen(out)
+        self.metrics.rebalances.labels(name, codec.SURVIVOR_POLICY, "survivor").inc()
+        self.metrics.rebalance_seconds.labels(name, codec.SURVIVOR_POLICY).observe(time.perf_counter() - start)
+        audit.warning(
+            "audit: SetRanksDown %s by %s: ranks down %s -> %s (%s); published survivor version %d "
+            "(%d moves, %d restored, imbalance %.4f)",
+            name,
+            who or "unknown peer",
+            sorted(was),
+            sorted(now_down),
+            reason or "no reason given",
+            version,
+            stats.moves,
+            stats.transfer.restored_experts,
+            stats.imbalance_after,
+            extra={"audit": "set_ranks_down", "deployment": name, "peer": who, "down_ranks": sorted(now_down)},
+        )
+        return pb.SetRanksDownResponse(down_ranks=sorted(now_down), published=True, placement=out)
 
     async def _first_plan_is_fresh(
         self, name: str, current: pb.Placement, phy2log: np.ndarray, topo: eplb.Topology
@@ -258,6 +362,9 @@ class Planner:
                 raise InvalidArgument(FieldViolation("previous_phy2log", str(exc))) from None
             previous = previous.astype(np.int32)
         options = codec.migration_options(request.migration, policy) if previous is not None else {}
+        if previous is not None and (previous < 0).all(axis=0).reshape(topo.num_gpus, -1).all(axis=1).any():
+            # A previous placement with gpus down: they stay down (their slots empty).
+            options["down_gpus"] = list(eplb.Placement(previous, topo).down_gpus)
         planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s), []
         job = Job(
             np.asarray(loads, dtype=np.float64),

@@ -56,7 +56,7 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, created_seconds
 
 __all__ = ["RedisStore"]
 
@@ -419,6 +419,8 @@ class RedisStore:
         self._run_ids: dict[str, str] = {}
         # Index bucket → its last known names (Redis Cluster: a bucket's master may be down).
         self._index_cache: dict[str, set[str]] = {}
+        self._url = url
+        self._ping_clients: dict[str, redis.Redis] = {}
         if self.cluster:
             self._r: redis.Redis | RedisCluster = _cluster_client(url, prefix)
             self._reader = None
@@ -510,13 +512,20 @@ class RedisStore:
             with _unavailable():
                 info = await self._r.info("server")
             return str(info.get("run_id", ""))
-        with _unavailable():
-            await self._r.initialize()
+        try:
+            with _unavailable():
+                await self._r.initialize()
+        except StoreUnavailable:
+            # The client's re-initialization also asks its default node for the command table;
+            # when that node is the dead master it fails although the others answer. The
+            # slot map known so far still names every master to ping on their own connections.
+            if not self._r.nodes_manager.slots_cache:
+                raise
         masters = self._r.get_primaries()
         down = set()
         for master in masters:  # one at a time, as in _names
             try:
-                info = await self._r.execute_command("INFO", "server", target_nodes=master)
+                info = await self._ping_client(master).info("server")
             except (RedisError, OSError):
                 down.add(master.name)
             else:
@@ -527,6 +536,35 @@ class RedisStore:
         # One id per master, a down one's as last seen: a master that restarted empty changes
         # the id (its deployments are written back; the others' restores find their versions).
         return ",".join(f"{m}={run_id}" for m, run_id in sorted(self._run_ids.items()))
+
+    def _ping_client(self, master: ClusterNode) -> redis.Redis:
+        """A connection of its own to one master, for the health ping (Redis Cluster only).
+
+        Through the cluster client, a call to a dead master reinitializes the client and drops
+        connections other calls hold, so a ping of a live master raced into ConnectionError and
+        a replica whose masters all but one answered went NOT_SERVING (seen in CI, 1 run in 3
+        on a loaded machine). Its own connection answers for that master alone.
+        """
+        client = self._ping_clients.get(master.name)
+        if client is None:
+            seeds = parse_cluster_url(self._url)
+            assert seeds is not None
+            client = redis.Redis(
+                host=master.host,
+                port=master.port,
+                ssl=seeds.tls,
+                username=seeds.username,
+                password=seeds.password,
+                socket_connect_timeout=1.0,
+                socket_timeout=1.0,
+                retry=_retry(),
+                health_check_interval=0,
+                max_connections=1,
+                client_name=f"eplb:{self.prefix}",
+                **dict(seeds.options),
+            )
+            self._ping_clients[master.name] = client
+        return client
 
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name
@@ -548,7 +586,10 @@ class RedisStore:
                     deployment.SerializeToString(),
                     placement.SerializeToString(),
                     ANNOUNCE_MAXLEN,
-                    time.time(),
+                    # A new deployment counts as planned at its creation (the trigger's interval
+                    # runs from there), exactly its create_time: a later plan time says it was
+                    # planned since (DeploymentStatus.last_plan_time).
+                    time.time() if only_if_newer else created_seconds(deployment),
                     int(only_if_newer),
                     generation(deployment),
                 ],
@@ -826,4 +867,6 @@ class RedisStore:
         await self._announcements.close()
         if self._reader is not None:
             await self._reader.aclose()
+        for client in self._ping_clients.values():
+            await client.aclose()
         await self._r.aclose()

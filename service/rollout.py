@@ -28,6 +28,7 @@ __all__ = [
     "Rollout",
     "VersionRollout",
     "apply_ack",
+    "version_counts",
 ]
 
 PREPARED, SWITCHED, FAILED = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
@@ -100,12 +101,7 @@ def apply_ack(
     elif state == FAILED:
         new = RankState(old.switched, old.prepared, max(old.failed, version))
     states[rank] = new
-    acked = prepared = failed = 0
-    for r in ranks:
-        s = states.get(r, RankState())
-        acked += s.switched >= version
-        prepared += max(s.switched, s.prepared) >= version
-        failed += s.failed == version
+    acked, prepared, failed = version_counts(states, ranks, version)
     # A fixed switch step stands: ranks may already route with the version, so a late failure
     # is counted (ranks_failed) but aborts nothing.
     aborts = state == FAILED and vr.switch_step is None
@@ -126,3 +122,15 @@ def apply_ack(
         became_switched,
         became_failed,
     )
+
+
+def version_counts(states: dict[int, RankState], ranks: list[int], version: int) -> tuple[int, int, int]:
+    """``(acked, prepared, failed)``: how many of ``ranks`` switched to ``version`` (or later),
+    prepared (or switched to) it, and failed it; the counts :func:`apply_ack` answers."""
+    acked = prepared = failed = 0
+    for r in ranks:
+        s = states.get(r, RankState())
+        acked += s.switched >= version
+        prepared += max(s.switched, s.prepared) >= version
+        failed += s.failed == version
+    return acked, prepared, failed

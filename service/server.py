@@ -24,24 +24,25 @@ import logging
 import socket
 import ssl
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
-from .auth import TokenAuthInterceptor
+from .auth import Access, AuthFileError, AuthInterceptor
 from .balancer import Balancer, BalancerConfig
 from .errors import ErrorInterceptor, ServiceError
 from .memory_store import MemoryStore
 from .metrics import Metrics, TimedStore
+from .metrics_http import serve_metrics
 from .redis_store import RedisStore
 from .servicer import BalancerServicer, add_to_server
 from .store import Store
 
-__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "StartError", "start_server"]
+__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "StartError", "check_certificate_dates", "start_server"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"].full_
 
 # Time for NOT_SERVING to reach Health/Watch streams before server streams are ended.
 _HEALTH_FLUSH_S = 0.1
+# A certificate expiring sooner than this is warned about at start.
+CERT_WARN_DAYS = 14
 
 
 class StartError(Exception):
@@ -68,6 +71,8 @@ class ServerConfig:
     redis_url: str | None = None
     key_prefix: str = "eplb"
     token: str | None = None
+    # JSON scoped tokens (auth.py); reloaded by ``RunningServer.reload_auth`` (SIGHUP).
+    auth_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
     # Largest message either way; a v3-sized [58, 288] int64 report is ~134 KB.
@@ -106,7 +111,14 @@ class RunningServer:
     grace_s: float
     calls: ErrorInterceptor
     metrics_httpd: object | None = None
+    access: Access | None = None
+    _refusals_task: asyncio.Task | None = None
     _stopped: bool = False
+
+    def reload_auth(self) -> bool:
+        """Re-reads the auth file (``eplb serve`` on SIGHUP): True when the new one is in force;
+        a bad file keeps the old tokens and logs an ERROR."""
+        return self.access.reload() if self.access is not None else False
 
     @property
     def metrics_port(self) -> int | None:
@@ -137,6 +149,10 @@ class RunningServer:
         if self.metrics_httpd is not None:
             self.metrics_httpd.shutdown()
             self.metrics_httpd.server_close()
+        if self._refusals_task is not None:
+            self._refusals_task.cancel()
+        if self.access is not None:
+            self.access.refusals.flush(everything=True)
         log.info("stopped")
 
     async def wait(self) -> None:
@@ -147,8 +163,15 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     """Starts serving; ``port`` 0 picks a free port (``RunningServer.port`` says which).
 
     Raises ``StartError`` (what was started so far stopped again) when the Redis URL is malformed,
-    the gRPC or metrics address cannot be bound, or the TLS files cannot be read.
+    the auth file is unreadable or malformed, the gRPC or metrics address cannot be bound, or the
+    TLS files cannot be read or the certificate is expired or not yet valid.
     """
+    access = None
+    if config.token or config.auth_file is not None:
+        try:
+            access = Access(config.token, config.auth_file)
+        except AuthFileError as exc:
+            raise StartError("auth_file", str(exc)) from None
     if store is None:
         try:
             store = RedisStore(config.redis_url, config.key_prefix) if config.redis_url else MemoryStore()
@@ -175,15 +198,15 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     calls = ErrorInterceptor(metrics)
     interceptors: list[grpc.aio.ServerInterceptor] = [calls]
     tls = bool(config.tls_cert and config.tls_key)
-    if config.token:
-        interceptors.append(TokenAuthInterceptor(config.token))
+    if access is not None:
+        interceptors.append(AuthInterceptor(access))
         if not tls:
             log.warning(
                 "a bearer token is required but TLS is off: the token crosses the network in clear text "
                 "(set --tls-cert and --tls-key)"
             )
     server = grpc.aio.server(interceptors=interceptors, options=_options(config))
-    add_to_server(BalancerServicer(balancer), server)  # WatchPlacements sends pre-serialized bytes
+    add_to_server(BalancerServicer(balancer, access), server)  # WatchPlacements sends pre-serialized bytes
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     httpd = None
@@ -192,7 +215,9 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         # Bound before anything runs, so a taken port leaves nothing to stop but the store.
         if config.metrics_port is not None:
             try:
-                httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+                # Tokens guard /metrics only with an auth file: a --token alone keeps it open, as before.
+                metrics_access = access if config.auth_file is not None else None
+                httpd = serve_metrics(config.host, config.metrics_port, metrics.registry, metrics_access)
             except OSError as exc:
                 raise StartError(
                     "metrics_port",
@@ -215,13 +240,66 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     on_health(ok)
     await server.start()
     log.info(
-        "serving eplb.v1 on %s:%d (%s store%s)",
+        "serving eplb.v1 on %s:%d (%s store%s%s)",
         config.host,
         port,
         "redis" if config.redis_url else "in-memory",
         ", TLS" if tls else "",
+        f", auth file {config.auth_file}: {access.describe()}" if config.auth_file is not None else "",
     )
-    return RunningServer(server, balancer, store, health_servicer, metrics, port, config.grace_s, calls, httpd)
+    if httpd is not None:
+        # --metrics-port 0 picks a port: this line is the only place that says which.
+        log.info(
+            "serving /metrics on http://%s:%d/metrics%s",
+            f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host,
+            httpd.server_port,
+            " (Authorization: Bearer of an admin or reader token)" if config.auth_file is not None else "",
+            extra={"metrics_port": httpd.server_port},
+        )
+    running = RunningServer(
+        server, balancer, store, health_servicer, metrics, port, config.grace_s, calls, httpd, access
+    )
+    if access is not None:
+        running._refusals_task = asyncio.create_task(_flush_refusals(access), name="auth-refusals")
+    return running
+
+
+async def _flush_refusals(access: Access) -> None:
+    """Writes the counts of refused calls whose one-minute window ended (auth.RefusalLog)."""
+    while True:
+        await asyncio.sleep(min(1.0, access.refusals.window_s / 4))
+        access.refusals.flush()
+
+
+def check_certificate_dates(path: Path, pem: bytes, now: datetime | None = None) -> None:
+    """``StartError`` naming ``path`` and the dates when a certificate of the chain ``pem`` is
+    expired or not yet valid (every client would fail the handshake); a WARNING when one expires
+    within ``CERT_WARN_DAYS`` days."""
+    from cryptography import x509  # only for TLS; a service dependency (pyproject)
+
+    now = now or datetime.now(UTC)
+    try:
+        chain = x509.load_pem_x509_certificates(pem)
+    except ValueError as exc:
+        raise StartError("tls_cert", f"{path} is not a PEM certificate chain ({exc})") from None
+    for i, cert in enumerate(chain):
+        which = "the certificate" if i == 0 else f"certificate {i + 1} of the chain"
+        subject = cert.subject.rfc4514_string() or "(no subject)"
+        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+        dates = f"valid from {start:%Y-%m-%d %H:%M:%S} UTC to {end:%Y-%m-%d %H:%M:%S} UTC"
+        if now < start:
+            raise StartError("tls_cert", f"{path}: {which} ({subject}) is not valid yet: {dates}")
+        if now > end:
+            raise StartError("tls_cert", f"{path}: {which} ({subject}) has expired: {dates}")
+        if end - now < timedelta(days=CERT_WARN_DAYS):
+            log.warning(
+                "%s: %s (%s) expires in %.1f days (%s): renew it before clients fail the handshake",
+                path,
+                which,
+                subject,
+                (end - now).total_seconds() / 86400,
+                dates,
+            )
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
@@ -245,6 +323,7 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
                 f"{config.tls_cert} and {config.tls_key} are not a PEM certificate chain "
                 f"and its unencrypted private key ({exc.reason or exc})",
             ) from None
+        check_certificate_dates(Path(config.tls_cert), cert)
         add = lambda: server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     else:
         add = lambda: server.add_insecure_port(address)

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from . import arrays
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from .auth import Access
 from .balancer import Balancer
 from .errors import FieldViolation, InvalidArgument, ServiceError
 
@@ -69,8 +71,10 @@ def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> Service
 
 
 class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
-    def __init__(self, balancer: Balancer) -> None:
+    def __init__(self, balancer: Balancer, access: Access | None = None) -> None:
         self.balancer = balancer
+        # None: no token configured, every caller may do everything.
+        self.access = access
         # The latest response per (rpc, deployment), reused while the placement is the same
         # object: copying a v3-sized placement into a fresh response costs more than the call.
         self._responses: dict[tuple[type, str], tuple[pb.Placement, object]] = {}
@@ -86,24 +90,42 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             cached = self._responses[key] = (placement, cls(placement=placement))
         return cached[1]
 
+    def _check(self, context: grpc.aio.ServicerContext, method: str, deployment: str | None = None) -> None:
+        """PERMISSION_DENIED unless the call's token may call ``method`` on ``deployment``."""
+        if self.access is not None:
+            self.access.check(context, method, deployment)
+
     async def CreateDeployment(
         self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateDeploymentResponse:
+        self._check(context, "CreateDeployment", request.deployment.name)
         return await self.balancer.create(request)
 
     async def GetDeployment(
         self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetDeploymentResponse:
+        self._check(context, "GetDeployment", request.name)
         return await self.balancer.get(request.name)
 
     async def ListDeployments(
         self, request: pb.ListDeploymentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDeploymentsResponse:
-        return await self.balancer.list()
+        self._check(context, "ListDeployments")
+        listed = await self.balancer.list()
+        if self.access is None:
+            return listed
+        visible = self.access.visible(d.name for d in listed.deployments)
+        # statuses[i] is deployments[i]'s: filtered together.
+        kept = [i for i, d in enumerate(listed.deployments) if d.name in visible]
+        return pb.ListDeploymentsResponse(
+            deployments=[listed.deployments[i] for i in kept],
+            statuses=[listed.statuses[i] for i in kept] if listed.statuses else [],
+        )
 
     async def DeleteDeployment(
         self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteDeploymentResponse:
+        self._check(context, "DeleteDeployment", request.name)
         await self.balancer.delete(request.name)
         return pb.DeleteDeploymentResponse()
 
@@ -113,6 +135,9 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         accepted = duplicates = 0
         async for request in request_iterator:
             try:
+                # Per message: one stream may name several deployments, and a reload applies
+                # to the next message.
+                self._check(context, "ReportLoad", request.deployment)
                 fresh = await self.balancer.report(request)
             except ServiceError as exc:
                 raise _with_progress(exc, accepted, duplicates) from None
@@ -125,9 +150,12 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     async def GetPlacement(
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPlacementResponse:
-        return self._response(
-            pb.GetPlacementResponse, await self.balancer.placement(request.deployment, request.version)
-        )
+        self._check(context, "GetPlacement", request.deployment)
+        placement = await self.balancer.placement(request.deployment, request.version)
+        if not request.include_window_loads:
+            return self._response(pb.GetPlacementResponse, placement)
+        loads, reports = await self.balancer.window_loads(request.deployment)
+        return pb.GetPlacementResponse(placement=placement, window_loads=arrays.encode(loads), window_reports=reports)
 
     def _serialized(self, placement: pb.Placement) -> bytes:
         """``WatchPlacementsResponse(placement)`` serialized, once per version for the newest."""
@@ -143,10 +171,14 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         # Written here rather than yielded: the write of a stream its client cancelled fails, and
         # grpc logs that at ERROR when it does the writing; here it only ends the stream. The
         # bytes are pre-serialized (add_to_server registers an identity serializer).
-        watch = self.balancer.watch(request.deployment, request.since_version)
+        self._check(context, "WatchPlacements", request.deployment)
+        placements = self.balancer.watch(request.deployment, request.since_version)
+        if self.access is not None:
+            # Ends the stream at once when a reload of the auth file revokes the token.
+            placements = self.access.guard(context, "WatchPlacements", request.deployment, placements)
         try:
-            async with contextlib.aclosing(watch):
-                async for placement in watch:
+            async with contextlib.aclosing(placements):
+                async for placement in placements:
                     try:
                         await context.write(self._serialized(placement))
                     except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -162,15 +194,24 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     async def AckPlacement(
         self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.AckPlacementResponse:
+        self._check(context, "AckPlacement", request.deployment)
         return await self.balancer.ack(request)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
+        self._check(context, "Rebalance", request.deployment)
         return await self.balancer.rebalance(request, context.time_remaining())
 
     async def ComputePlacement(
         self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.ComputePlacementResponse:
+        self._check(context, "ComputePlacement")
         return await self.balancer.compute(request, context.time_remaining())
+
+    async def SetRanksDown(
+        self, request: pb.SetRanksDownRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRanksDownResponse:
+        self._check(context, "SetRanksDown", request.deployment)
+        return await self.balancer.set_ranks_down(request, context.peer(), context.time_remaining())
 
 
 def _wire(message: object) -> bytes:

@@ -16,7 +16,7 @@ from typing import Protocol
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .rollout import RankState, Rollout
 
-__all__ = ["Store", "DeploymentRecord", "PlanMarks", "PLACEMENTS_KEPT"]
+__all__ = ["Store", "DeploymentRecord", "PlanMarks", "PLACEMENTS_KEPT", "created_seconds"]
 
 # Recent versions kept for GetPlacement(version=…) and for mapping physical counts that were
 # recorded under an older placement; older versions are deleted on publish.
@@ -38,6 +38,12 @@ class PlanMarks:
     reports: int
     planned_reports: int
     planned_at: float
+
+
+def created_seconds(deployment: pb.Deployment) -> float:
+    """The deployment's ``create_time`` in seconds: a store's ``planned_at`` on create, so that
+    ``planned_at`` above it means the deployment was planned since."""
+    return deployment.create_time.ToNanoseconds() / 1e9
 
 
 class Store(Protocol):
@@ -98,7 +104,9 @@ class Store(Protocol):
         accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
         """
 
-    async def marks(self, name: str) -> PlanMarks: ...
+    async def marks(self, name: str) -> PlanMarks:
+        """``planned_at`` is ``created_seconds(deployment)`` until the first plan (a restore
+        writes its own time)."""
 
     async def mark_planned(self, name: str, reports: int, at: float) -> None: ...
 

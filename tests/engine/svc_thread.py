@@ -9,9 +9,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 import uuid
 from dataclasses import replace
 
+import grpc
+import numpy as np
+
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_service.arrays import encode
 from eplb_service.balancer import BalancerConfig
 from eplb_service.server import RunningServer, ServerConfig, start_server
 
@@ -24,6 +31,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def report_some_load(address: str, deployment: str = "d1", shape: tuple[int, int] = (4, 16), rank: int = 0) -> None:
+    """One skewed ``[L, E]`` report from ``rank``, so a forced rebalance has load to plan (on an
+    empty window the service refuses it with FAILED_PRECONDITION)."""
+    counts = np.broadcast_to((np.arange(shape[1], dtype=np.int32) % 7 + 1) * 10, shape).copy()
+    request = pb.ReportLoadRequest(deployment=deployment, rank=rank, seq=time.time_ns() // 1000, logical=encode(counts))
+    with grpc.insecure_channel(address) as chan:
+        pb_grpc.ExpertLoadBalancerServiceStub(chan).ReportLoad(iter([request]), timeout=10)
 
 
 class ServerThread:

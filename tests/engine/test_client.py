@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from svc_thread import ServerThread, free_port
+from svc_thread import ServerThread, free_port, report_some_load
 
 import eplb
 from eplb_engine import wire
@@ -191,6 +191,7 @@ def test_watcher_delivers_each_version_once_and_acks_after_the_callback(server):
         client.create_deployment("d1", TOPO)
         with PlacementWatcher(server.address, "d1", lambda p: seen.append(p.version), rank=3) as watcher:
             assert watcher.wait_for(1)
+            report_some_load(server.address)
             client.rebalance("d1", force=True)
             assert watcher.wait_for(2)
         acks = client.call("GetDeployment", pb.GetDeploymentRequest(name="d1")).acks
@@ -207,6 +208,7 @@ def test_watcher_reports_a_failed_callback_and_goes_on(server):
         client.create_deployment("d1", TOPO)
         with PlacementWatcher(server.address, "d1", apply, rank=0) as watcher:
             assert watcher.wait_for(1)
+            report_some_load(server.address)
             client.rebalance("d1", force=True)
             assert watcher.wait_for(2)
             client.rebalance("d1", force=True)

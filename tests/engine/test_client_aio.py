@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from svc_thread import REDIS_URL, ServerThread, free_port
+from svc_thread import REDIS_URL, ServerThread, free_port, report_some_load
 
 import eplb
 from eplb_engine.aio import AsyncServiceClient
@@ -25,10 +25,12 @@ async def test_calls_and_a_watch_that_resumes_after_a_restart(prefix):
             assert current.version == 1 and current.placement == eplb.Placement.contiguous(TOPO)
             watch = client.watch("d1")
             assert (await asyncio.wait_for(anext(watch), 5)).version == 1
+            await asyncio.to_thread(report_some_load, server.address)
             await client.rebalance("d1", force=True)
             assert (await asyncio.wait_for(anext(watch), 5)).version == 2
             await asyncio.to_thread(server.stop, 0.5)
             await asyncio.to_thread(server.start)
+            await asyncio.to_thread(report_some_load, server.address)
             await client.rebalance("d1", force=True)
             third = await asyncio.wait_for(anext(watch), 15)
             assert third.version == 3 and third.placement.phy2log.shape == (4, 24)
@@ -45,6 +47,7 @@ async def test_failover_to_the_second_address(prefix):
     try:
         async with AsyncServiceClient([a.address, b.address], timeout_s=15) as client:
             await client.create_deployment("d1", TOPO)
+            await asyncio.to_thread(report_some_load, b.address)
             watch = client.watch("d1")
             assert (await asyncio.wait_for(anext(watch), 5)).version == 1
             await asyncio.to_thread(a.stop, 0.5)

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from svc_thread import ServerThread
+from svc_thread import ServerThread, report_some_load
 from test_rollout_group import Recorder
 
 import eplb
@@ -51,6 +51,7 @@ def run_ranks(address: str, appliers: list[Recorder], steps: int, publish_after_
     for t in threads:
         t.start()
     time.sleep(publish_after_s)
+    report_some_load(address, shape=(TOPO.num_layers, TOPO.num_experts))
     with ServiceClient(address) as client:
         assert client.rebalance("d1", force=True).published
     for t in threads:

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import grpc
+import numpy as np
 import redis
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
@@ -31,6 +32,20 @@ def small_deployment(name: str = "d1", **trigger: object) -> pb.Deployment:
         policy="auto",
         trigger=pb.Trigger(**trigger),
     )
+
+
+async def report_some_load(
+    stub: object, deployment: str = "d1", shape: tuple[int, int] = (4, 16), rank: int = 0, metadata: tuple = ()
+) -> None:
+    """One skewed ``[L, E]`` report from ``rank``, so a forced Rebalance has load to plan (on an
+    empty window it is FAILED_PRECONDITION). ``shape``: the deployment's layers and experts
+    (``small_deployment``'s by default)."""
+    from eplb_service.arrays import encode
+
+    counts = np.broadcast_to((np.arange(shape[1], dtype=np.int32) % 7 + 1) * 10, shape).copy()
+    seq = time.time_ns() // 1000  # above any seq this rank sent before
+    request = pb.ReportLoadRequest(deployment=deployment, rank=rank, seq=seq, logical=encode(counts))
+    await stub.ReportLoad(iter([request]), metadata=metadata)
 
 
 class PrivateRedis:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import small_deployment
+from svc_helpers import report_some_load, small_deployment
 
 from eplb_service import limits
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
@@ -93,6 +93,7 @@ async def test_a_dead_master_takes_down_only_the_deployments_of_its_slots(serve,
     b = connect(await serve(redis_url=redis_cluster.url, key_prefix=p))
     for n in by_port.values():
         await a.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
+        await report_some_load(a.stub, n)
         await a.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))
     # b follows every deployment (as its refresh makes it do), so it can serve them from memory.
     watches = {n: b.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment=n)) for n in by_port.values()}

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from svc_helpers import REDIS_URL, small_deployment
+from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
 import eplb
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
@@ -117,6 +117,7 @@ async def test_resume_watch_from_since_version(serve, connect, prefix):
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix())
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(c.stub)
     for _ in range(3):
         await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     # A resuming watcher gets the versions after the one it had, in order; a new one the latest.

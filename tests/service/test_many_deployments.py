@@ -8,7 +8,7 @@ import time
 
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import REDIS_URL, small_deployment
+from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.redis_store import POOL_CONNECTIONS
@@ -56,6 +56,7 @@ async def test_130_deployments_on_two_replicas_and_a_third_joining(serve, connec
         got = await asyncio.gather(*(client.stub.GetPlacement(pb.GetPlacementRequest(deployment=n)) for n in names))
         assert [g.placement.version for g in got] == [1] * N
     # A re-plan through the newcomer reaches the others' followers.
+    await report_some_load(cc.stub, "m129")
     out = await cc.stub.Rebalance(pb.RebalanceRequest(deployment="m129", force=True))
     assert out.published and out.placement.version == 2
     await all_seen(a, ["m129"], version=2, timeout=5)  # a and b see it only by following

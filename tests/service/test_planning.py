@@ -9,7 +9,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
-from svc_helpers import FAST, small_deployment, status_details
+from svc_helpers import FAST, report_some_load, small_deployment, status_details
 
 import eplb
 from eplb.transfer import transfer_schedule
@@ -116,6 +116,7 @@ async def test_ilp_calls_keep_their_deadline_and_leave_re_plans_their_capacity(s
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
     hard = pb.Topology(num_layers=4, num_experts=128, num_slots=160, num_gpus=32)
     request = pb.ComputePlacementRequest(topology=hard, policy="ilp", loads=encode(loads(1, (4, 128))))
+    await report_some_load(c.stub)
     calls = [c.stub.ComputePlacement(request, timeout=3.0) for _ in range(8)]
     await asyncio.sleep(0.2)
     replan = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), timeout=30)

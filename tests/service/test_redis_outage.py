@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import small_deployment
+from svc_helpers import report_some_load, small_deployment
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
@@ -41,6 +41,7 @@ async def test_redis_restart_loses_no_committed_placement(serve, connect, privat
     b = await serve(redis_url=private_redis.url, key_prefix="outage")
     ca, cb = connect(a), connect(b)
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(ca.stub)
     for _ in range(2):
         await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     watch = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
@@ -82,6 +83,7 @@ async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_e
     a = await serve(redis_url=private_redis.url, key_prefix="outage-reads")
     c = connect(a)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(c.stub)
     await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     await eventually(lambda: _placement_is(c, 2))
     rank = EngineClient(c.channel, "d1", rank=0)

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from svc_helpers import REDIS_URL, small_deployment
+from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -20,6 +20,7 @@ async def test_racing_rebalances_give_consecutive_versions(serve, connect, prefi
     replicas = [await serve(redis_url=REDIS_URL, key_prefix=p) for _ in range(3)]
     clients = [connect(r) for r in replicas]
     await clients[0].stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(clients[0].stub)
     watches = [c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1")) for c in clients]
     for w in watches:
         assert (await w.read()).placement.version == 1
@@ -43,6 +44,7 @@ async def test_lease_of_a_crashed_planner_expires(serve, connect, prefix):
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix())
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(c.stub)
     lease_s = server.balancer.config.lease_s
     assert await server.store.acquire_lease("d1", "crashed-replica", lease_s)
     start = time.monotonic()
@@ -94,6 +96,7 @@ async def test_watchers_on_two_replicas_see_every_version_under_load(serve, conn
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(ca.stub)
     watches = [c.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1")) for c in (ca, cb) for _ in range(25)]
     for w in watches:
         assert (await w.read()).placement.version == 1
@@ -172,6 +175,7 @@ async def test_a_watcher_resuming_at_a_replica_started_later_misses_no_version(s
     p = prefix()
     first = connect(await serve(redis_url=REDIS_URL, key_prefix=p))
     await first.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(first.stub)
     for _ in range(4):
         assert (await first.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     late = connect(await serve(redis_url=REDIS_URL, key_prefix=p))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from svc_helpers import REDIS_URL, small_deployment, status_details
+from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_details
 
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
@@ -23,6 +23,7 @@ async def rollout_server(request, serve, connect, prefix):
     d.ranks.extend([0, 1, 2])
     d.switch_margin_steps = 5
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    await report_some_load(c.stub)
     for _ in range(2):
         assert (await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     return server, c
@@ -117,6 +118,7 @@ async def test_every_replica_answers_the_same_switch_step(serve, connect, prefix
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    await report_some_load(ca.stub)
     assert (await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     # Default ranks: one per gpu (8); default margin 8.
     for rank in range(8):

@@ -90,7 +90,6 @@ def test_build_report_writes_plots_of_the_set_size(tmp_path):
     assert names == sorted(
         [
             "gpu_load_small_zipf-1.0_layer0.png",
-            "imbalance_per_layer_small_zipf-1.0.png",
             "imbalance_over_time_small_drift-0.05.png",
             "imbalance_over_time_small_shift.png",
             "solve_time_by_scale.png",

@@ -176,32 +176,46 @@ class PlanStats(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds")
+    __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds", "restored_experts", "restored_bytes")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CROSS_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_ROUND_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     cross_node_bytes: int
     rounds: int
     max_rank_round_bytes: int
     predicted_seconds: float
-    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
+    restored_experts: int
+    restored_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., max_rank_round_bytes: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., restored_experts: _Optional[int] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time")
+    __slots__ = ("deployment", "version", "phy2log", "stats", "create_time", "down_ranks", "down_ranks_version", "survivor_of", "loads", "eplb_version")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_RANKS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SURVIVOR_OF_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    EPLB_VERSION_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     phy2log: Array
     stats: PlanStats
     create_time: _timestamp_pb2.Timestamp
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    down_ranks_version: int
+    survivor_of: int
+    loads: Array
+    eplb_version: str
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., down_ranks_version: _Optional[int] = ..., survivor_of: _Optional[int] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., eplb_version: _Optional[str] = ...) -> None: ...
 
 class CreateDeploymentRequest(_message.Message):
     __slots__ = ("deployment", "initial_phy2log")
@@ -238,22 +252,48 @@ class RankAck(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., failed_version: _Optional[int] = ...) -> None: ...
 
 class GetDeploymentResponse(_message.Message):
-    __slots__ = ("deployment", "acks")
+    __slots__ = ("deployment", "acks", "down_ranks", "status")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     deployment: Deployment
     acks: _containers.RepeatedCompositeFieldContainer[RankAck]
-    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ...) -> None: ...
+    down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    status: DeploymentStatus
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[DeploymentStatus, _Mapping]] = ...) -> None: ...
+
+class DeploymentStatus(_message.Message):
+    __slots__ = ("version", "version_time", "ranks_acked", "ranks_prepared", "ranks_failed", "num_ranks", "last_plan_time", "stats")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_TIME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PREPARED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PLAN_TIME_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    version_time: _timestamp_pb2.Timestamp
+    ranks_acked: int
+    ranks_prepared: int
+    ranks_failed: int
+    num_ranks: int
+    last_plan_time: _timestamp_pb2.Timestamp
+    stats: PlanStats
+    def __init__(self, version: _Optional[int] = ..., version_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks_acked: _Optional[int] = ..., ranks_prepared: _Optional[int] = ..., ranks_failed: _Optional[int] = ..., num_ranks: _Optional[int] = ..., last_plan_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListDeploymentsResponse(_message.Message):
-    __slots__ = ("deployments",)
+    __slots__ = ("deployments", "statuses")
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
     deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
-    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ...) -> None: ...
+    statuses: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ..., statuses: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
 
 class DeleteDeploymentRequest(_message.Message):
     __slots__ = ("name",)
@@ -296,18 +336,24 @@ class ReportLoadResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
-    __slots__ = ("deployment", "version")
+    __slots__ = ("deployment", "version", "include_window_loads")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_WINDOW_LOADS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    include_window_loads: bool
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., include_window_loads: _Optional[bool] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("placement",)
+    __slots__ = ("placement", "window_loads", "window_reports")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LOADS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REPORTS_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    window_loads: Array
+    window_reports: int
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., window_loads: _Optional[_Union[Array, _Mapping]] = ..., window_reports: _Optional[int] = ...) -> None: ...
 
 class WatchPlacementsRequest(_message.Message):
     __slots__ = ("deployment", "since_version")
@@ -396,6 +442,28 @@ class ComputePlacementRequest(_message.Message):
     planning: Planning
     expert_bytes: int
     def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., loads: _Optional[_Union[Array, _Mapping]] = ..., previous_phy2log: _Optional[_Union[Array, _Mapping]] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., planning: _Optional[_Union[Planning, _Mapping]] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+
+class SetRanksDownRequest(_message.Message):
+    __slots__ = ("deployment", "down", "up", "reason")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    down: _containers.RepeatedScalarFieldContainer[int]
+    up: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, deployment: _Optional[str] = ..., down: _Optional[_Iterable[int]] = ..., up: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetRanksDownResponse(_message.Message):
+    __slots__ = ("down_ranks", "published", "placement")
+    DOWN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    down_ranks: _containers.RepeatedScalarFieldContainer[int]
+    published: bool
+    placement: Placement
+    def __init__(self, down_ranks: _Optional[_Iterable[int]] = ..., published: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class ComputePlacementResponse(_message.Message):
     __slots__ = ("phy2log", "logcnt", "stats")

@@ -85,6 +85,11 @@ class ExpertLoadBalancerServiceStub:
                 request_serializer=eplb_dot_v1_dot_balancer__pb2.ComputePlacementRequest.SerializeToString,
                 response_deserializer=eplb_dot_v1_dot_balancer__pb2.ComputePlacementResponse.FromString,
                 _registered_method=True)
+        self.SetRanksDown = channel.unary_unary(
+                '/eplb.v1.ExpertLoadBalancerService/SetRanksDown',
+                request_serializer=eplb_dot_v1_dot_balancer__pb2.SetRanksDownRequest.SerializeToString,
+                response_deserializer=eplb_dot_v1_dot_balancer__pb2.SetRanksDownResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertLoadBalancerServiceServicer:
@@ -165,6 +170,18 @@ class ExpertLoadBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRanksDown(self, request, context):
+        """SetRanksDown marks ranks down (their gpus failed) or up again, for the engine that detected
+        it or an operator. A change publishes a survivor placement at once: a fast plan from the
+        current placement over the live gpus (every expert kept on a live gpu, lost ones restored),
+        past the gain gate and the move budget, which cannot apply to lost slots; the trigger's
+        later plans keep the down ranks out and improve it. Idempotent: asking for the down set
+        the deployment already has publishes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertLoadBalancerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +234,11 @@ def add_ExpertLoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.ComputePlacement,
                     request_deserializer=eplb_dot_v1_dot_balancer__pb2.ComputePlacementRequest.FromString,
                     response_serializer=eplb_dot_v1_dot_balancer__pb2.ComputePlacementResponse.SerializeToString,
+            ),
+            'SetRanksDown': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRanksDown,
+                    request_deserializer=eplb_dot_v1_dot_balancer__pb2.SetRanksDownRequest.FromString,
+                    response_serializer=eplb_dot_v1_dot_balancer__pb2.SetRanksDownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +512,33 @@ class ExpertLoadBalancerService:
             '/eplb.v1.ExpertLoadBalancerService/ComputePlacement',
             eplb_dot_v1_dot_balancer__pb2.ComputePlacementRequest.SerializeToString,
             eplb_dot_v1_dot_balancer__pb2.ComputePlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRanksDown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eplb.v1.ExpertLoadBalancerService/SetRanksDown',
+            eplb_dot_v1_dot_balancer__pb2.SetRanksDownRequest.SerializeToString,
+            eplb_dot_v1_dot_balancer__pb2.SetRanksDownResponse.FromString,
             options,
             channel_credentials,
             insecure,

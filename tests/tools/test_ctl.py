@@ -1,0 +1,377 @@
+"""eplb ctl against a real server on 127.0.0.1 (its own event loop in a thread, so the CLI's sync
+calls run in-process: ``main(argv)`` with capsys), and the wire fields it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+
+import eplb
+import eplb_engine.wire as wire
+from eplb_bench import cli, ctl
+from eplb_engine.client import ServiceClient
+from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_service.balancer import BalancerConfig
+from eplb_service.server import RunningServer, ServerConfig, start_server
+
+# As tests/service's FAST: flushes, triggers and refreshes within a fraction of a second.
+FAST = BalancerConfig(lease_s=2.0, flush_s=0.1, tick_s=0.1, refresh_s=0.3)
+TOPO = eplb.Topology(4, 16, 24, 8, 2, 4)
+
+
+class Served:
+    """A server on its own loop in a thread; ``client`` is the engine side's sync client."""
+
+    def __init__(self, **overrides: object) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = replace(ServerConfig(port=0, balancer=replace(FAST, replica_id=uuid.uuid4().hex[:8])), **overrides)
+        self.server: RunningServer = self._run(start_server(config))
+        self.address = self.server.target
+        self.client = ServiceClient(self.address, token=overrides.get("token"), timeout_s=5)
+
+    def _run(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def stop(self) -> None:
+        self.client.close()
+        self._run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    def report(self, name: str, loads: np.ndarray, ranks: range) -> None:
+        seq = time.time_ns() // 1000
+        requests = [
+            pb.ReportLoadRequest(deployment=name, rank=r, seq=seq + r, logical=wire.encode_array(loads / len(ranks)))
+            for r in ranks
+        ]
+        assert self.client.endpoints.stub().ReportLoad(iter(requests), metadata=self.client.endpoints.metadata).accepted
+        deadline = time.monotonic() + 5  # until a flush put the window in the store
+        while time.monotonic() < deadline:
+            r = self.client.call("GetPlacement", pb.GetPlacementRequest(deployment=name, include_window_loads=True))
+            if r.window_reports >= len(ranks):
+                return
+            time.sleep(0.05)
+        raise AssertionError("the reports never reached the window")
+
+
+@pytest.fixture
+def served() -> Iterator[Callable[..., Served]]:
+    made: list[Served] = []
+
+    def make(**overrides: object) -> Served:
+        made.append(Served(**overrides))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = ctl.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _loads() -> np.ndarray:
+    return np.random.default_rng(0).lognormal(0, 1.5, (TOPO.num_layers, TOPO.num_experts)) * 100
+
+
+def test_wire_status_fills_ranks_acked_last_plan_and_stats(served: Callable[..., Served]) -> None:
+    s = served()
+    c = s.client
+    c.create_deployment("d1", TOPO, expert_bytes=1 << 20)
+    c.create_deployment("d2", TOPO)
+    listed = c.call("ListDeployments", pb.ListDeploymentsRequest())
+    assert [d.name for d in listed.deployments] == ["d1", "d2"]
+    first = listed.statuses[0]
+    assert (first.version, first.ranks_acked, first.num_ranks) == (1, 0, 8)
+    assert not first.HasField("last_plan_time")  # never planned
+    assert first.stats.policy == "initial"
+    s.report("d1", _loads(), range(8))
+    published = c.rebalance("d1")
+    assert published.published and published.placement.version == 2
+    for rank in range(6):
+        c.ack("d1", rank, 2, "prepared", step=10)
+    for rank in range(5):
+        c.ack("d1", rank, 2, "switched")
+    c.ack("d1", 7, 2, "failed", error="out of memory")
+    got = c.call("GetDeployment", pb.GetDeploymentRequest(name="d1")).status
+    listed = c.call("ListDeployments", pb.ListDeploymentsRequest()).statuses[0]
+    for status in (got, listed):
+        assert (status.version, status.ranks_acked, status.ranks_prepared, status.ranks_failed) == (2, 5, 6, 1)
+        assert status.HasField("last_plan_time")
+        assert abs(status.last_plan_time.ToNanoseconds() / 1e9 - time.time()) < 30
+        assert status.stats == published.placement.stats
+        assert status.version_time == published.placement.create_time
+    # The window as a plan reads it: the reports' sum.
+    r = c.call("GetPlacement", pb.GetPlacementRequest(deployment="d1", include_window_loads=True))
+    assert np.allclose(wire.decode_array(r.window_loads), _loads()) and r.window_reports == 8
+    assert not c.call("GetPlacement", pb.GetPlacementRequest(deployment="d1")).HasField("window_loads")
+
+
+def test_list_and_show(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO, window_s=600, interval_s=30, min_gain_percent=1.0, expert_bytes=1 << 20)
+    code, out, _ = run(capsys, "--address", s.address, "list")
+    assert code == 0
+    header, row = out.splitlines()
+    assert header.split()[:4] == ["NAME", "VERSION", "RANKS", "ACKED"]
+    assert row.split()[:3] == ["d1", "1", "0/8"] and "never" in row
+    s.report("d1", _loads(), range(8))
+    code, out, _ = run(capsys, "--address", s.address, "rebalance", "d1")
+    assert code == 0 and out.startswith("published d1 version 2 (window of 8 reports")
+    for rank in range(6):
+        s.client.ack("d1", rank, 2, "prepared", step=3)
+    for rank in range(4):
+        s.client.ack("d1", rank, 2, "switched")
+    code, out, _ = run(capsys, "--address", s.address, "list")
+    row = out.splitlines()[1]
+    assert row.split()[:5] == ["d1", "2", "4/8", "(6", "prepared)"] and "never" not in row
+    code, out, err = run(capsys, "--address", s.address, "show", "d1")
+    assert code == 0 and err == ""
+    stats = s.client.get_placement("d1").stats
+    lines = out.splitlines()
+    assert "topology:   4 layers, 16 experts, 24 slots on 8 gpus, 2 nodes, 4 groups" in lines
+    assert "window:     sliding, last 600 s, 10 buckets" in lines
+    assert "trigger:    every 30 s, publish at >= 1 % gain" in lines
+    stats_line = next(line for line in lines if line.startswith("stats:"))
+    assert f"imbalance {stats.imbalance_before:.4f} -> {stats.imbalance_after:.4f}" in stats_line
+    assert f"{stats.moves} slots moved" in stats_line
+    assert f"predicted stall {stats.transfer.predicted_seconds:.3f} s" in stats_line
+    assert "rollout of version 2: 4 of 8 ranks switched, 6 prepared, 0 failed" in lines
+    assert "  switched (4): 0-3" in lines and "  prepared (2): 4-5" in lines and "  never acked (2): 6-7" in lines
+    code, out, _ = run(capsys, "--address", s.address, "show", "d1", "--ranks")
+    assert "5     2         2         -       switched" not in out and out.splitlines()[-1].split() == [
+        "7",
+        "-",
+        "-",
+        "-",
+        "never",
+        "acked",
+    ]
+
+
+def test_placement_formats_out_and_plot(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO)
+    code, _, err = run(capsys, "--address", s.address, "placement", "d1", "--plot", str(tmp_path / "h.png"))
+    assert code == 2 and "the load window of 'd1' is empty" in err and len(err.splitlines()) == 1
+    s.report("d1", _loads(), range(8))
+    s.client.rebalance("d1")
+    current = s.client.get_placement("d1", topology=TOPO)
+    code, out, _ = run(capsys, "--address", s.address, "placement", "d1", "--format", "native")
+    assert code == 0 and np.array_equal(np.array(json.loads(out)["phy2log"]), current.placement.phy2log)
+    code, _, err = run(
+        capsys, "--address", s.address, "placement", "d1", "--version", "1", "--out", str(tmp_path / "v1.json")
+    )
+    assert code == 0 and err == f"wrote native placement of d1 version 1 to {tmp_path / 'v1.json'}\n"
+    v1 = json.loads((tmp_path / "v1.json").read_text())
+    assert np.array_equal(np.array(v1["phy2log"]), eplb.Placement.contiguous(TOPO).phy2log)
+    code, out, err = run(capsys, "--address", s.address, "placement", "d1", "--plot", str(tmp_path / "h.png"))
+    assert code == 0 and out == "" and "wrote plot of d1 version 2" in err
+    assert mpimg.imread(tmp_path / "h.png").shape[1] >= 600
+    code, _, err = run(capsys, "--address", s.address, "placement", "d1", "--version", "9")
+    assert code == 2 and err == (
+        "eplb ctl placement: error: deployment 'd1' has no placement version 9 (current 2) (NOT_FOUND)\n"
+    )
+
+
+def test_rebalance_dry_run_and_force(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO)
+    s.report("d1", _loads(), range(8))
+    code, out, _ = run(capsys, "--address", s.address, "rebalance", "d1", "--dry-run")
+    assert code == 0 and out.startswith("dry run of d1, nothing published")
+    assert s.client.get_deployment("d1").version == 1
+    assert run(capsys, "--address", s.address, "rebalance", "d1")[0] == 0
+    code, out, _ = run(capsys, "--address", s.address, "rebalance", "d1")
+    assert code == 0 and out.startswith("not published: ")  # the same window: nothing to gain
+    code, out, _ = run(capsys, "--address", s.address, "rebalance", "d1", "--force")
+    assert code == 0 and out.startswith("published d1 version 3")
+
+
+def test_watch_prints_a_line_per_version(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO)
+    s.report("d1", _loads(), range(8))
+
+    def publish() -> None:
+        while s.server.metrics.watchers.labels("d1")._value.get() < 1:
+            time.sleep(0.02)
+        s.client.rebalance("d1", force=True)
+        s.client.rebalance("d1", force=True)
+
+    t = threading.Thread(target=publish)
+    t.start()
+    code, out, _ = run(capsys, "--address", s.address, "watch", "d1", "--count", "3")
+    t.join()
+    lines = out.splitlines()
+    assert code == 0 and [line.split()[5] for line in lines] == ["1:", "2:", "3:"]
+    assert "the initial placement" in lines[0] and "slots moved" in lines[1]
+
+
+def test_watch_ctrl_c_exits_130_with_one_line(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO)
+
+    def interrupt() -> None:
+        while s.server.metrics.watchers.labels("d1")._value.get() < 1:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: KeyboardInterrupt in the main thread
+
+    t = threading.Thread(target=interrupt)
+    t.start()
+    code, out, err = run(capsys, "--address", s.address, "watch", "d1")
+    t.join()
+    assert code == 130 and err == "\neplb ctl watch: interrupted\n" and len(out.splitlines()) == 1
+
+
+def test_health_and_an_unreachable_service(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    assert run(capsys, "--address", s.address, "health") == (0, f"{s.address}: SERVING\n", "")
+    s.stop()
+    code, out, _ = run(capsys, "--address", s.address, "--timeout", "0.5", "health")
+    assert code == 1 and out == f"{s.address}: NOT SERVING (or unreachable)\n"
+    code, out, err = run(capsys, "--address", s.address, "--timeout", "0.5", "list")
+    assert code == 2 and out == ""
+    assert err.startswith(f"eplb ctl list: error: cannot reach the service at {s.address} within 0.5 s (")
+    assert len(err.splitlines()) == 1
+    s.thread.join()  # stopped above: the fixture's stop must not run twice
+    s.stop = lambda: None
+
+
+def test_token_from_file_and_environment(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EPLB_TOKEN", raising=False)
+    monkeypatch.delenv("EPLB_TOKEN_FILE", raising=False)
+    s = served(token="s3cret")
+    code, _, err = run(capsys, "--address", s.address, "list")
+    assert code == 2 and "refused the call: missing or wrong bearer token" in err
+    assert "give the service's token with --token-file F or EPLB_TOKEN" in err
+    (tmp_path / "t").write_text("s3cret\n")
+    assert run(capsys, "--address", s.address, "--token-file", str(tmp_path / "t"), "list") == (
+        0,
+        "no deployments\n",
+        "",
+    )
+    monkeypatch.setenv("EPLB_TOKEN", "s3cret")
+    assert run(capsys, "--address", s.address, "list")[0] == 0
+    monkeypatch.setenv("EPLB_TOKEN_FILE", str(tmp_path / "missing"))
+    code, _, err = run(capsys, "--address", s.address, "list")
+    assert code == 2 and "EPLB_TOKEN_FILE " in err and "cannot read it (No such file or directory)" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["list"], "list: error: give the service's --address HOST:PORT (or set EPLB_ADDRESS)"),
+        (
+            ["--address", "localhost", "list"],
+            "list: error: --address localhost: 'localhost' is not HOST:PORT (port 1-65535)",
+        ),
+        (
+            ["--address", "h:1", "--timeout", "0", "list"],
+            "list: error: --timeout must be a number of seconds > 0, got 0.0",
+        ),
+        (["--address", "h:1", "watch", "d", "--count", "-1"], "watch: error: --count must be >= 0, got -1"),
+    ],
+)
+def test_bad_flags_get_one_line(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, argv: list[str], said: str
+) -> None:
+    monkeypatch.delenv("EPLB_ADDRESS", raising=False)
+    assert run(capsys, *argv) == (2, "", f"eplb ctl {said}\n")
+
+
+def test_unknown_deployment_and_the_eplb_entry_point(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture
+) -> None:
+    s = served()
+    assert cli.main(["ctl", "--address", s.address, "show", "nope"]) == 2
+    assert capsys.readouterr().err == (
+        "eplb ctl show: error: deployment 'nope' not found (NOT_FOUND; eplb ctl list shows the deployments)\n"
+    )
+
+
+def test_tls_with_the_service_certificate(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    s = served(tls_cert=cert, tls_key=key)
+    assert run(capsys, "--address", s.address, "--tls-ca", str(cert), "list") == (0, "no deployments\n", "")
+    assert run(capsys, "--address", s.address, "--tls-ca", str(cert), "health") == (0, f"{s.address}: SERVING\n", "")
+    code, _, err = run(capsys, "--address", s.address, "--timeout", "0.5", "list")  # plaintext to a TLS port
+    assert code == 2 and err.startswith("eplb ctl list: error: cannot reach the service at")
+    code, _, err = run(capsys, "--address", s.address, "--tls-ca", str(tmp_path / "nope.pem"), "list")
+    assert (
+        code == 2
+        and err
+        == f"eplb ctl list: error: --tls-ca {tmp_path / 'nope.pem'}: cannot read it (No such file or directory)\n"
+    )
+
+
+def test_watch_reconnects_after_the_service_restarts(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture
+) -> None:
+    import redis
+
+    prefix = f"eplb-test-{uuid.uuid4().hex[:10]}"
+    url = "redis://127.0.0.1:6379/0"
+    first = served(redis_url=url, key_prefix=prefix)
+    try:
+        first.client.create_deployment("d1", TOPO)
+        first.report("d1", _loads(), range(8))
+        port = first.server.port
+        second: list[Served] = []
+
+        def restart() -> None:
+            while first.server.metrics.watchers.labels("d1")._value.get() < 1:
+                time.sleep(0.02)
+            first.stop()
+            first.stop = lambda: None
+            second.append(served(redis_url=url, key_prefix=prefix, port=port))
+            second[0].client.rebalance("d1", force=True)
+
+        t = threading.Thread(target=restart)
+        t.start()
+        code, out, err = run(capsys, "--address", first.address, "watch", "d1", "--count", "2")
+        t.join()
+        assert code == 0 and [line.split()[5] for line in out.splitlines()] == ["1:", "2:"]
+        said = err.splitlines()
+        assert len(said) == 2 and said[0].startswith("eplb ctl watch: lost the service (")
+        assert said[1] == f"eplb ctl watch: reconnected to {first.address}"
+    finally:
+        r = redis.Redis.from_url(url)
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
