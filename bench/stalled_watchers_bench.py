@@ -1,7 +1,8 @@
 """What watchers that do not read cost the service (issue 22, "One tenant must not slow another").
 
 Starts ``eplb serve`` (in-memory store) as a child process on loopback, creates a deployment
-whose placement is 1 MiB (64 layers x 4096 slots of int32), then opens ``--watchers``
+whose placement is 1 MiB (64 layers x 4096 slots of int32, 1024 experts; ``--experts`` and
+``--slots`` change it, and the message, which carries the window's loads too), then opens ``--watchers``
 WatchPlacements streams, each on a connection of its own, that never read, plus one watcher
 that reads every message, and publishes ``--versions`` versions by forced re-plans. Prints the
 server's RSS (``/proc/<pid>/status``) before the watchers, with them stalled, and after they
@@ -32,8 +33,9 @@ from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient, channel
 
-# 64 x 4096 int32: a 1 MiB placement (the greedy policy plans it in well under a second).
-TOPOLOGY = pb.Topology(num_layers=64, num_experts=4096, num_slots=4096, num_gpus=512, num_nodes=64, num_groups=1)
+# 64 x 4096 int32: a 1 MiB phy2log (the greedy policy plans it in well under a second); placements
+# carry their window's loads too (float32 [64, 1024], 0.25 MiB): a 1.25 MiB message.
+TOPOLOGY = pb.Topology(num_layers=64, num_experts=1024, num_slots=4096, num_gpus=512, num_nodes=64, num_groups=1)
 
 
 def free_port() -> int:
@@ -79,13 +81,19 @@ async def main_async(args: argparse.Namespace) -> dict:
     stub = pb_grpc.ExpertLoadBalancerServiceStub(control)
     out: dict = {}
     try:
-        d = pb.Deployment(name="big", topology=TOPOLOGY, policy="deepseek")
+        topo = pb.Topology()
+        topo.CopyFrom(TOPOLOGY)
+        topo.num_experts, topo.num_slots = args.experts, args.slots
+        d = pb.Deployment(name="big", topology=topo, policy="deepseek")
         await stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
-        loads = np.random.default_rng(0).integers(0, 1000, size=(TOPOLOGY.num_layers, TOPOLOGY.num_experts))
+        loads = np.random.default_rng(0).integers(0, 1000, size=(topo.num_layers, topo.num_experts))
         await EngineClient(control, "big", rank=0).report([loads.astype(np.int32)])
         await asyncio.sleep(1.5)
         await stub.Rebalance(pb.RebalanceRequest(deployment="big", force=True))  # warms the worker
         out["rss_before_mb"] = await settle(proc.pid, 1.0)
+        current = (await stub.GetPlacement(pb.GetPlacementRequest(deployment="big"))).placement
+        out["placement_mib"] = len(current.phy2log.data) / (1 << 20)
+        out["message_mib"] = pb.WatchPlacementsResponse(placement=current).ByteSize() / (1 << 20)
 
         # A connection per watcher, as separate engines have (channels with the same target and
         # options would share one otherwise).
@@ -136,7 +144,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     out["first_error"] = errors[0] if errors else ""
     out["grown_mb"] = out["rss_stalled_mb"] - out["rss_before_mb"]
     print(
-        f"{args.watchers} stalled watchers of a 1 MiB placement over {args.versions} versions: server RSS "
+        f"{args.watchers} stalled watchers, phy2log {out['placement_mib']:.2f} MiB, WatchPlacements message "
+        f"{out['message_mib']:.2f} MiB, over {args.versions} versions: server RSS "
         f"{out['rss_before_mb']:.0f} MB before, {out['rss_stalled_mb']:.0f} MB stalled (+{out['grown_mb']:.0f} MB, "
         f"target <= +300), {out['rss_after_mb']:.0f} MB after they cancelled (peak {out['rss_peak_mb']:.0f} MB)"
     )
@@ -149,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--watchers", type=int, default=200)
     ap.add_argument("--versions", type=int, default=20)
+    ap.add_argument(
+        "--experts", type=int, default=1024, help="of 64 layers; the window's float32 loads travel with the placement"
+    )
+    ap.add_argument("--slots", type=int, default=4096, help="of 64 layers on 512 gpus: 4096 is a 1 MiB phy2log")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     out = asyncio.run(main_async(args))
