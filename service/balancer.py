@@ -5,10 +5,11 @@
 - :mod:`.ingest`: reports in (checks, dedup, durable acceptance), windows out (:mod:`.windows`);
 - :mod:`.planner`: the trigger loop, Rebalance and ComputePlacement, under the planning lease,
   run in worker processes (:mod:`.solver`); :mod:`.trigger` decides what is published;
-- :mod:`.recovery`: store health, and write-back after the store restarted empty.
+- :mod:`.recovery`: store health, and write-back after the store restarted empty;
+- :mod:`.liveness`: when each rank was last heard from, and the suspect ones.
 
-Background tasks (this module) flush windows, run the trigger loop, check the store's health
-and follow every deployment.
+Background tasks (this module) flush windows, run the trigger loop, check the store's health,
+follow every deployment and share the ranks' last-seen times.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import Deployments, LocalDeployment
 from .errors import ServiceError
 from .ingest import Ingest
+from .liveness import Liveness
 from .metrics import Metrics
 from .planner import Planner
 from .recovery import Recovery
@@ -61,9 +63,13 @@ class BalancerConfig:
     # The server's largest gRPC message (--max-message-bytes): a deployment whose placement
     # cannot be sent in one is refused on create (the server sets it from its own config).
     max_message_bytes: int = 16 << 20
+    # How often this replica writes the times it saw ranks (reports, acks) to the store and
+    # re-counts suspect ranks (service/liveness.py): another replica's view is this much old at
+    # most, so it is the precision of Liveness.suspect_after (added to it as a margin).
+    liveness_s: float = 1.0
 
 
-class Balancer(Deployments, Ingest, Planner, Recovery):
+class Balancer(Deployments, Ingest, Planner, Recovery, Liveness):
     """One per service replica; each room of it lives in its own module (see the module doc)."""
 
     def __init__(
@@ -107,6 +113,7 @@ class Balancer(Deployments, Ingest, Planner, Recovery):
             asyncio.create_task(self._every(self.config.tick_s, self._trigger_all), name="trigger"),
             asyncio.create_task(self._every(self.config.tick_s, self._check_health), name="health"),
             asyncio.create_task(self._every(self.config.refresh_s, self._refresh), name="refresh"),
+            asyncio.create_task(self._every(self.config.liveness_s, self._liveness_all), name="liveness"),
         ]
 
     async def stop(self) -> None:
@@ -118,6 +125,10 @@ class Balancer(Deployments, Ingest, Planner, Recovery):
             await asyncio.wait(self._tasks, timeout=2.0)
         with contextlib.suppress(ServiceError):
             await self._flush_all()
+        for local in self._local.values():
+            # The last second's report and ack times, so other replicas do not see them late.
+            with contextlib.suppress(ServiceError):
+                await self._write_seen(local)
         for local in self._local.values():
             await local.hub.stop()
 

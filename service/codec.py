@@ -133,6 +133,11 @@ def switch_margin(msg: pb.Deployment) -> int:
     return msg.switch_margin_steps if msg.HasField("switch_margin_steps") else DEFAULT_SWITCH_MARGIN
 
 
+def suspect_after_s(msg: pb.Deployment) -> float:
+    """``Liveness.suspect_after`` in seconds; 0 when liveness is off."""
+    return max(0.0, msg.liveness.suspect_after.ToNanoseconds() / 1e9)
+
+
 def window_spec(msg: pb.Deployment) -> WindowSpec:
     if msg.window.WhichOneof("kind") == "decay":
         return WindowSpec(kind="decay", half_life_s=msg.window.decay.half_life.ToNanoseconds() / 1e9, duration_s=0.0)

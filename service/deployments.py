@@ -73,6 +73,12 @@ class LocalDeployment:
     flush_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Why the last triggered re-plan failed, None while they succeed (logs once per change).
     failing: str | None = None
+    # Liveness (service/liveness.py; 0: off): rank → the latest report or ack this replica
+    # answered, those not written to the store yet, and the ranks last counted suspect.
+    suspect_after_s: float = 0.0
+    seen: dict[int, float] = field(default_factory=dict)
+    seen_unwritten: dict[int, float] = field(default_factory=dict)
+    suspect: frozenset[int] = frozenset()
 
 
 class Deployments:
@@ -103,6 +109,7 @@ class Deployments:
             make_window((topo.num_layers, topo.num_experts), spec),
             hub,
             frozenset(codec.deployment_ranks(deployment)),
+            suspect_after_s=codec.suspect_after_s(deployment),
         )
         self._local[name] = local
         hub.start()
@@ -255,6 +262,11 @@ class Deployments:
         )
         if marks.planned_at != created_seconds(record.deployment):
             status.last_plan_time.FromNanoseconds(int(marks.planned_at * 1e9))
+        if codec.suspect_after_s(record.deployment):
+            # Read fresh (service/liveness.py), merged with this replica's own times.
+            status.suspect_ranks.extend(
+                await self._suspects(record.deployment, set(current.down_ranks), self._local.get(name))
+            )
         return status
 
     async def window_loads(self, name: str) -> tuple[np.ndarray, int]:
@@ -383,6 +395,7 @@ class Deployments:
             rollout = dataclasses.replace(
                 rollout, num_ranks=len(counted) - 1, aborted=rollout.aborted or not rollout.switch_step
             )
+        self._saw(await self._get_local(name), request.rank)
         if request.state == rollout_states.FAILED:
             log.warning(
                 "%s rank %d failed to prepare version %d: %s",

@@ -110,6 +110,7 @@ class Ingest:
         if local.batcher is None:
             local.batcher = _Batcher(lambda items, local=local: self._accept(local, items))
         fresh = await local.batcher.submit((request.rank, request.seq, counts))
+        self._saw(local, request.rank)  # a duplicate too: the rank is alive
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
         return bool(fresh)
 

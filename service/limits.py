@@ -20,6 +20,8 @@ __all__ = [
     "MAX_REPORT_COUNT",
     "MAX_SLOTS",
     "MAX_WINDOW_BYTES",
+    "MAX_SUSPECT_AFTER_S",
+    "MIN_SUSPECT_AFTER_S",
     "MIN_TRIGGER_INTERVAL_S",
     "REPLAN_WORKERS",
     "SMALL_PLAN_CELLS",
@@ -49,6 +51,12 @@ SMALL_PLAN_WORKERS = 1
 # takes one of the REPLAN_WORKERS processes for up to half the interval (the Planning default),
 # so a deployment re-planning every microsecond would keep one busy for good.
 MIN_TRIGGER_INTERVAL_S = 1.0
+
+# Liveness.suspect_after, other than 0 (off): replicas share the times they saw ranks once a
+# second, so a shorter threshold would be below the precision of what it compares; beyond a week
+# it is more likely a unit mistake than a wish.
+MIN_SUSPECT_AFTER_S = 1.0
+MAX_SUSPECT_AFTER_S = 7 * 24 * 3600.0
 
 # policy "ilp" (CP-SAT per layer) costs far more than the others: a plan may take at most
 # ILP_MAX_SECONDS in all (less when the call's deadline is nearer), on one solver thread, and

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import Aborted, AlreadyExists, NotFound
 from .rollout import RankState, Rollout, VersionRollout, apply_ack
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, created_seconds
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen, created_seconds
 
 __all__ = ["MemoryStore"]
 
@@ -30,6 +30,9 @@ class _State:
     planned_at: float = field(default_factory=time.time)
     lease: tuple[str, float] | None = None
     deleted: bool = False
+    # Liveness: rank → latest time seen, and when recording began.
+    seen: dict[int, float] = field(default_factory=dict)
+    seen_start: float = field(default_factory=time.time)
 
 
 class MemoryStore:
@@ -173,6 +176,16 @@ class MemoryStore:
 
     async def acks(self, name: str) -> dict[int, RankState]:
         return dict(self._get(name).acks)
+
+    async def record_seen(self, name: str, seen: dict[int, float]) -> None:
+        state = self._get(name)
+        for rank, at in seen.items():
+            if at > state.seen.get(rank, 0.0):
+                state.seen[rank] = at
+
+    async def seen(self, name: str) -> Seen:
+        state = self._get(name)
+        return Seen(state.seen_start, dict(state.seen))
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         state = self._get(name)

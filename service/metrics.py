@@ -62,6 +62,12 @@ SERIES: dict[str, Series] = {
         "eplb_placement_version", "gauge", ("deployment",), "Current placement version seen by this replica"
     ),
     "watchers": Series("eplb_watchers", "gauge", ("deployment",), "Open WatchPlacements streams on this replica"),
+    "suspect_ranks": Series(
+        "eplb_suspect_ranks",
+        "gauge",
+        ("deployment",),
+        "Ranks not down that sent no report and no ack for over liveness.suspect_after, as this replica last counted",
+    ),
     "budget_limited": Series(
         "eplb_budget_limited_total",
         "counter",

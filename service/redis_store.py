@@ -19,6 +19,7 @@ below touch one slot only):
 | ``P:{d}:wal`` | stream | ``b=<EPW1 blob>``: write-ahead entries of earlier releases (read and dropped when stale, never written) |
 | ``P:{d}:wal2`` | stream | ``b=<EPW2 blob>``: the sums of one accepted batch of reports at their own width, until its replica's next flush folds it in |
 | ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
+| ``P:{d}:seen`` | hash | liveness: rank → latest time (epoch seconds, ms precision) a replica received a report or ack of it; ``start`` → when recording began |
 
 On Redis Cluster (``redis+cluster://`` seed nodes, :mod:`.cluster`) no command names keys of
 two slots: the deployments index is 16 buckets (listed one by one; their sizes are cached, so
@@ -56,7 +57,7 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, created_seconds
+from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen, created_seconds
 
 __all__ = ["RedisStore"]
 
@@ -71,9 +72,10 @@ _CLUSTER_POLL_S = 0.05
 # Index buckets on Redis Cluster (a slot each; a deployment's bucket is CRC32(name) mod this).
 _INDEX_BUCKETS = 16
 
-# KEYS: meta, deployment, placement:<v>, announce; ARGV: version, deployment, placement,
+# KEYS: meta, deployment, placement:<v>, announce, seen; ARGV: version, deployment, placement,
 # maxlen, now, only_if_newer, generation (the deployment's create time: a re-created deployment
-# gets a new one, a restored one keeps it). Returns 1 if written.
+# gets a new one, a restored one keeps it). Liveness counts from now on a create, and on a
+# write-back into a store that lost the seen times. Returns 1 if written.
 _CREATE = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -82,6 +84,8 @@ redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5], 'gen', ARGV[7])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'version', ARGV[1])
+if ARGV[6] == '0' then redis.call('DEL', KEYS[5]) end
+redis.call('HSETNX', KEYS[5], 'start', ARGV[5])
 return 1
 """
 
@@ -197,6 +201,17 @@ _PUT_WINDOW = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 if #ARGV > 2 then redis.call('XDEL', KEYS[3], unpack(ARGV, 3)) end
+return 1
+"""
+
+# Liveness times, each kept only where later than the stored one (replicas flush in any order).
+# KEYS: seen, meta; ARGV: rank1, time1, rank2, time2, … Returns -1 when the deployment is gone.
+_SEEN = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+for i = 1, #ARGV, 2 do
+  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if tonumber(ARGV[i + 1]) > old then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
 return 1
 """
 
@@ -464,6 +479,7 @@ class RedisStore:
         self._release = script(_RELEASE)
         self._renew = script(_RENEW)
         self._put_window = script(_PUT_WINDOW)
+        self._seen = script(_SEEN)
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
@@ -472,7 +488,19 @@ class RedisStore:
         """Every fixed key of a deployment (placements are per version, see ``delete``)."""
         return [
             self.key(name, k)
-            for k in ("deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "wal2", "lease")
+            for k in (
+                "deployment",
+                "meta",
+                "announce",
+                "seq",
+                "acks",
+                "rollout",
+                "windows",
+                "wal",
+                "wal2",
+                "lease",
+                "seen",
+            )
         ]
 
     def _index_key(self, name: str) -> str:
@@ -580,6 +608,7 @@ class RedisStore:
                     self.key(name, "deployment"),
                     self.key(name, f"placement:{placement.version}"),
                     self.key(name, "announce"),
+                    self.key(name, "seen"),
                 ],
                 args=[
                     placement.version,
@@ -849,6 +878,26 @@ class RedisStore:
             rank, _, kind = k.decode().partition(":")
             fields.setdefault(int(rank), {})[kind or "s"] = int(v)
         return {r: RankState(f.get("s", 0), f.get("p", 0), f.get("f", 0)) for r, f in fields.items()}
+
+    async def record_seen(self, name: str, seen: dict[int, float]) -> None:
+        if not seen:
+            return
+        args: list[object] = []
+        for rank, at in seen.items():
+            args += [rank, f"{at:.3f}"]
+        with self._on(name):
+            out = await self._seen(keys=[self.key(name, "seen"), self.key(name, "meta")], args=args)
+        if out == -1:
+            raise NotFound(f"deployment {name!r} not found")
+
+    async def seen(self, name: str) -> Seen:
+        with self._on(name):
+            async with self._r.pipeline(transaction=True) as p:
+                raw, exists = await p.hgetall(self.key(name, "seen")).exists(self.key(name, "meta")).execute()
+        if not exists:
+            raise NotFound(f"deployment {name!r} not found")
+        start = float(raw.pop(b"start", b"0"))
+        return Seen(start, {int(k): float(v) for k, v in raw.items()})
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         key = self.key(name, "lease")

@@ -16,7 +16,7 @@ from typing import Protocol
 from ._gen.eplb.v1 import balancer_pb2 as pb
 from .rollout import RankState, Rollout
 
-__all__ = ["Store", "DeploymentRecord", "PlanMarks", "PLACEMENTS_KEPT", "created_seconds"]
+__all__ = ["Store", "DeploymentRecord", "PlanMarks", "Seen", "PLACEMENTS_KEPT", "created_seconds"]
 
 # Recent versions kept for GetPlacement(version=…) and for mapping physical counts that were
 # recorded under an older placement; older versions are deleted on publish.
@@ -44,6 +44,18 @@ def created_seconds(deployment: pb.Deployment) -> float:
     """The deployment's ``create_time`` in seconds: a store's ``planned_at`` on create, so that
     ``planned_at`` above it means the deployment was planned since."""
     return deployment.create_time.ToNanoseconds() / 1e9
+
+
+@dataclass(frozen=True)
+class Seen:
+    """When a deployment's ranks were last heard from (liveness, :mod:`.liveness`): ``ranks``,
+    rank → the latest time (seconds since the epoch, any replica's clock) a report or ack of it
+    was received; ``start``, when the store began recording them (the deployment's creation, or
+    its write-back after the store restarted empty; 0 when unknown: a deployment stored before
+    liveness existed)."""
+
+    start: float
+    ranks: dict[int, float]
 
 
 class Store(Protocol):
@@ -128,6 +140,13 @@ class Store(Protocol):
 
     async def acks(self, name: str) -> dict[int, RankState]:
         """Rank → its latest switched, prepared and failed versions."""
+
+    async def record_seen(self, name: str, seen: dict[int, float]) -> None:
+        """Rank → a time a report or ack of it was received: each kept where it is later than the
+        stored one (replicas write in any order). ``NotFound`` when the deployment is gone."""
+
+    async def seen(self, name: str) -> Seen:
+        """The ranks' latest recorded times. ``NotFound`` when the deployment is gone."""
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         """The planning lease for ``name``: true if ``owner`` holds it now (expires after ttl)."""

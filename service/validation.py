@@ -190,6 +190,15 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
                 f"{interval_ns / 1e9:g}s must be 0 (off) or at least {limits.MIN_TRIGGER_INTERVAL_S:g}s",
             )
         )
+    after_ns = msg.liveness.suspect_after.ToNanoseconds()
+    if after_ns and not (limits.MIN_SUSPECT_AFTER_S * 1e9 <= after_ns <= limits.MAX_SUSPECT_AFTER_S * 1e9):
+        violations.append(
+            FieldViolation(
+                f"{field}.liveness.suspect_after",
+                f"{after_ns / 1e9:g}s must be 0 (off) or from {limits.MIN_SUSPECT_AFTER_S:g}s to "
+                f"{limits.MAX_SUSPECT_AFTER_S:g}s (7 days)",
+            )
+        )
     if not (0.0 <= t.min_gain_percent <= 100.0):
         violations.append(
             FieldViolation(f"{field}.trigger.min_gain_percent", f"{t.min_gain_percent} must be in [0, 100]")

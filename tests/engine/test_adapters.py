@@ -95,20 +95,29 @@ def test_sglang_maps_have_sglangs_shapes_padding_and_dtypes() -> None:
     assert (maps.logical_to_all_physical_map[..., 3:] == -1).all()
     assert maps.logical_to_all_physical_map_num_valid.tolist() == VLLM_COUNT
     assert maps.physical_to_logical_map_cpu.device.type == "cpu"
-    assert all(t.dtype == torch.int64 for t in maps.fields().values())
+    assert maps.logical_to_all_physical_map_cpu.device.type == "cpu"
+    # the host copies are tensors of their own, as SGLang's are on a GPU server
+    assert maps.logical_to_all_physical_map_cpu.data_ptr() != maps.logical_to_all_physical_map.data_ptr()
+    assert maps.ep_size == 3
+    assert all(t.dtype == torch.int64 for t in maps.fields().values() if isinstance(t, torch.Tensor))
     assert maps.logical_to_rank_dispatch_physical_map.shape == (2, 4)
     assert to_sglang(placement).logical_to_rank_dispatch_physical_map is None
     assert from_sglang(maps.physical_to_logical_map, topo) == placement
 
 
 def _dispatch_by_loops(placement: eplb.Placement, ep_rank: int, seed: int = 42) -> list[list[int]]:
-    """SGLang's static dispatch as its docs describe it, one (layer, expert, gpu) at a time."""
+    """SGLang's static dispatch (0.5.23's compute_logical_to_rank_dispatch_physical_map, one
+    node), one (layer, expert, gpu) at a time: an expert with one replica is that replica for
+    every rank and draws nothing."""
     t = placement.topology
     r = random.Random(seed)
     out = np.full((t.num_layers, t.num_experts, t.num_gpus), -1)
     for lay in range(t.num_layers):
         for e in range(t.num_experts):
             cand = [p for p in range(t.num_slots) if placement.phy2log[lay, p] == e]
+            if len(cand) == 1:
+                out[lay, e] = cand[0]
+                continue
             for g in range(t.num_gpus):
                 same = [p for p in cand if p // t.slots_per_gpu == g]
                 if same:
@@ -152,12 +161,15 @@ def test_apply_to_sglang_updates_the_live_metadata_in_place() -> None:
     rng = np.random.default_rng(2)
     old = _random_placement(rng, 4)
     new = eplb.Placement(rng.permuted(old.phy2log, axis=1), old.topology)
-    live = SimpleNamespace(**{k: v.clone() for k, v in to_sglang(old, ep_rank=3).fields().items()})
-    ptrs = {k: v.data_ptr() for k, v in vars(live).items()}
+    live = SimpleNamespace(**to_sglang(old, ep_rank=3).fields())
+    ptrs = {k: v.data_ptr() for k, v in vars(live).items() if isinstance(v, torch.Tensor)}
     apply_to_sglang(live, new, ep_rank=3)
-    assert {k: v.data_ptr() for k, v in vars(live).items()} == ptrs
+    assert {k: v.data_ptr() for k, v in vars(live).items() if isinstance(v, torch.Tensor)} == ptrs
     want = to_sglang(new, ep_rank=3).fields()
-    assert all(torch.equal(getattr(live, k), v) for k, v in want.items())
+    assert all(
+        torch.equal(getattr(live, k), v) if isinstance(v, torch.Tensor) else getattr(live, k) == v
+        for k, v in want.items()
+    )
     with pytest.raises(ValueError, match="pass ep_rank"):
         apply_to_sglang(live, new)
     live.logical_to_rank_dispatch_physical_map = None  # dynamic dispatch: no table to write
@@ -198,9 +210,11 @@ def test_adapters_write_only_the_layers_of_a_chunk() -> None:
     apply_to_sglang(live, new, layer_ids=list(range(2, L + 2)), ep_rank=1, layers=chunk)
     got = live.physical_to_logical_map[2:]
     assert got[chunk].tolist() == new.phy2log[chunk].tolist() and got[rest].tolist() == old.phy2log[rest].tolist()
+    # the table is drawn as SGLang draws it: over every row of the metadata, dense ones included
+    model = eplb.Placement(np.concatenate([trivial[:2], new.phy2log]), old.topology.with_layers(L + 2))
     assert (
         live.logical_to_rank_dispatch_physical_map[2:][chunk].tolist()
-        == to_sglang(new, ep_rank=1).logical_to_rank_dispatch_physical_map[chunk].tolist()
+        == rank_dispatch_map(model, 1)[2:][chunk].tolist()
     )
     assert live.physical_to_logical_map[:2].tolist() == trivial[:2].tolist()
     with pytest.raises(ValueError, match=f"layers must be placement layers in 0..{L - 1}"):

@@ -82,7 +82,11 @@ def test_demo_with_a_draft_model_checks_both_models_dispatches(tmp_path):
     assert s["dispatches_checked"] == 3 * 250 * 1024 * 4 * (6 + 1) and s["misrouted_dispatches"] == 0
     assert s["checksum_mismatches"] == 0 and s["rollouts_failed"] == 0
     # Its own deployment, versions and re-plans: the service has every rank at its last one.
-    assert d["replans_applied"] >= 1 and d["imbalance_final"] < d["imbalance_initial"]
+    # Each of its re-plans balanced what the service measured. (Not the measured imbalance over
+    # the last fifth: the popularity shifts at mid-run, and on a loaded 2-core machine the last
+    # fifth can fall before the re-plan that follows the shift: 1.342 against 1.326, once in CI.)
+    planned = [(e["planned_before"], e["planned_after"]) for e in d["replans"] if "planned_before" in e]
+    assert d["replans_applied"] >= 1 and planned and all(after < before for before, after in planned)
     assert s["service_draft_acked_versions"] == [d["replans"][-1]["version"]] * 3
     assert s["service_acked_versions"] == [s["replans"][-1]["version"]] * 3
     assert 0 <= d["switched_with_target"] <= d["replans_applied"] and "draft v2" in proc.stdout

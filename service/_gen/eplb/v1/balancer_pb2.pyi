@@ -98,7 +98,7 @@ class Trigger(_message.Message):
     def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., min_gain_percent: _Optional[float] = ..., max_moves: _Optional[int] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version", "migration", "ranks", "switch_margin_steps", "planning", "expert_bytes")
+    __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version", "migration", "ranks", "switch_margin_steps", "planning", "expert_bytes", "liveness")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class Deployment(_message.Message):
     SWITCH_MARGIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLANNING_FIELD_NUMBER: _ClassVar[int]
     EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     topology: Topology
     policy: str
@@ -123,7 +124,14 @@ class Deployment(_message.Message):
     switch_margin_steps: int
     planning: Planning
     expert_bytes: int
-    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ..., switch_margin_steps: _Optional[int] = ..., planning: _Optional[_Union[Planning, _Mapping]] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+    liveness: Liveness
+    def __init__(self, name: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., policy: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., trigger: _Optional[_Union[Trigger, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ..., switch_margin_steps: _Optional[int] = ..., planning: _Optional[_Union[Planning, _Mapping]] = ..., expert_bytes: _Optional[int] = ..., liveness: _Optional[_Union[Liveness, _Mapping]] = ...) -> None: ...
+
+class Liveness(_message.Message):
+    __slots__ = ("suspect_after",)
+    SUSPECT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    suspect_after: _duration_pb2.Duration
+    def __init__(self, suspect_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Planning(_message.Message):
     __slots__ = ("effort", "work_budget", "time_limit")
@@ -251,6 +259,16 @@ class RankAck(_message.Message):
     failed_version: int
     def __init__(self, rank: _Optional[int] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., failed_version: _Optional[int] = ...) -> None: ...
 
+class SuspectRank(_message.Message):
+    __slots__ = ("rank", "seconds_since_seen", "ever_seen")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
+    EVER_SEEN_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    seconds_since_seen: float
+    ever_seen: bool
+    def __init__(self, rank: _Optional[int] = ..., seconds_since_seen: _Optional[float] = ..., ever_seen: _Optional[bool] = ...) -> None: ...
+
 class GetDeploymentResponse(_message.Message):
     __slots__ = ("deployment", "acks", "down_ranks", "status")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
@@ -264,7 +282,7 @@ class GetDeploymentResponse(_message.Message):
     def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[RankAck, _Mapping]]] = ..., down_ranks: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[DeploymentStatus, _Mapping]] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
-    __slots__ = ("version", "version_time", "ranks_acked", "ranks_prepared", "ranks_failed", "num_ranks", "last_plan_time", "stats")
+    __slots__ = ("version", "version_time", "ranks_acked", "ranks_prepared", "ranks_failed", "num_ranks", "last_plan_time", "stats", "suspect_ranks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_TIME_FIELD_NUMBER: _ClassVar[int]
     RANKS_ACKED_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +291,7 @@ class DeploymentStatus(_message.Message):
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_PLAN_TIME_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_RANKS_FIELD_NUMBER: _ClassVar[int]
     version: int
     version_time: _timestamp_pb2.Timestamp
     ranks_acked: int
@@ -281,7 +300,8 @@ class DeploymentStatus(_message.Message):
     num_ranks: int
     last_plan_time: _timestamp_pb2.Timestamp
     stats: PlanStats
-    def __init__(self, version: _Optional[int] = ..., version_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks_acked: _Optional[int] = ..., ranks_prepared: _Optional[int] = ..., ranks_failed: _Optional[int] = ..., num_ranks: _Optional[int] = ..., last_plan_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ...) -> None: ...
+    suspect_ranks: _containers.RepeatedCompositeFieldContainer[SuspectRank]
+    def __init__(self, version: _Optional[int] = ..., version_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks_acked: _Optional[int] = ..., ranks_prepared: _Optional[int] = ..., ranks_failed: _Optional[int] = ..., num_ranks: _Optional[int] = ..., last_plan_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., suspect_ranks: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ()
