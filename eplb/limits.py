@@ -28,6 +28,8 @@ __all__ = [
     "PLAN_BYTES_PER_EXPERT_GPU",
     "PLAN_BYTES_PER_SLOT_PAIR",
     "REPLAN_WORKERS",
+    "SMALL_PLAN_CELLS",
+    "SMALL_PLAN_WORKERS",
     "plan_bytes",
 ]
 
@@ -42,6 +44,13 @@ MAX_REPORT_COUNT = 1e12
 REPLAN_WORKERS = 2
 COMPUTE_WORKERS = 2
 COMPUTE_QUEUE = 4
+# The small-plan lane (docs/service.md, "Fairness between tenants"): a re-plan of fewer than
+# SMALL_PLAN_CELLS layers x slots may also run in SMALL_PLAN_WORKERS processes that larger ones
+# never take, so two limit-size re-plans (128 x 8192 = 2^20 cells, ~10 s each) holding both
+# REPLAN_WORKERS do not make a small deployment's re-plan wait for them. 2^18 cells (e.g. 256
+# layers x 1024 slots, 58 x 4096) plan in about a second; a DeepSeek-V3-sized 58 x 288 has 16,704.
+SMALL_PLAN_CELLS = 1 << 18
+SMALL_PLAN_WORKERS = 1
 
 # A trigger interval shorter than this (other than 0, off) is refused on create: each re-plan
 # takes one of the REPLAN_WORKERS processes for up to half the interval (the Planning default),

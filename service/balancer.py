@@ -51,6 +51,8 @@ class BalancerConfig:
     # 0 plans in a thread of the serving process (only to measure what the pools buy).
     plan_workers: int = limits.REPLAN_WORKERS
     compute_workers: int = limits.COMPUTE_WORKERS
+    # Processes only re-plans below limits.SMALL_PLAN_CELLS take (service/solver.py); 0: none.
+    small_plan_workers: int = limits.SMALL_PLAN_WORKERS
     # Processes one re-plan of a deployment (Rebalance, the trigger loop) plans its layers in
     # (the library's workers=; the plan is the same for any number). Stateless calls and dry
     # runs always plan in one, so a remote caller cannot take more than its worker's core.
@@ -84,7 +86,12 @@ class Balancer(Deployments, Ingest, Planner, Recovery, Liveness):
         added = plugins.load(self.config.plugins)
         if added:
             log.info("plugin policies: %s", ", ".join(added))
-        self.solver = Solver(self.config.plan_workers, self.config.compute_workers, self.config.plugins)
+        self.solver = Solver(
+            self.config.plan_workers,
+            self.config.compute_workers,
+            self.config.plugins,
+            small_workers=self.config.small_plan_workers,
+        )
         self.healthy = True
         self._on_health = on_health
         self._on_deployment_health = on_deployment_health

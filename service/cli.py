@@ -166,6 +166,14 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         _int_in(1, 256, "a number of processes 1-256"),
         "processes for the re-plans of deployments, one re-plan each (1-256)",
     ),
+    "small_plan_workers": (
+        "--small-plan-workers",
+        "SMALL_PLAN_WORKERS",
+        str(limits.SMALL_PLAN_WORKERS),
+        _int_in(0, 256, "a number of processes 0-256"),
+        f"processes only re-plans below {limits.SMALL_PLAN_CELLS} layers x slots take, so they never wait "
+        "behind large ones (0-256, 0 off)",
+    ),
     "layer_workers": (
         "--layer-workers",
         "LAYER_WORKERS",
@@ -268,6 +276,7 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
             lease_s=args.lease_seconds,
             flush_s=args.flush_seconds,
             plan_workers=args.plan_workers,
+            small_plan_workers=args.small_plan_workers,
             compute_workers=args.compute_workers,
             layer_workers=args.layer_workers,
             plugins=modules,

@@ -23,6 +23,8 @@ from eplb.limits import (
     MIN_SUSPECT_AFTER_S,
     MIN_TRIGGER_INTERVAL_S,
     REPLAN_WORKERS,
+    SMALL_PLAN_CELLS,
+    SMALL_PLAN_WORKERS,
 )
 
 __all__ = [
@@ -42,4 +44,6 @@ __all__ = [
     "MIN_SUSPECT_AFTER_S",
     "MIN_TRIGGER_INTERVAL_S",
     "REPLAN_WORKERS",
+    "SMALL_PLAN_CELLS",
+    "SMALL_PLAN_WORKERS",
 ]

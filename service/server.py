@@ -32,7 +32,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
-from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from .auth import Access, AuthFileError, AuthInterceptor
 from .balancer import Balancer, BalancerConfig
 from .errors import ErrorInterceptor, ServiceError
@@ -40,7 +39,7 @@ from .memory_store import MemoryStore
 from .metrics import Metrics, TimedStore
 from .metrics_http import serve_metrics
 from .redis_store import RedisStore
-from .servicer import BalancerServicer
+from .servicer import BalancerServicer, add_to_server
 from .store import Store
 
 __all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "StartError", "check_certificate_dates", "start_server"]
@@ -207,7 +206,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
                 "(set --tls-cert and --tls-key)"
             )
     server = grpc.aio.server(interceptors=interceptors, options=_options(config))
-    pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(BalancerServicer(balancer, access), server)
+    add_to_server(BalancerServicer(balancer, access), server)  # WatchPlacements sends pre-serialized bytes
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     httpd = None

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,7 +18,42 @@ from .auth import Access
 from .balancer import Balancer
 from .errors import FieldViolation, InvalidArgument, ServiceError
 
-__all__ = ["BalancerServicer"]
+__all__ = ["BalancerServicer", "add_to_server"]
+
+log = logging.getLogger(__name__)
+
+
+def _libc_trim() -> object | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+_trim_pending = False
+
+
+def _trim_soon(delay_s: float = 0.5) -> None:
+    """Gives freed heap back to the system shortly after watch streams end (at most every
+    ``delay_s``): glibc keeps what a stream's placement messages took (1 MiB each, per stalled
+    stream) in its arenas otherwise, and the RSS never comes down."""
+    global _trim_pending
+    if _MALLOC_TRIM is None or _trim_pending:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+
+    def trim() -> None:
+        global _trim_pending
+        _trim_pending = False
+        _MALLOC_TRIM(0)
+
+    _trim_pending = True
+    loop.call_later(delay_s, trim)
 
 
 def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> ServiceError:
@@ -38,6 +78,10 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         # The latest response per (rpc, deployment), reused while the placement is the same
         # object: copying a v3-sized placement into a fresh response costs more than the call.
         self._responses: dict[tuple[type, str], tuple[pb.Placement, object]] = {}
+        # The newest placement per deployment as a serialized WatchPlacementsResponse, shared by
+        # every watch stream (a stream that does not read holds its message until it does: one
+        # copy for all rather than one per stream; see add_to_server).
+        self._wire: dict[str, tuple[pb.Placement, bytes]] = {}
 
     def _response(self, cls: type, placement: pb.Placement) -> object:
         key = (cls, placement.deployment)
@@ -113,16 +157,39 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         loads, reports = await self.balancer.window_loads(request.deployment)
         return pb.GetPlacementResponse(placement=placement, window_loads=arrays.encode(loads), window_reports=reports)
 
-    async def WatchPlacements(
-        self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.WatchPlacementsResponse]:
+    def _serialized(self, placement: pb.Placement) -> bytes:
+        """``WatchPlacementsResponse(placement)`` serialized, once per version for the newest."""
+        cached = self._wire.get(placement.deployment)
+        if cached is not None and cached[0] is placement:
+            return cached[1]
+        data = pb.WatchPlacementsResponse(placement=placement).SerializeToString()
+        if cached is None or placement.version >= cached[0].version:
+            self._wire[placement.deployment] = (placement, data)
+        return data
+
+    async def WatchPlacements(self, request: pb.WatchPlacementsRequest, context: grpc.aio.ServicerContext) -> None:
+        # Written here rather than yielded: the write of a stream its client cancelled fails, and
+        # grpc logs that at ERROR when it does the writing; here it only ends the stream. The
+        # bytes are pre-serialized (add_to_server registers an identity serializer).
         self._check(context, "WatchPlacements", request.deployment)
         placements = self.balancer.watch(request.deployment, request.since_version)
         if self.access is not None:
             # Ends the stream at once when a reload of the auth file revokes the token.
             placements = self.access.guard(context, "WatchPlacements", request.deployment, placements)
-        async for placement in placements:
-            yield self._response(pb.WatchPlacementsResponse, placement)
+        try:
+            async with contextlib.aclosing(placements):
+                async for placement in placements:
+                    try:
+                        await context.write(self._serialized(placement))
+                    except (grpc.aio.AbortError, asyncio.CancelledError):
+                        raise
+                    except Exception as exc:  # noqa: BLE001  (the client went away: nothing to send to)
+                        if not (context.cancelled() or context.done() or type(exc).__name__ == "ExecuteBatchError"):
+                            raise
+                        log.debug("watch of %s ended by its client: %s", request.deployment, exc)
+                        return
+        finally:
+            _trim_soon()
 
     async def AckPlacement(
         self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext
@@ -145,3 +212,26 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     ) -> pb.SetRanksDownResponse:
         self._check(context, "SetRanksDown", request.deployment)
         return await self.balancer.set_ranks_down(request, context.peer(), context.time_remaining())
+
+
+def _wire(message: object) -> bytes:
+    """WatchPlacements' response serializer: bytes pass as they are (the servicer serialized
+    them once for every stream), a message is serialized (another servicer's handler)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_to_server(servicer: BalancerServicer, server: grpc.aio.Server) -> None:
+    """The generated ``add_ExpertLoadBalancerServiceServicer_to_server``, with WatchPlacements'
+    response serializer :func:`_wire`, so its handler may yield pre-serialized bytes."""
+
+    class _Registering:
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass  # rebuilt below from the same method handlers
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            handlers = dict(handlers)
+            handlers["WatchPlacements"] = handlers["WatchPlacements"]._replace(response_serializer=_wire)
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+            server.add_registered_method_handlers(name, handlers)
+
+    pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(servicer, _Registering())

@@ -5,8 +5,11 @@ call the replica serves (GetPlacement p99 rose from 1.8 ms to 34 ms with re-plan
 Each job travels to a worker as arrays (loads ``[L, E]``, the previous ``phy2log [L, P]``) and
 comes back as ``phy2log``, ``logcnt`` and the serialized ``PlanStats``.
 
-Two pools: one for the re-plans of deployments (Rebalance and the trigger loop) and one for
-stateless ComputePlacement calls, which is bounded (``limits.COMPUTE_*``) and refuses calls
+Re-plans of deployments (Rebalance and the trigger loop) run in two lanes: plans of fewer than
+``limits.SMALL_PLAN_CELLS`` layers x slots may take a worker of either, larger ones only the
+re-plan workers, so a small deployment's re-plan never waits behind big ones (two limit-size
+re-plans take both re-plan workers for ~10 s each; the small plan takes ~0.1 s in the lane). A
+separate pool serves stateless ComputePlacement calls, which is bounded (``limits.COMPUTE_*``) and refuses calls
 beyond its queue with RESOURCE_EXHAUSTED, so remote callers can never take the capacity that
 triggered re-plans need. A stateless call's worker is killed when the call's deadline passes.
 Workers are spawned (never forked from a process running gRPC) on first use and shared by every
@@ -93,10 +96,11 @@ class _Slot:
     overruns its time limit while it builds a large model). Not a daemon, unlike a ``Pool``'s
     workers, so a re-plan may plan its layers in processes of its own (``workers=``); it still
     dies with the server: it exits when its pipe to the server closes (the server exited or was
-    killed), and the server kills it at exit."""
+    killed), and the server kills it at exit. ``lane``: the lane of :class:`_Slots` it serves."""
 
-    def __init__(self, plugins: tuple[str, ...] = ()) -> None:
+    def __init__(self, plugins: tuple[str, ...] = (), lane: str = "") -> None:
         self.plugins = plugins
+        self.lane = lane
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         _ALL.add(self)
@@ -179,21 +183,24 @@ def _answer(conn: Connection) -> tuple[np.ndarray, np.ndarray, bytes]:
 
 
 class _Slots:
-    """``n`` worker slots shared by every balancer of this process, one job at a time each."""
+    """Worker slots shared by every balancer of this process, one job at a time each, in lanes:
+    ``lanes`` maps a lane's name to its number of slots. A job names the lanes it may run in, in
+    order of preference; a freed slot goes to the longest-waiting job that accepts its lane."""
 
-    def __init__(self, n: int, plugins: tuple[str, ...] = ()) -> None:
-        self.free = [_Slot(plugins) for _ in range(n)]
-        self._waiters: deque[asyncio.Future] = deque()
+    def __init__(self, lanes: dict[str, int], plugins: tuple[str, ...] = ()) -> None:
+        self.free = {lane: [_Slot(plugins, lane) for _ in range(n)] for lane, n in lanes.items()}
+        self._waiters: deque[tuple[asyncio.Future, tuple[str, ...]]] = deque()
 
     @property
     def waiting(self) -> int:
-        return sum(1 for f in self._waiters if not f.done())
+        return sum(1 for f, _ in self._waiters if not f.done())
 
-    async def _acquire(self) -> _Slot:
-        if self.free:
-            return self.free.pop()
+    async def _acquire(self, lanes: tuple[str, ...]) -> _Slot:
+        for lane in lanes:
+            if self.free[lane]:
+                return self.free[lane].pop()
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._waiters.append((fut, lanes))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -202,15 +209,20 @@ class _Slots:
             raise
 
     def _release(self, slot: _Slot) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
+        for i, (fut, lanes) in enumerate(self._waiters):
+            if not fut.done() and slot.lane in lanes:
+                del self._waiters[i]
                 fut.set_result(slot)
-                return
-        self.free.append(slot)
+                break
+        else:
+            self.free[slot.lane].append(slot)
+        while self._waiters and self._waiters[0][0].done():  # callers that gave up
+            self._waiters.popleft()
 
-    async def run(self, job: Job, timeout: float | None) -> tuple[np.ndarray, np.ndarray, bytes]:
-        slot = await self._acquire()
+    async def run(
+        self, job: Job, timeout: float | None, lanes: tuple[str, ...] = ("",)
+    ) -> tuple[np.ndarray, np.ndarray, bytes]:
+        slot = await self._acquire(lanes)
         try:
             return await asyncio.wait_for(slot.run(job, asyncio.get_running_loop()), timeout)
         except (TimeoutError, asyncio.CancelledError):
@@ -220,7 +232,7 @@ class _Slots:
             self._release(slot)
 
 
-_SLOTS: dict[tuple[str, int, tuple[str, ...]], _Slots] = {}
+_SLOTS: dict[tuple[str, tuple[tuple[str, int], ...], tuple[str, ...]], _Slots] = {}
 
 
 # How long the server's exit waits for idle workers to leave by themselves before killing them.
@@ -240,50 +252,77 @@ def _stop_workers() -> None:
         slot.kill(wait_s=max(0.01, deadline - time.monotonic()))
 
 
-def _slots(kind: str, n: int, plugins: tuple[str, ...] = ()) -> _Slots:
-    key = (kind, n, plugins)
+def _slots(kind: str, lanes: dict[str, int], plugins: tuple[str, ...] = ()) -> _Slots:
+    key = (kind, tuple(sorted(lanes.items())), plugins)
     if key not in _SLOTS:
-        _SLOTS[key] = _Slots(n, plugins)
+        _SLOTS[key] = _Slots(lanes, plugins)
     return _SLOTS[key]
 
 
 class Solver:
-    """Runs :class:`Job` s in worker processes: ``workers`` for re-plans, ``compute_workers`` for
-    stateless calls (0: in a thread of this process, as the service did before; only to measure
-    what the workers buy); ``plugins``: modules every worker imports first (:mod:`.plugins`)."""
+    """Runs :class:`Job` s in worker processes: ``workers`` for re-plans, plus ``small_workers``
+    that only plans below ``limits.SMALL_PLAN_CELLS`` take (0: no such lane, every re-plan
+    queues for ``workers``), and ``compute_workers`` for stateless calls (0: in a thread of this
+    process, as the service did before; only to measure what the workers buy); ``plugins``:
+    modules every worker imports first (:mod:`.plugins`)."""
 
     def __init__(
         self,
         workers: int = limits.REPLAN_WORKERS,
         compute_workers: int = limits.COMPUTE_WORKERS,
         plugins: tuple[str, ...] = (),
+        small_workers: int = limits.SMALL_PLAN_WORKERS,
     ) -> None:
         self.workers = workers
         self.compute_workers = compute_workers
+        self.small_workers = small_workers
         self.plugins = tuple(plugins)
 
+    @staticmethod
+    def is_small(job: Job) -> bool:
+        """Whether ``job`` may plan in the small lane: fewer than ``limits.SMALL_PLAN_CELLS``
+        layers x slots (a plan's time grows with both; a limit-size one has 2^20)."""
+        return job.topology[0] * job.topology[2] < limits.SMALL_PLAN_CELLS
+
     async def replan(self, job: Job) -> Solved:
-        """A deployment's re-plan, in the re-plan workers."""
-        return await self._run("replan", self.workers, job, None)
+        """A deployment's re-plan: a small one in a free worker of either lane (its own first), a
+        larger one in the re-plan workers only."""
+        if self.workers == 0:
+            return await self._run("replan", {}, job, None)
+        lanes = {"replan": self.workers}
+        order: tuple[str, ...] = ("replan",)
+        if self.small_workers:
+            lanes["small"] = self.small_workers
+            if self.is_small(job):
+                order = ("small", "replan")
+        return await self._run("replan", lanes, job, None, order)
 
     async def compute(self, job: Job, deadline_s: float | None) -> Solved:
         """A stateless call's plan in the compute workers, killed when ``deadline_s`` passes;
         RESOURCE_EXHAUSTED when every worker is busy and ``limits.COMPUTE_QUEUE`` calls wait."""
+        lanes = {"compute": self.compute_workers} if self.compute_workers else {}
         if self.compute_workers:
-            slots = _slots("compute", self.compute_workers, self.plugins)
+            slots = _slots("compute", lanes, self.plugins)
             if slots.waiting >= limits.COMPUTE_QUEUE:
                 raise ResourceExhausted(
                     f"ComputePlacement is at capacity: {self.compute_workers} plans running and "
                     f"{slots.waiting} waiting (at most {limits.COMPUTE_QUEUE}); retry with backoff"
                 )
         try:
-            return await self._run("compute", self.compute_workers, job, deadline_s)
+            return await self._run("compute", lanes, job, deadline_s, ("compute",))
         except TimeoutError:
             raise DeadlineExceeded(f"the plan did not finish within the call's deadline ({deadline_s:.3g}s)") from None
 
-    async def _run(self, kind: str, workers: int, job: Job, timeout: float | None) -> Solved:
-        if workers == 0:
+    async def _run(
+        self,
+        kind: str,
+        lanes: dict[str, int],
+        job: Job,
+        timeout: float | None,
+        order: tuple[str, ...] = (),
+    ) -> Solved:
+        if not lanes:
             phy2log, logcnt, stats = await asyncio.wait_for(asyncio.to_thread(solve, job), timeout)
         else:
-            phy2log, logcnt, stats = await _slots(kind, workers, self.plugins).run(job, timeout)
+            phy2log, logcnt, stats = await _slots(kind, lanes, self.plugins).run(job, timeout, order)
         return Solved(phy2log, logcnt, pb.PlanStats.FromString(stats))
