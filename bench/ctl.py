@@ -296,13 +296,22 @@ class _Ctl:
             f"rollout of version {d.version}: {s.ranks_acked} of {s.num_ranks} ranks switched, "
             f"{s.ranks_prepared} prepared, {s.ranks_failed} failed"
         )
+        if r.down_ranks:
+            say(f"down:       ranks {_ranges(list(r.down_ranks))} (SetRanksDown; not in the rollout)")
+        for suspect in s.suspect_ranks:
+            silent = f"silent {suspect.seconds_since_seen:.0f} s" if suspect.ever_seen else "never heard from"
+            say(f"suspect:    rank {suspect.rank}, {silent} (no report or ack; still planned for)")
         acks = {a.rank: a for a in r.acks}
+        down = set(r.down_ranks)
         ranks = list(d.ranks) or list(range(d.topology.num_gpus))
         rows = [["RANK", "SWITCHED", "PREPARED", "FAILED", "STATE"]]
         by_state: dict[str, list[int]] = {}
         for rank in ranks:
             a = acks.get(rank)
-            if a is None:
+            if rank in down:
+                state = "down"
+                rows.append([str(rank), "-", "-", "-", state])
+            elif a is None:
                 state = "never acked"
                 rows.append([str(rank), "-", "-", "-", state])
             else:

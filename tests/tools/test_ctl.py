@@ -375,3 +375,26 @@ def test_watch_reconnects_after_the_service_restarts(
         if keys:
             r.delete(*keys)
         r.close()
+
+
+def test_show_names_down_and_suspect_ranks(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    """A rank down (SetRanksDown) is shown as down, not as a rank that never acked, and a silent
+    rank (liveness) as suspect."""
+    s = served()
+    d = pb.Deployment(name="d1", topology=wire.topology_to_pb(TOPO))
+    d.liveness.suspect_after.FromSeconds(1)
+    s.client.call("CreateDeployment", pb.CreateDeploymentRequest(deployment=d))
+    for rank in range(6):
+        s.client.ack("d1", rank, 1, "switched")
+    s.client.call("SetRanksDown", pb.SetRanksDownRequest(deployment="d1", down=[7], reason="test"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        code, out, _ = run(capsys, "--address", s.address, "show", "d1")
+        if "suspect:    rank 6" in out:
+            break
+        time.sleep(0.2)
+    assert code == 0
+    lines = out.splitlines()
+    assert "down:       ranks 7 (SetRanksDown; not in the rollout)" in lines
+    assert "suspect:    rank 6, never heard from (no report or ack; still planned for)" in lines
+    assert "  down (1): 7" in lines
