@@ -256,6 +256,10 @@ def rank_dispatch_map(
     (with ``a2a``, the ones rank ``ep_rank`` holds after the cut): each rank takes its nearest
     replica; the ranks with none share the replicas evenly (``k // n`` each, ``k % n`` drawn,
     then shuffled). An expert every rank finds a replica of draws nothing.
+
+    With gpus down (their slots all -1; SGLang's own maps have no such state): a down rank
+    sends nothing (its row is all -1) and takes no share, so the live ranks split each
+    replica's share among themselves; no entry points at an empty slot.
     """
     topo = placement.topology
     _check_rank(ep_rank, topo.num_gpus)
@@ -266,11 +270,12 @@ def rank_dispatch_map(
     if a2a:
         candidates = _cut(candidates, nearest, ep_rank)
     rng = random.Random(seed)
+    down = set(placement.down_gpus)
     out = np.empty((topo.num_layers, topo.num_experts), dtype=np.int64)
     for lay, layer in enumerate(candidates):
         for exp, cands in enumerate(layer):
-            picks = [nearest(cands, r) for r in range(G)]
-            lacking = [r for r in range(G) if picks[r] == -1]
+            picks = [-1 if r in down else nearest(cands, r) for r in range(G)]
+            lacking = [r for r in range(G) if picks[r] == -1 and r not in down]
             if lacking:
                 quotient, remainder = divmod(len(lacking), len(cands))
                 fair = cands * quotient + rng.sample(cands, k=remainder)

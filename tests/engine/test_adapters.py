@@ -157,6 +157,21 @@ def test_sglang_dispatch_spreads_ranks_without_a_replica_evenly() -> None:
         rank_dispatch_map(placement, 8)
 
 
+def test_sglang_dispatch_with_a_gpu_down_sends_nothing_from_it_and_nothing_to_it() -> None:
+    # gpu 7 down (slots 14, 15 empty); expert 0 on gpus 0 and 1: the 5 live ranks lacking it
+    # split its 2 replicas (3 + 2); rank 7 sends nothing and takes no share.
+    topo = eplb.Topology(1, 8, 16, 8)
+    phy2log = np.array([[0, 1, 0, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, -1, -1]])
+    placement = eplb.Placement(phy2log, topo)
+    assert placement.down_gpus == (7,)
+    rows = [rank_dispatch_map(placement, g)[0] for g in range(8)]
+    assert (rows[7] == -1).all()  # before: rank 7 drew one of expert 0's replicas like a live rank
+    for g in range(7):
+        assert (rows[g] >= 0).all() and (phy2log[0, rows[g]] == np.arange(8)).all()
+    picks = sorted(int(rows[g][0]) for g in range(2, 7))
+    assert picks in ([0, 0, 0, 2, 2], [0, 0, 2, 2, 2])
+
+
 def test_apply_to_sglang_updates_the_live_metadata_in_place() -> None:
     rng = np.random.default_rng(2)
     old = _random_placement(rng, 4)
