@@ -31,8 +31,8 @@ import grpc
 import numpy as np
 
 import eplb
+from eplb.limits import MAX_REPORT_COUNT
 from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service.limits import MAX_REPORT_COUNT
 
 from . import wire
 from .client import TRANSIENT, Backoff, Endpoints
