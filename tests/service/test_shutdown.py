@@ -165,8 +165,11 @@ async def test_sigterm_drains_and_every_accepted_report_is_counted(replicas):
     # clean-clone runs of the whole suite on a loaded machine, up to 3 of the ranks, never
     # alone); that client resends everything with the same seqs, which the counts below check.
     broken = ("Stream removed", "Error in HTTP transport", "Socket closed", "Connection reset")
+    # Every status that arrives says where to go; how many arrive intact rather than as a reset
+    # is the machine's timing (on a loaded 2-core machine none did), so no count of them is
+    # asserted: the resend below, counted exactly, is what proves the drain.
     assert all(e in said or any(b in e.details() for b in broken) for e in told), [e.details() for e in told]
-    assert len(said) >= 1 and len(told) > 0, [e.details() for e in told]
+    assert len(told) > 0, "no client was told to go elsewhere"
     resent: list[pb.ReportLoadResponse] = out["resent"]
     duplicates = sum(x.duplicates for x in resent)
     accepted_b = sum(x.accepted for x in resent)
