@@ -540,15 +540,7 @@ class RedisStore:
             with _unavailable():
                 info = await self._r.info("server")
             return str(info.get("run_id", ""))
-        try:
-            with _unavailable():
-                await self._r.initialize()
-        except StoreUnavailable:
-            # The client's re-initialization also asks its default node for the command table;
-            # when that node is the dead master it fails although the others answer. The
-            # slot map known so far still names every master to ping on their own connections.
-            if not self._r.nodes_manager.slots_cache:
-                raise
+        await self._initialized()
         masters = self._r.get_primaries()
         down = set()
         for master in masters:  # one at a time, as in _names
@@ -564,6 +556,22 @@ class RedisStore:
         # One id per master, a down one's as last seen: a master that restarted empty changes
         # the id (its deployments are written back; the others' restores find their versions).
         return ",".join(f"{m}={run_id}" for m, run_id in sorted(self._run_ids.items()))
+
+    async def _initialized(self) -> None:
+        """The cluster client's slot map, (re)read if the client asks for it (Redis Cluster only).
+
+        The client's re-initialization also asks its default node for the command table; when
+        that node is a dead master it fails although the other masters answer (seen in CI: the
+        health ping, then the deployment count of a CreateDeployment, failed with the dead
+        master's 'Connection refused'). The slot map known so far still routes every key, so
+        a failure counts only before there is one.
+        """
+        try:
+            with _unavailable():
+                await self._r.initialize()
+        except StoreUnavailable:
+            if not self._r.nodes_manager.slots_cache:
+                raise
 
     def _ping_client(self, master: ClusterNode) -> redis.Redis:
         """A connection of its own to one master, for the health ping (Redis Cluster only).
@@ -658,10 +666,9 @@ class RedisStore:
         """Every indexed name; on Redis Cluster a bucket whose master is down gives its last
         known names (``StoreUnavailable`` only if it was never read)."""
         if self.cluster:
-            with _unavailable():
-                # Concurrent first commands on a cluster client that is not initialized yet
-                # race (redis-py: "'NoneType' object has no attribute 'writelines'").
-                await self._r.initialize()
+            # Concurrent first commands on a cluster client that is not initialized yet race
+            # (redis-py: "'NoneType' object has no attribute 'writelines'").
+            await self._initialized()
         live = [k for k in self._index_keys if not (self._down and self._master_of(k) in self._down)]
         answers: dict[str, object] = {}
         for key in live:
