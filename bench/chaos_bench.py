@@ -53,9 +53,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from eplb_service import arrays
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire import arrays
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from .processes import RedisProcess, ServeProcess
 from .redis_cluster import ClusterProcesses

@@ -212,7 +212,7 @@ class _Ctl:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from eplb_engine.client import ServiceClient
-        from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+        from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
         self.pb = pb
         self.args = args

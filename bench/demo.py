@@ -363,7 +363,7 @@ class _Service:
 
 
 def _pb() -> object:
-    from eplb_service._gen.eplb.v1 import balancer_pb2
+    from eplb_wire._gen.eplb.v1 import balancer_pb2
 
     return balancer_pb2
 

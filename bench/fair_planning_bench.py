@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient, channel
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from .processes import free_port
 

@@ -44,8 +44,8 @@ STREAMS = 8  # per client process
 
 
 def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: float, rate: float, out: mp.Queue):
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_service.client import EngineClient, channel
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
     rng = np.random.default_rng(worker)
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]

@@ -22,12 +22,12 @@ from dataclasses import replace
 
 import redis.asyncio as aioredis
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.balancer import BalancerConfig
 from eplb_service.client import channel
 from eplb_service.redis_store import RedisStore
 from eplb_service.server import ServerConfig, start_server
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 
 def _deployment(name: str, ranks: int, after_s: float) -> pb.Deployment:

@@ -51,8 +51,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: float, out: mp.Queue) -> None:
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_service.client import EngineClient, channel
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
     rng = np.random.default_rng(0)
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
@@ -90,8 +90,8 @@ def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: fl
 
 
 def _latency_worker(target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue) -> None:
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_service.client import EngineClient, channel
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
     async def main() -> None:
         chan = channel(target)
@@ -123,8 +123,8 @@ def _latency_worker(target: str, name: str, callers: int, seconds: float, pace_s
 
 
 def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, ready: mp.Queue, out: mp.Queue) -> None:
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_service.client import EngineClient, channel
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
     async def main() -> None:
         chans = [channel(t) for t in targets]
@@ -167,8 +167,8 @@ def _create(target: str, name: str, ranks: int = 0) -> None:
     """Creates the v3-prefill deployment with ranks 0 .. max(ranks, num_gpus) - 1."""
     import grpc
 
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(target) as ch:
         pb_grpc.ExpertLoadBalancerServiceStub(ch).CreateDeployment(
@@ -181,8 +181,8 @@ def _create(target: str, name: str, ranks: int = 0) -> None:
 def _rebalance(target: str, name: str) -> float:
     import grpc
 
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(target) as ch:
         t = time.perf_counter()

@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
-from eplb_service.arrays import encode
 from eplb_service.client import channel
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire.arrays import encode
 
 # DeepSeek-V3 prefill-sized: 58 MoE layers, 256 experts, 288 slots on 32 gpus in 4 nodes.
 TOPOLOGY = pb.Topology(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8)

@@ -25,11 +25,11 @@ from dataclasses import replace
 import numpy as np
 
 from eplb.workloads import SCALES, make_loads
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.balancer import BalancerConfig
 from eplb_service.client import EngineClient, channel
 from eplb_service.server import ServerConfig, start_server
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 
 async def _scale(stub, ch, name: str, repeats: int) -> list[dict]:

@@ -29,9 +29,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient, channel
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 # 64 x 4096 int32: a 1 MiB phy2log (the greedy policy plans it in well under a second); placements
 # carry their window's loads too (float32 [64, 1024], 0.25 MiB): a 1.25 MiB message.

@@ -351,7 +351,7 @@ class BalancedRank:
         (the deployment's ranks 0 .. num_gpus - 1)."""
         import grpc
 
-        from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+        from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
         from .survivors import survivor_plan
 

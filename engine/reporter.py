@@ -32,7 +32,7 @@ import numpy as np
 
 import eplb
 from eplb.limits import MAX_REPORT_COUNT
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import wire
 from .client import TRANSIENT, Backoff, Endpoints

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 import eplb
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import wire
 from .client import TRANSIENT, Backoff, Endpoints, ServiceClient

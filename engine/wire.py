@@ -1,8 +1,8 @@
 """The wire contract (``eplb.v1``) ↔ numpy and ``eplb``: arrays, placements, topologies,
 deployments, and the gRPC health check.
 
-Everything here goes through the generated messages only, never the service's internals, so
-an engine needs the wire contract and ``eplb`` and nothing else of the service.
+Everything here goes through ``eplb_wire`` (the generated messages and the one ``Array`` codec),
+never the service, so an engine needs ``eplb_wire`` and ``eplb`` and nothing of ``eplb_service``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import eplb
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire import arrays
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 __all__ = [
     "PublishedPlacement",
@@ -32,47 +33,17 @@ __all__ = [
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertLoadBalancerService"].full_name
 
-_DTYPES: dict[int, np.dtype] = {
-    pb.DTYPE_INT32: np.dtype("<i4"),
-    pb.DTYPE_INT64: np.dtype("<i8"),
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_FLOAT64: np.dtype("<f8"),
-}
-_CODES = {dt: code for code, dt in _DTYPES.items()}
-
 
 def encode_array(arr: np.ndarray) -> pb.Array:
-    """Any-shape int32/int64/float32/float64 array → ``Array`` (little-endian, row-major).
-
-    Other integer dtypes (uint8, int16, ...) go as int64 and other floats (float16, bfloat16
-    cast by the caller) as float32, since the wire has only these four.
-    """
-    arr = np.asarray(arr)
-    if arr.dtype.kind == "b":
-        raise ValueError("cannot encode a boolean array; allowed: integer or floating dtypes")
-    dt = arr.dtype.newbyteorder("<")
-    if dt not in _CODES:
-        if arr.dtype.kind in "iu":
-            dt = np.dtype("<i8")
-        elif arr.dtype.kind == "f":
-            dt = np.dtype("<f4")
-        else:
-            raise ValueError(f"cannot encode dtype {arr.dtype}; allowed: integer or floating dtypes")
-    return pb.Array(dtype=_CODES[dt], shape=list(arr.shape), data=np.ascontiguousarray(arr, dtype=dt).tobytes())
+    """Any-shape array → ``Array``: :func:`eplb_wire.arrays.encode` with ``widen`` (other
+    integer dtypes go as int64, other floats as float32; booleans are refused)."""
+    return arrays.encode(arr, widen=True)
 
 
 def decode_array(msg: pb.Array, field: str = "array") -> np.ndarray:
-    """``Array`` → a read-only numpy array of its shape; ``ValueError`` naming ``field`` if the
-    dtype is unknown or the bytes do not fill the shape."""
-    if msg.dtype not in _DTYPES:
-        allowed = ", ".join(pb.Dtype.Name(c) for c in _DTYPES)
-        raise ValueError(f"{field}: dtype {msg.dtype} is not one of {allowed}")
-    dt = _DTYPES[msg.dtype]
-    shape = tuple(int(n) for n in msg.shape)
-    want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    if len(msg.data) != want:
-        raise ValueError(f"{field}: holds {len(msg.data)} bytes; shape {list(shape)} of {dt.name} needs {want}")
-    return np.frombuffer(msg.data, dtype=dt).reshape(shape)
+    """``Array`` → a read-only numpy array of its shape; :class:`eplb_wire.arrays.ArrayError`
+    (a ``ValueError``) naming ``field`` if the dtype is unknown or the bytes do not fill the shape."""
+    return arrays.decode(msg, field)
 
 
 def topology_to_pb(topo: eplb.Topology) -> pb.Topology:

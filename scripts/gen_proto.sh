@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate service/_gen from proto/ (the only way generated code changes).
-#   scripts/gen_proto.sh          rewrite service/_gen
+# Regenerate wire/_gen (package eplb_wire._gen) from proto/ (the only way generated code changes).
+#   scripts/gen_proto.sh          rewrite wire/_gen
 #   scripts/gen_proto.sh --check  regenerate into a temp dir, fail on any diff (CI)
 # protoc derives module paths from proto paths, so it emits `from eplb.v1 import …`, which
 # would resolve to the pure core package `eplb`; we rewrite those imports to be relative.
@@ -27,11 +27,11 @@ if [ "${1:-}" = "--check" ]; then
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
   gen "$tmp/_gen"
-  if ! diff -r -x __pycache__ "$tmp/_gen" service/_gen; then
-    echo "service/_gen is stale: run scripts/gen_proto.sh and commit" >&2
+  if ! diff -r -x __pycache__ "$tmp/_gen" wire/_gen; then
+    echo "wire/_gen is stale: run scripts/gen_proto.sh and commit" >&2
     exit 1
   fi
-  echo "service/_gen is up to date"
+  echo "wire/_gen is up to date"
 else
-  gen service/_gen
+  gen wire/_gen
 fi

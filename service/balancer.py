@@ -21,8 +21,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from . import limits, plugins
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import Deployments, LocalDeployment
 from .errors import ServiceError
 from .ingest import Ingest

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from . import arrays
-from ._gen.eplb.v1 import balancer_pb2 as pb
-from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire import arrays
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 __all__ = ["EngineClient", "channel", "auth_metadata"]
 

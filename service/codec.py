@@ -10,9 +10,9 @@ import dataclasses
 import numpy as np
 
 import eplb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, limits
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
 from .windows import WindowSpec

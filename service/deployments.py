@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import eplb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, codec, limits, validation
 from . import rollout as rollout_states
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .errors import (
     FailedPrecondition,
     FieldViolation,

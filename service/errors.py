@@ -23,6 +23,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from eplb import PolicyError
+from eplb_wire.arrays import ArrayError
 
 from .metrics import Metrics
 
@@ -129,6 +130,10 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
     """The rich status for ``exc``, or None when it is not ours to map (a bug: INTERNAL)."""
     if isinstance(exc, InvalidArgument):
         violations = exc.violations
+    elif isinstance(exc, ArrayError):
+        # A bad Array (eplb_wire's codec): its field path and rule, as a field violation.
+        violations = [FieldViolation(exc.field, exc.description)]
+        exc = InvalidArgument(violations)
     elif isinstance(exc, PolicyError):
         # A plugin policy's bad output is this server's fault, not the request's.
         return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=str(exc))

@@ -20,7 +20,8 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from .errors import NotFound, ServiceError
 from .store import PLACEMENTS_KEPT, Store
 

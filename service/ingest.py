@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from . import arrays, report_counts, validation
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
     FailedPrecondition,

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import time
 
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from . import codec
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import NotFound, StoreUnavailable
 from .store import Seen, created_seconds

@@ -8,7 +8,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from .errors import Aborted, AlreadyExists, NotFound
 from .rollout import RankState, Rollout, VersionRollout, apply_ack
 from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen, created_seconds

@@ -16,9 +16,9 @@ import numpy as np
 
 import eplb
 from eplb.survivors import survivors
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, codec, validation
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .deployments import LocalDeployment
 from .errors import (
     Aborted,

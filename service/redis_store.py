@@ -53,7 +53,8 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from ._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from . import arrays, limits
-from ._gen.eplb.v1 import balancer_pb2 as pb
 
 __all__ = ["decode"]
 

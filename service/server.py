@@ -31,7 +31,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from .auth import Access, AuthFileError, AuthInterceptor
 from .balancer import Balancer, BalancerConfig
 from .errors import ErrorInterceptor, ServiceError

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
 from . import arrays
-from ._gen.eplb.v1 import balancer_pb2 as pb
-from ._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from .auth import Access
 from .balancer import Balancer
 from .errors import FieldViolation, InvalidArgument, ServiceError

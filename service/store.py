@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
 from .rollout import RankState, Rollout
 
 __all__ = ["Store", "DeploymentRecord", "PlanMarks", "Seen", "PLACEMENTS_KEPT", "created_seconds"]

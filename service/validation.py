@@ -11,9 +11,9 @@ import re
 from collections.abc import Collection
 
 import eplb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import limits
-from ._gen.eplb.v1 import balancer_pb2 as pb
 from .codec import (
     EFFORTS,
     MIGRATION_FIELDS,

@@ -27,3 +27,58 @@ def test_unknown_attributes_still_raise_attribute_error() -> None:
     assert "workloads" in dir(eplb)
     with pytest.raises(AttributeError, match="module 'eplb' has no attribute 'workload'"):
         eplb.workload  # noqa: B018
+
+
+def test_the_engine_side_imports_no_service_module() -> None:
+    # A fresh interpreter: the engine needs eplb_wire (stubs, codec) and eplb, never eplb_service.
+    code = (
+        "import sys, eplb_engine, eplb_engine.client, eplb_engine.aio, eplb_engine.wire, eplb_engine.reporter\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'eplb_service'))\n"
+        "print('eplb_wire._gen.eplb.v1.balancer_pb2' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]", "True"]
+
+
+def test_the_old_stub_and_codec_names_are_the_same_modules() -> None:
+    # Deprecated aliases for a release: the same module objects, so descriptors register once
+    # (a second registration of eplb/v1/balancer.proto would fail the import).
+    code = (
+        "import eplb_service._gen.eplb.v1.balancer_pb2 as old\n"
+        "from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as old_grpc\n"
+        "from eplb_service import arrays as old_arrays\n"
+        "from eplb_wire import arrays\n"
+        "from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb, balancer_pb2_grpc as pb_grpc\n"
+        "print(old is pb, old_grpc is pb_grpc, old_arrays.encode is arrays.encode, old.Array is pb.Array)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "True", "True"]
+
+
+def test_one_codec_raises_the_field_and_the_service_maps_it_to_invalid_argument() -> None:
+    import numpy as np
+
+    from eplb_service import arrays as service_arrays
+    from eplb_service.errors import InvalidArgument, to_status
+    from eplb_wire import arrays
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+    short = pb.Array(dtype=pb.DTYPE_INT32, shape=[2, 3], data=b"\0" * 20)
+    with pytest.raises(
+        arrays.ArrayError, match=r"^loads.data: holds 20 bytes; shape \[2, 3\] of int32 needs 24$"
+    ) as info:
+        arrays.decode(short, "loads", (2, 3))
+    assert (info.value.field, isinstance(info.value, ValueError)) == ("loads.data", True)
+    assert to_status(info.value).code == 3  # INVALID_ARGUMENT, with the field violation
+    with pytest.raises(InvalidArgument) as got:
+        service_arrays.decode(short, "loads", (2, 3))
+    assert [(v.field, v.description) for v in got.value.violations] == [("loads.data", info.value.description)]
+    with pytest.raises(InvalidArgument, match=r"loads.data: counts must be >= 0 \(found -1.0\)"):
+        service_arrays.decode_counts(arrays.encode(np.array([[-1.0]])), "loads", (1, 1))
+    # Strict by default (the service's rule); the engine side widens other integers and floats.
+    with pytest.raises(ValueError, match="cannot encode dtype uint8; allowed: int32, int64, float32, float64"):
+        arrays.encode(np.zeros(2, np.uint8))
+    assert arrays.encode(np.zeros(2, np.uint8), widen=True).dtype == pb.DTYPE_INT64
+    assert arrays.encode(np.zeros(2, np.float16), widen=True).dtype == pb.DTYPE_FLOAT32
+    with pytest.raises(ValueError, match="cannot encode a boolean array"):
+        arrays.encode(np.zeros(2, bool), widen=True)

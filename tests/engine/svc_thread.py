@@ -16,11 +16,11 @@ from dataclasses import replace
 import grpc
 import numpy as np
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
-from eplb_service.arrays import encode
 from eplb_service.balancer import BalancerConfig
 from eplb_service.server import RunningServer, ServerConfig, start_server
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire.arrays import encode
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # Fast timings so tests see flushes and triggers within a second.

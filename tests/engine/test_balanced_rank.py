@@ -22,7 +22,7 @@ from svc_thread import ServerThread, free_port
 import eplb
 from eplb_engine import BalancedRank, Draft, ServiceClient
 from eplb_engine.balanced_rank import fold_slot_counts
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 TOPO = eplb.Topology(num_layers=6, num_experts=6, num_slots=10, num_gpus=2)
 SLOT = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())

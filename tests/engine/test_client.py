@@ -16,7 +16,7 @@ from eplb_engine import wire
 from eplb_engine.client import ServiceClient
 from eplb_engine.reporter import LoadReporter
 from eplb_engine.watcher import PlacementWatcher
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
 
@@ -48,7 +48,7 @@ def test_other_integer_dtypes_travel_as_int64():
 
 def test_decode_names_the_field_when_bytes_do_not_fill_the_shape():
     msg = pb.Array(dtype=pb.DTYPE_INT32, shape=[2, 3], data=b"\0" * 20)
-    with pytest.raises(ValueError, match=r"placement.phy2log: holds 20 bytes; shape \[2, 3\] of int32 needs 24"):
+    with pytest.raises(ValueError, match=r"placement.phy2log.data: holds 20 bytes; shape \[2, 3\] of int32 needs 24"):
         wire.decode_array(msg, "placement.phy2log")
     with pytest.raises(ValueError, match="dtype 9 is not one of DTYPE_INT32"):
         wire.decode_array(pb.Array(dtype=9, shape=[1], data=b"\0" * 4))

@@ -22,7 +22,7 @@ from svc_thread import ServerThread, free_port
 import eplb
 from eplb_engine.adapters.sglang import rank_dispatch_map, to_sglang
 from eplb_engine.adapters.vllm import to_vllm
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 TOPO = eplb.Topology(num_layers=2, num_experts=8, num_slots=12, num_gpus=2)

@@ -118,7 +118,7 @@ def test_group_and_restore_misfits_are_refused_before_anything_moves():
 
 
 def test_a_placement_with_a_gpu_down_decodes_from_the_wire():
-    from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
     new = eplb.rebalance(_loads(0), TOPO, down_gpus=[1]).placement
     a = new.phy2log.astype("<i4")

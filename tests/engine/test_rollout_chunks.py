@@ -24,7 +24,7 @@ from svc_thread import free_port
 import eplb
 from eplb_engine.rollout import MoverApplier, ProcessGroupBarrier, Rollout
 from eplb_engine.wire import PublishedPlacement
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 SLOT = sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size() for shape, dt in TENSORS.values())
 STEPS = 160

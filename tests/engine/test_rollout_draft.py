@@ -19,7 +19,7 @@ from test_rollout_group import Recorder, published
 import eplb
 from eplb_engine import BalancedRank, Draft, ServiceClient
 from eplb_engine.rollout import ProcessGroupBarrier, Rollout, RolloutGroup, ServiceBarrier
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
 def run(group: RolloutGroup, offers: dict[tuple[int, int], object], steps: int) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ from svc_thread import free_port
 import eplb
 from eplb_engine.rollout import Decision, Local, ProcessGroupBarrier, Rollout
 from eplb_engine.wire import PublishedPlacement
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 TOPO = eplb.Topology(num_layers=2, num_experts=4, num_slots=6, num_gpus=2)
 

@@ -14,7 +14,7 @@ import eplb
 from eplb_engine.client import ServiceClient
 from eplb_engine.rollout import Rollout, ServiceBarrier
 from eplb_engine.watcher import PlacementWatcher
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 TOPO = eplb.Topology(num_layers=2, num_experts=8, num_slots=12, num_gpus=3)
 # Ranks here are threads that do not step in lockstep, so the margin also covers their skew.

@@ -22,9 +22,9 @@ from eplb_engine import wire
 from eplb_engine.rollout import MoverApplier, ProcessGroupBarrier, Rollout
 from eplb_engine.survivors import SURVIVOR_OPTIONS, SURVIVOR_POLICY, same_survivor, survivor_plan
 from eplb_service import codec
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 TOPO = eplb.Topology(3, 8, 12, 4, 2)  # 3 slots per gpu, 2 nodes of 2 gpus
 SVC_TOPO = eplb.Topology(3, 8, 16, 4, 2)  # 4 slots per gpu: two gpus down still hold every expert

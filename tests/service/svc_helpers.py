@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import redis
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.balancer import BalancerConfig
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # Fast timings so tests see flushes, triggers and lease expiry within a second or two.
@@ -40,7 +40,7 @@ async def report_some_load(
     """One skewed ``[L, E]`` report from ``rank``, so a forced Rebalance has load to plan (on an
     empty window it is FAILED_PRECONDITION). ``shape``: the deployment's layers and experts
     (``small_deployment``'s by default)."""
-    from eplb_service.arrays import encode
+    from eplb_wire.arrays import encode
 
     counts = np.broadcast_to((np.arange(shape[1], dtype=np.int32) % 7 + 1) * 10, shape).copy()
     seq = time.time_ns() // 1000  # above any seq this rank sent before

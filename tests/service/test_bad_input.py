@@ -10,7 +10,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 L, E, P = 4, 16, 24
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import report_some_load, small_deployment
 
 from eplb_service import limits
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.cluster import ClusterUrl, parse_cluster_url
 from eplb_service.server import SERVICE_NAME
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -13,9 +13,9 @@ from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_de
 import eplb
 import eplb.transfer
 from eplb_service import codec
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.rollout import PREPARED, SWITCHED, apply_ack
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 TOPO = eplb.Topology(4, 16, 24, 8, 2, 4)
 

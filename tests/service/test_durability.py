@@ -17,9 +17,9 @@ import pytest
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
 from eplb_bench.processes import serve_argv
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import EngineClient, channel
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 L, E = 4, 16
 # Reports per stream, 10 ms apart: a stream under way at SIGTERM goes on into the grace period.

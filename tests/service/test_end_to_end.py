@@ -11,8 +11,8 @@ import pytest
 from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
 import eplb
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
 def skewed_loads(seed: int, shape: tuple[int, int] = (4, 16)) -> np.ndarray:

@@ -14,10 +14,10 @@ import pytest
 from svc_helpers import FAST, small_deployment
 
 from eplb_service import limits
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.cli import parse_args
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 # 32 layers x 8192 slots = 2^18 cells, the smallest plan the lane refuses: a few seconds to
 # plan, where the small deployment's 4 x 24 takes milliseconds.

@@ -14,8 +14,8 @@ import redis
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
 from eplb_service import limits
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
 def logical(counts: np.ndarray, seq: int, rank: int = 0) -> pb.ReportLoadRequest:

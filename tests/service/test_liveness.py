@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 from svc_helpers import FAST, REDIS_URL, small_deployment, status_details
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.liveness import suspects
 from eplb_service.redis_store import RedisStore
 from eplb_service.store import Seen
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 # Replicas write what they saw every 0.2 s here (1 s by default): the margin added to
 # suspect_after, so a rank is listed 1.2 s after its last report.

@@ -20,10 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import FAST, REDIS_URL, free_port, small_deployment
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.cli import parse_args
 from eplb_service.client import EngineClient, auth_metadata, channel
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 

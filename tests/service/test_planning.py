@@ -14,9 +14,9 @@ from svc_helpers import FAST, report_some_load, small_deployment, status_details
 import eplb
 from eplb.transfer import transfer_schedule
 from eplb_service import limits
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service.arrays import encode
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.arrays import encode
 
 TOPO = small_deployment().topology
 T = eplb.Topology(4, 16, 24, 8, 2, 4)

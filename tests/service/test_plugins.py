@@ -20,9 +20,9 @@ from test_cli import assert_one_line_error, run_serve
 
 import eplb
 from eplb_service import plugins
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service.arrays import encode
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.arrays import encode
 
 ROOT = Path(__file__).resolve().parents[2]
 

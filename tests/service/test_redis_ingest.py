@@ -16,9 +16,9 @@ import pytest
 import redis
 from svc_helpers import FAST, REDIS_URL
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 SHAPE = (58, 256)
 # A deployment whose reports are not folded during the test (flush every minute).

@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import report_some_load, small_deployment
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.server import SERVICE_NAME
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
 async def health_of(c) -> int:

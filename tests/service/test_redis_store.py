@@ -12,10 +12,10 @@ import uuid
 import numpy as np
 import pytest
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.errors import AlreadyExists, NotFound
 from eplb_service.redis_store import RedisStore
 from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
 def deployment(name: str) -> pb.Deployment:

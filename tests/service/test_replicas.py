@@ -8,7 +8,7 @@ import time
 import pytest
 from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
 async def read_versions(call, n: int) -> list[int]:
@@ -147,7 +147,7 @@ async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
     instead of planning the same version (which would end in ABORTED)."""
     import numpy as np
 
-    from eplb_service.arrays import encode
+    from eplb_wire.arrays import encode
 
     p = prefix()
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_details
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 P, S, F = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from svc_helpers import REDIS_URL, small_deployment
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.memory_store import MemoryStore
 from eplb_service.redis_store import RedisStore
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 STATES = (pb.ACK_STATE_UNSPECIFIED, pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED)
 

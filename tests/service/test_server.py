@@ -19,10 +19,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
 import eplb
-from eplb_service import arrays
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_service.client import EngineClient
 from eplb_service.server import SERVICE_NAME
+from eplb_wire import arrays
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 

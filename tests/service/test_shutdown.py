@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, small_deployment
 
 from eplb_bench.processes import ServeProcess
-from eplb_service import arrays
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_service.client import channel
+from eplb_wire import arrays
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 RANKS = 8
 GRACE_S = 2.0

@@ -26,11 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from svc_helpers import free_port, report_some_load, small_deployment
 
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service.arrays import encode
 from eplb_service.auth import AuthFileError, RefusalLog, Role, parse_auth_file, token_sha256
 from eplb_service.client import EngineClient
 from eplb_service.server import StartError, check_certificate_dates
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.arrays import encode
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,9 +13,9 @@ import pytest
 from svc_helpers import REDIS_URL
 
 from eplb_bench.processes import ServeProcess
-from eplb_service._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_service._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
-from eplb_service.arrays import encode
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire.arrays import encode
 
 
 def _descendants(root: int) -> set[int]:

@@ -1,0 +1,6 @@
+"""The wire contract ``eplb.v1``, shared by the service and the engine side.
+
+``eplb_wire._gen``: the code generated from ``proto/`` (``scripts/gen_proto.sh``; never edited by
+hand), and :mod:`eplb_wire.arrays`: ``Array`` messages ↔ numpy. Both sides depend on this package
+and on ``eplb``, never on each other; it needs ``protobuf`` and ``grpcio`` only.
+"""
