@@ -24,6 +24,7 @@ from .place.anytime import PlanOptions
 from .place.spread import spread_nodes as spread_over_nodes
 from .placement import Placement
 from .plan import Plan, SearchStats, SolverStats
+from .progress import Progress, check_callback, report, reporting
 from .replan.choose import Migration, choose
 from .replan.fresh import near_bound
 from .survivors import Survivors, restore, survivors
@@ -234,6 +235,7 @@ def rebalance(
     *,
     down_gpus: object = (),
     spread_nodes: bool = False,
+    progress: Callable[[Progress], object] | None = None,
     **options: object,
 ) -> Plan:
     """``loads``: ``[L, E]`` expert loads → a :class:`Plan` for ``topology``.
@@ -256,7 +258,12 @@ def rebalance(
     one node onto another node where a slot allows (``eplb.place.spread``), so that a node
     failing loses fewer experts (``Plan.single_node``); it costs some balance and moves, and a
     hierarchical plan's groups are then no longer whole on nodes.
+
+    ``progress``: called with an :class:`eplb.Progress` (layers done of the layers, phase,
+    seconds since the call began) as chunks of layers finish, from this thread; it changes no
+    placement. What it does with it (a bar, a log line) is the caller's.
     """
+    check_callback(progress)
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
     spec = get_policy(policy)
@@ -279,11 +286,12 @@ def rebalance(
         )
     if not isinstance(spread_nodes, bool):
         raise ValueError(f"spread_nodes must be True or False, got {spread_nodes!r}")
-    if live.down or (previous is not None and not previous.full):
-        plan = _survivor_plan(arr, live, policy, previous, options)
-    else:
-        plan = _plan(arr, topology, spec, policy, previous, options)
-    return _spread(plan, arr, previous) if spread_nodes else plan
+    with reporting(progress):
+        if live.down or (previous is not None and not previous.full):
+            plan = _survivor_plan(arr, live, policy, previous, options)
+        else:
+            plan = _plan(arr, topology, spec, policy, previous, options)
+        return _spread(plan, arr, previous) if spread_nodes else plan
 
 
 def _spread(plan: Plan, arr: np.ndarray, previous: Placement | None) -> Plan:
@@ -409,10 +417,14 @@ def _plan(
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))
         by_node = result.groups_on_nodes
+        # The re-plan's candidates are made for every layer at once (eplb.replan.candidates):
+        # its progress is its start and its end.
+        report("re-plan", 0, topology.num_layers)
         phy2log, replan, more = choose(
             arr, previous, phy2log, topology, migration, by_node, workers, reference, deadline, quick
         )
         notes += more
+        report("re-plan", topology.num_layers, topology.num_layers)
     elif previous is not None:
         notes += (f"policy {policy!r} plans from scratch: moves are counted against previous, not kept low",)
     seconds = time.perf_counter() - start
