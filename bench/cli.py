@@ -753,8 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress",
         action="store_true",
-        help="show progress on stderr even when it is not a terminal "
-        "(on a terminal it shows for plans over half a second)",
+        help="show progress on stderr from the start of the plan (without it: a bar on a terminal after "
+        "half a second, plain lines elsewhere after 3 s)",
     )
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)

@@ -106,6 +106,8 @@ class PolicySpec:
 
 
 _REGISTRY: dict[str, PolicySpec] = {}
+# rebalance's own arguments, which no policy option may be called.
+_REBALANCE_ARGS = ("loads", "topology", "policy", "previous", "down_gpus", "spread_nodes", "progress")
 # Policy names: what a deployment, the CLI and the wire can carry.
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
@@ -128,6 +130,10 @@ def register_policy(name: str, *, options: type | None = None, replans: bool = F
         bare = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if bare:
             raise ValueError(f"options {options.__name__}: every field needs a default, these have none: {bare}")
+        own = sorted({f.name for f in fields} & set(_REBALANCE_ARGS))
+        if own:
+            # rebalance takes these itself: the policy's option would never be given.
+            raise ValueError(f"options {options.__name__} may not reuse rebalance's own argument names {own}")
         clash = sorted({f.name for f in fields} & {f.name for f in dataclasses.fields(Migration)}) if replans else []
         if clash:
             raise ValueError(

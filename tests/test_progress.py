@@ -102,3 +102,15 @@ def test_without_a_plan_running_report_calls_nothing_and_an_error_in_the_callbac
         eplb.rebalance(make_loads("zipf-1.0", topo, 0), topo, "global", progress=boom)
     # The plan's callback is gone after it: a plan without one reports to nobody.
     eplb.rebalance(make_loads("zipf-1.0", topo, 0), topo, "global")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TakesProgress:
+    progress: object = None
+
+
+def test_a_policy_option_named_like_rebalances_progress_is_refused_at_registration():
+    # rebalance takes progress= itself: such an option would never reach the policy.
+    with pytest.raises(ValueError, match=r"may not reuse rebalance's own argument names \['progress'\]"):
+        eplb.register_policy("test-progress-option", options=_TakesProgress)
+    assert "test-progress-option" not in eplb.policies()
