@@ -494,13 +494,14 @@ def _is_terminal() -> bool:
     return sys.stderr.isatty()
 
 
-class _ProgressLines:
+class ProgressLines:
     """``rebalance``'s progress callback as plain lines on stderr: ``eplb place: search: layers
     1200/20000 (6 %), 9 s``, after ``PROGRESS_AFTER_S`` (at once when ``eager``), at most one
     per ``PROGRESS_EVERY_S`` besides each phase's end; ``close`` adds the total time if a line
     was printed."""
 
-    def __init__(self, eager: bool) -> None:
+    def __init__(self, eager: bool, prefix: str = "eplb place") -> None:
+        self.prefix = prefix
         self.after = 0.0 if eager else PROGRESS_AFTER_S
         self.last: float | None = None
         self.elapsed = 0.0
@@ -514,14 +515,14 @@ class _ProgressLines:
         self.last = p.elapsed_s
         pct = 100 * p.done_rows / p.total_rows if p.total_rows else 100.0
         print(
-            f"eplb place: {p.phase}: layers {p.done_rows}/{p.total_rows} ({pct:.0f} %), {p.elapsed_s:.0f} s",
+            f"{self.prefix}: {p.phase}: layers {p.done_rows}/{p.total_rows} ({pct:.0f} %), {p.elapsed_s:.0f} s",
             file=sys.stderr,
             flush=True,
         )
 
     def close(self) -> None:
         if self.last is not None:
-            print(f"eplb place: planned in {self.elapsed:.0f} s", file=sys.stderr, flush=True)
+            print(f"{self.prefix}: planned in {self.elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
 class _ProgressBar:
@@ -552,9 +553,9 @@ class _ProgressBar:
 @contextmanager
 def _progress(desc: str, eager: bool) -> Iterator[Callable[[eplb.Progress], None]]:
     """Yields the ``progress=`` callback of ``rebalance``: a tqdm bar on a terminal (needs the
-    bench extra), else plain lines (``_ProgressLines``). It also re-raises a Ctrl-C that got
+    bench extra), else plain lines (``ProgressLines``). It also re-raises a Ctrl-C that got
     lost (``_remember_ctrl_c``)."""
-    show: _ProgressLines | _ProgressBar = _ProgressLines(eager)
+    show: ProgressLines | _ProgressBar = ProgressLines(eager)
     if _is_terminal():
         try:
             from tqdm import tqdm

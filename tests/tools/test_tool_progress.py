@@ -76,3 +76,21 @@ def test_on_a_terminal_progress_is_a_tqdm_bar(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert re.search(r"eplb place: search: 100%\|.*\| 70/70 ", err), err
     assert "planned in" not in err  # the plain lines' closing line is not drawn with a bar
+
+
+def test_eplb_bench_says_how_far_a_long_plan_got_without_a_terminal(monkeypatch, capsys):
+    from eplb_bench import report
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.0)
+    assert report.main(["--quick", "--scales", "small", "--policies", "global"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^eplb-bench: global on small/[\w.-]+: search: layers (\d+)/\1 \(100 %\), \d+ s$", err, re.M), err
+    assert "eplb-bench: global on small/" in err and ": planned in " in err
+
+
+def test_eplb_bench_prints_no_progress_for_its_quick_plans(capsys):
+    from eplb_bench import report
+
+    assert report.main(["--quick", "--scales", "small", "--policies", "global"]) == 0
+    assert "layers" not in capsys.readouterr().err
