@@ -303,7 +303,6 @@ def _place(args: argparse.Namespace) -> int:
         )
     base = previous if previous is not None else eplb.Placement.contiguous(topo)
     before = eplb.imbalance(eplb.gpu_loads(loads, base))
-    show = args.progress or sys.stderr.isatty()
     if args.policy == "ilp" and args.time_limit is None:
         print(
             f"eplb place: ilp builds and solves one CP-SAT model per layer ({topo.num_layers} layer"
@@ -311,15 +310,8 @@ def _place(args: argparse.Namespace) -> int:
             "--time-limit S caps the whole run",
             file=sys.stderr,
         )
-    with _progress(
-        show,
-        f"{args.policy}: planning {topo.num_layers} layers",
-        topo.num_layers if args.policy == "ilp" else None,
-        eager=args.progress,
-    ) as tick:
-        if args.policy == "ilp":
-            planning["progress"] = tick
-        plan = eplb.rebalance(loads, topo, args.policy, previous=previous, **bounds, **planning)
+    with _progress("eplb place", eager=args.progress) as progress:
+        plan = eplb.rebalance(loads, topo, args.policy, previous=previous, progress=progress, **bounds, **planning)
     replicated = (plan.logcnt > 1).sum(axis=1)
     say = functools.partial(print, file=report)
     say(f"loads: {source}")
@@ -492,54 +484,96 @@ def _refuse_a_trace(path: str) -> None:
     )
 
 
-@contextmanager
-def _progress(show: bool, desc: str, layers: int | None, eager: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """A tqdm bar on stderr while planning. With ``layers``, yields the per-layer callback
-    the policy calls (``progress(done, total)``): it moves the bar and re-raises a Ctrl-C that
-    got lost (below). Without, the elapsed time, ticked from a thread since the policy reports
-    nothing. Shown after half a second unless ``eager`` (--progress), so fast plans print no
-    bar. Without tqdm (the bench extra) no bar."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        show = False
-    if layers is not None:
-        with _remember_ctrl_c() as interrupted:
-            bar = (
-                tqdm(total=layers, desc=desc, unit="layer", file=sys.stderr, delay=0.0 if eager else 0.5)
-                if show
-                else None
+# Without a terminal (a log, CI), progress is a plain line on stderr: the first once the plan
+# has run this long, then at most one per interval, so a quick plan prints none.
+PROGRESS_AFTER_S = 3.0
+PROGRESS_EVERY_S = 3.0
+
+
+def _is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+class ProgressLines:
+    """``rebalance``'s progress callback as plain lines on stderr: ``eplb place: search: layers
+    1200/20000 (6 %), 9 s``, after ``PROGRESS_AFTER_S`` (at once when ``eager``), at most one
+    per ``PROGRESS_EVERY_S`` besides each phase's end; ``close`` adds the total time if a line
+    was printed."""
+
+    def __init__(self, eager: bool, prefix: str = "eplb place") -> None:
+        self.prefix = prefix
+        self.after = 0.0 if eager else PROGRESS_AFTER_S
+        self.last: float | None = None
+        self.elapsed = 0.0
+
+    def __call__(self, p: eplb.Progress) -> None:
+        self.elapsed = p.elapsed_s
+        due = self.last is None or p.elapsed_s - self.last >= PROGRESS_EVERY_S
+        # A phase's end shows too: a plan has few phases, and the last would often go unsaid.
+        if p.elapsed_s < self.after or not (due or p.done_rows == p.total_rows):
+            return
+        self.last = p.elapsed_s
+        pct = 100 * p.done_rows / p.total_rows if p.total_rows else 100.0
+        print(
+            f"{self.prefix}: {p.phase}: layers {p.done_rows}/{p.total_rows} ({pct:.0f} %), {p.elapsed_s:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.last is not None:
+            print(f"{self.prefix}: planned in {self.elapsed:.0f} s", file=sys.stderr, flush=True)
+
+
+class _ProgressBar:
+    """``rebalance``'s progress callback as a tqdm bar on stderr (a terminal), one phase at a
+    time; shown after half a second unless ``eager``, so a quick plan draws none."""
+
+    def __init__(self, tqdm: Callable[..., object], desc: str, eager: bool) -> None:
+        self.tqdm, self.desc, self.delay = tqdm, desc, 0.0 if eager else 0.5
+        self.bar: object | None = None
+        self.phase: str | None = None
+
+    def __call__(self, p: eplb.Progress) -> None:
+        if self.bar is None:
+            self.bar = self.tqdm(
+                total=p.total_rows, desc=f"{self.desc}: {p.phase}", unit="layer", file=sys.stderr, delay=self.delay
             )
+        elif p.phase != self.phase or p.done_rows < self.bar.n:  # type: ignore[attr-defined]
+            self.bar.reset(total=p.total_rows)  # type: ignore[attr-defined]
+            self.bar.set_description(f"{self.desc}: {p.phase}", refresh=False)  # type: ignore[attr-defined]
+        self.phase = p.phase
+        self.bar.update(p.done_rows - self.bar.n)  # type: ignore[attr-defined]
 
-            def tick(done: int, total: int) -> None:
-                if interrupted():
-                    raise KeyboardInterrupt
-                if bar is not None:
-                    bar.update(done - bar.n)
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()  # type: ignore[attr-defined]
 
-            try:
-                yield tick
-            finally:
-                if bar is not None:
-                    bar.close()
-        return
-    if not show:
-        yield None
-        return
-    stop = threading.Event()
-    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=0.0 if eager else 0.5) as bar:
 
-        def tick() -> None:
-            while not stop.wait(0.5):
-                bar.refresh()
-
-        ticker = threading.Thread(target=tick, daemon=True)
-        ticker.start()
+@contextmanager
+def _progress(desc: str, eager: bool) -> Iterator[Callable[[eplb.Progress], None]]:
+    """Yields the ``progress=`` callback of ``rebalance``: a tqdm bar on a terminal (needs the
+    bench extra), else plain lines (``ProgressLines``). It also re-raises a Ctrl-C that got
+    lost (``_remember_ctrl_c``)."""
+    show: ProgressLines | _ProgressBar = ProgressLines(eager)
+    if _is_terminal():
         try:
-            yield None
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            show = _ProgressBar(tqdm, desc, eager)
+    with _remember_ctrl_c() as interrupted:
+
+        def tick(p: eplb.Progress) -> None:
+            if interrupted():
+                raise KeyboardInterrupt
+            show(p)
+
+        try:
+            yield tick
         finally:
-            stop.set()
-            ticker.join()
+            show.close()
 
 
 @contextmanager
@@ -720,8 +754,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress",
         action="store_true",
-        help="show progress on stderr even when it is not a terminal "
-        "(on a terminal it shows for plans over half a second)",
+        help="show progress on stderr from the start of the plan (without it: a bar on a terminal after "
+        "half a second, plain lines elsewhere after 3 s)",
     )
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)

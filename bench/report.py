@@ -46,7 +46,7 @@ from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 
 from . import extras
 from . import io as eio
-from .cli import build_topology, check_plan_fits
+from .cli import ProgressLines, build_topology, check_plan_fits
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 try:
@@ -138,7 +138,18 @@ def plan_case(
         try:
             t0 = time.perf_counter()
             options = {"time_limit": ilp_time_limit} if policy == "ilp" else {}
-            plan = eplb.rebalance(loads, topo, policy, **options)
+            # Without a terminal (where the bar over the cases shows), a plan that runs long
+            # (ilp: one CP-SAT solve per layer) says how far it got, as eplb place does.
+            lines = (
+                None
+                if sys.stderr.isatty()
+                else ProgressLines(False, f"eplb-bench: {policy} on {case.scale}/{case.workload}")
+            )
+            try:
+                plan = eplb.rebalance(loads, topo, policy, progress=lines, **options)
+            finally:
+                if lines is not None:
+                    lines.close()
             seconds = time.perf_counter() - t0
         except ImportError as exc:  # a missing extra: ilp without OR-Tools, a plugin's dependency
             return row | {"skipped": str(exc)}, None, None

@@ -6,7 +6,8 @@ what it is (its options, whether it re-plans migration-aware). The library's roo
 ``eplb.place`` (placement steps and the anytime planner), ``eplb.replan`` (re-planning from
 a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
 ``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies),
-``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``). The tool modules
+``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``), ``eplb.progress`` (what
+``rebalance(..., progress=callback)`` reports as layers finish). The tool modules
 (``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ...) load on first use.
 """
 
@@ -17,6 +18,7 @@ from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bou
 from .place.anytime import EFFORTS, PlanOptions
 from .placement import Placement
 from .plan import Plan, ReplanStats, SearchStats, SolverStats
+from .progress import Progress
 from .registry import (
     PolicyError,
     PolicyResult,
@@ -40,6 +42,7 @@ __all__ = [
     "PlanOptions",
     "EFFORTS",
     "Migration",
+    "Progress",
     "SearchStats",
     "ReplanStats",
     "SolverStats",

@@ -24,6 +24,7 @@ from .place.anytime import PlanOptions
 from .place.spread import spread_nodes as spread_over_nodes
 from .placement import Placement
 from .plan import Plan, SearchStats, SolverStats
+from .progress import Progress, check_callback, report, reporting
 from .replan.choose import Migration, choose
 from .replan.fresh import near_bound
 from .survivors import Survivors, restore, survivors
@@ -105,6 +106,8 @@ class PolicySpec:
 
 
 _REGISTRY: dict[str, PolicySpec] = {}
+# rebalance's own arguments, which no policy option may be called.
+_REBALANCE_ARGS = ("loads", "topology", "policy", "previous", "down_gpus", "spread_nodes", "progress")
 # Policy names: what a deployment, the CLI and the wire can carry.
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
@@ -127,6 +130,10 @@ def register_policy(name: str, *, options: type | None = None, replans: bool = F
         bare = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if bare:
             raise ValueError(f"options {options.__name__}: every field needs a default, these have none: {bare}")
+        own = sorted({f.name for f in fields} & set(_REBALANCE_ARGS))
+        if own:
+            # rebalance takes these itself: the policy's option would never be given.
+            raise ValueError(f"options {options.__name__} may not reuse rebalance's own argument names {own}")
         clash = sorted({f.name for f in fields} & {f.name for f in dataclasses.fields(Migration)}) if replans else []
         if clash:
             raise ValueError(
@@ -234,6 +241,7 @@ def rebalance(
     *,
     down_gpus: object = (),
     spread_nodes: bool = False,
+    progress: Callable[[Progress], object] | None = None,
     **options: object,
 ) -> Plan:
     """``loads``: ``[L, E]`` expert loads → a :class:`Plan` for ``topology``.
@@ -256,7 +264,12 @@ def rebalance(
     one node onto another node where a slot allows (``eplb.place.spread``), so that a node
     failing loses fewer experts (``Plan.single_node``); it costs some balance and moves, and a
     hierarchical plan's groups are then no longer whole on nodes.
+
+    ``progress``: called with an :class:`eplb.Progress` (layers done of the layers, phase,
+    seconds since the call began) as chunks of layers finish, from this thread; it changes no
+    placement. What it does with it (a bar, a log line) is the caller's.
     """
+    check_callback(progress)
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
     spec = get_policy(policy)
@@ -279,11 +292,12 @@ def rebalance(
         )
     if not isinstance(spread_nodes, bool):
         raise ValueError(f"spread_nodes must be True or False, got {spread_nodes!r}")
-    if live.down or (previous is not None and not previous.full):
-        plan = _survivor_plan(arr, live, policy, previous, options)
-    else:
-        plan = _plan(arr, topology, spec, policy, previous, options)
-    return _spread(plan, arr, previous) if spread_nodes else plan
+    with reporting(progress):
+        if live.down or (previous is not None and not previous.full):
+            plan = _survivor_plan(arr, live, policy, previous, options)
+        else:
+            plan = _plan(arr, topology, spec, policy, previous, options)
+        return _spread(plan, arr, previous) if spread_nodes else plan
 
 
 def _spread(plan: Plan, arr: np.ndarray, previous: Placement | None) -> Plan:
@@ -409,10 +423,14 @@ def _plan(
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))
         by_node = result.groups_on_nodes
+        # The re-plan's candidates are made for every layer at once (eplb.replan.candidates):
+        # its progress is its start and its end.
+        report("re-plan", 0, topology.num_layers)
         phy2log, replan, more = choose(
             arr, previous, phy2log, topology, migration, by_node, workers, reference, deadline, quick
         )
         notes += more
+        report("re-plan", topology.num_layers, topology.num_layers)
     elif previous is not None:
         notes += (f"policy {policy!r} plans from scratch: moves are counted against previous, not kept low",)
     seconds = time.perf_counter() - start

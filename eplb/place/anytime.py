@@ -20,6 +20,7 @@ from ..bounds import row_bound
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
 from ..plan import SearchStats
+from ..progress import report
 from ..topology import Topology
 from ..workers import worker_pool
 from .borrow import borrow_counts, same_profile
@@ -40,6 +41,10 @@ HIGH_WORK = 400_000
 # Layers searched together. Fixed so that a plan does not depend on `workers`: each chunk has
 # its own budget and the same chunks run whichever process takes them.
 CHUNK = 16
+# Layers whose first plan is made together: each (layer, node) row's first plan is its own, so
+# blocks make the same plan as one pass, and a long plan (20000 layers) reports progress and
+# holds its temporaries per block rather than once for every layer.
+FIRST_BLOCK = 64 * CHUNK
 # Share of a chunk's search budget that rows of a shared profile spend before they borrow
 # counts from each other, by slots per gpu. Three or more: half (qwen3-64 zipf 1.5: 1.0161 ->
 # 1.0084 with 18 % less work). Two: all of it, since the pairing search's last lines (sweep,
@@ -131,7 +136,11 @@ def _donors(donors: object, slots_per_gpu: int) -> int:
 
 
 def plan_placement(
-    loads: np.ndarray, topology: Topology, options: PlanOptions, deadline: float | None = None
+    loads: np.ndarray,
+    topology: Topology,
+    options: PlanOptions,
+    deadline: float | None = None,
+    phase: str = "first plan",
 ) -> tuple[np.ndarray, SearchStats]:
     """``loads``: float64 ``[L, E]`` → ``phy2log`` int32 ``[L, P]`` and what the search did.
 
@@ -149,6 +158,8 @@ def plan_placement(
     the search stops before (default: now plus ``time_limit``), for a caller whose limit
     started earlier. The first plan (1-3) runs whole whatever the time: it is what the limit
     can never cut, and ``SearchStats.first_plan_over`` says when it alone ran past it.
+    ``phase``: what ``eplb.progress`` calls the first plan (then ``"search"``; ``"plan"`` per
+    job with ``workers`` > 1).
     """
     topo = topology
     if topo.num_groups % topo.num_nodes:
@@ -162,14 +173,20 @@ def plan_placement(
     workers = int(opts.workers)
     L = topo.num_layers
     if workers == 1 or L <= CHUNK:
-        return _plan_chunks(loads, topo, opts, deadline)
+        return _plan_chunks(loads, topo, opts, deadline, phase)
     chunks = -(-L // CHUNK)
     # With a deadline, one job per process, each a run of whole chunks: a job plans all its
     # first plans before it searches, where a chunk queued behind another's search would start
     # its first plan only at the deadline. Chunks stay chunks, so the plan is the same.
     size = CHUNK if deadline is None else CHUNK * -(-chunks // min(workers, chunks))
     jobs = [(loads[a : a + size], topo.with_layers(min(size, L - a)), opts, deadline) for a in range(0, L, size)]
-    parts = list(worker_pool(workers).map(_plan_job, jobs))
+    parts, done = [], 0
+    # Reported here as each job comes back (in order): the workers cannot reach the callback.
+    report("plan", 0, L)
+    for part in worker_pool(workers).map(_plan_job, jobs):
+        parts.append(part)
+        done += part[0].shape[0]
+        report("plan", done, L)
     stats = SearchStats()
     for _, st in parts:
         stats += st
@@ -181,17 +198,28 @@ def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
 
 
 def _plan_chunks(
-    loads: np.ndarray, topo: Topology, opts: PlanOptions, deadline: float | None
+    loads: np.ndarray, topo: Topology, opts: PlanOptions, deadline: float | None, phase: str = "first plan"
 ) -> tuple[np.ndarray, SearchStats]:
     # The first plan runs whole, whatever the time: it is what any plan returns at least. The
     # clock starts after it, as it is no step of the search.
-    rows = _first_plan(loads, topo, opts)
+    L = topo.num_layers
+    if L <= FIRST_BLOCK:
+        rows = _first_plan(loads, topo, opts)
+        report(phase, L, L)
+    else:
+        blocks = []
+        for a in range(0, L, FIRST_BLOCK):
+            b = min(a + FIRST_BLOCK, L)
+            blocks.append(_first_plan(loads[a:b], topo.with_layers(b - a), opts))
+            report(phase, b, L)
+        rows = _Rows.concat(blocks)
     clock = None if deadline is None else Clock(deadline)
     over = clock is not None and clock.left() <= 0
     stats = SearchStats()
     if opts.effort != "fast" and not over:
-        for a in range(0, topo.num_layers, CHUNK):
-            stats += _search(rows, slice(a, min(a + CHUNK, topo.num_layers)), topo, opts, clock)
+        for a in range(0, L, CHUNK):
+            stats += _search(rows, slice(a, min(a + CHUNK, L)), topo, opts, clock)
+            report("search", min(a + CHUNK, L), L)
     late = clock is not None and clock.expired
     return rows.finish(), stats + SearchStats(timed_out=late, first_plan_over=over)
 
@@ -207,6 +235,14 @@ class _Rows:
     node_experts: np.ndarray
     floor: np.ndarray
     cap: int | None
+
+    @staticmethod
+    def concat(parts: list[_Rows]) -> _Rows:
+        """The rows of consecutive blocks of layers as one (their ``cap`` is the same)."""
+        return _Rows(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("loads", "phy", "node_experts", "floor")),
+            parts[0].cap,
+        )
 
     def finish(self) -> np.ndarray:
         L, N, _ = self.node_experts.shape

@@ -97,7 +97,7 @@ def _auto(loads: np.ndarray, topology: Topology, options: PlanOptions) -> Policy
         # Group-limited routing: compare the first plans (cheap), then plan the one chosen in full.
         # They run whole, as first plans do, also under a time limit.
         quick = dataclasses.replace(options, effort="fast", workers=1, time_limit=None)
-        flat, _ = plan_placement(loads, flat_topology(t), quick)
+        flat, _ = plan_placement(loads, flat_topology(t), quick, phase="global's first plan, to compare")
         took = {"global": time.perf_counter() - start}
         g = float(imbalance(gpu_loads(loads, Placement(flat, t))).mean())
         # Where no grouping of experts onto nodes can come within the tolerance of global's first
@@ -109,7 +109,7 @@ def _auto(loads: np.ndarray, topology: Topology, options: PlanOptions) -> Policy
             h, hier = hb, None
         else:
             half = time.perf_counter()
-            hier, _ = plan_placement(loads, t, quick)
+            hier, _ = plan_placement(loads, t, quick, phase="hierarchical's first plan, to compare")
             took["hierarchical"] = time.perf_counter() - half
             h = float(imbalance(gpu_loads(loads, Placement(hier, t))).mean())
         if hier is not None and h <= g * (1 + AUTO_TOLERANCE):

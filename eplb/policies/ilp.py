@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +44,7 @@ from ..metrics import gpu_loads, lower_bound
 from ..place.anytime import place_global
 from ..placement import Placement
 from ..plan import SolverStats
+from ..progress import report
 from ..registry import PolicyResult, register_policy
 from ..topology import Topology
 from .enumeration import improve_or_prove
@@ -69,7 +69,6 @@ class IlpOptions:
     time_limit: float = 10.0
     workers: int = 8
     total_time_limit: float | None = None
-    progress: Callable[[int, int], object] | None = None
 
     def __post_init__(self) -> None:
         tl = self.time_limit
@@ -80,8 +79,6 @@ class IlpOptions:
         total = self.total_time_limit
         if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total > 0):
             raise ValueError(f"total_time_limit must be a positive number of seconds or None, got {total!r}")
-        if self.progress is not None and not callable(self.progress):
-            raise ValueError(f"progress must be a callable (layers done, layers) or None, got {self.progress!r}")
 
 
 def _units(loads: np.ndarray, max_count: int) -> tuple[np.ndarray, float, bool]:
@@ -303,12 +300,7 @@ def _ilp(loads: np.ndarray, topology: Topology, options: IlpOptions) -> PolicyRe
     """``loads``: float64 ``[L, E]`` → the min-max placement of each layer by CP-SAT (see
     ``IlpOptions``). Fills ``Plan.solver`` (``SolverStats``: status, bound, objective, seconds
     and method per layer)."""
-    time_limit, workers, total, progress = (
-        options.time_limit,
-        options.workers,
-        options.total_time_limit,
-        options.progress,
-    )
+    time_limit, workers, total = options.time_limit, options.workers, options.total_time_limit
     end = None if total is None else time.perf_counter() + float(total)
     t = topology
     if t.num_experts * t.num_gpus < t.num_slots:
@@ -340,8 +332,7 @@ def _ilp(loads: np.ndarray, topology: Topology, options: IlpOptions) -> PolicyRe
         objective.append(out["objective"])
         seconds.append(out["seconds"])
         method.append(out["method"])
-        if progress is not None:
-            progress(layer + 1, t.num_layers)
+        report("ilp", layer + 1, t.num_layers)
     # Say where the search bought nothing over its hint, the fast policy's plan.
     busiest = [gpu_loads(loads, Placement(np.stack(r), t)).max(axis=1) for r in (rows, hints)]
     same = ~(busiest[0] < busiest[1] * (1 - 1e-9))

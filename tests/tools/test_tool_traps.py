@@ -168,14 +168,15 @@ def test_ilp_time_limit_is_one_limit_with_progress_and_a_note(tmp_path, capsys):
         "hint: 4 layers ran out of time (--time-limit 0.2 s over 4 layers) before CP-SAT finished building"
         in captured.out
     )
-    assert re.search(r"ilp: planning 4 layers: 100%\|.*\| 4/4 ", captured.err)
+    # Not a terminal: plain lines, from the start with --progress.
+    assert "eplb place: ilp: layers 4/4 (100 %), 0 s\n" in captured.err
     topo = eplb.Topology(4, 64, 80, 16)
     assert (
         eplb.Placement(np.array(json.loads(out.read_text())["phy2log"]), topo)
         == eplb.rebalance(make_loads("zipf-1.0", topo), topo, "global").placement
     )
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
-    assert "global: planning 4 layers: 00:0" in capsys.readouterr().err
+    assert "eplb place: search: layers 4/4 (100 %), 0 s\neplb place: planned in 0 s\n" in capsys.readouterr().err
     assert cli.main(["place", *flags, "--policy", "global", "--time-limit", "0"]) == 2
     assert "--time-limit must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
 
@@ -424,14 +425,16 @@ def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
     assert not out.exists()
 
 
-def test_place_without_tqdm_still_plans_ilp_and_draws_no_bar(monkeypatch, capsys):
+def test_place_without_tqdm_still_plans_ilp_and_shows_plain_lines_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the bench extra not installed
+    monkeypatch.setattr(cli, "_is_terminal", lambda: True)
     flags = ["--layers", "1", "--experts", "4", "--slots", "4", "--gpus", "2", "--synthetic", "zipf-1.0"]
     assert cli.main(["place", *flags, "--policy", "ilp", "--time-limit", "5", "--workers", "1", "--progress"]) == 0
     captured = capsys.readouterr()
-    assert "policy ilp -> ilp" in captured.out and "planning" not in captured.err
+    assert "policy ilp -> ilp" in captured.out
+    assert "eplb place: ilp: layers 1/1 (100 %)" in captured.err and "|" not in captured.err
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
-    assert "planning" not in capsys.readouterr().err
+    assert "eplb place: search: layers 1/1 (100 %)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("suffix", [".json", ".txt"])
