@@ -34,6 +34,9 @@ __all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
 # shift (drift_bench --steps 6).
 _CHAINS_FIRST_SLOTS = 2
 
+# Cells of one chunk of layers' [l, N*K, N*K] group swaps (``_swap_groups``): a few tens of MB.
+_SWAP_CELLS = 1 << 20
+
 
 def repair_previous(
     loads: np.ndarray,
@@ -414,17 +417,35 @@ def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: n
     pos_load = np.take_along_axis(gload, groups, axis=1)  # [L, N*K]
     node_of = np.repeat(np.arange(N), K)
     node_load = pos_load.reshape(L, N, K).sum(axis=2)
-    # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite.
-    delta = pos_load[:, None, :] - pos_load[:, :, None]  # [L, i, j]
-    new = np.broadcast_to(node_load[:, None, None, :], (L, N * K, N * K, N)).copy()
-    ii, jj = np.meshgrid(np.arange(N * K), np.arange(N * K), indexing="ij")
-    new[:, ii, jj, node_of[ii]] += delta
-    new[:, ii, jj, node_of[jj]] -= delta
-    worst = new.max(axis=3).reshape(L, -1)
-    worst[:, (node_of[ii] == node_of[jj]).ravel()] = np.inf
-    best = worst.argmin(axis=1)
+    # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite,
+    # the other nodes keep theirs: their busiest is the first of the layer's three busiest
+    # nodes that is neither. Layers in chunks of [l, N*K, N*K] (never [L, N*K, N*K, N], which
+    # is 128 GiB at 128 layers x 512 nodes of one group), the same floats as that array's max.
+    a, b = np.meshgrid(node_of, node_of, indexing="ij")
+    same = (a == b).ravel()
+    top = np.argsort(-node_load, axis=1, kind="stable")[:, :3]
+    top_load = np.take_along_axis(node_load, top, axis=1)
+    if N < 3:
+        top = np.pad(top, ((0, 0), (0, 3 - N)), constant_values=-1)
+        top_load = np.pad(top_load, ((0, 0), (0, 3 - N)), constant_values=-np.inf)
+    best = np.empty(L, dtype=np.int64)
+    lowest = np.empty(L)  # the busiest node after each layer's best swap
+    step = max(1, _SWAP_CELLS // (N * K) ** 2)
+    for lo in range(0, L, step):
+        hi = min(lo + step, L)
+        delta = pos_load[lo:hi, None, :] - pos_load[lo:hi, :, None]  # [l, i, j]
+        nl = node_load[lo:hi]
+        gain_a = nl[:, a] + delta
+        lose_b = nl[:, b] - delta
+        tn, tl = top[lo:hi, :, None, None], top_load[lo:hi, :, None, None]
+        hit = (tn == a) | (tn == b)  # [l, 3, i, j]
+        others = np.where(hit[:, 0], np.where(hit[:, 1], tl[:, 2], tl[:, 1]), tl[:, 0])
+        worst = np.maximum(np.maximum(others, gain_a), lose_b).reshape(hi - lo, -1)
+        worst[:, same] = np.inf
+        best[lo:hi] = worst.argmin(axis=1)
+        lowest[lo:hi] = worst[np.arange(hi - lo), best[lo:hi]]
     now = node_load.max(axis=1)
-    act = (now / t.gpus_per_node > target) & (worst[np.arange(L), best] < now)
+    act = (now / t.gpus_per_node > target) & (lowest < now)
     if not act.any():
         return None
     blocks = node_exp.reshape(L, N * K, gs)
@@ -508,13 +529,21 @@ def groups_whole(phy2log: np.ndarray, t: Topology) -> np.ndarray:
     """``[L, P]`` → ``[L]`` bool: every node holds only whole groups, ``num_groups / num_nodes`` of
     them, each expert of those groups at least once (what a hierarchical plan guarantees)."""
     L, N, K, gs = phy2log.shape[0], t.num_nodes, t.num_groups // t.num_nodes, t.experts_per_group
-    nodes = phy2log.reshape(L * N, t.slots_per_node)
-    present = np.zeros((L * N, t.num_experts), dtype=bool)
-    present[np.arange(L * N)[:, None], nodes] = True
-    per_group = present.reshape(L * N, t.num_groups, gs)
-    touched = per_group.any(axis=2)
-    full = per_group.all(axis=2)
-    ok = (touched == full).all(axis=1) & (full.sum(axis=1) == K)
+    # Each node's distinct experts, sorted: a group is whole where its run of them is gs long.
+    # Sorted rather than an [L * N, E] presence (512 MiB at 128 layers x 512 nodes x 8192 experts).
+    # Modulo E: an empty slot (-1) counts as the last expert, as an index would.
+    nodes = np.sort(phy2log.reshape(L * N, t.slots_per_node) % t.num_experts, axis=1)
+    distinct = np.ones(nodes.shape, dtype=bool)
+    distinct[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
+    row, col = np.nonzero(distinct)
+    group = nodes[row, col] // gs
+    starts = np.ones(row.size, dtype=bool)
+    starts[1:] = (row[1:] != row[:-1]) | (group[1:] != group[:-1])
+    first = np.flatnonzero(starts)
+    length = np.diff(np.append(first, row.size))
+    runs = np.bincount(row[first], minlength=L * N)
+    broken = np.bincount(row[first], weights=length != gs, minlength=L * N)
+    ok = (broken == 0) & (runs == K)
     return ok.reshape(L, N).all(axis=1)
 
 
@@ -533,7 +562,10 @@ def _node_experts(prev: np.ndarray, t: Topology) -> np.ndarray | None:
 
 def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.ndarray:
     """Global expert ids ``[R, B, S]`` → positions in each row's ``node_exp`` ``[R, E/N]``."""
-    R = phy.shape[0]
-    inv = np.zeros((R, num_experts), dtype=np.int64)
-    inv[np.arange(R)[:, None], node_exp] = np.arange(node_exp.shape[1])
-    return inv[np.arange(R)[:, None, None], phy]
+    R, E = phy.shape[0], num_experts
+    # Rows of ``node_exp`` are ascending, so ``row * E + expert`` is sorted over all rows: one
+    # search, not an [R, E] inverse (4 GiB at 128 layers x 512 nodes x 8192 experts).
+    # (Stride E + 1 and ids + 1 keep rows apart whatever the ids, -1 included.)
+    keys = (np.arange(R, dtype=np.int64)[:, None] * (E + 1) + node_exp + 1).ravel()
+    at = np.searchsorted(keys, np.arange(R, dtype=np.int64)[:, None, None] * (E + 1) + phy + 1)
+    return at - np.arange(R, dtype=np.int64)[:, None, None] * node_exp.shape[1]
