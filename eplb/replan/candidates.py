@@ -124,12 +124,14 @@ def repair_previous(
     # swap groups between nodes (each time the swap that most lowers the busiest node, until
     # it is below the target), the incoming group's experts taking the outgoing group's
     # slots, then recount and repair.
-    swapped = None
+    swapped, may = None, None
     for _ in range(0 if clock is not None and clock.expired else t.num_groups // 2):
-        nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target)
+        # A layer that did not swap has the same groups next time, so it would not swap then
+        # either: only the layers that swapped are searched again.
+        nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target, may)
         if nxt is None:
             break
-        swapped = nxt
+        swapped, may = nxt
     if swapped is not None:
         # Only the nodes that swapped a group start anywhere else than the recount did.
         regrouped = _repair_rows(
@@ -273,7 +275,9 @@ def _repair_rows(
     bins = phy.shape[1]
     if node_exp is not None:
         N = t.num_nodes
-        row_loads = np.take_along_axis(np.repeat(loads, N, axis=0), node_exp, axis=1)
+        # Each (layer, node) row's loads of its experts, gathered: a repeat of [L, E] per node first
+        # is [L * N, E] (12 GiB at 3 targets x 128 layers x 512 nodes x 8192 experts).
+        row_loads = loads[np.arange(node_exp.shape[0])[:, None] // N, node_exp]
         # No repair within a node takes a gpu below its node's mean, so where the layer's
         # busiest node's mean is above the target its rows aim at that mean (plus the search's
         # gap) instead: a target that is out of reach kept the busiest node's row searching to
@@ -406,10 +410,13 @@ def _finish(
     return c
 
 
-def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray) -> np.ndarray | None:
+def _swap_groups(
+    loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray, layers: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """``node_exp`` ``[L * N, E/N]`` (each node's experts, group blocks in order) → the same with
-    one group swapped between two nodes in every layer whose busiest node's mean gpu load is
-    above ``target`` ``[L]`` and where a swap lowers it; ``None`` when no layer swaps."""
+    one group swapped between two nodes in every layer (of ``layers`` ``[L]`` bool, if given)
+    whose busiest node's mean gpu load is above ``target`` ``[L]`` and where a swap lowers it,
+    and ``[L]`` which layers swapped; ``None`` when no layer swaps."""
     L, N, gs = t.num_layers, t.num_nodes, t.experts_per_group
     K = t.num_groups // N
     groups = node_exp.reshape(L, N * K, gs)[:, :, 0] // gs  # [L, N*K] group at each position
@@ -428,24 +435,28 @@ def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: n
     if N < 3:
         top = np.pad(top, ((0, 0), (0, 3 - N)), constant_values=-1)
         top_load = np.pad(top_load, ((0, 0), (0, 3 - N)), constant_values=-np.inf)
-    best = np.empty(L, dtype=np.int64)
-    lowest = np.empty(L)  # the busiest node after each layer's best swap
+    now = node_load.max(axis=1)
+    act = now / t.gpus_per_node > target
+    if layers is not None:
+        act &= layers
+    rows = np.flatnonzero(act)
+    best = np.zeros(L, dtype=np.int64)
+    lowest = np.full(L, np.inf)  # the busiest node after each layer's best swap
     step = max(1, _SWAP_CELLS // (N * K) ** 2)
-    for lo in range(0, L, step):
-        hi = min(lo + step, L)
-        delta = pos_load[lo:hi, None, :] - pos_load[lo:hi, :, None]  # [l, i, j]
-        nl = node_load[lo:hi]
+    for c in range(0, rows.size, step):
+        r = rows[c : c + step]
+        delta = pos_load[r, None, :] - pos_load[r, :, None]  # [l, i, j]
+        nl = node_load[r]
         gain_a = nl[:, a] + delta
         lose_b = nl[:, b] - delta
-        tn, tl = top[lo:hi, :, None, None], top_load[lo:hi, :, None, None]
+        tn, tl = top[r, :, None, None], top_load[r, :, None, None]
         hit = (tn == a) | (tn == b)  # [l, 3, i, j]
         others = np.where(hit[:, 0], np.where(hit[:, 1], tl[:, 2], tl[:, 1]), tl[:, 0])
-        worst = np.maximum(np.maximum(others, gain_a), lose_b).reshape(hi - lo, -1)
+        worst = np.maximum(np.maximum(others, gain_a), lose_b).reshape(r.size, -1)
         worst[:, same] = np.inf
-        best[lo:hi] = worst.argmin(axis=1)
-        lowest[lo:hi] = worst[np.arange(hi - lo), best[lo:hi]]
-    now = node_load.max(axis=1)
-    act = (now / t.gpus_per_node > target) & (lowest < now)
+        best[r] = worst.argmin(axis=1)
+        lowest[r] = worst[np.arange(r.size), best[r]]
+    act &= lowest < now
     if not act.any():
         return None
     blocks = node_exp.reshape(L, N * K, gs)
@@ -454,7 +465,7 @@ def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: n
     i, j = np.unravel_index(best[la], (N * K, N * K))
     out[la, i] = _by_rank(loads[la], blocks[la, j], blocks[la, i])
     out[la, j] = _by_rank(loads[la], blocks[la, i], blocks[la, j])
-    return out.reshape(L * N, -1)
+    return out.reshape(L * N, -1), act
 
 
 def _by_rank(loads: np.ndarray, incoming: np.ndarray, outgoing: np.ndarray) -> np.ndarray:
