@@ -426,10 +426,10 @@ def _swap_groups(
     node_load = pos_load.reshape(L, N, K).sum(axis=2)
     # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite,
     # the other nodes keep theirs: their busiest is the first of the layer's three busiest
-    # nodes that is neither. Layers in chunks of [l, N*K, N*K] (never [L, N*K, N*K, N], which
-    # is 128 GiB at 128 layers x 512 nodes of one group), the same floats as that array's max.
-    a, b = np.meshgrid(node_of, node_of, indexing="ij")
-    same = (a == b).ravel()
+    # nodes that is neither. Only a swap with the busiest node can bring the layer below it,
+    # so only those pairs are searched (i or j on it: 2 K N*K pairs, not all (N*K)^2 and never
+    # an [L, N*K, N*K, N] array, 128 GiB at 128 layers x 512 nodes of one group); the best is
+    # the same pair, the first (row-major) of the lowest, as over all pairs.
     top = np.argsort(-node_load, axis=1, kind="stable")[:, :3]
     top_load = np.take_along_axis(node_load, top, axis=1)
     if N < 3:
@@ -442,20 +442,29 @@ def _swap_groups(
     rows = np.flatnonzero(act)
     best = np.zeros(L, dtype=np.int64)
     lowest = np.full(L, np.inf)  # the busiest node after each layer's best swap
-    step = max(1, _SWAP_CELLS // (N * K) ** 2)
+    NK = N * K
+    step = max(1, _SWAP_CELLS // (2 * K * NK))
     for c in range(0, rows.size, step):
         r = rows[c : c + step]
-        delta = pos_load[r, None, :] - pos_load[r, :, None]  # [l, i, j]
-        nl = node_load[r]
-        gain_a = nl[:, a] + delta
-        lose_b = nl[:, b] - delta
-        tn, tl = top[r, :, None, None], top_load[r, :, None, None]
-        hit = (tn == a) | (tn == b)  # [l, 3, i, j]
-        others = np.where(hit[:, 0], np.where(hit[:, 1], tl[:, 2], tl[:, 1]), tl[:, 0])
-        worst = np.maximum(np.maximum(others, gain_a), lose_b).reshape(r.size, -1)
-        worst[:, same] = np.inf
-        best[r] = worst.argmin(axis=1)
-        lowest[r] = worst[np.arange(r.size), best[r]]
+        on = top[r, :1] * K + np.arange(K)  # [l, K] positions on the busiest node
+        everywhere = np.arange(NK)
+        worst, flat = [], []
+        for i, j in ((on[:, :, None], everywhere[None, None, :]), (everywhere[None, :, None], on[:, None, :])):
+            i, j = np.broadcast_arrays(i, j)
+            rr = np.arange(r.size)[:, None, None]
+            pl, nl = pos_load[r], node_load[r]
+            delta = pl[rr, j] - pl[rr, i]
+            a, b = node_of[i], node_of[j]
+            tn, tl = top[r][:, :, None, None], top_load[r][:, :, None, None]
+            hit = (tn == a[:, None]) | (tn == b[:, None])  # [l, 3, x, y]
+            others = np.where(hit[:, 0], np.where(hit[:, 1], tl[:, 2], tl[:, 1]), tl[:, 0])
+            w = np.maximum(np.maximum(others, nl[rr, a] + delta), nl[rr, b] - delta)
+            w[a == b] = np.inf
+            worst.append(w.reshape(r.size, -1))
+            flat.append((i * NK + j).reshape(r.size, -1))
+        w, f = np.concatenate(worst, axis=1), np.concatenate(flat, axis=1)
+        lowest[r] = w.min(axis=1)
+        best[r] = np.where(w == lowest[r][:, None], f, NK * NK).min(axis=1)
     act &= lowest < now
     if not act.any():
         return None
