@@ -115,3 +115,15 @@ def test_migration_aware_replan_at_the_limits_completes_in_bounded_memory() -> N
     # The fresh plan itself takes about 2 B per (expert, gpu) and layer (eplb.limits); the
     # dense alignment added 768 MiB on top.
     assert peak < 160 * MiB, f"{peak / MiB:.0f} MiB"
+
+
+def test_hierarchical_replan_at_the_limits_stays_small() -> None:
+    # Groups swapped between nodes (eplb.replan.candidates._swap_groups) once built an
+    # [L, N*K, N*K, N] array of node loads (512 groups on 64 nodes: 256 MiB per layer), the
+    # repairs an [L * N, E] inverse of each node's experts: 805 MiB at these 2 layers, 6 MiB now.
+    topo = eplb.Topology(2, MAX_EXPERTS, MAX_EXPERTS, MAX_GPUS, num_nodes=64, num_groups=512)
+    prev = eplb.rebalance(make_loads("lognormal-0.5", topo, seed=0), topo, "hierarchical", effort="fast").placement
+    loads = make_loads("lognormal-0.5", topo, seed=1)
+    plan, peak = _peak(lambda: eplb.rebalance(loads, topo, "hierarchical", previous=prev, effort="fast"))
+    assert plan.moves.sum() > 0
+    assert peak < 64 * MiB, f"{peak / MiB:.0f} MiB"
