@@ -53,6 +53,7 @@ def test_sparse_alignment_equals_the_dense_one(monkeypatch: pytest.MonkeyPatch, 
     # Few experts: many ties, repeated experts within a bin, bins sharing nothing; a tiny pair
     # budget splits the rows into chunks of one row.
     monkeypatch.setattr(align, "_PAIRS_PER_CHUNK", pairs_per_chunk)
+    monkeypatch.setattr(align, "_DENSE_CELLS", 0)  # the sparse path, even this small
     rng = np.random.default_rng(0)
     for _ in range(200):
         X, B, k, E = (
@@ -62,8 +63,12 @@ def test_sparse_alignment_equals_the_dense_one(monkeypatch: pytest.MonkeyPatch, 
         assert (align._align_bins(new, old, E) == _dense_align_bins(new, old, E)).all(), (X, B, k, E)
 
 
+@pytest.mark.parametrize("dense_cells", [0, 1 << 22])
 @pytest.mark.parametrize("scale", ["v3-prefill", "kimi-64", "qwen3-64"])
-def test_alignment_unchanged_at_the_standard_scales(scale: str) -> None:
+def test_alignment_unchanged_at_the_standard_scales(
+    monkeypatch: pytest.MonkeyPatch, scale: str, dense_cells: int
+) -> None:
+    monkeypatch.setattr(align, "_DENSE_CELLS", dense_cells)
     topo = SCALES[scale].with_layers(8)
     prev = eplb.rebalance(make_loads("lognormal-1.0", topo, seed=1), topo).phy2log
     fresh = eplb.rebalance(make_loads("lognormal-1.0", topo, seed=2), topo).phy2log
