@@ -21,7 +21,8 @@ __all__ = ["align_to_previous", "align_slots"]
 _PAIRS_PER_CHUNK = 1 << 22
 # Up to this many (row, expert, bin) cells the dense overlap (``_dense_match``) is built
 # instead, at most ~100 MB: its few whole-array steps per bin beat the sparse steps' many small
-# ones at the standard scales (kimi-64's re-plan 226 → 195 ms); both give the same bins.
+# ones at the standard scales (replan_bench --baseline, kimi-64: 226 ms sparse against main's
+# 195, 192 with this; a busy machine, so roughly); both give the same bins.
 _DENSE_CELLS = 1 << 22
 
 
