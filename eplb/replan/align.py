@@ -16,10 +16,11 @@ __all__ = ["align_to_previous", "align_slots"]
 
 
 # Rows of an alignment are matched together while their overlapping (new bin, old bin) pairs
-# number at most this many (about 40 B each in flight): a dense [X, E, B] presence or [X, B, B]
+# number at most this many (up to ~80 B each in flight: 325 MiB for 16 layers of 8 experts on
+# 4096 gpus, where every gpu shares its expert with 512 others): a dense [X, E, B] presence or [X, B, B]
 # overlap at the service's limits (128 x 8192 x 4096) needs 32 GiB, the pairs a few MB.
 _PAIRS_PER_CHUNK = 1 << 22
-# Up to this many (row, expert, bin) cells the dense overlap (``_dense_match``) is built
+# Up to this many cells (row x expert x bin, or row x slot x bin) the dense overlap (``_dense_match``) is built
 # instead, at most ~100 MB: its few whole-array steps per bin beat the sparse steps' many small
 # ones at the standard scales (replan_bench --baseline, kimi-64: 226 ms sparse against main's
 # 195, 192 with this; a busy machine, so roughly); both give the same bins.
@@ -120,7 +121,8 @@ def _match_bins(new: np.ndarray, old: np.ndarray, num_experts: int) -> np.ndarra
     when small (``_DENSE_CELLS``), else sparsely in chunks of rows (rows are independent) of at
     most ``_PAIRS_PER_CHUNK`` slot pairs."""
     X, B, k = new.shape
-    if X * num_experts * B <= _DENSE_CELLS:
+    # Its presence is [X, E, B] and its gather [X, B, k, B] (beyond the overlap [X, B, B]).
+    if X * B * max(num_experts, B * k) <= _DENSE_CELLS:
         return _dense_match(new, old, num_experts)
     lo, hi, _ = _pairs(new, old, num_experts)
     per_row = (hi - lo).reshape(X, -1).sum(axis=1)
