@@ -15,42 +15,134 @@ from ..topology import Topology
 __all__ = ["align_to_previous", "align_slots"]
 
 
-def _presence(groups: np.ndarray, num_experts: int) -> np.ndarray:
-    """``groups``: ``[L, B, k]`` expert ids → ``[L, E, B]`` float32 counts of each expert per bin."""
-    L, B, _ = groups.shape
-    # One bincount over (layer, expert, bin) keys: np.add.at is several times slower.
-    keys = (np.arange(L)[:, None, None] * num_experts + groups) * B + np.arange(B)[None, :, None]
-    return np.bincount(keys.ravel(), minlength=L * num_experts * B).reshape(L, num_experts, B).astype(np.float32)
+# Rows of an alignment are matched together while their overlapping (new bin, old bin) pairs
+# number at most this many (up to ~80 B each in flight: 325 MiB for 16 layers of 8 experts on
+# 4096 gpus, where every gpu shares its expert with 512 others): a dense [X, E, B] presence or [X, B, B]
+# overlap at the service's limits (128 x 8192 x 4096) needs 32 GiB, the pairs a few MB.
+_PAIRS_PER_CHUNK = 1 << 22
+# Up to this many cells (row x expert x bin, or row x slot x bin) the dense overlap (``_dense_match``) is built
+# instead, at most ~100 MB: its few whole-array steps per bin beat the sparse steps' many small
+# ones at the standard scales (replan_bench --baseline, kimi-64: 226 ms sparse against main's
+# 195, 192 with this; a busy machine, so roughly); both give the same bins.
+_DENSE_CELLS = 1 << 22
 
 
-def _match(overlap: np.ndarray) -> np.ndarray:
-    """``overlap``: ``[X, B, B]`` (new bin × old bin) → ``[X, B]``: the old bin for each new bin.
+def _pairs(new: np.ndarray, old: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``new``, ``old``: ``[X, B, k]`` expert ids → for each new slot (row-major) the range
+    ``[lo, hi)`` of the old slots with the same expert in the same row, in ``order`` (old slots,
+    flat, sorted by (row, expert), ties in slot order)."""
+    X, B, k = old.shape
+    rows = np.arange(X, dtype=np.int64)[:, None, None] * num_experts
+    old_keys = (rows + old).ravel()
+    order = np.argsort(old_keys, kind="stable")
+    sorted_keys = old_keys[order]
+    new_keys = (rows + new).ravel()
+    return np.searchsorted(sorted_keys, new_keys, "left"), np.searchsorted(sorted_keys, new_keys, "right"), order
 
-    Greedy: new bins in order of their best overlap, each takes its best free old bin.
-    One vectorised step per bin.
-    """
-    X, B, _ = overlap.shape
+
+def _overlap(new: np.ndarray, old: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``new``, ``old``: ``[X, B, k]`` → the nonzero overlaps (experts in common, counted as
+    the old code's per-bin presence summed over each new bin's slots) as ``keys``
+    ``(row * B + new bin) * B + old bin`` ascending and their ``counts``."""
+    X, B, k = new.shape
+    lo, hi, order = _pairs(new, old, num_experts)
+    n = hi - lo
+    # Each new slot against every old slot of its expert: the old slots' flat indices.
+    first = np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    old_bin = order[first] // k % B
+    seg = np.repeat(np.arange(X * B * k, dtype=np.int64) // k, n)  # row * B + new bin
+    return np.unique(seg * B + old_bin, return_counts=True)
+
+
+def _match_sparse(keys: np.ndarray, counts: np.ndarray, X: int, B: int) -> np.ndarray:
+    """Nonzero overlaps (``_overlap``) of ``X`` rows of ``B`` bins → ``[X, B]``: the old bin
+    for each new bin, the same greedy as on the dense overlap: new bins in order of their best
+    overlap (ties in bin order), each takes its free old bin of most overlap (ties: the lowest
+    bin), or the lowest free old bin where it overlaps none that is free."""
+    seg = keys // B  # row * B + new bin
+    old_bin = keys % B
+    start = np.searchsorted(seg, np.arange(X * B + 1))
+    size = np.diff(start)
+    best = np.zeros(X * B, dtype=counts.dtype)
+    has = size > 0
+    best[has] = np.maximum.reduceat(counts, start[:-1][has])
+    order = np.argsort(-best.reshape(X, B), axis=1, kind="stable")
+    taken = np.zeros((X, B), dtype=bool)
+    out = np.empty((X, B), dtype=np.int64)
+    rows = np.arange(X)
+    for step in range(B):
+        nb = order[:, step]
+        s = rows * B + nb
+        lo, n = start[s], size[s]
+        pick = np.full(X, -1, dtype=np.int64)
+        r = np.flatnonzero(n)
+        if r.size:
+            m = n[r]
+            off = np.cumsum(m) - m
+            idx = np.repeat(lo[r] - off, m) + np.arange(int(m.sum()))
+            ob = old_bin[idx]
+            score = np.where(taken[np.repeat(r, m), ob], -1, counts[idx])
+            top = np.maximum.reduceat(score, off)
+            # First entry (lowest old bin: the keys are sorted) reaching the row's best.
+            pos = np.where(score == np.repeat(top, m), np.arange(idx.size), idx.size)
+            first = np.minimum.reduceat(pos, off)
+            pick[r] = np.where(top > 0, ob[np.minimum(first, idx.size - 1)], -1)
+        none = np.flatnonzero(pick < 0)
+        if none.size:
+            pick[none] = np.argmin(taken[none], axis=1)  # lowest free old bin
+        out[rows, nb] = pick
+        taken[rows, pick] = True
+    return out
+
+
+def _dense_match(new: np.ndarray, old: np.ndarray, num_experts: int) -> np.ndarray:
+    """``_match_bins`` through the dense ``[X, E, B]`` presence and ``[X, B, B]`` overlap."""
+    X, B, _ = old.shape
+    # One bincount over (row, expert, bin) keys: np.add.at is several times slower.
+    keys = (np.arange(X)[:, None, None] * num_experts + old) * B + np.arange(B)[None, :, None]
+    held = np.bincount(keys.ravel(), minlength=X * num_experts * B).reshape(X, num_experts, B).astype(np.float32)
+    # A gather of [X, B, k, B] rather than a product over all experts, and no BLAS call, whose
+    # threads stall on a busy machine.
+    overlap = held[np.arange(X)[:, None, None], new].sum(axis=2)
     order = np.argsort(-overlap.max(axis=2), axis=1, kind="stable")
     taken = np.zeros((X, B), dtype=bool)
     out = np.empty((X, B), dtype=np.int64)
     rows = np.arange(X)
     for step in range(B):
         nb = order[:, step]
-        score = np.where(taken, -1.0, overlap[rows, nb])
-        ob = score.argmax(axis=1)
+        ob = np.where(taken, -1.0, overlap[rows, nb]).argmax(axis=1)
         out[rows, nb] = ob
         taken[rows, ob] = True
     return out
 
 
+def _match_bins(new: np.ndarray, old: np.ndarray, num_experts: int) -> np.ndarray:
+    """``new``, ``old``: ``[X, B, k]`` → ``[X, B]`` the old bin each new bin takes: densely
+    when small (``_DENSE_CELLS``), else sparsely in chunks of rows (rows are independent) of at
+    most ``_PAIRS_PER_CHUNK`` slot pairs."""
+    X, B, k = new.shape
+    # Its presence is [X, E, B] and its gather [X, B, k, B] (beyond the overlap [X, B, B]).
+    if X * B * max(num_experts, B * k) <= _DENSE_CELLS:
+        return _dense_match(new, old, num_experts)
+    lo, hi, _ = _pairs(new, old, num_experts)
+    per_row = (hi - lo).reshape(X, -1).sum(axis=1)
+    del lo, hi
+    out = np.empty((X, B), dtype=np.int64)
+    a = 0
+    while a < X:
+        # At least one row, then as many as fit the pair budget.
+        b = a + max(1, int(np.searchsorted(np.cumsum(per_row[a:]), _PAIRS_PER_CHUNK, "right")))
+        keys, counts = _overlap(new[a:b], old[a:b], num_experts)
+        out[a:b] = _match_sparse(keys, counts, b - a, B)
+        a = b
+    return out
+
+
 def _align_bins(new: np.ndarray, old: np.ndarray, num_experts: int) -> np.ndarray:
     """``new``, ``old``: ``[X, B, k]`` → ``new``'s bins reordered to sit where ``old`` has most in common."""
-    # Each new bin's overlap with every old bin: the old bins' counts of its k experts, summed
-    # (exact small integers). A gather of [X, B, k, B] rather than a product over all experts,
-    # and no BLAS call, whose threads stall on a busy machine.
-    held = _presence(old, num_experts)  # [X, E, B]
-    overlap = held[np.arange(new.shape[0])[:, None, None], new].sum(axis=2)
-    target = _match(overlap)
+    # Each new bin's overlap with every old bin (exact small integers), kept sparse: only the
+    # pairs of bins sharing an expert, found by sorting, never a dense [X, E, B] or [X, B, B].
+    target = _match_bins(new, old, num_experts)
     out = np.empty_like(new)
     np.put_along_axis(out, target[:, :, None], new, axis=1)
     return out

@@ -34,6 +34,9 @@ __all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
 # shift (drift_bench --steps 6).
 _CHAINS_FIRST_SLOTS = 2
 
+# Cells of one chunk of layers' [l, N*K, N*K] group swaps (``_swap_groups``): a few tens of MB.
+_SWAP_CELLS = 1 << 20
+
 
 def repair_previous(
     loads: np.ndarray,
@@ -121,12 +124,14 @@ def repair_previous(
     # swap groups between nodes (each time the swap that most lowers the busiest node, until
     # it is below the target), the incoming group's experts taking the outgoing group's
     # slots, then recount and repair.
-    swapped = None
+    swapped, may = None, None
     for _ in range(0 if clock is not None and clock.expired else t.num_groups // 2):
-        nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target)
+        # A layer that did not swap has the same groups next time, so it would not swap then
+        # either: only the layers that swapped are searched again.
+        nxt = _swap_groups(loads, node_exp if swapped is None else swapped, t, target, may)
         if nxt is None:
             break
-        swapped = nxt
+        swapped, may = nxt
     if swapped is not None:
         # Only the nodes that swapped a group start anywhere else than the recount did.
         regrouped = _repair_rows(
@@ -270,7 +275,9 @@ def _repair_rows(
     bins = phy.shape[1]
     if node_exp is not None:
         N = t.num_nodes
-        row_loads = np.take_along_axis(np.repeat(loads, N, axis=0), node_exp, axis=1)
+        # Each (layer, node) row's loads of its experts, gathered: a repeat of [L, E] per node first
+        # is [L * N, E] (12 GiB at 3 targets x 128 layers x 512 nodes x 8192 experts).
+        row_loads = loads[np.arange(node_exp.shape[0])[:, None] // N, node_exp]
         # No repair within a node takes a gpu below its node's mean, so where the layer's
         # busiest node's mean is above the target its rows aim at that mean (plus the search's
         # gap) instead: a target that is out of reach kept the busiest node's row searching to
@@ -403,10 +410,13 @@ def _finish(
     return c
 
 
-def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray) -> np.ndarray | None:
+def _swap_groups(
+    loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: np.ndarray, layers: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """``node_exp`` ``[L * N, E/N]`` (each node's experts, group blocks in order) → the same with
-    one group swapped between two nodes in every layer whose busiest node's mean gpu load is
-    above ``target`` ``[L]`` and where a swap lowers it; ``None`` when no layer swaps."""
+    one group swapped between two nodes in every layer (of ``layers`` ``[L]`` bool, if given)
+    whose busiest node's mean gpu load is above ``target`` ``[L]`` and where a swap lowers it,
+    and ``[L]`` which layers swapped; ``None`` when no layer swaps."""
     L, N, gs = t.num_layers, t.num_nodes, t.experts_per_group
     K = t.num_groups // N
     groups = node_exp.reshape(L, N * K, gs)[:, :, 0] // gs  # [L, N*K] group at each position
@@ -414,17 +424,48 @@ def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: n
     pos_load = np.take_along_axis(gload, groups, axis=1)  # [L, N*K]
     node_of = np.repeat(np.arange(N), K)
     node_load = pos_load.reshape(L, N, K).sum(axis=2)
-    # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite.
-    delta = pos_load[:, None, :] - pos_load[:, :, None]  # [L, i, j]
-    new = np.broadcast_to(node_load[:, None, None, :], (L, N * K, N * K, N)).copy()
-    ii, jj = np.meshgrid(np.arange(N * K), np.arange(N * K), indexing="ij")
-    new[:, ii, jj, node_of[ii]] += delta
-    new[:, ii, jj, node_of[jj]] -= delta
-    worst = new.max(axis=3).reshape(L, -1)
-    worst[:, (node_of[ii] == node_of[jj]).ravel()] = np.inf
-    best = worst.argmin(axis=1)
+    # Swapping positions i and j: node_of[i] gains load[j] - load[i], node_of[j] the opposite,
+    # the other nodes keep theirs: their busiest is the first of the layer's three busiest
+    # nodes that is neither. Only a swap with the busiest node can bring the layer below it,
+    # so only those pairs are searched (i or j on it: 2 K N*K pairs, not all (N*K)^2 and never
+    # an [L, N*K, N*K, N] array, 128 GiB at 128 layers x 512 nodes of one group); the best is
+    # the same pair, the first (row-major) of the lowest, as over all pairs.
+    top = np.argsort(-node_load, axis=1, kind="stable")[:, :3]
+    top_load = np.take_along_axis(node_load, top, axis=1)
+    if N < 3:
+        top = np.pad(top, ((0, 0), (0, 3 - N)), constant_values=-1)
+        top_load = np.pad(top_load, ((0, 0), (0, 3 - N)), constant_values=-np.inf)
     now = node_load.max(axis=1)
-    act = (now / t.gpus_per_node > target) & (worst[np.arange(L), best] < now)
+    act = now / t.gpus_per_node > target
+    if layers is not None:
+        act &= layers
+    rows = np.flatnonzero(act)
+    best = np.zeros(L, dtype=np.int64)
+    lowest = np.full(L, np.inf)  # the busiest node after each layer's best swap
+    NK = N * K
+    step = max(1, _SWAP_CELLS // (2 * K * NK))
+    for c in range(0, rows.size, step):
+        r = rows[c : c + step]
+        on = top[r, :1] * K + np.arange(K)  # [l, K] positions on the busiest node
+        everywhere = np.arange(NK)
+        worst, flat = [], []
+        for i, j in ((on[:, :, None], everywhere[None, None, :]), (everywhere[None, :, None], on[:, None, :])):
+            i, j = np.broadcast_arrays(i, j)
+            rr = np.arange(r.size)[:, None, None]
+            pl, nl = pos_load[r], node_load[r]
+            delta = pl[rr, j] - pl[rr, i]
+            a, b = node_of[i], node_of[j]
+            tn, tl = top[r][:, :, None, None], top_load[r][:, :, None, None]
+            hit = (tn == a[:, None]) | (tn == b[:, None])  # [l, 3, x, y]
+            others = np.where(hit[:, 0], np.where(hit[:, 1], tl[:, 2], tl[:, 1]), tl[:, 0])
+            w = np.maximum(np.maximum(others, nl[rr, a] + delta), nl[rr, b] - delta)
+            w[a == b] = np.inf
+            worst.append(w.reshape(r.size, -1))
+            flat.append((i * NK + j).reshape(r.size, -1))
+        w, f = np.concatenate(worst, axis=1), np.concatenate(flat, axis=1)
+        lowest[r] = w.min(axis=1)
+        best[r] = np.where(w == lowest[r][:, None], f, NK * NK).min(axis=1)
+    act &= lowest < now
     if not act.any():
         return None
     blocks = node_exp.reshape(L, N * K, gs)
@@ -433,7 +474,7 @@ def _swap_groups(loads: np.ndarray, node_exp: np.ndarray, t: Topology, target: n
     i, j = np.unravel_index(best[la], (N * K, N * K))
     out[la, i] = _by_rank(loads[la], blocks[la, j], blocks[la, i])
     out[la, j] = _by_rank(loads[la], blocks[la, i], blocks[la, j])
-    return out.reshape(L * N, -1)
+    return out.reshape(L * N, -1), act
 
 
 def _by_rank(loads: np.ndarray, incoming: np.ndarray, outgoing: np.ndarray) -> np.ndarray:
@@ -508,13 +549,21 @@ def groups_whole(phy2log: np.ndarray, t: Topology) -> np.ndarray:
     """``[L, P]`` → ``[L]`` bool: every node holds only whole groups, ``num_groups / num_nodes`` of
     them, each expert of those groups at least once (what a hierarchical plan guarantees)."""
     L, N, K, gs = phy2log.shape[0], t.num_nodes, t.num_groups // t.num_nodes, t.experts_per_group
-    nodes = phy2log.reshape(L * N, t.slots_per_node)
-    present = np.zeros((L * N, t.num_experts), dtype=bool)
-    present[np.arange(L * N)[:, None], nodes] = True
-    per_group = present.reshape(L * N, t.num_groups, gs)
-    touched = per_group.any(axis=2)
-    full = per_group.all(axis=2)
-    ok = (touched == full).all(axis=1) & (full.sum(axis=1) == K)
+    # Each node's distinct experts, sorted: a group is whole where its run of them is gs long.
+    # Sorted rather than an [L * N, E] presence (512 MiB at 128 layers x 512 nodes x 8192 experts).
+    # Modulo E: an empty slot (-1) counts as the last expert, as an index would.
+    nodes = np.sort(phy2log.reshape(L * N, t.slots_per_node) % t.num_experts, axis=1)
+    distinct = np.ones(nodes.shape, dtype=bool)
+    distinct[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
+    row, col = np.nonzero(distinct)
+    group = nodes[row, col] // gs
+    starts = np.ones(row.size, dtype=bool)
+    starts[1:] = (row[1:] != row[:-1]) | (group[1:] != group[:-1])
+    first = np.flatnonzero(starts)
+    length = np.diff(np.append(first, row.size))
+    runs = np.bincount(row[first], minlength=L * N)
+    broken = np.bincount(row[first], weights=length != gs, minlength=L * N)
+    ok = (broken == 0) & (runs == K)
     return ok.reshape(L, N).all(axis=1)
 
 
@@ -533,7 +582,10 @@ def _node_experts(prev: np.ndarray, t: Topology) -> np.ndarray | None:
 
 def _to_local(phy: np.ndarray, node_exp: np.ndarray, num_experts: int) -> np.ndarray:
     """Global expert ids ``[R, B, S]`` → positions in each row's ``node_exp`` ``[R, E/N]``."""
-    R = phy.shape[0]
-    inv = np.zeros((R, num_experts), dtype=np.int64)
-    inv[np.arange(R)[:, None], node_exp] = np.arange(node_exp.shape[1])
-    return inv[np.arange(R)[:, None, None], phy]
+    R, E = phy.shape[0], num_experts
+    # Rows of ``node_exp`` are ascending, so ``row * E + expert`` is sorted over all rows: one
+    # search, not an [R, E] inverse (4 GiB at 128 layers x 512 nodes x 8192 experts).
+    # (Stride E + 1 and ids + 1 keep rows apart whatever the ids, -1 included.)
+    keys = (np.arange(R, dtype=np.int64)[:, None] * (E + 1) + node_exp + 1).ravel()
+    at = np.searchsorted(keys, np.arange(R, dtype=np.int64)[:, None, None] * (E + 1) + phy + 1)
+    return at - np.arange(R, dtype=np.int64)[:, None, None] * node_exp.shape[1]
