@@ -499,7 +499,10 @@ def _ignore_sigint() -> Callable[[], None]:
 
 
 def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
-    model = {name: [r["models"][name] for r in results.values()] for name in results[0]["models"]}
+    # By rank: [0] is rank 0's, the only one that measures the series (results arrive in the
+    # order the ranks finish: under load rank 1 can finish first, and the summary then read an
+    # empty series, "0 tokens routed", seen once in CI).
+    model = {name: [results[r]["models"][name] for r in sorted(results)] for name in results[0]["models"]}
     series = np.asarray(model["target"][0]["series"])
     events = {name: [e for e in results[0]["events"] if e.get("model") == name] for name in model}
     switched = [e for e in events["target"] if e["kind"] == "switched"]

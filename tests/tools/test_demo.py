@@ -212,3 +212,22 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
     assert err.strip().splitlines() == ["eplb demo: interrupted; ranks stopped, nothing written"], err
     time.sleep(0.5)
     assert _session_processes(proc.pid) == []
+
+
+def test_the_summary_reads_rank_0s_series_whatever_order_the_ranks_finish_in():
+    """Only rank 0 measures the imbalance series; the summary must read it even when another
+    rank's results arrived first (under load rank 1 can finish first: CI once saw
+    "0 tokens routed" and an empty series from a demo that ran every step)."""
+    from eplb_bench.demo import _summary
+
+    cfg = DemoConfig(ranks=2, seconds=1.0)
+
+    def result(rank: int) -> dict:
+        reporter = {"accepted": 1, "dropped_reports": 0, "dropped_adds": 0}
+        series = [1.3] * cfg.steps if rank == 0 else []
+        model = {"misrouted": 0, "routed": 10, "series": series, "reporter": reporter}
+        return {"rank": rank, "seconds": 1.0, "events": [], "late": 0, "models": {"target": model}}
+
+    s = _summary(cfg, {1: result(1), 0: result(0)}, 2.0)  # rank 1 finished first
+    assert s["steps"] == cfg.steps and s["tokens_routed"] == cfg.steps * cfg.tokens * cfg.ranks
+    assert s["imbalance_final"] == pytest.approx(1.3)
