@@ -40,7 +40,7 @@ SMALL = pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_
 
 
 def start_server(port: int, lane: bool) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "eplb_bench.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
+    argv = [sys.executable, "-m", "eplb_tools.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
     argv += ["--small-plan-workers", "1" if lane else "0"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

@@ -1,4 +1,4 @@
-"""What ``--plot FILE`` may end in, importable without matplotlib (``bench/plots.py`` needs it)."""
+"""What ``--plot FILE`` may end in, importable without matplotlib (``tools/plots.py`` needs it)."""
 
 from __future__ import annotations
 

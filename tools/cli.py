@@ -1,6 +1,6 @@
 """The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
 ``eplb serve`` (the balancer service), ``eplb demo`` (service, engine ranks and mover on CPU) and
-``eplb ctl`` (ask a running service, bench/ctl.py)."""
+``eplb ctl`` (ask a running service, tools/ctl.py)."""
 
 from __future__ import annotations
 
