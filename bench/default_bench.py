@@ -35,7 +35,7 @@ from eplb.bounds import profile_bound
 from eplb.place.replicate import replica_cap
 from eplb.workloads import SCALES, lognormal, make_loads, zipf
 
-from .trees import TreePair
+from .harness.trees import TreePair
 
 
 def hot_mix(num_layers: int, num_experts: int, seed: int = 0) -> np.ndarray:

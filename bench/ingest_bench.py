@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from .processes import RedisProcess, ServeProcess
-from .redis_cluster import ClusterProcesses
+from .harness.processes import RedisProcess, ServeProcess
+from .harness.redis_cluster import ClusterProcesses
 from .service_bench import V3, _create, _latency_worker, _pct
 
 PAYLOAD = V3["num_layers"] * V3["num_experts"] * 4

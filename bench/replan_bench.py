@@ -39,7 +39,7 @@ import numpy as np
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
 
-from .trees import TreePair
+from .harness.trees import TreePair
 
 # name: (scale, policy, move budget as a share of all slots, previous placement).
 CASES = {

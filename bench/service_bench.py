@@ -27,7 +27,7 @@ import uuid
 
 import numpy as np
 
-from .processes import free_port, serve_argv
+from .harness.processes import free_port, serve_argv
 
 V3 = dict(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8)
 
