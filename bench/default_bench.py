@@ -31,7 +31,7 @@ import numpy as np
 
 import eplb
 from eplb.bounds import profile_bound
-from eplb.place.replicate import replica_cap
+from eplb.planner.replicate import replica_cap
 
 from .harness.cases import cases, select
 from .harness.trees import TreePair

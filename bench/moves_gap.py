@@ -24,7 +24,7 @@ import json
 import numpy as np
 
 import eplb
-from eplb.place.replicate import replica_cap
+from eplb.planner.replicate import replica_cap
 from eplb.workloads import make_loads
 
 from .harness.floors import kept_count_floor

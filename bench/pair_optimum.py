@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 import eplb
-from eplb.place.replicate import replica_cap
+from eplb.planner.replicate import replica_cap
 
 from .harness.cases import cases
 from .harness.optimum import bracket

@@ -34,7 +34,7 @@ import numpy as np
 
 import eplb
 from eplb.bounds import profile_bound
-from eplb.place.replicate import replica_cap
+from eplb.planner.replicate import replica_cap
 
 from .harness.cases import select
 from .harness.optimum import bracket

@@ -15,9 +15,8 @@ import importlib
 
 from . import policies as _policies  # noqa: F401  (registers the built-in policies)
 from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bound, moves
-from .place.anytime import EFFORTS, PlanOptions
 from .placement import Placement
-from .plan import Plan, ReplanStats, SearchStats, SolverStats
+from .planner.anytime import EFFORTS, PlanOptions
 from .progress import Progress
 from .registry import (
     PolicyError,
@@ -30,6 +29,7 @@ from .registry import (
     unregister_policy,
 )
 from .replan.choose import Migration
+from .result import Plan, ReplanStats, SearchStats, SolverStats
 from .topology import Topology
 
 __all__ = [

@@ -22,7 +22,7 @@ from itertools import combinations
 
 import numpy as np
 
-from .place.replicate import replica_cap, waterfill
+from .planner.replicate import replica_cap, waterfill
 from .topology import Topology
 
 __all__ = [

@@ -20,13 +20,13 @@ import numpy as np
 
 from . import metrics
 from .loads import check_loads
-from .place.anytime import PlanOptions
-from .place.spread import spread_nodes as spread_over_nodes
 from .placement import Placement
-from .plan import Plan, SearchStats, SolverStats
+from .planner.anytime import PlanOptions
+from .planner.spread import spread_nodes as spread_over_nodes
 from .progress import Progress, check_callback, report, reporting
 from .replan.choose import Migration, choose
 from .replan.fresh import near_bound
+from .result import Plan, SearchStats, SolverStats
 from .survivors import Survivors, restore, survivors
 from .topology import Topology
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.place.pairing import paired_max
+from eplb.planner.pairing import paired_max
 
 
 def feasible(loads: np.ndarray, T: float, bins: int, cap: int, time_limit: float) -> np.ndarray | None | str:

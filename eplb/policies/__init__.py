@@ -16,10 +16,10 @@ import numpy as np
 from ..bounds import group_bound
 from ..loads import check_layer_sums
 from ..metrics import gpu_loads, imbalance
-from ..place.anytime import PlanOptions, flat_topology, plan_placement
 from ..placement import Placement
-from ..plan import SearchStats
+from ..planner.anytime import PlanOptions, flat_topology, plan_placement
 from ..registry import PolicyResult, register_policy
+from ..result import SearchStats
 from ..topology import Topology
 from .deepseek import FLOAT32_LAYER_SUM, deepseek_rebalance
 

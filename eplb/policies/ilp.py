@@ -40,14 +40,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounds import integer_bound
+from ..enumeration import improve_or_prove
 from ..metrics import gpu_loads, lower_bound
-from ..place.anytime import place_global
 from ..placement import Placement
-from ..plan import SolverStats
+from ..planner.anytime import place_global
 from ..progress import report
 from ..registry import PolicyResult, register_policy
+from ..result import SolverStats
 from ..topology import Topology
-from .enumeration import improve_or_prove
 
 __all__ = ["solve_layer", "IlpOptions"]
 

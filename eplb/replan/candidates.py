@@ -14,10 +14,10 @@ import numpy as np
 
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
-from ..place.counts import refine_counts
-from ..place.packing import swap_improve
-from ..place.replicate import replica_cap, waterfill
 from ..placement import Placement
+from ..planner.counts import refine_counts
+from ..planner.packing import swap_improve
+from ..planner.replicate import replica_cap, waterfill
 from ..topology import Topology
 from ..workers import worker_pool
 from .align import align_slots, align_to_previous

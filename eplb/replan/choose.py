@@ -36,7 +36,7 @@ import numpy as np
 from ..layout import REL_TOL
 from ..metrics import gpu_loads, imbalance
 from ..placement import Placement
-from ..plan import ReplanStats
+from ..result import ReplanStats
 from ..topology import Topology
 from .candidates import candidates, groups_whole
 from .pick import pick as cheapest

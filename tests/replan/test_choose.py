@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eplb
-from eplb.place.anytime import PlanOptions
+from eplb.planner.anytime import PlanOptions
 from eplb.workloads import SCALES, drift, make_loads
 
 

@@ -19,8 +19,8 @@ import numpy as np
 from ..bounds import row_bound
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
-from ..plan import SearchStats
 from ..progress import report
+from ..result import SearchStats
 from ..topology import Topology
 from ..workers import worker_pool
 from .borrow import borrow_counts, same_profile

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from eplb.place.replicate import waterfill
+from eplb.planner.replicate import waterfill
 
 
 def test_waterfill_known_answer_and_cap() -> None:
