@@ -28,7 +28,7 @@ from .registry import (
     register_policy,
     unregister_policy,
 )
-from .replan.choose import Migration
+from .replan.migration import Migration
 from .result import Plan, ReplanStats, SearchStats, SolverStats
 from .topology import Topology
 

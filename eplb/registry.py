@@ -24,8 +24,9 @@ from .placement import Placement
 from .planner.anytime import PlanOptions
 from .planner.spread import spread_nodes as spread_over_nodes
 from .progress import Progress, check_callback, report, reporting
-from .replan.choose import Migration, choose
+from .replan.choose import choose
 from .replan.fresh import near_bound
+from .replan.migration import Migration
 from .result import Plan, SearchStats, SolverStats
 from .survivors import Survivors, restore, survivors
 from .topology import Topology
