@@ -3,7 +3,7 @@
 ``rebalance(loads [L, E], topology, policy="auto", previous=None, **options) -> Plan``
 is the entry point; ``policies()`` lists what ``policy`` accepts and ``get_policy(name)``
 what it is (its options, whether it re-plans migration-aware). The library's rooms:
-``eplb.place`` (placement steps and the anytime planner), ``eplb.replan`` (re-planning from
+``eplb.planner`` (the anytime planner and its steps), ``eplb.replan`` (re-planning from
 a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
 ``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies),
 ``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``), ``eplb.progress`` (what

@@ -4,7 +4,7 @@ A policy is registered with its options (a frozen dataclass whose ``__post_init_
 them, so a bad value fails once, with a message that names the option) and whether
 ``rebalance`` makes its plans migration-aware when given ``previous=`` (``replans``). The
 re-plan itself (``eplb.replan``) is applied here, once, for every such policy; its options
-(``eplb.replan.choose.Migration``: tolerances and move budgets) are accepted by every one.
+(``eplb.replan.migration.Migration``: tolerances and move budgets) are accepted by every one.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def rebalance(
     slots for every expert raises ``ValueError`` before any work.
 
     ``spread_nodes``: after planning, swap one replica of each expert whose replicas are all on
-    one node onto another node where a slot allows (``eplb.place.spread``), so that a node
+    one node onto another node where a slot allows (``eplb.planner.spread``), so that a node
     failing loses fewer experts (``Plan.single_node``); it costs some balance and moves, and a
     hierarchical plan's groups are then no longer whole on nodes.
 

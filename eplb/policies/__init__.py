@@ -1,6 +1,6 @@
 """The registered policies: ``global``, ``hierarchical``, ``auto``, ``deepseek`` and ``ilp``.
 
-``global``, ``hierarchical`` and ``auto`` plan with ``eplb.place`` and take its
+``global``, ``hierarchical`` and ``auto`` plan with ``eplb.planner`` and take its
 ``PlanOptions``; they are registered with ``replans=True``, so ``rebalance`` makes their plans
 migration-aware from ``previous=``. ``deepseek`` is eplb.py bit for bit and takes no options;
 ``ilp`` (``eplb.policies.ilp``) is the exact reference.

@@ -9,7 +9,7 @@ vectorised across layers:
 - repaired: the current placement changed only on gpus above the target, by ejection chains
   (``k + 1`` slots for ``k`` gpus above it), rotations (three slots for two), swaps (two for
   one) and count moves (one slot that gives an expert another replica, relieving every gpu
-  holding it; see ``eplb.replan.moves`` and ``eplb.place.counts``), in three orders, the best
+  holding it; see ``eplb.replan.moves`` and ``eplb.planner.counts``), in three orders, the best
   per layer;
 - recounted: replica counts first set to the fresh plan's (within each node: water-filling),
   touching only the slots of experts that lose or gain a replica, then repaired;

@@ -1,4 +1,4 @@
-"""eplb.place.anytime: the planner's options and what its search reports."""
+"""eplb.planner.anytime: the planner's options and what its search reports."""
 
 import time
 import warnings

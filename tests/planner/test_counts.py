@@ -1,4 +1,4 @@
-"""eplb.place.counts: count moves."""
+"""eplb.planner.counts: count moves."""
 
 import numpy as np
 from hypothesis import given

@@ -1,4 +1,4 @@
-"""eplb.place.hot: hot experts kept apart."""
+"""eplb.planner.hot: hot experts kept apart."""
 
 import numpy as np
 from hypothesis import given, settings

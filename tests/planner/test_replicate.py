@@ -1,4 +1,4 @@
-"""eplb.place.replicate: water-filling replica counts."""
+"""eplb.planner.replicate: water-filling replica counts."""
 
 import numpy as np
 
