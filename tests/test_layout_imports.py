@@ -112,3 +112,14 @@ def test_no_import_circles():
         if name not in state:
             visit(name, [name])
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_every_package_folder_is_installed():
+    # pyproject lists the packages one by one: a folder left out (a new harness/ or planner/)
+    # works in an editable checkout and is missing from a wheel.
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setup["package-dir"] == {name: folder for name, folder in PACKAGES.items()}
+    folders = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert folders - set(setup["packages"]) == set()
