@@ -1,1 +1,3 @@
-"""eplb's tools: the ``eplb`` command line and ``eplb-bench`` reports (installed as ``eplb_bench``)."""
+"""``eplb-bench`` (``report``) and the developer benchmarks, each runnable as
+``python -m eplb_bench.<name>``; what they share is in ``eplb_bench.harness`` (installed as
+``eplb_bench``)."""

@@ -13,7 +13,7 @@ to the last version they saw; a planner forces a ``Rebalance`` through a random 
 0.5 s. For ``--seconds``, one event at a time at random moments: SIGKILL a replica, SIGTERM a
 replica, or SIGKILL Redis, then restart it after a random pause.
 
-``--cluster`` runs on a private 3-master Redis Cluster instead (``bench/redis_cluster.py``: free
+``--cluster`` runs on a private 3-master Redis Cluster instead (``bench/harness/redis_cluster.py``: free
 ports, each master in its own directory with the same AOF settings, ``cluster-require-full-coverage
 no``), and the Redis event is a SIGKILL of the master that owns the deployment's slot, restarted
 on its port and directory (its AOF and ``nodes.conf`` bring its data and slots back).
@@ -57,8 +57,8 @@ from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
-from .processes import RedisProcess, ServeProcess
-from .redis_cluster import ClusterProcesses
+from .harness.processes import RedisProcess, ServeProcess
+from .harness.redis_cluster import ClusterProcesses
 
 __all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos", "traceback_excerpts"]
 

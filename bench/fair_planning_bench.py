@@ -32,7 +32,7 @@ from eplb_service.client import EngineClient, channel
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
-from .processes import free_port
+from .harness.processes import free_port
 
 # The documented limits (docs/service.md, "Limits"): 128 x 8192 int32 is the 4 MiB placement cap.
 LARGE = pb.Topology(num_layers=128, num_experts=8192, num_slots=8192, num_gpus=4096, num_nodes=512, num_groups=1)
@@ -40,7 +40,7 @@ SMALL = pb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_
 
 
 def start_server(port: int, lane: bool) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "eplb_bench.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
+    argv = [sys.executable, "-m", "eplb_tools.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
     argv += ["--small-plan-workers", "1" if lane else "0"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

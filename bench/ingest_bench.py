@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from .processes import RedisProcess, ServeProcess
-from .redis_cluster import ClusterProcesses
-from .service_bench import V3, _create, _latency_worker, _pct
+from .harness.processes import RedisProcess, ServeProcess
+from .harness.redis_cluster import ClusterProcesses
+from .harness.service import V3, create_v3, latency_worker, percentile
 
 PAYLOAD = V3["num_layers"] * V3["num_experts"] * 4
 INGEST_PROCS = 2
@@ -105,7 +105,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], seconds: float,
         ctx.Process(target=_ingest_worker, args=(targets, names, w, seconds, rate, out)) for w in range(INGEST_PROCS)
     ]
     # 4 GetPlacement callers, each every 5 ms.
-    procs.append(ctx.Process(target=_latency_worker, args=(targets[0], names[0], 4, seconds, 0.005, lat_out)))
+    procs.append(ctx.Process(target=latency_worker, args=(targets[0], names[0], 4, seconds, 0.005, lat_out)))
     for p in procs:
         p.start()
     results = [out.get() for _ in range(INGEST_PROCS)]
@@ -118,7 +118,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], seconds: float,
     return {
         "reports_per_s": accepted / elapsed,
         "bytes_per_report": (_net_input(ports) - before) / max(1, accepted),
-        "get_p99_ms": _pct(lat, 99) * 1e3,
+        "get_p99_ms": percentile(lat, 99) * 1e3,
     }
 
 
@@ -181,7 +181,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
             s.wait_listening()
         names = [f"d{i}" for i in range(deployments)]
         for name in names:
-            _create(servers[0].target, name, ranks=INGEST_PROCS * STREAMS)
+            create_v3(servers[0].target, name, ranks=INGEST_PROCS * STREAMS)
         targets = [s.target for s in servers]
         runs_max = [_run(targets, names, ports, args.seconds, 0.0) for _ in range(args.repeats)]
         runs_paced = [_run(targets, names, ports, args.seconds, args.rate) for _ in range(args.repeats)]

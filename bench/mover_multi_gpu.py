@@ -50,7 +50,7 @@ import eplb
 from eplb.transfer import Bandwidth, transfer_schedule
 from eplb_engine.mover import WeightMover
 
-from . import mover_bench as mb
+from .harness import mover as mb
 
 SMALL = {  # --cpu-check: the same four tensors, tiny
     "w13": ((8, 16), mb.FP8),

@@ -24,10 +24,10 @@ import json
 import numpy as np
 
 import eplb
-from eplb.place.replicate import replica_cap
+from eplb.planner.replicate import replica_cap
 from eplb.workloads import make_loads
 
-from .drift_bench import kept_count_floor
+from .harness.floors import kept_count_floor
 
 # (experts, gpus, slots per gpu): the last is kimi-64's shape (7 slots per gpu, 6/7 experts per slot).
 TOPOLOGIES: tuple[tuple[int, int, int], ...] = ((16, 4, 5), (32, 8, 5), (24, 4, 7), (48, 8, 7))

@@ -39,7 +39,7 @@ import numpy as np
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
 
-from .trees import TreePair
+from .harness.trees import TreePair
 
 # name: (scale, policy, move budget as a share of all slots, previous placement).
 CASES = {
@@ -50,7 +50,7 @@ CASES = {
     "v3-prefill-contiguous": ("v3-prefill", "hierarchical", None, "contiguous"),
     "kimi-64-contiguous": ("kimi-64", "auto", None, "contiguous"),
 }
-# Layers per job of the fresh plan's pool (eplb.place.anytime.CHUNK): its chunks are
+# Layers per job of the fresh plan's pool (eplb.planner.anytime.CHUNK): its chunks are
 # fixed, so the fresh plan runs in at most ceil(L / 16) processes; candidates split any way.
 FRESH_CHUNK = 16
 

@@ -11,7 +11,7 @@ towards the lightest) and lets CP-SAT rewrite them with the fewest slots changed
 previous placement: any experts (the hottest 40 may gain a replica), replica counts within one
 of the current ones, every gpu (the fixed ones too, since counts change) at most our plan's
 busiest gpu. Each improvement is kept. It prints our moves, the search's and the counts-kept
-floor of ``drift_bench`` (``floor_at``) at the same cap, summed over the first ``--layers``
+floor of ``drift_bench`` (``harness.floors.floor_at``) at the same cap, summed over the first ``--layers``
 layers.
 
 Needs OR-Tools (``pip install 'eplb[ilp]'``).
@@ -28,7 +28,7 @@ import numpy as np
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
 
-from .drift_bench import floor_at
+from .harness.floors import floor_at
 
 _SCALE = 1e6  # loads in units of 1e-6 of a gpu's mean load
 _HOT = 40  # the hottest experts may gain a replica in any neighbourhood

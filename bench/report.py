@@ -43,11 +43,10 @@ from eplb.policies.deepseek import FLOAT32_LAYER_SUM
 from eplb.simulate import simulate_steps
 from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
-
-from . import extras
-from . import io as eio
-from .cli import ProgressLines, build_topology, check_plan_fits
-from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
+from eplb_tools import extras
+from eplb_tools import io as eio
+from eplb_tools.cli import ProgressLines, build_topology, check_plan_fits
+from eplb_tools.pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 try:
     from tqdm import tqdm
@@ -451,7 +450,7 @@ def _run_sections(settings: Settings, trace_cases: list[Case], plots: Path | Non
 def write_plots(
     out: Path, cases: list[Case], per_case: dict, rows: list[dict], series: dict, settings: Settings
 ) -> list[Path]:
-    from . import plots  # matplotlib only when plots are asked for
+    from eplb_tools import plots  # matplotlib only when plots are asked for
 
     paths = []
     for case in cases:

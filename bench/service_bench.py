@@ -27,9 +27,8 @@ import uuid
 
 import numpy as np
 
-from .processes import free_port, serve_argv
-
-V3 = dict(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8)
+from .harness.processes import free_port, serve_argv
+from .harness.service import V3, create_v3, latency_worker, percentile
 
 
 def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
@@ -41,10 +40,6 @@ def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
     )
     proc.stdout.readline()  # "listening on …" once serving
     return proc, f"127.0.0.1:{port}"
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
 # ---- client processes (each runs its own event loop) ----
@@ -89,39 +84,6 @@ def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: fl
     asyncio.run(main())
 
 
-def _latency_worker(target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue) -> None:
-    from eplb_service.client import EngineClient, channel
-    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
-
-    async def main() -> None:
-        chan = channel(target)
-        stub = EngineClient(chan, name, 0).stub
-        req = pb.GetPlacementRequest(deployment=name)
-        await stub.GetPlacement(req)
-        lat: list[float] = []
-        deadline = time.perf_counter() + seconds
-
-        async def caller(i: int) -> None:
-            nxt = time.perf_counter() + pace_s * i / callers  # spread paced callers evenly
-            while True:
-                if pace_s:
-                    await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
-                    nxt += pace_s
-                t = time.perf_counter()
-                if t > deadline:
-                    return
-                await stub.GetPlacement(req)
-                lat.append(time.perf_counter() - t)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(caller(i) for i in range(callers)))
-        elapsed = time.perf_counter() - start
-        await chan.close()
-        out.put((lat, elapsed))
-
-    asyncio.run(main())
-
-
 def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, ready: mp.Queue, out: mp.Queue) -> None:
     from eplb_service.client import EngineClient, channel
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
@@ -161,21 +123,6 @@ def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, r
 
 
 # ---- orchestration ----
-
-
-def _create(target: str, name: str, ranks: int = 0) -> None:
-    """Creates the v3-prefill deployment with ranks 0 .. max(ranks, num_gpus) - 1."""
-    import grpc
-
-    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
-    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(target) as ch:
-        pb_grpc.ExpertLoadBalancerServiceStub(ch).CreateDeployment(
-            pb.CreateDeploymentRequest(
-                deployment=pb.Deployment(name=name, topology=pb.Topology(**V3), ranks=range(max(ranks, V3["num_gpus"])))
-            )
-        )
 
 
 def _rebalance(target: str, name: str) -> float:
@@ -244,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     try:
         target = servers[0][1]
-        _create(target, name, args.ranks)  # the deployment names every reporting rank
+        create_v3(target, name, args.ranks)  # the deployment names every reporting rank
         print(
             f"v3-prefill deployment on 1 service process + Redis, {os.cpu_count()} cpus, "
             f"load average {os.getloadavg()[0]:.1f} at start"
@@ -274,15 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for label, pace in modes:
                 q = ctx.Queue()
-                p = ctx.Process(target=_latency_worker, args=(target, name, args.callers, args.seconds, pace, q))
+                p = ctx.Process(target=latency_worker, args=(target, name, args.callers, args.seconds, pace, q))
                 p.start()
                 lat, elapsed = q.get()
                 p.join()
                 row = {
                     "calls": len(lat),
                     "calls_per_s": len(lat) / elapsed,
-                    "p50_ms": _pct(lat, 50) * 1e3,
-                    "p99_ms": _pct(lat, 99) * 1e3,
+                    "p50_ms": percentile(lat, 50) * 1e3,
+                    "p99_ms": percentile(lat, 99) * 1e3,
                 }
                 figures[f"get_placement_{'closed' if not pace else f'paced_{pace * 1e3:g}ms'}"] = row
                 print(
@@ -306,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "versions": len(got),
                 "complete_versions": len(all_have),
-                "all_have_p50_ms": _pct(all_have, 50) * 1e3,
-                "all_have_p99_ms": _pct(all_have, 99) * 1e3,
+                "all_have_p50_ms": percentile(all_have, 50) * 1e3,
+                "all_have_p99_ms": percentile(all_have, 99) * 1e3,
                 "all_have_max_ms": max(all_have) * 1e3 if all_have else float("nan"),
-                "per_watcher_p50_ms": _pct(each, 50) * 1e3,
-                "per_watcher_p99_ms": _pct(each, 99) * 1e3,
+                "per_watcher_p50_ms": percentile(each, 50) * 1e3,
+                "per_watcher_p99_ms": percentile(each, 99) * 1e3,
             }
             figures["watch"] = row
             print(

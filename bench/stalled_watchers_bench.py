@@ -54,7 +54,7 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
 
 
 def start_server(port: int, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "eplb_bench.cli", "serve", "--port", str(port), "--max-message-bytes", str(8 << 20)]
+    argv = [sys.executable, "-m", "eplb_tools.cli", "serve", "--port", str(port), "--max-message-bytes", str(8 << 20)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + 60

@@ -3,7 +3,7 @@
 ``rebalance(loads [L, E], topology, policy="auto", previous=None, **options) -> Plan``
 is the entry point; ``policies()`` lists what ``policy`` accepts and ``get_policy(name)``
 what it is (its options, whether it re-plans migration-aware). The library's rooms:
-``eplb.place`` (placement steps and the anytime planner), ``eplb.replan`` (re-planning from
+``eplb.planner`` (the anytime planner and its steps), ``eplb.replan`` (re-planning from
 a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
 ``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies),
 ``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``), ``eplb.progress`` (what
@@ -15,9 +15,8 @@ import importlib
 
 from . import policies as _policies  # noqa: F401  (registers the built-in policies)
 from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bound, moves
-from .place.anytime import EFFORTS, PlanOptions
 from .placement import Placement
-from .plan import Plan, ReplanStats, SearchStats, SolverStats
+from .planner.anytime import EFFORTS, PlanOptions
 from .progress import Progress
 from .registry import (
     PolicyError,
@@ -29,7 +28,8 @@ from .registry import (
     register_policy,
     unregister_policy,
 )
-from .replan.choose import Migration
+from .replan.migration import Migration
+from .result import Plan, ReplanStats, SearchStats, SolverStats
 from .topology import Topology
 
 __all__ = [

@@ -12,7 +12,7 @@
 
 ``row_bound`` works on rows of any packing problem (a layer, or one node of a layer);
 ``lower_bound`` on a topology's layers. Two more serve single steps: ``pigeonhole_bound``
-(what a few hot experts' replica counts force on one gpu; ``eplb.place.hot`` picks counts by
+(what a few hot experts' replica counts force on one gpu; ``eplb.planner.hot`` picks counts by
 it) and ``integer_bound`` (the simple bound in the ILP's integer units).
 """
 
@@ -22,7 +22,7 @@ from itertools import combinations
 
 import numpy as np
 
-from .place.replicate import replica_cap, waterfill
+from .planner.replicate import replica_cap, waterfill
 from .topology import Topology
 
 __all__ = [

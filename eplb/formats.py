@@ -1,6 +1,6 @@
 """Placements in the engines' formats: pure converters to and from dicts, arrays and text.
 
-Writing and reading files is the caller's job (``eplb_bench.io``). Readers raise
+Writing and reading files is the caller's job (``eplb_tools.io``). Readers raise
 ``ValueError`` naming the field and what was expected; the caller prefixes the file name.
 
 - native: ``{"format": "eplb-placement", "version": 1, "topology": {...}, "phy2log": [L][P],

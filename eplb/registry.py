@@ -4,7 +4,7 @@ A policy is registered with its options (a frozen dataclass whose ``__post_init_
 them, so a bad value fails once, with a message that names the option) and whether
 ``rebalance`` makes its plans migration-aware when given ``previous=`` (``replans``). The
 re-plan itself (``eplb.replan``) is applied here, once, for every such policy; its options
-(``eplb.replan.choose.Migration``: tolerances and move budgets) are accepted by every one.
+(``eplb.replan.migration.Migration``: tolerances and move budgets) are accepted by every one.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import numpy as np
 
 from . import metrics
 from .loads import check_loads
-from .place.anytime import PlanOptions
-from .place.spread import spread_nodes as spread_over_nodes
 from .placement import Placement
-from .plan import Plan, SearchStats, SolverStats
+from .planner.anytime import PlanOptions
+from .planner.spread import spread_nodes as spread_over_nodes
 from .progress import Progress, check_callback, report, reporting
-from .replan.choose import Migration, choose
+from .replan.choose import choose
 from .replan.fresh import near_bound
+from .replan.migration import Migration
+from .result import Plan, SearchStats, SolverStats
 from .survivors import Survivors, restore, survivors
 from .topology import Topology
 
@@ -261,7 +262,7 @@ def rebalance(
     slots for every expert raises ``ValueError`` before any work.
 
     ``spread_nodes``: after planning, swap one replica of each expert whose replicas are all on
-    one node onto another node where a slot allows (``eplb.place.spread``), so that a node
+    one node onto another node where a slot allows (``eplb.planner.spread``), so that a node
     failing loses fewer experts (``Plan.single_node``); it costs some balance and moves, and a
     hierarchical plan's groups are then no longer whole on nodes.
 

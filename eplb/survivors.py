@@ -3,7 +3,7 @@
 A down gpu's slots are all empty (-1) in every layer (``Placement.down_gpus``). ``rebalance(...,
 down_gpus=[...])`` plans on a reduced topology of the live gpus alone (the same slots per gpu,
 live gpus renumbered in order) and writes the -1s only at the boundary (``Survivors.expand``):
-the placement steps under ``eplb.place`` and ``eplb.replan`` never see an empty slot.
+the placement steps under ``eplb.planner`` and ``eplb.replan`` never see an empty slot.
 
 Nodes: when every node that has a live gpu has as many as the others (a whole node down, or
 the same number down on each), the reduced topology keeps them and ``hierarchical`` keeps

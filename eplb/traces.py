@@ -2,7 +2,7 @@
 
 Pure converters: each takes what a file decoder produced (a dict from JSON, CSV rows, an
 array) and returns a :class:`LoadTrace`; reading files is the caller's job
-(``eplb_bench.io``). Errors are ``ValueError`` naming the field and what was expected; the
+(``eplb_tools.io``). Errors are ``ValueError`` naming the field and what was expected; the
 caller prefixes the file name.
 
 Native trace (``to_native`` / ``from_native``), a JSON object::

@@ -7,13 +7,13 @@ from hypothesis import strategies as st
 
 import eplb
 from eplb.bounds import group_bound, pairing_bound, profile_bound, row_bound, simple_bound
-from eplb.place.pairing import paired_max
+from eplb.planner.pairing import paired_max
 from eplb.workloads import zipf
 
 
 def _best_over_counts(loads: np.ndarray, bins: int) -> float:
     """Brute force: the least paired busiest bin over every count vector (one row)."""
-    from eplb.place.replicate import count_vectors
+    from eplb.planner.replicate import count_vectors
 
     vectors = count_vectors(loads.size, 2 * bins, bins)
     return float(paired_max(np.broadcast_to(loads, vectors.shape), vectors).min())

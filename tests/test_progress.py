@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.place import anytime
+from eplb.planner import anytime
 from eplb.workloads import SCALES, make_loads
 
 

@@ -1,6 +1,6 @@
 """The registered policies: ``global``, ``hierarchical``, ``auto``, ``deepseek`` and ``ilp``.
 
-``global``, ``hierarchical`` and ``auto`` plan with ``eplb.place`` and take its
+``global``, ``hierarchical`` and ``auto`` plan with ``eplb.planner`` and take its
 ``PlanOptions``; they are registered with ``replans=True``, so ``rebalance`` makes their plans
 migration-aware from ``previous=``. ``deepseek`` is eplb.py bit for bit and takes no options;
 ``ilp`` (``eplb.policies.ilp``) is the exact reference.
@@ -16,10 +16,10 @@ import numpy as np
 from ..bounds import group_bound
 from ..loads import check_layer_sums
 from ..metrics import gpu_loads, imbalance
-from ..place.anytime import PlanOptions, flat_topology, plan_placement
 from ..placement import Placement
-from ..plan import SearchStats
+from ..planner.anytime import PlanOptions, flat_topology, plan_placement
 from ..registry import PolicyResult, register_policy
+from ..result import SearchStats
 from ..topology import Topology
 from .deepseek import FLOAT32_LAYER_SUM, deepseek_rebalance
 

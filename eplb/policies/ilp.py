@@ -19,7 +19,7 @@ Model for one layer (``E`` experts, ``G`` gpus with ``S = P / G`` slots each):
   integer weights) and at most the ``global`` policy's answer, which is also the hint.
 
 Small layers (at most 200,000 replica-count vectors and 20,000 ways to fill one gpu) go first
-to an exact enumeration (``eplb.policies.enumeration``) with half the time limit: it settles
+to an exact enumeration (``eplb.enumeration``) with half the time limit: it settles
 them in about a second, including float loads whose optimum sits a hair above the mean gpu
 load, where CP-SAT's bound stays at the mean. What it does not settle, CP-SAT solves with the
 rest of the time, hinted with the enumeration's best placement.
@@ -40,14 +40,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounds import integer_bound
+from ..enumeration import improve_or_prove
 from ..metrics import gpu_loads, lower_bound
-from ..place.anytime import place_global
 from ..placement import Placement
-from ..plan import SolverStats
+from ..planner.anytime import place_global
 from ..progress import report
 from ..registry import PolicyResult, register_policy
+from ..result import SolverStats
 from ..topology import Topology
-from .enumeration import improve_or_prove
 
 __all__ = ["solve_layer", "IlpOptions"]
 

@@ -1,7 +1,7 @@
 """A re-plan's candidates per layer: the previous placement repaired towards targets.
 
 Repairs change the previous placement only on gpus above a target: ejection chains, rotations,
-swaps and count moves (``eplb.replan.moves``, ``eplb.place.packing``, ``eplb.place.counts``)
+swaps and count moves (``eplb.replan.moves``, ``eplb.planner.packing``, ``eplb.planner.counts``)
 in three orders, the best per layer; ``recounted`` first resets replica counts to the fresh
 plan's, ``regrouped`` (hierarchical) first swaps expert groups between nodes. ``candidates``
 makes them for all layers, in worker processes if asked, with the kept placement first and the
@@ -14,10 +14,10 @@ import numpy as np
 
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
-from ..place.counts import refine_counts
-from ..place.packing import swap_improve
-from ..place.replicate import replica_cap, waterfill
 from ..placement import Placement
+from ..planner.counts import refine_counts
+from ..planner.packing import swap_improve
+from ..planner.replicate import replica_cap, waterfill
 from ..topology import Topology
 from ..workers import worker_pool
 from .align import align_slots, align_to_previous
@@ -55,7 +55,7 @@ def repair_previous(
     layer's busiest gpu is at most its target (or as far as it got; the caller checks):
 
     - swaps of two slots between gpus (within a node when ``by_node``), then count moves (one
-      slot rewritten with another expert, see ``eplb.place.counts``) with swaps after them;
+      slot rewritten with another expert, see ``eplb.planner.counts``) with swaps after them;
     - a recount: replica counts changed in one go to those of ``fresh`` ``[L, P]`` (for
       ``by_node``, water-filling within each node), each lost replica taken from the busiest
       gpu holding it and each new one written into a freed slot on the lightest gpu that lacks

@@ -122,7 +122,7 @@ def test_layers_too_big_to_enumerate_go_to_cp_sat() -> None:
 def test_enumeration_matches_brute_force_on_tiny_layers(data: st.DataObject) -> None:
     from itertools import combinations, product
 
-    from eplb.policies.enumeration import improve_or_prove
+    from eplb.enumeration import improve_or_prove
 
     G = data.draw(st.integers(2, 3), label="gpus")
     S = data.draw(st.integers(1, 3), label="slots per gpu")

@@ -325,7 +325,7 @@ def test_high_effort_with_a_single_expert(policy: str) -> None:
 def test_hierarchical_keeps_hot_experts_off_shared_gpus() -> None:
     from math import lcm
 
-    from eplb.policies.enumeration import improve_or_prove
+    from eplb.enumeration import improve_or_prove
 
     # Node 0 holds experts 40, 12 and 10 with 4 spare slots on 4 gpus. Water-filling gives
     # 40 four replicas and 12 two, so two gpus hold both (18.33); fewer shared replicas win.

@@ -16,7 +16,7 @@ from eplb.workloads import SCALES, drift, make_loads
 )
 def test_recount_sets_the_counts_and_touches_only_changed_experts(data: st.DataObject, bins: int, per_bin: int) -> None:
     from eplb.layout import replica_counts
-    from eplb.place.replicate import waterfill
+    from eplb.planner.replicate import waterfill
     from eplb.replan.candidates import recount
 
     P = bins * per_bin

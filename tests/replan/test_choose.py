@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eplb
-from eplb.place.anytime import PlanOptions
+from eplb.planner.anytime import PlanOptions
 from eplb.workloads import SCALES, drift, make_loads
 
 
@@ -262,7 +262,8 @@ def _drifted(layers: int) -> tuple[eplb.Topology, np.ndarray, eplb.Placement]:
 def test_a_replan_with_no_time_left_takes_kept_or_fresh_aligned_within_its_bounds() -> None:
     import time
 
-    from eplb.replan.choose import Migration, choose
+    from eplb.replan.choose import choose
+    from eplb.replan.migration import Migration
 
     topo, snap, previous = _drifted(8)
     fresh = eplb.rebalance(snap, topo, "global")

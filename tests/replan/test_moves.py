@@ -124,7 +124,7 @@ def test_one_count_move_fixes_every_gpu_of_an_expert_that_grew() -> None:
 @given(data=st.data())
 def test_count_repairs_fix_at_least_a_gpu_per_slot(data: st.DataObject) -> None:
     from eplb.layout import bin_loads, replica_counts
-    from eplb.place.replicate import replica_cap
+    from eplb.planner.replicate import replica_cap
     from eplb.replan.moves import count_repair
 
     drifted, phy, target = _drifted_layout(data, (2, 10), (2, 4), 1, 0.5)

@@ -15,7 +15,7 @@ import pytest
 import redis
 from svc_helpers import FAST, REDIS_URL, PrivateRedis
 
-from eplb_bench.redis_cluster import ClusterProcesses
+from eplb_bench.harness.redis_cluster import ClusterProcesses
 from eplb_service.client import auth_metadata, channel
 from eplb_service.server import RunningServer, ServerConfig, start_server
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc

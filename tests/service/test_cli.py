@@ -28,7 +28,7 @@ def _env(**extra: str) -> dict[str, str]:
 def run_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
     """``eplb serve args`` that is expected to exit by itself (a start-up error)."""
     return subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", *args],
+        [sys.executable, "-m", "eplb_tools.cli", "serve", *args],
         cwd=ROOT,
         env=_env(**env),
         check=False,
@@ -43,7 +43,7 @@ def serving(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """A running ``eplb serve args`` and the first line it wrote to stdout; SIGTERM at exit, after
     which ``proc.stderr_text`` holds what it wrote to stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", *args],
+        [sys.executable, "-m", "eplb_tools.cli", "serve", *args],
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -173,7 +173,7 @@ def test_a_flag_wins_over_a_bad_variable():
     # Only a value that is used is checked: --port given, EPLB_PORT is not read.
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "eplb_tools.cli", "serve", "--port", str(port)],
         cwd=ROOT,
         env=_env(EPLB_PORT="abc"),
         stdout=subprocess.PIPE,

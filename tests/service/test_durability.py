@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
-from eplb_bench.processes import serve_argv
+from eplb_bench.harness.processes import serve_argv
 from eplb_service.client import EngineClient, channel
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ from eplb_service.metrics import SERIES, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("docs/service.md", "docs/rollout.md")
-PACKAGES = {"eplb_service", "eplb_engine", "eplb_bench"}  # named in the same docs
+PACKAGES = {"eplb_service", "eplb_engine", "eplb_tools", "eplb_bench"}  # named in the same docs
 
 
 def registered() -> dict[str, tuple[str, ...]]:

@@ -107,7 +107,7 @@ async def test_store_up_follows_redis(serve, private_redis, prefix):
 
 def _serve(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", *args],
+        [sys.executable, "-m", "eplb_tools.cli", "serve", *args],
         cwd=ROOT,
         env=dict(os.environ, **(env or {})),
         stdout=subprocess.PIPE,

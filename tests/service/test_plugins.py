@@ -137,7 +137,7 @@ def test_an_installed_entry_point_reaches_eplb_place(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPLB_")}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     out_file = tmp_path / "p.json"
-    argv = [sys.executable, "-m", "eplb_bench.cli", "place", "--synthetic", "zipf-1.0", "--layers", "3"]
+    argv = [sys.executable, "-m", "eplb_tools.cli", "place", "--synthetic", "zipf-1.0", "--layers", "3"]
     argv += ["--experts", "16", "--slots", "24", "--gpus", "8", "--policy", name, "--out", str(out_file)]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -189,7 +189,7 @@ def test_sigterm_shuts_down_gracefully(tmp_path):
     port = free_port()
     env = dict(os.environ, EPLB_PORT=str(port), EPLB_HOST="127.0.0.1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", "--log-level", "WARNING"],
+        [sys.executable, "-m", "eplb_tools.cli", "serve", "--log-level", "WARNING"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

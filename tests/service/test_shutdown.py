@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, small_deployment
 
-from eplb_bench.processes import ServeProcess
+from eplb_bench.harness.processes import ServeProcess
 from eplb_service.client import channel
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb

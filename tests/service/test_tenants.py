@@ -634,7 +634,7 @@ def test_eplb_serve_logs_the_metrics_port_and_reloads_the_auth_file_on_sighup(tm
         [
             sys.executable,
             "-m",
-            "eplb_bench.cli",
+            "eplb_tools.cli",
             "serve",
             "--port",
             str(port),
@@ -672,7 +672,7 @@ def test_eplb_serve_logs_the_metrics_port_and_reloads_the_auth_file_on_sighup(tm
     # A bad file at start: exit 2, one line naming the flag, the file and the field.
     auth.write_text('{"tokens": [{"role": "admin"}]}')
     out = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "serve", "--port", "0", "--auth-file", str(auth)],
+        [sys.executable, "-m", "eplb_tools.cli", "serve", "--port", "0", "--auth-file", str(auth)],
         cwd=ROOT,
         capture_output=True,
         text=True,

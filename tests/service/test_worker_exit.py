@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from svc_helpers import REDIS_URL
 
-from eplb_bench.processes import ServeProcess
+from eplb_bench.harness.processes import ServeProcess
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_wire.arrays import encode

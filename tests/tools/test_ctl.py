@@ -22,10 +22,10 @@ import pytest
 
 import eplb
 import eplb_engine.wire as wire
-from eplb_bench import cli, ctl
 from eplb_engine.client import ServiceClient
 from eplb_service.balancer import BalancerConfig
 from eplb_service.server import RunningServer, ServerConfig, start_server
+from eplb_tools import cli, ctl
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 # As tests/service's FAST: flushes, triggers and refreshes within a fraction of a second.

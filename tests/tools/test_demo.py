@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb_bench import cli
-from eplb_bench.demo import DemoConfig, make_weights, misrouted_here, route, slot_experts
+from eplb_tools import cli
+from eplb_tools.demo import DemoConfig, make_weights, misrouted_here, route, slot_experts
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
         [
             sys.executable,
             "-m",
-            "eplb_bench.cli",
+            "eplb_tools.cli",
             "demo",
             "--ranks",
             "3",
@@ -74,7 +74,7 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
 def test_demo_with_a_draft_model_checks_both_models_dispatches(tmp_path):
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "5", "--draft-layers", "1"]
+        [sys.executable, "-m", "eplb_tools.cli", "demo", "--ranks", "3", "--seconds", "5", "--draft-layers", "1"]
         + ["--json", str(out)],
         capture_output=True,
         text=True,
@@ -191,7 +191,7 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
 
     # Ctrl-C signals the terminal's whole foreground process group: the demo and its ranks.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "2", "--seconds", "60"],
+        [sys.executable, "-m", "eplb_tools.cli", "demo", "--ranks", "2", "--seconds", "60"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -218,7 +218,7 @@ def test_the_summary_reads_rank_0s_series_whatever_order_the_ranks_finish_in():
     """Only rank 0 measures the imbalance series; the summary must read it even when another
     rank's results arrived first (under load rank 1 can finish first: CI once saw
     "0 tokens routed" and an empty series from a demo that ran every step)."""
-    from eplb_bench.demo import _summary
+    from eplb_tools.demo import _summary
 
     cfg = DemoConfig(ranks=2, seconds=1.0)
 

@@ -12,7 +12,7 @@ import pytest
 
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
-from eplb_bench import cli, plots
+from eplb_tools import cli, plots
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import numpy as np
 import eplb
 from eplb import traces
 from eplb.workloads import drift, make_loads
-from eplb_bench import cli
-from eplb_bench import io as eio
+from eplb_tools import cli
+from eplb_tools import io as eio
 
 TOPO = eplb.Topology(2, 16, 20, 4, 2, 4)
 
@@ -196,7 +196,7 @@ def test_place_time_limit_caps_a_whole_replan_end_to_end(tmp_path):
     # after the first plans and repaired the previous placement with none: a 0.2 s limit took
     # 0.99 s of 1.17 s here. Timing-free on a loaded machine: the capped run against the free one.
     def place(*flags: str) -> str:
-        cmd = [sys.executable, "-m", "eplb_bench.cli", "place", "--scale", "v3-prefill", *flags]
+        cmd = [sys.executable, "-m", "eplb_tools.cli", "place", "--scale", "v3-prefill", *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         return done.stdout + done.stderr
 

@@ -4,7 +4,7 @@ line naming the flag (or the file), said before planning where it can be."""
 import numpy as np
 import pytest
 
-from eplb_bench import cli
+from eplb_tools import cli
 
 SMALL = ["--synthetic", "zipf-1.0", "--scale", "small", "--policy", "global", "--effort", "fast"]
 
@@ -73,7 +73,7 @@ def test_demo_names_the_flag_that_is_out_of_range(capsys, argv, message):
 @pytest.mark.parametrize("suffix", [".npy", ".json"])
 def test_a_trace_given_as_previous_is_named_a_trace(tmp_path, capsys, suffix):
     from eplb.traces import LoadTrace
-    from eplb_bench import io as eio
+    from eplb_tools import io as eio
 
     path = tmp_path / f"trace{suffix}"
     counts = np.ones((8, 1, 16))

@@ -33,14 +33,14 @@ def _one_line(r: subprocess.CompletedProcess[str]) -> str:
     [("redis", "redis"), ("torch", "torch"), ("google", "protobuf"), ("grpc", "grpcio")],
 )
 def test_demo_without_its_extra(module: str, package: str) -> None:
-    line = _one_line(_without([module], "eplb_bench.cli", ["demo", "--seconds", "1"]))
+    line = _one_line(_without([module], "eplb_tools.cli", ["demo", "--seconds", "1"]))
     assert line == (
         f"eplb demo: error: the demo needs the demo extra (missing: {package}); install it with: pip install 'eplb[demo]'"
     )
 
 
 def test_serve_names_the_package_not_the_namespace() -> None:
-    line = _one_line(_without(["google"], "eplb_bench.cli", ["serve"]))
+    line = _one_line(_without(["google"], "eplb_tools.cli", ["serve"]))
     assert line == (
         "eplb serve: error: the service needs the service extra (missing: protobuf); "
         "install it with: pip install 'eplb[service]'"
@@ -49,7 +49,7 @@ def test_serve_names_the_package_not_the_namespace() -> None:
 
 def test_place_ilp_without_ortools() -> None:
     flags = ["place", "--synthetic", "zipf-1.0", "--scale", "small", "--policy", "ilp"]
-    line = _one_line(_without(["ortools"], "eplb_bench.cli", flags))
+    line = _one_line(_without(["ortools"], "eplb_tools.cli", flags))
     assert line == (
         "eplb place: error: --policy ilp needs the ilp extra (missing: ortools); install it with: pip install 'eplb[ilp]'"
     )

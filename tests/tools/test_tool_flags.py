@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from eplb_bench import cli, report
+from eplb_bench import report
+from eplb_tools import cli
 
 SMALL = ["--synthetic", "zipf-1.0", "--scale", "small", "--policy", "global", "--effort", "fast"]
 

@@ -9,7 +9,7 @@ import pytest
 import eplb
 from eplb import traces
 from eplb.workloads import make_loads
-from eplb_bench import io as eio
+from eplb_tools import io as eio
 
 
 @pytest.fixture()

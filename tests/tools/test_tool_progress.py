@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 import eplb
-from eplb_bench import cli
+from eplb_tools import cli
 
 # 70 layers: five search chunks of 16.
 FLAGS = ["--layers", "70", "--experts", "32", "--slots", "48", "--gpus", "8", "--synthetic", "zipf-1.0"]

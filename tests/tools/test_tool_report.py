@@ -10,7 +10,8 @@ import pytest
 
 import eplb
 from eplb.workloads import SCALES, drift, make_loads
-from eplb_bench import plots, report
+from eplb_bench import report
+from eplb_tools import plots
 
 TINY = report.Settings(
     scales=("small",),

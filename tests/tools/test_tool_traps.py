@@ -17,8 +17,9 @@ import pytest
 import eplb
 from eplb import formats
 from eplb.workloads import SCALES, make_loads
-from eplb_bench import cli, report
-from eplb_bench.pipes import BROKEN_PIPE_STATUS, INTERRUPTED_STATUS
+from eplb_bench import report
+from eplb_tools import cli
+from eplb_tools.pipes import BROKEN_PIPE_STATUS, INTERRUPTED_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_TOPO = ["--scale", "small", "--policy", "global"]
@@ -55,7 +56,7 @@ def _quiet(proc: subprocess.Popen) -> str:
 
 def test_a_closed_pipe_ends_eplb_place_quietly():
     # The reader is gone before the first write: every write fails.
-    cmd = [sys.executable, "-m", "eplb_bench.cli", "place", *SMALL]
+    cmd = [sys.executable, "-m", "eplb_tools.cli", "place", *SMALL]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     proc.stdout.close()
     _quiet(proc)
@@ -65,7 +66,7 @@ def test_a_closed_pipe_ends_eplb_place_quietly():
     cmd = [
         sys.executable,
         "-m",
-        "eplb_bench.cli",
+        "eplb_tools.cli",
         "place",
         "--scale",
         "v3-prefill",
@@ -396,7 +397,7 @@ def test_ctrl_c_stops_a_long_ilp_run_quietly(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "eplb_bench.cli",
+        "eplb_tools.cli",
         "place",
         "--policy",
         "ilp",

@@ -1,8 +1,8 @@
-"""eplb.place.replicate: water-filling replica counts."""
+"""eplb.planner.replicate: water-filling replica counts."""
 
 import numpy as np
 
-from eplb.place.replicate import waterfill
+from eplb.planner.replicate import waterfill
 
 
 def test_waterfill_known_answer_and_cap() -> None:

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 import eplb
 from eplb.budget import Budget
 from eplb.layout import bin_loads
-from eplb.place import search
-from eplb.place.excess import excess_descent, target_search
-from eplb.place.pairing import pair_descent, paired_max
-from eplb.place.replicate import count_vectors, waterfill
+from eplb.planner import search
+from eplb.planner.excess import excess_descent, target_search
+from eplb.planner.pairing import pair_descent, paired_max
+from eplb.planner.replicate import count_vectors, waterfill
 
 
 def _excess(loads: np.ndarray, counts: np.ndarray, bins: int, target: np.ndarray) -> np.ndarray:

@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 from eplb.budget import Budget
 from eplb.layout import bin_loads, replica_counts
-from eplb.place.borrow import borrow_counts
-from eplb.place.packing import pack_counts
-from eplb.place.replicate import waterfill
+from eplb.planner.borrow import borrow_counts
+from eplb.planner.packing import pack_counts
+from eplb.planner.replicate import waterfill
 
 
 def _rows(loads: np.ndarray, counts: np.ndarray, bins: int) -> np.ndarray:

@@ -1,8 +1,8 @@
 """The anytime search after the first plan: replica counts searched by repacking.
 
 ``refine_thorough`` is the search a default plan runs on the rows its first plan left above
-their bound: the two-slot pairing start (``eplb.place.pairing``), count moves with a wide
-donor search (``eplb.place.counts``), every count vector for small rows
+their bound: the two-slot pairing start (``eplb.planner.pairing``), count moves with a wide
+donor search (``eplb.planner.counts``), every count vector for small rows
 (``exhaustive_counts``) and a steepest descent over single count moves, each candidate packed
 from scratch (``repack_search``). All of it spends work units (``eplb.budget``), so the same
 input gives the same plan on any machine.
@@ -38,10 +38,10 @@ _POLISH_SHARE = 1.0
 # Share of what is left after repack_search for the sweep line (construction and descent).
 _SWEEP_SHARE = 0.6
 # Share of what is left after the pairing descent for the target search (effort="high"): the
-# rest stays for borrowing counts across layers (eplb.place.borrow), which the zipf rows need
+# rest stays for borrowing counts across layers (eplb.planner.borrow), which the zipf rows need
 # (v3-512 zipf 1.0 high: 1.0177 with all of it, 1.0155 with half, as without the search).
 _TARGET_SHARE = 0.5
-# With ``excess`` (rows of a profile of their own, eplb.place.anytime): the share of what is
+# With ``excess`` (rows of a profile of their own, eplb.planner.anytime): the share of what is
 # left after the sweep line for the pairing descent; a target search with few candidates per
 # step (6 gainers x 8 donors: at this budget more steps of fewer candidates go further) takes
 # the rest.
@@ -257,7 +257,7 @@ def refine_thorough(
     vector for small layers (:func:`exhaustive_counts`), then :func:`repack_search`, rows
     stopping at ``target`` ``[X]`` and all of it when ``budget`` is spent (``None``: run to the
     end). ``wide`` searches more candidates per step and, with two slots per bin, ends with a
-    target search (``eplb.place.excess``) on half of what is left; ``excess`` (two slots per
+    target search (``eplb.planner.excess``) on half of what is left; ``excess`` (two slots per
     bin, not ``wide``) hands the last half of the pairing descent's share to a lean target
     search. ``loads`` ``[X, E]``, ``phy``
     ``[X, B, S]`` → ``[X, B, S]``, never worse per row; deterministic unless ``budget`` has a
@@ -296,7 +296,7 @@ def refine_thorough(
         if not budget.out():
             if excess and not wide:
                 # Rows of a profile of their own: half to the pairing descent, then a lean
-                # target search (eplb.place.excess) from where it stopped. On routing counts
+                # target search (eplb.planner.excess) from where it stopped. On routing counts
                 # with dead experts (shapes_bench, 256 experts on 192 gpus) 1.0405 -> 1.0392 and
                 # 1.0408 -> 1.0393; all of it to the target search gains more there but loses
                 # up to 0.2 % on 128 experts on 128 gpus.
@@ -308,7 +308,7 @@ def refine_thorough(
                 out = _pair_polish(loads, out, cap, budget, target)
         if wide and not budget.out():
             # Half of what the lines above leave: they stop in local optima of the busiest
-            # pair, the excess over a target walks on (``eplb.place.excess``; 256 experts on
+            # pair, the excess over a target walks on (``eplb.planner.excess``; 256 experts on
             # 192 gpus with dead experts: 1.0386 -> 1.0340). Not at the default effort: there
             # the hard rows spend the budget before this, and rows that stop early would spend
             # the rest here (several times the time per plan).
@@ -319,7 +319,7 @@ def refine_thorough(
 
 
 def _pair_start(loads: np.ndarray, phy: np.ndarray, cap: int | None, budget: Budget) -> np.ndarray:
-    """Two slots per bin: counts built for a target busiest bin (``eplb.place.pairing``), packed,
+    """Two slots per bin: counts built for a target busiest bin (``eplb.planner.pairing``), packed,
     where they beat ``phy`` ``[X, B, 2]``; the search goes on from the better of the two."""
     X, B, S = phy.shape
     now = bin_loads(loads, phy).max(axis=1)

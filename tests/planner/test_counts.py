@@ -1,11 +1,11 @@
-"""eplb.place.counts: count moves."""
+"""eplb.planner.counts: count moves."""
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb.place.counts import refine_counts
-from eplb.place.packing import pack
+from eplb.planner.counts import refine_counts
+from eplb.planner.packing import pack
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""eplb.place.anytime: the planner's options and what its search reports."""
+"""eplb.planner.anytime: the planner's options and what its search reports."""
 
 import time
 import warnings
@@ -76,7 +76,7 @@ def test_odd_layers_plan_without_warnings_and_integer_counts_plan_as_floats(effo
 def _slow_packing(monkeypatch: pytest.MonkeyPatch, seconds_per_row: float) -> None:
     """Every candidate row the search packs costs ``seconds_per_row`` more: a big batch is one
     long step, as on a machine whose cores are shared."""
-    from eplb.place import packing, search
+    from eplb.planner import packing, search
 
     real = packing.pack_counts
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 import eplb
 from eplb.layout import bin_loads
-from eplb.place.packing import pack_counts
-from eplb.place.pairing import pair_counts, pair_counts_sweep, pair_descent, paired_max
-from eplb.place.replicate import waterfill
+from eplb.planner.packing import pack_counts
+from eplb.planner.pairing import pair_counts, pair_counts_sweep, pair_descent, paired_max
+from eplb.planner.replicate import waterfill
 from eplb.workloads import lognormal, zipf
 
 

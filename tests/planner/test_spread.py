@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import eplb
-from eplb.place.spread import spread_nodes
+from eplb.planner.spread import spread_nodes
 from eplb.workloads import SCALES, make_loads
 
 

@@ -1,6 +1,6 @@
 """The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
 ``eplb serve`` (the balancer service), ``eplb demo`` (service, engine ranks and mover on CPU) and
-``eplb ctl`` (ask a running service, bench/ctl.py)."""
+``eplb ctl`` (ask a running service, tools/ctl.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from eplb.workloads import SCALES, WORKLOADS, make_loads
 from . import extras
 from . import io as eio
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
+from .plots_check import plot_target
 
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
@@ -158,25 +159,6 @@ def check_plan_fits(topo: Topology, available: int | None = None) -> None:
             f"({topo.slots_per_gpu} per gpu) needs about {_size(need)} of memory (eplb.limits.plan_bytes), more than "
             f"the {_size(available)} available (MemAvailable); plan fewer layers, experts or slots per gpu"
         )
-
-
-def plot_target(flag: str, value: str) -> Path:
-    """Where ``flag`` (``--plot FILE``) writes its heatmap, checked before any work: matplotlib
-    there (the bench extra), a suffix it writes, a directory that exists."""
-    from .plots_check import PLOT_SUFFIXES  # the suffixes, without importing matplotlib
-
-    try:
-        extras.require("matplotlib")
-    except ImportError as exc:
-        raise ValueError(extras.missing(flag, "bench", exc)) from None
-    path = Path(value)
-    if path.is_dir():
-        raise ValueError(f"{flag} {value}: is a directory; give a file name such as {path / 'placement.png'}")
-    if path.suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(f"{flag} {value}: give a file ending in {', '.join(PLOT_SUFFIXES)}")
-    if not path.parent.is_dir():
-        raise ValueError(f"{flag} {value}: directory {path.parent} does not exist")
-    return path
 
 
 # Numeric flags: (what the value is, the comparison, the limit). Checked here so the error

@@ -1,7 +1,7 @@
 """Two replicas per bin: replica counts searched for a target busiest bin by their excess.
 
 With two slots per gpu the best packing of given counts pairs the i-th heaviest replica with
-the i-th lightest (``eplb.place.pairing.paired_max``), so a search on counts can judge each
+the i-th lightest (``eplb.planner.pairing.paired_max``), so a search on counts can judge each
 candidate by one sort. ``pair_descent`` judges by the busiest pair, and on realistic routing
 counts (dead experts, layers of mixed skew) it stops 1-3 % short of the best counts CP-SAT
 finds: those keep experts near the target whole, paired with a dead expert's empty replica,
@@ -15,7 +15,7 @@ excess is zero. ``T`` steps down from the busiest pair reached towards a lower b
 descent goes on from where the last one stopped (at a lower ``T`` it got closer than the best
 counts so far). At its full width it needs more candidates than the default's budget leaves
 after the other lines (about 3 000 per layer at 256 experts on 192 gpus), so the search
-(``eplb.place.search.refine_thorough``) runs it two ways: at ``effort="high"`` last, on half
+(``eplb.planner.search.refine_thorough``) runs it two ways: at ``effort="high"`` last, on half
 of what is left (``bench/shapes_bench.py``, 256 experts on 192 gpus with dead experts: 1.0386
 to 1.0340; mixed skew: 1.0422 to 1.0383), and at the default, for rows of a profile of their
 own, narrow (6 gainers x 8 donors) on the second half of the pairing descent's share (1.0405

@@ -19,7 +19,7 @@ from math import comb
 
 import numpy as np
 
-from ..place.replicate import count_vectors
+from .planner.replicate import count_vectors
 
 __all__ = ["improve_or_prove"]
 

@@ -1,13 +1,13 @@
-"""eplb.place.hot: hot experts kept apart."""
+"""eplb.planner.hot: hot experts kept apart."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb.layout import bin_loads, distinct_per_bin, replica_counts
-from eplb.place.hot import separate_hot
-from eplb.place.packing import pack_counts
-from eplb.place.replicate import waterfill
+from eplb.planner.hot import separate_hot
+from eplb.planner.packing import pack_counts
+from eplb.planner.replicate import waterfill
 
 
 @st.composite

@@ -30,7 +30,7 @@ def serve_argv(port: int, redis_url: str, prefix: str, *args: str) -> list[str]:
     """The command line of an ``eplb serve`` replica on 127.0.0.1:``port`` sharing ``redis_url``
     under ``prefix``, with extra flags ``args``."""
     return [
-        sys.executable, "-m", "eplb_bench.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "eplb_tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--redis-url", redis_url, "--key-prefix", prefix, *args,
     ]  # fmt: skip
 

@@ -355,7 +355,7 @@ class _Ctl:
 
         import eplb_engine.wire as wire
 
-        from .cli import plot_target
+        from .plots_check import plot_target
 
         plot = plot_target("--plot", args.plot) if args.plot else None
         out, fmt = None, args.format or "listing"

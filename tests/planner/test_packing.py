@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb.place.packing import descending_order, pack, packed_loads
-from eplb.place.replicate import waterfill
+from eplb.planner.packing import descending_order, pack, packed_loads
+from eplb.planner.replicate import waterfill
 from eplb.workloads import SCALES, make_loads
 
 

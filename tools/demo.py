@@ -403,7 +403,7 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     topo = cfg.topology
     from eplb_engine.client import ServiceClient
 
-    from .processes import free_port  # here: that module imports redis (the service extra)
+    from .ports import free_port
 
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
     cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": free_port()})

@@ -4,7 +4,7 @@ plan, then an anytime search.
 ``global`` is ``hierarchical`` with one node and one group: one code path, as in DeepSeek's
 eplb.py, but with replica counts capped so no gpu needs two copies of an expert, a balanced
 deal instead of a per-item greedy, and a swap step that lowers the busiest gpu. The steps it
-runs live beside it in ``eplb.place``: ``replicate`` (counts), ``packing`` (replicas onto
+runs live beside it in ``eplb.planner``: ``replicate`` (counts), ``packing`` (replicas onto
 gpus), ``counts`` (count moves), ``hot`` (hot experts kept apart), ``pairing`` and ``search``
 (the search after the first plan).
 """
@@ -19,8 +19,8 @@ import numpy as np
 from ..bounds import row_bound
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
-from ..plan import SearchStats
 from ..progress import report
+from ..result import SearchStats
 from ..topology import Topology
 from ..workers import worker_pool
 from .borrow import borrow_counts, same_profile
@@ -335,7 +335,7 @@ def _search(rows: _Rows, layers: slice, topo: Topology, opts: PlanOptions, clock
     best = phy[todo].copy()
     # Rows of a profile another row of the chunk shares (every layer under a zipf law) search
     # apart from the others: a share of their budget, then they borrow each other's counts
-    # (eplb.place.borrow), then the rest on those whose search would not repeat a donor's.
+    # (eplb.planner.borrow), then the rest on those whose search would not repeat a donor's.
     # The searches of lone rows are left whole: split in two they lose more than they gain.
     twins = same_profile(ld)
     lone = np.flatnonzero(~twins)
