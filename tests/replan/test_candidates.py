@@ -142,3 +142,57 @@ def test_a_repair_whose_rows_all_reach_the_target_before_the_swaps_leaves_them_b
     out = repair_previous(loads, prev, topo, np.array([10.0]), False)
     assert (eplb.gpu_loads(loads, eplb.Placement(out["repaired"], topo)) <= 10.0).all()
     assert (out["repaired"] != prev.phy2log).sum() == 1
+
+
+@pytest.mark.parametrize(("scale", "by_node"), [("v3-decode-144", False), ("qwen3-64", False), ("v3-prefill", True)])
+def test_repaired_and_recounted_in_one_pass_equal_two_passes(scale: str, by_node: bool) -> None:
+    # _repair_pair runs the rows of both repairs through _best_order together: each row must
+    # come out as it does from its own _repair_rows call (rows are independent there).
+    from eplb.layout import replica_counts
+    from eplb.replan import candidates as C
+
+    topo = SCALES[scale].with_layers(6)
+    t = topo
+    policy = "hierarchical" if by_node else "global"
+    prev = eplb.rebalance(make_loads("lognormal-1.0", topo, seed=3), topo, policy).phy2log
+    loads = make_loads("lognormal-1.0", topo, seed=4)
+    fresh = eplb.rebalance(loads, topo, policy).phy2log
+    target = 1.005 * eplb.gpu_loads(loads, eplb.Placement(fresh, topo)).max(axis=1)
+    node_exp = C._node_experts(prev, t) if by_node else None
+    assert (node_exp is not None) == by_node
+    if node_exp is None:
+        phy = prev.reshape(t.num_layers, t.num_gpus, -1).astype(np.int64)
+        counts = replica_counts(fresh.reshape(t.num_layers, t.num_gpus, -1).astype(np.int64), t.num_experts)
+    else:
+        phy = C._to_local(prev.reshape(-1, t.gpus_per_node, t.slots_per_gpu), node_exp, t.num_experts)
+        counts = True
+    one = C._repair_rows(loads, phy, target, None, node_exp, t)
+    two = C._repair_rows(loads, phy, target, counts, node_exp, t, like=one)
+    a, b = C._repair_pair(loads, phy, target, counts, node_exp, t)
+    for x, y in zip(one + two, a + b):
+        assert np.array_equal(x, y)
+    assert (one[0] != phy).any() and (two[0] != phy).any()  # both repairs did something
+
+
+def test_fast_survivor_plans_repair_in_one_order_even_with_two_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    # effort="fast" with gpus down: only the count-first order runs, also where two slots per
+    # gpu would run three (most of a fast 128 x 2 survivor plan's time went to the other two).
+    from eplb.replan import candidates as C
+
+    topo = eplb.Topology(4, 128, 256, 128, 16, 1)
+    loads = make_loads("lognormal-1.0", topo, seed=0)
+    prev = eplb.rebalance(loads, topo).placement
+    calls: list[bool] = []
+    finish = C._finish
+
+    def spy(*args: object, **kwargs: object) -> np.ndarray:
+        calls.append(bool(kwargs["chains"]))
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(C, "_finish", spy)
+    plan = eplb.rebalance(loads, topo, previous=prev, down_gpus=[16], effort="fast")
+    assert calls == [True]  # one pass of the repaired and recounted rows, one order
+    assert plan.placement.down_gpus == (16,) and (plan.logcnt >= 1).all()
+    calls.clear()
+    eplb.rebalance(loads, topo, previous=prev, down_gpus=[16])
+    assert len(calls) == 3  # the default effort still tries the three orders
