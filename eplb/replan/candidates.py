@@ -46,7 +46,7 @@ def repair_previous(
     by_node: bool,
     fresh: np.ndarray | None = None,
     give_up: float | None = None,
-    every_order: bool | None = True,
+    every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
 ) -> dict[str, np.ndarray]:
@@ -65,7 +65,7 @@ def repair_previous(
 
     ``give_up``: rows (layers, or nodes of a layer) whose busiest gpu is more than this many
     times their target are left as they are in the repair that keeps the counts (see
-    ``_repair_rows``); ``None``: every row is repaired. ``every_order`` (``True``, ``False`` or ``None``): see ``_best_order``.
+    ``_repair_rows``); ``None``: every row is repaired. ``every_order``: see ``_best_order``.
     ``repeats``: the layers may be that many copies of the first ``L / repeats`` (the stacked
     targets of ``_repairs``); the recount, which does not depend on the target, then runs on
     one copy.
@@ -134,7 +134,7 @@ def _repairs(
     fresh: np.ndarray,
     pad: bool = False,
     give_up: float | None = None,
-    every_order: bool | None = True,
+    every_order: bool = True,
     clock: Clock | None = None,
 ) -> tuple[list[tuple[str, np.ndarray]], bool]:
     """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
@@ -197,7 +197,7 @@ def candidates(
     ends: bool,
     workers: int,
     give_up: float | None = None,
-    every_order: bool | None = True,
+    every_order: bool = True,
     deadline: float | None = None,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``
@@ -234,7 +234,7 @@ def _repair_rows(
     t: Topology,
     like: tuple[np.ndarray, ...] | None = None,
     give_up: float | None = None,
-    every_order: bool | None = True,
+    every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
 ) -> tuple[np.ndarray, ...]:
@@ -274,7 +274,7 @@ def _repair_pair(
     node_exp: np.ndarray | None,
     t: Topology,
     give_up: float | None = None,
-    every_order: bool | None = True,
+    every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
@@ -370,17 +370,13 @@ def _best_order(
     cand: np.ndarray,
     tgt: np.ndarray,
     cap: int | None,
-    every_order: bool | None = True,
+    every_order: bool = True,
     clock: Clock | None = None,
 ) -> np.ndarray:
     """``cand`` ``[R, B, S]`` (``phy`` recounted, or ``phy`` itself) repaired towards ``tgt``
     ``[R]`` in two orders (three with few slots per gpu), the best per row (fewest slots
     rewritten from ``phy``); without ``every_order`` only the one that starts with count moves
-    (all three with few slots per gpu, where it loses most often), nor once ``clock`` is out;
-    ``None``: only that one whatever the slots per gpu (survivor plans at ``effort="fast"``:
-    at 128 gpus x 2 slots the other two orders were 55-60 % of the plan's time and, picked
-    per row, saved 28 and 35 slots with one and two gpus down but cost 55 with a node down,
-    for the same mean imbalance to 0.001; survivor_bench)."""
+    (all three with few slots per gpu, where it loses most often), nor once ``clock`` is out."""
     rows = cand.shape[0]
     # Two orders, the better per row: count moves that relieve every gpu of an expert that
     # grew (one slot, see ``eplb.replan.moves``) then ejection chains (k bins with k + 1), or
@@ -398,7 +394,7 @@ def _best_order(
     # Rows without a count move take chains first.
     counted = _finish(loads, c, tgt, cap, chains=True, clock=clock)
     few = phy.shape[2] <= _CHAINS_FIRST_SLOTS
-    if every_order is None or (not every_order and not few) or (clock is not None and clock.expired):
+    if (not every_order and not few) or (clock is not None and clock.expired):
         return counted
     outs = [counted, _finish(loads, cand.copy(), tgt, cap, chains=False, clock=clock)]
     if few:
