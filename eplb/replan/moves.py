@@ -314,6 +314,40 @@ def _first_smallest(key: np.ndarray, k: int) -> np.ndarray:
     return idx[np.lexsort((key[rows, idx], rows))].reshape(A, k)
 
 
+# Cells of one block of rotate_improve's [triples, S, S, S] score grid (float64: 32 MiB). The
+# whole grid was 805 MB at 256 slots per gpu; a block gives the same argmin.
+_GRID_CELLS = 1 << 22
+
+
+def _grid_argmin(m1: np.ndarray, m2: np.ndarray, mq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``m1`` ``[T, S, S]`` (axes i, j), ``m2`` ``[T, S, S]`` (j, k), ``mq`` ``[T, S, S]`` (i, k) →
+    per triple the first (row-major) argmin over ``[i, j, k]`` of their largest and its value:
+    ``np.argmin`` of the whole ``[T, S, S, S]`` grid, made in blocks of at most
+    ``_GRID_CELLS`` cells (whole triples, or slabs of ``i`` when one triple is larger). A later
+    block takes over only where strictly lower, so ties stay with the first, as argmin's."""
+    T, S = m1.shape[0], m1.shape[1]
+    cube = S * S * S
+    triples = max(1, _GRID_CELLS // max(cube, 1))
+    slab = S if cube <= _GRID_CELLS else max(1, _GRID_CELLS // (S * S))
+    inner = np.zeros(T, dtype=np.int64)
+    value = np.full(T, np.inf)
+    for a in range(0, T, triples):
+        b = min(a + triples, T)
+        rows = np.arange(b - a)
+        for i0 in range(0, S, slab):
+            i1 = min(i0 + slab, S)
+            # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
+            score = np.maximum(m1[a:b, i0:i1, :, None], m2[a:b, None, :, :])
+            np.maximum(score, mq[a:b, i0:i1, None, :], out=score)
+            score = score.reshape(b - a, -1)
+            at = score.argmin(axis=1)
+            got = score[rows, at]
+            better = (got < value[a:b]) | (i0 == 0)
+            inner[a:b] = np.where(better, at + i0 * S * S, inner[a:b])
+            value[a:b] = np.where(better, got, value[a:b])
+    return inner, value
+
+
 def rotate_improve(
     loads: np.ndarray,
     phy: np.ndarray,
@@ -403,12 +437,7 @@ def rotate_improve(
         pa, th, tq, m2 = pa[some], th[some], tq[some], m2[some]
         if pa.size == 0:
             return
-        # Axes: [triple, i (a's slot on h1), j (c's slot on h2), k (b's slot on q)].
-        score = np.maximum(at(m1, th)[:, :, :, None], m2[:, None, :, :])
-        np.maximum(score, at(mq, tq)[:, :, None, :], out=score)
-        score = score.reshape(pa.size, -1)
-        inner = score.argmin(axis=1)
-        value = score[np.arange(pa.size), inner]
+        inner, value = _grid_argmin(at(m1, th), m2, at(mq, tq))
         # Per row the least value, ties to the first (h2, q) and then the first slots: what an
         # argmin over the row's whole [H, Q, S, S, S] grid gives. The triples come row by row,
         # so two segment minima do what a sort by (row, value, position) would.

@@ -3,6 +3,7 @@
 from itertools import permutations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +145,80 @@ def test_a_two_slot_packing_never_beats_the_sorted_pairing_in_floats(
     counts = waterfill(loads, 2 * bins, bins)
     packed = pack_counts(loads, counts, bins)
     assert (bin_loads(loads, packed).max(axis=1) >= paired_max(loads, counts)).all()
+
+
+def _impossible_sorted(loads: np.ndarray, T: np.ndarray, bins: int, cap: int | None) -> np.ndarray:
+    """``eplb.bounds._impossible`` as it was: the knapsack over each row's items sorted by ratio."""
+    eps = 1e-9
+    t = T[:, None]
+    h = np.maximum(np.ceil(loads / t - eps), 1.0)
+    m = np.maximum(np.ceil(2 * loads / t - eps), 1.0)
+    heavy_able = loads / h > t / 2 * (1 + eps)
+    limit = np.inf if cap is None else cap
+    too_many = (h > limit).any(axis=1)
+    forced = heavy_able & (m > limit)
+    room = bins - np.where(forced, h, 0.0).sum(axis=1)
+    saved_forced = np.where(forced, m - h, 0.0).sum(axis=1)
+    free = heavy_able & ~forced
+    cost = np.where(free, h, 0.0)
+    gain = np.where(free, m - h, 0.0)
+    ratio = np.where(free, gain / np.maximum(cost, 1.0), -1.0)
+    order = np.argsort(-ratio, axis=1, kind="stable")
+    cost_s = np.take_along_axis(cost, order, axis=1)
+    gain_s = np.take_along_axis(gain, order, axis=1)
+    before = np.cumsum(cost_s, axis=1) - cost_s
+    take = np.clip((np.maximum(room, 0.0)[:, None] - before) / np.maximum(cost_s, 1.0), 0.0, 1.0)
+    need = m.sum(axis=1) - saved_forced - (take * gain_s).sum(axis=1)
+    return too_many | (room < 0) | (need > 2 * bins * (1 + eps))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    experts=st.integers(2, 300),
+    spare=st.integers(0, 200),
+    rows=st.integers(1, 6),
+    law=st.sampled_from(["lognormal", "zipf", "ties"]),
+)
+def test_pairing_bound_by_ratio_classes_equals_the_sorted_knapsack(
+    seed: int, experts: int, spare: int, rows: int, law: str
+) -> None:
+    # The knapsack summed per ratio (no per-row sort) must give the bisection the same
+    # verdicts, so the very same bound, bit for bit.
+    from eplb import bounds
+    from eplb.place.replicate import replica_cap
+
+    rng = np.random.default_rng(seed)
+    bins = max(1, (experts + spare + 1) // 2)
+    if law == "lognormal":
+        loads = rng.lognormal(0, 1.5, (rows, experts))
+    elif law == "zipf":
+        loads = np.stack([rng.permutation(1.0 / np.arange(1, experts + 1) ** 1.2) for _ in range(rows)])
+    else:
+        loads = rng.integers(1, 4, (rows, experts)).astype(np.float64)  # many equal ratios
+    cap = replica_cap(experts, 2 * bins, bins)
+    simple = bounds.simple_bound(loads, bins, 2 * bins, cap)
+    for T in (simple, simple * 1.01, simple * 1.3, simple * 2):
+        assert np.array_equal(bounds._impossible(loads, T, bins, cap), _impossible_sorted(loads, T, bins, cap))
+    new = bounds.pairing_bound(loads, bins, cap, simple, 2 * simple)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bounds, "_impossible", _impossible_sorted)
+        old = bounds.pairing_bound(loads, bins, cap, simple, 2 * simple)
+    assert np.array_equal(new, old)
+
+
+def test_pairing_bound_unchanged_at_the_two_slot_scales() -> None:
+    from eplb import bounds
+    from eplb.workloads import SCALES, make_loads
+
+    above = False
+    for topo in (SCALES["v3-decode-144"], eplb.Topology(58, 128, 256, 128, 16, 1), eplb.Topology(58, 128, 254, 127)):
+        for workload in ("lognormal-1.0", "zipf-1.0"):
+            loads = make_loads(workload, topo, seed=0)
+            new = eplb.lower_bound(loads, topo)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(bounds, "_impossible", _impossible_sorted)
+                old = eplb.lower_bound(loads, topo)
+            assert np.array_equal(new, old)
+            above |= bool((new > loads.sum(axis=1) / topo.num_gpus * (1 + 1e-6)).any())
+    assert above  # somewhere the pairing bound is above the mean: the bisection ran

@@ -142,3 +142,78 @@ def test_a_repair_whose_rows_all_reach_the_target_before_the_swaps_leaves_them_b
     out = repair_previous(loads, prev, topo, np.array([10.0]), False)
     assert (eplb.gpu_loads(loads, eplb.Placement(out["repaired"], topo)) <= 10.0).all()
     assert (out["repaired"] != prev.phy2log).sum() == 1
+
+
+def _repair_case(scale: str, by_node: bool) -> tuple:
+    """Six layers of ``scale``: loads, the previous plan's rows (local to nodes when
+    ``by_node``), recount counts (``True``: water-filling per node), node experts, targets."""
+    from eplb.layout import replica_counts
+    from eplb.replan import candidates as C
+
+    t = SCALES[scale].with_layers(6)
+    policy = "hierarchical" if by_node else "global"
+    prev = eplb.rebalance(make_loads("lognormal-1.0", t, seed=3), t, policy).phy2log
+    loads = make_loads("lognormal-1.0", t, seed=4)
+    fresh = eplb.rebalance(loads, t, policy).phy2log
+    target = 1.005 * eplb.gpu_loads(loads, eplb.Placement(fresh, t)).max(axis=1)
+    node_exp = C._node_experts(prev, t) if by_node else None
+    assert (node_exp is not None) == by_node
+    if node_exp is None:
+        phy = prev.reshape(t.num_layers, t.num_gpus, -1).astype(np.int64)
+        counts = replica_counts(fresh.reshape(t.num_layers, t.num_gpus, -1).astype(np.int64), t.num_experts)
+    else:
+        phy = C._to_local(prev.reshape(-1, t.gpus_per_node, t.slots_per_gpu), node_exp, t.num_experts)
+        counts = True
+    return t, loads, phy, counts, node_exp, target
+
+
+CASES = [("v3-decode-144", False), ("qwen3-64", False), ("v3-prefill", True)]
+
+
+@pytest.mark.parametrize(("scale", "by_node"), CASES)
+def test_repaired_and_recounted_in_one_pass_equal_two_passes(scale: str, by_node: bool) -> None:
+    # _repair_pair runs the rows of both repairs through _best_order together: each row must
+    # come out as it does from its own _repair_rows call (rows are independent there).
+    from eplb.replan import candidates as C
+
+    t, loads, phy, counts, node_exp, target = _repair_case(scale, by_node)
+    one = C._repair_rows(loads, phy, target, None, node_exp, t)
+    two = C._repair_rows(loads, phy, target, counts, node_exp, t, like=one)
+    a, b = C._repair_pair(loads, phy, target, counts, node_exp, t)
+    for x, y in zip(one + two, a + b):
+        assert np.array_equal(x, y)
+    assert (one[0] != phy).any() and (two[0] != phy).any()  # both repairs did something
+
+
+def _best_order_one_at_a_time(loads, phy, cand, tgt, cap) -> np.ndarray:
+    """The orders of ``_best_order`` each run on its own (as before they were stacked)."""
+    from eplb.layout import REL_TOL, bin_loads, distinct_rows
+    from eplb.replan import candidates as C
+    from eplb.replan.moves import count_repair
+
+    c = cand.copy()
+    dist = np.flatnonzero(distinct_rows(cand))
+    sub = c[dist]
+    count_repair(loads[dist], sub, tgt[dist], cap)
+    c[dist] = sub
+    outs = [C._finish(loads, c, tgt, cap, chains=True), C._finish(loads, cand.copy(), tgt, cap, chains=False)]
+    if phy.shape[2] <= C._CHAINS_FIRST_SLOTS:
+        outs.append(C._finish(loads, cand.copy(), tgt, cap, chains=True))
+    busiest = np.stack([bin_loads(loads, x).max(axis=1) for x in outs])
+    moved = np.stack([(x != phy).sum(axis=(1, 2)) for x in outs])
+    best = np.lexsort((busiest, moved, busiest > tgt * (1 + REL_TOL)), axis=0)[0]
+    return np.stack(outs)[best, np.arange(len(tgt))]
+
+
+@pytest.mark.parametrize(("scale", "by_node"), CASES)
+def test_stacked_orders_equal_the_orders_one_at_a_time(scale: str, by_node: bool) -> None:
+    from eplb.place.replicate import replica_cap
+    from eplb.replan import candidates as C
+
+    t, loads, phy, counts, node_exp, target = _repair_case(scale, by_node)
+    out, start, row_loads, tgt, rows, cap = C._repair_start(loads, phy, target, counts, node_exp, t, None, 1)
+    assert rows.size and cap == replica_cap(row_loads.shape[1], phy.shape[1] * phy.shape[2], phy.shape[1])
+    got = C._best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap)
+    want = _best_order_one_at_a_time(row_loads[rows], phy[rows], start[rows], tgt[rows], cap)
+    assert np.array_equal(got, want)
+    assert (got != start[rows]).any()
