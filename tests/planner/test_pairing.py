@@ -186,7 +186,7 @@ def test_pairing_bound_by_ratio_classes_equals_the_sorted_knapsack(
     # The knapsack summed per ratio (no per-row sort) must give the bisection the same
     # verdicts, so the very same bound, bit for bit.
     from eplb import bounds
-    from eplb.place.replicate import replica_cap
+    from eplb.planner.replicate import replica_cap
 
     rng = np.random.default_rng(seed)
     bins = max(1, (experts + spare + 1) // 2)

@@ -207,7 +207,7 @@ def _best_order_one_at_a_time(loads, phy, cand, tgt, cap) -> np.ndarray:
 
 @pytest.mark.parametrize(("scale", "by_node"), CASES)
 def test_stacked_orders_equal_the_orders_one_at_a_time(scale: str, by_node: bool) -> None:
-    from eplb.place.replicate import replica_cap
+    from eplb.planner.replicate import replica_cap
     from eplb.replan import candidates as C
 
     t, loads, phy, counts, node_exp, target = _repair_case(scale, by_node)
