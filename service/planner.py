@@ -2,6 +2,10 @@
 One replica plans a deployment at a time (the store's lease, renewed while the plan runs); the
 plan itself runs in a worker process (:mod:`.solver`); :func:`.trigger.decide` says whether it
 is published. Stateless plans (ComputePlacement) are :mod:`.compute`'s.
+
+Triggered re-plans of different deployments run concurrently, each in a task of its own, so a
+large deployment's re-plan never delays a small one's (which plans in the small-plan lane of
+:mod:`.solver`); never two of one deployment at a time.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class Planner:
         self.health = health
         self.metrics = metrics
         self.config = config
+        # The triggered re-plans in flight: deployment → (its task, whether it is small).
+        self._triggered: dict[str, tuple[asyncio.Task, bool]] = {}
 
     async def rebalance(self, request: pb.RebalanceRequest, deadline_s: float | None = None) -> pb.RebalanceResponse:
         """Plans now; waits for another replica's plan of the deployment (its lease) for up to
@@ -125,12 +131,26 @@ class Planner:
                 await self.store.release_lease(name, owner)
 
     async def trigger_all(self) -> None:
-        """Re-plans every deployment whose trigger is due, one after another (:meth:`_trigger`);
-        one deployment's failure (a store error, a window the planner refuses) never keeps the
-        others from re-planning."""
+        """Starts a re-plan of every deployment whose trigger is due, each in a task of its own
+        (:meth:`_trigger`), so one deployment's long plan never delays another's; never two of
+        one deployment. At most as many run as the workers can take: ``Solver.workers`` large
+        ones, and ``Solver.workers + Solver.small_workers`` in all (a small one also plans in a
+        re-plan worker when its lane is busy); a due deployment past that starts on a later
+        tick. One deployment's failure (a store error, a window the planner refuses) never keeps
+        the others from re-planning."""
         now = time.time()
+        workers = max(1, self.solver.workers)
+        capacity = workers + (self.solver.small_workers if self.solver.workers else 0)
         for name, local in list(self.registry.local.items()):
-            if not local.trigger.enabled or local.hub.deleted or local.lock.locked():
+            if not local.trigger.enabled or local.hub.deleted or local.lock.locked() or name in self._triggered:
+                continue
+            small = (
+                self.solver.workers > 0
+                and self.solver.small_workers > 0
+                and self.solver.is_small_topology(topology_tuple(local.topology))
+            )
+            running = [s for _, s in self._triggered.values()]
+            if len(running) >= capacity or (not small and running.count(False) >= workers):
                 continue
             try:
                 if due(local.trigger, await self.store.marks(name), now) is None:
@@ -145,10 +165,21 @@ class Planner:
             except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
                 self._failed(name, local, exc)
                 continue
-            await self._trigger(name, local)
+            task = asyncio.create_task(self._trigger(name, local), name=f"replan-{name}")
+            self._triggered[name] = (task, small)
+            task.add_done_callback(lambda done, name=name: self._done(name, done))
+
+    def _done(self, name: str, task: asyncio.Task) -> None:
+        if self._triggered.get(name, (None,))[0] is task:
+            del self._triggered[name]
 
     async def stop(self) -> None:
-        """Nothing runs outside the trigger loop's own task (cancelled by the balancer)."""
+        """Cancels the triggered re-plans in flight (their leases are released) and waits for them."""
+        tasks = [task for task, _ in self._triggered.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
 
     async def _trigger(self, name: str, local: LocalDeployment) -> None:
         """One triggered re-plan, isolated: its failure is counted and logged once per change."""
@@ -156,9 +187,9 @@ class Planner:
             await self._trigger_one(name, local)
         except NotFound:
             pass
-        except StoreUnavailable:
-            if name not in self.health.down:
-                raise  # every deployment would fail alike: the health check reports it
+        except StoreUnavailable as exc:
+            # Its Redis Cluster master is down, or the whole store (the health check reports it).
+            log.debug("triggered re-plan of %s: %s", name, exc)
         except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
             self._failed(name, local, exc)
         else:

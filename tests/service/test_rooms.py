@@ -207,11 +207,15 @@ async def test_planner_rebalances_and_triggers_on_its_own():
     assert await ingest.report(report("triggered", rank=0, seq=1))
     await registry.refresh()
     await planner.trigger_all()
+    await planner.trigger_all()  # while the first runs: no second re-plan of the same deployment
     deadline = time.monotonic() + 10
     while (await store.placement("triggered")).version < 2:
         assert time.monotonic() < deadline, "the triggered re-plan never published"
         await asyncio.sleep(0.02)
     await planner.stop()
+    plans = registry.metrics.rebalances.labels("triggered", "auto", "published")._value.get()
+    skipped = registry.metrics.rebalances.labels("triggered", "auto", "skipped")._value.get()
+    assert (plans, skipped) == (1, 0)
 
 
 async def test_compute_plans_statelessly_and_names_bad_input():
