@@ -124,7 +124,7 @@ class Registry:
             return
         if self.health.restarted(run_id):
             await self.restore_all(run_id)
-        self.health.run_id = run_id
+        self.health.saw_run(run_id)
         self.health.set_health(True)
         self.health.set_down(self.store.down(list(self.local)), self.local)
 
@@ -134,7 +134,7 @@ class Registry:
             latest = self._latest.get(name)
             if latest is not None and await self.store.restore(local.deployment, latest):
                 log.warning("restored deployment %s at version %d after a store restart", name, latest.version)
-        self.health.run_id = run_id
+        self.health.saw_run(run_id)
 
     async def confirm_deleted(self, name: str, gen: int = 0) -> bool:
         """``name`` looked missing: True if it is really gone (deleted, or re-created as another

@@ -36,7 +36,7 @@ class StoreHealth:
         self._on_deployment_health = on_deployment_health
         # Deployments whose part of the store is down while the rest answers.
         self.down: set[str] = set()
-        # The store's run id when last pinged; None before it first answered.
+        # The store's run id when last pinged; None before it first answered (read-only outside).
         self.run_id: str | None = None
 
     async def start(self) -> None:
@@ -54,6 +54,10 @@ class StoreHealth:
     def restarted(self, run_id: str) -> bool:
         """Whether ``run_id`` says the store restarted (empty) since it was last pinged."""
         return self.run_id is not None and run_id != self.run_id
+
+    def saw_run(self, run_id: str) -> None:
+        """The store answered with ``run_id`` (after the write-back, when it had restarted)."""
+        self.run_id = run_id
 
     def check_writable(self) -> None:
         """Fails at once while the store is known to be down, rather than after its timeouts:
