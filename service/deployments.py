@@ -1,8 +1,6 @@
-"""This replica's deployments: which it follows (adopt, forget) and the calls that act on a
-deployment as a whole: create, get, list, delete, its placements, watches and rollout acks.
-
-Every replica follows every deployment (``_refresh``), so it can serve, plan and restore all
-of them; a deployment's replica-local state is a :class:`LocalDeployment`.
+"""The calls that act on a deployment as a whole: create, get, list, delete, its placements,
+watches, rollout acks and SetRanksDown. Which deployments this replica follows, and their
+replica-local state, is :mod:`.registry`'s.
 """
 
 from __future__ import annotations
@@ -11,9 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -22,6 +18,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, codec, limits, validation
 from . import rollout as rollout_states
+from .config import BalancerConfig
 from .errors import (
     FailedPrecondition,
     FieldViolation,
@@ -31,120 +28,48 @@ from .errors import (
     ResourceExhausted,
     StoreUnavailable,
 )
-from .hub import PlacementHub
-from .store import DeploymentRecord, created_seconds
-from .trigger import TriggerSpec
-from .windows import (
-    DecayWindow,
-    SlidingWindow,
-    WindowSpec,
-    make_window,
-    sum_blobs,
-)
+from .liveness import Liveness
+from .metrics import Metrics
+from .planner import Planner
+from .registry import Registry
+from .store import DeploymentRecord, Store, created_seconds
+from .store_health import StoreHealth
+from .windows import sum_blobs
 
-if TYPE_CHECKING:
-    from .ingest import _Batcher
-
-__all__ = ["Deployments", "LocalDeployment"]
+__all__ = ["Deployments"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class LocalDeployment:
-    """This replica's state for one deployment: its window, follower (hub) and planning state."""
-
-    deployment: pb.Deployment
-    topology: eplb.Topology
-    window_spec: WindowSpec
-    trigger: TriggerSpec
-    window: SlidingWindow | DecayWindow
-    hub: PlacementHub
-    ranks: frozenset[int]
-    phy2log: dict[int, np.ndarray] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    dirty: bool = False
-    flushed_at: float = 0.0
-    # Write-ahead entries of batches in ``window`` that no flush has folded in yet.
-    unfolded: list[str] = field(default_factory=list)
-    batcher: _Batcher | None = None
-    flushing: asyncio.Task | None = None
-    # Flushes one at a time: an older blob landing last would drop entries a newer one folded.
-    flush_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Why the last triggered re-plan failed, None while they succeed (logs once per change).
-    failing: str | None = None
-    # Liveness (service/liveness.py; 0: off): rank → the latest report or ack this replica
-    # answered, those not written to the store yet, and the ranks last counted suspect.
-    suspect_after_s: float = 0.0
-    seen: dict[int, float] = field(default_factory=dict)
-    seen_unwritten: dict[int, float] = field(default_factory=dict)
-    suspect: frozenset[int] = frozenset()
-
-
 class Deployments:
-    """Mixin of :class:`.balancer.Balancer` (shares its ``store``, ``metrics``, ``_local`` and
-    ``_latest``): the deployment registry and the calls on whole deployments."""
+    """The calls on whole deployments of ``registry``: create, get, list, delete, placements,
+    watches, acks and SetRanksDown (planned by ``planner``); ``liveness`` answers their suspect
+    ranks, ``health`` refuses writes at once while the store is down."""
 
-    async def _refresh(self) -> None:
-        """Follows every deployment, so this replica can plan, restore and serve all of them."""
-        for record in await self.store.list():
-            if record.deployment.name not in self._local:
-                self._adopt(record.deployment)
-
-    # deployments
-
-    def _adopt(self, deployment: pb.Deployment) -> LocalDeployment:
-        name = deployment.name
-        topo = validation.topology_from(deployment.topology, "deployment.topology")
-        spec = codec.window_spec(deployment)
-        gen = deployment.create_time.ToNanoseconds()
-        hub = PlacementHub(
-            self.store, name, on_version=self._seen, gen=gen, confirm_deleted=lambda: self._confirm_deleted(name, gen)
-        )
-        local = LocalDeployment(
-            deployment,
-            topo,
-            spec,
-            codec.trigger_spec(deployment),
-            make_window((topo.num_layers, topo.num_experts), spec),
-            hub,
-            frozenset(codec.deployment_ranks(deployment)),
-            suspect_after_s=codec.suspect_after_s(deployment),
-        )
-        self._local[name] = local
-        hub.start()
-        return local
-
-    def _seen(self, placement: pb.Placement) -> None:
-        name = placement.deployment
-        if name in self._local and placement.version > self._latest.get(name, pb.Placement()).version:
-            self._latest[name] = placement
-            self.metrics.version.labels(name).set(placement.version)
-            self.metrics.imbalance.labels(name).set(placement.stats.imbalance_after or placement.stats.imbalance_before)
-
-    def _forget(self, name: str) -> None:
-        local = self._local.pop(name, None)
-        self._latest.pop(name, None)
-        if local is not None:
-            asyncio.create_task(local.hub.stop())
-        self.metrics.forget(name)
-
-    async def _get_local(self, name: str) -> LocalDeployment:
-        local = self._local.get(name)
-        if local is not None and local.hub.deleted:
-            self._forget(name)
-            local = None
-        if local is None:
-            record = await self._known(name, lambda: self.store.get(name))
-            local = self._local.get(name) or self._adopt(record.deployment)
-        return local
+    def __init__(
+        self,
+        registry: Registry,
+        store: Store,
+        health: StoreHealth,
+        liveness: Liveness,
+        planner: Planner,
+        metrics: Metrics,
+        config: BalancerConfig,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.health = health
+        self.liveness = liveness
+        self.planner = planner
+        self.metrics = metrics
+        self.config = config
 
     async def create(self, request: pb.CreateDeploymentRequest) -> pb.CreateDeploymentResponse:
         deployment = validation.check_deployment(request.deployment)
         topo = validation.topology_from(deployment.topology, "deployment.topology")
         if deployment.policy == "ilp":
             validation.check_ilp_size(topo, "deployment.topology")
-        self._check_writable()
+        self.health.check_writable()
         if await self.store.count() >= limits.MAX_DEPLOYMENTS:
             raise ResourceExhausted(
                 f"this service holds {limits.MAX_DEPLOYMENTS} deployments, its limit; delete one first"
@@ -183,9 +108,9 @@ class Deployments:
         first.create_time.FromNanoseconds(int(now * 1e9))
         _check_fits(first, self.config.max_message_bytes, topo)
         await self.store.create(deployment, first)
-        self._forget(deployment.name)  # a stale local copy of an earlier deployment of this name
-        self._adopt(deployment)
-        self._seen(first)
+        self.registry.forget(deployment.name)  # a stale local copy of an earlier deployment of this name
+        self.registry.adopt(deployment)
+        self.registry.seen(first)
         out = pb.Deployment()
         out.CopyFrom(deployment)
         out.version = 1
@@ -193,12 +118,12 @@ class Deployments:
 
     async def get(self, name: str) -> pb.GetDeploymentResponse:
         validation.check_name(name, "name")
-        record = await self._known(name, lambda: self.store.get(name))
+        record = await self.registry.known(name, lambda: self.store.get(name))
         acks = await self.store.acks(name)
         out = pb.Deployment()
         out.CopyFrom(record.deployment)
         out.version = record.version
-        current = await self._known(name, lambda: self.store.placement(name))
+        current = await self.registry.known(name, lambda: self.store.placement(name))
         return pb.GetDeploymentResponse(
             down_ranks=current.down_ranks,
             deployment=out,
@@ -244,7 +169,7 @@ class Deployments:
         if acks is None:
             acks = await self.store.acks(name)
         marks = await self.store.marks(name)
-        latest = self._latest.get(name)
+        latest = self.registry.latest(name)
         # This replica's copy when it has the current version (a v3-sized placement is not read
         # from Redis per deployment per list), else the store's.
         current = latest if latest is not None and latest.version == version else await self.store.placement(name)
@@ -265,7 +190,7 @@ class Deployments:
         if codec.suspect_after_s(record.deployment):
             # Read fresh (service/liveness.py), merged with this replica's own times.
             status.suspect_ranks.extend(
-                await self._suspects(record.deployment, set(current.down_ranks), self._local.get(name))
+                await self.liveness.suspects(record.deployment, set(current.down_ranks), self.registry.local.get(name))
             )
         return status
 
@@ -273,7 +198,7 @@ class Deployments:
         """``[L, E]`` float64 tokens in ``name``'s load window as a plan would read it now (every
         replica's last flush and the write-ahead entries not folded yet), and the reports behind."""
         validation.check_name(name, "deployment")
-        local = await self._get_local(name)
+        local = await self.registry.get(name)
         topo = local.topology
         blobs = await self.store.windows(name)
         loads, reports, _ = sum_blobs(
@@ -282,9 +207,9 @@ class Deployments:
         return loads, reports
 
     async def delete(self, name: str) -> None:
-        self._check_writable()
+        self.health.check_writable()
         await self.store.delete(name)
-        self._forget(name)
+        self.registry.forget(name)
 
     # placements
 
@@ -294,14 +219,14 @@ class Deployments:
         version this replica saw); a deployment it knows is never NOT_FOUND after the store
         restarted empty (it is written back first)."""
         validation.check_name(name, "deployment")
-        local = self._local.get(name)
+        local = self.registry.local.get(name)
         remembered = None
         if local is not None and not local.hub.deleted:
             remembered = local.hub.latest if version == 0 else local.hub.ring.get(version)
-            if remembered is not None and (local.hub.live or not self.healthy):
+            if remembered is not None and (local.hub.live or not self.health.healthy):
                 return remembered
         try:
-            return await self._known(name, lambda: self.store.placement(name, version))
+            return await self.registry.known(name, lambda: self.store.placement(name, version))
         except StoreUnavailable:
             if remembered is not None:
                 return remembered
@@ -311,19 +236,9 @@ class Deployments:
                 await self.store.get(name)  # NOT_FOUND for the deployment itself first
             raise
 
-    async def _known(self, name: str, call: Callable[[], Awaitable[object]]) -> object:
-        """``call()``; if the store says NOT_FOUND for a deployment this replica follows, checks
-        whether the store restarted empty (then writes everything back) and asks again."""
-        try:
-            return await call()
-        except NotFound:
-            if name not in self._local or await self._confirm_deleted(name):
-                raise
-            return await call()
-
     async def watch(self, name: str, since_version: int) -> AsyncIterator[pb.Placement]:
         validation.check_name(name, "deployment")
-        local = await self._get_local(name)
+        local = await self.registry.get(name)
         current = local.hub.version or (await self.store.get(name)).version
         if since_version > current:
             raise OutOfRange(
@@ -351,8 +266,8 @@ class Deployments:
             violations.append(FieldViolation("error", f"{len(request.error)} characters; at most 1024"))
         if violations:
             raise InvalidArgument(violations)
-        self._check_writable()
-        record = await self._known(request.deployment, lambda: self.store.get(request.deployment))
+        self.health.check_writable()
+        record = await self.registry.known(request.deployment, lambda: self.store.get(request.deployment))
         validation.check_rank(request.rank, codec.deployment_ranks(record.deployment), "rank")
         if request.version > record.version:
             raise FailedPrecondition(f"version {request.version} is not published yet (current {record.version})")
@@ -395,7 +310,7 @@ class Deployments:
             rollout = dataclasses.replace(
                 rollout, num_ranks=len(counted) - 1, aborted=rollout.aborted or not rollout.switch_step
             )
-        self._saw(await self._get_local(name), request.rank)
+        (await self.registry.get(name)).saw(request.rank)
         if request.state == rollout_states.FAILED:
             log.warning(
                 "%s rank %d failed to prepare version %d: %s",
@@ -417,7 +332,7 @@ class Deployments:
     async def set_ranks_down(
         self, request: pb.SetRanksDownRequest, who: str = "", deadline_s: float | None = None
     ) -> pb.SetRanksDownResponse:
-        """Checks a ``SetRanksDown`` and applies it (``Planner._publish_survivors``). ``who``:
+        """Checks a ``SetRanksDown`` and applies it (``Planner.publish_survivors``). ``who``:
         the caller, for the audit log."""
         validation.check_name(request.deployment, "deployment")
         violations = []
@@ -427,7 +342,7 @@ class Deployments:
             violations.append(FieldViolation("down", "name at least one rank in down or up"))
         if violations:
             raise InvalidArgument(violations)
-        local = await self._get_local(request.deployment)
+        local = await self.registry.get(request.deployment)
         ranks = codec.gpu_ranks(local.deployment)
         if ranks is None:
             raise FailedPrecondition(
@@ -453,8 +368,10 @@ class Deployments:
             violations.append(FieldViolation("up", f"ranks {both} are in both down and up"))
         if violations:
             raise InvalidArgument(violations)
-        self._check_writable()
-        return await self._publish_survivors(local, set(request.down), set(request.up), who, request.reason, deadline_s)
+        self.health.check_writable()
+        return await self.planner.publish_survivors(
+            local, set(request.down), set(request.up), who, request.reason, deadline_s
+        )
 
 
 # Room a published placement needs beyond version 1's message and its loads: its stats (notes, moves, bytes).

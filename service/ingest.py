@@ -1,7 +1,7 @@
 """Ingestion: a report is checked, mapped to logical experts, deduplicated on ``(rank, seq)``
 and, batched with the reports that arrive meanwhile, made durable in the store with its counts
 (a write-ahead entry) before it is acknowledged; then it enters this replica's window, which
-``_flush`` writes to the store, folding the write-ahead entries it covers.
+``flush`` writes to the store, folding the write-ahead entries it covers.
 """
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, report_counts, validation
-from .deployments import LocalDeployment
+from .batcher import Batcher
 from .errors import (
     FailedPrecondition,
     FieldViolation,
@@ -24,6 +23,11 @@ from .errors import (
     NotFound,
     StoreUnavailable,
 )
+from .local import LocalDeployment
+from .metrics import Metrics
+from .registry import Registry
+from .store import Store
+from .store_health import StoreHealth
 from .windows import (
     encode_blob,
     encode_sums,
@@ -37,52 +41,26 @@ __all__ = ["Ingest"]
 log = logging.getLogger(__name__)
 
 
-class _Batcher:
-    """Coalesces concurrent calls into one: while a call is in flight, new items queue for the next."""
-
-    def __init__(self, fn: Callable[[list], Awaitable[list]]) -> None:
-        self._fn = fn
-        self._pending: list[tuple[object, asyncio.Future]] = []
-        self._running = False
-
-    async def submit(self, item: object) -> object:
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((item, fut))
-        if not self._running:
-            self._running = True
-            asyncio.create_task(self._drain())
-        return await fut
-
-    async def _drain(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending, []
-                try:
-                    results = await self._fn([item for item, _ in batch])
-                except Exception as exc:  # noqa: BLE001  (handed to every waiter)
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                for (_, fut), result in zip(batch, results):
-                    if not fut.done():
-                        fut.set_result(result)
-        finally:
-            self._running = False
-
-
 class Ingest:
-    """Mixin of :class:`.balancer.Balancer`: reports in, windows out to the store."""
+    """Reports in to ``registry``'s deployments, their windows out to ``store`` under this
+    replica's ``replica_id``; ``health`` refuses reports at once while the store is down."""
 
-    # reports
+    def __init__(
+        self, registry: Registry, store: Store, health: StoreHealth, metrics: Metrics, replica_id: str
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.health = health
+        self.metrics = metrics
+        self.replica_id = replica_id
 
     async def report(self, request: pb.ReportLoadRequest) -> bool:
         """Validates, deduplicates and windows one report; False for a duplicate ``(rank, seq)``."""
         validation.check_name(request.deployment, "deployment")
-        self._check_writable()
+        self.health.check_writable()
         if request.seq >= validation.MAX_SEQ:
             raise InvalidArgument(FieldViolation("seq", f"must be < 2^53, got {request.seq}"))
-        local = await self._get_local(request.deployment)
+        local = await self.registry.get(request.deployment)
         rejected = self.metrics.reports_rejected
         try:
             validation.check_rank(request.rank, local.ranks, "rank")
@@ -109,9 +87,9 @@ class Ingest:
             rejected.labels(request.deployment, "stale_version").inc()
             raise
         if local.batcher is None:
-            local.batcher = _Batcher(lambda items, local=local: self._accept(local, items))
+            local.batcher = Batcher(lambda items, local=local: self._accept(local, items))
         fresh = await local.batcher.submit((request.rank, request.seq, counts))
-        self._saw(local, request.rank)  # a duplicate too: the rank is alive
+        local.saw(request.rank)  # a duplicate too: the rank is alive
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
         return bool(fresh)
 
@@ -128,7 +106,7 @@ class Ingest:
         try:
             fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
         except NotFound:
-            if await self._confirm_deleted(name):
+            if await self.registry.confirm_deleted(name):
                 raise
             fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
         now = time.time()
@@ -140,7 +118,7 @@ class Ingest:
             local.unfolded.append(entry)
             if len(local.unfolded) >= _UNFOLDED_MAX and (local.flushing is None or local.flushing.done()):
                 # Fold early under a high report rate, so the write-ahead stream stays short.
-                local.flushing = asyncio.create_task(self._flush(local, now))
+                local.flushing = asyncio.create_task(self.flush(local, now))
         return fresh
 
     async def _to_logical(self, local: LocalDeployment, phys: np.ndarray, version: int) -> np.ndarray:
@@ -183,13 +161,8 @@ class Ingest:
         folded = np.bincount(index.ravel(), weights=phys.ravel(), minlength=L * E + 1)
         return folded[: L * E].reshape(L, E)
 
-    def _check_writable(self) -> None:
-        """Fails at once while the store is known to be down, rather than after its timeouts:
-        reports, creates, deletes, acks and plans (reads are served from memory where they can)."""
-        if not self.healthy:
-            raise StoreUnavailable("the store is unreachable (this replica's health is NOT_SERVING); retry later")
-
-    async def _flush(self, local: LocalDeployment, now: float) -> None:
+    async def flush(self, local: LocalDeployment, now: float) -> None:
+        """Writes ``local``'s window to the store, folding the write-ahead entries it covers."""
         # The blob and the entries it folds in are taken in one step: a batch accepted while
         # the write is under way stays in ``unfolded`` for the next flush.
         async with local.flush_lock:
@@ -198,17 +171,18 @@ class Ingest:
             local.flushed_at = now
             try:
                 await self.store.put_window(
-                    local.deployment.name, self.config.replica_id, encode_blob(local.window, time.time()), folded
+                    local.deployment.name, self.replica_id, encode_blob(local.window, time.time()), folded
                 )
             except BaseException:
                 local.unfolded[:0] = folded
                 local.dirty = True
                 raise
 
-    async def _flush_all(self) -> None:
+    async def flush_all(self) -> None:
+        """Flushes every changed window (and those with a bucket expired since their last flush)."""
         now = time.time()
         unavailable: StoreUnavailable | None = None
-        for local in list(self._local.values()):
+        for local in list(self.registry.local.values()):
             spec = local.window_spec
             # Unchanged windows only change when a bucket expires (decay is applied by the reader),
             # so re-flushing them every flush_s would only cost Redis bandwidth and loop time.
@@ -217,7 +191,7 @@ class Ingest:
             if local.hub.deleted or not (local.dirty or stale):
                 continue
             try:
-                await self._flush(local, now)
+                await self.flush(local, now)
             except NotFound:
                 continue
             except StoreUnavailable as exc:

@@ -7,7 +7,7 @@ plans a rank out on its own (``SetRanksDown`` does that), and a rank down is nev
 
 Several replicas may serve one deployment, so the times they saw are shared through the store
 (``Store.record_seen``, a hash per deployment on Redis): each replica notes the latest report or
-ack time per rank in memory (:meth:`Liveness._saw`, no store call on the report path) and writes
+ack time per rank in memory (:meth:`.local.LocalDeployment.saw`, no store call on the report path) and writes
 the ones that changed every ``BalancerConfig.liveness_s`` (1 s), one call per deployment, each
 time kept only where later than the stored one. Another replica's view of a rank is therefore up
 to ``liveness_s`` old; a rank is listed only once it is silent for more than ``suspect_after +
@@ -23,9 +23,11 @@ import time
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import codec
-from .deployments import LocalDeployment
 from .errors import NotFound, StoreUnavailable
-from .store import Seen, created_seconds
+from .local import LocalDeployment
+from .metrics import Metrics
+from .registry import Registry
+from .store import Seen, Store, created_seconds
 
 __all__ = ["Liveness", "suspects"]
 
@@ -51,18 +53,17 @@ def suspects(
 
 
 class Liveness:
-    """Mixin of :class:`.balancer.Balancer`: last-seen times of ranks, and the suspect ones."""
+    """Last-seen times of the ranks of ``registry``'s deployments, and the suspect ones.
+    ``liveness_s``: how often :meth:`run` writes them (``BalancerConfig.liveness_s``)."""
 
-    def _saw(self, local: LocalDeployment, rank: int) -> None:
-        """A report or ack of ``rank`` was answered: note the time (written by ``_liveness_all``)."""
-        if not local.suspect_after_s:
-            return
-        now = time.time()
-        if now > local.seen.get(rank, 0.0):
-            local.seen[rank] = now
-            local.seen_unwritten[rank] = now
+    def __init__(self, registry: Registry, store: Store, metrics: Metrics, liveness_s: float) -> None:
+        self.registry = registry
+        self.store = store
+        self.metrics = metrics
+        self.liveness_s = liveness_s
 
-    async def _write_seen(self, local: LocalDeployment) -> None:
+    async def write_seen(self, local: LocalDeployment) -> None:
+        """Writes the times ``local`` saw since the last write (kept for the next on failure)."""
         if not local.seen_unwritten:
             return
         batch, local.seen_unwritten = local.seen_unwritten, {}
@@ -74,7 +75,7 @@ class Liveness:
                 local.seen_unwritten[rank] = max(at, local.seen_unwritten.get(rank, 0.0))
             raise
 
-    async def _suspects(
+    async def suspects(
         self, deployment: pb.Deployment, down: set[int], local: LocalDeployment | None
     ) -> list[pb.SuspectRank]:
         """The suspect ranks of ``deployment`` (those in ``down`` excluded): the store's times,
@@ -94,22 +95,22 @@ class Liveness:
             seen,
             created_seconds(deployment),
             after_s,
-            self.config.liveness_s,
+            self.liveness_s,
             time.time(),
         )
 
-    async def _liveness_all(self) -> None:
+    async def run(self) -> None:
         """Writes the times seen since the last round, and re-counts every deployment's suspect
         ranks for ``eplb_suspect_ranks`` (logging a change of them). Deployments without
         liveness cost nothing here."""
         unavailable: StoreUnavailable | None = None
-        for name, local in list(self._local.items()):
+        for name, local in list(self.registry.local.items()):
             if not local.suspect_after_s or local.hub.deleted:
                 continue
             try:
-                await self._write_seen(local)
-                latest = self._latest.get(name)
-                found = await self._suspects(
+                await self.write_seen(local)
+                latest = self.registry.latest(name)
+                found = await self.suspects(
                     local.deployment, set(latest.down_ranks) if latest is not None else set(), local
                 )
             except NotFound:
@@ -117,7 +118,7 @@ class Liveness:
             except StoreUnavailable as exc:
                 unavailable = exc  # on Redis Cluster one master's deployments fail, the others go on
                 continue
-            if self._local.get(name) is not local:
+            if self.registry.local.get(name) is not local:
                 continue  # deleted (or re-created) meanwhile: its series are gone
             self.metrics.suspect_ranks.labels(name).set(len(found))
             ranks = frozenset(s.rank for s in found)

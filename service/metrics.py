@@ -8,9 +8,6 @@ GC collectors, so ``/metrics`` shows the replica's CPU, memory and open file des
 
 from __future__ import annotations
 
-import inspect
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -23,7 +20,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-__all__ = ["LATENCY_BUCKETS", "SERIES", "Metrics", "Series", "TimedStore"]
+__all__ = ["LATENCY_BUCKETS", "SERIES", "Metrics", "Series"]
 
 # Seconds: unary reads take ~1 ms, report batches and Redis scripts a few, plans up to minutes.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -148,53 +145,3 @@ class Metrics:
             for labels in list(metric._metrics):  # prometheus_client offers no public label listing
                 if labels and labels[0] == deployment:
                     metric.remove(*labels)
-
-
-class TimedStore:
-    """A ``Store`` that times every call into ``eplb_store_latency_seconds{op}`` and keeps
-    ``eplb_store_up`` at 0 after a call failed with ``StoreUnavailable`` and 1 after one answered.
-
-    Everything else (attributes, async-generator methods such as ``follow``) passes through.
-    """
-
-    def __init__(self, store: object, metrics: Metrics) -> None:
-        self._store = store
-        self._metrics = metrics
-        self._calls: dict[str, Callable[..., Awaitable[object]]] = {}
-
-    @property
-    def inner(self) -> object:
-        """The wrapped store."""
-        return self._store
-
-    def __getattr__(self, name: str) -> object:
-        timed = self._calls.get(name)
-        if timed is not None:
-            return timed
-        attr = getattr(self._store, name)
-        if not inspect.iscoroutinefunction(attr):
-            return attr
-        from .errors import ServiceError, StoreUnavailable  # errors imports this module
-
-        latency = self._metrics.store_latency.labels(name)
-        errors = self._metrics.store_errors.labels(name)
-        up = self._metrics.store_up
-
-        async def call(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
-            try:
-                out = await attr(*args, **kwargs)
-            except StoreUnavailable:
-                errors.inc()
-                up.set(0)
-                raise
-            except ServiceError:  # NotFound, Aborted, …: the store answered
-                up.set(1)
-                raise
-            finally:
-                latency.observe(time.perf_counter() - start)
-            up.set(1)
-            return out
-
-        self._calls[name] = call
-        return call

@@ -1,6 +1,11 @@
-"""Planning: the trigger loop, Rebalance and ComputePlacement. One replica plans a deployment at
-a time (the store's lease, renewed while the plan runs); the plan itself runs in a worker
-process (:mod:`.solver`); :func:`.trigger.decide` says whether it is published.
+"""Planning of deployments: the trigger loop, Rebalance and the survivor plans of SetRanksDown.
+One replica plans a deployment at a time (the store's lease, renewed while the plan runs); the
+plan itself runs in a worker process (:mod:`.solver`); :func:`.trigger.decide` says whether it
+is published. Stateless plans (ComputePlacement) are :mod:`.compute`'s.
+
+Triggered re-plans of different deployments run concurrently, each in a task of its own, so a
+large deployment's re-plan never delays a small one's (which plans in the small-plan lane of
+:mod:`.solver`); never two of one deployment at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from eplb.survivors import survivors
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, codec, validation
-from .deployments import LocalDeployment
+from .compute import topology_tuple
+from .config import BalancerConfig
 from .errors import (
     Aborted,
     FailedPrecondition,
@@ -29,7 +35,13 @@ from .errors import (
     ServiceError,
     StoreUnavailable,
 )
-from .solver import Job
+from .ingest import Ingest
+from .local import LocalDeployment
+from .metrics import Metrics
+from .registry import Registry
+from .solver import Job, Solver
+from .store import Store
+from .store_health import StoreHealth
 from .trigger import decide, due
 from .windows import (
     sum_blobs,
@@ -42,17 +54,36 @@ audit = logging.getLogger("eplb_service.audit")
 
 
 class Planner:
-    """Mixin of :class:`.balancer.Balancer`: re-plans of deployments and stateless plans."""
+    """Re-plans of ``registry``'s deployments on ``solver``'s re-plan workers; ``ingest``
+    flushes this replica's window before a plan reads the store's."""
 
-    # planning
+    def __init__(
+        self,
+        registry: Registry,
+        ingest: Ingest,
+        solver: Solver,
+        store: Store,
+        health: StoreHealth,
+        metrics: Metrics,
+        config: BalancerConfig,
+    ) -> None:
+        self.registry = registry
+        self.ingest = ingest
+        self.solver = solver
+        self.store = store
+        self.health = health
+        self.metrics = metrics
+        self.config = config
+        # The triggered re-plans in flight: deployment → (its task, whether it is small).
+        self._triggered: dict[str, tuple[asyncio.Task, bool]] = {}
 
     async def rebalance(self, request: pb.RebalanceRequest, deadline_s: float | None = None) -> pb.RebalanceResponse:
         """Plans now; waits for another replica's plan of the deployment (its lease) for up to
         ``deadline_s`` (the caller's time left; None: 60 s)."""
         validation.check_name(request.deployment, "deployment")
-        local = await self._get_local(request.deployment)
+        local = await self.registry.get(request.deployment)
         # A plan reads the window from the store and a publication writes to it.
-        self._check_writable()
+        self.health.check_writable()
         if request.dry_run:
             return await self._plan(local, dry_run=True, force=request.force)
         name = request.deployment
@@ -99,39 +130,88 @@ class Planner:
             with contextlib.suppress(ServiceError):
                 await self.store.release_lease(name, owner)
 
-    async def _trigger_all(self) -> None:
-        """Re-plans every deployment whose trigger is due; one deployment's failure (a store
-        error, a window the planner refuses) never keeps the others from re-planning."""
+    async def trigger_all(self) -> None:
+        """Starts a re-plan of every deployment whose trigger is due, each in a task of its own
+        (:meth:`_trigger`), so one deployment's long plan never delays another's; never two of
+        one deployment. At most as many run as the workers can take: ``Solver.workers`` large
+        ones, and ``Solver.workers + Solver.small_workers`` in all (a small one also plans in a
+        re-plan worker when its lane is busy); a due deployment past that starts on a later
+        tick. One deployment's failure (a store error, a window the planner refuses) never keeps
+        the others from re-planning."""
         now = time.time()
-        for name, local in list(self._local.items()):
-            if not local.trigger.enabled or local.hub.deleted or local.lock.locked():
+        workers = max(1, self.solver.workers)
+        capacity = workers + (self.solver.small_workers if self.solver.workers else 0)
+        for name, local in list(self.registry.local.items()):
+            if not local.trigger.enabled or local.hub.deleted or local.lock.locked() or name in self._triggered:
+                continue
+            small = (
+                self.solver.workers > 0
+                and self.solver.small_workers > 0
+                and self.solver.is_small_topology(topology_tuple(local.topology))
+            )
+            running = [s for _, s in self._triggered.values()]
+            if len(running) >= capacity or (not small and running.count(False) >= workers):
                 continue
             try:
-                await self._trigger_one(name, local, now)
+                if due(local.trigger, await self.store.marks(name), now) is None:
+                    self._succeeded(name, local)
+                    continue
             except NotFound:
                 continue
             except StoreUnavailable:
-                if name in self._down:
+                if name in self.health.down:
                     continue  # its Redis Cluster master is down; the others re-plan
                 raise  # every deployment would fail alike: the health check reports it
             except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
-                self.metrics.replan_failures.labels(name).inc()
-                if local.failing is None:
-                    log.warning(
-                        "triggered re-plan of %s failed: %s: %s (logged once until it succeeds)",
-                        name,
-                        type(exc).__name__,
-                        exc,
-                    )
-                local.failing = f"{type(exc).__name__}: {exc}"
-            else:
-                if local.failing is not None:
-                    log.info("triggered re-plans of %s succeed again", name)
-                    local.failing = None
+                self._failed(name, local, exc)
+                continue
+            task = asyncio.create_task(self._trigger(name, local), name=f"replan-{name}")
+            self._triggered[name] = (task, small)
+            task.add_done_callback(lambda done, name=name: self._done(name, done))
 
-    async def _trigger_one(self, name: str, local: LocalDeployment, now: float) -> None:
-        if due(local.trigger, await self.store.marks(name), now) is None:
-            return
+    def _done(self, name: str, task: asyncio.Task) -> None:
+        if self._triggered.get(name, (None,))[0] is task:
+            del self._triggered[name]
+
+    async def stop(self) -> None:
+        """Cancels the triggered re-plans in flight (their leases are released) and waits for them."""
+        tasks = [task for task, _ in self._triggered.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
+    async def _trigger(self, name: str, local: LocalDeployment) -> None:
+        """One triggered re-plan, isolated: its failure is counted and logged once per change."""
+        try:
+            await self._trigger_one(name, local)
+        except NotFound:
+            pass
+        except StoreUnavailable as exc:
+            # Its Redis Cluster master is down, or the whole store (the health check reports it).
+            log.debug("triggered re-plan of %s: %s", name, exc)
+        except Exception as exc:  # noqa: BLE001  (isolated per deployment, counted, logged once)
+            self._failed(name, local, exc)
+        else:
+            self._succeeded(name, local)
+
+    def _failed(self, name: str, local: LocalDeployment, exc: Exception) -> None:
+        self.metrics.replan_failures.labels(name).inc()
+        if local.failing is None:
+            log.warning(
+                "triggered re-plan of %s failed: %s: %s (logged once until it succeeds)",
+                name,
+                type(exc).__name__,
+                exc,
+            )
+        local.failing = f"{type(exc).__name__}: {exc}"
+
+    def _succeeded(self, name: str, local: LocalDeployment) -> None:
+        if local.failing is not None:
+            log.info("triggered re-plans of %s succeed again", name)
+            local.failing = None
+
+    async def _trigger_one(self, name: str, local: LocalDeployment) -> None:
         async with local.lock:
             owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
             if not await self.store.acquire_lease(name, owner, self.config.lease_s):
@@ -152,7 +232,7 @@ class Planner:
         start = time.perf_counter()
         now = time.time()
         marks = await self.store.marks(name)
-        await self._flush(local, now)
+        await self.ingest.flush(local, now)
         blobs = await self.store.windows(name)
         loads, reports, stale = sum_blobs(
             blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s
@@ -190,7 +270,7 @@ class Planner:
             notes.append("first plan from the initial contiguous placement: planned fresh")
         job = Job(
             loads,
-            _topology_tuple(topo),
+            topology_tuple(topo),
             policy,
             None if fresh else previous,
             {**options, **planning},
@@ -226,7 +306,7 @@ class Planner:
             candidate.version = current.version + 1
             await self.store.publish(name, candidate)
             await self.store.mark_planned(name, marks.reports, now)
-            self._seen(candidate)
+            self.registry.seen(candidate)
             response.published = True
             outcome = "published"
             if stats.budget_limited:
@@ -245,7 +325,7 @@ class Planner:
         )
         return response
 
-    async def _publish_survivors(
+    async def publish_survivors(
         self, local: LocalDeployment, down: set[int], up: set[int], who: str, reason: str, deadline_s: float | None
     ) -> pb.SetRanksDownResponse:
         """Marks ``down`` ranks down and ``up`` ranks up; a change publishes a survivor placement
@@ -279,7 +359,7 @@ class Planner:
                 previous = arrays.decode(current.phy2log, "phy2log", shape).astype(np.int32)
                 job = Job(
                     codec.survivor_loads(current, (topo.num_layers, topo.num_experts)),
-                    _topology_tuple(topo),
+                    topology_tuple(topo),
                     codec.SURVIVOR_POLICY,
                     previous,
                     {**codec.SURVIVOR_OPTIONS, "down_gpus": gpus},
@@ -308,7 +388,7 @@ class Planner:
                     out.loads.CopyFrom(current.loads)
                 out.create_time.FromNanoseconds(int(time.time() * 1e9))
                 await self.store.publish(name, out)
-                self._seen(out)
+                self.registry.seen(out)
         self.metrics.rebalances.labels(name, codec.SURVIVOR_POLICY, "survivor").inc()
         self.metrics.rebalance_seconds.labels(name, codec.SURVIVOR_POLICY).observe(time.perf_counter() - start)
         audit.warning(
@@ -336,50 +416,3 @@ class Planner:
         if not np.array_equal(phy2log, eplb.Placement.contiguous(topo).phy2log):
             return False  # the engines' own initial placement: keep what they loaded
         return not await self.store.acks(name)
-
-    async def compute(
-        self, request: pb.ComputePlacementRequest, deadline_s: float | None
-    ) -> pb.ComputePlacementResponse:
-        """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan, on the
-        bounded compute pool, within ``deadline_s`` (the caller's time left; None: none)."""
-        topo = validation.topology_from(request.topology, "topology")
-        policy = validation.check_policy(request.policy, "policy")
-        loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
-        violations = validation.check_migration(request.migration, policy, "migration")
-        violations += validation.check_planning(request.planning, policy, "planning")
-        if violations:
-            raise InvalidArgument(violations)
-        if policy == "ilp":
-            validation.check_ilp_size(topo, "topology")
-        previous = None
-        if request.HasField("previous_phy2log"):
-            previous = arrays.decode(
-                request.previous_phy2log, "previous_phy2log", (topo.num_layers, topo.num_slots), kinds="iu"
-            )
-            try:
-                eplb.Placement(previous, topo)
-            except ValueError as exc:
-                raise InvalidArgument(FieldViolation("previous_phy2log", str(exc))) from None
-            previous = previous.astype(np.int32)
-        options = codec.migration_options(request.migration, policy) if previous is not None else {}
-        if previous is not None and (previous < 0).all(axis=0).reshape(topo.num_gpus, -1).all(axis=1).any():
-            # A previous placement with gpus down: they stay down (their slots empty).
-            options["down_gpus"] = list(eplb.Placement(previous, topo).down_gpus)
-        planning, notes = codec.planning_options(request.planning, policy, topo.num_layers, deadline_s), []
-        job = Job(
-            np.asarray(loads, dtype=np.float64),
-            _topology_tuple(topo),
-            policy,
-            previous,
-            {**options, **planning},
-            expert_bytes=request.expert_bytes if previous is not None else 0,
-        )
-        solved = await self.solver.compute(job, deadline_s)
-        solved.stats.notes.extend(notes)
-        return pb.ComputePlacementResponse(
-            phy2log=arrays.encode(solved.phy2log), logcnt=arrays.encode(solved.logcnt), stats=solved.stats
-        )
-
-
-def _topology_tuple(topo: eplb.Topology) -> tuple[int, int, int, int, int, int]:
-    return (topo.num_layers, topo.num_experts, topo.num_slots, topo.num_gpus, topo.num_nodes, topo.num_groups)

@@ -37,11 +37,12 @@ from .auth import Access, AuthFileError, AuthInterceptor
 from .balancer import Balancer, BalancerConfig
 from .errors import ErrorInterceptor, ServiceError
 from .memory_store import MemoryStore
-from .metrics import Metrics, TimedStore
+from .metrics import Metrics
 from .metrics_http import serve_metrics
 from .redis_store import RedisStore
 from .servicer import BalancerServicer, add_to_server
 from .store import Store
+from .timed_store import TimedStore
 
 __all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "StartError", "check_certificate_dates", "start_server"]
 

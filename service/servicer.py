@@ -1,4 +1,5 @@
-"""``eplb.v1.ExpertLoadBalancerService``: decode, call the balancer, encode. Errors map in ``errors.py``."""
+"""``eplb.v1.ExpertLoadBalancerService``: decode, call the balancer's part that serves the RPC, encode.
+Errors map in ``errors.py``."""
 
 from __future__ import annotations
 
@@ -74,6 +75,11 @@ def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> Service
 class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     def __init__(self, balancer: Balancer, access: Access | None = None) -> None:
         self.balancer = balancer
+        # The collaborator each RPC calls (service/balancer.py).
+        self.deployments = balancer.deployments
+        self.ingest = balancer.ingest
+        self.planner = balancer.planner
+        self.compute = balancer.compute
         # None: no token configured, every caller may do everything.
         self.access = access
         # The latest response per (rpc, deployment), reused while the placement is the same
@@ -100,19 +106,19 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateDeploymentResponse:
         self._check(context, "CreateDeployment", request.deployment.name)
-        return await self.balancer.create(request)
+        return await self.deployments.create(request)
 
     async def GetDeployment(
         self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetDeploymentResponse:
         self._check(context, "GetDeployment", request.name)
-        return await self.balancer.get(request.name)
+        return await self.deployments.get(request.name)
 
     async def ListDeployments(
         self, request: pb.ListDeploymentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDeploymentsResponse:
         self._check(context, "ListDeployments")
-        listed = await self.balancer.list()
+        listed = await self.deployments.list()
         if self.access is None:
             return listed
         visible = self.access.visible(d.name for d in listed.deployments)
@@ -127,7 +133,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteDeploymentResponse:
         self._check(context, "DeleteDeployment", request.name)
-        await self.balancer.delete(request.name)
+        await self.deployments.delete(request.name)
         return pb.DeleteDeploymentResponse()
 
     async def ReportLoad(
@@ -139,7 +145,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
                 # Per message: one stream may name several deployments, and a reload applies
                 # to the next message.
                 self._check(context, "ReportLoad", request.deployment)
-                fresh = await self.balancer.report(request)
+                fresh = await self.ingest.report(request)
             except ServiceError as exc:
                 raise _with_progress(exc, accepted, duplicates) from None
             if fresh:
@@ -152,10 +158,10 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPlacementResponse:
         self._check(context, "GetPlacement", request.deployment)
-        placement = await self.balancer.placement(request.deployment, request.version)
+        placement = await self.deployments.placement(request.deployment, request.version)
         if not request.include_window_loads:
             return self._response(pb.GetPlacementResponse, placement)
-        loads, reports = await self.balancer.window_loads(request.deployment)
+        loads, reports = await self.deployments.window_loads(request.deployment)
         return pb.GetPlacementResponse(placement=placement, window_loads=arrays.encode(loads), window_reports=reports)
 
     def _serialized(self, placement: pb.Placement) -> bytes:
@@ -173,7 +179,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         # grpc logs that at ERROR when it does the writing; here it only ends the stream. The
         # bytes are pre-serialized (add_to_server registers an identity serializer).
         self._check(context, "WatchPlacements", request.deployment)
-        placements = self.balancer.watch(request.deployment, request.since_version)
+        placements = self.deployments.watch(request.deployment, request.since_version)
         if self.access is not None:
             # Ends the stream at once when a reload of the auth file revokes the token.
             placements = self.access.guard(context, "WatchPlacements", request.deployment, placements)
@@ -196,23 +202,23 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         self, request: pb.AckPlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.AckPlacementResponse:
         self._check(context, "AckPlacement", request.deployment)
-        return await self.balancer.ack(request)
+        return await self.deployments.ack(request)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
         self._check(context, "Rebalance", request.deployment)
-        return await self.balancer.rebalance(request, context.time_remaining())
+        return await self.planner.rebalance(request, context.time_remaining())
 
     async def ComputePlacement(
         self, request: pb.ComputePlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.ComputePlacementResponse:
         self._check(context, "ComputePlacement")
-        return await self.balancer.compute(request, context.time_remaining())
+        return await self.compute.placement(request, context.time_remaining())
 
     async def SetRanksDown(
         self, request: pb.SetRanksDownRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetRanksDownResponse:
         self._check(context, "SetRanksDown", request.deployment)
-        return await self.balancer.set_ranks_down(request, context.peer(), context.time_remaining())
+        return await self.deployments.set_ranks_down(request, context.peer(), context.time_remaining())
 
 
 def _wire(message: object) -> bytes:

@@ -283,7 +283,12 @@ class Solver:
     def is_small(job: Job) -> bool:
         """Whether ``job`` may plan in the small lane: fewer than ``limits.SMALL_PLAN_CELLS``
         layers x slots (a plan's time grows with both; a limit-size one has 2^20)."""
-        return job.topology[0] * job.topology[2] < limits.SMALL_PLAN_CELLS
+        return Solver.is_small_topology(job.topology)
+
+    @staticmethod
+    def is_small_topology(topology: tuple[int, int, int, int, int, int]) -> bool:
+        """:meth:`is_small` of a job of ``topology`` (``Job.topology``)."""
+        return topology[0] * topology[2] < limits.SMALL_PLAN_CELLS
 
     async def replan(self, job: Job) -> Solved:
         """A deployment's re-plan: a small one in a free worker of either lane (its own first), a

@@ -60,8 +60,8 @@ async def test_physical_counts_under_a_placement_with_a_gpu_down_fold_like_logic
     assert out.accepted == 1
     assert (await EngineClient(c.channel, "logi", rank=0).report([loads])).accepted == 1
     now = time.time()
-    folded, _ = server.balancer._local["phys"].window.total(now)
-    direct, _ = server.balancer._local["logi"].window.total(now)
+    folded, _ = server.balancer.registry.local["phys"].window.total(now)
+    direct, _ = server.balancer.registry.local["logi"].window.total(now)
     # Before: the -1 slots were binned as expert 15 of the layer before (and layer 0's made
     # bincount fail); with zeros there the sums still matched, so also check the layers apart.
     assert np.array_equal(folded, direct) and np.array_equal(folded, loads)
@@ -83,7 +83,7 @@ async def test_counts_on_an_empty_slot_are_refused_naming_the_slot(serve, connec
     ((field, why),) = [v for v in status_details(err.value) if v[0] != "stream"]
     assert field == "physical.counts" and "layer 2 slot 10" in why and "version 1" in why
     now = time.time()
-    assert server.balancer._local["phys"].window.total(now)[1] == 0  # nothing entered the window
+    assert server.balancer.registry.local["phys"].window.total(now)[1] == 0  # nothing entered the window
 
 
 def test_transfer_stats_count_restores_apart():
