@@ -34,8 +34,16 @@ def _loads(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, 1000, (3, 8)).astype(np.float64)
 
 
-def test_engine_and_service_choose_the_same_survivor_rule():
-    assert (SURVIVOR_POLICY, SURVIVOR_OPTIONS) == (codec.SURVIVOR_POLICY, codec.SURVIVOR_OPTIONS)
+def test_engine_and_service_take_the_survivor_rule_from_one_definition():
+    from eplb import survivor_rules
+    from eplb_engine import survivors
+
+    assert SURVIVOR_POLICY is codec.SURVIVOR_POLICY is survivor_rules.SURVIVOR_POLICY
+    assert SURVIVOR_OPTIONS is codec.SURVIVOR_OPTIONS is survivor_rules.SURVIVOR_OPTIONS
+    assert survivors.EPLB_VERSION is codec.EPLB_VERSION is survivor_rules.EPLB_VERSION
+    assert dict(SURVIVOR_OPTIONS) == {"effort": "fast"}
+    with pytest.raises(TypeError):
+        SURVIVOR_OPTIONS["effort"] = "high"  # shared by both sides: read-only
 
 
 def test_the_service_survivor_placement_is_the_one_every_rank_computes():
