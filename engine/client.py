@@ -404,7 +404,7 @@ class Endpoints:
     @classmethod
     def over(cls, channel: grpc.Channel | grpc.aio.Channel, *, token: str | None = None) -> Endpoints:
         """The one channel the caller opened (and closes): no failover, ``close`` leaves it open."""
-        out = cls("borrowed:0", token=token, aio=isinstance(channel, grpc.aio.Channel))
+        out = cls("(the caller's channel)", token=token, aio=isinstance(channel, grpc.aio.Channel))
         out._channel, out._borrowed = channel, True
         out._stub = pb_grpc.ExpertLoadBalancerServiceStub(channel)
         return out
