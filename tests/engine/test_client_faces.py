@@ -230,3 +230,18 @@ def test_both_faces_give_up_at_once_on_a_refused_token(loop):
         assert seen[0][1] == 0
     finally:
         s.stop()
+
+
+def test_without_a_deadline_both_faces_make_one_attempt_and_raise_its_failure(loop):
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    seen = []
+    for _, make in faces(loop):
+        face = make(dead, timeout_s=None)
+        try:
+            start = time.monotonic()
+            got = outcome(lambda: face.get_deployment("d1"))
+            seen.append((got[:2], face.endpoints.failovers, face.endpoints.address))
+            assert time.monotonic() - start < 2
+        finally:
+            face.close()
+    assert seen[0] == seen[1] == (("rpc", grpc.StatusCode.UNAVAILABLE), 0, dead[0])
