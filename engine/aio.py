@@ -1,9 +1,10 @@
 """The asyncio face of the engine client, for engines whose control loop is a coroutine.
 
-``AsyncServiceClient`` makes the same unary calls as ``ServiceClient`` (with the same
-failover between addresses and retries of transient failures) on ``grpc.aio`` channels, and
-``watch()`` is ``PlacementWatcher`` as an async iterator: decoded placements, resumed after
-the last version yielded when the stream breaks or a replica goes away.
+``AsyncServiceClient`` runs the same calls as ``ServiceClient`` (``client.Calls``: one
+implementation of the requests, retries, failover, deadlines and decoding) on ``grpc.aio``
+channels, so the two faces raise the same errors and follow the same rules; ``watch()`` is
+``PlacementWatcher`` as an async iterator: decoded placements, resumed after the last version
+yielded when the stream breaks or a replica goes away.
 
 ``LoadReporter`` needs no asyncio face: ``add`` never blocks, so a coroutine calls it as is
 (and ``await asyncio.to_thread(reporter.flush)`` where it must wait for the service).
@@ -23,78 +24,159 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
 from .client import (
-    EXISTING_OK,
-    TRANSIENT,
-    Backoff,
-    Retry,
-    ack_request,
-    channel_options,
-    create_request,
-    parse_addresses,
-    same_topology,
+    Calls,
+    Deliver,
+    Endpoints,
+    Failover,
+    Health,
+    Ops,
+    Read,
+    Rpc,
+    Sent,
+    Sleep,
+    Step,
+    Watch,
 )
 
 __all__ = ["AsyncServiceClient"]
 
 
 class AsyncServiceClient:
-    """Async calls to the balancer at ``addresses`` (one in use, the next after it fails)."""
+    """Async calls to the balancer at ``addresses`` (one in use, the next after it fails), each
+    retried on transient failures for up to ``timeout_s`` (None: one attempt, no deadline).
+
+    ``AsyncServiceClient.over(channel)``: the caller's own ``grpc.aio`` channel, one address,
+    never closed by the client.
+    """
 
     def __init__(
         self,
-        addresses: str | Sequence[str],
+        addresses: str | Sequence[str] | Endpoints,
         *,
         token: str | None = None,
         root_certificates: bytes | None = None,
-        timeout_s: float = 10.0,
+        timeout_s: float | None = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
-        self.addresses = parse_addresses(addresses)
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        if isinstance(addresses, Endpoints):
+            if not addresses.aio:
+                raise ValueError("AsyncServiceClient needs Endpoints(..., aio=True): grpc.aio channels")
+            self.endpoints = addresses
+        else:
+            self.endpoints = Endpoints(
+                addresses,
+                token=token,
+                root_certificates=root_certificates,
+                max_message_bytes=max_message_bytes,
+                aio=True,
+            )
         self.timeout_s = timeout_s
-        self._root_certificates = root_certificates
-        self._options = channel_options(max_message_bytes)
-        self._index = 0
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.ExpertLoadBalancerServiceStub | None = None
-        self.failovers = 0
+        self.calls = Calls(timeout_s, len(self.endpoints.addresses))
+
+    @classmethod
+    def over(
+        cls, channel: grpc.aio.Channel, *, token: str | None = None, timeout_s: float | None = None
+    ) -> AsyncServiceClient:
+        """A client on ``channel`` (the caller's; no failover); ``timeout_s`` None by default:
+        one attempt per call, as a bare stub would make."""
+        return cls(Endpoints.over(channel, token=token), timeout_s=timeout_s)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return self.endpoints.addresses
 
     @property
     def address(self) -> str:
-        return self.addresses[self._index]
+        return self.endpoints.address
+
+    @property
+    def failovers(self) -> int:
+        return self.endpoints.failovers
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.endpoints.metadata
 
     def stub(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
-        if self._stub is None:
-            target = self.addresses[self._index]
-            if self._root_certificates is not None:
-                creds = grpc.ssl_channel_credentials(self._root_certificates)
-                self._channel = grpc.aio.secure_channel(target, creds, options=self._options)
-            else:
-                self._channel = grpc.aio.insecure_channel(target, options=self._options)
-            self._stub = pb_grpc.ExpertLoadBalancerServiceStub(self._channel)
-        return self._stub
+        return self.endpoints.stub()
 
-    async def failover(self, failed: pb_grpc.ExpertLoadBalancerServiceStub) -> None:
-        """The call made on ``failed`` could not reach its replica: use the next address."""
-        if failed is not self._stub:
-            return
-        channel, self._channel, self._stub = self._channel, None, None
-        self._index = (self._index + 1) % len(self.addresses)
-        self.failovers += 1
-        await channel.close()
+    # -- running the steps ----------------------------------------------------------------
+
+    async def _run(self, ops: Ops) -> object:
+        answer = None
+        while True:
+            try:
+                step = ops.send(answer)
+            except StopIteration as done:
+                return done.value
+            answer = await self._do(step)
+
+    async def _do(self, step: Step) -> Sent | None:
+        if isinstance(step, Rpc):
+            stub = self.endpoints.stub()
+            request = iter(step.request) if step.stream else step.request
+            try:
+                response = await getattr(stub, step.method)(
+                    request, timeout=step.timeout_s, metadata=self.endpoints.metadata
+                )
+            except grpc.RpcError as exc:
+                return Sent(stub, error=exc)
+            return Sent(stub, response)
+        if isinstance(step, Health):
+            stub = self.endpoints.stub()
+            try:
+                response = await health_pb2_grpc.HealthStub(self.endpoints.channel()).Check(
+                    health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=step.timeout_s
+                )
+            except grpc.RpcError:
+                return Sent(stub, False)
+            return Sent(stub, response.status == health_pb2.HealthCheckResponse.SERVING)
+        if isinstance(step, Watch):
+            stub = self.endpoints.stub()
+            return Sent(stub, stub.WatchPlacements(step.request, metadata=self.endpoints.metadata))
+        if isinstance(step, Read):
+            try:
+                message = await step.call.read()
+            except grpc.RpcError as exc:
+                return Sent(None, error=exc)
+            return Sent(None, None if message is grpc.aio.EOF else message)
+        if isinstance(step, Failover):
+            channel = self.endpoints.detach(step.stub)
+            if channel is not None:
+                await channel.close()
+        elif isinstance(step, Sleep):
+            await asyncio.sleep(step.seconds)
+        else:
+            raise TypeError(f"not a step of a unary call: {step!r}")
+        return None
+
+    async def _stream(self, ops: Ops) -> AsyncIterator[object]:
+        """Runs a streaming ``Calls`` method: what it delivers is yielded; its open stream is
+        cancelled when it opens another or the caller stops iterating."""
+        open_call = None
+        answer = None
+        try:
+            while True:
+                step = ops.send(answer)
+                if isinstance(step, Deliver):
+                    yield step.item
+                    answer = None
+                    continue
+                answer = await self._do(step)
+                if isinstance(step, Watch):
+                    if open_call is not None:
+                        open_call.cancel()
+                    open_call = answer.response
+        finally:
+            if open_call is not None:
+                open_call.cancel()
+            ops.close()
+
+    # -- the calls (as ``ServiceClient``'s) ---------------------------------------------------
 
     async def call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         """Unary ``method``, failing over and retrying transient failures until ``timeout_s``."""
-        retry = Retry(self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            stub = self.stub()
-            try:
-                return await getattr(stub, method)(request, timeout=retry.attempt_timeout(), metadata=self.metadata)
-            except grpc.aio.AioRpcError as exc:
-                if not retry.retryable(exc.code()):
-                    raise
-                await self.failover(stub)
-                await asyncio.sleep(retry.pause_s())
+        return await self._run(self.calls.call(method, request, timeout_s))
 
     async def create_deployment(
         self,
@@ -106,92 +188,55 @@ class AsyncServiceClient:
         **options: object,
     ) -> pb.Deployment:
         """As ``ServiceClient.create_deployment``."""
-        try:
-            return (await self.call("CreateDeployment", create_request(name, topology, initial, options))).deployment
-        except grpc.aio.AioRpcError as exc:
-            if not (exist_ok and exc.code() in EXISTING_OK):
-                raise
-            refused = exc
-        try:
-            existing = await self.get_deployment(name)
-        except grpc.aio.AioRpcError:
-            raise refused from None
-        return same_topology(name, existing, topology)
+        return await self._run(self.calls.create_deployment(name, topology, initial, exist_ok, options))
 
     async def get_deployment(self, name: str) -> pb.Deployment:
-        return (await self.call("GetDeployment", pb.GetDeploymentRequest(name=name))).deployment
+        return await self._run(self.calls.get_deployment(name))
 
     async def topology(self, name: str) -> eplb.Topology:
-        return wire.topology_from_pb((await self.get_deployment(name)).topology)
+        return await self._run(self.calls.topology(name))
 
     async def get_placement(
         self, deployment: str, version: int = 0, topology: eplb.Topology | None = None
     ) -> wire.PublishedPlacement:
-        msg = (
-            await self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version))
-        ).placement
-        return wire.placement_from_pb(msg, topology or await self.topology(deployment))
+        return await self._run(self.calls.get_placement(deployment, version, topology))
 
     async def ack(
         self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0, error: str = ""
     ) -> pb.AckPlacementResponse:
         """As ``ServiceClient.ack``."""
-        return await self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error))
+        return await self._run(self.calls.ack(deployment, rank, version, state, step, error))
 
     async def rebalance(self, deployment: str, *, dry_run: bool = False, force: bool = False) -> pb.RebalanceResponse:
-        return await self.call("Rebalance", pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force))
+        return await self._run(self.calls.rebalance(deployment, dry_run, force))
+
+    async def delete_deployment(self, name: str) -> None:
+        await self._run(self.calls.delete_deployment(name))
+
+    async def report(
+        self, requests: Sequence[pb.ReportLoadRequest], timeout_s: float | None = None
+    ) -> pb.ReportLoadResponse:
+        """As ``ServiceClient.report``."""
+        return await self._run(self.calls.report(requests, timeout_s))
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         """As ``ServiceClient.healthy``: the current address first, then each other in turn;
         the first SERVING one becomes the current address."""
-        for _ in range(len(self.addresses)):
-            stub = self.stub()
-            try:
-                response = await health_pb2_grpc.HealthStub(self._channel).Check(
-                    health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=timeout_s
-                )
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.aio.AioRpcError:
-                pass
-            await self.failover(stub)
-        return False
+        return await self._run(self.calls.healthy(timeout_s))
 
-    async def watch(
-        self, deployment: str, since_version: int = 0, topology: eplb.Topology | None = None
+    def watch(
+        self, deployment: str, since_version: int = 0, topology: eplb.Topology | None = None, *, decode: bool = True
     ) -> AsyncIterator[wire.PublishedPlacement]:
-        """Each new version of ``deployment`` after ``since_version``, decoded; reconnects (at the
-        next address after a transient failure) and resumes after the last version yielded.
-        Ends only when the caller stops iterating or with an error that is the request's fault."""
-        backoff = Backoff()
-        version = since_version
-        while True:
-            stub = self.stub()
-            try:
-                if topology is None:
-                    topology = await self.topology(deployment)
-                call = stub.WatchPlacements(
-                    pb.WatchPlacementsRequest(deployment=deployment, since_version=version), metadata=self.metadata
-                )
-                try:
-                    async for response in call:
-                        backoff.reset()
-                        if response.placement.version > version:
-                            published = wire.placement_from_pb(response.placement, topology)
-                            version = published.version
-                            yield published
-                finally:
-                    call.cancel()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in TRANSIENT:
-                    raise
-                await self.failover(stub)
-            await asyncio.sleep(backoff.delay())
+        """Each new version of ``deployment`` after ``since_version``, decoded (the wire
+        ``Placement`` if not ``decode``); reconnects (at the next address after a transient
+        failure) and resumes after the last version yielded. Ends only when the caller stops
+        iterating or with an error that is the request's fault."""
+        return self._stream(self.calls.watch(deployment, since_version, topology, decode=decode))
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = self._stub = None
+        channel = self.endpoints.take()
+        if channel is not None:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncServiceClient:
         return self

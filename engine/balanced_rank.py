@@ -112,13 +112,17 @@ class Part:
         self._mixed = False
 
     def _stepped(self, routed: PublishedPlacement) -> None:
-        self.routed, self._mixed = routed, self.rollout.mixed
+        # A survivor placement computed here has a number of this rank's only (the service may
+        # publish another map under it): its counts go per expert, as a half-switched map's.
+        local = self.rollout.local_survivor
+        self.routed, self._mixed = routed, self.rollout.mixed or (local is not None and routed is local)
 
     def record(self, counts: object, *, copy: bool = True) -> bool:
         """Reports ``counts [L, P]``: the tokens this rank sent to each slot in the step routed
         with ``routed`` (numpy or torch, any device; never blocks). Tagged with the routed
-        version; while a chunked version is half switched no version describes the map, so
-        they are folded to ``[L, E]`` per expert with the map routed and reported so.
+        version; while a chunked version is half switched, or a survivor placement this rank
+        computed is routed, no service version describes the map, so they are folded to
+        ``[L, E]`` per expert with the map routed and reported so.
         Returns ``LoadReporter.add``'s answer (False: the queue was full, counted)."""
         shape = tuple(getattr(counts, "shape", ()))
         want = (self.topology.num_layers, self.topology.num_slots)
@@ -346,9 +350,13 @@ class BalancedRank:
         version in flight, and its own survivor placement, the same map, comes through the
         watcher). With ``tell_service`` the service hears of it too (``SetRanksDown``,
         idempotent, so every survivor may send it; an unreachable service is logged, the local
-        plan stands): its own survivor placement is the same map, which the ranks then take
-        without moving weights. Returns the survivor placement offered. Ranks are gpus here
-        (the deployment's ranks 0 .. num_gpus - 1)."""
+        plan stands). The local plan is known by its (base version, down ranks), not by its
+        number (``base + 1``, which the service may give a normal plan in flight): the ranks
+        adopt a service version without moving weights only when it is the service's survivor
+        plan of that same pair and map (``Rollout`` event ``"adopted"``, acked as switched);
+        any other version newer than the base is rolled out as usual, from the local map.
+        Returns the survivor placement offered. Ranks are gpus here (the deployment's ranks
+        0 .. num_gpus - 1)."""
         import grpc
 
         from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb

@@ -1,11 +1,17 @@
-"""Talking to the balancer service from an engine (sync face): channels to several service
-addresses with failover, retries with backoff, and the unary calls an engine makes.
+"""Talking to the balancer service from an engine: the one client implementation and its sync face.
+
+The calls an engine makes (create a deployment, get a placement, ack, rebalance, report load,
+watch placements, health) are written once, in ``Calls``, as generators that say what to do
+next (``Rpc``, ``Health``, ``Watch``/``Read``, ``Failover``, ``Sleep``, ``Deliver``) and get each
+outcome back (``Sent``): the request building, the retries of transient failures until the
+deadline, the failover between addresses, the ``exist_ok`` rules and the response decoding all
+live there. A face only runs those steps on its channels: ``ServiceClient`` here on ``grpc``
+channels, ``AsyncServiceClient`` (aio.py) on ``grpc.aio`` ones, so the two raise the same errors
+and retry, fail over and give up by the same rules.
 
 ``Endpoints`` holds one channel at a time, to the first address that answers; a call that
-fails as unavailable moves it to the next address. ``ServiceClient`` wraps the unary RPCs
-(create a deployment, get a placement, ack, rebalance, health) with that failover and retries
-transient failures until its deadline. ``LoadReporter`` (reporter.py) and
-``PlacementWatcher`` (watcher.py) share an ``Endpoints`` the same way.
+fails as unavailable moves it to the next address. ``LoadReporter`` (reporter.py) and
+``PlacementWatcher`` (watcher.py) share an ``Endpoints`` with a ``ServiceClient``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,11 +34,14 @@ __all__ = [
     "Endpoints",
     "Backoff",
     "Retry",
+    "Calls",
     "ServiceClient",
     "ACK_STATES",
     "TRANSIENT",
     "parse_addresses",
     "channel_options",
+    "auth_metadata",
+    "open_channel",
 ]
 
 # Failures that another attempt (later, or at another replica) can cure: the replica is down or
@@ -95,21 +105,39 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-class Retry:
-    """The retry policy of one unary call, shared by the sync and asyncio faces: attempts of at
-    most 5 s each until ``timeout_s`` has passed, transient failures retried after a backoff."""
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``token`` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
-    def __init__(self, timeout_s: float) -> None:
-        self.deadline = time.monotonic() + timeout_s
+
+def open_channel(
+    target: str, root_certificates: bytes | None, options: list[tuple[str, int]], *, aio: bool = False
+) -> grpc.Channel | grpc.aio.Channel:
+    """A channel to ``target``: TLS with ``root_certificates`` (None: plaintext), ``grpc.aio``'s if ``aio``."""
+    module = grpc.aio if aio else grpc
+    if root_certificates is not None:
+        return module.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+    return module.insecure_channel(target, options=options)
+
+
+class Retry:
+    """The retry policy of one call, the same for both faces: attempts of at most 5 s each until
+    ``timeout_s`` has passed, transient failures retried after a backoff. ``timeout_s`` None:
+    one attempt without a deadline, its failure raised as is."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.backoff = Backoff()
 
-    def attempt_timeout(self) -> float:
+    def attempt_timeout(self) -> float | None:
         """Seconds the next attempt may take (at least 50 ms, so a last attempt is still made)."""
+        if self.deadline is None:
+            return None
         return max(0.05, min(self.deadline - time.monotonic(), 5.0))
 
     def retryable(self, code: grpc.StatusCode) -> bool:
         """Whether a failure with ``code`` is worth another attempt before the deadline."""
-        return code in TRANSIENT and time.monotonic() + 0.05 < self.deadline
+        return self.deadline is not None and code in TRANSIENT and time.monotonic() + 0.05 < self.deadline
 
     def pause_s(self) -> float:
         """The wait before the next attempt, never past the deadline."""
@@ -121,10 +149,77 @@ class Retry:
 EXISTING_OK = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED)
 
 
+# -- the steps a face runs for ``Calls`` ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """Call ``method`` on the current address; ``stream``: ``request`` is a list sent as a
+    client stream (``ReportLoad``). Answered with ``Sent``."""
+
+    method: str
+    request: object
+    timeout_s: float | None
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Health:
+    """The gRPC health check of the current address. Answered with ``Sent`` (``response``: SERVING or not)."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Open a ``WatchPlacements`` stream on the current address. Answered with ``Sent`` (``response``: the call)."""
+
+    request: pb.WatchPlacementsRequest
+
+
+@dataclass(frozen=True)
+class Read:
+    """The next message of the stream ``call``. Answered with ``Sent`` (``response`` None: it ended)."""
+
+    call: object
+
+
+@dataclass(frozen=True)
+class Failover:
+    """The call made on ``stub`` could not reach its replica: use the next address."""
+
+    stub: object
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Hand ``item`` to the caller of a stream (``watch``) and go on when it asks for the next."""
+
+    item: object
+
+
+@dataclass(frozen=True)
+class Sent:
+    """The outcome of a step made on ``stub``: its ``response``, or the ``error`` it failed with."""
+
+    stub: object
+    response: object = None
+    error: grpc.RpcError | None = None
+
+
+Step = Rpc | Health | Watch | Read | Failover | Sleep | Deliver
+Ops = Generator[Step, Sent | None, object]
+
+
 def create_request(
     name: str, topology: eplb.Topology, initial: eplb.Placement | None, options: dict[str, object]
 ) -> pb.CreateDeploymentRequest:
-    """The ``CreateDeployment`` request of ``create_deployment`` (both faces)."""
+    """The ``CreateDeployment`` request of ``create_deployment``."""
     request = pb.CreateDeploymentRequest(deployment=wire.deployment_pb(name, topology, **options))
     if initial is not None:
         request.initial_phy2log.CopyFrom(wire.encode_array(initial.phy2log))
@@ -139,7 +234,7 @@ def same_topology(name: str, existing: pb.Deployment, topology: eplb.Topology) -
 
 
 def ack_request(deployment: str, rank: int, version: int, state: str, step: int, error: str) -> pb.AckPlacementRequest:
-    """The ``AckPlacement`` request of ``ack`` (both faces); ``ValueError`` for an unknown ``state``."""
+    """The ``AckPlacement`` request of ``ack``; ``ValueError`` for an unknown ``state``."""
     if state not in ACK_STATES:
         raise ValueError(f"state {state!r} is not one of {', '.join(ACK_STATES)}")
     return pb.AckPlacementRequest(
@@ -147,12 +242,142 @@ def ack_request(deployment: str, rank: int, version: int, state: str, step: int,
     )
 
 
+def report_request(
+    deployment: str, rank: int, seq: int, counts: object, placement_version: int | None = None
+) -> pb.ReportLoadRequest:
+    """One ``ReportLoad`` message: ``counts`` ``[L, E]`` logical, or ``[L, P]`` physical recorded
+    under ``placement_version``; ``seq`` must grow per rank (the service drops a seen one)."""
+    msg = pb.ReportLoadRequest(deployment=deployment, rank=rank, seq=seq)
+    if placement_version is None:
+        msg.logical.CopyFrom(wire.encode_array(counts))
+    else:
+        msg.physical.counts.CopyFrom(wire.encode_array(counts))
+        msg.physical.placement_version = placement_version
+    return msg
+
+
+class Calls:
+    """The engine's calls, once for both faces: each method returns the steps (``Ops``) a face
+    runs; the generator's return value is the call's result, and what it raises the call raises.
+
+    ``timeout_s``: the default deadline of a call (None: one attempt, no deadline, no retry);
+    ``addresses``: how many replicas ``healthy`` may try.
+    """
+
+    def __init__(self, timeout_s: float | None, addresses: int) -> None:
+        self.timeout_s, self.addresses = timeout_s, addresses
+
+    def call(self, method: str, request: object, timeout_s: float | None = None, *, stream: bool = False) -> Ops:
+        """Unary (or client-streaming) ``method``: transient failures are retried, at the next
+        address, until the deadline; any other failure (the request's fault) raises at once."""
+        retry = Retry(self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            sent = yield Rpc(method, request, retry.attempt_timeout(), stream)
+            if sent.error is None:
+                return sent.response
+            if not retry.retryable(sent.error.code()):
+                raise sent.error
+            yield Failover(sent.stub)
+            yield Sleep(retry.pause_s())
+
+    def create_deployment(
+        self, name: str, topology: eplb.Topology, initial: eplb.Placement | None, exist_ok: bool, options: dict
+    ) -> Ops:
+        try:
+            return (
+                yield from self.call("CreateDeployment", create_request(name, topology, initial, options))
+            ).deployment
+        except grpc.RpcError as exc:
+            if not (exist_ok and exc.code() in EXISTING_OK):
+                raise
+            refused = exc
+        try:
+            existing = yield from self.get_deployment(name)
+        except grpc.RpcError:
+            raise refused from None  # not there (or not visible either): the create's own error
+        return same_topology(name, existing, topology)
+
+    def get_deployment(self, name: str) -> Ops:
+        return (yield from self.call("GetDeployment", pb.GetDeploymentRequest(name=name))).deployment
+
+    def topology(self, name: str) -> Ops:
+        return wire.topology_from_pb((yield from self.get_deployment(name)).topology)
+
+    def get_placement(self, deployment: str, version: int, topology: eplb.Topology | None) -> Ops:
+        reply = yield from self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version))
+        return wire.placement_from_pb(reply.placement, topology or (yield from self.topology(deployment)))
+
+    def ack(self, deployment: str, rank: int, version: int, state: str, step: int, error: str) -> Ops:
+        return (yield from self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error)))
+
+    def rebalance(self, deployment: str, dry_run: bool, force: bool) -> Ops:
+        request = pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force)
+        return (yield from self.call("Rebalance", request))
+
+    def delete_deployment(self, name: str) -> Ops:
+        yield from self.call("DeleteDeployment", pb.DeleteDeploymentRequest(name=name))
+
+    def report(self, requests: Sequence[pb.ReportLoadRequest], timeout_s: float | None = None) -> Ops:
+        """One ``ReportLoad`` stream of ``requests``; a retry re-sends them with their seqs, which
+        the service counts once."""
+        return (yield from self.call("ReportLoad", list(requests), timeout_s, stream=True))
+
+    def healthy(self, timeout_s: float) -> Ops:
+        """The current address first, then each other in turn; the first SERVING one stays current."""
+        for _ in range(self.addresses):
+            sent = yield Health(timeout_s)
+            if sent.response:
+                return True
+            yield Failover(sent.stub)
+        return False
+
+    def watch(self, deployment: str, since_version: int, topology: eplb.Topology | None, *, decode: bool = True) -> Ops:
+        """Delivers each new version of ``deployment`` after ``since_version`` (decoded, or the
+        wire ``Placement`` if not ``decode``); reconnects (at the next address after a transient
+        failure) and resumes after the last version delivered. Ends only with an error that is
+        the request's fault."""
+        backoff = Backoff()
+        version = since_version
+        while True:
+            if decode and topology is None:
+                try:
+                    topology = yield from self.topology(deployment)
+                except grpc.RpcError as exc:
+                    if exc.code() not in TRANSIENT:
+                        raise
+                    # (its retries failed over already) wait, then try again
+                    yield Sleep(backoff.delay())
+                    continue
+            sent = yield Watch(pb.WatchPlacementsRequest(deployment=deployment, since_version=version))
+            stub, error = sent.stub, sent.error
+            if error is None:
+                call = sent.response
+                while True:
+                    got = yield Read(call)
+                    if got.error is not None or got.response is None:
+                        error = got.error
+                        break
+                    backoff.reset()
+                    msg = got.response.placement
+                    if msg.version > version:
+                        item = wire.placement_from_pb(msg, topology) if decode else msg
+                        version = msg.version
+                        yield Deliver(item)
+            if error is not None:
+                if error.code() not in TRANSIENT:
+                    raise error
+                yield Failover(stub)
+            yield Sleep(backoff.delay())
+
+
 class Endpoints:
     """Channels to the addresses of one service (its replicas), one in use at a time.
 
     ``stub()`` is the current address's stub; ``failover(stub)`` after a transient failure of a
     call made on ``stub`` moves to the next address (once per failed channel, so several
-    threads that saw the same failure move it once). Thread-safe.
+    threads that saw the same failure move it once). ``aio``: ``grpc.aio`` channels (the
+    asyncio face, which closes a failed channel itself: ``detach``). ``Endpoints.over(channel)``:
+    the caller's own channel, never closed or replaced. Thread-safe.
     """
 
     def __init__(
@@ -162,28 +387,34 @@ class Endpoints:
         token: str | None = None,
         root_certificates: bytes | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
+        aio: bool = False,
     ) -> None:
         self.addresses = parse_addresses(addresses)
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.metadata = auth_metadata(token)
+        self.aio = aio
         self._root_certificates = root_certificates
         self._options = channel_options(max_message_bytes)
         self._lock = threading.Lock()
         self._index = 0
-        self._channel: grpc.Channel | None = None
+        self._channel: grpc.Channel | grpc.aio.Channel | None = None
         self._stub: pb_grpc.ExpertLoadBalancerServiceStub | None = None
+        self._borrowed = False
         self.failovers = 0
+
+    @classmethod
+    def over(cls, channel: grpc.Channel | grpc.aio.Channel, *, token: str | None = None) -> Endpoints:
+        """The one channel the caller opened (and closes): no failover, ``close`` leaves it open."""
+        out = cls("(the caller's channel)", token=token, aio=isinstance(channel, grpc.aio.Channel))
+        out._channel, out._borrowed = channel, True
+        out._stub = pb_grpc.ExpertLoadBalancerServiceStub(channel)
+        return out
 
     @property
     def address(self) -> str:
         return self.addresses[self._index]
 
     def _open(self) -> None:
-        target = self.addresses[self._index]
-        if self._root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(self._root_certificates)
-            self._channel = grpc.secure_channel(target, creds, options=self._options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=self._options)
+        self._channel = open_channel(self.addresses[self._index], self._root_certificates, self._options, aio=self.aio)
         self._stub = pb_grpc.ExpertLoadBalancerServiceStub(self._channel)
 
     def stub(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
@@ -192,35 +423,51 @@ class Endpoints:
                 self._open()
             return self._stub
 
-    def channel(self) -> grpc.Channel:
+    def channel(self) -> grpc.Channel | grpc.aio.Channel:
         with self._lock:
             if self._channel is None:
                 self._open()
             return self._channel
 
-    def failover(self, failed: pb_grpc.ExpertLoadBalancerServiceStub) -> None:
-        """The call made on ``failed`` could not reach its replica: use the next address."""
+    def detach(self, failed: object) -> grpc.Channel | grpc.aio.Channel | None:
+        """Moves to the next address if ``failed`` is the current stub; returns the channel the
+        caller must close (None: already moved on, or a borrowed channel)."""
         with self._lock:
-            if failed is not self._stub or self._channel is None:
-                return
-            self._channel.close()
-            self._channel = self._stub = None
+            if failed is not self._stub or self._channel is None or self._borrowed:
+                return None
+            channel, self._channel, self._stub = self._channel, None, None
             self._index = (self._index + 1) % len(self.addresses)
             self.failovers += 1
+            return channel
+
+    def failover(self, failed: pb_grpc.ExpertLoadBalancerServiceStub) -> None:
+        """The call made on ``failed`` could not reach its replica: use the next address (sync channels)."""
+        channel = self.detach(failed)
+        if channel is not None:
+            channel.close()
+
+    def take(self) -> grpc.Channel | grpc.aio.Channel | None:
+        """Forgets the current channel and returns it for the caller to close (None: borrowed or none)."""
+        with self._lock:
+            channel = None if self._borrowed else self._channel
+            if not self._borrowed:
+                self._channel = self._stub = None
+            return channel
 
     def close(self) -> None:
-        with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-            self._channel = self._stub = None
+        channel = self.take()
+        if channel is not None:
+            channel.close()
 
 
 class ServiceClient:
-    """Unary calls to the balancer with failover between ``addresses`` and retries of transient
-    failures for up to ``timeout_s`` per call.
+    """The sync face: calls to the balancer with failover between ``addresses`` and retries of
+    transient failures for up to ``timeout_s`` per call (None: one attempt, no deadline).
 
     Errors that are the request's fault (``INVALID_ARGUMENT``, ``NOT_FOUND``,
-    ``FAILED_PRECONDITION``, ``ALREADY_EXISTS``, auth) raise ``grpc.RpcError`` at once.
+    ``FAILED_PRECONDITION``, ``ALREADY_EXISTS``, auth) raise ``grpc.RpcError`` at once; bad
+    arguments raise ``ValueError`` before anything is sent. ``AsyncServiceClient`` is the same
+    client for a coroutine.
     """
 
     def __init__(
@@ -229,27 +476,64 @@ class ServiceClient:
         *,
         token: str | None = None,
         root_certificates: bytes | None = None,
-        timeout_s: float = 10.0,
+        timeout_s: float | None = 10.0,
+        max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         if isinstance(addresses, Endpoints):
             self.endpoints, self._owned = addresses, False
         else:
-            self.endpoints, self._owned = Endpoints(addresses, token=token, root_certificates=root_certificates), True
+            self.endpoints = Endpoints(
+                addresses, token=token, root_certificates=root_certificates, max_message_bytes=max_message_bytes
+            )
+            self._owned = True
         self.timeout_s = timeout_s
+        self.calls = Calls(timeout_s, len(self.endpoints.addresses))
+
+    # -- running the steps ----------------------------------------------------------------
+
+    def _run(self, ops: Ops) -> object:
+        answer = None
+        while True:
+            try:
+                step = ops.send(answer)
+            except StopIteration as done:
+                return done.value
+            answer = self._do(step)
+
+    def _do(self, step: Step) -> Sent | None:
+        if isinstance(step, Rpc):
+            stub = self.endpoints.stub()
+            request = iter(step.request) if step.stream else step.request
+            try:
+                response = getattr(stub, step.method)(request, timeout=step.timeout_s, metadata=self.endpoints.metadata)
+            except grpc.RpcError as exc:
+                return Sent(stub, error=exc)
+            return Sent(stub, response)
+        if isinstance(step, Health):
+            stub = self.endpoints.stub()
+            return Sent(stub, wire.check_health(self.endpoints.channel(), step.timeout_s))
+        if isinstance(step, Watch):
+            stub = self.endpoints.stub()
+            return Sent(stub, stub.WatchPlacements(step.request, metadata=self.endpoints.metadata))
+        if isinstance(step, Read):
+            try:
+                return Sent(None, next(step.call, None))
+            except grpc.RpcError as exc:
+                return Sent(None, error=exc)
+        if isinstance(step, Failover):
+            self.endpoints.failover(step.stub)
+        elif isinstance(step, Sleep):
+            time.sleep(step.seconds)
+        else:
+            raise TypeError(f"not a step of a unary call: {step!r}")
+        return None
+
+    # -- the calls --------------------------------------------------------------------------
 
     def call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         """Calls unary ``method`` (e.g. ``"GetPlacement"``), failing over and retrying transient
         failures until ``timeout_s`` (default: the client's) has passed."""
-        retry = Retry(self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            stub = self.endpoints.stub()
-            try:
-                return getattr(stub, method)(request, timeout=retry.attempt_timeout(), metadata=self.endpoints.metadata)
-            except grpc.RpcError as exc:
-                if not retry.retryable(exc.code()):
-                    raise
-                self.endpoints.failover(stub)
-                time.sleep(retry.pause_s())
+        return self._run(self.calls.call(method, request, timeout_s))
 
     def create_deployment(
         self,
@@ -265,30 +549,19 @@ class ServiceClient:
         returned instead of ``ALREADY_EXISTS`` (a different topology raises ``ValueError``); so
         it is for an engine token, which may not create (``PERMISSION_DENIED``) but may read the
         deployment an admin created."""
-        try:
-            return self.call("CreateDeployment", create_request(name, topology, initial, options)).deployment
-        except grpc.RpcError as exc:
-            if not (exist_ok and exc.code() in EXISTING_OK):
-                raise
-            refused = exc
-        try:
-            existing = self.get_deployment(name)
-        except grpc.RpcError:
-            raise refused from None  # not there (or not visible either): the create's own error
-        return same_topology(name, existing, topology)
+        return self._run(self.calls.create_deployment(name, topology, initial, exist_ok, options))
 
     def get_deployment(self, name: str) -> pb.Deployment:
-        return self.call("GetDeployment", pb.GetDeploymentRequest(name=name)).deployment
+        return self._run(self.calls.get_deployment(name))
 
     def topology(self, name: str) -> eplb.Topology:
-        return wire.topology_from_pb(self.get_deployment(name).topology)
+        return self._run(self.calls.topology(name))
 
     def get_placement(
         self, deployment: str, version: int = 0, topology: eplb.Topology | None = None
     ) -> wire.PublishedPlacement:
         """The current placement (``version`` 0) or a recent version, decoded."""
-        msg = self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version)).placement
-        return wire.placement_from_pb(msg, topology or self.topology(deployment))
+        return self._run(self.calls.get_placement(deployment, version, topology))
 
     def ack(
         self, deployment: str, rank: int, version: int, state: str = "switched", *, step: int = 0, error: str = ""
@@ -296,24 +569,52 @@ class ServiceClient:
         """Says where ``rank`` stands with ``version``: ``"prepared"``, ``"switched"`` or
         ``"failed"`` (with ``error``, cut to 1024 characters); returns the rollout as the service
         sees it (ranks prepared, switch step once all did, aborted)."""
-        return self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error))
+        return self._run(self.calls.ack(deployment, rank, version, state, step, error))
 
     def rebalance(self, deployment: str, *, dry_run: bool = False, force: bool = False) -> pb.RebalanceResponse:
-        return self.call("Rebalance", pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force))
+        return self._run(self.calls.rebalance(deployment, dry_run, force))
 
     def delete_deployment(self, name: str) -> None:
-        self.call("DeleteDeployment", pb.DeleteDeploymentRequest(name=name))
+        self._run(self.calls.delete_deployment(name))
+
+    def report(self, requests: Sequence[pb.ReportLoadRequest], timeout_s: float | None = None) -> pb.ReportLoadResponse:
+        """Sends ``requests`` (``report_request``'s) in one ``ReportLoad`` stream, retried whole
+        on a transient failure (their seqs make the retry count once). ``LoadReporter`` is the
+        background reporter an engine step uses."""
+        return self._run(self.calls.report(requests, timeout_s))
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         """Whether a replica answers the gRPC health check as SERVING: the current address
         first, then each other in turn (``timeout_s`` each); the first that does becomes the
         current address, as after a failover."""
-        for _ in range(len(self.endpoints.addresses)):
-            stub = self.endpoints.stub()
-            if wire.check_health(self.endpoints.channel(), timeout_s):
-                return True
-            self.endpoints.failover(stub)
-        return False
+        return self._run(self.calls.healthy(timeout_s))
+
+    def watch(
+        self, deployment: str, since_version: int = 0, topology: eplb.Topology | None = None, *, decode: bool = True
+    ) -> Iterator[wire.PublishedPlacement]:
+        """Each new version of ``deployment`` after ``since_version``, decoded (the wire
+        ``Placement`` if not ``decode``), on the caller's thread; reconnects (at the next address
+        after a transient failure) and resumes after the last version yielded, as
+        ``AsyncServiceClient.watch``. ``PlacementWatcher`` is the background watcher an engine uses."""
+        ops = self.calls.watch(deployment, since_version, topology, decode=decode)
+        open_calls: list[object] = []
+        answer = None
+        try:
+            while True:
+                step = ops.send(answer)
+                if isinstance(step, Deliver):
+                    yield step.item
+                    answer = None
+                    continue
+                answer = self._do(step)
+                if isinstance(step, Watch):
+                    for call in open_calls:
+                        call.cancel()
+                    open_calls = [answer.response]
+        finally:
+            for call in open_calls:
+                call.cancel()
+            ops.close()
 
     def close(self) -> None:
         if self._owned:

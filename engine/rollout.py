@@ -202,7 +202,8 @@ class Local:
     while moving the switched layers of an aborted version back); ``prepared``: the target's
     prepare (of its chunk ``chunk``) finished; ``failed``: why the target's prepare failed (""
     if not); ``final``: ``chunk`` is the target's last; ``revert``: nothing in flight, but
-    layers of an aborted version switched here and wait to be moved back.
+    layers of an aborted version switched here and wait to be moved back; ``local``: the
+    target is a survivor placement this rank computed (not a service version: never acked).
     """
 
     current: int
@@ -213,6 +214,7 @@ class Local:
     chunk: int = 0
     final: bool = True
     revert: bool = False
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,8 @@ class Barrier(Protocol):
 
 @dataclass(frozen=True)
 class RolloutEvent:
-    """A rollout that ended: ``kind`` is ``"switched"``, ``"failed"`` (this rank's prepare) or
+    """A rollout that ended: ``kind`` is ``"switched"``, ``"adopted"`` (the service's survivor
+    placement of the local one's pair: its number taken, nothing moved), ``"failed"`` (this rank's prepare) or
     ``"aborted"`` (another rank's, or the barrier's); after a failure in a later chunk,
     ``"reverted"`` (the switched layers moved back: ``version`` routes everywhere again) or
     ``"partial"`` (moving them back failed too: ``Rollout.routing`` mixes versions). Times in
@@ -384,16 +387,18 @@ class ProcessGroupBarrier:
         return decision
 
     def reduce(self, locals_: Sequence[Local]) -> list[list[int]]:
-        """One all-reduce (MAX) of every ``Local``'s ten values: what ``decide`` reads, per local."""
+        """One all-reduce (MAX) of every ``Local``'s twelve values: what ``decide`` reads, per local."""
         values = []
         for local in locals_:
-            pairs = (local.offered, local.target, local.chunk, int(local.revert))
+            # current too: after a local survivor placement a rank may relabel (or adopt) at
+            # another step than its peers, and a start needs every rank to move from one version.
+            pairs = (local.offered, local.target, local.chunk, int(local.revert), local.current)
             values += [v for x in pairs for v in (x, -x)]
             values += [int(local.target > 0 and not local.prepared), int(bool(local.failed))]
         t = self._torch.tensor(values, dtype=self._torch.int64)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         v = [int(x) for x in t.tolist()]
-        return [v[i : i + 10] for i in range(0, len(v), 10)]
+        return [v[i : i + 12] for i in range(0, len(v), 12)]
 
     @staticmethod
     def decide(local: Local, v: Sequence[int]) -> Decision:
@@ -401,11 +406,12 @@ class ProcessGroupBarrier:
         (max_offered, min_offered), (max_target, min_target), (max_chunk, min_chunk), (max_revert, min_revert) = (
             (v[i], -v[i + 1]) for i in range(0, 8, 2)
         )
-        not_ready, failed = v[8], v[9]
+        max_current, min_current = v[8], -v[9]
+        not_ready, failed = v[10], v[11]
         if max_target == 0:
             if max_revert:  # layers of an aborted version to move back: once every rank rolled back
                 return Decision(start=local.current) if min_revert else Decision()
-            if min_offered == max_offered and min_offered > local.current:
+            if min_offered == max_offered and min_current == max_current and min_offered > local.current:
                 return Decision(start=min_offered)
             return Decision()
         if failed or min_target != max_target or min_chunk != max_chunk:
@@ -416,7 +422,7 @@ class ProcessGroupBarrier:
         """Acks what was decided (after any coupling of deployments): FAILED with this rank's
         error, SWITCHED after a version's last chunk; moving layers back is not acked (acks are
         about versions, not about reverts)."""
-        if self.acks is None or local.target in (0, local.current):
+        if self.acks is None or local.target in (0, local.current) or local.local:
             return
         if decision.abort and local.failed and self._failed_sent != local.target:
             self._failed_sent = local.target
@@ -586,6 +592,14 @@ class Rollout:
         self._lock = threading.Lock()  # offer() runs on the watcher's thread
         self._offered: PublishedPlacement | None = None
         self._refused = 0  # a version that failed here is not prepared again
+        # A survivor placement computed on this rank (offer(..., supersede=True)) is known by its
+        # (base version, down ranks), not by its number: the service may publish another plan
+        # under the same number. While it is offered or routed, the service's versions wait in
+        # _from_service for the step thread (_resolve_local): its own survivor plan of the same
+        # pair is adopted without a move, any other newer than the base is rolled out.
+        self._local_plan: PublishedPlacement | None = None
+        self._local_base: PublishedPlacement | None = None
+        self._from_service: PublishedPlacement | None = None
         self._phase = Phase.IDLE
         self._move: _Transition | None = None
         self._routed = initial
@@ -609,8 +623,18 @@ class Rollout:
             if supersede and published.version > self.current.version:
                 self._offered = published
                 self._refused = min(self._refused, published.version - 1)
+                self._local_plan, self._local_base, self._from_service = published, self.current, None
+            elif self._local_plan is not None:
+                if published.version > max(self._local_plan.survivor_of, getattr(self._from_service, "version", 0)):
+                    self._from_service = published
             elif published.version > max(self.current.version, self._offered.version if self._offered else 0):
                 self._offered = published
+
+    @property
+    def local_survivor(self) -> PublishedPlacement | None:
+        """The survivor placement this rank computed, while it is offered or routed and no
+        service version has replaced it (its number is only this rank's)."""
+        return self._local_plan
 
     def step(self, step: int) -> PublishedPlacement:
         """At a step boundary: advances the rollout and returns the placement to route with
@@ -622,6 +646,7 @@ class Rollout:
         """This rank's side at this step boundary: reads a finished prepare's outcome and
         checks the timeouts first (``PREPARING``/``READY`` -> ``READY``/``FAILED``)."""
         self._poll(time.monotonic())
+        self._resolve_local()
         with self._lock:
             offered = (
                 self._offered.version
@@ -639,7 +664,45 @@ class Rollout:
             move.error if phase is Phase.FAILED else "",
             move.chunk,
             move.final,
+            local=move.published is self._local_plan,
         )
+
+    def _resolve_local(self) -> None:
+        """The step thread's answer to a service version that came while a local survivor
+        placement is offered or routed (only between transitions, so none is cut short).
+
+        The service's survivor plan of the same (base version, down ranks), the same map
+        (``survivors.same_survivor``): routed already, it is adopted (its number, no move, acked
+        as switched); still only offered, it takes the local one's place. Any other version
+        newer than the base (a normal plan under the same number, say): the local plan is
+        dropped and that version rolled out as usual; if the local map is routed, ``current``
+        goes back to the base (the local plan was never a service version) with the local map
+        still routed (``mixed``), so the move starts from what the rank holds."""
+        from .survivors import same_survivor
+
+        if self._phase is not Phase.IDLE:
+            return
+        with self._lock:
+            local, got, base = self._local_plan, self._from_service, self._local_base
+            if local is None or got is None:
+                return
+            self._local_plan = self._local_base = self._from_service = None
+            routed = self.current is local
+            if not same_survivor(local, got):
+                self._offered = got
+                if routed:
+                    self.current = base
+                    self._routed = replace(base, placement=self.routing)
+                return
+            if not routed:
+                self._offered = got
+                return
+            self._offered = got
+        self.current, self.routing, self._routed = got, got.placement, got
+        acks = getattr(self.barrier, "acks", None)
+        if acks is not None:
+            acks.send(got.version, "switched")
+        self._event(RolloutEvent("adopted", got.version, -1, 0.0, 0.0))
 
     def _apply(self, step: int, decision: Decision) -> PublishedPlacement:
         """Carries out what the ranks agreed at this step boundary; returns the map to route with."""
@@ -735,6 +798,9 @@ class Rollout:
         if last:  # the chunks cover every layer: the routing map is the target's
             if not move.revert:
                 self.current = move.published
+                if move.published is not self._local_plan:
+                    with self._lock:  # a service version replaced the local survivor placement
+                        self._local_plan = self._local_base = self._from_service = None
             self.routing = self.current.placement
         else:
             target = move.published.placement

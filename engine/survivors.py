@@ -18,28 +18,13 @@ from collections.abc import Sequence
 import numpy as np
 
 import eplb
+from eplb.survivor_rules import EPLB_VERSION, SURVIVOR_OPTIONS, SURVIVOR_POLICY
 
 from .wire import PublishedPlacement
 
 __all__ = ["SURVIVOR_OPTIONS", "SURVIVOR_POLICY", "same_survivor", "survivor_plan"]
 
 log = logging.getLogger(__name__)
-
-# The service's choice (eplb_service.codec.SURVIVOR_*): tests check the two agree.
-SURVIVOR_POLICY = "auto"
-SURVIVOR_OPTIONS = {"effort": "fast"}
-
-
-def _eplb_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("eplb")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-EPLB_VERSION = _eplb_version()
 
 
 def survivor_plan(

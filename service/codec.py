@@ -10,6 +10,10 @@ import dataclasses
 import numpy as np
 
 import eplb
+
+# The survivor rules (policy "auto" at effort "fast", the base version's loads) and the release
+# recorded in each plan: one definition with the engine ranks, which compute the same plan.
+from eplb.survivor_rules import EPLB_VERSION, SURVIVOR_OPTIONS, SURVIVOR_POLICY  # noqa: F401  (read as codec.*)
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, limits
@@ -99,27 +103,6 @@ def live_ranks(msg: pb.Deployment, placement: pb.Placement) -> list[int]:
     """The ranks a rollout of ``placement`` counts: the deployment's, less those down in it."""
     down = set(placement.down_ranks)
     return [r for r in deployment_ranks(msg) if r not in down]
-
-
-# Survivor plans (SetRanksDown) are planned so that every engine rank can compute the same one
-# without the service (eplb_engine.survivors.survivor_plan, the same call): the base version's
-# loads snapshot (uniform without one), policy "auto" at effort "fast", the library's default
-# migration trade-off, no time limit and no move budget.
-SURVIVOR_POLICY = "auto"
-SURVIVOR_OPTIONS = {"effort": "fast"}
-
-
-def _eplb_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("eplb")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-# Recorded in every planned placement (Placement.eplb_version).
-EPLB_VERSION = _eplb_version()
 
 
 def survivor_loads(placement: pb.Placement, shape: tuple[int, int]) -> np.ndarray:

@@ -19,10 +19,10 @@ from svc_thread import ServerThread
 
 import eplb
 from eplb_engine import wire
+from eplb_engine.client import ServiceClient, report_request
 from eplb_engine.rollout import MoverApplier, ProcessGroupBarrier, Rollout
 from eplb_engine.survivors import SURVIVOR_OPTIONS, SURVIVOR_POLICY, same_survivor, survivor_plan
 from eplb_service import codec
-from eplb_service.client import EngineClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -34,8 +34,16 @@ def _loads(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, 1000, (3, 8)).astype(np.float64)
 
 
-def test_engine_and_service_choose_the_same_survivor_rule():
-    assert (SURVIVOR_POLICY, SURVIVOR_OPTIONS) == (codec.SURVIVOR_POLICY, codec.SURVIVOR_OPTIONS)
+def test_engine_and_service_take_the_survivor_rule_from_one_definition():
+    from eplb import survivor_rules
+    from eplb_engine import survivors
+
+    assert SURVIVOR_POLICY is codec.SURVIVOR_POLICY is survivor_rules.SURVIVOR_POLICY
+    assert SURVIVOR_OPTIONS is codec.SURVIVOR_OPTIONS is survivor_rules.SURVIVOR_OPTIONS
+    assert survivors.EPLB_VERSION is codec.EPLB_VERSION is survivor_rules.EPLB_VERSION
+    assert dict(SURVIVOR_OPTIONS) == {"effort": "fast"}
+    with pytest.raises(TypeError):
+        SURVIVOR_OPTIONS["effort"] = "high"  # shared by both sides: read-only
 
 
 def test_the_service_survivor_placement_is_the_one_every_rank_computes():
@@ -47,13 +55,8 @@ def test_the_service_survivor_placement_is_the_one_every_rank_computes():
             pb.CreateDeploymentRequest(deployment=wire.deployment_pb("d1", SVC_TOPO, ranks=[10, 11, 12, 13]))
         )
 
-        async def report() -> None:
-            import grpc.aio
-
-            async with grpc.aio.insecure_channel(server.address) as ach:
-                await EngineClient(ach, "d1", rank=10).report([_loads(0)])
-
-        server.run(report())
+        with ServiceClient(server.address) as client:
+            assert client.report([report_request("d1", 10, 1, _loads(0))]).accepted == 1
         stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
         got = stub.GetPlacement(pb.GetPlacementRequest(deployment="d1")).placement
         base = wire.placement_from_pb(got, SVC_TOPO)
@@ -181,10 +184,17 @@ def _balanced_rank(rank: int, address: str, dead: int, barrier: str) -> object:
         movers = dist.new_group(survivors, use_local_synchronization=True)
         survivor = br.ranks_down([dead], group, movers)
         deadline = time.monotonic() + 30
-        while br.rollout.current.version != survivor.version and time.monotonic() < deadline:
+        while True:
             step += 1
             routed = br.step(step)
             check_layers(layers, routed.placement, rank)  # every live slot holds what its map routes to
+            # Switched to the service's version of the survivor placement (with the group barrier:
+            # the local one, then the service's adopted), agreed by both, as each step is collective.
+            done = br.rollout.current.version == survivor.version and br.rollout.local_survivor is None
+            flag = torch.tensor([int(done or time.monotonic() > deadline)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            if flag.item():
+                break
             time.sleep(0.002)
         assert _same_map(br.rollout.current.placement, group)
         check_layers(layers, survivor.placement, rank)
