@@ -4,6 +4,7 @@ gloo ranks. The CPU refusals vLLM makes are patched in the tests only: see ``vll
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -41,6 +42,24 @@ def test_the_installed_vllm_is_a_supported_version():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+
+
+def test_the_release_under_test_is_the_one_imported():
+    """The pinned 0.32.0 (engines/vllm/requirements.txt), or, in the stage's overlay run, the
+    later release's EPLB files first on the path (EPLB_ENGINE_OVERLAY = version:folder): the
+    version read through the ``vllm`` module, and EplbState's source from the overlay."""
+    from pathlib import Path
+
+    import vllm
+    import vllm.distributed.eplb.eplb_state as eplb_state
+
+    overlay = os.environ.get("EPLB_ENGINE_OVERLAY")
+    pinned = (Path(__file__).parents[2] / "engines" / "vllm" / "requirements.txt").read_text().split("==")[1].strip()
+    version, folder = overlay.split(":", 1) if overlay else (pinned, "site-packages")
+    assert vllm.__version__ == version
+    assert check_vllm_version() == version
+    where = Path(eplb_state.__file__)
+    assert (where.is_relative_to(folder) and not where.is_symlink()) if overlay else folder in where.parts
 
 
 def _record(rank: int, world: int, port: int, hand_over: bool, eplb_config: dict) -> dict:
