@@ -92,10 +92,13 @@ class StandInRecorder:
 
     def __init__(self) -> None:
         self.pending = torch.zeros((3, TOPO.num_experts), dtype=torch.int64)
-        self.dumps = 0
+        self.dumps, self.recording = 0, False
+
+    def start_record(self) -> None:
+        self.recording = True
 
     def dump_record(self, output_mode: str = "file") -> dict:
-        assert output_mode == "object"
+        assert output_mode == "object" and self.recording
         out, self.pending = self.pending, torch.zeros_like(self.pending)
         self.dumps += 1
         return {"logical_count": out}
