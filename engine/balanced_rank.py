@@ -78,19 +78,21 @@ class Draft:
 
 def fold_slot_counts(counts: object, placement: eplb.Placement) -> object:
     """``counts [L, P]`` tokens per slot (numpy or torch, any device) → ``[L, E]`` tokens per
-    expert under ``placement`` (each slot's count added to the expert it holds), same kind."""
+    expert under ``placement`` (each slot's count added to the expert it holds; an empty slot's,
+    -1 on a gpu down, dropped), same kind."""
     topo = placement.topology
+    E = topo.num_experts
+    held = np.where(placement.phy2log >= 0, placement.phy2log, E)  # empty slots: a column dropped
     if hasattr(counts, "scatter_add"):  # a torch tensor: folded where it lives, no sync
         import torch
 
-        index = torch.from_numpy(placement.phy2log.astype(np.int64)).to(counts.device)
-        out = torch.zeros((topo.num_layers, topo.num_experts), dtype=counts.dtype, device=counts.device)
-        return out.scatter_add_(1, index, counts)
+        index = torch.from_numpy(held.astype(np.int64)).to(counts.device)
+        out = torch.zeros((topo.num_layers, E + 1), dtype=counts.dtype, device=counts.device)
+        return out.scatter_add_(1, index, counts)[:, :E].contiguous()
     arr = np.asarray(counts)
-    keys = np.arange(topo.num_layers)[:, None] * topo.num_experts + placement.phy2log
-    return np.bincount(keys.ravel(), weights=arr.ravel(), minlength=topo.num_layers * topo.num_experts).reshape(
-        topo.num_layers, topo.num_experts
-    )
+    keys = np.arange(topo.num_layers)[:, None] * (E + 1) + held
+    folded = np.bincount(keys.ravel(), weights=arr.ravel(), minlength=topo.num_layers * (E + 1))
+    return np.ascontiguousarray(folded.reshape(topo.num_layers, E + 1)[:, :E])
 
 
 class Part:

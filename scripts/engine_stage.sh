@@ -8,6 +8,8 @@
 # packages their EPLB and expert-location modules import, CPU torch among them. eplb itself goes
 # in editable, without its own extras. The tests live in tests_engines/NAME/, outside the main
 # suite's testpaths, so the rest of the suite runs without any engine installed.
+# engines/NAME/overlays.txt names later releases whose Python files (vLLM 0.33.0's EPLB package)
+# are laid over the pinned install (engines/overlay.py): the tests run again against each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 engines=("$@")
@@ -27,5 +29,22 @@ for name in "${engines[@]}"; do
     PYTHON="$venv/bin/python" "engines/$name/post_install.sh"
   fi
   echo "engine stage: $name installed in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"
+  start=$(date +%s)
   "$venv/bin/python" -m pytest -q -p no:cacheprovider "tests_engines/$name"
+  echo "engine stage: $name tests ran in $(( $(date +%s) - start )) s"
+  # Later releases as overlays on the pinned install (engines/NAME/overlays.txt, engines/overlay.py):
+  # the same tests again, PYTHONPATH putting the later release's files first;
+  # EPLB_ENGINE_OVERLAY tells the tests which version and folder they must find.
+  if [ -f "engines/$name/overlays.txt" ]; then
+    while read -r requirement paths <&3; do
+      case "$requirement" in '' | '#'*) continue ;; esac
+      overlay="$venv/overlay-${requirement//=/}"
+      start=$(date +%s)
+      # shellcheck disable=SC2086  # the paths are words
+      "$venv/bin/python" engines/overlay.py "$venv/bin/python" "$overlay" "$requirement" $paths
+      EPLB_ENGINE_OVERLAY="${requirement##*==}:$PWD/$overlay" PYTHONPATH="$PWD/$overlay" \
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider "tests_engines/$name"
+      echo "engine stage: $name with the $requirement overlay: $(( $(date +%s) - start )) s"
+    done 3<"engines/$name/overlays.txt"
+  fi
 done

@@ -314,6 +314,7 @@ def apply_to_sglang(
     layers: Sequence[int] | None = None,
     a2a: bool = False,
     nnodes: int = 1,
+    target: eplb.Placement | None = None,
 ) -> None:
     """Switch a live ``ExpertLocationMetadata`` to ``placement`` in place (what its
     ``update(other, layer_ids)`` does), host copies (``_cpu``) included. ``layer_ids``: the
@@ -324,7 +325,11 @@ def apply_to_sglang(
     cut per rank, see ``to_sglang``); ``nnodes``: the server's nodes. ``layers``: write only these
     placement layers (the chunk ``Rollout``'s ``on_switch`` names; default all). The dispatch
     table is drawn as SGLang draws it, over all the metadata's rows (the dense ones as they
-    are, the MoE ones from the whole ``placement``, a mixed one between chunks)."""
+    are, the MoE ones from ``target``, default ``placement``). ``target``: the placement the
+    switch is heading to, when ``placement`` is the mixed map between the chunks of a chunked
+    switch: SGLang's own chunked update copies each chunk's rows from the target's table
+    (``update(target, update_layer_ids=chunk)``), drawn over the whole target map, and so
+    does this with it."""
     _check_live(metadata)
     has_dispatch = metadata.logical_to_rank_dispatch_physical_map is not None
     if (has_dispatch or a2a) and ep_rank is None:
@@ -341,15 +346,18 @@ def apply_to_sglang(
     rows = [rows[i] for i in chosen]
     if not rows:
         return
+    if target is not None and target.topology != placement.topology:
+        raise ValueError(f"target has topology {target.topology}; the placement has {placement.topology}")
+    drawn = placement if target is None else target
     maps = to_sglang(placement, ep_rank=ep_rank, static_dispatch=False, a2a=a2a, nnodes=nnodes)
     writes = {name: getattr(maps, name)[chosen] for name in _TENSORS}
     if has_dispatch:
         # SGLang draws its table over every row of the metadata (dense rows too) in one
-        # sequence: draw over the live map with the placement's rows in, as init_by_mapping
-        # would for it, and write the rows that switch.
+        # sequence: draw over the live map with the target's rows in, as init_by_mapping
+        # would for it, and write the rows that switch (the target's rows, chunk or not).
         all_rows = list(range(L)) if layer_ids is None else [int(i) for i in layer_ids]
         model_map = metadata.physical_to_logical_map_cpu.detach().cpu().numpy().astype(np.int64)
-        model_map[all_rows] = placement.phy2log
+        model_map[all_rows] = drawn.phy2log
         model = eplb.Placement(model_map, placement.topology.with_layers(model_map.shape[0]))
         table = rank_dispatch_map(model, ep_rank, a2a=a2a, nnodes=nnodes)
         writes["logical_to_rank_dispatch_physical_map"] = torch.as_tensor(table[rows])

@@ -19,7 +19,8 @@ its ``on_forward_pass_end()`` after each forward pass on every rank. The manager
   before each switch it dumps too, so that no pass is folded with a map it was not routed with;
 - at each step boundary runs the rollout; at a switch writes the new maps into SGLang's global
   ``ExpertLocationMetadata`` (``apply_to_sglang``: host copies, the a2a cut and the static
-  dispatch table as SGLang derives them).
+  dispatch table as SGLang derives them; a chunk of a chunked switch takes the target's table
+  rows, as SGLang's own chunked update does).
 
 Settings, from the environment: ``EPLB_ADDRESSES`` (the service, comma-separated),
 ``EPLB_DEPLOYMENT`` (default: the model path), ``EPLB_REPORT_EVERY`` (passes between reports).
@@ -135,6 +136,7 @@ class EplbServiceManager:
             layers=layers,
             a2a=self.a2a,
             nnodes=self.nnodes,
+            target=_switch_target(getattr(self.rank, "rollout", None)),
         )
 
     # What SGLang's model runner and elastic EP call on an EPLBManager.
@@ -156,6 +158,14 @@ class EplbServiceManager:
     def close(self) -> None:
         if self.rank is not None:
             self.rank.close()
+
+
+def _switch_target(rollout: Any) -> Any:
+    """The placement the rollout's switch in progress heads to (a chunk's static dispatch rows
+    are the target's, as in SGLang's chunked update), or None. ``Rollout`` does not expose its
+    transition, so its ``_move`` is read here: the one place that relies on it."""
+    move = getattr(rollout, "_move", None)
+    return move.published.placement if move is not None else None
 
 
 def wire_rank(manager: EplbServiceManager) -> Any:

@@ -205,13 +205,16 @@ def vllm_expert_loads(
     expert_load_window: torch.Tensor, physical_to_logical_map: torch.Tensor, num_experts: int
 ) -> np.ndarray:
     """``expert_load_window`` ``[W, L, P]`` and the map it was recorded under → float64
-    ``[L, E]``: tokens per expert (replicas summed), this rank's view."""
+    ``[L, E]``: tokens per expert (replicas summed), this rank's view; empty slots (-1) count
+    for none."""
     slots = torch.as_tensor(vllm_slot_loads(expert_load_window))
     p2l = physical_to_logical_map.detach().cpu().long()
     if p2l.shape != slots.shape:
         raise ValueError(
             f"physical_to_logical_map has shape {list(p2l.shape)}; expert_load_window gives [layers, slots] = {list(slots.shape)}"
         )
-    out = torch.zeros((slots.shape[0], num_experts), dtype=torch.float64)
-    out.scatter_add_(1, p2l, slots)
-    return out.numpy()
+    # An empty slot (-1: a gpu down) holds no expert: its count goes to a last column, dropped,
+    # as vLLM's own fold does.
+    out = torch.zeros((slots.shape[0], num_experts + 1), dtype=torch.float64)
+    out.scatter_add_(1, p2l.masked_fill(p2l < 0, num_experts), slots)
+    return out[:, :num_experts].numpy()

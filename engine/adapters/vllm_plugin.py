@@ -7,7 +7,8 @@ two methods of vLLM's ``EplbState`` class at import time:
 
 - ``add_model``: after vLLM built a model's ``EplbModelState``, ``take_over`` hands the state
   to eplb (records every step, no rearrangement of vLLM's own, no ``log_balancedness``
-  all-reduce) and ``wire_rank`` connects this rank to the service;
+  all-reduce) and ``wire_rank`` builds this rank's ``eplb_engine.BalancedRank`` for it (on
+  vLLM's EP group), which connects it to the service;
 - ``step`` (called by the model runner after each forward pass, dummy ones included, on every
   EP rank): after vLLM's own step the pass's loads (``last_step_loads``) are reported under the
   version they were routed with, then the rank's rollout runs its step boundary: a new
@@ -16,7 +17,8 @@ two methods of vLLM's ``EplbState`` class at import time:
 
 Settings, from the environment: ``EPLB_ADDRESSES`` (the service, comma-separated),
 ``EPLB_DEPLOYMENT`` (default: the model's name; a second model, a draft, gets ``-draft-N``
-appended in the order vLLM adds it). Start vLLM with ``--enable-eplb`` and the redundant
+appended in the order vLLM adds it, and a ``BalancedRank`` of its own: its switches are agreed
+apart from the target's). Start vLLM with ``--enable-eplb`` and the redundant
 slots wanted (``--eplb-config '{"num_redundant_experts": 32}'``); ``step_interval`` no longer
 matters. Supported vLLM: ``eplb_engine.adapters.vllm.SUPPORTED_VLLM``.
 """
@@ -51,7 +53,8 @@ def register() -> None:
 def install(eplb_state_class: type, wire: Wire) -> None:
     """Wrap ``eplb_state_class.add_model`` and ``.step`` (idempotent: vLLM may load plugins
     more than once). ``wire(eplb_state, model_state, deployment)`` returns this rank's object
-    with ``step(step)``, ``record(counts [L, P])`` and ``close()``."""
+    with ``step(step)``, ``record(counts [L, P])`` and ``close()`` (``wire_rank``: a
+    ``BalancedRank``)."""
     if eplb_state_class.__dict__.get("_eplb_installed"):
         return
     add_model, step = eplb_state_class.add_model, eplb_state_class.step
@@ -89,54 +92,23 @@ def install(eplb_state_class: type, wire: Wire) -> None:
     eplb_state_class._eplb_installed = True
 
 
-class _VllmRank:
-    """This rank's eplb parts for one vLLM model, wired by hand from today's pieces.
-
-    Same face as ``eplb_engine.BalancedRank`` (``step``, ``record``, ``close``): once that lands,
-    ``wire_rank`` returns one instead and this class goes."""
-
-    def __init__(self, client: Any, reporter: Any, rollout: Any, watcher: Any) -> None:
-        self.client, self.reporter, self.rollout, self.watcher = client, reporter, rollout, watcher
-        self._routed, self._mixed = rollout.current, False
-
-    def step(self, step: int) -> Any:
-        """The step boundary: the rollout's step; returns the placement the next pass routes with."""
-        self._routed, self._mixed = self.rollout.step(step), self.rollout.mixed
-        return self._routed
-
-    def record(self, counts: Any) -> bool:
-        """Reports ``counts [L, P]`` of the pass routed since the last ``step``: under its
-        version, or, between a re-plan's chunks (no published version names that map), folded
-        into ``[L, E]`` per expert with the map it routed with (a host copy, during a rollout only)."""
-        if not self._mixed:
-            return self.reporter.add(counts, version=self._routed.version)
-        import torch
-
-        from .vllm import vllm_expert_loads
-
-        placement = self._routed.placement
-        p2l = torch.from_numpy(placement.phy2log.astype("int64"))
-        return self.reporter.add(vllm_expert_loads(counts[None], p2l, placement.topology.num_experts))
-
-    def close(self) -> None:
-        for part in (self.watcher, self.rollout, self.reporter, self.client):
-            part.close()
-
-
-def wire_rank(addresses: str, deployment: str, eplb_state: Any, model_state: Any) -> _VllmRank:
-    """Connect this EP rank's ``model_state`` to deployment ``deployment`` at ``addresses``:
-    rank 0 creates it from vLLM's current map (``exist_ok``), every rank acks the version it
-    holds, then reports, watches and rolls out. Collective over vLLM's EP group (vLLM adds
-    models on every rank in one order)."""
+def wire_rank(addresses: str, deployment: str, eplb_state: Any, model_state: Any) -> Any:
+    """This EP rank's ``eplb_engine.BalancedRank`` for ``model_state``, following deployment
+    ``deployment`` at ``addresses``: rank 0 creates it from vLLM's current map (``exist_ok``),
+    then every rank builds its ``BalancedRank`` on vLLM's EP group (the barrier's all-reduce on
+    its gloo ``cpu_group``, the mover's transfers on a group of their own: NCCL for CUDA
+    weights, gloo otherwise), which acks the version it holds and reports, watches and rolls
+    out; a switch writes the rows that switch into vLLM's maps (``apply_to_vllm``). A
+    deployment whose current placement is not the map vLLM serves is refused (the weights and
+    the loads would follow the service's map while vLLM routes with its own). Collective over
+    the world (vLLM adds models on every rank in one order)."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_ep_group
 
     import eplb
 
+    from ..balanced_rank import BalancedRank
     from ..client import ServiceClient
-    from ..reporter import LoadReporter
-    from ..rollout import AckSender, MoverApplier, ProcessGroupBarrier, Rollout
-    from ..watcher import PlacementWatcher
     from .vllm import apply_to_vllm, from_vllm
 
     ep = get_ep_group()
@@ -148,22 +120,29 @@ def wire_rank(addresses: str, deployment: str, eplb_state: Any, model_state: Any
         num_slots=model.num_physical_experts,
         num_gpus=ep.world_size,
     )
-    client = ServiceClient(addresses)
+    serving = from_vllm(model_state.physical_to_logical_map, topo)
     if rank == 0:
-        initial = from_vllm(model_state.physical_to_logical_map, topo)
-        client.create_deployment(deployment, topo, initial=initial, exist_ok=True)
+        with ServiceClient(addresses) as client:
+            client.create_deployment(deployment, topo, initial=serving, exist_ok=True)
     dist.barrier(group=ep.cpu_group)  # the deployment exists before any rank reads it
-    current = client.get_placement(deployment, topology=topo)
-    client.ack(deployment, rank, current.version)
     layers = [{f"t{i}": t for i, t in enumerate(per_layer)} for per_layer in model.expert_weights]
     backend = "nccl" if model_state.physical_to_logical_map.is_cuda else "gloo"
-    mover_group = dist.new_group(ranks=list(ep.ranks), backend=backend)
-    rollout = Rollout(
-        current,
-        MoverApplier(layers, mover_group),
-        ProcessGroupBarrier(group=ep.cpu_group, acks=AckSender(client, deployment, rank)),
+    balanced = BalancedRank(
+        addresses,
+        deployment,
+        rank,
+        topo,
+        layers,
+        ep.cpu_group,
+        mover_group=dist.new_group(ranks=list(ep.ranks), backend=backend),
         on_switch=lambda step, chunk, routing: apply_to_vllm(model_state, routing, layers=chunk),
     )
-    watcher = PlacementWatcher(client.endpoints, deployment, rollout.offer, topology=topo, rank=rank, ack=False)
-    reporter = LoadReporter(client.endpoints, deployment, rank, topo)
-    return _VllmRank(client, reporter, rollout, watcher)
+    if balanced.rollout.current.placement != serving:
+        version = balanced.rollout.current.version
+        balanced.close()
+        raise RuntimeError(
+            f"deployment {deployment!r} is at version {version}, whose placement is not the map vLLM serves "
+            "(vLLM starts from its own default map): use a new deployment name (EPLB_DEPLOYMENT) or delete the "
+            "deployment at the service"
+        )
+    return balanced

@@ -86,6 +86,23 @@ def test_vllm_load_window_becomes_slot_and_expert_loads() -> None:
         vllm_slot_loads(window[0])
 
 
+def test_empty_slots_of_a_gpu_down_fold_to_no_expert() -> None:
+    """A survivor map (gpu 2's slots -1): the tokens recorded on its slots count for no expert
+    (vLLM's fold drops them too), in vllm_expert_loads and in fold_slot_counts, torch and
+    numpy. Before: an IndexError in torch, and numpy's fold added them to another expert."""
+    from eplb_engine.balanced_rank import fold_slot_counts
+
+    p2l = [[0, 1, 2, 3, -1, -1], [3, 0, 2, 1, -1, -1]]
+    placement = eplb.Placement(np.array(p2l), eplb.Topology(2, 4, 6, 3))
+    counts = torch.arange(12, dtype=torch.float64).reshape(2, 6) + 1
+    want = [[1, 2, 3, 4], [8, 10, 9, 7]]
+    assert vllm_expert_loads(counts[None], torch.tensor(p2l), 4).tolist() == want
+    assert fold_slot_counts(counts, placement).tolist() == want
+    assert fold_slot_counts(counts.numpy(), placement).tolist() == want
+    assert to_vllm(placement).physical_to_logical_map.tolist() == p2l
+    assert to_vllm(placement).logical_replica_count.tolist() == [[1] * 4] * 2
+
+
 def test_sglang_maps_have_sglangs_shapes_padding_and_dtypes() -> None:
     topo = eplb.Topology(2, 4, 6, 3)
     placement = eplb.Placement(np.array(VLLM_P2L), topo)

@@ -86,6 +86,39 @@ def vllm_engine(rank: int) -> tuple[dict, object, object]:
     return ns, step_done, check
 
 
+class StandInRecorder:
+    """SGLang's expert-distribution recorder as the guide uses it: ``dump_record`` returns the
+    ``[layers, experts]`` counts since the last dump and resets them."""
+
+    def __init__(self) -> None:
+        self.pending = torch.zeros((3, TOPO.num_experts), dtype=torch.int64)
+        self.dumps, self.recording = 0, False
+
+    def start_record(self) -> None:
+        self.recording = True
+
+    def dump_record(self, output_mode: str = "file") -> dict:
+        assert output_mode == "object" and self.recording
+        out, self.pending = self.pending, torch.zeros_like(self.pending)
+        self.dumps += 1
+        return {"logical_count": out}
+
+
+def stand_in_sglang(live: object, recorder: StandInRecorder) -> None:
+    """The two SGLang modules the guide imports, in this process only (SGLang is not installed
+    in the main suite; tests_engines/sglang/test_sglang_guide.py runs the guide on the real ones)."""
+    import sys
+    import types
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.eplb"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    location = types.ModuleType("sglang.srt.eplb.expert_location")
+    location.get_global_expert_location_metadata = lambda: live
+    distribution = types.ModuleType("sglang.srt.eplb.expert_distribution")
+    distribution.get_global_expert_distribution_recorder = lambda: recorder
+    sys.modules[location.__name__], sys.modules[distribution.__name__] = location, distribution
+
+
 def sglang_engine(rank: int) -> tuple[dict, object, object]:
     """Fake SGLang state: the global ``ExpertLocationMetadata`` (a dense row 0, then the MoE
     rows) and ``model.routed_experts_weights_of_layer``."""
@@ -97,12 +130,16 @@ def sglang_engine(rank: int) -> tuple[dict, object, object]:
             row: [coded(layer, mine[layer], w) for w in (4, 2)] for layer, row in enumerate(SGLANG_MOE_ROWS)
         }
     )
-    ns = {"model": model, "get_global_expert_location_metadata": lambda: live}
+    recorder = StandInRecorder()
+    stand_in_sglang(live, recorder)
+    ns = {"model": model}
 
-    def step_done(step: int) -> None:  # the recorder's dump of this pass: [layers of the model, experts]
-        counts = torch.zeros((3, TOPO.num_experts), dtype=torch.int64)
-        counts[SGLANG_MOE_ROWS] = torch.from_numpy((HOT * (10 + step % 3)).astype(np.int64))
-        ns["report"]({"logical_count": counts})
+    def step_done(step: int) -> None:  # the recorder counted this pass: [layers of the model, experts]
+        recorder.pending[SGLANG_MOE_ROWS] += torch.from_numpy((HOT * (10 + step % 3)).astype(np.int64))
+        ns["report"](recorder.dump_record(output_mode="object"))
+        passes.append(step)
+
+    passes: list[int] = []
 
     def check(new: eplb.Placement) -> None:
         want = to_sglang(new, ep_rank=rank).fields()
@@ -116,6 +153,7 @@ def sglang_engine(rank: int) -> tuple[dict, object, object]:
         assert live.physical_to_logical_map[0].tolist() == list(range(TOPO.num_experts)) + list(
             range(4)
         )  # dense row kept
+        assert recorder.dumps > len(passes)  # the guide's on_switch dumped before the switch too
         weights = model.routed_experts_weights_of_layer
         assert all(
             torch.equal(t, coded(layer, new.phy2log[layer, rank * S : (rank + 1) * S], t.shape[1]))

@@ -207,3 +207,42 @@ def test_moe_layer_rows_reads_a_lazy_value_where_sorted_fails():
     got = moe_layer_weights(model)
     assert list(got) == [1, 2, 3] and got[3][0] is weights[3][0]
     assert moe_layer_rows(SimpleNamespace(routed_experts_weights_of_layer=weights)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("chunks", [((0, 1), (2,), (3,)), ((2, 3), (0,), (1,))], ids=["ascending", "out-of-order"])
+def test_a_chunked_switch_writes_the_rows_sglangs_chunked_update_copies(ranks, chunks):
+    """A switch in chunks of MoE rows (a dense row 0 first), static dispatch: SGLang's own
+    chunked update (EPLBManager.rebalance: update(target, update_layer_ids=chunk) per chunk,
+    the target built by init_by_mapping over the whole target map) against apply_to_sglang
+    with the mixed routing map of each chunk and target= the version switched to: every field
+    equal after every chunk, on every rank. Drawn over the mixed map instead (no target=), the
+    table's rows agree while the chunks go in ascending layer order (as MoverApplier's do:
+    SGLang's fair draw runs over the rows in order, and a row's draws depend only on the rows
+    before it, all switched) and, on 4 ranks, differ out of order."""
+    moe = eplb.Topology(4, 8, 4 * ranks, ranks)
+    model_topo = moe.with_layers(5)
+    rows = [1, 2, 3, 4]
+    rng = np.random.default_rng(ranks)
+    bad, drawn_over_mixed = [], 0
+    for _ in range(12):
+        old, new = random_placement(rng, model_topo), random_placement(rng, moe)
+        full_new = eplb.Placement(np.concatenate([old.phy2log[:1], new.phy2log]), model_topo)
+        for rank in range(ranks):
+            with sglang_args(model_topo, ep_dispatch_algorithm="static"):
+                theirs, ours, mixed = metadata(p2l(old), rank), metadata(p2l(old), rank), metadata(p2l(old), rank)
+                target = metadata(p2l(full_new), rank)  # SGLang's own derivation of the whole target
+            routing = old.phy2log[1:].copy()
+            for chunk in chunks:
+                routing[list(chunk)] = new.phy2log[list(chunk)]
+                step = eplb.Placement(routing.copy(), moe)
+                theirs.update(target, update_layer_ids=[rows[i] for i in chunk])
+                apply_to_sglang(ours, step, layer_ids=rows, ep_rank=rank, layers=chunk, target=new)
+                apply_to_sglang(mixed, step, layer_ids=rows, ep_rank=rank, layers=chunk)
+                bad += [(rank, chunk, f) for f in same_fields(ours, theirs)]
+                drawn_over_mixed += int(bool(same_fields(mixed, theirs)))
+    assert bad == []
+    if chunks[0] == (0, 1):
+        assert drawn_over_mixed == 0
+    elif ranks == 4:  # on 2 ranks a rank lacks at most one pick: the draws use the generator alike
+        assert drawn_over_mixed > 0

@@ -4,6 +4,7 @@ gloo ranks. The CPU refusals vLLM makes are patched in the tests only: see ``vll
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -41,6 +42,24 @@ def test_the_installed_vllm_is_a_supported_version():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+
+
+def test_the_release_under_test_is_the_one_imported():
+    """The pinned 0.32.0 (engines/vllm/requirements.txt), or, in the stage's overlay run, the
+    later release's EPLB files first on the path (EPLB_ENGINE_OVERLAY = version:folder): the
+    version read through the ``vllm`` module, and EplbState's source from the overlay."""
+    from pathlib import Path
+
+    import vllm
+    import vllm.distributed.eplb.eplb_state as eplb_state
+
+    overlay = os.environ.get("EPLB_ENGINE_OVERLAY")
+    pinned = (Path(__file__).parents[2] / "engines" / "vllm" / "requirements.txt").read_text().split("==")[1].strip()
+    version, folder = overlay.split(":", 1) if overlay else (pinned, "site-packages")
+    assert vllm.__version__ == version
+    assert check_vllm_version() == version
+    where = Path(eplb_state.__file__)
+    assert (where.is_relative_to(folder) and not where.is_symlink()) if overlay else folder in where.parts
 
 
 def _record(rank: int, world: int, port: int, hand_over: bool, eplb_config: dict) -> dict:
@@ -193,3 +212,89 @@ def test_adapter_matches_vllms_rearrangement_maps_loads_and_weights(seed):
         last = torch.tensor(out[rank]["window_last"], dtype=torch.int32)[None]
         total += np.array(out[rank]["our_fold"]) + vllm_expert_loads(last, old_p2l, E)
     assert out[0]["vllm_fold"] == total.tolist()
+
+
+# A map with a gpu down: gpu 1's slots empty (-1) in every layer, the experts on gpu 0's.
+DOWN_E, DOWN_R = 4, 8  # P = 12 over 2 gpus: 6 live slots hold the 4 experts and 2 replicas
+
+
+def _down_map() -> np.ndarray:
+    live = np.array([[0, 1, 2, 3, 1, 3], [3, 2, 1, 0, 0, 2]])
+    return np.concatenate([live, np.full((L, 6), -1)], axis=1)
+
+
+def _gpu_down(rank: int, world: int, port: int) -> dict:
+    config = {"num_redundant_experts": DOWN_R, "window_size": 4, "step_interval": 3, "use_async": False}
+    with vllm_world(rank, world, port, **config) as parallel, cpu_streams():
+        from vllm.distributed.eplb.eplb_state import EplbState, compute_logical_maps
+
+        from eplb_engine.balanced_rank import fold_slot_counts
+
+        state = EplbState(parallel, torch.device("cpu"))
+        model = fake_moe(L, DOWN_E, DOWN_R, world, rank)
+        state.add_model(model, model_config())
+        ms = next(iter(state.model_states.values()))
+        P = model.num_physical_experts
+        down = eplb.Placement(_down_map(), eplb.Topology(L, DOWN_E, P, 2))
+        assert down.down_gpus == (1,)
+        apply_to_vllm(ms, down)  # eplb's commit of the map, into vLLM's live tensors
+        ours = [t.clone() for t in (ms.physical_to_logical_map, ms.logical_to_physical_map, ms.logical_replica_count)]
+        # vLLM's own commit of a -1 map (update_mapping: elastic EP's, compute_logical_maps inside).
+        state.update_mapping(model_config(), torch.from_numpy(_down_map()))
+        l2p, count = compute_logical_maps(torch.from_numpy(_down_map()), DOWN_E)
+        # A pass that sends tokens to the empty slots too: vLLM's fold drops those, so must ours.
+        tokens = [slot_tokens(layer, 0, P) for layer in range(L)]
+        for layer, moe in enumerate(model.moe_layers):
+            moe.route(tokens[layer])
+        _Target.target, _Target.seen = torch.from_numpy(_down_map()), []
+        state.policy = _Target
+        window = torch.zeros_like(ms.expert_load_window)
+        window[0] = torch.stack(tokens)
+        slot_counts = torch.stack(tokens)
+        return {
+            "ours": [t.tolist() for t in ours],
+            "vllm": [
+                t.tolist() for t in (ms.physical_to_logical_map, ms.logical_to_physical_map, ms.logical_replica_count)
+            ],
+            "derived": [l2p.tolist(), count.tolist()],
+            "to_vllm_width": to_vllm(down).logical_to_physical_map.shape[-1],
+            "our_fold": vllm_expert_loads(window, ms.physical_to_logical_map, DOWN_E).tolist(),
+            "fold_torch": fold_slot_counts(slot_counts.double(), down).tolist(),
+            "fold_numpy": fold_slot_counts(slot_counts.double().numpy(), down).tolist(),
+            "live_tokens": [
+                [int(t[: P // 2][_down_map()[layer, : P // 2] == e].sum()) for e in range(DOWN_E)]
+                for layer, t in enumerate(tokens)
+            ],
+        } | _rearranged(state, ms)
+
+
+def _rearranged(state: object, ms: object) -> dict:
+    """vLLM's rearrangement from the -1 map to itself (step_interval 3, vLLM starting at 3: at
+    the first step): its own fold of the window under that map, and the map it commits."""
+    state.step()
+    return {
+        "vllm_fold": _Target.seen[0].tolist() if _Target.seen else None,
+        "p2l_after": ms.physical_to_logical_map.tolist(),
+    }
+
+
+def test_a_map_with_a_gpu_down_commits_and_folds_as_vllms_own():
+    """A survivor map (gpu 1's slots -1, as vLLM's fault-tolerance maps mark them): apply_to_vllm
+    writes what vLLM's own commit of that map writes (update_mapping, compute_logical_maps):
+    the -1 slots in physical_to_logical_map, absent from logical_to_physical_map and the counts.
+    Loads recorded on the empty slots are dropped by vllm_expert_loads and fold_slot_counts as
+    vLLM's rearrangement drops them."""
+    both = run_ranks(_gpu_down, 2)
+    out = both[0]
+    assert out["ours"][0] == out["vllm"][0] == _down_map().tolist()
+    assert out["ours"][1] == out["vllm"][1]
+    width = len(out["derived"][0][0][0])
+    assert [row[:width] for layer in out["ours"][1] for row in layer] == [
+        row for layer in out["derived"][0] for row in layer
+    ]
+    assert out["ours"][2] == out["vllm"][2] == out["derived"][1]
+    assert out["to_vllm_width"] == 1024
+    assert out["our_fold"] == out["fold_torch"] == out["fold_numpy"] == out["live_tokens"]
+    # vLLM's fold all-reduces over the 2 ranks, which routed the same pass
+    assert out["vllm_fold"] == both[1]["vllm_fold"] == (2 * np.array(out["our_fold"])).tolist()
+    assert out["p2l_after"] == both[1]["p2l_after"] == _down_map().tolist()

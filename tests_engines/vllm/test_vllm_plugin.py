@@ -127,3 +127,44 @@ def test_drop_in_follows_a_real_service_through_a_replan():
         assert got["version"] == 2 and got["accepted"] > 0, got
         assert got["replicas_of_hot"] > 1 and got["p2l_is_new"] and got["weights_are_new"], got
         assert got["window_total"] > 0, got
+
+
+def _refused(rank: int, world: int, port: int, address: str) -> str:
+    os.environ["EPLB_ADDRESSES"] = address
+    os.environ["EPLB_DEPLOYMENT"] = "vllm-elsewhere"
+    config = {"num_redundant_experts": R, "window_size": 10, "step_interval": 2147483647}
+    with vllm_world(rank, world, port, **config) as parallel, cpu_streams():
+        from vllm.distributed.eplb.eplb_state import EplbState
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        state = EplbState(parallel, torch.device("cpu"))
+        try:
+            state.add_model(fake_moe(L, E, R, world, rank), model_config())
+        except RuntimeError as exc:
+            return str(exc)
+        return "started"
+
+
+def test_drop_in_refuses_a_deployment_whose_placement_is_not_vllms_map():
+    """A deployment already at another placement (vLLM starts from its own default map, which
+    the service's version does not describe): every rank refuses at add_model, saying what to
+    do, instead of moving weights and folding loads with a map vLLM does not route with."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "engine"))
+    import numpy as np
+    from svc_thread import ServerThread
+
+    import eplb
+    from eplb_engine.client import ServiceClient
+
+    server = ServerThread().start()
+    try:
+        topo = eplb.Topology(L, E, E + R, 2)
+        reversed_map = np.tile(np.array([*range(E - 1, -1, -1), *range(R)]), (L, 1))
+        with ServiceClient(server.address) as client:
+            client.create_deployment("vllm-elsewhere", topo, initial=eplb.Placement(reversed_map, topo))
+        out = run_ranks(_refused, 2, server.address)
+    finally:
+        server.stop()
+    for rank in (0, 1):
+        assert "is not the map vLLM serves" in out[rank] and "EPLB_DEPLOYMENT" in out[rank], out
