@@ -610,6 +610,14 @@ class Rollout:
         return self._phase
 
     @property
+    def switch_target(self) -> PublishedPlacement | None:
+        """The version the transition in flight heads to (a revert's too), or None when idle:
+        what a chunked switch's adapter draws its static tables over (SGLang's chunked update
+        copies the target's rows)."""
+        move = self._move
+        return move.published if move is not None else None
+
+    @property
     def mixed(self) -> bool:
         """Some layers route with a version other than ``current`` (between chunks)."""
         return self.routing is not self.current.placement

@@ -162,10 +162,9 @@ class EplbServiceManager:
 
 def _switch_target(rollout: Any) -> Any:
     """The placement the rollout's switch in progress heads to (a chunk's static dispatch rows
-    are the target's, as in SGLang's chunked update), or None. ``Rollout`` does not expose its
-    transition, so its ``_move`` is read here: the one place that relies on it."""
-    move = getattr(rollout, "_move", None)
-    return move.published.placement if move is not None else None
+    are the target's, as in SGLang's chunked update), or None."""
+    target = getattr(rollout, "switch_target", None)
+    return target.placement if target is not None else None
 
 
 def wire_rank(manager: EplbServiceManager) -> Any:

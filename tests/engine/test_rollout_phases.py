@@ -49,11 +49,14 @@ def test_a_switch_goes_idle_preparing_ready_idle(group_of_one):
     applier = Gated()
     rollout = Rollout(published(1), applier, ProcessGroupBarrier())
     assert rollout.step(0).version == 1 and rollout.phase is Phase.IDLE
+    assert rollout.switch_target is None
     rollout.offer(published(2))
     rollout.step(1)  # the barrier agrees to start: the prepare runs on the worker
     assert rollout.phase is Phase.PREPARING and rollout.step(2).version == 1  # still preparing
+    assert rollout.switch_target.version == 2  # what a chunked adapter draws its tables over
     # The outcome is read at a step boundary, where the barrier sees the rank ready and switches.
     assert settle(rollout, applier, 3) is Phase.IDLE and rollout.current.version == 2
+    assert rollout.switch_target is None
     assert applier.calls == ["prepare", "commit"] and applier.threads[0].startswith("eplb-prepare")
     assert [(e.kind, e.version, e.step) for e in rollout.events] == [("switched", 2, 3)]
     rollout.close()
