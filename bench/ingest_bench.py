@@ -24,6 +24,10 @@ Per shard, for extrapolating to more masters: the CPU seconds each ``redis-serve
 own CPU (``/proc/PID/stat`` utime + stime, summed over replicas) per accepted report ("service
 ms/rep"). 1000 / ms-per-report is what one core of that kind takes in reports/s.
 
+``--profile-dir DIR`` runs each replica under cProfile and writes ``DIR/<prefix>-<i>.prof``
+when it stops (SIGINT, a graceful stop); read with ``python -m pstats``. It slows the replicas:
+for where the time goes, not for the table.
+
 Pinning (``--cpus-*``, core lists such as ``0,1`` or ``2-15``; Linux): Redis (every master),
 the replicas and the client processes (ingest and GetPlacement callers) are started with those
 cores as their affinity (``os.sched_setaffinity`` on this process before each is started;
@@ -38,7 +42,10 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -47,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from .harness.processes import RedisProcess, ServeProcess
+from .harness.processes import RedisProcess, ServeProcess, serve_argv
 from .harness.redis_cluster import ClusterProcesses
 from .harness.service import V3, create_v3, latency_worker, percentile
 
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus-redis", type=cpu_list, help="cores for every redis-server (e.g. 0,1)")
     ap.add_argument("--cpus-service", type=cpu_list, help="cores for the eplb serve replicas (e.g. 0,1)")
     ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
+    ap.add_argument("--profile-dir", type=Path, help="run each replica under cProfile; profiles land here")
     args = ap.parse_args(argv)
     rows = []
     load = os.getloadavg()[0]
@@ -232,6 +240,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _ProfiledServe(ServeProcess):
+    """A replica under ``cProfile -o profile``, stopped with SIGINT so that the profile is written."""
+
+    profile: Path | None = None
+
+    def start(self) -> None:
+        argv = serve_argv(self.port, self.redis_url, self.prefix, *self.args)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cProfile", "-o", str(self.profile), *argv[1:]],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    def stop(self) -> None:
+        if self.running:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        super().stop()
+
+
 def _cores(cores: list[int] | None) -> str:
     return ",".join(map(str, cores)) if cores else "any"
 
@@ -241,6 +274,11 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
     servers = [
         ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING")) for i in range(replicas)
     ]
+    if args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        servers = [_ProfiledServe(s.redis_url, s.prefix, s.log_path, s.args) for s in servers]
+        for i, s in enumerate(servers):
+            s.profile = args.profile_dir / f"{prefix}-{i}.prof"
     _pin(args.cpus_service)
     for s in servers:
         s.start()
