@@ -3,6 +3,7 @@ deployments, and what each report costs Redis.
 
     python -m eplb_bench.ingest_bench [--kinds redis,cluster] [--replicas 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE]
+        [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
 For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
 without persistence, on free loopback ports in a temp directory) and each count of ``eplb
@@ -16,6 +17,22 @@ serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` repo
 
 In both, a third process calls GetPlacement on the first replica every 5 ms (4 callers) and
 prints its p99. Each figure is the median over ``--repeats`` runs.
+
+Per shard, for extrapolating to more masters: the CPU seconds each ``redis-server`` spent
+(``INFO cpu`` ``used_cpu_sys`` + ``used_cpu_user``) per accepted report, summed over masters
+("redis ms/rep") and the busiest master's share of one core ("hot master %"); and the replicas'
+own CPU (``/proc/PID/stat`` utime + stime, summed over replicas) per accepted report ("service
+ms/rep"). 1000 / ms-per-report is what one core of that kind takes in reports/s.
+
+``--profile-dir DIR`` runs each replica under cProfile and writes ``DIR/<prefix>-<i>.prof``
+when it stops (SIGINT, a graceful stop); read with ``python -m pstats``. It slows the replicas:
+for where the time goes, not for the table.
+
+Pinning (``--cpus-*``, core lists such as ``0,1`` or ``2-15``; Linux): Redis (every master),
+the replicas and the client processes (ingest and GetPlacement callers) are started with those
+cores as their affinity (``os.sched_setaffinity`` on this process before each is started;
+children inherit it), so that a big machine emulates a small one for the service, with the
+clients on cores of their own as if they were other machines.
 """
 
 from __future__ import annotations
@@ -25,7 +42,10 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -34,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from .harness.processes import RedisProcess, ServeProcess
+from .harness.processes import RedisProcess, ServeProcess, serve_argv
 from .harness.redis_cluster import ClusterProcesses
 from .harness.service import V3, create_v3, latency_worker, percentile
 
@@ -89,18 +109,55 @@ def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: f
     asyncio.run(main())
 
 
-def _net_input(ports: list[int]) -> int:
-    total = 0
+def cpu_list(text: str) -> list[int]:
+    """``"0,2-4"`` → ``[0, 2, 3, 4]``; ``ValueError`` naming the part that is not a core or a range."""
+    cores: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"cpu list {text!r}: {part!r} is not a core number or a range such as 2-15") from None
+    return cores
+
+
+def _pin(cores: list[int] | None) -> None:
+    """This process (and so what it starts next) on ``cores``; None: all this process may use."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores or _ALL_CORES)
+
+
+_ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _redis_counters(ports: list[int]) -> list[tuple[int, float]]:
+    """Per master: (bytes read from clients, CPU seconds used)."""
+    counters = []
     for port in ports:
         with redis.Redis(port=port) as r:
-            total += int(r.info("stats")["total_net_input_bytes"])
+            stats, cpu = r.info("stats"), r.info("cpu")
+            counters.append(
+                (int(stats["total_net_input_bytes"]), float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]))
+            )
+    return counters
+
+
+def _proc_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` used so far; 0 where /proc is absent."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 
-def _run(targets: list[str], names: list[str], ports: list[int], seconds: float, rate: float) -> dict:
+def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int], seconds: float, rate: float) -> dict:
     ctx = mp.get_context("spawn")
     out, lat_out = ctx.Queue(), ctx.Queue()
-    before = _net_input(ports)
+    before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
     procs = [
         ctx.Process(target=_ingest_worker, args=(targets, names, w, seconds, rate, out)) for w in range(INGEST_PROCS)
     ]
@@ -113,12 +170,21 @@ def _run(targets: list[str], names: list[str], ports: list[int], seconds: float,
     for p in procs:
         p.join()
     time.sleep(1.5)  # the replicas' last flushes
+    after, cpu_after = _redis_counters(ports), _proc_cpu(pids)
     accepted = sum(a for a, _ in results)
     elapsed = max(e for _, e in results)
+    n = max(1, accepted)
+    redis_cpu = [a[1] - b[1] for a, b in zip(after, before)]
     return {
         "reports_per_s": accepted / elapsed,
-        "bytes_per_report": (_net_input(ports) - before) / max(1, accepted),
+        "bytes_per_report": sum(a[0] - b[0] for a, b in zip(after, before)) / n,
         "get_p99_ms": percentile(lat, 99) * 1e3,
+        "get_p50_ms": percentile(lat, 50) * 1e3,
+        "redis_ms_per_report": sum(redis_cpu) * 1e3 / n,
+        # Over the clients' time plus the 1.5 s of last flushes: a lower bound of the busy share.
+        "hot_master_pct": max(redis_cpu) * 100 / (elapsed + 1.5),
+        "service_ms_per_report": (cpu_after - cpu_before) * 1e3 / n,
+        "service_cores": (cpu_after - cpu_before) / (elapsed + 1.5),
     }
 
 
@@ -135,12 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=2000.0)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cpus-redis", type=cpu_list, help="cores for every redis-server (e.g. 0,1)")
+    ap.add_argument("--cpus-service", type=cpu_list, help="cores for the eplb serve replicas (e.g. 0,1)")
+    ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
+    ap.add_argument("--profile-dir", type=Path, help="run each replica under cProfile; profiles land here")
     args = ap.parse_args(argv)
     rows = []
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="eplb-ingest-") as tmp:
         workdir = Path(tmp)
         for kind in args.kinds:
+            _pin(args.cpus_redis)
             if kind == "cluster":
                 backend = ClusterProcesses(workdir / "cluster", appendfsync=None)
                 backend.start()
@@ -158,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"ingestion, int32 [58, 256] reports (payload {PAYLOAD} bytes), medians of {args.repeats} run(s); "
-        f"{os.cpu_count()} cores, load average {load:.1f} at start"
+        f"{os.cpu_count()} cores, load average {load:.1f} at start; cores: redis {_cores(args.cpus_redis)}, "
+        f"service {_cores(args.cpus_service)}, clients {_cores(args.cpus_clients)}"
     )
-    print(f"{'redis':8} {'replicas':>8} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} "
-          f"{'p99 ms':>7} | {'paced rep/s':>11} {'p99 ms':>7}")  # fmt: skip
+    print(_HEADER)
     for row in rows:
         _print_row(row)
     if args.json:
@@ -169,13 +240,49 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _ProfiledServe(ServeProcess):
+    """A replica under ``cProfile -o profile``, stopped with SIGINT so that the profile is written."""
+
+    profile: Path | None = None
+
+    def start(self) -> None:
+        argv = serve_argv(self.port, self.redis_url, self.prefix, *self.args)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cProfile", "-o", str(self.profile), *argv[1:]],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    def stop(self) -> None:
+        if self.running:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        super().stop()
+
+
+def _cores(cores: list[int] | None) -> str:
+    return ",".join(map(str, cores)) if cores else "any"
+
+
 def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: int, args, workdir: Path) -> dict:
     prefix = f"ingest-{uuid.uuid4().hex[:8]}"
     servers = [
         ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING")) for i in range(replicas)
     ]
+    if args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        servers = [_ProfiledServe(s.redis_url, s.prefix, s.log_path, s.args) for s in servers]
+        for i, s in enumerate(servers):
+            s.profile = args.profile_dir / f"{prefix}-{i}.prof"
+    _pin(args.cpus_service)
     for s in servers:
         s.start()
+    _pin(args.cpus_clients)
     try:
         for s in servers:
             s.wait_listening()
@@ -183,8 +290,9 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         for name in names:
             create_v3(servers[0].target, name, ranks=INGEST_PROCS * STREAMS)
         targets = [s.target for s in servers]
-        runs_max = [_run(targets, names, ports, args.seconds, 0.0) for _ in range(args.repeats)]
-        runs_paced = [_run(targets, names, ports, args.seconds, args.rate) for _ in range(args.repeats)]
+        pids = [s.proc.pid for s in servers]
+        runs_max = [_run(targets, names, ports, pids, args.seconds, 0.0) for _ in range(args.repeats)]
+        runs_paced = [_run(targets, names, ports, pids, args.seconds, args.rate) for _ in range(args.repeats)]
     finally:
         for s in servers:
             s.stop()
@@ -202,14 +310,30 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         "paced_reports_per_s": med(runs_paced, "reports_per_s"),
         "paced_bytes_per_report": med(runs_paced, "bytes_per_report"),
         "paced_get_p99_ms": med(runs_paced, "get_p99_ms"),
+        "paced_get_p50_ms": med(runs_paced, "get_p50_ms"),
+        "redis_ms_per_report": med(runs_max, "redis_ms_per_report"),
+        "hot_master_pct": med(runs_max, "hot_master_pct"),
+        "service_ms_per_report": med(runs_max, "service_ms_per_report"),
+        "service_cores": med(runs_max, "service_cores"),
+        "paced_redis_ms_per_report": med(runs_paced, "redis_ms_per_report"),
+        "paced_service_ms_per_report": med(runs_paced, "service_ms_per_report"),
     }
+
+
+_HEADER = (
+    f"{'redis':8} {'replicas':>8} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} {'p99 ms':>7} "
+    f"{'redis ms/rep':>12} {'hot master %':>12} {'service ms/rep':>14} {'svc cores':>9} | "
+    f"{'paced rep/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
+)
 
 
 def _print_row(r: dict) -> None:
     print(
         f"{r['redis']:8} {r['replicas']:>8} {r['deployments']:>7} {r['max_reports_per_s']:>10.0f} "
-        f"{r['bytes_per_report']:>9.0f} {r['bytes_per_report'] / PAYLOAD:>9.2f} {r['max_get_p99_ms']:>7.1f} | "
-        f"{r['paced_reports_per_s']:>11.0f} {r['paced_get_p99_ms']:>7.1f}",
+        f"{r['bytes_per_report']:>9.0f} {r['bytes_per_report'] / PAYLOAD:>9.2f} {r['max_get_p99_ms']:>7.1f} "
+        f"{r['redis_ms_per_report']:>12.3f} {r['hot_master_pct']:>12.0f} {r['service_ms_per_report']:>14.3f} "
+        f"{r['service_cores']:>9.2f} | "
+        f"{r['paced_reports_per_s']:>11.0f} {r['paced_get_p50_ms']:>7.2f} {r['paced_get_p99_ms']:>7.1f}",
         flush=True,
     )
 

@@ -1,0 +1,57 @@
+"""ingest_bench's pinning and per-shard figures: core lists, affinity inherited by what the bench
+starts, and a real (short) run against a private redis-server and one ``eplb serve`` replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from eplb_bench import ingest_bench
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+
+
+def test_cpu_list_reads_cores_and_ranges():
+    assert ingest_bench.cpu_list("0,2-4") == [0, 2, 3, 4]
+    assert ingest_bench.cpu_list("3") == [3]
+
+
+def test_cpu_list_names_the_bad_part():
+    with pytest.raises(ValueError, match=r"'x' is not a core number"):
+        ingest_bench.cpu_list("0,x")
+
+
+def test_pin_is_inherited_by_started_processes():
+    core = min(os.sched_getaffinity(0))
+    try:
+        ingest_bench._pin([core])
+        out = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == f"[{core}]"
+    finally:
+        ingest_bench._pin(None)
+    assert sorted(os.sched_getaffinity(0)) == ingest_bench._ALL_CORES
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_short_run_reports_per_shard_figures(tmp_path):
+    core = min(os.sched_getaffinity(0))
+    path = tmp_path / "rows.json"
+    argv = ["--kinds", "redis", "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
+    argv += ["--cpus-service", str(core), "--json", str(path)]
+    assert ingest_bench.main(argv) == 0
+    (row,) = json.loads(path.read_text())
+    assert row["max_reports_per_s"] > 0
+    # Redis and the replica both did work for the accepted reports, and it was measured.
+    assert row["redis_ms_per_report"] > 0
+    assert row["service_ms_per_report"] > 0
+    assert 0 < row["service_cores"] <= 1.05  # pinned to one core
