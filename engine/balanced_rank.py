@@ -78,17 +78,20 @@ class Draft:
 
 def fold_slot_counts(counts: object, placement: eplb.Placement) -> object:
     """``counts [L, P]`` tokens per slot (numpy or torch, any device) → ``[L, E]`` tokens per
-    expert under ``placement`` (each slot's count added to the expert it holds), same kind."""
+    expert under ``placement`` (each slot's count added to the expert it holds), same kind.
+    Empty slots (-1: a gpu down) hold no expert; their counts (none routed there) are dropped."""
     topo = placement.topology
+    held = placement.phy2log >= 0
     if hasattr(counts, "scatter_add"):  # a torch tensor: folded where it lives, no sync
         import torch
 
-        index = torch.from_numpy(placement.phy2log.astype(np.int64)).to(counts.device)
+        index = torch.from_numpy(np.where(held, placement.phy2log, 0).astype(np.int64)).to(counts.device)
+        mask = torch.from_numpy(held).to(counts.device)
         out = torch.zeros((topo.num_layers, topo.num_experts), dtype=counts.dtype, device=counts.device)
-        return out.scatter_add_(1, index, counts)
+        return out.scatter_add_(1, index, counts * mask)
     arr = np.asarray(counts)
     keys = np.arange(topo.num_layers)[:, None] * topo.num_experts + placement.phy2log
-    return np.bincount(keys.ravel(), weights=arr.ravel(), minlength=topo.num_layers * topo.num_experts).reshape(
+    return np.bincount(keys[held], weights=arr[held], minlength=topo.num_layers * topo.num_experts).reshape(
         topo.num_layers, topo.num_experts
     )
 
