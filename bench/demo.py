@@ -14,6 +14,9 @@ Every expert weight encodes its (layer, expert, tensor) in its values. At every 
 ranks all-reduce a histogram of where their tokens went (layer, slot, expert), like an
 all-to-all dispatch, and each rank checks its own slots: every token must reach a slot whose
 weights are its expert's. Misrouted dispatches are counted, and must be zero.
+
+``--fail-rank R --fail-at STEP`` kills rank R at that step; the survivors detect it, regroup and
+switch to the survivor placement (``demo_failure``; the gloo store is this process's).
 """
 
 from __future__ import annotations
