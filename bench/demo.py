@@ -575,6 +575,12 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
         for p in procs:
             if p.pid is not None:
                 p.join(5)
+        for p in procs:
+            # One that outlived SIGTERM would hold up this process's exit (multiprocessing joins
+            # its children then, without a timeout): SIGKILL it.
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     summary = _summary(cfg, results, time.perf_counter() - wall, killed)
     summary["service_down_ranks"] = down_ranks
     for key, name in (("", cfg.deployment), ("draft_", cfg.draft_deployment)):
