@@ -485,14 +485,10 @@ def run(cfg: DemoConfig, out: object = sys.stdout) -> dict:
 
 def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     topo = cfg.topology
-    import torch.distributed as dist
-
     from eplb_engine.client import ServiceClient
 
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
-    # The gloo rendezvous store lives here, in the parent, so that any rank can be killed.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": store.port})
+    cfg = DemoConfig(**{**asdict(cfg), "address": service.address})
     deployments = {cfg.deployment: topo}
     if cfg.draft_layers:
         deployments[cfg.draft_deployment] = cfg.draft_topology
@@ -522,6 +518,13 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
         file=out,
         flush=True,
     )
+    # The gloo rendezvous store lives here, in the parent, so that any rank can be killed.
+    # Made after the first line, as the ranks were started before it had one: importing torch
+    # takes seconds on a loaded machine.
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    cfg = DemoConfig(**{**asdict(cfg), "gloo_port": store.port})
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, events), daemon=True) for r in range(cfg.ranks)]

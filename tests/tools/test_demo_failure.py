@@ -29,7 +29,9 @@ def _demo(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("barrier", "dead", "at"), [("group", 1, 30), ("service", 0, 80)])
+# Killed at step 20, before the first re-plan (about step 50): no prepare is in flight, which
+# ranks_down would wait for (up to the mover groups' 10 s timeout).
+@pytest.mark.parametrize(("barrier", "dead", "at"), [("group", 1, 20), ("service", 0, 20)])
 def test_a_killed_rank_is_routed_around_and_every_dispatch_still_checked(tmp_path, barrier, dead, at):
     # Rank 0 too: the gloo store is the parent's, not rank 0's.
     proc, s = _demo(tmp_path, "--barrier", barrier, "--fail-rank", str(dead), "--fail-at", str(at))
@@ -37,12 +39,12 @@ def test_a_killed_rank_is_routed_around_and_every_dispatch_still_checked(tmp_pat
     (f,) = s["failures"]
     assert (f["rank"], f["step"]) == (dead, at)
     # Switched a few steps after the kill, every survivor at the same step.
-    assert at < f["recovered_step"] < 200 and f["recovered_steps_agree"]
+    assert at < f["recovered_step"] < 200 and f["recovered_steps_agree"], proc.stdout + proc.stderr[-3000:]
     assert 0 < f["detect_s"] < f["recovery_s"] < 30
     # Every (layer, expert) whose replicas were all on the dead rank came back through the loader.
-    # Killed at step 30, rank 1 still holds the contiguous map: experts 16..31 of each layer,
-    # their only replicas (rank 2 repeats 0..15). Later, what is lost depends on the re-plans.
-    assert f["experts_reloaded"] >= f["experts_lost"] and (at > 50 or f["experts_lost"] == 6 * 16)
+    # On the contiguous map rank 1 alone holds experts 16..31 of each layer; rank 2 repeats
+    # 0..15, so rank 0's death loses none.
+    assert f["experts_reloaded"] >= f["experts_lost"] == {0: 0, 1: 6 * 16}[dead]
     # Tokens sent to the dead rank before the switch are lost (counted apart), none after it.
     assert f["dispatches_lost"] > 0 and f["dispatches_to_dead_after_recovery"] == 0
     # The dead rank routed until it died; the two survivors all 200; every dispatch checked or lost.
