@@ -14,6 +14,9 @@ Every expert weight encodes its (layer, expert, tensor) in its values. At every 
 ranks all-reduce a histogram of where their tokens went (layer, slot, expert), like an
 all-to-all dispatch, and each rank checks its own slots: every token must reach a slot whose
 weights are its expert's. Misrouted dispatches are counted, and must be zero.
+
+``--fail-rank R --fail-at STEP`` kills rank R at that step; the survivors detect it, regroup and
+switch to the survivor placement (``demo_failure``; the gloo store is this process's).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import eplb
 from eplb.workloads import shift, zipf
 
 from . import extras
+from .demo_failure import DOWN_KEY, Failure, heartbeat, lost_experts
+from .demo_failure import summarize as summarize_failure
 from .pipes import INTERRUPTED_STATUS
 
 __all__ = ["DemoConfig", "run", "main"]
@@ -49,6 +54,7 @@ __all__ = ["DemoConfig", "run", "main"]
 _CODE_LAYER, _CODE_EXPERT = 4096, 4
 _TENSORS = {"w13": (8, 4), "w2": (4, 4), "w13_scale": (2,)}  # name -> per-slot shape
 _AFTER_STEPS = 25  # steps averaged for the measured imbalance before / after a switch
+_MOVER_TIMEOUT_S = 10.0  # with --fail-rank: the mover groups' gloo timeout
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,10 @@ class DemoConfig:
     switch_margin_steps: int = 25
     seed: int = 0
     deployment: str = "demo"
+    fail_rank: int = -1  # --fail-rank: the rank killed at step fail_at (-1: none)
+    fail_at: int = 0
     address: str = ""
-    gloo_port: int = 0
+    gloo_port: int = 0  # the parent's TCPStore (the gloo rendezvous)
 
     @property
     def topology(self) -> eplb.Topology:
@@ -95,6 +103,9 @@ class DemoConfig:
     def _topology(self, layers: int, experts: int) -> eplb.Topology:
         nodes = 2 if self.ranks % 2 == 0 else 1
         slots_per_gpu = -(-round(experts * (1 + self.redundant)) // self.ranks)
+        if self.fail_rank >= 0:
+            # The survivors must hold every expert: 40 slots on 4 gpus leave 30 for 32 experts.
+            slots_per_gpu = max(slots_per_gpu, -(-experts // (self.ranks - 1)))
         groups = math.gcd(self.groups, experts)
         return eplb.Topology(layers, experts, slots_per_gpu * self.ranks, self.ranks, nodes, groups)
 
@@ -181,8 +192,15 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     from eplb_engine import BalancedRank, Draft
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg.gloo_port))
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60))
+    # The rendezvous store is the parent's (not rank 0's): any rank may die.
+    store = dist.TCPStore("127.0.0.1", cfg.gloo_port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60)
+    )
+    failing = cfg.fail_rank >= 0
+    # The mover's transfers on a group with a short timeout: a prepare in flight when a rank
+    # dies waits on a live peer that gave up at most that long (ranks_down waits for it).
+    mover_group = dist.new_group(timeout=timedelta(seconds=_MOVER_TIMEOUT_S)) if failing else None
     # The models: the target, and the draft's MoE layers (their own deployment) with --draft-layers.
     models = [_Model("target", cfg.topology, cfg.deployment, cfg.seed)]
     if cfg.draft_layers:
@@ -259,13 +277,65 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         on_event=on_event(models[0]),
         report_interval_s=0.25,
         draft=draft,
+        mover_group=mover_group,
         verify=True,
     )
     rng = np.random.default_rng(cfg.seed * 1000 + rank + 1)
+    live = list(range(cfg.ranks))
+    step_group = None  # the steps' collectives: the world, then the survivors' group
+    failure: Failure | None = None
+    backup, kept = None, -1
+    if failing:
+        from eplb_engine.backup import HostExpertBackup, at_risk
+
+        from .demo_failure import checkpoint
+
+        # The restore loader: host copies of the experts another gpu alone holds, refreshed at
+        # each version; anything else from the "checkpoint" (the weights' code).
+        backup = HostExpertBackup(checkpoint(_TENSORS, _code), budget_bytes=1 << 20, pin=False)
     dist.barrier()
     start = time.perf_counter()
+    steps_routed = 0
+
+    def tallies() -> dict:
+        return {
+            "rank": rank,
+            "seconds": time.perf_counter() - start,
+            "steps_routed": steps_routed,
+            "events": done_events + pending,
+            "late": getattr(balanced.barrier, "late", 0),
+            "models": {
+                m.name: {
+                    "misrouted": m.misrouted,
+                    "routed": m.routed,
+                    "series": m.series,
+                    "reporter": asdict(part.reporter.stats()),
+                }
+                for m, part in zip(models, balanced.parts)
+            },
+        }
+
     for step in range(cfg.steps):
+        if failing and rank == cfg.fail_rank and step == cfg.fail_at:
+            # Killed here: the parent SIGKILLs this process once it has its tallies so far.
+            events.put(("dying", {**tallies(), "dead": True}))
+            events.close()
+            events.join_thread()
+            # Only now may it die: a process killed while its queue's feeder still held the
+            # queue's write lock (just after the parent read the message) blocks every other
+            # rank's writes for good (seen: no rank's results ever came).
+            store.set(f"{DOWN_KEY}/flushed/{rank}", "1")
+            time.sleep(600)
+        if failing and failure is None:
+            dead = heartbeat(step_group, store)
+            if dead is not None:
+                live = [r for r in live if r not in dead]
+                failure, step_group = _survive(balanced, dead, live, step, backup)
         balanced.step(step)
+        if failing and failure is None and balanced.rollout.current.version != kept:
+            # A version switched: back up what another gpu alone holds now.
+            kept = balanced.rollout.current.version
+            backup.keep(at_risk(balanced.rollout.current.placement, gpu=rank))
         hists = []
         for model, part in zip(models, balanced.parts):
             counts = rng.multinomial(cfg.tokens * cfg.topk, model.pop[step * len(model.pop) // cfg.steps])
@@ -273,58 +343,72 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             # Tokens per slot; folded per expert while a chunked re-plan mixes versions.
             part.record(hists[-1].sum(axis=2), copy=False)
             model.routed += int(counts.sum())
+        if failure is not None:
+            # Tokens routed to the dead rank's slots: lost until the survivor placement switches.
+            failure.routed(step, hists[0], balanced.target.routed, S)
         # The dispatch (both models in one all-reduce): every rank learns what reached the
         # slots it holds, and checks them.
         total = torch.from_numpy(np.concatenate([h.reshape(-1) for h in hists]).astype(np.int64))
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=step_group)
+        steps_routed += 1
         offset = 0
         for model, hist in zip(models, hists):
             got = total.numpy()[offset : offset + hist.size].reshape(hist.shape)
             offset += hist.size
             model.misrouted += misrouted_here(got, model.layers, model.topo, rank)
-            if rank == 0:
-                topo = model.topo
-                gpu = got.reshape(topo.num_layers, topo.num_gpus, -1).sum(axis=2)
-                model.series.append(float((gpu.max(axis=1) / gpu.mean(axis=1)).mean()))
-        if rank == 0:
-            for item in [p for p in pending if step >= p["step"] + _AFTER_STEPS or p["kind"] != "switched"]:
-                pending.remove(item)
-                if item["kind"] == "switched":
-                    s, series = item["step"], models[[m.name for m in models].index(item["model"])].series
-                    item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
-                    item["measured_after"] = float(np.mean(series[s : s + _AFTER_STEPS]))
-                item["t"] = time.perf_counter() - start
+            # Every rank measures (all alike): whichever survives reports the series.
+            topo = model.topo
+            gpu = got.reshape(topo.num_layers, topo.num_gpus, -1).sum(axis=2)[:, live]
+            model.series.append(float((gpu.max(axis=1) / gpu.mean(axis=1)).mean()))
+        for item in [p for p in pending if step >= p["step"] + _AFTER_STEPS or p["kind"] != "switched"]:
+            pending.remove(item)
+            if item["kind"] == "switched":
+                s, series = item["step"], models[[m.name for m in models].index(item["model"])].series
+                item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
+                item["measured_after"] = float(np.mean(series[s : s + _AFTER_STEPS]))
+            item["t"] = time.perf_counter() - start
+            if rank == live[0]:  # the lowest live rank prints
                 events.put(("event", item))
-                done_events.append(item)
-        else:
-            done_events.extend(pending)
-            pending.clear()
+            done_events.append(item)
         # Pace the steps; every rank waits in the all-reduce for the slowest anyway.
         time.sleep(max(0.0, start + (step + 1) * cfg.step_ms / 1000 - time.perf_counter()))
-    elapsed = time.perf_counter() - start
     balanced.close(timeout_s=2.0)
-    dist.barrier()
-    dist.destroy_process_group()
-    events.put(
-        (
-            "done",
-            {
-                "rank": rank,
-                "seconds": elapsed,
-                "events": done_events + pending,
-                "late": getattr(balanced.barrier, "late", 0),
-                "models": {
-                    m.name: {
-                        "misrouted": m.misrouted,
-                        "routed": m.routed,
-                        "series": m.series,
-                        "reporter": asdict(part.reporter.stats()),
-                    }
-                    for m, part in zip(models, balanced.parts)
-                },
-            },
-        )
-    )
+    dist.barrier(group=step_group)
+    result = tallies()
+    if failure is None:
+        dist.destroy_process_group()
+        events.put(("done", result))
+        return
+    restored = {"restored": backup.hits + backup.misses, "restored_from_host": backup.hits}
+    events.put(("done", {**result, "failure": {**failure.as_dict(), **restored}}))
+    # The world group still holds the heartbeat abandoned at the death (until its timeout):
+    # its destructor would wait for it. The results are flushed; leave without it.
+    events.close()
+    events.join_thread()
+    os._exit(0)
+
+
+def _code(layer: int, expert: int, t: int) -> int:
+    """The value every weight of (layer, expert)'s tensor ``t`` (name order) holds."""
+    return layer * _CODE_LAYER + expert * _CODE_EXPERT + t
+
+
+def _survive(balanced: object, dead: list[int], live: list[int], step: int, backup: object) -> tuple:
+    """On a survivor, between two steps: groups rebuilt over ``live`` (the barrier's, the
+    mover's and the steps'), then ``ranks_down``. Returns the ``Failure`` and the steps' group."""
+    import torch.distributed as dist
+
+    detected = time.time()
+    t0 = time.perf_counter()
+    timeout = timedelta(seconds=60)
+    step_group = dist.new_group(live, use_local_synchronization=True, timeout=timeout)
+    barrier_group = dist.new_group(live, use_local_synchronization=True, timeout=timeout)
+    movers = dist.new_group(live, use_local_synchronization=True, timeout=timedelta(seconds=_MOVER_TIMEOUT_S))
+    topo = balanced.target.topology
+    lost = lost_experts(balanced.target.routed.placement.phy2log, topo.slots_per_gpu, dead)
+    survivor = balanced.ranks_down(dead, barrier_group, movers, restore=backup)
+    failure = Failure(dead, step, detected, lost, survivor.version, regroup_s=time.perf_counter() - t0)
+    return failure, step_group
 
 
 @dataclass
@@ -403,10 +487,8 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     topo = cfg.topology
     from eplb_engine.client import ServiceClient
 
-    from .ports import free_port
-
     slot_bytes = sum(4 * int(np.prod(shape)) for shape in _TENSORS.values())
-    cfg = DemoConfig(**{**asdict(cfg), "address": service.address, "gloo_port": free_port()})
+    cfg = DemoConfig(**{**asdict(cfg), "address": service.address})
     deployments = {cfg.deployment: topo}
     if cfg.draft_layers:
         deployments[cfg.draft_deployment] = cfg.draft_topology
@@ -431,10 +513,18 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     print(
         f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
         f"{topo.num_experts} experts on {topo.num_slots} slots{draft}; {cfg.steps} steps of {cfg.step_ms:g} ms, "
-        f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier",
+        f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier"
+        + (f"; rank {cfg.fail_rank} killed at step {cfg.fail_at}" if cfg.fail_rank >= 0 else ""),
         file=out,
         flush=True,
     )
+    # The gloo rendezvous store lives here, in the parent, so that any rank can be killed.
+    # Made after the first line, as the ranks were started before it had one: importing torch
+    # takes seconds on a loaded machine.
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    cfg = DemoConfig(**{**asdict(cfg), "gloo_port": store.port})
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, events), daemon=True) for r in range(cfg.ranks)]
@@ -448,30 +538,39 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     finally:
         restore()
     results: dict[int, dict] = {}
+    killed: dict[int, float] = {}  # rank -> when it was killed (time.time())
     deadline = time.monotonic() + cfg.seconds + 120
     try:
         while len(results) < cfg.ranks:
             try:
                 kind, item = events.get(timeout=1.0)
             except queue.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                exits = [None if r in killed else p.exitcode for r, p in enumerate(procs)]
+                if time.monotonic() > deadline or any(code not in (None, 0) for code in exits):
                     raise RuntimeError(f"engine ranks failed (exit codes {[p.exitcode for p in procs]})") from None
                 continue
             if kind == "event":
                 print(_line(item), file=out, flush=True)
+            elif kind == "dying":
+                # Its tallies so far are in; now it dies, and once it is gone the survivors
+                # learn of it through the store (their heartbeat reads it).
+                rank = item["rank"]
+                store.wait([f"{DOWN_KEY}/flushed/{rank}"], timedelta(seconds=30))
+                os.kill(procs[rank].pid, signal.SIGKILL)
+                procs[rank].join(10)
+                killed[rank] = time.time()
+                store.set(DOWN_KEY, json.dumps(sorted(killed)))
+                results[rank] = item
+                print(f"  rank {rank} killed at step {item['steps_routed']} (SIGKILL)", file=out, flush=True)
             else:
                 results[item["rank"]] = item
         for p in procs:
             p.join(10)
         # Where the service saw each rank end up (the ranks' acks, sent before they finished).
         with ServiceClient(service.address) as client:
-            acks = {
-                name: {
-                    a.rank: (a.version, a.failed_version)
-                    for a in client.call("GetDeployment", _pb().GetDeploymentRequest(name=name)).acks
-                }
-                for name in deployments
-            }
+            infos = {name: client.call("GetDeployment", _pb().GetDeploymentRequest(name=name)) for name in deployments}
+            acks = {name: {a.rank: (a.version, a.failed_version) for a in info.acks} for name, info in infos.items()}
+            down_ranks = sorted(infos[cfg.deployment].down_ranks)
     finally:
         for p in procs:
             if p.is_alive():
@@ -479,7 +578,14 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
         for p in procs:
             if p.pid is not None:
                 p.join(5)
-    summary = _summary(cfg, results, time.perf_counter() - wall)
+        for p in procs:
+            # One that outlived SIGTERM would hold up this process's exit (multiprocessing joins
+            # its children then, without a timeout): SIGKILL it.
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    summary = _summary(cfg, results, time.perf_counter() - wall, killed)
+    summary["service_down_ranks"] = down_ranks
     for key, name in (("", cfg.deployment), ("draft_", cfg.draft_deployment)):
         if name in acks:
             got = acks[name]
@@ -498,13 +604,15 @@ def _ignore_sigint() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGINT, previous)
 
 
-def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
-    # By rank: [0] is rank 0's, the only one that measures the series (results arrive in the
-    # order the ranks finish: under load rank 1 can finish first, and the summary then read an
-    # empty series, "0 tokens routed", seen once in CI).
-    model = {name: [results[r]["models"][name] for r in sorted(results)] for name in results[0]["models"]}
-    series = np.asarray(model["target"][0]["series"])
-    events = {name: [e for e in results[0]["events"] if e.get("model") == name] for name in model}
+def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float, killed: dict[int, float] | None = None) -> dict:
+    # The series and events are read from the lowest rank that ran to the end, by rank (results
+    # arrive in the order the ranks finish: under load rank 1 can finish first, and the summary
+    # then read an empty series, "0 tokens routed", seen once in CI when only rank 0 measured).
+    killed = killed or {}
+    lead = min(r for r in results if not results[r].get("dead"))
+    model = {name: [results[r]["models"][name] for r in sorted(results)] for name in results[lead]["models"]}
+    series = np.asarray(results[lead]["models"]["target"]["series"])
+    events = {name: [e for e in results[lead]["events"] if e.get("model") == name] for name in model}
     switched = [e for e in events["target"] if e["kind"] == "switched"]
     others = [e for r in results.values() for e in r["events"] if e["kind"] != "switched"]
     shift_step = cfg.steps // 2
@@ -513,15 +621,22 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float) -> dict:
     balanced = series[first + _AFTER_STEPS // 5 : shift_step] if first < shift_step else series[first:]
     reporters = [m["reporter"] for ranks in model.values() for m in ranks]
     everything = [e for r in results.values() for e in r["events"]]
+    failures = []
+    for rank, when in sorted(killed.items()):
+        views = {r: v["failure"] for r, v in results.items() if "failure" in v and rank in v["failure"]["dead"]}
+        failures.append(summarize_failure(rank, results[rank]["steps_routed"], when, views, lead))
+    lost = sum(f["dispatches_lost"] for f in failures)
     summary = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("address", "gloo_port")},
         "seconds": round(wall_s, 2),
         "routing_seconds": round(max(r["seconds"] for r in results.values()), 2),
         "steps": int(len(series)),
-        "tokens_routed": int(len(series) * cfg.tokens * cfg.ranks),
-        # every model's (token, layer, expert) dispatches: the target's, and the draft's if any
-        "dispatches_checked": int(sum(m["routed"] for ranks in model.values() for m in ranks)),
+        "tokens_routed": int(sum(r.get("steps_routed", len(series)) for r in results.values()) * cfg.tokens),
+        # every model's (token, layer, expert) dispatches, the target's and the draft's if any,
+        # less those lost with a dead rank (routed to its slots before the survivors switched)
+        "dispatches_checked": int(sum(m["routed"] for ranks in model.values() for m in ranks)) - lost,
         "misrouted_dispatches": int(sum(m["misrouted"] for ranks in model.values() for m in ranks)),
+        "failures": failures,
         "replans_applied": len(switched),
         "rollouts_failed": len(others),
         "late_switches": int(sum(r["late"] for r in results.values())),
@@ -576,6 +691,21 @@ def _print_summary(s: dict, out: object) -> None:
         file=out,
         flush=True,
     )
+    for f in s.get("failures", []):
+        recovered = (
+            f"switched to the survivor placement (v{f['survivor_version']}) at step {f['recovered_step']}, "
+            f"{f['recovery_s']:.2f} s after the kill ({f['detect_s'] * 1e3:.0f} ms to learn of it)"
+            if f["recovered_step"] >= 0
+            else "never switched to the survivor placement"
+        )
+        print(
+            f"  rank {f['rank']} killed at step {f['step']}: {recovered}; {f['experts_reloaded']} experts reloaded "
+            f"({f['experts_lost']} had no replica left, {f['experts_from_host_copies']} from host copies); "
+            f"{f['dispatches_lost']} dispatches lost to the dead rank before the switch, "
+            f"{f['dispatches_to_dead_after_recovery']} after it",
+            file=out,
+            flush=True,
+        )
     d = s.get("draft")
     if d:
         print(
@@ -636,6 +766,23 @@ def _unwritable(flag: str, path: Path, *, file: bool = False) -> str:
     return ""
 
 
+def _check_failure_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
+    """One line for each wrong --fail-rank / --fail-at (argparse's error: status 2)."""
+    if (args.fail_rank is None) != (args.fail_at is None):
+        ap.error("--fail-rank R and --fail-at STEP go together: give both or neither")
+    if args.fail_rank is None:
+        return
+    if not 0 <= args.fail_rank < args.ranks:
+        ap.error(f"--fail-rank must be in [0, {args.ranks - 1}] (a rank of --ranks {args.ranks}), got {args.fail_rank}")
+    if not 1 <= args.fail_at < steps:
+        ap.error(
+            f"--fail-at must be in [1, {steps - 1}] (a step of the run: --seconds {args.seconds:g} is {steps} steps), "
+            f"got {args.fail_at}"
+        )
+    if args.draft_layers:
+        ap.error("--fail-rank runs without --draft-layers: ranks_down does not carry a draft model over yet")
+
+
 def main(argv: list[str] | None = None) -> int:
     d = DemoConfig()
     ap = argparse.ArgumentParser(
@@ -658,6 +805,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="also run a draft model (MTP) of N MoE layers as its own deployment, switched with the target [0]",
     )
+    ap.add_argument(
+        "--fail-rank",
+        type=int,
+        metavar="R",
+        help="kill rank R's process (SIGKILL) at step --fail-at; the survivors carry on without it",
+    )
+    ap.add_argument("--fail-at", type=int, metavar="STEP", help="the step at which --fail-rank dies")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--plots", type=Path, metavar="DIR", help="write DIR/imbalance.png")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
@@ -670,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--draft-layers must be in [0, 8]")
     if args.draft_layers and args.barrier == "service":
         ap.error("--draft-layers needs --barrier group: the draft switches with the target through the process group")
+    _check_failure_flags(ap, args, DemoConfig(ranks=args.ranks, seconds=args.seconds).steps)
     # The extras the run imports (in its rank processes too), found out before it starts.
     needed = [
         "torch",
@@ -697,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                 barrier=args.barrier,
                 seed=args.seed,
                 draft_layers=args.draft_layers,
+                fail_rank=-1 if args.fail_rank is None else args.fail_rank,
+                fail_at=args.fail_at or 0,
             )
         )
     except KeyboardInterrupt:

@@ -1,0 +1,141 @@
+"""``eplb demo --fail-rank R --fail-at STEP``: a rank's process killed mid-run, the survivors
+detecting it, switching to the survivor placement and routing on, every dispatch checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb_tools import cli
+from eplb_tools.demo import DemoConfig, _summary
+from eplb_tools.demo_failure import lost_experts
+
+
+def _demo(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "4", "--json", str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+# Killed at step 20, before the first re-plan (about step 50): no prepare is in flight, which
+# ranks_down would wait for (up to the mover groups' 10 s timeout).
+@pytest.mark.parametrize(("barrier", "dead", "at"), [("group", 1, 20), ("service", 0, 20)])
+def test_a_killed_rank_is_routed_around_and_every_dispatch_still_checked(tmp_path, barrier, dead, at):
+    # Rank 0 too: the gloo store is the parent's, not rank 0's.
+    proc, s = _demo(tmp_path, "--barrier", barrier, "--fail-rank", str(dead), "--fail-at", str(at))
+    assert s["misrouted_dispatches"] == 0 and s["checksum_mismatches"] == 0
+    (f,) = s["failures"]
+    assert (f["rank"], f["step"]) == (dead, at)
+    # Switched a few steps after the kill, every survivor at the same step.
+    assert at < f["recovered_step"] < 200 and f["recovered_steps_agree"], proc.stdout + proc.stderr[-3000:]
+    assert 0 < f["detect_s"] < f["recovery_s"] < 30
+    # Every (layer, expert) whose replicas were all on the dead rank came back through the loader.
+    # On the contiguous map rank 1 alone holds experts 16..31 of each layer; rank 2 repeats
+    # 0..15, so rank 0's death loses none.
+    assert f["experts_reloaded"] >= f["experts_lost"] == {0: 0, 1: 6 * 16}[dead]
+    # Tokens sent to the dead rank before the switch are lost (counted apart), none after it.
+    assert f["dispatches_lost"] > 0 and f["dispatches_to_dead_after_recovery"] == 0
+    # The dead rank routed until it died; the two survivors all 200; every dispatch checked or lost.
+    assert s["tokens_routed"] == (2 * 200 + at) * 1024
+    assert s["dispatches_checked"] + f["dispatches_lost"] == s["tokens_routed"] * 4 * 6
+    # The service heard of it and has the survivors on one version, the dead rank behind.
+    assert s["service_down_ranks"] == [dead]
+    acked = s["service_acked_versions"]
+    live = [r for r in range(3) if r != dead]
+    assert acked[live[0]] == acked[live[1]] >= f["survivor_version"] > acked[dead]
+    assert f"rank {dead} killed at step {at} (SIGKILL)" in proc.stdout
+    assert f"rank {dead} killed at step {at}: switched to the survivor placement" in proc.stdout
+
+
+def test_demo_refuses_bad_failure_flags(capsys):
+    # --seconds 4 is 200 steps of 20 ms.
+    for argv, message in (
+        (["--fail-rank", "3", "--fail-at", "10"], "--fail-rank must be in [0, 2] (a rank of --ranks 3), got 3"),
+        (["--fail-rank", "-1", "--fail-at", "10"], "--fail-rank must be in [0, 2] (a rank of --ranks 3), got -1"),
+        (
+            ["--fail-rank", "1", "--fail-at", "200"],
+            "--fail-at must be in [1, 199] (a step of the run: --seconds 4 is 200 steps), got 200",
+        ),
+        (
+            ["--fail-rank", "1", "--fail-at", "0"],
+            "--fail-at must be in [1, 199] (a step of the run: --seconds 4 is 200 steps), got 0",
+        ),
+        (["--fail-rank", "1"], "--fail-rank R and --fail-at STEP go together: give both or neither"),
+        (["--fail-at", "5"], "--fail-rank R and --fail-at STEP go together: give both or neither"),
+        (["--fail-rank", "1", "--fail-at", "5", "--draft-layers", "1"], "--fail-rank runs without --draft-layers"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["demo", "--ranks", "3", "--seconds", "4", *argv])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err, (argv, err)
+
+
+def test_with_a_rank_to_lose_the_survivors_have_a_slot_for_every_expert():
+    for ranks in (2, 3, 4, 8):
+        kept = DemoConfig(ranks=ranks).topology
+        failing = DemoConfig(ranks=ranks, fail_rank=0, fail_at=1).topology
+        assert failing.slots_per_gpu * (ranks - 1) >= failing.num_experts
+        assert failing.slots_per_gpu >= kept.slots_per_gpu
+
+
+def test_lost_experts_counts_pairs_with_every_replica_on_the_dead_gpus():
+    topo = eplb.Topology(2, 6, 9, 3)  # contiguous: gpu 1 alone holds experts 3, 4, 5; gpu 2 has 0, 1, 2 again
+    phy2log = eplb.Placement.contiguous(topo).phy2log.copy()
+    assert lost_experts(phy2log, 3, [1]) == 2 * 3
+    phy2log[0, 0] = 4  # layer 0: expert 4 also on gpu 0
+    assert lost_experts(phy2log, 3, [1]) == 5 and lost_experts(phy2log, 3, [0, 1]) == 2 * 3
+
+
+def test_slot_counts_fold_past_the_empty_slots_of_a_gpu_down():
+    """A survivor switch in chunks routes a mixed map with -1 slots; folding its counts to
+    experts raised (bincount of a negative index) before the fix."""
+    import torch
+
+    from eplb_engine.balanced_rank import fold_slot_counts
+
+    topo = eplb.Topology(2, 4, 6, 3)
+    phy2log = np.array([[0, 1, -1, -1, 2, 3], [0, 1, 2, 3, -1, -1]])
+    placement = eplb.Placement(phy2log, topo)
+    counts = np.array([[5, 6, 0, 0, 7, 8], [1, 2, 3, 4, 0, 0]])
+    want = [[5, 6, 7, 8], [1, 2, 3, 4]]
+    np.testing.assert_array_equal(fold_slot_counts(counts, placement), want)
+    np.testing.assert_array_equal(fold_slot_counts(torch.from_numpy(counts), placement).numpy(), want)
+
+
+def test_the_summary_reads_the_lowest_surviving_rank_and_counts_the_dead_ones_steps():
+    cfg = DemoConfig(ranks=3, seconds=1.0, fail_rank=0, fail_at=10)
+    steps = cfg.steps
+
+    def result(rank: int, routed_steps: int, dead: bool = False) -> dict:
+        reporter = {"accepted": 1, "dropped_reports": 0, "dropped_adds": 0}
+        series = [1.0 + rank] * routed_steps
+        model = {"misrouted": 0, "routed": routed_steps * 10, "series": series, "reporter": reporter}
+        out = {"rank": rank, "seconds": 1.0, "steps_routed": routed_steps, "events": [], "late": 0}
+        out["models"] = {"target": model}
+        if dead:
+            return {**out, "dead": True}
+        view = {"dead": [0], "step": 10, "detected_wall": 100.01, "experts_lost": 3, "survivor_version": 2}
+        view |= {"recovered_step": 14, "recovered_wall": 100.2, "recovered_version": 2, "dispatches_lost": 7}
+        view |= {"dispatches_to_dead_after": 0, "regroup_s": 0.05, "restored": rank, "restored_from_host": 1}
+        return {**out, "failure": view}
+
+    results = {2: result(2, steps), 0: result(0, 10, dead=True), 1: result(1, steps)}
+    s = _summary(cfg, results, 2.0, {0: 100.0})
+    assert s["imbalance_final"] == pytest.approx(2.0)  # rank 1's series: the lowest survivor's
+    assert s["tokens_routed"] == (2 * steps + 10) * cfg.tokens
+    assert s["dispatches_checked"] == (2 * steps + 10) * 10 - 14
+    (f,) = s["failures"]
+    assert f["experts_reloaded"] == 3 and f["dispatches_lost"] == 14 and f["recovered_step"] == 14
+    assert f["recovery_s"] == pytest.approx(0.2) and f["detect_s"] == pytest.approx(0.01)

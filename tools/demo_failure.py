@@ -1,0 +1,155 @@
+"""``eplb demo --fail-rank R --fail-at STEP``: a rank killed mid-run, the survivors carrying on.
+
+The demo's parent process hosts the gloo rendezvous store (a ``TCPStore``), so any rank can
+die. At the start of step STEP rank R hands the parent its tallies and waits; the parent
+SIGKILLs it, sees it gone, and writes the key ``down`` into the store.
+
+Every step each rank first joins a **heartbeat**: an all-reduce of one value on the step
+group, started asynchronously and polled, so that no rank blocks in a collective with a dead
+peer. Blocking would not do on gloo: a dead peer's neighbours get "connection closed" at once,
+but the other ranks of a 4-rank all-reduce wait out the group's timeout, and ``abort()`` from
+another thread does not wake them (both measured on torch 2.13, CPU). A heartbeat that has not
+completed reads ``down`` from the store every few milliseconds; once it is there, the
+survivors rebuild their groups over the live ranks (``new_group(live,
+use_local_synchronization=True)``: the dead rank takes no part) and call
+``BalancedRank.ranks_down``: the transition in flight is dropped, the survivor placement every
+survivor computes alike is offered, the experts whose every replica was on the dead rank come
+back through the loader (``HostExpertBackup``: host copies of the experts at risk, the
+"checkpoint" behind them), and the service hears of it (``SetRanksDown``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+
+__all__ = ["DOWN_KEY", "Failure", "heartbeat", "lost_experts", "parse_down"]
+
+DOWN_KEY = "down"  # the parent writes the dead ranks here (JSON list), once they are gone
+_POLL_S = 0.0005  # heartbeat poll: well under a 20 ms step
+_CHECK_S = 0.005  # how often a heartbeat still waiting reads the store
+
+
+def parse_down(raw: bytes) -> list[int]:
+    return sorted(int(r) for r in json.loads(raw.decode()))
+
+
+def heartbeat(group: object, store: object, *, death_wait_s: float = 30.0) -> list[int] | None:
+    """One heartbeat on ``group``: ``None`` when every rank joined it; the dead ranks (as the
+    parent wrote them into ``store``) when one never came. Never blocks in the collective."""
+    import torch
+    import torch.distributed as dist
+
+    work = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+    next_check = time.monotonic() + _CHECK_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= next_check:
+            if store.check([DOWN_KEY]):
+                return parse_down(store.get(DOWN_KEY))  # the work is abandoned with the old group
+            next_check = now + _CHECK_S
+        time.sleep(_POLL_S)
+    try:
+        work.wait()
+        return None
+    except RuntimeError:
+        # A neighbour of the dead rank: gloo saw its socket close first. The parent names it.
+        store.wait([DOWN_KEY], timedelta(seconds=death_wait_s))
+        return parse_down(store.get(DOWN_KEY))
+
+
+def lost_experts(phy2log: np.ndarray, slots_per_gpu: int, dead: list[int]) -> int:
+    """``phy2log [L, P]`` → how many (layer, expert) pairs have every replica on ``dead`` gpus."""
+    gpu = np.arange(phy2log.shape[1]) // slots_per_gpu
+    on_dead = np.isin(gpu, dead)
+    lost = 0
+    for row in phy2log:
+        live = set(row[~on_dead & (row >= 0)].tolist())
+        lost += len(set(row[on_dead & (row >= 0)].tolist()) - live)
+    return lost
+
+
+@dataclass
+class Failure:
+    """One survivor's view of a death: when it learnt of it, when its routing stopped reaching
+    the dead rank, and what was lost in between."""
+
+    dead: list[int]
+    step: int  # the step at whose heartbeat the death was found
+    detected_wall: float  # time.time() then (the parent's kill time is on the same clock)
+    experts_lost: int  # (layer, expert) pairs whose every replica was on the dead ranks
+    survivor_version: int  # the one offered here; the service's may replace it (the same map)
+    recovered_step: int = -1  # first step routed with no slot on a dead rank (-1: not yet)
+    recovered_wall: float = 0.0
+    recovered_version: int = 0  # the version routed from recovered_step
+    dispatches_lost: int = 0  # this rank's dispatches to the dead ranks' slots before that
+    dispatches_to_dead_after: int = 0  # ... and after it (must stay 0)
+    regroup_s: float = 0.0  # rebuilding the groups and ranks_down
+
+    def routed(self, step: int, hist: np.ndarray, routed: object, slots_per_gpu: int) -> None:
+        """``hist [L, P, E]``: this rank's dispatches of ``step``, routed with ``routed`` (a
+        ``PublishedPlacement``, mixed or not)."""
+        dead_slots = np.concatenate([np.arange(r * slots_per_gpu, (r + 1) * slots_per_gpu) for r in self.dead])
+        to_dead = int(hist[:, dead_slots].sum())
+        if self.recovered_step < 0 and not (routed.placement.phy2log[:, dead_slots] >= 0).any():
+            self.recovered_step, self.recovered_wall, self.recovered_version = step, time.time(), routed.version
+        if self.recovered_step < 0:
+            self.dispatches_lost += to_dead
+        else:
+            self.dispatches_to_dead_after += to_dead
+
+    def as_dict(self) -> dict:
+        return {
+            "dead": self.dead,
+            "step": self.step,
+            "detected_wall": self.detected_wall,
+            "experts_lost": self.experts_lost,
+            "survivor_version": self.survivor_version,
+            "recovered_step": self.recovered_step,
+            "recovered_wall": self.recovered_wall,
+            "recovered_version": self.recovered_version,
+            "dispatches_lost": self.dispatches_lost,
+            "dispatches_to_dead_after": self.dispatches_to_dead_after,
+            "regroup_s": self.regroup_s,
+        }
+
+
+def checkpoint(tensors: dict[str, tuple[int, ...]], code: Callable[[int, int, int], float]) -> Callable:
+    """The demo's "checkpoint": ``(layer, expert) -> {name: one slot's tensor}``, each filled
+    with ``code(layer, expert, t)`` (``t``: the tensor's index in name order)."""
+    import torch
+
+    def load(layer: int, expert: int) -> dict:
+        return {
+            name: torch.full(shape, float(code(layer, expert, t)), dtype=torch.float32)
+            for t, (name, shape) in enumerate(sorted(tensors.items()))
+        }
+
+    return load
+
+
+def summarize(cfg_fail_rank: int, cfg_fail_at: int, kill_wall: float, views: dict[int, dict], lead: int) -> dict:
+    """The summary's ``failures`` entry from every survivor's ``Failure`` (``views``, by rank)
+    and the parent's kill time; timings from ``lead`` (they all switch at one agreed step)."""
+    mine = views[lead]
+    rec = mine["recovered_step"]
+    return {
+        "rank": cfg_fail_rank,
+        "step": cfg_fail_at,
+        "recovered_step": rec,
+        "recovery_s": round(mine["recovered_wall"] - kill_wall, 4) if rec >= 0 else None,
+        "detect_s": round(mine["detected_wall"] - kill_wall, 4),
+        "regroup_s": round(mine["regroup_s"], 4),
+        "experts_lost": mine["experts_lost"],
+        "experts_reloaded": int(sum(v["restored"] for v in views.values())),
+        "experts_from_host_copies": int(sum(v["restored_from_host"] for v in views.values())),
+        "dispatches_lost": int(sum(v["dispatches_lost"] for v in views.values())),
+        "dispatches_to_dead_after_recovery": int(sum(v["dispatches_to_dead_after"] for v in views.values())),
+        "survivor_version": mine["recovered_version"] if rec >= 0 else mine["survivor_version"],
+        "recovered_steps_agree": len({v["recovered_step"] for v in views.values()}) == 1,
+    }
