@@ -19,7 +19,7 @@ from eplb_tools.demo_failure import lost_experts
 def _demo(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eplb_bench.cli", "demo", "--ranks", "3", "--seconds", "4", "--json", str(out), *flags],
+        [sys.executable, "-m", "eplb_tools.cli", "demo", "--ranks", "3", "--seconds", "4", "--json", str(out), *flags],
         capture_output=True,
         text=True,
         timeout=240,
