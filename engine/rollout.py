@@ -629,9 +629,20 @@ class Rollout:
         versions offered before it count the dead rank)."""
         with self._lock:
             if supersede and published.version > self.current.version:
+                before = self._offered
                 self._offered = published
                 self._refused = min(self._refused, published.version - 1)
                 self._local_plan, self._local_base, self._from_service = published, self.current, None
+                # The service's own survivor plan of these down ranks may have come first (the
+                # watcher can deliver it before this rank's ranks_down runs, the SetRanksDown
+                # being a faster peer's): dropping it would leave this rank offering the local
+                # number while the others offer the service's, and no start is ever agreed.
+                if (
+                    before is not None
+                    and before.version > published.survivor_of
+                    and set(published.down_ranks) <= set(before.down_ranks)
+                ):
+                    self._from_service = before
             elif self._local_plan is not None:
                 if published.version > max(self._local_plan.survivor_of, getattr(self._from_service, "version", 0)):
                     self._from_service = published

@@ -454,6 +454,8 @@ def _pb() -> object:
 
 def _line(e: dict) -> str:
     who = "draft " if e.get("model") == "draft" else ""
+    if e["kind"] == "adopted":  # the service's survivor placement is the one routed already
+        return f"  {who}v{e['version']:<3} adopted: the service's survivor placement, the map routed already (no move)"
     if e["kind"] != "switched":
         return f"  {who}v{e['version']:<3} {e['kind']} at step {e['step']}: {e['error'] or 'another rank failed'}; kept the previous map"
     planned = f"{e['planned_before']:.3f} -> {e['planned_after']:.3f}" if "planned_before" in e else "?"
@@ -614,7 +616,8 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float, killed: d
     series = np.asarray(results[lead]["models"]["target"]["series"])
     events = {name: [e for e in results[lead]["events"] if e.get("model") == name] for name in model}
     switched = [e for e in events["target"] if e["kind"] == "switched"]
-    others = [e for r in results.values() for e in r["events"] if e["kind"] != "switched"]
+    # An adoption moved nothing and failed nothing: not a rollback.
+    others = [e for r in results.values() for e in r["events"] if e["kind"] not in ("switched", "adopted")]
     shift_step = cfg.steps // 2
     first = switched[0]["step"] if switched else len(series)
     last_q = series[int(0.8 * len(series)) :]

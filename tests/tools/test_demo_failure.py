@@ -59,6 +59,33 @@ def test_a_killed_rank_is_routed_around_and_every_dispatch_still_checked(tmp_pat
     assert f"rank {dead} killed at step {at}: switched to the survivor placement" in proc.stdout
 
 
+@pytest.mark.slow
+# 300 steps. The first switch comes about step 45 with the group barrier, about step 85 with
+# the service's (half a second from the last PREPARED ack to the switch), later under load
+# (step 85 with the group barrier at load average 4): the kills leave a margin.
+@pytest.mark.parametrize(("barrier", "at"), [("group", 130), ("service", 180)])
+def test_a_rank_killed_after_the_first_replan_is_still_routed_around(tmp_path, barrier, at):
+    """Killed after the first re-plan switched (group barrier: about step 45): the survivor
+    placement comes from that version, and the service's survivor plan from whatever it has
+    published. A survivor whose watcher brought the service's plan before its own ranks_down
+    ran dropped it, and the survivors never agreed a start: recovered_step -1 (the engine's
+    side: tests/engine/test_survivor_plan_before_ranks_down.py)."""
+    flags = ("--seconds", "6", "--barrier", barrier, "--fail-rank", "1", "--fail-at", str(at))
+    proc, s = _demo(tmp_path, *flags)  # the last --seconds wins
+    log = proc.stdout + proc.stderr[-3000:]
+    assert s["misrouted_dispatches"] == 0 and s["checksum_mismatches"] == 0
+    switched = [e["step"] for e in s["replans"]]
+    assert switched and min(switched) < at, log  # a re-plan was routed before the kill
+    (f,) = s["failures"]
+    assert at < f["recovered_step"] < 300 and f["recovered_steps_agree"], log
+    assert f["experts_reloaded"] > 0 and f["dispatches_to_dead_after_recovery"] == 0
+    if barrier == "group":  # the local plan restores every pair lost from the version routed at the death
+        assert f["experts_reloaded"] >= f["experts_lost"], log
+    acked = s["service_acked_versions"]
+    assert acked[0] == acked[2] >= f["survivor_version"] > acked[1]
+    assert f"rank 1 killed at step {at}: switched to the survivor placement" in proc.stdout
+
+
 def test_demo_refuses_bad_failure_flags(capsys):
     # --seconds 4 is 200 steps of 20 ms.
     for argv, message in (
