@@ -111,7 +111,14 @@ class _Slot:
             ctx = multiprocessing.get_context("spawn")
             ours, theirs = ctx.Pipe()
             self._proc = ctx.Process(target=_work, args=(theirs, self.plugins), name="eplb-plan", daemon=False)
-            self._proc.start()
+            # SIGINT blocked while the worker starts (the mask is inherited through spawn): a
+            # terminal's Ctrl-C reaching it before it leads its own group (``_work``) would
+            # print a KeyboardInterrupt traceback from its start-up; the server stops it.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                self._proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             theirs.close()
             self._conn = ours
         conn = self._conn
@@ -146,6 +153,9 @@ def _work(conn: Connection, plugins: tuple[str, ...]) -> None:
     # A group of its own, so that kill() takes every process a plan starts with it (and a
     # terminal's Ctrl-C reaches only the server, which stops the workers itself).
     os.setpgrp()
+    # Ignored, then unblocked (a Ctrl-C sent while it started is dropped, not raised here).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     plugin_loader.load(plugins)
     try:
         _serve(conn)
