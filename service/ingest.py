@@ -99,7 +99,12 @@ class Ingest:
         name, spec = local.deployment.name, local.window_spec
 
         def journal(fresh: list[bool]) -> bytes:
-            sums = sum((c for (_, _, c), f in zip(items, fresh) if f), np.zeros(local.window.shape))
+            # In place, in report order (the same float sums as adding them one by one): one
+            # array for the batch rather than one per report.
+            sums = np.zeros(local.window.shape)
+            for (_, _, counts), f in zip(items, fresh):
+                if f:
+                    sums += counts
             return encode_sums(sums, sum(fresh), time.time(), spec)
 
         pairs = [(rank, seq) for rank, seq, _ in items]

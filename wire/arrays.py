@@ -69,9 +69,10 @@ def decode(msg: pb.Array, field: str = "array", shape: tuple[int, ...] | None = 
         raise ArrayError(f"{field}.shape", f"shape is {list(msg.shape)}; expected {list(shape)}")
     # int64: a shape of large dims would overflow the platform int and under-count.
     want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    if len(msg.data) != want:
-        raise ArrayError(f"{field}.data", f"holds {len(msg.data)} bytes; shape {list(shape)} of {dt.name} needs {want}")
-    return np.frombuffer(msg.data, dtype=dt).reshape(shape)
+    data = msg.data  # once: each read of a bytes field copies it
+    if len(data) != want:
+        raise ArrayError(f"{field}.data", f"holds {len(data)} bytes; shape {list(shape)} of {dt.name} needs {want}")
+    return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
 def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float | None = None) -> np.ndarray:
@@ -82,7 +83,13 @@ def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float 
         raise ArrayError(f"{field}.data", "counts must be finite (found NaN or infinity)")
     if arr.size and arr.min() < 0:
         raise ArrayError(f"{field}.data", f"counts must be >= 0 (found {arr.min()})")
-    if cap is not None and arr.size and arr.max() > cap:
+    # An integer dtype whose largest value is within the cap cannot exceed it: no pass needed.
+    if (
+        cap is not None
+        and arr.size
+        and not (arr.dtype.kind in "iu" and np.iinfo(arr.dtype).max <= cap)
+        and arr.max() > cap
+    ):
         raise ArrayError(
             f"{field}.data", f"a count of {arr.max():g} is over the per-report cap of {cap:g} tokens per entry"
         )
