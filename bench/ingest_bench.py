@@ -182,7 +182,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
         "get_p50_ms": percentile(lat, 50) * 1e3,
         "redis_ms_per_report": sum(redis_cpu) * 1e3 / n,
         # Over the clients' time plus the 1.5 s of last flushes: a lower bound of the busy share.
-        "hot_master_pct": max(redis_cpu) * 100 / (elapsed + 1.5),
+        "hot_master_pct": max(redis_cpu, default=0.0) * 100 / (elapsed + 1.5),
         "service_ms_per_report": (cpu_after - cpu_before) * 1e3 / n,
         "service_cores": (cpu_after - cpu_before) / (elapsed + 1.5),
     }
@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         for kind in args.kinds:
             _pin(args.cpus_redis)
-            if kind == "cluster":
+            if kind == "bare":
+                backend, url, ports = None, "", []
+            elif kind == "cluster":
                 backend = ClusterProcesses(workdir / "cluster", appendfsync=None)
                 backend.start()
                 url, ports = backend.url, backend.ports
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(_measure(kind, url, ports, replicas, deployments, args, workdir))
                     _print_row(rows[-1])
             finally:
-                backend.stop()
+                if backend is not None:
+                    backend.stop()
     print()
     print(
         f"ingestion, int32 [58, 256] reports (payload {PAYLOAD} bytes), medians of {args.repeats} run(s); "
@@ -238,6 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+class _BareServe(ServeProcess):
+    """``harness.bare_server`` in place of a replica: the floor (no Redis, no report work)."""
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "eplb_bench.harness.bare_server", "--port", str(self.port)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
 
 
 class _ProfiledServe(ServeProcess):
@@ -274,7 +290,9 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
     servers = [
         ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING")) for i in range(replicas)
     ]
-    if args.profile_dir is not None:
+    if kind == "bare":
+        servers = [_BareServe(s.redis_url, s.prefix, s.log_path) for s in servers]
+    elif args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         servers = [_ProfiledServe(s.redis_url, s.prefix, s.log_path, s.args) for s in servers]
         for i, s in enumerate(servers):
