@@ -1,7 +1,7 @@
 """Ingestion at scale: reports/s accepted and GetPlacement p99, by Redis kind, replicas and
 deployments, and what each report costs Redis.
 
-    python -m eplb_bench.ingest_bench [--kinds redis,cluster] [--replicas 1,2] [--deployments 1,50]
+    python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare] [--replicas 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
@@ -14,6 +14,12 @@ serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` repo
   read from its clients per accepted report (``INFO stats`` ``total_net_input_bytes``, every
   master summed) against the report's payload (59,392 bytes);
 - paced: the same clients send ``--rate`` reports/s in total.
+
+``bare`` (not run by default) puts ``harness.bare_server`` where the replicas would be: a
+gRPC server of the same service and options that only receives each report and answers
+GetPlacement from one pre-built response of a v3 placement's size, with no Redis. Its p99 is the
+floor under the service's: what the same clients see when nothing but gRPC's reception of the
+reports shares the event loop with GetPlacement.
 
 In both, a third process calls GetPlacement on the first replica every 5 ms (4 callers) and
 prints its p99. Each figure is the median over ``--repeats`` runs.
