@@ -90,12 +90,17 @@ class Failure:
     dispatches_lost: int = 0  # this rank's dispatches to the dead ranks' slots before that
     dispatches_to_dead_after: int = 0  # ... and after it (must stay 0)
     regroup_s: float = 0.0  # rebuilding the groups and ranks_down
+    rejoined_step: int = -1  # --rejoin-at: the step from which the dead rank serves again
+    dispatches_to_rejoined: int = 0  # this rank's dispatches to its slots from then on
 
     def routed(self, step: int, hist: np.ndarray, routed: object, slots_per_gpu: int) -> None:
         """``hist [L, P, E]``: this rank's dispatches of ``step``, routed with ``routed`` (a
         ``PublishedPlacement``, mixed or not)."""
         dead_slots = np.concatenate([np.arange(r * slots_per_gpu, (r + 1) * slots_per_gpu) for r in self.dead])
         to_dead = int(hist[:, dead_slots].sum())
+        if 0 <= self.rejoined_step <= step:  # restarted and planned in: served again
+            self.dispatches_to_rejoined += to_dead
+            return
         if self.recovered_step < 0 and not (routed.placement.phy2log[:, dead_slots] >= 0).any():
             self.recovered_step, self.recovered_wall, self.recovered_version = step, time.time(), routed.version
         if self.recovered_step < 0:
@@ -116,6 +121,8 @@ class Failure:
             "dispatches_lost": self.dispatches_lost,
             "dispatches_to_dead_after": self.dispatches_to_dead_after,
             "regroup_s": self.regroup_s,
+            "rejoined_step": self.rejoined_step,
+            "dispatches_to_rejoined": self.dispatches_to_rejoined,
         }
 
 
@@ -133,12 +140,22 @@ def checkpoint(tensors: dict[str, tuple[int, ...]], code: Callable[[int, int, in
     return load
 
 
-def summarize(cfg_fail_rank: int, cfg_fail_at: int, kill_wall: float, views: dict[int, dict], lead: int) -> dict:
+def summarize(
+    cfg_fail_rank: int,
+    cfg_fail_at: int,
+    kill_wall: float,
+    views: dict[int, dict],
+    lead: int,
+    rejoin: dict | None = None,
+    restart_wall: float = 0.0,
+) -> dict:
     """The summary's ``failures`` entry from every survivor's ``Failure`` (``views``, by rank)
-    and the parent's kill time; timings from ``lead`` (they all switch at one agreed step)."""
+    and the parent's kill time; timings from ``lead`` (they all switch at one agreed step).
+    ``rejoin``: with --rejoin-at, the restarted rank's ``Rejoin`` (``None``: never restarted),
+    ``restart_wall`` when the parent started it."""
     mine = views[lead]
     rec = mine["recovered_step"]
-    return {
+    out = {
         "rank": cfg_fail_rank,
         "step": cfg_fail_at,
         "recovered_step": rec,
@@ -153,3 +170,19 @@ def summarize(cfg_fail_rank: int, cfg_fail_at: int, kill_wall: float, views: dic
         "survivor_version": mine["recovered_version"] if rec >= 0 else mine["survivor_version"],
         "recovered_steps_agree": len({v["recovered_step"] for v in views.values()}) == 1,
     }
+    if rejoin is not None:
+        joined = rejoin["step"] >= 0
+        out |= {
+            "rejoined_step": rejoin["step"],
+            # restart (the parent starting its process) to serving (the join done, routing on)
+            "rejoin_s": round(rejoin["serving_wall"] - restart_wall, 4) if joined else None,
+            "rejoin_ready_s": round(rejoin["ready_wall"] - restart_wall, 4),
+            "rejoin_stall_s": round(rejoin["join_s"], 4),  # the step the survivors waited for the join
+            "experts_loaded_on_rejoin": rejoin["experts_loaded"],
+            "rejoin_moves": rejoin["moves"],
+            "rejoin_version": rejoin["version"],
+            "rejoined_steps_agree": {v["rejoined_step"] for v in views.values()} == {rejoin["step"]},
+            "dispatches_to_rejoined": int(sum(v["dispatches_to_rejoined"] for v in views.values())),
+            "dispatches_served_by_rejoined": rejoin["served"],
+        }
+    return out
