@@ -328,8 +328,8 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
         rejoin.ready_wall = time.time()
         go = wait_go(store)
         if go is None:  # the run ended first
-            events.put(("done", {"rank": rank, "seconds": 0.0, "steps_routed": 0, "events": [], "late": 0,
-                                 "models": {}, "rejoin": rejoin.as_dict()}))
+            empty = dict(rank=rank, seconds=0.0, steps_routed=0, events=[], late=0, models={})
+            events.put(("done", {**empty, "rejoin": rejoin.as_dict()}))
             events.close()
             events.join_thread()
             os._exit(0)
@@ -484,8 +484,6 @@ def _join(
     ``demo_rejoin`` docstring says how). ``go``/``rejoin``: on the restarted rank, the
     survivors' word and its account; ``failure``: on a survivor. Returns the steps' group and
     the live ranks (all)."""
-    import torch.distributed as dist
-
     from eplb_engine.mover import WeightMover
     from eplb_engine.rollout import AckSender, ProcessGroupBarrier
 
@@ -790,7 +788,9 @@ def _summary(
     for rank, when in sorted(killed.items()):
         views = {r: v["failure"] for r, v in results.items() if "failure" in v and rank in v["failure"]["dead"]}
         back = rejoined[rank]["rejoin"] if rank in rejoined else None
-        entry = summarize_failure(rank, results[rank]["steps_routed"], when, views, lead, back, restarted.get(rank, 0.0))
+        entry = summarize_failure(
+            rank, results[rank]["steps_routed"], when, views, lead, back, restarted.get(rank, 0.0)
+        )
         failures.append(entry)
     lost = sum(f["dispatches_lost"] for f in failures)
     summary = {

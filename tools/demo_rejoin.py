@@ -32,11 +32,23 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-import numpy as np
-
 import eplb
 
-__all__ = ["GO_KEY", "READY_KEY", "Rejoin", "adopt", "epoch_groups", "rejoin_plan", "staged", "tell_service_up"]
+__all__ = [
+    "CANCEL_KEY",
+    "GO_KEY",
+    "READY_KEY",
+    "Rejoin",
+    "adopt",
+    "cancel",
+    "epoch_groups",
+    "go_payload",
+    "load_slots",
+    "rejoin_plan",
+    "staged",
+    "tell_service_up",
+    "wait_go",
+]
 
 READY_KEY = "rejoin/ready"  # the restarted rank is up, its BalancedRank built
 GO_KEY = "rejoin/go"  # the survivors' answer: the join step and the version they route
