@@ -867,7 +867,7 @@ def _print_summary(s: dict, out: object) -> None:
         )
         print(
             f"  rank {f['rank']} killed at step {f['step']}: {recovered}; {f['experts_reloaded']} experts reloaded "
-            f"({f['experts_lost']} had no replica left, {f['experts_from_host_copies']} from host copies); "
+            f"({f['experts_lost']} had no replica left{_then(f)}, {f['experts_from_host_copies']} from host copies); "
             f"{f['dispatches_lost']} dispatches lost to the dead rank before the switch, "
             f"{f['dispatches_to_dead_after_recovery']} after it",
             file=out,
@@ -885,6 +885,15 @@ def _print_summary(s: dict, out: object) -> None:
             file=out,
             flush=True,
         )
+
+
+def _then(f: dict) -> str:
+    """The lost experts counted again where a version switched between the death and the
+    survivor placement (with the service barrier, a switch step fixed before the death
+    stands): it may have copied some of them to the survivors, who then reload fewer."""
+    if f["experts_lost_at_switch"] == f["experts_lost"]:
+        return ""
+    return f" at the death, {f['experts_lost_at_switch']} in the map the survivor move started from"
 
 
 def _rejoined(f: dict) -> str:

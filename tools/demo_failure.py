@@ -63,15 +63,24 @@ def heartbeat(group: object, store: object, *, death_wait_s: float = 30.0) -> li
         return parse_down(store.get(DOWN_KEY))
 
 
+def lost_per_layer(phy2log: np.ndarray, slots_per_gpu: int, dead: list[int]) -> np.ndarray:
+    """``phy2log [L, P]`` → ``[L]``: per layer, the experts with every replica on ``dead`` gpus."""
+    L, P = phy2log.shape
+    E = int(phy2log.max()) + 1 if phy2log.size else 0
+    on_dead = np.isin(np.arange(P) // slots_per_gpu, dead)
+    rows = np.broadcast_to(np.arange(L)[:, None], phy2log.shape)
+
+    def held(cols: np.ndarray) -> np.ndarray:  # [L, E]: the expert has a replica in those slots
+        out = np.zeros((L, E + 1), dtype=bool)
+        out[rows, np.where(cols & (phy2log >= 0), phy2log, E)] = True
+        return out[:, :E]
+
+    return (held(on_dead) & ~held(~on_dead)).sum(axis=1)
+
+
 def lost_experts(phy2log: np.ndarray, slots_per_gpu: int, dead: list[int]) -> int:
     """``phy2log [L, P]`` → how many (layer, expert) pairs have every replica on ``dead`` gpus."""
-    gpu = np.arange(phy2log.shape[1]) // slots_per_gpu
-    on_dead = np.isin(gpu, dead)
-    lost = 0
-    for row in phy2log:
-        live = set(row[~on_dead & (row >= 0)].tolist())
-        lost += len(set(row[on_dead & (row >= 0)].tolist()) - live)
-    return lost
+    return int(lost_per_layer(phy2log, slots_per_gpu, dead).sum())
 
 
 @dataclass
@@ -92,12 +101,22 @@ class Failure:
     regroup_s: float = 0.0  # rebuilding the groups and ranks_down
     rejoined_step: int = -1  # --rejoin-at: the step from which the dead rank serves again
     dispatches_to_rejoined: int = 0  # this rank's dispatches to its slots from then on
+    # Per layer, the experts lost in the last map routed before that layer left the dead
+    # rank: what the survivor move restores. It differs from experts_lost when a version
+    # switches between the death and the survivor placement (service barrier: a switch step
+    # fixed before the death stands), which may have copied some of them to the survivors.
+    lost_at_switch: np.ndarray | None = None
 
     def routed(self, step: int, hist: np.ndarray, routed: object, slots_per_gpu: int) -> None:
         """``hist [L, P, E]``: this rank's dispatches of ``step``, routed with ``routed`` (a
         ``PublishedPlacement``, mixed or not)."""
         dead_slots = np.concatenate([np.arange(r * slots_per_gpu, (r + 1) * slots_per_gpu) for r in self.dead])
         to_dead = int(hist[:, dead_slots].sum())
+        if self.recovered_step < 0:
+            phy2log = routed.placement.phy2log
+            lost = lost_per_layer(phy2log, slots_per_gpu, self.dead)
+            leaving = (phy2log[:, dead_slots] >= 0).any(axis=1)  # still routes to the dead rank
+            self.lost_at_switch = np.where(leaving, lost, 0 if self.lost_at_switch is None else self.lost_at_switch)
         if 0 <= self.rejoined_step <= step:  # restarted and planned in: served again
             self.dispatches_to_rejoined += to_dead
             return
@@ -123,6 +142,7 @@ class Failure:
             "regroup_s": self.regroup_s,
             "rejoined_step": self.rejoined_step,
             "dispatches_to_rejoined": self.dispatches_to_rejoined,
+            "experts_lost_at_switch": int(self.lost_at_switch.sum()) if self.lost_at_switch is not None else 0,
         }
 
 
@@ -163,6 +183,8 @@ def summarize(
         "detect_s": round(mine["detected_wall"] - kill_wall, 4),
         "regroup_s": round(mine["regroup_s"], 4),
         "experts_lost": mine["experts_lost"],
+        # counted against the map the survivor move started from: what it had to reload
+        "experts_lost_at_switch": mine.get("experts_lost_at_switch", mine["experts_lost"]),
         "experts_reloaded": int(sum(v["restored"] for v in views.values())),
         "experts_from_host_copies": int(sum(v["restored_from_host"] for v in views.values())),
         "dispatches_lost": int(sum(v["dispatches_lost"] for v in views.values())),
