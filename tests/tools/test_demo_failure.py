@@ -91,17 +91,19 @@ def test_a_rank_killed_after_the_first_replan_is_still_routed_around(tmp_path, b
 
 
 @pytest.mark.slow
-# Killed at step 20 (before the first re-plan), restarted at step 60: it is up 1.4 s later on an
-# idle 2-core machine (importing torch), and joins at about step 130 of 300.
+# Killed at step 20 (before the first re-plan), restarted at step 40 of 400: it is up 1.4 s later
+# on an idle 2-core machine (importing torch), 5.2 s later at load average 9 (the join at step
+# 283 of a run from step 60), so it joins with a margin either way.
 @pytest.mark.parametrize("barrier", ["group", "service"])
 def test_a_restarted_rank_loads_its_weights_and_serves_again(tmp_path, barrier):
-    flags = ("--seconds", "6", "--barrier", barrier, "--fail-rank", "1", "--fail-at", "20", "--rejoin-at", "60")
+    flags = ("--seconds", "8", "--barrier", barrier, "--fail-rank", "1", "--fail-at", "20", "--rejoin-at", "40")
     proc, s = _demo(tmp_path, *flags)
     log = proc.stdout + proc.stderr[-3000:]
     # Every dispatch checked, before the death, between it and the rejoin, and after it.
     assert s["misrouted_dispatches"] == 0 and s["checksum_mismatches"] == 0, log
     (f,) = s["failures"]
-    assert 20 < f["recovered_step"] < 60 < f["rejoined_step"] < 300 and f["rejoined_steps_agree"], log
+    assert 20 < f["recovered_step"] < f["rejoined_step"] < 400 and 40 < f["rejoined_step"], log
+    assert f["rejoined_steps_agree"], log
     assert 0 < f["rejoin_ready_s"] < f["rejoin_s"] < 30
     # It loaded every slot of its gpu (16 a layer, all filled by the plan) through the loader.
     assert f["experts_loaded_on_rejoin"] == 6 * 16
@@ -109,13 +111,13 @@ def test_a_restarted_rank_loads_its_weights_and_serves_again(tmp_path, barrier):
     assert 0 < f["dispatches_to_rejoined"] < f["dispatches_served_by_rejoined"]
     assert f["dispatches_to_dead_after_recovery"] == 0
     # Its two lives' tokens: up to the death, then from the join on.
-    assert s["tokens_routed"] == (2 * 300 + 20 + 300 - f["rejoined_step"]) * 1024
+    assert s["tokens_routed"] == (2 * 400 + 20 + 400 - f["rejoined_step"]) * 1024
     assert s["dispatches_checked"] + f["dispatches_lost"] == s["tokens_routed"] * 4 * 6
     # The service planned it in again (SetRanksDown up) and has every rank on one version.
     assert s["service_down_ranks"] == []
     acked = s["service_acked_versions"]
     assert acked[0] == acked[1] == acked[2] >= f["rejoin_version"], log
-    assert "rank 1 restarted at step 60" in proc.stdout
+    assert "rank 1 restarted at step 40" in proc.stdout
     assert f"rank 1 rejoined at step {f['rejoined_step']} (v{f['rejoin_version']})" in proc.stdout
 
 
