@@ -17,6 +17,8 @@ weights are its expert's. Misrouted dispatches are counted, and must be zero.
 
 ``--fail-rank R --fail-at STEP`` kills rank R at that step; the survivors detect it, regroup and
 switch to the survivor placement (``demo_failure``; the gloo store is this process's).
+``--rejoin-at STEP`` starts it again at that step: once up it joins them at a step they agree,
+loads its weights and is planned in again (``demo_rejoin``).
 """
 
 from __future__ import annotations
@@ -464,8 +466,10 @@ def _may_join(balanced: object, failure: Failure | None, store: object, step: in
     moves weights outside the rollout)."""
     if failure is None or failure.rejoined_step >= 0 or step < cfg.rejoin_at or failure.recovered_step < 0:
         return 0
+    from eplb_engine.rollout import Phase
+
     rollout = balanced.rollout
-    return int(rollout.phase.value == "idle" and not rollout.mixed and store.check([READY_KEY]))
+    return int(rollout.phase is Phase.IDLE and not rollout.mixed and store.check([READY_KEY]))
 
 
 def _join(
