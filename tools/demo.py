@@ -17,6 +17,8 @@ weights are its expert's. Misrouted dispatches are counted, and must be zero.
 
 ``--fail-rank R --fail-at STEP`` kills rank R at that step; the survivors detect it, regroup and
 switch to the survivor placement (``demo_failure``; the gloo store is this process's).
+``--rejoin-at STEP`` starts it again at that step: once up it joins them at a step they agree,
+loads its weights and is planned in again (``demo_rejoin``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from eplb.workloads import shift, zipf
 from . import extras
 from .demo_failure import DOWN_KEY, Failure, heartbeat, lost_experts
 from .demo_failure import summarize as summarize_failure
+from .demo_rejoin import GO_KEY, READY_KEY, Rejoin, cancel, wait_go
 from .pipes import INTERRUPTED_STATUS
 
 __all__ = ["DemoConfig", "run", "main"]
@@ -84,6 +87,7 @@ class DemoConfig:
     deployment: str = "demo"
     fail_rank: int = -1  # --fail-rank: the rank killed at step fail_at (-1: none)
     fail_at: int = 0
+    rejoin_at: int = 0  # --rejoin-at: the step at which fail_rank is restarted (0: never)
     address: str = ""
     gloo_port: int = 0  # the parent's TCPStore (the gloo rendezvous)
 
@@ -184,8 +188,10 @@ def route(counts: np.ndarray, placement: eplb.Placement, offset: int) -> np.ndar
     return np.bincount(index, weights=share[valid], minlength=L * P * E).reshape(L, P, E)
 
 
-def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
-    """One simulated engine rank: route, report, watch, move, switch, verify; results to ``events``."""
+def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = False) -> None:
+    """One simulated engine rank: route, report, watch, move, switch, verify; results to ``events``.
+    ``restarted``: rank ``cfg.fail_rank`` started again (``--rejoin-at``): it joins the
+    survivors at the step they agree (``demo_rejoin``) and routes from there."""
     import torch
     import torch.distributed as dist
 
@@ -194,20 +200,41 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
     torch.set_num_threads(1)
     # The rendezvous store is the parent's (not rank 0's): any rank may die.
     store = dist.TCPStore("127.0.0.1", cfg.gloo_port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60)
-    )
+    if restarted:
+        # The old world is gone for it (it cannot join a gloo group whose members left long
+        # ago): a placeholder world that gives it its rank, the epoch's groups come at the join.
+        # torch's "fake" backend (it talks to no one) registers on this import.
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=cfg.ranks)
+    else:
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("world", store),
+            rank=rank,
+            world_size=cfg.ranks,
+            timeout=timedelta(seconds=60),
+        )
     failing = cfg.fail_rank >= 0
+    rejoining = cfg.rejoin_at > 0
     # The mover's transfers on a group with a short timeout: a prepare in flight when a rank
-    # dies waits on a live peer that gave up at most that long (ranks_down waits for it).
-    mover_group = dist.new_group(timeout=timedelta(seconds=_MOVER_TIMEOUT_S)) if failing else None
+    # dies waits on a live peer that gave up at most that long (ranks_down waits for it). The
+    # restarted rank's is set at the join (the world here only stands in for it).
+    mover_group = None
+    if failing:
+        mover_group = dist.group.WORLD if restarted else dist.new_group(timeout=timedelta(seconds=_MOVER_TIMEOUT_S))
     # The models: the target, and the draft's MoE layers (their own deployment) with --draft-layers.
     models = [_Model("target", cfg.topology, cfg.deployment, cfg.seed)]
     if cfg.draft_layers:
         models.append(_Model("draft", cfg.draft_topology, cfg.draft_deployment, cfg.seed + 1))
     for model in models:
-        # The rank's weights start as the service's version 1 (the contiguous map the demo creates).
+        # The rank's weights start as the service's version 1 (the contiguous map the demo
+        # creates); a restarted rank's hold nothing (NaN: no expert's code) until the join.
         model.layers = make_weights(model.topo, rank, eplb.Placement.contiguous(model.topo))
+        if restarted:
+            for tensors in model.layers:
+                for t in tensors.values():
+                    t.fill_(float("nan"))
         model.pop = popularity(cfg, model.topo, model.seed)
     # Chunks of at most two layers within a small receive-buffer budget (one gpu's slots: any
     # one layer fits), so CI runs the chunked rollout; the service barrier agrees one step per
@@ -279,10 +306,13 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         draft=draft,
         mover_group=mover_group,
         verify=True,
+        # A restarted rank holds no version yet: it acks the plan it joins with.
+        ack_initial=not restarted,
     )
     rng = np.random.default_rng(cfg.seed * 1000 + rank + 1)
     live = list(range(cfg.ranks))
-    step_group = None  # the steps' collectives: the world, then the survivors' group
+    # the steps' collectives: the world, the survivors' group, then the epoch's after a rejoin
+    step_group = None
     failure: Failure | None = None
     backup, kept = None, -1
     if failing:
@@ -293,8 +323,27 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
         # The restore loader: host copies of the experts another gpu alone holds, refreshed at
         # each version; anything else from the "checkpoint" (the weights' code).
         backup = HostExpertBackup(checkpoint(_TENSORS, _code), budget_bytes=1 << 20, pin=False)
-    dist.barrier()
-    start = time.perf_counter()
+    rejoin = Rejoin() if restarted else None
+    first_step = 0
+    if restarted:
+        store.set(READY_KEY, "1")
+        rejoin.ready_wall = time.time()
+        go = wait_go(store)
+        if go is None:  # the run ended first
+            empty = dict(rank=rank, seconds=0.0, steps_routed=0, events=[], late=0, models={})
+            events.put(("done", {**empty, "rejoin": rejoin.as_dict()}))
+            events.close()
+            events.join_thread()
+            os._exit(0)
+        first_step = go["step"]
+        # Its series indexed by step as everyone's (the steps before it joined: none measured here).
+        models[0].series.extend([float("nan")] * first_step)
+        step_group, live = _join(balanced, models[0], store, rank, cfg, first_step, go=go, rejoin=rejoin)
+    else:
+        dist.barrier()
+    join_next = False  # every survivor saw the restarted rank ready: join at the next step
+    # Steps paced from the run's start (a restarted rank's, as if it had been there).
+    start = time.perf_counter() - first_step * cfg.step_ms / 1000
     steps_routed = 0
 
     def tallies() -> dict:
@@ -315,8 +364,13 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             },
         }
 
-    for step in range(cfg.steps):
-        if failing and rank == cfg.fail_rank and step == cfg.fail_at:
+    for step in range(first_step, cfg.steps):
+        if join_next:
+            join_next = False
+            step_group, live = _join(balanced, models[0], store, rank, cfg, step, failure=failure)
+        if rejoining and failure is not None and step == cfg.rejoin_at and rank == live[0]:
+            events.put(("rejoin", {"rank": cfg.fail_rank, "step": step}))  # the parent restarts it
+        if failing and not restarted and rank == cfg.fail_rank and step == cfg.fail_at:
             # Killed here: the parent SIGKILLs this process once it has its tallies so far.
             events.put(("dying", {**tallies(), "dead": True}))
             events.close()
@@ -326,13 +380,13 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             # rank's writes for good (seen: no rank's results ever came).
             store.set(f"{DOWN_KEY}/flushed/{rank}", "1")
             time.sleep(600)
-        if failing and failure is None:
+        if failing and failure is None and not restarted:
             dead = heartbeat(step_group, store)
             if dead is not None:
                 live = [r for r in live if r not in dead]
                 failure, step_group = _survive(balanced, dead, live, step, backup)
         balanced.step(step)
-        if failing and failure is None and balanced.rollout.current.version != kept:
+        if failing and failure is None and not restarted and balanced.rollout.current.version != kept:
             # A version switched: back up what another gpu alone holds now.
             kept = balanced.rollout.current.version
             backup.keep(at_risk(balanced.rollout.current.placement, gpu=rank))
@@ -348,14 +402,22 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             failure.routed(step, hists[0], balanced.target.routed, S)
         # The dispatch (both models in one all-reduce): every rank learns what reached the
         # slots it holds, and checks them.
-        total = torch.from_numpy(np.concatenate([h.reshape(-1) for h in hists]).astype(np.int64))
+        flat = [h.reshape(-1) for h in hists]
+        if rejoining:
+            # With the dispatch: whether this rank may join the restarted one now (all must).
+            flat.append(np.array([_may_join(balanced, failure, store, step, cfg)]))
+        total = torch.from_numpy(np.concatenate(flat).astype(np.int64))
         dist.all_reduce(total, group=step_group)
         steps_routed += 1
+        if rejoining and failure is not None and failure.rejoined_step < 0:
+            join_next = int(total[-1]) == len(live)
         offset = 0
         for model, hist in zip(models, hists):
             got = total.numpy()[offset : offset + hist.size].reshape(hist.shape)
             offset += hist.size
             model.misrouted += misrouted_here(got, model.layers, model.topo, rank)
+            if rejoin is not None:
+                rejoin.served += int(got[:, rank * S : (rank + 1) * S].sum())
             # Every rank measures (all alike): whichever survives reports the series.
             topo = model.topo
             gpu = got.reshape(topo.num_layers, topo.num_gpus, -1).sum(axis=2)[:, live]
@@ -372,15 +434,20 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
             done_events.append(item)
         # Pace the steps; every rank waits in the all-reduce for the slowest anyway.
         time.sleep(max(0.0, start + (step + 1) * cfg.step_ms / 1000 - time.perf_counter()))
+    if rejoining and failure is not None and failure.rejoined_step < 0 and rank == live[0]:
+        cancel(store)  # the restarted rank never joined: it may stop waiting
     balanced.close(timeout_s=2.0)
     dist.barrier(group=step_group)
     result = tallies()
-    if failure is None:
+    if restarted:
+        events.put(("done", {**result, "rejoin": rejoin.as_dict()}))
+    elif failure is None:
         dist.destroy_process_group()
         events.put(("done", result))
         return
-    restored = {"restored": backup.hits + backup.misses, "restored_from_host": backup.hits}
-    events.put(("done", {**result, "failure": {**failure.as_dict(), **restored}}))
+    else:
+        restored = {"restored": backup.hits + backup.misses, "restored_from_host": backup.hits}
+        events.put(("done", {**result, "failure": {**failure.as_dict(), **restored}}))
     # The world group still holds the heartbeat abandoned at the death (until its timeout):
     # its destructor would wait for it. The results are flushed; leave without it.
     events.close()
@@ -391,6 +458,76 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue) -> None:
 def _code(layer: int, expert: int, t: int) -> int:
     """The value every weight of (layer, expert)'s tensor ``t`` (name order) holds."""
     return layer * _CODE_LAYER + expert * _CODE_EXPERT + t
+
+
+def _may_join(balanced: object, failure: Failure | None, store: object, step: int, cfg: DemoConfig) -> int:
+    """1 when this survivor may take the restarted rank in at the next step: from --rejoin-at
+    on, once it is ready, the survivor placement routed, and no transition in flight (the join
+    moves weights outside the rollout)."""
+    if failure is None or failure.rejoined_step >= 0 or step < cfg.rejoin_at or failure.recovered_step < 0:
+        return 0
+    from eplb_engine.rollout import Phase
+
+    rollout = balanced.rollout
+    return int(rollout.phase is Phase.IDLE and not rollout.mixed and store.check([READY_KEY]))
+
+
+def _join(
+    balanced: object,
+    model: _Model,
+    store: object,
+    rank: int,
+    cfg: DemoConfig,
+    step: int,
+    *,
+    go: dict | None = None,
+    rejoin: Rejoin | None = None,
+    failure: Failure | None = None,
+) -> tuple:
+    """Between two steps, on every live rank at once: the restarted rank taken in (the
+    ``demo_rejoin`` docstring says how). ``go``/``rejoin``: on the restarted rank, the
+    survivors' word and its account; ``failure``: on a survivor. Returns the steps' group and
+    the live ranks (all)."""
+    from eplb_engine.mover import WeightMover
+    from eplb_engine.rollout import AckSender, ProcessGroupBarrier
+
+    from .demo_failure import checkpoint
+    from .demo_rejoin import adopt, epoch_groups, go_payload, load_slots, rejoin_plan, staged, tell_service_up
+
+    t0 = time.perf_counter()
+    back = cfg.fail_rank
+    if go is None:
+        base, routing = balanced.rollout.current, balanced.rollout.routing
+        if rank == min(r for r in range(cfg.ranks) if r != back):
+            store.set(GO_KEY, go_payload(step, base, routing))
+    else:
+        base, routing = go["base"], eplb.Placement(go["routing"], model.topo)
+    steps, barrier_group, movers = epoch_groups(store, 1, rank, cfg.ranks, _MOVER_TIMEOUT_S)
+    plan = rejoin_plan(base, routing)
+    if rejoin is not None:
+        rejoin.experts_loaded = load_slots(model.layers, plan.placement, rank, checkpoint(_TENSORS, _code))
+    # The restarted rank holds its slots of the plan now; the mover moves what the plan
+    # changes on the survivors (from them or from it).
+    start = staged(routing, plan.placement, back)
+    report = WeightMover(model.layers, start, plan.placement, movers, verify=True).run()
+    if report.mismatches:
+        raise RuntimeError(f"rank {rank}: the join's moves left slots unlike their sources: {report.mismatches[:4]}")
+    barrier = None
+    if cfg.barrier == "group":
+        barrier = ProcessGroupBarrier(barrier_group, acks=AckSender(balanced.client, balanced.deployment, rank))
+        balanced.barrier = barrier
+    adopt(balanced.target, plan, base, barrier)
+    balanced.target.applier.group = movers
+    if rejoin is not None:
+        rejoin.step, rejoin.version, rejoin.serving_wall = step, plan.version, time.time()
+        rejoin.moves = int((start.phy2log != plan.placement.phy2log).sum())
+        rejoin.join_s = time.perf_counter() - t0
+        # Told once the plan is routed here: the service's plan of the same pair then finds
+        # the local one to be adopted by (not a version to start moving to).
+        rejoin.service_error = tell_service_up(balanced, rank)
+    if failure is not None:
+        failure.rejoined_step = step
+    return steps, list(range(cfg.ranks))
 
 
 def _survive(balanced: object, dead: list[int], live: list[int], step: int, backup: object) -> tuple:
@@ -516,7 +653,8 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
         f"eplb demo: service on {service.address}; {cfg.ranks} engine ranks (gloo), {topo.num_layers} layers x "
         f"{topo.num_experts} experts on {topo.num_slots} slots{draft}; {cfg.steps} steps of {cfg.step_ms:g} ms, "
         f"popularity drifting then shifting at step {cfg.steps // 2}; {cfg.barrier} barrier"
-        + (f"; rank {cfg.fail_rank} killed at step {cfg.fail_at}" if cfg.fail_rank >= 0 else ""),
+        + (f"; rank {cfg.fail_rank} killed at step {cfg.fail_at}" if cfg.fail_rank >= 0 else "")
+        + (f", restarted at step {cfg.rejoin_at}" if cfg.rejoin_at else ""),
         file=out,
         flush=True,
     )
@@ -541,18 +679,32 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
         restore()
     results: dict[int, dict] = {}
     killed: dict[int, float] = {}  # rank -> when it was killed (time.time())
+    restarted: dict[int, float] = {}  # rank -> when it was started again (time.time())
+    rejoined: dict[int, dict] = {}  # a restarted rank's results
     deadline = time.monotonic() + cfg.seconds + 120
     try:
-        while len(results) < cfg.ranks:
+        while len(results) < cfg.ranks or len(rejoined) < len(restarted):
             try:
                 kind, item = events.get(timeout=1.0)
             except queue.Empty:
-                exits = [None if r in killed else p.exitcode for r, p in enumerate(procs)]
+                exits = [None if r in killed and r not in restarted else p.exitcode for r, p in enumerate(procs)]
                 if time.monotonic() > deadline or any(code not in (None, 0) for code in exits):
                     raise RuntimeError(f"engine ranks failed (exit codes {[p.exitcode for p in procs]})") from None
                 continue
             if kind == "event":
                 print(_line(item), file=out, flush=True)
+            elif kind == "rejoin":
+                # The survivors reached --rejoin-at: the dead rank's process starts again, joins
+                # them once it is up (demo_rejoin) and is planned in.
+                rank = item["rank"]
+                procs[rank] = ctx.Process(target=_rank_main, args=(rank, cfg, events, True), daemon=True)
+                restore = _ignore_sigint()
+                try:
+                    procs[rank].start()
+                finally:
+                    restore()
+                restarted[rank] = time.time()
+                print(f"  rank {rank} restarted at step {item['step']}", file=out, flush=True)
             elif kind == "dying":
                 # Its tallies so far are in; now it dies, and once it is gone the survivors
                 # learn of it through the store (their heartbeat reads it).
@@ -564,6 +716,8 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
                 store.set(DOWN_KEY, json.dumps(sorted(killed)))
                 results[rank] = item
                 print(f"  rank {rank} killed at step {item['steps_routed']} (SIGKILL)", file=out, flush=True)
+            elif "rejoin" in item:
+                rejoined[item["rank"]] = item
             else:
                 results[item["rank"]] = item
         for p in procs:
@@ -586,7 +740,7 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    summary = _summary(cfg, results, time.perf_counter() - wall, killed)
+    summary = _summary(cfg, results, time.perf_counter() - wall, killed, rejoined, restarted)
     summary["service_down_ranks"] = down_ranks
     for key, name in (("", cfg.deployment), ("draft_", cfg.draft_deployment)):
         if name in acks:
@@ -606,35 +760,49 @@ def _ignore_sigint() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGINT, previous)
 
 
-def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float, killed: dict[int, float] | None = None) -> dict:
+def _summary(
+    cfg: DemoConfig,
+    results: dict[int, dict],
+    wall_s: float,
+    killed: dict[int, float] | None = None,
+    rejoined: dict[int, dict] | None = None,
+    restarted: dict[int, float] | None = None,
+) -> dict:
+    """``results``: each rank's tallies (a killed rank's up to its death); ``rejoined``: a
+    restarted rank's (from its join on), counted with them."""
     # The series and events are read from the lowest rank that ran to the end, by rank (results
     # arrive in the order the ranks finish: under load rank 1 can finish first, and the summary
     # then read an empty series, "0 tokens routed", seen once in CI when only rank 0 measured).
-    killed = killed or {}
+    killed, rejoined, restarted = killed or {}, rejoined or {}, restarted or {}
     lead = min(r for r in results if not results[r].get("dead"))
-    model = {name: [results[r]["models"][name] for r in sorted(results)] for name in results[lead]["models"]}
+    runs = [results[r] for r in sorted(results)] + [rejoined[r] for r in sorted(rejoined)]
+    model = {name: [run["models"][name] for run in runs if name in run["models"]] for name in results[lead]["models"]}
     series = np.asarray(results[lead]["models"]["target"]["series"])
     events = {name: [e for e in results[lead]["events"] if e.get("model") == name] for name in model}
     switched = [e for e in events["target"] if e["kind"] == "switched"]
     # An adoption moved nothing and failed nothing: not a rollback.
-    others = [e for r in results.values() for e in r["events"] if e["kind"] not in ("switched", "adopted")]
+    others = [e for r in runs for e in r["events"] if e["kind"] not in ("switched", "adopted")]
     shift_step = cfg.steps // 2
     first = switched[0]["step"] if switched else len(series)
     last_q = series[int(0.8 * len(series)) :]
     balanced = series[first + _AFTER_STEPS // 5 : shift_step] if first < shift_step else series[first:]
     reporters = [m["reporter"] for ranks in model.values() for m in ranks]
-    everything = [e for r in results.values() for e in r["events"]]
+    everything = [e for r in runs for e in r["events"]]
     failures = []
     for rank, when in sorted(killed.items()):
         views = {r: v["failure"] for r, v in results.items() if "failure" in v and rank in v["failure"]["dead"]}
-        failures.append(summarize_failure(rank, results[rank]["steps_routed"], when, views, lead))
+        back = rejoined[rank]["rejoin"] if rank in rejoined else None
+        entry = summarize_failure(
+            rank, results[rank]["steps_routed"], when, views, lead, back, restarted.get(rank, 0.0)
+        )
+        failures.append(entry)
     lost = sum(f["dispatches_lost"] for f in failures)
     summary = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("address", "gloo_port")},
         "seconds": round(wall_s, 2),
-        "routing_seconds": round(max(r["seconds"] for r in results.values()), 2),
+        "routing_seconds": round(max(r["seconds"] for r in runs), 2),
         "steps": int(len(series)),
-        "tokens_routed": int(sum(r.get("steps_routed", len(series)) for r in results.values()) * cfg.tokens),
+        "tokens_routed": int(sum(r.get("steps_routed", len(series)) for r in runs) * cfg.tokens),
         # every model's (token, layer, expert) dispatches, the target's and the draft's if any,
         # less those lost with a dead rank (routed to its slots before the survivors switched)
         "dispatches_checked": int(sum(m["routed"] for ranks in model.values() for m in ranks)) - lost,
@@ -642,7 +810,7 @@ def _summary(cfg: DemoConfig, results: dict[int, dict], wall_s: float, killed: d
         "failures": failures,
         "replans_applied": len(switched),
         "rollouts_failed": len(others),
-        "late_switches": int(sum(r["late"] for r in results.values())),
+        "late_switches": int(sum(r["late"] for r in runs)),
         "imbalance_initial": float(series[:first].mean()) if first else float("nan"),
         "imbalance_balanced": float(balanced.mean()) if balanced.size else float("nan"),
         "imbalance_final": float(last_q.mean()),
@@ -703,12 +871,14 @@ def _print_summary(s: dict, out: object) -> None:
         )
         print(
             f"  rank {f['rank']} killed at step {f['step']}: {recovered}; {f['experts_reloaded']} experts reloaded "
-            f"({f['experts_lost']} had no replica left, {f['experts_from_host_copies']} from host copies); "
+            f"({f['experts_lost']} had no replica left{_then(f)}, {f['experts_from_host_copies']} from host copies); "
             f"{f['dispatches_lost']} dispatches lost to the dead rank before the switch, "
             f"{f['dispatches_to_dead_after_recovery']} after it",
             file=out,
             flush=True,
         )
+        if "rejoined_step" in f:
+            print(f"  rank {f['rank']} {_rejoined(f)}", file=out, flush=True)
     d = s.get("draft")
     if d:
         print(
@@ -719,6 +889,26 @@ def _print_summary(s: dict, out: object) -> None:
             file=out,
             flush=True,
         )
+
+
+def _then(f: dict) -> str:
+    """The lost experts counted again where a version switched between the death and the
+    survivor placement (with the service barrier, a switch step fixed before the death
+    stands): it may have copied some of them to the survivors, who then reload fewer."""
+    if f["experts_lost_at_switch"] == f["experts_lost"]:
+        return ""
+    return f" at the death, {f['experts_lost_at_switch']} in the map the survivor move started from"
+
+
+def _rejoined(f: dict) -> str:
+    if f["rejoined_step"] < 0:
+        return f"restarted but never joined (up {f['rejoin_ready_s']:.2f} s after the restart)"
+    return (
+        f"rejoined at step {f['rejoined_step']} (v{f['rejoin_version']}), serving {f['rejoin_s']:.2f} s after its "
+        f"restart ({f['rejoin_ready_s']:.2f} s to start up, {f['rejoin_stall_s'] * 1e3:.0f} ms join); "
+        f"{f['experts_loaded_on_rejoin']} experts loaded, {f['rejoin_moves']} slots moved on the survivors; "
+        f"{f['dispatches_served_by_rejoined']} dispatches served by it since"
+    )
 
 
 def write_plot(summary: dict, directory: Path) -> Path:
@@ -770,10 +960,12 @@ def _unwritable(flag: str, path: Path, *, file: bool = False) -> str:
 
 
 def _check_failure_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
-    """One line for each wrong --fail-rank / --fail-at (argparse's error: status 2)."""
+    """One line for each wrong --fail-rank / --fail-at / --rejoin-at (argparse's error: status 2)."""
     if (args.fail_rank is None) != (args.fail_at is None):
         ap.error("--fail-rank R and --fail-at STEP go together: give both or neither")
     if args.fail_rank is None:
+        if args.rejoin_at is not None:
+            ap.error("--rejoin-at STEP restarts the rank --fail-rank R killed at --fail-at STEP: give those too")
         return
     if not 0 <= args.fail_rank < args.ranks:
         ap.error(f"--fail-rank must be in [0, {args.ranks - 1}] (a rank of --ranks {args.ranks}), got {args.fail_rank}")
@@ -784,6 +976,11 @@ def _check_failure_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, 
         )
     if args.draft_layers:
         ap.error("--fail-rank runs without --draft-layers: ranks_down does not carry a draft model over yet")
+    if args.rejoin_at is not None and not args.fail_at < args.rejoin_at < steps:
+        ap.error(
+            f"--rejoin-at must be in [{args.fail_at + 1}, {steps - 1}] (after --fail-at {args.fail_at}, a step of "
+            f"the run: --seconds {args.seconds:g} is {steps} steps), got {args.rejoin_at}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -815,6 +1012,13 @@ def main(argv: list[str] | None = None) -> int:
         help="kill rank R's process (SIGKILL) at step --fail-at; the survivors carry on without it",
     )
     ap.add_argument("--fail-at", type=int, metavar="STEP", help="the step at which --fail-rank dies")
+    ap.add_argument(
+        "--rejoin-at",
+        type=int,
+        metavar="STEP",
+        help="restart --fail-rank's process at this step (after --fail-at); once it is up it loads its weights "
+        "and is planned in again",
+    )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--plots", type=Path, metavar="DIR", help="write DIR/imbalance.png")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
@@ -857,6 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
                 draft_layers=args.draft_layers,
                 fail_rank=-1 if args.fail_rank is None else args.fail_rank,
                 fail_at=args.fail_at or 0,
+                rejoin_at=args.rejoin_at or 0,
             )
         )
     except KeyboardInterrupt:

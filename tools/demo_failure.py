@@ -63,15 +63,24 @@ def heartbeat(group: object, store: object, *, death_wait_s: float = 30.0) -> li
         return parse_down(store.get(DOWN_KEY))
 
 
+def lost_per_layer(phy2log: np.ndarray, slots_per_gpu: int, dead: list[int]) -> np.ndarray:
+    """``phy2log [L, P]`` → ``[L]``: per layer, the experts with every replica on ``dead`` gpus."""
+    L, P = phy2log.shape
+    E = int(phy2log.max()) + 1 if phy2log.size else 0
+    on_dead = np.isin(np.arange(P) // slots_per_gpu, dead)
+    rows = np.broadcast_to(np.arange(L)[:, None], phy2log.shape)
+
+    def held(cols: np.ndarray) -> np.ndarray:  # [L, E]: the expert has a replica in those slots
+        out = np.zeros((L, E + 1), dtype=bool)
+        out[rows, np.where(cols & (phy2log >= 0), phy2log, E)] = True
+        return out[:, :E]
+
+    return (held(on_dead) & ~held(~on_dead)).sum(axis=1)
+
+
 def lost_experts(phy2log: np.ndarray, slots_per_gpu: int, dead: list[int]) -> int:
     """``phy2log [L, P]`` → how many (layer, expert) pairs have every replica on ``dead`` gpus."""
-    gpu = np.arange(phy2log.shape[1]) // slots_per_gpu
-    on_dead = np.isin(gpu, dead)
-    lost = 0
-    for row in phy2log:
-        live = set(row[~on_dead & (row >= 0)].tolist())
-        lost += len(set(row[on_dead & (row >= 0)].tolist()) - live)
-    return lost
+    return int(lost_per_layer(phy2log, slots_per_gpu, dead).sum())
 
 
 @dataclass
@@ -90,12 +99,27 @@ class Failure:
     dispatches_lost: int = 0  # this rank's dispatches to the dead ranks' slots before that
     dispatches_to_dead_after: int = 0  # ... and after it (must stay 0)
     regroup_s: float = 0.0  # rebuilding the groups and ranks_down
+    rejoined_step: int = -1  # --rejoin-at: the step from which the dead rank serves again
+    dispatches_to_rejoined: int = 0  # this rank's dispatches to its slots from then on
+    # Per layer, the experts lost in the last map routed before that layer left the dead
+    # rank: what the survivor move restores. It differs from experts_lost when a version
+    # switches between the death and the survivor placement (service barrier: a switch step
+    # fixed before the death stands), which may have copied some of them to the survivors.
+    lost_at_switch: np.ndarray | None = None
 
     def routed(self, step: int, hist: np.ndarray, routed: object, slots_per_gpu: int) -> None:
         """``hist [L, P, E]``: this rank's dispatches of ``step``, routed with ``routed`` (a
         ``PublishedPlacement``, mixed or not)."""
         dead_slots = np.concatenate([np.arange(r * slots_per_gpu, (r + 1) * slots_per_gpu) for r in self.dead])
         to_dead = int(hist[:, dead_slots].sum())
+        if self.recovered_step < 0:
+            phy2log = routed.placement.phy2log
+            lost = lost_per_layer(phy2log, slots_per_gpu, self.dead)
+            leaving = (phy2log[:, dead_slots] >= 0).any(axis=1)  # still routes to the dead rank
+            self.lost_at_switch = np.where(leaving, lost, 0 if self.lost_at_switch is None else self.lost_at_switch)
+        if 0 <= self.rejoined_step <= step:  # restarted and planned in: served again
+            self.dispatches_to_rejoined += to_dead
+            return
         if self.recovered_step < 0 and not (routed.placement.phy2log[:, dead_slots] >= 0).any():
             self.recovered_step, self.recovered_wall, self.recovered_version = step, time.time(), routed.version
         if self.recovered_step < 0:
@@ -116,6 +140,9 @@ class Failure:
             "dispatches_lost": self.dispatches_lost,
             "dispatches_to_dead_after": self.dispatches_to_dead_after,
             "regroup_s": self.regroup_s,
+            "rejoined_step": self.rejoined_step,
+            "dispatches_to_rejoined": self.dispatches_to_rejoined,
+            "experts_lost_at_switch": int(self.lost_at_switch.sum()) if self.lost_at_switch is not None else 0,
         }
 
 
@@ -133,12 +160,22 @@ def checkpoint(tensors: dict[str, tuple[int, ...]], code: Callable[[int, int, in
     return load
 
 
-def summarize(cfg_fail_rank: int, cfg_fail_at: int, kill_wall: float, views: dict[int, dict], lead: int) -> dict:
+def summarize(
+    cfg_fail_rank: int,
+    cfg_fail_at: int,
+    kill_wall: float,
+    views: dict[int, dict],
+    lead: int,
+    rejoin: dict | None = None,
+    restart_wall: float = 0.0,
+) -> dict:
     """The summary's ``failures`` entry from every survivor's ``Failure`` (``views``, by rank)
-    and the parent's kill time; timings from ``lead`` (they all switch at one agreed step)."""
+    and the parent's kill time; timings from ``lead`` (they all switch at one agreed step).
+    ``rejoin``: with --rejoin-at, the restarted rank's ``Rejoin`` (``None``: never restarted),
+    ``restart_wall`` when the parent started it."""
     mine = views[lead]
     rec = mine["recovered_step"]
-    return {
+    out = {
         "rank": cfg_fail_rank,
         "step": cfg_fail_at,
         "recovered_step": rec,
@@ -146,6 +183,8 @@ def summarize(cfg_fail_rank: int, cfg_fail_at: int, kill_wall: float, views: dic
         "detect_s": round(mine["detected_wall"] - kill_wall, 4),
         "regroup_s": round(mine["regroup_s"], 4),
         "experts_lost": mine["experts_lost"],
+        # counted against the map the survivor move started from: what it had to reload
+        "experts_lost_at_switch": mine.get("experts_lost_at_switch", mine["experts_lost"]),
         "experts_reloaded": int(sum(v["restored"] for v in views.values())),
         "experts_from_host_copies": int(sum(v["restored_from_host"] for v in views.values())),
         "dispatches_lost": int(sum(v["dispatches_lost"] for v in views.values())),
@@ -153,3 +192,19 @@ def summarize(cfg_fail_rank: int, cfg_fail_at: int, kill_wall: float, views: dic
         "survivor_version": mine["recovered_version"] if rec >= 0 else mine["survivor_version"],
         "recovered_steps_agree": len({v["recovered_step"] for v in views.values()}) == 1,
     }
+    if rejoin is not None:
+        joined = rejoin["step"] >= 0
+        out |= {
+            "rejoined_step": rejoin["step"],
+            # restart (the parent starting its process) to serving (the join done, routing on)
+            "rejoin_s": round(rejoin["serving_wall"] - restart_wall, 4) if joined else None,
+            "rejoin_ready_s": round(rejoin["ready_wall"] - restart_wall, 4),
+            "rejoin_stall_s": round(rejoin["join_s"], 4),  # the step the survivors waited for the join
+            "experts_loaded_on_rejoin": rejoin["experts_loaded"],
+            "rejoin_moves": rejoin["moves"],
+            "rejoin_version": rejoin["version"],
+            "rejoined_steps_agree": {v["rejoined_step"] for v in views.values()} == {rejoin["step"]},
+            "dispatches_to_rejoined": int(sum(v["dispatches_to_rejoined"] for v in views.values())),
+            "dispatches_served_by_rejoined": rejoin["served"],
+        }
+    return out
