@@ -58,12 +58,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def latency_worker(target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue) -> None:
-    from eplb_service.client import EngineClient, channel
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     async def main() -> None:
-        chan = channel(target)
-        stub = EngineClient(chan, name, 0).stub
+        chan = aio_channel(target)
+        stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
         req = pb.GetPlacementRequest(deployment=name)
         await stub.GetPlacement(req)
         lat: list[float] = []
