@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from eplb_engine.aio import AsyncServiceClient
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
-from .harness.processes import free_port
 from .harness.service import aio_channel, reports
 
 # The documented limits (docs/service.md, "Limits"): 128 x 8192 int32 is the 4 MiB placement cap.

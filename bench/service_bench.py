@@ -27,7 +27,9 @@ import uuid
 
 import numpy as np
 
-from .harness.processes import free_port, serve_argv
+from eplb_tools.ports import free_port
+
+from .harness.processes import serve_argv
 from .harness.service import V3, aio_channel, create_v3, latency_worker, percentile, reports
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_wire.arrays import encode
@@ -44,12 +44,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def measure(port: int, seconds: float, effort: str, replans: bool) -> tuple[np.ndarray, int]:

@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 
 from eplb_engine.aio import AsyncServiceClient
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -38,14 +39,6 @@ from .harness.service import aio_channel, reports
 # 64 x 4096 int32: a 1 MiB phy2log (the greedy policy plans it in well under a second); placements
 # carry their window's loads too (float32 [64, 1024], 0.25 MiB): a 1.25 MiB message.
 TOPOLOGY = pb.Topology(num_layers=64, num_experts=1024, num_slots=4096, num_gpus=512, num_nodes=64, num_groups=1)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float:
