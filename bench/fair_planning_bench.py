@@ -28,11 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb_service.client import EngineClient, channel
+from eplb_engine.aio import AsyncServiceClient
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
-from .harness.processes import free_port
+from .harness.service import aio_channel, reports
 
 # The documented limits (docs/service.md, "Limits"): 128 x 8192 int32 is the 4 MiB placement cap.
 LARGE = pb.Topology(num_layers=128, num_experts=8192, num_slots=8192, num_gpus=4096, num_nodes=512, num_groups=1)
@@ -55,7 +56,7 @@ def start_server(port: int, lane: bool) -> subprocess.Popen:
 
 async def report(chan, name: str, topo: pb.Topology, rng: np.random.Generator) -> None:
     loads = rng.lognormal(0, 1.0, (topo.num_layers, topo.num_experts)) * 1000
-    await EngineClient(chan, name, rank=0).report([loads.astype(np.int32)])
+    await AsyncServiceClient.over(chan).report(reports(name, 0, [loads.astype(np.int32)]))
 
 
 async def setup(stub: pb_grpc.ExpertLoadBalancerServiceStub, chan, rng: np.random.Generator) -> None:
@@ -99,7 +100,7 @@ async def one_run(
 async def main_async(args: argparse.Namespace) -> dict:
     port = free_port()
     proc = start_server(port, lane=not args.no_lane)
-    chan = channel(f"127.0.0.1:{port}")
+    chan = aio_channel(f"127.0.0.1:{port}")
     try:
         stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
         rng = np.random.default_rng(args.seed)

@@ -62,7 +62,7 @@ import redis
 
 from .harness.processes import RedisProcess, ServeProcess, serve_argv
 from .harness.redis_cluster import ClusterProcesses
-from .harness.service import V3, create_v3, latency_worker, percentile
+from .harness.service import V3, aio_channel, create_v3, latency_worker, percentile
 
 PAYLOAD = V3["num_layers"] * V3["num_experts"] * 4
 INGEST_PROCS = 2
@@ -70,15 +70,15 @@ STREAMS = 8  # per client process
 
 
 def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: float, rate: float, out: mp.Queue):
-    from eplb_service.client import EngineClient, channel
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     rng = np.random.default_rng(worker)
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
 
     async def main() -> None:
-        chans = [channel(t) for t in targets]
-        stubs = [EngineClient(c, names[0], 0).stub for c in chans]
+        chans = [aio_channel(t) for t in targets]
+        stubs = [pb_grpc.ExpertLoadBalancerServiceStub(c) for c in chans]
         deadline = time.perf_counter() + seconds
         # Distinct ranks per stream (seqs only grow within a rank): rank = worker * STREAMS + i.
         seq0 = time.time_ns() // 1000

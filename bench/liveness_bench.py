@@ -23,11 +23,12 @@ from dataclasses import replace
 import redis.asyncio as aioredis
 
 from eplb_service.balancer import BalancerConfig
-from eplb_service.client import channel
 from eplb_service.redis_store import RedisStore
 from eplb_service.server import ServerConfig, start_server
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
+from .harness.service import aio_channel
 
 
 def _deployment(name: str, ranks: int, after_s: float) -> pb.Deployment:
@@ -53,7 +54,7 @@ async def _run(url: str, ranks: int, repeats: int) -> dict:
         ServerConfig(port=0, redis_url=url, key_prefix=prefix, balancer=replace(BalancerConfig(), plan_workers=1))
     )
     store = RedisStore(url, prefix)
-    ch = channel(server.target)
+    ch = aio_channel(server.target)
     stub = pb_grpc.ExpertLoadBalancerServiceStub(ch)
     try:
         for name, after in (("off", 0), ("on", 10)):

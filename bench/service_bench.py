@@ -27,8 +27,10 @@ import uuid
 
 import numpy as np
 
-from .harness.processes import free_port, serve_argv
-from .harness.service import V3, create_v3, latency_worker, percentile
+from eplb_tools.ports import free_port
+
+from .harness.processes import serve_argv
+from .harness.service import V3, aio_channel, create_v3, latency_worker, percentile, reports
 
 
 def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
@@ -46,15 +48,15 @@ def _start_server(redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
 
 
 def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: float, out: mp.Queue) -> None:
-    from eplb_service.client import EngineClient, channel
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     rng = np.random.default_rng(0)
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
 
     async def main() -> None:
-        chan = channel(target)
-        stub = EngineClient(chan, name, 0).stub
+        chan = aio_channel(target)
+        stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
         deadline = time.perf_counter() + seconds
         seqs = [time.time_ns() // 1000] * ranks
 
@@ -85,12 +87,12 @@ def _ingest_worker(target: str, name: str, streams: int, ranks: int, seconds: fl
 
 
 def _watch_worker(targets: list[str], name: str, watchers: int, versions: int, ready: mp.Queue, out: mp.Queue) -> None:
-    from eplb_service.client import EngineClient, channel
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+    from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     async def main() -> None:
-        chans = [channel(t) for t in targets]
-        stubs = [EngineClient(c, name, 0).stub for c in chans]
+        chans = [aio_channel(t) for t in targets]
+        stubs = [pb_grpc.ExpertLoadBalancerServiceStub(c) for c in chans]
         got: dict[int, list[float]] = {}
         first = asyncio.Event()
         started = 0
@@ -138,15 +140,15 @@ def _rebalance(target: str, name: str) -> float:
 
 
 async def _fill(targets: list[str], name: str, ranks: int) -> None:
-    from eplb_service.client import EngineClient, channel
+    from eplb_engine.aio import AsyncServiceClient
 
     counts = np.ones((58, 256), dtype=np.int32)
     for target in targets:
-        chan = channel(target)
+        chan = aio_channel(target)
+        client = AsyncServiceClient.over(chan)
         for rank in range(ranks):
-            client = EngineClient(chan, name, rank)
-            await client.report([counts])
-            await client.ack(1)
+            await client.report(reports(name, rank, [counts]))
+            await client.ack(name, rank, 1)
         await chan.close()
 
 

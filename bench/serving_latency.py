@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from eplb_service.client import channel
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_wire.arrays import encode
+
+from .harness.service import aio_channel
 
 # DeepSeek-V3 prefill-sized: 58 MoE layers, 256 experts, 288 slots on 32 gpus in 4 nodes.
 TOPOLOGY = pb.Topology(num_layers=58, num_experts=256, num_slots=288, num_gpus=32, num_nodes=4, num_groups=8)
@@ -45,16 +46,10 @@ asyncio.run(main())
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def measure(port: int, seconds: float, effort: str, replans: bool) -> tuple[np.ndarray, int]:
     """GetPlacement latencies in seconds while Rebalance runs back to back (or, without
     ``replans``, alone: the floor), and the plans made."""
-    chan = channel(f"127.0.0.1:{port}")
+    chan = aio_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
     deployment = pb.Deployment(name="v3", topology=TOPOLOGY, planning=pb.Planning(effort=effort))
     await stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))

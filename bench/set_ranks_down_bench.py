@@ -25,11 +25,13 @@ from dataclasses import replace
 import numpy as np
 
 from eplb.workloads import SCALES, make_loads
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service.balancer import BalancerConfig
-from eplb_service.client import EngineClient, channel
 from eplb_service.server import ServerConfig, start_server
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
+from .harness.service import aio_channel, reports
 
 
 async def _scale(stub, ch, name: str, repeats: int) -> list[dict]:
@@ -48,7 +50,7 @@ async def _scale(stub, ch, name: str, repeats: int) -> list[dict]:
     )
     await stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     loads = make_loads("lognormal-1.0", topo, seed=0)
-    await EngineClient(ch, name, rank=0).report([np.rint(loads).astype(np.int64)])
+    await AsyncServiceClient.over(ch).report(reports(name, 0, [np.rint(loads).astype(np.int64)]))
     await stub.Rebalance(pb.RebalanceRequest(deployment=name, force=True))
     rank = topo.gpus_per_node if topo.num_nodes > 1 else 0
     out: dict[str, list] = {"down": [], "up": []}
@@ -80,7 +82,7 @@ async def _main(args: argparse.Namespace) -> None:
     config = ServerConfig(port=0, balancer=replace(BalancerConfig(), replica_id="bench"), **kw)
     server = await start_server(config)
     try:
-        async with channel(server.target) as ch:
+        async with aio_channel(server.target) as ch:
             stub = pb_grpc.ExpertLoadBalancerServiceStub(ch)
             for name in args.scales.split(","):
                 for row in await _scale(stub, ch, name, args.repeats):

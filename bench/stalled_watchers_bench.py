@@ -29,21 +29,16 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from eplb_service.client import EngineClient, channel
+from eplb_engine.aio import AsyncServiceClient
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+
+from .harness.service import aio_channel, reports
 
 # 64 x 4096 int32: a 1 MiB phy2log (the greedy policy plans it in well under a second); placements
 # carry their window's loads too (float32 [64, 1024], 0.25 MiB): a 1.25 MiB message.
 TOPOLOGY = pb.Topology(num_layers=64, num_experts=1024, num_slots=4096, num_gpus=512, num_nodes=64, num_groups=1)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float:
@@ -77,7 +72,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     log_path = Path(tempfile.mkdtemp(prefix="stalled-")) / "serve.log"
     proc = start_server(port, log_path)
     target = f"127.0.0.1:{port}"
-    control = channel(target)
+    control = aio_channel(target)
     stub = pb_grpc.ExpertLoadBalancerServiceStub(control)
     out: dict = {}
     try:
@@ -87,7 +82,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         d = pb.Deployment(name="big", topology=topo, policy="deepseek")
         await stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
         loads = np.random.default_rng(0).integers(0, 1000, size=(topo.num_layers, topo.num_experts))
-        await EngineClient(control, "big", rank=0).report([loads.astype(np.int32)])
+        await AsyncServiceClient.over(control).report(reports("big", 0, [loads.astype(np.int32)]))
         await asyncio.sleep(1.5)
         await stub.Rebalance(pb.RebalanceRequest(deployment="big", force=True))  # warms the worker
         out["rss_before_mb"] = await settle(proc.pid, 1.0)
@@ -112,7 +107,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         seen: list[int] = []
 
         async def read_all() -> None:
-            async for placement in EngineClient(control, "big", rank=1).watch():
+            async for placement in AsyncServiceClient.over(control).watch("big", decode=False):
                 seen.append(placement.version)
 
         reader = asyncio.create_task(read_all())

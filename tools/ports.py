@@ -1,4 +1,5 @@
-"""A free loopback port, for the processes a tool starts (``eplb demo``'s gloo group)."""
+"""A free loopback port, for the processes a tool starts (``eplb demo``'s gloo group), and the
+servers and process groups of the benchmarks and tests (the one copy they all import)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ acknowledged survives a kill of Redis (without persistence a kill loses the stat
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["RedisProcess", "ServeProcess", "free_port", "serve_argv", "wait_loaded"]
+from eplb_tools.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["RedisProcess", "ServeProcess", "serve_argv", "wait_loaded"]
 
 
 def serve_argv(port: int, redis_url: str, prefix: str, *args: str) -> list[str]:

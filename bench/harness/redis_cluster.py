@@ -21,7 +21,9 @@ from pathlib import Path
 
 import redis
 
-from .processes import free_port, wait_loaded
+from eplb_tools.ports import free_port
+
+from .processes import wait_loaded
 
 __all__ = ["ClusterProcesses"]
 

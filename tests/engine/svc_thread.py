@@ -7,7 +7,6 @@ test can stop and start again on the same port (a restart) without blocking the 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ import numpy as np
 
 from eplb_service.balancer import BalancerConfig
 from eplb_service.server import RunningServer, ServerConfig, start_server
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_wire.arrays import encode
@@ -25,12 +25,6 @@ from eplb_wire.arrays import encode
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # Fast timings so tests see flushes and triggers within a second.
 FAST = BalancerConfig(lease_s=2.0, flush_s=0.1, tick_s=0.1, refresh_s=0.3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report_some_load(address: str, deployment: str = "d1", shape: tuple[int, int] = (4, 16), rank: int = 0) -> None:

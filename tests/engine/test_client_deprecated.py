@@ -38,11 +38,15 @@ async def test_engine_client_and_channel_warn_and_run_on_the_engine_client():
         assert isinstance(first, pb.Placement) and first.version == 1
         assert await rank.ack(1) == 1
         # One attempt, the request's error as a bare stub gave it.
+        with pytest.warns(DeprecationWarning, match="EngineClient is deprecated"):
+            nope = EngineClient(chan, "nope", rank=0)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await EngineClient(chan, "nope", rank=0).report([np.ones((4, 16), np.int32)])
+            await nope.report([np.ones((4, 16), np.int32)])
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         await rank.client.close()  # the caller's channel stays open
-        assert (await EngineClient(chan, "d1", rank=4).report([np.ones((4, 16), np.int32)])).accepted == 1
+        with pytest.warns(DeprecationWarning, match="EngineClient is deprecated"):
+            other = EngineClient(chan, "d1", rank=4)
+        assert (await other.report([np.ones((4, 16), np.int32)])).accepted == 1
         await chan.close()
     finally:
         await asyncio.to_thread(server.stop)

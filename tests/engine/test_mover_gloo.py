@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import traceback
 
 import numpy as np
@@ -14,12 +13,7 @@ from mover_sim import check_layers, encoded_layers
 import eplb
 from eplb_engine import WeightMover
 from eplb_engine.mover import staged_slots
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from eplb_tools.ports import free_port
 
 
 def _transitions(size: int, seed: int) -> list[tuple[eplb.Placement, eplb.Placement, str, int, int]]:
@@ -85,7 +79,7 @@ def _worker(rank: int, size: int, port: int, seed: int, errors) -> None:
 def test_mover_over_gloo_processes(size: int) -> None:
     ctx = mp.get_context("fork")
     errors = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, size, port, 100 + size, errors)) for r in range(size)]
     for p in procs:
         p.start()

@@ -16,7 +16,8 @@ import redis
 from svc_helpers import FAST, REDIS_URL, PrivateRedis
 
 from eplb_bench.harness.redis_cluster import ClusterProcesses
-from eplb_service.client import auth_metadata, channel
+from eplb_bench.harness.service import aio_channel
+from eplb_engine.client import auth_metadata
 from eplb_service.server import RunningServer, ServerConfig, start_server
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -59,7 +60,7 @@ class Client:
     """A stub plus the channel and metadata to use with it."""
 
     def __init__(self, server: RunningServer, token: str | None = None, **kw: object) -> None:
-        self.channel = channel(server.target, **kw)
+        self.channel = aio_channel(server.target, **kw)
         self.stub = pb_grpc.ExpertLoadBalancerServiceStub(self.channel)
         self.metadata = auth_metadata(token)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 
@@ -11,17 +10,12 @@ import numpy as np
 import redis
 
 from eplb_service.balancer import BalancerConfig
+from eplb_tools.ports import free_port
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # Fast timings so tests see flushes, triggers and lease expiry within a second or two.
 FAST = BalancerConfig(lease_s=2.0, flush_s=0.1, tick_s=0.1, refresh_s=0.3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def small_deployment(name: str = "d1", **trigger: object) -> pb.Deployment:

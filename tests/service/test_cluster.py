@@ -17,8 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import report_some_load, small_deployment
 
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import limits
-from eplb_service.client import EngineClient
 from eplb_service.cluster import ClusterUrl, parse_cluster_url
 from eplb_service.server import SERVICE_NAME
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
@@ -70,7 +71,7 @@ async def test_two_replicas_serve_deployments_spread_over_the_masters(serve, con
     assert [(await w.read()).placement.version for w in watches] == [1] * 6
     loads = np.arange(64, dtype=np.int32).reshape(4, 16)
     for n in names:
-        assert (await EngineClient(b.channel, n, rank=0).report([loads])).accepted == 1
+        assert (await AsyncServiceClient.over(b.channel).report(reports(n, 0, [loads]))).accepted == 1
         out = await a.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))
         assert out.published and out.window_reports == 1
     assert [(await w.read()).placement.version for w in watches] == [2] * 6
@@ -109,7 +110,7 @@ async def test_a_dead_master_takes_down_only_the_deployments_of_its_slots(serve,
         assert await health(b, SERVICE_NAME) == SERVING and await health(b, "") == SERVING
         for n in others:
             assert await health(b, f"{SERVICE_NAME}/{n}") == SERVING
-            assert (await EngineClient(b.channel, n, rank=0).report([loads])).accepted == 1
+            assert (await AsyncServiceClient.over(b.channel).report(reports(n, 0, [loads]))).accepted == 1
             assert (await a.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))).published
         assert (await watch.read()).placement.version == 3
         # The dead master's deployment: its placement from memory, its writes refused at once.
@@ -117,7 +118,7 @@ async def test_a_dead_master_takes_down_only_the_deployments_of_its_slots(serve,
         assert got.placement.version == 2
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await EngineClient(b.channel, victim, rank=0).report([loads])
+            await AsyncServiceClient.over(b.channel).report(reports(victim, 0, [loads]))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"127.0.0.1:{victim_port}" in info.value.details() and time.monotonic() - started < 0.5
         # The deployment-count limit still holds (the index bucket sizes are remembered).
@@ -142,4 +143,4 @@ async def _is(coro, want) -> bool:
 
 
 async def _reports(c, name: str, loads: np.ndarray) -> bool:
-    return (await EngineClient(c.channel, name, rank=1).report([loads])).accepted == 1
+    return (await AsyncServiceClient.over(c.channel).report(reports(name, 1, [loads]))).accepted == 1

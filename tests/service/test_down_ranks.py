@@ -12,8 +12,9 @@ from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_de
 
 import eplb
 import eplb.transfer
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import codec
-from eplb_service.client import EngineClient
 from eplb_service.rollout import PREPARED, SWITCHED, apply_ack
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -56,9 +57,9 @@ async def test_physical_counts_under_a_placement_with_a_gpu_down_fold_like_logic
             phys[lay, slots] = share
             phys[lay, slots[0]] += int(loads[lay, e]) - share * len(slots)
     assert (phys[:, 9:12] == 0).all()  # gpu 3's slots route nothing
-    out = await EngineClient(c.channel, "phys", rank=0).report([phys], placement_version=1)
+    out = await AsyncServiceClient.over(c.channel).report(reports("phys", 0, [phys], placement_version=1))
     assert out.accepted == 1
-    assert (await EngineClient(c.channel, "logi", rank=0).report([loads])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports("logi", 0, [loads]))).accepted == 1
     now = time.time()
     folded, _ = server.balancer.registry.local["phys"].window.total(now)
     direct, _ = server.balancer.registry.local["logi"].window.total(now)
@@ -78,7 +79,7 @@ async def test_counts_on_an_empty_slot_are_refused_naming_the_slot(serve, connec
     phys[:, 9:12] = 0
     phys[2, 10] = 5  # layer 2, slot 10 is on gpu 3, which is down in version 1
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await EngineClient(c.channel, "phys", rank=0).report([phys], placement_version=1)
+        await AsyncServiceClient.over(c.channel).report(reports("phys", 0, [phys], placement_version=1))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     ((field, why),) = [v for v in status_details(err.value) if v[0] != "stream"]
     assert field == "physical.counts" and "layer 2 slot 10" in why and "version 1" in why
@@ -129,7 +130,7 @@ async def fleet(request, serve, connect, prefix):
     d.switch_margin_steps = 3
     d.expert_bytes = 1000
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
-    assert (await EngineClient(c.channel, "d1", rank=0).report([skewed(5)])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports("d1", 0, [skewed(5)]))).accepted == 1
     planned = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     assert planned.published
     return server, c, planned.placement

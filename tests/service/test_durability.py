@@ -17,7 +17,7 @@ import pytest
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
 from eplb_bench.harness.processes import serve_argv
-from eplb_service.client import EngineClient, channel
+from eplb_bench.harness.service import aio_channel, reports
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -39,11 +39,11 @@ async def rank_loop(target: grpc.aio.Channel, fallback: grpc.aio.Channel, rank: 
     """Streams reports of ``rank + 1`` tokens per expert in streams of ``STREAM`` until one breaks
     (the replica is gone), then re-sends that stream to ``fallback``. Returns how many distinct
     reports it sent."""
-    client = EngineClient(target, "d1", rank)
+    stub = pb_grpc.ExpertLoadBalancerServiceStub(target)
     counts = np.full((L, E), rank + 1, dtype=np.int32)
     sent = 0
     while True:
-        batch = [client.request(counts) for _ in range(STREAM)]
+        batch = reports("d1", rank, [counts] * STREAM)
 
         async def paced(batch: list[pb.ReportLoadRequest] = batch):
             for msg in batch:
@@ -51,7 +51,7 @@ async def rank_loop(target: grpc.aio.Channel, fallback: grpc.aio.Channel, rank: 
                 await asyncio.sleep(0.01)
 
         try:
-            resp = await client.stub.ReportLoad(paced())
+            resp = await stub.ReportLoad(paced())
             assert (resp.accepted, resp.duplicates) == (STREAM, 0)
             sent += STREAM
         except grpc.aio.AioRpcError as exc:
@@ -70,7 +70,7 @@ async def test_accepted_reports_survive_the_replica(sig, serve, connect, prefix)
     try:
         survivor = connect(await serve(redis_url=REDIS_URL, key_prefix=p))
         await survivor.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-        victim = channel(f"127.0.0.1:{port}")
+        victim = aio_channel(f"127.0.0.1:{port}")
         await asyncio.wait_for(victim.channel_ready(), 30)
         ranks = [asyncio.create_task(rank_loop(victim, survivor.channel, r)) for r in range(8)]
         await asyncio.sleep(1.2)

@@ -11,7 +11,8 @@ import pytest
 from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
 import eplb
-from eplb_service.client import EngineClient
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
@@ -22,8 +23,8 @@ def skewed_loads(seed: int, shape: tuple[int, int] = (4, 16)) -> np.ndarray:
     return loads.astype(np.int32)
 
 
-async def collect(client: EngineClient, n: int, out: list[int]) -> None:
-    async for placement in client.watch():
+async def collect(client: AsyncServiceClient, n: int, out: list[int]) -> None:
+    async for placement in client.watch("d1", decode=False):
         out.append(placement.version)
         if len(out) == n:
             return
@@ -44,22 +45,22 @@ async def test_two_replicas_report_rebalance_watch_ack(serve, connect, prefix):
     seen_a: list[int] = []
     seen_b: list[int] = []
     watchers = [
-        asyncio.create_task(collect(EngineClient(ca.channel, "d1", rank=0), 3, seen_a)),
-        asyncio.create_task(collect(EngineClient(cb.channel, "d1", rank=1), 3, seen_b)),
+        asyncio.create_task(collect(AsyncServiceClient.over(ca.channel), 3, seen_a)),
+        asyncio.create_task(collect(AsyncServiceClient.over(cb.channel), 3, seen_b)),
     ]
     # Ranks report to both replicas: half logical counts, half physical counts under version 1.
-    ranks = [EngineClient(ca.channel if r % 2 else cb.channel, "d1", rank=r) for r in range(4)]
+    ranks = [AsyncServiceClient.over(ca.channel if r % 2 else cb.channel) for r in range(4)]
     total = np.zeros((4, 16))
     for r, client in enumerate(ranks):
         loads = skewed_loads(r)
         total += loads
         if r < 2:
-            resp = await client.report([loads])
+            resp = await client.report(reports("d1", r, [loads]))
         else:
             # Physical counts [L, P] under the contiguous placement: slot p holds expert p % 16.
             phys = np.zeros((4, 24), dtype=np.int32)
             phys[:, :16] = loads
-            resp = await client.report([phys], placement_version=1)
+            resp = await client.report(reports("d1", r, [phys], placement_version=1))
         assert (resp.accepted, resp.duplicates) == (1, 0)
 
     # Each replica flushes its window every flush_s (0.1 s here); the planner sums the flushed ones.
@@ -89,9 +90,9 @@ async def test_two_replicas_report_rebalance_watch_ack(serve, connect, prefix):
     old = await ca.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1", version=2))
     assert old.placement.phy2log.data == first.placement.phy2log.data
 
-    assert await ranks[0].ack(3) == 1
-    assert await ranks[1].ack(3) == 2
-    assert await ranks[2].ack(2) == 3  # ranks with version 2 or later
+    assert (await ranks[0].ack("d1", 0, 3)).ranks_acked == 1
+    assert (await ranks[1].ack("d1", 1, 3)).ranks_acked == 2
+    assert (await ranks[2].ack("d1", 2, 2)).ranks_acked == 3  # ranks with version 2 or later
     info = await ca.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
     assert info.deployment.version == 3
     assert [(x.rank, x.version) for x in info.acks] == [(0, 3), (1, 3), (2, 2)]
@@ -103,8 +104,8 @@ async def test_embedded_store_round_trip_and_delete(serve, connect):
     server = await serve()
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("m1")))
-    client = EngineClient(c.channel, "m1", rank=7)
-    resp = await client.report([skewed_loads(0), skewed_loads(1)])
+    client = AsyncServiceClient.over(c.channel)
+    resp = await client.report(reports("m1", 7, [skewed_loads(0), skewed_loads(1)]))
     assert resp.accepted == 2
     out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="m1"))
     assert out.published and out.placement.version == 2 and out.window_reports == 2
@@ -136,7 +137,7 @@ async def test_delete_on_one_replica_leaves_no_keys(serve, connect, prefix):
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-    await EngineClient(cb.channel, "d1", 0).report([skewed_loads(0)])
+    await AsyncServiceClient.over(cb.channel).report(reports("d1", 0, [skewed_loads(0)]))
     await asyncio.sleep(0.3)  # b has flushed its window
     await ca.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d1"))
     # b keeps flushing until its follower notices the deletion; none of that may re-create keys.
@@ -156,7 +157,7 @@ async def test_an_interval_trigger_publishes_once_while_the_load_stays_the_same(
     deployment = small_deployment()
     deployment.trigger.interval.FromSeconds(1)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))
-    await EngineClient(c.channel, "d1", rank=0).report([skewed_loads(0)])
+    await AsyncServiceClient.over(c.channel).report(reports("d1", 0, [skewed_loads(0)]))
     await asyncio.sleep(4.5)
     got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
     assert got.placement.version == 2 and got.placement.stats.moves > 0
@@ -173,7 +174,7 @@ async def test_an_interval_trigger_plans_only_after_new_reports(serve, connect, 
     deployment = small_deployment()
     deployment.trigger.interval.FromSeconds(1)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment))
-    engine = EngineClient(c.channel, "d1", rank=0)
+    engine = AsyncServiceClient.over(c.channel)
 
     def plans() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan d1:")]
@@ -185,12 +186,12 @@ async def test_an_interval_trigger_plans_only_after_new_reports(serve, connect, 
 
     await asyncio.sleep(2.5)  # over two intervals, no report yet
     assert plans() == []
-    await engine.report([skewed_loads(0)])
+    await engine.report(reports("d1", 0, [skewed_loads(0)]))
     await wait_for_plans(1)
     assert len(plans()) == 1 and plans()[0].startswith("plan d1: published")
     await asyncio.sleep(2.5)  # no report since: the same window, not planned again
     assert len(plans()) == 1
-    await engine.report([skewed_loads(1)])
+    await engine.report(reports("d1", 0, [skewed_loads(1)]))
     await wait_for_plans(2)  # a new report: re-planned at the next interval, as before
     assert len(plans()) == 2
     await asyncio.sleep(2.5)

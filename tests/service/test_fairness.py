@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from svc_helpers import FAST, small_deployment
 
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import limits
 from eplb_service.cli import parse_args
-from eplb_service.client import EngineClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -30,7 +31,7 @@ def config(**kw: object):
 
 async def report(c, name: str, shape: tuple[int, int], seed: int) -> None:
     loads = np.random.default_rng(seed).integers(0, 1000, size=shape).astype(np.int32)
-    assert (await EngineClient(c.channel, name, rank=0).report([loads])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports(name, 0, [loads]))).accepted == 1
 
 
 async def small_waits_for_big(serve, connect, small_plan_workers: int) -> bool:
@@ -107,7 +108,7 @@ async def test_a_watcher_that_reads_gets_every_version_in_order(serve, connect):
     seen: list[int] = []
 
     async def read() -> None:
-        async for placement in EngineClient(c.channel, "wide", rank=0).watch():
+        async for placement in AsyncServiceClient.over(c.channel).watch("wide", decode=False):
             seen.append(placement.version)
 
     reader = asyncio.create_task(read())

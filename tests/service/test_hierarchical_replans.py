@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_service.client import EngineClient
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 L, E, P, G, N, GROUPS = 4, 32, 48, 8, 2, 4
@@ -29,12 +30,12 @@ async def test_re_plans_keep_every_group_on_one_node(serve, connect, policy):
         topology=pb.Topology(num_layers=L, num_experts=E, num_slots=P, num_gpus=G, num_nodes=N, num_groups=GROUPS),
     )
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
-    rank = EngineClient(c.channel, "h", 0)
-    await rank.ack(1)  # the engines run the contiguous version 1: re-plans start from it
+    rank = AsyncServiceClient.over(c.channel)
+    await rank.ack("h", 0, 1)  # the engines run the contiguous version 1: re-plans start from it
     rng = np.random.default_rng(3)
     for step in range(4):
         loads = (rng.lognormal(0, 1.5, (L, E)) * 100).astype(np.int32)
-        await rank.report([loads])
+        await rank.report(reports("h", 0, [loads]))
         out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="h", force=True))
         assert out.published
         phy2log = np.frombuffer(out.placement.phy2log.data, "<i4").reshape(L, P)

@@ -13,8 +13,9 @@ import numpy as np
 import redis
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import limits
-from eplb_service.client import EngineClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
@@ -75,7 +76,7 @@ async def test_a_failing_deployment_does_not_stop_the_others_from_re_planning(se
     caplog.set_level(logging.WARNING, logger="eplb_service.balancer")
     for name in ("a-broken", "b-fine"):
         for rank in range(2):
-            await EngineClient(c.channel, name, rank).report([loads])
+            await AsyncServiceClient.over(c.channel).report(reports(name, rank, [loads]))
     deadline = time.monotonic() + 10
     while (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="b-fine"))).placement.version < 2:
         assert time.monotonic() < deadline, "b-fine was never re-planned"

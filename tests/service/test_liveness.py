@@ -15,7 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 from svc_helpers import FAST, REDIS_URL, small_deployment, status_details
 
-from eplb_service.client import EngineClient
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service.liveness import suspects
 from eplb_service.redis_store import RedisStore
 from eplb_service.store import Seen
@@ -58,10 +59,10 @@ def gauge(server: object, name: str) -> float | None:
 
 
 async def keep_reporting(channel: object, name: str, ranks: list[int], stop: asyncio.Event) -> None:
-    clients = [EngineClient(channel, name, rank=r) for r in ranks]
+    client = AsyncServiceClient.over(channel)
     while not stop.is_set():
-        for c in clients:
-            await c.report([LOADS])
+        for r in ranks:
+            await client.report(reports(name, r, [LOADS]))
         await asyncio.sleep(0.2)
 
 
@@ -78,7 +79,7 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
     assert created.deployment.liveness.suspect_after.ToNanoseconds() == int(AFTER_S * 1e9)
     assert await suspect_of(c.stub, name) == {}  # nobody silent for long yet
     # Rank 6 acks once, then goes quiet; rank 7 never sends anything; the others keep reporting.
-    await EngineClient(c.channel, name, rank=6).ack(1)
+    await AsyncServiceClient.over(c.channel).ack(name, 6, 1)
     stop = asyncio.Event()
     reporters = asyncio.create_task(keep_reporting(c.channel, name, [0, 1, 2, 3, 4, 5], stop))
     try:
@@ -105,7 +106,7 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
         assert set(await suspect_of(c.stub, name)) == {6}
         assert await until(lambda: gauge_is(server, name, 1.0)), gauge(server, name)
         # Rank 6 reports again: not suspect any more, at once on the replica it reported to.
-        await EngineClient(c.channel, name, rank=6).report([LOADS])
+        await AsyncServiceClient.over(c.channel).report(reports(name, 6, [LOADS]))
         assert await suspect_of(c.stub, name) == {}
         assert await until(lambda: gauge_is(server, name, 0.0)), gauge(server, name)
         assert not (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).statuses[0].suspect_ranks
@@ -143,13 +144,13 @@ async def test_two_replicas_share_what_they_saw(serve, connect, prefix):
     name = "shared"
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=with_liveness(name)))
     # Rank 0 reports to A only, rank 1 acks on B only, rank 2 reports once to A and stops.
-    await EngineClient(ca.channel, name, rank=2).report([LOADS])
+    await AsyncServiceClient.over(ca.channel).report(reports(name, 2, [LOADS]))
     stop = asyncio.Event()
 
     async def acks_on_b() -> None:
-        client = EngineClient(cb.channel, name, rank=1)
+        client = AsyncServiceClient.over(cb.channel)
         while not stop.is_set():
-            await client.ack(1)
+            await client.ack(name, 1, 1)
             await asyncio.sleep(0.2)
 
     tasks = [asyncio.create_task(keep_reporting(ca.channel, name, [0], stop)), asyncio.create_task(acks_on_b())]
@@ -168,7 +169,7 @@ async def test_two_replicas_share_what_they_saw(serve, connect, prefix):
         assert await until(lambda: gauge_is(b, name, 6.0)), gauge(b, name)
         assert await until(lambda: gauge_is(a, name, 6.0)), gauge(a, name)
         # Rank 2 reports to A again: B sees it live once A wrote it (every LIVENESS_S).
-        await EngineClient(ca.channel, name, rank=2).report([LOADS])
+        await AsyncServiceClient.over(ca.channel).report(reports(name, 2, [LOADS]))
 
         async def cleared() -> bool:
             return 2 not in await suspect_of(cb.stub, name)

@@ -20,8 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import FAST, REDIS_URL, free_port, small_deployment
 
+from eplb_bench.harness.service import aio_channel, reports
+from eplb_engine.aio import AsyncServiceClient
+from eplb_engine.client import auth_metadata
 from eplb_service.cli import parse_args
-from eplb_service.client import EngineClient, auth_metadata, channel
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -45,7 +47,7 @@ async def test_metrics_count_calls_by_method_and_code_and_time_the_store(serve, 
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix(), metrics_port=0, token="t")
     c = connect(server, token="t")
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()), metadata=c.metadata)
-    await EngineClient(c.channel, "d1", 0, token="t").report([np.ones((4, 16), np.int32)] * 3)
+    await AsyncServiceClient.over(c.channel, token="t").report(reports("d1", 0, [np.ones((4, 16), np.int32)] * 3))
     for _ in range(3):
         await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"), metadata=c.metadata)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -147,7 +149,7 @@ def test_json_logs_audit_lines_and_no_tracebacks(tmp_path, prefix):
         assert "listening on 127.0.0.1" in proc.stdout.readline()
 
         async def calls() -> None:
-            async with channel(f"127.0.0.1:{port}") as chan:
+            async with aio_channel(f"127.0.0.1:{port}") as chan:
                 stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
                 md = auth_metadata("s3cret")
                 await stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()), metadata=md)

@@ -13,8 +13,9 @@ from svc_helpers import FAST, report_some_load, small_deployment, status_details
 
 import eplb
 from eplb.transfer import transfer_schedule
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import limits
-from eplb_service.client import EngineClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.arrays import encode
 
@@ -159,7 +160,7 @@ async def test_layer_workers_split_a_re_plan_over_processes_and_plan_the_same(se
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     topo = eplb.Topology(40, 16, 24, 8, 2, 4)
     counts = (np.random.default_rng(3).lognormal(0, 1.5, (40, 16)) * 100).astype(np.int32)
-    resp = await EngineClient(c.channel, "wide", rank=0).report([counts])
+    resp = await AsyncServiceClient.over(c.channel).report(reports("wide", 0, [counts]))
     assert resp.accepted == 1
     await asyncio.sleep(0.3)  # the window flushes every 0.1 s
     first = await c.stub.Rebalance(pb.RebalanceRequest(deployment="wide", force=True), timeout=60)
@@ -169,7 +170,7 @@ async def test_layer_workers_split_a_re_plan_over_processes_and_plan_the_same(se
     assert np.array_equal(got, want.phy2log)
     # The counts change: the re-plan from version 2 keeps what it can, in two processes too.
     more = (np.random.default_rng(4).lognormal(0, 1.5, (40, 16)) * 100).astype(np.int32)
-    assert (await EngineClient(c.channel, "wide", rank=1).report([more])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports("wide", 1, [more]))).accepted == 1
     await asyncio.sleep(0.3)
     second = await c.stub.Rebalance(pb.RebalanceRequest(deployment="wide", force=True), timeout=60)
     assert second.published and second.placement.version == 3

@@ -19,8 +19,9 @@ from svc_helpers import FAST
 from test_cli import assert_one_line_error, run_serve
 
 import eplb
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import plugins
-from eplb_service.client import EngineClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.arrays import encode
 
@@ -75,7 +76,7 @@ async def test_a_plugin_policy_plans_stateless_calls_and_deployments_in_the_work
     # A deployment's re-plans run in the other pool's worker, which loads the plugin as well.
     d = pb.Deployment(name="rot", topology=wire, policy=name)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
-    assert (await EngineClient(c.channel, "rot", rank=0).report([counts])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports("rot", 0, [counts]))).accepted == 1
     await asyncio.sleep(0.3)
     plan = await c.stub.Rebalance(pb.RebalanceRequest(deployment="rot", force=True), timeout=30)
     assert plan.published

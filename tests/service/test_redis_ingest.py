@@ -16,7 +16,8 @@ import pytest
 import redis
 from svc_helpers import FAST, REDIS_URL
 
-from eplb_service.client import EngineClient
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -52,7 +53,7 @@ async def replica(serve, connect, prefix):
 async def test_an_int32_report_is_written_at_int32_width(replica):
     p, c = replica
     counts = np.random.default_rng(0).integers(0, 1 << 20, SHAPE, dtype=np.int32)
-    assert (await EngineClient(c.channel, "big", rank=0).report([counts])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports("big", 0, [counts]))).accepted == 1
     (entry,) = wal_entries(p, "big", "wal2")
     assert len(entry) <= 1.3 * counts.nbytes, f"{len(entry)} bytes for a {counts.nbytes}-byte report"
     assert wal_entries(p, "big", "wal") == []  # nothing an old replica could misread
@@ -64,7 +65,9 @@ async def test_physical_counts_folded_into_experts_stay_int32(replica):
     p, c = replica
     placement = (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="big"))).placement
     counts = np.ones((58, 288), dtype=np.int32)
-    out = await EngineClient(c.channel, "big", rank=1).report([counts], placement_version=placement.version)
+    out = await AsyncServiceClient.over(c.channel).report(
+        reports("big", 1, [counts], placement_version=placement.version)
+    )
     assert out.accepted == 1
     (entry,) = wal_entries(p, "big", "wal2")
     assert len(entry) <= 1.3 * 58 * 256 * 4
@@ -94,7 +97,7 @@ def _old_replica_sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int]) -> l
 async def test_a_mixed_fleet_loses_no_entry(replica):
     p, c = replica
     counts = np.full(SHAPE, 3, dtype=np.int32)
-    assert (await EngineClient(c.channel, "big", rank=0).report([counts])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports("big", 0, [counts]))).accepted == 1
     with redis.Redis.from_url(REDIS_URL) as r:
         # What an old replica's planner reads (its windows hash and its wal stream) holds
         # nothing it would call stale and delete: the new entry is in wal2, which it never reads.

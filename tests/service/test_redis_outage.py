@@ -12,7 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import report_some_load, small_deployment
 
-from eplb_service.client import EngineClient
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service.server import SERVICE_NAME
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -46,14 +47,14 @@ async def test_redis_restart_loses_no_committed_placement(serve, connect, privat
         await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     watch = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
     assert (await watch.read()).placement.version == 3
-    rank = EngineClient(ca.channel, "d1", rank=0)
+    rank = AsyncServiceClient.over(ca.channel)
     loads = np.ones((4, 16), dtype=np.int32)
-    assert (await rank.report([loads])).accepted == 1
+    assert (await rank.report(reports("d1", 0, [loads]))).accepted == 1
     assert await health_of(ca) == health_pb2.HealthCheckResponse.SERVING
 
     private_redis.stop()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await rank.report([loads])
+        await rank.report(reports("d1", 0, [loads]))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await cb.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
@@ -65,7 +66,7 @@ async def test_redis_restart_loses_no_committed_placement(serve, connect, privat
     # Both replicas write back what they had; the store is at version 3 again, nothing lost.
     got = await eventually(lambda: cb.stub.GetDeployment(pb.GetDeploymentRequest(name="d1")))
     assert got.deployment.version == 3
-    assert (await rank.report([loads])).accepted == 1
+    assert (await rank.report(reports("d1", 0, [loads]))).accepted == 1
     nxt = await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     assert nxt.published and nxt.placement.version == 4
     # The watcher on the other replica resumes by itself and sees the next version, no gap.
@@ -86,7 +87,7 @@ async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_e
     await report_some_load(c.stub)
     await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     await eventually(lambda: _placement_is(c, 2))
-    rank = EngineClient(c.channel, "d1", rank=0)
+    rank = AsyncServiceClient.over(c.channel)
     loads = np.ones((4, 16), dtype=np.int32)
 
     private_redis.stop()
@@ -98,7 +99,7 @@ async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_e
         # Writes fail at once instead of waiting on Redis.
         start = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await rank.report([loads])
+            await rank.report(reports("d1", 0, [loads]))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - start < 0.5
     finally:

@@ -8,6 +8,8 @@ import time
 import pytest
 from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 
@@ -58,8 +60,6 @@ async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
     """Report-count trigger: exactly one replica plans per trigger, and only gainful plans publish."""
     import numpy as np
 
-    from eplb_service.client import EngineClient
-
     p = prefix()
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
@@ -69,7 +69,7 @@ async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
     loads = np.ones((4, 16), dtype=np.int32)
     loads[:, 0] = 1000
     for r in range(4):
-        await EngineClient(ca.channel if r % 2 else cb.channel, "d1", r).report([loads])
+        await AsyncServiceClient.over(ca.channel if r % 2 else cb.channel).report(reports("d1", r, [loads]))
     deadline = time.monotonic() + 5
     while (await ca.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))).placement.version < 2:
         assert time.monotonic() < deadline, "trigger did not publish"
@@ -78,7 +78,7 @@ async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
     assert placement.stats.gain_percent >= 5.0
     # Same skew again: the new placement already balances it, so the gain gate refuses.
     for r in range(4):
-        await EngineClient(ca.channel, "d1", r).report([loads])
+        await AsyncServiceClient.over(ca.channel).report(reports("d1", r, [loads]))
     await asyncio.sleep(1.0)
     got = await cb.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
     assert got.deployment.version == 2
@@ -113,15 +113,13 @@ async def test_a_re_created_deployment_reaches_the_other_replica_within_a_second
     import grpc
     import numpy as np
 
-    from eplb_service.client import EngineClient
-
     p = prefix()
     a, b = await serve(redis_url=REDIS_URL, key_prefix=p), await serve(redis_url=REDIS_URL, key_prefix=p)
     ca, cb = connect(a), connect(b)
     await ca.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
     watch = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))
     assert (await watch.read()).placement.version == 1
-    await EngineClient(cb.channel, "d1", 0).report([np.ones((4, 16), dtype=np.int32)])
+    await AsyncServiceClient.over(cb.channel).report(reports("d1", 0, [np.ones((4, 16), dtype=np.int32)]))
     await ca.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="d1"))
     other = small_deployment()
     other.topology.CopyFrom(pb.Topology(num_layers=2, num_experts=8, num_slots=16, num_gpus=4))
@@ -133,7 +131,7 @@ async def test_a_re_created_deployment_reaches_the_other_replica_within_a_second
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     got = await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
     assert list(got.placement.phy2log.shape) == [2, 16]
-    resp = await EngineClient(cb.channel, "d1", 3).report([np.ones((2, 8), dtype=np.int32)])
+    resp = await AsyncServiceClient.over(cb.channel).report(reports("d1", 3, [np.ones((2, 8), dtype=np.int32)]))
     assert resp.accepted == 1
     assert time.monotonic() - start < 1.0
     fresh = cb.stub.WatchPlacements(pb.WatchPlacementsRequest(deployment="d1"))

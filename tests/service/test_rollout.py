@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from svc_helpers import REDIS_URL, report_some_load, small_deployment, status_details
 
-from eplb_service.client import EngineClient
+from eplb_engine.aio import AsyncServiceClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 P, S, F = pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED
@@ -122,7 +122,9 @@ async def test_every_replica_answers_the_same_switch_step(serve, connect, prefix
     assert (await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))).published
     # Default ranks: one per gpu (8); default margin 8.
     for rank in range(8):
-        out = await EngineClient((ca if rank % 2 else cb).channel, "d1", rank).rollout(2, P, step=1000 + rank)
+        out = await AsyncServiceClient.over((ca if rank % 2 else cb).channel).ack(
+            "d1", rank, 2, "prepared", step=1000 + rank
+        )
     assert figures(out) == (0, 8, 0, 8, 1007 + 8, False)
     again = await ca.stub.AckPlacement(pb.AckPlacementRequest(deployment="d1", rank=0, version=2, state=S))
     assert figures(again) == (1, 8, 0, 8, 1015, False)

@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from svc_helpers import REDIS_URL, free_port, small_deployment
 
 import eplb
-from eplb_service.client import EngineClient
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service.server import SERVICE_NAME
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
@@ -39,7 +40,7 @@ async def test_health_reflection_and_metrics(serve, connect, prefix):
     assert {"eplb.v1.ExpertLoadBalancerService", "grpc.health.v1.Health"} <= names
 
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()), metadata=c.metadata)
-    await EngineClient(c.channel, "d1", 0, token="t").report([np.ones((4, 16), np.int32)] * 3)
+    await AsyncServiceClient.over(c.channel, token="t").report(reports("d1", 0, [np.ones((4, 16), np.int32)] * 3))
     await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), metadata=c.metadata)
     text = await asyncio.to_thread(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
@@ -130,8 +131,8 @@ async def test_deployment_migration_bounds_reach_the_planner(serve, connect):
     for name in ("loose", "strict", "budget"):
         # An ack of version 1 says the engines loaded it: re-plans keep it within the bounds
         # (without one, the first plan from the made-up contiguous version 1 is a fresh plan).
-        await EngineClient(c.channel, name, 0).ack(1)
-        await EngineClient(c.channel, name, 0).report([skewed] * 3)
+        await AsyncServiceClient.over(c.channel).ack(name, 0, 1)
+        await AsyncServiceClient.over(c.channel).report(reports(name, 0, [skewed] * 3))
         out[name] = await c.stub.Rebalance(pb.RebalanceRequest(deployment=name, force=True))
     assert out["loose"].placement.stats.moves == 0
     assert out["strict"].placement.stats.moves > 0
@@ -147,8 +148,8 @@ async def test_the_trigger_move_budget_is_planned_within_or_refused(serve, conne
     d.policy = policy
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
     skewed = (np.random.default_rng(7).lognormal(0, 1.5, (4, 16)) * 100).astype(np.int32)
-    await EngineClient(c.channel, "gated", 0).ack(1)  # the engines run version 1: moves cost
-    await EngineClient(c.channel, "gated", 0).report([skewed] * 3)
+    await AsyncServiceClient.over(c.channel).ack("gated", 0, 1)  # the engines run version 1: moves cost
+    await AsyncServiceClient.over(c.channel).report(reports("gated", 0, [skewed] * 3))
     out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="gated"))
     if policy == "auto":
         # Planned within the budget: published, with the budget named in the notes.
@@ -177,7 +178,7 @@ async def test_decay_window_deployment(serve, connect):
     d = small_deployment()
     d.window.decay.half_life.FromMilliseconds(200)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
-    await EngineClient(c.channel, "d1", 0).report([np.full((4, 16), 100, np.int32)])
+    await AsyncServiceClient.over(c.channel).report(reports("d1", 0, [np.full((4, 16), 100, np.int32)]))
     first = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
     await asyncio.sleep(0.4)
     later = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, small_deployment
 
 from eplb_bench.harness.processes import ServeProcess
-from eplb_service.client import channel
+from eplb_bench.harness.service import aio_channel
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
@@ -94,7 +94,7 @@ async def _window(stub: pb_grpc.ExpertLoadBalancerServiceStub) -> pb.RebalanceRe
 
 async def _stream_then_fail_over(a: ServeProcess, b: ServeProcess, sig: int) -> dict[str, object]:
     """8 ranks stream to ``a``; ``sig`` hits ``a`` mid-stream; the ranks resend to ``b``."""
-    ca, cb = channel(a.target), channel(b.target)
+    ca, cb = aio_channel(a.target), aio_channel(b.target)
     stub_a, stub_b = pb_grpc.ExpertLoadBalancerServiceStub(ca), pb_grpc.ExpertLoadBalancerServiceStub(cb)
     health_seen: list[tuple[float, int]] = []
 

@@ -26,8 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from svc_helpers import free_port, report_some_load, small_deployment
 
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service.auth import AuthFileError, RefusalLog, Role, parse_auth_file, token_sha256
-from eplb_service.client import EngineClient
 from eplb_service.server import StartError, check_certificate_dates
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.arrays import encode
@@ -261,7 +262,9 @@ async def test_cross_tenant_reports_and_acks_are_refused_and_nothing_is_stored(s
     assert out.published and out.window_reports == 1
 
     # A rollout of team-a-1 at version 2; tenant B's FAILED ack for one of its ranks is refused.
-    await EngineClient(a.channel, "team-a-1", 0, token=ENGINE_A).report([np.ones((4, 16), np.int32)])
+    await AsyncServiceClient.over(a.channel, token=ENGINE_A).report(
+        reports("team-a-1", 0, [np.ones((4, 16), np.int32)])
+    )
     out = await admin.stub.Rebalance(pb.RebalanceRequest(deployment="team-a-1", force=True), metadata=admin.metadata)
     assert out.published and out.placement.version == 2
     fail = pb.AckPlacementRequest(deployment="team-a-1", rank=0, version=2, state=pb.ACK_STATE_FAILED, error="x")
@@ -269,7 +272,7 @@ async def test_cross_tenant_reports_and_acks_are_refused_and_nothing_is_stored(s
     got = await a.stub.GetDeployment(pb.GetDeploymentRequest(name="team-a-1"), metadata=a.metadata)
     assert list(got.acks) == []
     # Not aborted: tenant A's own rank prepares normally.
-    reply = await EngineClient(a.channel, "team-a-1", 1, token=ENGINE_A).rollout(2, pb.ACK_STATE_PREPARED, step=10)
+    reply = await AsyncServiceClient.over(a.channel, token=ENGINE_A).ack("team-a-1", 1, 2, "prepared", step=10)
     assert reply.ranks_prepared == 1 and reply.ranks_failed == 0 and not reply.aborted
 
 
@@ -284,17 +287,16 @@ async def test_a_reload_keeps_valid_streams_and_ends_revoked_ones_at_once(serve,
     }
     for call in calls.values():
         assert (await asyncio.wait_for(call.read(), 5)).placement.version == 1
-    reporter = EngineClient(watchers[ENGINE_A].channel, "team-a-1", 0, token=ENGINE_A)
     stream_open = asyncio.Event()
 
-    async def reports():  # an open ReportLoad stream of a token that stays valid
+    async def stream():  # an open ReportLoad stream of a token that stays valid
         for _ in range(3):
-            yield reporter.request(np.ones((4, 16), np.int32))
+            yield reports("team-a-1", 0, [np.ones((4, 16), np.int32)])[0]
             stream_open.set()
             await asyncio.sleep(0.3)
 
     open_report = asyncio.ensure_future(
-        watchers[ENGINE_A].stub.ReportLoad(reports(), metadata=watchers[ENGINE_A].metadata)
+        watchers[ENGINE_A].stub.ReportLoad(stream(), metadata=watchers[ENGINE_A].metadata)
     )
     await stream_open.wait()
 

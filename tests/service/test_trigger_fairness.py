@@ -13,8 +13,9 @@ from dataclasses import replace
 import numpy as np
 from svc_helpers import FAST, small_deployment
 
+from eplb_bench.harness.service import reports
+from eplb_engine.aio import AsyncServiceClient
 from eplb_service import limits
-from eplb_service.client import EngineClient
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 # 128 layers x 8192 slots (the documented limits): past the small-plan lane (2^18 cells) and
@@ -30,7 +31,7 @@ async def version(c, name: str) -> int:
 async def report(c, name: str, shape: tuple[int, int], seed: int) -> None:
     loads = np.random.default_rng(seed).integers(0, 1000, size=shape).astype(np.int32)
     loads[:, 0] += 5000  # skewed: a plan gains, so a triggered one publishes
-    assert (await EngineClient(c.channel, name, rank=0).report([loads])).accepted == 1
+    assert (await AsyncServiceClient.over(c.channel).report(reports(name, 0, [loads]))).accepted == 1
 
 
 async def test_a_small_triggered_replan_publishes_while_a_large_one_plans(serve, connect):
