@@ -676,8 +676,11 @@ class RedisStore:
             # One at a time: concurrent commands to a master that just came back raced in
             # redis-py's cluster client ("'NoneType' object has no attribute 'writelines'").
             try:
-                answers[key] = await self._r.smembers(key)
-            except (RedisError, OSError) as exc:
+                # _unavailable also maps that race when it still happens (a master rejoining:
+                # it failed Registry.refresh in the cluster chaos test under load).
+                with _unavailable():
+                    answers[key] = await self._r.smembers(key)
+            except StoreUnavailable as exc:
                 answers[key] = exc
         names: set[str] = set()
         for key in self._index_keys:
