@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Budget, Clock
-from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, slot_sums, take_rows
 from ..placement import Placement
 from ..planner.counts import refine_counts
 from ..planner.packing import swap_improve
@@ -590,7 +590,7 @@ def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.
     flat = phy.reshape(R, B * S).copy()
     w = loads / np.maximum(counts, 1)
     slot_w = take_rows(w, flat)
-    gpu_load = slot_w.reshape(R, B, S).sum(axis=2)
+    gpu_load = slot_sums(slot_w.reshape(R, B, S))
     have = replica_counts(phy, E)
     # Replicas to drop: each losing expert's replicas on its busiest gpus first. Rank every
     # slot of a losing expert within its (row, expert) by the load of its gpu, heaviest first
@@ -606,7 +606,7 @@ def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.
     rank[order] = pos - first
     free = np.zeros((R, B * S), dtype=bool)
     free[r_, p_] = rank < drop[r_, e_]
-    gpu_load -= np.where(free, slot_w, 0.0).reshape(R, B, S).sum(axis=2)
+    gpu_load -= slot_sums(np.where(free, slot_w, 0.0).reshape(R, B, S))
     # Replicas to add, heaviest first (ties by expert id), each into the freed slot on the
     # lightest gpu lacking it: ``ids`` [R, K] lists each row's, padded with -1.
     gain = np.maximum(counts - have, 0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Clock
-from ..layout import REL_TOL, replica_counts, take_rows
+from ..layout import REL_TOL, replica_counts, slot_sums, take_rows
 
 __all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
@@ -54,7 +54,7 @@ def chain_improve(
             return
         sub = phy[active]
         w = take_rows(loads[active] / np.maximum(replica_counts(sub, E), 1), sub)  # [A, B, S]
-        load = w.sum(axis=2)
+        load = slot_sums(w)
         excess = load - (target[active] * (1 + REL_TOL))[:, None]
         length, gs_all, ss_all, u, k0 = _chain(w, sub, excess, load.argmin(axis=1))
         made = length >= min_length
@@ -167,7 +167,7 @@ def count_repair(
         lo = loads[active]
         cnt = replica_counts(sub, E)
         w = lo / np.maximum(cnt, 1)
-        load = take_rows(w, sub).sum(axis=2)  # [A, B]
+        load = slot_sums(take_rows(w, sub))  # [A, B]
         tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
         n_over = (excess > 0).sum(axis=1)
@@ -378,7 +378,7 @@ def rotate_improve(
             return
         sub = phy[active]
         w = take_rows(loads[active] / replica_counts(sub, E), sub)  # [A, B, S]
-        load = w.sum(axis=2)
+        load = slot_sums(w)
         above = load > target[active][:, None]
         keep = above.sum(axis=1) >= 2
         if not keep.any():
