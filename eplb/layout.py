@@ -23,6 +23,7 @@ __all__ = [
     "distinct_per_bin",
     "distinct_rows",
     "slot_sums",
+    "stable_argsort",
     "take_rows",
 ]
 
@@ -133,6 +134,37 @@ def slot_sums(w: np.ndarray) -> np.ndarray:
     if S in _SUMS_IN_ORDER and w.ndim > 1 and w.flags.c_contiguous and w.dtype == np.float64:
         return _sums_by_slices(w)
     return w.sum(axis=-1)
+
+
+def stable_argsort(a: np.ndarray) -> np.ndarray:
+    """``a`` ``[X, n]`` float64 → int64 ``[X, n]``: ``np.argsort(a, axis=1, kind="stable")``, to the index.
+
+    numpy sorts floats stably by timsort, whose insertion runs cost four times its vectorised
+    quicksort on rows of a few dozen to a few hundred (a row of gpu loads). Ties are common
+    there (gpus holding the same experts), so a quicksort's order cannot stand. Instead each
+    row sorts one unique integer key: the bits of a float >= 0 read as an integer rise with it,
+    so ``(bits - row's least bits) << k | index`` orders by value, then index, and the index is
+    its low ``k`` bits. Rows whose spread of bits does not fit beside the index (zeros next to
+    large values, infinities), and arrays with a negative value or -0.0, take numpy's sort.
+    The packing steps' rows (v3-decode-144 and qwen3-64 re-plans): 2.3-2.8 times faster."""
+    X, n = a.shape
+    if n < 2 or a.dtype != np.float64:
+        return np.argsort(a, axis=1, kind="stable")
+    key = np.ascontiguousarray(a).view(np.int64)
+    lo = key.min(axis=1, keepdims=True)
+    if X == 0 or lo.min() < 0:  # a sign bit set: a negative value or -0.0 (equal to 0.0 for numpy)
+        return np.argsort(a, axis=1, kind="stable")
+    k = (n - 1).bit_length()
+    c = key - lo
+    wide = c.max(axis=1) >= 1 << (63 - k)
+    c <<= k
+    c |= np.arange(n)
+    c.sort(axis=1)
+    c &= (1 << k) - 1
+    if wide.any():
+        rows = np.flatnonzero(wide)
+        c[rows] = np.argsort(a[rows], axis=1, kind="stable")
+    return c
 
 
 @lru_cache(maxsize=256)
