@@ -20,6 +20,7 @@ __all__ = [
     "per_replica",
     "bin_loads",
     "busiest",
+    "count_true",
     "distinct_per_bin",
     "distinct_rows",
     "slot_sums",
@@ -134,6 +135,15 @@ def slot_sums(w: np.ndarray) -> np.ndarray:
     if S in _SUMS_IN_ORDER and w.ndim > 1 and w.flags.c_contiguous and w.dtype == np.float64:
         return _sums_by_slices(w)
     return w.sum(axis=-1)
+
+
+def count_true(x: np.ndarray) -> np.ndarray:
+    """``x`` ``[..., n]`` bool → int64 ``[...]``: ``x.sum(axis=-1)``. Below 256 summed as bytes
+    (no count can wrap), then widened: a bool sum goes through a cast per element, 2.6 times
+    the time ([116, 8, 126]: 52 -> 20 us)."""
+    if x.dtype != np.bool_ or x.shape[-1] >= 256 or not x.flags.c_contiguous:
+        return x.sum(axis=-1)
+    return x.view(np.uint8).sum(axis=-1, dtype=np.uint8).astype(np.int64)
 
 
 def stable_argsort(a: np.ndarray) -> np.ndarray:

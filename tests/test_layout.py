@@ -7,6 +7,7 @@ from eplb.layout import (
     _SUMS_IN_ORDER,
     bin_loads,
     busiest,
+    count_true,
     distinct_per_bin,
     distinct_rows,
     replica_counts,
@@ -75,3 +76,12 @@ def test_stable_argsort_is_numpys_stable_order_with_ties_zeros_and_infinities() 
         got = stable_argsort(a)
         assert got.dtype == np.argsort(a, axis=1).dtype
         assert np.array_equal(got, np.argsort(a, axis=1, kind="stable"))
+
+
+def test_count_true_counts_like_a_bool_sum() -> None:
+    rng = np.random.default_rng(3)
+    for shape in ((116, 8, 126), (5, 255), (4, 256), (3, 300), (7, 1)):
+        x = rng.random(shape) < 0.5
+        assert np.array_equal(count_true(x), x.sum(axis=-1))
+        assert count_true(x).dtype == x.sum(axis=-1).dtype
+    assert np.array_equal(count_true(np.ones((2, 255), dtype=bool)), [255, 255])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Clock
-from ..layout import REL_TOL, replica_counts, slot_sums, take_rows
+from ..layout import REL_TOL, count_true, replica_counts, slot_sums, take_rows
 
 __all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
@@ -170,7 +170,7 @@ def count_repair(
         load = slot_sums(take_rows(w, sub))  # [A, B]
         tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
-        n_over = (excess > 0).sum(axis=1)
+        n_over = count_true(excess > 0)
         # A row with fewer than min_fixed bins above the target has no move that counts.
         live = n_over >= min_fixed
         if not live.all():
@@ -216,9 +216,9 @@ def count_repair(
         shed_h = lb - d_h[:, :, None]  # [A, H, B]
         took_f = lb + t_f[:, :, None]  # [A, D, B]
         tot_h = np.where(Hh, over(shed_h) - over(lb), 0.0).sum(axis=2)  # [A, H]
-        cnt_h = (Hh & (shed_h > t3)).sum(axis=2) - (Hh & (lb > t3)).sum(axis=2)
+        cnt_h = count_true(Hh & (shed_h > t3)) - count_true(Hh & (lb > t3))
         tot_f = np.where(Hf, over(took_f) - over(lb), 0.0).sum(axis=2)  # [A, D]
-        cnt_f = (Hf & (took_f > t3)).sum(axis=2) - (Hf & (lb > t3)).sum(axis=2)
+        cnt_f = count_true(Hf & (took_f > t3)) - count_true(Hf & (lb > t3))
         tot = total[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
         cnt_over = n_over[:, None, None] + cnt_h[:, :, None] + cnt_f[:, None, :]
         # Each bin q holding a donor ([n] entries, few: few bins hold a given donor), by the
