@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import bounds
+from .layout import slot_sums
 from .placement import Placement
 from .survivors import survivors
 from .topology import Topology
@@ -32,7 +33,7 @@ def gpu_loads(loads: np.ndarray, placement: Placement) -> np.ndarray:
     per_replica = np.zeros((topo.num_layers, topo.num_experts + 1))
     np.divide(np.asarray(loads, dtype=np.float64), np.maximum(placement.logcnt, 1), out=per_replica[:, :-1])
     slot_load = np.take_along_axis(per_replica, placement.phy2log, axis=1)
-    out = slot_load.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu).sum(axis=2)
+    out = slot_sums(slot_load.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu))
     if not placement.full:
         out[:, ~placement.live] = np.nan
     return out

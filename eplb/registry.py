@@ -362,8 +362,8 @@ def _survivor_plan(arr: np.ndarray, live: Survivors, policy: str, previous: Plac
                 f"replica, {filled} empty slots filled",
             )
         prev_red = Placement(full, red)
-    # At effort="fast" the carried placement's repairs aim at one target in one order, not three
-    # in three: fast plans are about time. Keeping the counts alone and leaving out the fresh
+    # At effort="fast" the carried placement's repairs aim at one target in one order (two with
+    # two slots per gpu), not three in three, with half the count moves: fast plans are about time. Keeping the counts alone and leaving out the fresh
     # plan aligned cost too much balance where a node went down (survivor_bench, v3-decode-144:
     # 3.19 against the fast plan's 1.68).
     quick = options.get("effort") == "fast"

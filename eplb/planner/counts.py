@@ -136,7 +136,7 @@ def _count_move(
     new = (load[:, None, :] - d_e[:, :, None] * He)[:, :, None, :] + np.where(Hf, d_f[:, :, None], 0.0)[:, None, :, :]
     # Max over bins other than q: the top two of `new` cover every q.
     arg1 = new.argmax(axis=3)[..., None]
-    m1 = new.max(axis=3, keepdims=True)
+    m1 = np.take_along_axis(new, arg1, axis=3)  # the maximum, gathered: a fifth of a second pass
     np.put_along_axis(new, arg1, -np.inf, axis=3)
     m2 = new.max(axis=3, keepdims=True)
     # The score: the larger of q's new load (at_q) and the busiest other bin (m1, or m2 at q
@@ -149,7 +149,7 @@ def _count_move(
     ok = ok[:, :, None] & np.isfinite(d_f)[:, None, :] & (gain[:, :, None] != don[:, None, :])  # [A, S, D]
     bad = ~Hf[:, None, :, :] | He[:, :, None, :]
     bad |= ~ok[:, :, :, None]
-    score[bad] = np.inf
+    np.putmask(score, bad, np.inf)  # half the time of boolean indexing
     score = score.reshape(A, -1)
     best = score.argmin(axis=1)
     val = score[ra, best]

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..bounds import item_bound
 from ..budget import Clock
-from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums, take_rows
+from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums, stable_argsort, take_rows
 
 __all__ = ["WIDE_SPREAD", "pack", "packed_loads", "improve", "swap_improve", "pack_counts", "descending_order"]
 
@@ -149,7 +149,7 @@ def _deal(weights: np.ndarray, keys: np.ndarray, order: np.ndarray, num_bins: in
         ilo, ihi = np.minimum(ia, ib), np.maximum(ia, ib)
         sa, sb = sums2[ia], sums2[ib]
         oa = np.argsort(-sa, axis=1, kind="stable")
-        ob = np.argsort(sb, axis=1, kind="stable")
+        ob = stable_argsort(sb)
         new_sum = np.take(sa, oa + off) + np.take(sb, ob + off)
         steps.append((a, b, lo, hi, last, oa, ob))
         sums2[ihi] = sums2[il]
@@ -309,7 +309,7 @@ def _improve(
             active, load = active[keep], load[keep]
         if active.size == 0 or (clock is not None and clock.out()):
             return
-        srt = np.argsort(load, axis=1, kind="stable")
+        srt = stable_argsort(load)
         # Cheap round: i-th heaviest with i-th lightest, all pairs at once.
         heavy, partner = srt[:, ::-1][:, :half], srt[:, light].reshape(-1, half, spread)
         # Bins already at or below the target are left alone: swaps there only cost moves.
@@ -325,7 +325,7 @@ def _improve(
             ws = w[active[st]]
             # Two slots: one vector minimum, not a length-2 reduction per bin.
             smallest = np.minimum(ws[..., 0], ws[..., 1]) if per_bin == 2 else ws.min(axis=2)
-            small = np.argsort(smallest, axis=1, kind="stable")[:, :_SMALL]
+            small = stable_argsort(smallest)[:, :_SMALL]
             part = np.concatenate([srt[st, :wide], small], axis=1)[:, None, :]
             again = _swap_best(assign, w, k, load[st], active[st], top, part, None if floor is None else floor[st])
             stalled[st] = ~again[:, 0]

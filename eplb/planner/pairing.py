@@ -129,9 +129,10 @@ def _build(row: list[float], order: list[int], asc: list[float], T: float, bins:
         heap = [(-row[e] / c if c < cap else 1.0, e) for e, c in enumerate(counts)]
         heapq.heapify(heap)
         for _ in range(left):
-            _, e = heapq.heappop(heap)
+            # One sift instead of a pop and a push: the same items come out (they are distinct).
+            e = heap[0][1]
             counts[e] += 1
-            heapq.heappush(heap, (-row[e] / counts[e] if counts[e] < cap else 1.0, e))
+            heapq.heapreplace(heap, (-row[e] / counts[e] if counts[e] < cap else 1.0, e))
     return counts
 
 
@@ -374,8 +375,10 @@ def _sweep(asc: list[float], T: float, bins: int, cap: int) -> list[int] | None:
     for _ in range(left):
         if not free:
             return None
-        _, i = heapq.heappop(free)
+        i = free[0][1]
         counts[i] += 1
         if counts[i] < cap:
-            heapq.heappush(free, (-asc[i] / counts[i], i))
+            heapq.heapreplace(free, (-asc[i] / counts[i], i))
+        else:
+            heapq.heappop(free)
     return counts

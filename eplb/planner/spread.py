@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import per_replica, replica_counts, take_rows
+from ..layout import per_replica, replica_counts, slot_sums, take_rows
 from ..topology import Topology
 
 __all__ = ["spread_nodes"]
@@ -50,7 +50,7 @@ def spread_nodes(loads: np.ndarray, phy2log: np.ndarray, topology: Topology) -> 
         active = todo[rows, x]
         tried[rows[active], x[active]] = True
         w = take_rows(per_replica(loads, cnt), phy)  # [L, P], 0 for empty slots
-        gpu_load = w.reshape(L, G, S).sum(axis=2)
+        gpu_load = slot_sums(w.reshape(L, G, S))
         # Slot a: x's replica on its busiest gpu.
         mine = phy == x[:, None]
         a = np.where(mine, gpu_load[:, slot_gpu], -np.inf).argmax(axis=1)

@@ -104,15 +104,24 @@ def _dense_match(new: np.ndarray, old: np.ndarray, num_experts: int) -> np.ndarr
     # A gather of [X, B, k, B] rather than a product over all experts, and no BLAS call, whose
     # threads stall on a busy machine.
     overlap = held[np.arange(X)[:, None, None], new].sum(axis=2)
-    order = np.argsort(-overlap.max(axis=2), axis=1, kind="stable")
-    taken = np.zeros((X, B), dtype=bool)
+    most = overlap.max(axis=2)
+    order = np.argsort(-most, axis=1, kind="stable")
     out = np.empty((X, B), dtype=np.int64)
     rows = np.arange(X)
+    # A taken old bin's overlap is lowered by more than any overlap (small integer counts), so
+    # it falls below every free bin's (>= 0) and the argmax is the free bin of most overlap,
+    # ties to the lowest, as masking the taken ones would give; a free bin is always left.
+    # Whole rows of the [X * B, B] overlap are gathered, and one add replaces the mask.
+    lowered = np.zeros((X, B), dtype=overlap.dtype)
+    drop = -(most.max(initial=0) + 1)
+    flat = overlap.reshape(X * B, B)
     for step in range(B):
         nb = order[:, step]
-        ob = np.where(taken, -1.0, overlap[rows, nb]).argmax(axis=1)
+        cand = flat[rows * B + nb]
+        cand += lowered
+        ob = cand.argmax(axis=1)
         out[rows, nb] = ob
-        taken[rows, ob] = True
+        lowered[rows, ob] = drop
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Budget, Clock
-from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, take_rows
+from ..layout import GOOD_ENOUGH, REL_TOL, bin_loads, distinct_rows, replica_counts, slot_sums, take_rows
 from ..placement import Placement
 from ..planner.counts import refine_counts
 from ..planner.packing import swap_improve
@@ -34,6 +34,15 @@ __all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
 # shift (drift_bench --steps 6).
 _CHAINS_FIRST_SLOTS = 2
 
+# Count moves per row at the end of a repair (``_finish``), and for survivor plans at
+# effort="fast" (``quick``, which also leaves out the third order with few slots per gpu).
+# Together at 128 gpus x 2 slots (survivor_bench, 1, 2 and a node's gpus down) the fast plans
+# are the same placements in 102/110/121 ms instead of 132/145/164 (cpu, load ~4 on 2 cores);
+# at v3-decode-144 a node down takes 1308 moves instead of 1301 (imbalance 1.6846 vs 1.6848),
+# the others are the same placements.
+_COUNT_MOVES = 32
+_QUICK_COUNT_MOVES = 16
+
 # Cells of one chunk of layers' [l, N*K, N*K] group swaps (``_swap_groups``): a few tens of MB.
 _SWAP_CELLS = 1 << 20
 
@@ -49,6 +58,7 @@ def repair_previous(
     every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
+    quick: bool = False,
 ) -> dict[str, np.ndarray]:
     """``loads`` ``[L, E]``, ``target`` ``[L]`` busiest-gpu load to reach → candidate
     ``phy2log`` arrays ``[L, P]`` by name, each changed from ``previous`` only until each
@@ -70,6 +80,8 @@ def repair_previous(
     targets of ``_repairs``); the recount, which does not depend on the target, then runs on
     one copy.
     ``clock``: the re-plan's deadline; a repair it stops is still a candidate, as far as it got.
+    ``quick``: fewer orders and count moves (see ``_best_order``), for survivor plans at
+    ``effort="fast"``.
     """
     t = topology
     L, S = t.num_layers, t.slots_per_gpu
@@ -89,17 +101,22 @@ def repair_previous(
                 every_order=every_order,
                 repeats=repeats,
                 clock=clock,
+                quick=quick,
             )
             return {"repaired": _to_global(repaired[0], None, prev, t)}
         counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
-        repaired, recounted = _repair_pair(loads, phy, target, counts, None, t, give_up, every_order, repeats, clock)
+        repaired, recounted = _repair_pair(
+            loads, phy, target, counts, None, t, give_up, every_order, repeats, clock, quick
+        )
         return {
             "repaired": _to_global(repaired[0], None, prev, t),
             "recounted": _to_global(recounted[0], None, prev, t),
         }
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
-    repaired, recounted = _repair_pair(loads, phy, target, True, node_exp, t, give_up, every_order, repeats, clock)
+    repaired, recounted = _repair_pair(
+        loads, phy, target, True, node_exp, t, give_up, every_order, repeats, clock, quick
+    )
     out = {
         "repaired": _to_global(repaired[0], node_exp, prev, t),
         "recounted": _to_global(recounted[0], node_exp, prev, t),
@@ -119,7 +136,17 @@ def repair_previous(
     if swapped is not None:
         # Only the nodes that swapped a group start anywhere else than the recount did.
         regrouped = _repair_rows(
-            loads, phy, target, True, swapped, t, like=recounted, give_up=give_up, every_order=every_order, clock=clock
+            loads,
+            phy,
+            target,
+            True,
+            swapped,
+            t,
+            like=recounted,
+            give_up=give_up,
+            every_order=every_order,
+            clock=clock,
+            quick=quick,
         )
         out["regrouped"] = _to_global(regrouped[0], swapped, prev, t)
     return out
@@ -136,6 +163,7 @@ def _repairs(
     give_up: float | None = None,
     every_order: bool = True,
     clock: Clock | None = None,
+    quick: bool = False,
 ) -> tuple[list[tuple[str, np.ndarray]], bool]:
     """``repair_previous`` for each of ``targets`` (``[L]`` arrays) → (name, ``phy2log`` ``[L, P]``)
     pairs, target by target, and whether any layer swapped groups between nodes. The targets
@@ -157,6 +185,7 @@ def _repairs(
         every_order,
         K,
         clock,
+        quick,
     )
     swapped = "regrouped" in out
     if pad and not swapped and "recounted" in out and by_node and topology.num_nodes > 1:
@@ -168,18 +197,18 @@ def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
     ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
     ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``), ``give_up`` and
-    ``every_order`` (see ``repair_previous``) and ``deadline`` (a ``time.perf_counter()`` value
+    ``every_order`` and ``quick`` (see ``repair_previous``) and ``deadline`` (a ``time.perf_counter()`` value
     or ``None``, see ``candidates``). Also whether any layer swapped groups, and whether the
     deadline stopped a repair. Layers are independent here, so a chunk's rows equal those of
     all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline = job
+    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline, quick = job
     clock = None if deadline is None else Clock(deadline)
     previous = Placement(old, topology)
     ways = [("kept", old)] if ends else []
     swapped = False
     if targets:
         repaired, swapped = _repairs(
-            loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order, clock
+            loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order, clock, quick
         )
         ways += repaired
     if ends:
@@ -199,11 +228,12 @@ def candidates(
     give_up: float | None = None,
     every_order: bool = True,
     deadline: float | None = None,
+    quick: bool = False,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
     """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``
     and whether the deadline stopped a repair:
     in this process, or in ``workers`` processes, each taking an equal share of the layers (the
-    same result: any split gives it). ``give_up``, ``every_order``: see ``repair_previous``.
+    same result: any split gives it). ``give_up``, ``every_order``, ``quick``: see ``repair_previous``.
     ``deadline`` (a ``time.perf_counter()`` value): repairs stop between their rounds when the
     next would pass it, where they got to; the kept placement and the fresh plan aligned are
     made whatever the time, so every layer has a candidate within the tolerances."""
@@ -214,7 +244,8 @@ def candidates(
         b = min(a + step, L)
         chunk = topology.with_layers(b - a)
         tg = [t[a:b] for t in targets]
-        jobs.append((loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline))
+        job = (loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline, quick)
+        jobs.append(job)
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
     names = parts[0][0]
     keep = np.ones(len(names), dtype=bool)
@@ -237,6 +268,7 @@ def _repair_rows(
     every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
+    quick: bool = False,
 ) -> tuple[np.ndarray, ...]:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
@@ -262,7 +294,7 @@ def _repair_rows(
         rows = rows[~same[rows]]
     # The recount above is work of its own: check before the repairs start.
     if rows.size and not (clock is not None and clock.out()):
-        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order, clock)
+        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order, clock, quick)
     return out, start, row_loads, tgt
 
 
@@ -277,6 +309,7 @@ def _repair_pair(
     every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
+    quick: bool = False,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """``_repair_rows`` without a recount, then with ``counts`` (``like`` the first), as one
     pass: the rows of both that need a repair go through ``_best_order`` together. Rows are
@@ -299,6 +332,7 @@ def _repair_pair(
             cap,
             every_order,
             clock,
+            quick,
         )
         out_a[rows_a], out_b[rows_b] = done[: rows_a.size], done[rows_a.size :]
     out_b[same] = out_a[same]
@@ -372,11 +406,14 @@ def _best_order(
     cap: int | None,
     every_order: bool = True,
     clock: Clock | None = None,
+    quick: bool = False,
 ) -> np.ndarray:
     """``cand`` ``[R, B, S]`` (``phy`` recounted, or ``phy`` itself) repaired towards ``tgt``
     ``[R]`` in two orders (three with few slots per gpu), the best per row (fewest slots
     rewritten from ``phy``); without ``every_order`` only the one that starts with count moves
-    (all three with few slots per gpu, where it loses most often), nor once ``clock`` is out."""
+    (all three with few slots per gpu, where it loses most often), nor once ``clock`` is out.
+    ``quick`` (survivor plans at ``effort="fast"``): with few slots per gpu the third order is
+    left out, and the last count moves stop after ``_QUICK_COUNT_MOVES`` rounds."""
     rows = cand.shape[0]
     # Two orders, the better per row: count moves that relieve every gpu of an expert that
     # grew (one slot, see ``eplb.replan.moves``) then ejection chains (k bins with k + 1), or
@@ -394,15 +431,23 @@ def _best_order(
     few = phy.shape[2] <= _CHAINS_FIRST_SLOTS
     if (not every_order and not few) or (clock is not None and clock.expired):
         # Rows without a count move take chains first.
-        return _finish(loads, c, tgt, cap, chains=True, clock=clock)
+        return _finish(loads, c, tgt, cap, chains=True, clock=clock, quick=quick)
     # The orders run as one stacked repair of their rows (rows are independent in _finish, so
     # each comes out as alone), with chains per row: a third of numpy's calls.
-    chains = [True, False, True] if few else [True, False]
-    n = len(chains)
-    starts = np.concatenate([c] + [cand] * (n - 1))
-    mask = np.repeat(chains, rows)
-    done = _finish(np.tile(loads, (n, 1)), starts, np.tile(tgt, n), cap, chains=mask, clock=clock)
-    outs = list(done.reshape((n, rows) + cand.shape[1:]))
+    # The third order (chains first from ``cand``) starts where the first does on rows that
+    # count_repair left as they were, so it would end there too: only its other rows run
+    # (11-25 % of the stacked rows at 128 gpus x 2 slots and v3-decode-144, survivor plans).
+    third = (c != cand).any(axis=(1, 2)) if few and not quick else np.zeros(rows, dtype=bool)
+    alone = np.flatnonzero(third)
+    each = np.arange(rows)
+    idx = np.concatenate([each, each, alone])
+    mask = np.concatenate([np.ones(rows, dtype=bool), np.zeros(rows, dtype=bool), np.ones(alone.size, dtype=bool)])
+    starts = np.concatenate([c, cand, cand[alone]])
+    done = _finish(loads[idx], starts, tgt[idx], cap, chains=mask, clock=clock, quick=quick)
+    outs = [done[:rows], done[rows : 2 * rows]]
+    if few and not quick:
+        outs.append(outs[0].copy())
+        outs[2][alone] = done[2 * rows :]
     # Rows that reach the target first, then fewer rewritten slots, then the lower busiest bin;
     # compared per row (a sort by keys), so a row's pick never depends on the other rows. Ties
     # go to the order that starts with count moves.
@@ -436,11 +481,13 @@ def _finish(
     cap: int | None,
     chains: bool | np.ndarray,
     clock: Clock | None = None,
+    quick: bool = False,
 ) -> np.ndarray:
     """``c`` ``[R, B, S]`` repaired towards ``tgt`` ``[R]``: chains (or not; ``chains`` may be
     ``[R]`` bool, per row), rotations, swaps, count moves and swaps again, each stopping
     between rounds once ``clock`` is out. Chains, rotations and count moves need one replica
-    of an expert per bin, so rows that have two skip them (each row on its own)."""
+    of an expert per bin, so rows that have two skip them (each row on its own). ``quick``:
+    at most ``_QUICK_COUNT_MOVES`` count moves per row, not ``_COUNT_MOVES``."""
     dist = np.flatnonzero(distinct_rows(c))
     if dist.size:
         sub = c[dist]
@@ -460,7 +507,8 @@ def _finish(
         dist = np.flatnonzero(above & distinct_rows(c))
         if dist.size:
             budget = None if clock is None else Budget(None, clock)
-            c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=32, target=tgt[dist], budget=budget)
+            moves = _QUICK_COUNT_MOVES if quick else _COUNT_MOVES
+            c[dist] = refine_counts(loads[dist], c[dist], cap, iterations=moves, target=tgt[dist], budget=budget)
             swap_improve(loads, c, dist, 64, tgt, clock)
     return c
 
@@ -550,7 +598,7 @@ def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.
     flat = phy.reshape(R, B * S).copy()
     w = loads / np.maximum(counts, 1)
     slot_w = take_rows(w, flat)
-    gpu_load = slot_w.reshape(R, B, S).sum(axis=2)
+    gpu_load = slot_sums(slot_w.reshape(R, B, S))
     have = replica_counts(phy, E)
     # Replicas to drop: each losing expert's replicas on its busiest gpus first. Rank every
     # slot of a losing expert within its (row, expert) by the load of its gpu, heaviest first
@@ -566,7 +614,7 @@ def recount(loads: np.ndarray, phy: np.ndarray, counts: np.ndarray) -> tuple[np.
     rank[order] = pos - first
     free = np.zeros((R, B * S), dtype=bool)
     free[r_, p_] = rank < drop[r_, e_]
-    gpu_load -= np.where(free, slot_w, 0.0).reshape(R, B, S).sum(axis=2)
+    gpu_load -= slot_sums(np.where(free, slot_w, 0.0).reshape(R, B, S))
     # Replicas to add, heaviest first (ties by expert id), each into the freed slot on the
     # lightest gpu lacking it: ``ids`` [R, K] lists each row's, padded with -1.
     gain = np.maximum(counts - have, 0)

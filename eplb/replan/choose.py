@@ -114,9 +114,9 @@ def choose(
     repairs of a binding move budget); kept and fresh aligned are always candidates, so the
     pick still meets the tolerances and the move budgets, with more moves.
 
-    ``quick``: one repair, keeping the replica counts, aiming at ``(1 + tolerance)`` of
-    fresh's busiest gpu in one order (a survivor plan at ``effort="fast"``, where the previous placement lost slots and the
-    time is what counts).
+    ``quick``: the repairs aim at ``(1 + tolerance)`` of fresh's busiest gpu alone, in the
+    orders and with the count moves of ``candidates(quick=True)`` (a survivor plan at
+    ``effort="fast"``, where the previous placement lost slots and the time is what counts).
     """
     # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
     # num_gpus - 1 already allows every placement; capping there keeps the repair targets
@@ -156,7 +156,7 @@ def choose(
                 "time_limit: no time was left to repair the previous placement; layers kept it or took the fresh plan",
             )
         names, cands, imb, moves, cut = candidates(
-            loads, old, fresh, topology, targets, by_node, True, workers, give_up, not quick, deadline=deadline
+            loads, old, fresh, topology, targets, by_node, True, workers, give_up, not quick, deadline, quick
         )
     else:
         names, cands, imb, moves = score([("kept", old)], loads, old, topology)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..budget import Clock
-from ..layout import REL_TOL, replica_counts, take_rows
+from ..layout import REL_TOL, count_true, replica_counts, slot_sums, take_rows
 
 __all__ = ["chain_improve", "rotate_improve", "count_repair"]
 
@@ -54,7 +54,7 @@ def chain_improve(
             return
         sub = phy[active]
         w = take_rows(loads[active] / np.maximum(replica_counts(sub, E), 1), sub)  # [A, B, S]
-        load = w.sum(axis=2)
+        load = slot_sums(w)
         excess = load - (target[active] * (1 + REL_TOL))[:, None]
         length, gs_all, ss_all, u, k0 = _chain(w, sub, excess, load.argmin(axis=1))
         made = length >= min_length
@@ -167,10 +167,10 @@ def count_repair(
         lo = loads[active]
         cnt = replica_counts(sub, E)
         w = lo / np.maximum(cnt, 1)
-        load = take_rows(w, sub).sum(axis=2)  # [A, B]
+        load = slot_sums(take_rows(w, sub))  # [A, B]
         tgt = (target[active] * (1 + REL_TOL))[:, None]
         excess = np.maximum(load - tgt, 0.0)
-        n_over = (excess > 0).sum(axis=1)
+        n_over = count_true(excess > 0)
         # A row with fewer than min_fixed bins above the target has no move that counts.
         live = n_over >= min_fixed
         if not live.all():
@@ -216,9 +216,9 @@ def count_repair(
         shed_h = lb - d_h[:, :, None]  # [A, H, B]
         took_f = lb + t_f[:, :, None]  # [A, D, B]
         tot_h = np.where(Hh, over(shed_h) - over(lb), 0.0).sum(axis=2)  # [A, H]
-        cnt_h = (Hh & (shed_h > t3)).sum(axis=2) - (Hh & (lb > t3)).sum(axis=2)
+        cnt_h = count_true(Hh & (shed_h > t3)) - count_true(Hh & (lb > t3))
         tot_f = np.where(Hf, over(took_f) - over(lb), 0.0).sum(axis=2)  # [A, D]
-        cnt_f = (Hf & (took_f > t3)).sum(axis=2) - (Hf & (lb > t3)).sum(axis=2)
+        cnt_f = count_true(Hf & (took_f > t3)) - count_true(Hf & (lb > t3))
         tot = total[:, None, None] + tot_h[:, :, None] + tot_f[:, None, :]  # [A, H, D]
         cnt_over = n_over[:, None, None] + cnt_h[:, :, None] + cnt_f[:, None, :]
         # Each bin q holding a donor ([n] entries, few: few bins hold a given donor), by the
@@ -378,7 +378,7 @@ def rotate_improve(
             return
         sub = phy[active]
         w = take_rows(loads[active] / replica_counts(sub, E), sub)  # [A, B, S]
-        load = w.sum(axis=2)
+        load = slot_sums(w)
         above = load > target[active][:, None]
         keep = above.sum(axis=1) >= 2
         if not keep.any():
