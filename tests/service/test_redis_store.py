@@ -12,7 +12,7 @@ import uuid
 import numpy as np
 import pytest
 
-from eplb_service.errors import AlreadyExists, NotFound
+from eplb_service.errors import AlreadyExists, NotFound, StoreUnavailable
 from eplb_service.redis_store import RedisStore
 from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
@@ -113,3 +113,27 @@ async def test_acks_and_leases_work_on_each_deployment(store):
         assert await store.renew_lease(n, "me", 5)
         await store.release_lease(n, "me")
         assert await store.acquire_lease(n, "you", 5)
+
+
+async def test_the_writelines_race_of_a_rejoining_master_is_unavailable_not_a_traceback(store, monkeypatch):
+    # redis-py's asyncio cluster client, when a master rejoins, can write on a connection that
+    # another call just closed; the index read used to let that AttributeError out (a
+    # traceback in Registry.refresh). On Cluster the bucket's last known names are listed; on
+    # one Redis it is UNAVAILABLE like any broken connection.
+    names = [f"d{i}" for i in range(4)]
+    for n in names:
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+    assert [r.deployment.name for r in await store.list()] == names  # the index is cached now
+    real = store._r.smembers
+
+    async def racing(key):
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    monkeypatch.setattr(store._r, "smembers", racing)
+    if store.cluster:
+        assert await store.count() == 4
+    else:
+        with pytest.raises(StoreUnavailable, match="connection closed under the call"):
+            await store.count()
+    monkeypatch.setattr(store._r, "smembers", real)
+    assert await store.count() == 4
