@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -382,10 +383,24 @@ def _retry() -> Retry:
     return Retry(ExponentialBackoff(cap=0.05, base=0.01), 3, supported_errors=(redis.ConnectionError,))
 
 
+class _CommandTable(AsyncCommandsParser):
+    """redis-py's command table (for finding a command's keys), read from a master once.
+
+    The cluster client re-initializes after any broken connection or CLUSTERDOWN answer, and
+    each re-initialization read the table again from its default node: when that node was a
+    dead master, every call on the live masters failed with its 'Connection refused' (seen in
+    CI). Every master of a cluster runs the same server, so the first table stays right.
+    """
+
+    async def initialize(self, node: ClusterNode | None = None) -> None:
+        if not self.commands:
+            await super().initialize(node)
+
+
 def _cluster_client(url: str, prefix: str) -> RedisCluster:
     seeds = parse_cluster_url(url)
     assert seeds is not None
-    return RedisCluster(
+    client = RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in seeds.nodes],
         # A master that is down takes its own slots down, not the others'; the servers must say
         # so too (cluster-require-full-coverage no), or every slot answers CLUSTERDOWN.
@@ -402,6 +417,8 @@ def _cluster_client(url: str, prefix: str) -> RedisCluster:
         health_check_interval=0,
         **dict(seeds.options),
     )
+    client.commands_parser = _CommandTable()
+    return client
 
 
 class _ClusterScript:

@@ -137,3 +137,39 @@ async def test_the_writelines_race_of_a_rejoining_master_is_unavailable_not_a_tr
             await store.count()
     monkeypatch.setattr(store._r, "smembers", real)
     assert await store.count() == 4
+
+
+async def test_calls_on_live_masters_go_on_while_the_default_node_is_dead(redis_cluster):
+    # redis-py's cluster client re-initializes after a CLUSTERDOWN or broken connection, and its
+    # re-initialization read the command table from its default node, the first master: when
+    # that master was the dead one every call on the live masters failed with its 'Connection
+    # refused' (seen in CI: a ReportLoad on a live deployment, 1 run in several).
+    s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
+    await s.ping()
+    victim = s._r.get_default_node()
+    names: dict[int, str] = {}
+    i = 0
+    while len(names) < len(redis_cluster.ports):
+        names.setdefault(redis_cluster.port_of(s.key(f"d{i}", "meta")), f"d{i}")
+        i += 1
+    for n in names.values():
+        await s.create(deployment(n), pb.Placement(deployment=n, version=1))
+    live = [n for port, n in names.items() if port != victim.port]
+    redis_cluster.kill(victim.port)
+    try:
+        await s._r.aclose()  # what the client does itself after a CLUSTERDOWN answer
+        for n in live:
+            assert (await s.get(n)).deployment.name == n
+        with pytest.raises(StoreUnavailable, match=f"{victim.port}"):
+            await s.get(names[victim.port])
+        for n in live:  # and after a failed call on the dead master
+            assert (await s.get(n)).deployment.name == n
+    finally:
+        redis_cluster.start_node(victim.port)
+        redis_cluster.wait_ok()
+    for n in live:
+        await s.delete(n)
+    with pytest.raises(NotFound):  # the master came back empty; this unindexes the name
+        await s.delete(names[victim.port])
+    assert await s.count() == 0
+    await s.close()
