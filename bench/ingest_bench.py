@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         for kind in args.kinds:
             _pin(args.cpus_redis)
-            if kind == "bare":
+            if kind in ("bare", "memory"):
                 backend, url, ports = None, "", []
             elif kind == "cluster":
                 backend = ClusterProcesses(workdir / "cluster", appendfsync=None)

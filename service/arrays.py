@@ -28,9 +28,11 @@ def decode(msg: pb.Array, field: str, shape: tuple[int, ...], kinds: str = "iuf"
         raise InvalidArgument(FieldViolation(exc.field, exc.description)) from None
 
 
-def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float | None = None) -> np.ndarray:
+def decode_counts(
+    msg: pb.Array, field: str, shape: tuple[int, ...], cap: float | None = None, native: bool = False
+) -> np.ndarray:
     """:func:`eplb_wire.arrays.decode_counts`; ``InvalidArgument`` naming ``field``."""
     try:
-        return _wire.decode_counts(msg, field, shape, cap)
+        return _wire.decode_counts(msg, field, shape, cap, native)
     except ArrayError as exc:
         raise InvalidArgument(FieldViolation(exc.field, exc.description)) from None

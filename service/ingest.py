@@ -99,13 +99,17 @@ class Ingest:
         name, spec = local.deployment.name, local.window_spec
 
         def journal(fresh: list[bool]) -> bytes:
-            # In place, in report order (the same float sums as adding them one by one): one
-            # array for the batch rather than one per report.
-            sums = np.zeros(local.window.shape)
-            for (_, _, counts), f in zip(items, fresh):
-                if f:
+            new = [counts for (_, _, counts), f in zip(items, fresh) if f]
+            if len(new) == 1:
+                sums = new[0]  # as it came: an int32 report's entry is its own counts
+            else:
+                # In place, in report order: one array for the batch rather than one per
+                # report; exact int64 sums while every report is integer.
+                exact = all(c.dtype.kind == "i" for c in new)
+                sums = np.zeros(local.window.shape, dtype=np.int64 if exact else np.float64)
+                for counts in new:
                     sums += counts
-            return encode_sums(sums, sum(fresh), time.time(), spec)
+            return encode_sums(sums, len(new), time.time(), spec)
 
         pairs = [(rank, seq) for rank, seq, _ in items]
         try:

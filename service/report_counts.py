@@ -1,6 +1,7 @@
 """A report's counts decoded and checked, off the event loop where they are large.
 
-``[L, E]`` (logical) or ``[L, P]`` (physical) counts → float64, checked as
+``[L, E]`` (logical) or ``[L, P]`` (physical) counts → a read-only view in the dtype they came
+in (int32 counts stay int32: no float copy a report), checked as
 :func:`.arrays.decode_counts` checks them. Reports of up to ``OFF_LOOP_MIN`` counts are decoded
 on the loop: a thread hop costs more than it saves there. Measured with ``python -m
 eplb_bench.ingest_bench --kinds redis --replicas 1 --deployments 1`` (int32 ``[58, 256]``
@@ -33,9 +34,10 @@ _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="eplb-report-decode
 
 
 async def decode(msg: pb.Array, field: str, shape: tuple[int, int]) -> np.ndarray:
-    """``msg`` of ``shape`` → float64 counts; ``InvalidArgument`` naming ``field`` as
-    :func:`.arrays.decode_counts` raises it (capped at ``limits.MAX_REPORT_COUNT``)."""
-    call = functools.partial(arrays.decode_counts, msg, field, shape, cap=limits.MAX_REPORT_COUNT)
+    """``msg`` of ``shape`` → its counts in their own dtype (read-only); ``InvalidArgument``
+    naming ``field`` as :func:`.arrays.decode_counts` raises it (capped at
+    ``limits.MAX_REPORT_COUNT``)."""
+    call = functools.partial(arrays.decode_counts, msg, field, shape, cap=limits.MAX_REPORT_COUNT, native=True)
     if shape[0] * shape[1] <= OFF_LOOP_MIN:
         return call()
     return await asyncio.get_running_loop().run_in_executor(_POOL, call)

@@ -80,7 +80,7 @@ class SlidingWindow:
         self._buckets: deque[tuple[float, int, np.ndarray]] = deque()
 
     def add(self, counts: np.ndarray, now: float) -> None:
-        """``counts``: float64 ``[L, E]``."""
+        """``counts``: ``[L, E]`` of any real dtype (int32 as reports come: added as float64)."""
         if not self._buckets or self._full(self._buckets[-1], now):
             self._buckets.append((now, 0, np.zeros(self.shape)))
         start, n, sums = self._buckets[-1]
@@ -166,12 +166,15 @@ def encode_sums(sums: np.ndarray, reports: int, at: float, spec: WindowSpec) -> 
     that holds every sum exactly (int32 for int32 reports, also folded from physical counts)."""
     sums = np.asarray(sums)
     code = 3
-    if sums.dtype.kind in "iu" or (sums == np.floor(sums)).all():
+    if sums.dtype == np.int32:
+        code = 0  # counts are >= 0 (checked on the way in): no pass needed
+    elif sums.dtype.kind in "iu" or (sums == np.floor(sums)).all():
         top = sums.max(initial=0)
         code = 0 if top <= _INT32_MAX else 1 if top < _EXACT_INT else 3
     elif (sums.astype(np.float32) == sums).all():
         code = 2
-    return _header(_MAGIC2, reports, at, spec) + bytes([code]) + sums.astype(_ENTRY_DTYPES[code]).tobytes()
+    data = np.ascontiguousarray(sums, dtype=_ENTRY_DTYPES[code]).tobytes()
+    return _header(_MAGIC2, reports, at, spec) + bytes([code]) + data
 
 
 def _decode(blob: bytes, shape: tuple[int, int]) -> np.ndarray | None:

@@ -7,11 +7,16 @@ field path (``loads.shape``, ``phy2log.data``, …) and the rule; the service ma
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
 
 __all__ = ["ArrayError", "encode", "decode", "decode_counts"]
+
+# Largest value of the signed integer dtypes by item size (np.iinfo costs microseconds a call).
+_INT_MAX = {4: 2**31 - 1, 8: 2**63 - 1}
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_INT32: np.dtype("<i4"),
@@ -67,17 +72,20 @@ def decode(msg: pb.Array, field: str = "array", shape: tuple[int, ...] | None = 
         shape = tuple(int(n) for n in msg.shape)
     elif tuple(msg.shape) != shape:
         raise ArrayError(f"{field}.shape", f"shape is {list(msg.shape)}; expected {list(shape)}")
-    # int64: a shape of large dims would overflow the platform int and under-count.
-    want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    # Python ints: a shape of large dims neither overflows nor under-counts.
+    want = math.prod(int(n) for n in shape) * dt.itemsize
     data = msg.data  # once: each read of a bytes field copies it
     if len(data) != want:
         raise ArrayError(f"{field}.data", f"holds {len(data)} bytes; shape {list(shape)} of {dt.name} needs {want}")
     return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
-def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float | None = None) -> np.ndarray:
-    """Load counters ``shape`` → float64, rejecting NaN, infinities, negatives and (with ``cap``)
-    any count above ``cap``."""
+def decode_counts(
+    msg: pb.Array, field: str, shape: tuple[int, ...], cap: float | None = None, native: bool = False
+) -> np.ndarray:
+    """Load counters ``shape`` → float64 (``native``: a read-only view in the dtype they came
+    in, so that int32 counts stay int32 without a pass), rejecting NaN, infinities, negatives
+    and (with ``cap``) any count above ``cap``."""
     arr = decode(msg, field, shape)
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise ArrayError(f"{field}.data", "counts must be finite (found NaN or infinity)")
@@ -87,10 +95,10 @@ def decode_counts(msg: pb.Array, field: str, shape: tuple[int, ...], cap: float 
     if (
         cap is not None
         and arr.size
-        and not (arr.dtype.kind in "iu" and np.iinfo(arr.dtype).max <= cap)
+        and not (arr.dtype.kind in "iu" and _INT_MAX[arr.dtype.itemsize] <= cap)
         and arr.max() > cap
     ):
         raise ArrayError(
             f"{field}.data", f"a count of {arr.max():g} is over the per-report cap of {cap:g} tokens per entry"
         )
-    return arr.astype(np.float64)
+    return arr if native else arr.astype(np.float64)

@@ -23,10 +23,11 @@ __all__ = ["RedisProcess", "ServeProcess", "serve_argv", "wait_loaded"]
 
 def serve_argv(port: int, redis_url: str, prefix: str, *args: str) -> list[str]:
     """The command line of an ``eplb serve`` replica on 127.0.0.1:``port`` sharing ``redis_url``
-    under ``prefix``, with extra flags ``args``."""
+    (``""``: the embedded in-memory store) under ``prefix``, with extra flags ``args``."""
+    store = ["--redis-url", redis_url] if redis_url else []  # "": the embedded in-memory store
     return [
         sys.executable, "-m", "eplb_tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--redis-url", redis_url, "--key-prefix", prefix, *args,
+        *store, "--key-prefix", prefix, *args,
     ]  # fmt: skip
 
 

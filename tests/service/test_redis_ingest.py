@@ -6,6 +6,7 @@ report whose payload is 59,392."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 import uuid
@@ -19,6 +20,7 @@ from svc_helpers import FAST, REDIS_URL
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
 from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
+from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 SHAPE = (58, 256)
@@ -109,3 +111,41 @@ async def test_a_mixed_fleet_loses_no_entry(replica):
         r.xadd(f"{p}:{{big}}:wal", {"b": epw1})
     out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="big", dry_run=True))
     assert out.window_reports == 2 and out.window_tokens == float(counts.sum() + 2 * counts.size)
+
+
+def test_an_int32_report_as_decoded_is_its_own_entry_and_int_sums_widen_exactly():
+    # Reports stay in their own dtype from the wire to the entry: a lone int32 report's entry
+    # is its bytes after the header, no float pass; integer batch sums are int64, exact.
+    spec = WindowSpec()
+    counts = np.random.default_rng(2).integers(0, 1 << 30, SHAPE, dtype=np.int32)
+    as_decoded = arrays.decode_counts(arrays.encode(counts), "logical", SHAPE, cap=2**31, native=True)
+    assert as_decoded.dtype == np.int32 and not as_decoded.flags.writeable
+    entry = encode_sums(as_decoded, 1, time.time(), spec)
+    assert entry.endswith(counts.tobytes()) and len(entry) == struct.calcsize("<4sBdQd") + 1 + counts.nbytes
+    wide = encode_sums(as_decoded.astype(np.int64) * 4, 4, time.time(), spec)  # over int32
+    assert len(wide) == struct.calcsize("<4sBdQd") + 1 + counts.size * 8
+    sums, n, _ = sum_blobs({"a": entry, "b": wide}, SHAPE, time.time(), 60)
+    assert n == 5 and np.array_equal(sums, counts.astype(np.float64) * 5)
+
+
+async def test_concurrent_reports_of_mixed_dtypes_are_summed_exactly(replica):
+    # Reports that arrive together share one entry: int32 ones summed in int64, a batch with a
+    # float report in float64; whichever way they batch, the entries hold exactly their sum.
+    p, c = replica
+    rng = np.random.default_rng(1)
+    batches = []
+    for rank in range(8):
+        b = [rng.integers(0, 1 << 20, SHAPE, dtype=np.int32) for _ in range(6)]
+        if rank % 2:
+            b[2] = b[2].astype(np.float32) + np.float32(0.5)
+        batches.append(b)
+    client = AsyncServiceClient.over(c.channel)
+    outs = await asyncio.gather(*(client.report(reports("big", rank, b)) for rank, b in enumerate(batches)))
+    assert sum(o.accepted for o in outs) == 48
+    want = sum(x.astype(np.float64) for b in batches for x in b)
+    entries = wal_entries(p, "big", "wal2")
+    sums, n, stale = sum_blobs({f"e{i}": e for i, e in enumerate(entries)}, SHAPE, time.time(), 60)
+    assert n == 48 and stale == [] and np.array_equal(sums, want)
+    got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="big", include_window_loads=True))
+    assert got.window_reports == 48
+    assert np.array_equal(arrays.decode(got.window_loads, "window_loads", SHAPE), want)
