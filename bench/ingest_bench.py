@@ -1,7 +1,7 @@
 """Ingestion at scale: reports/s accepted and GetPlacement p99, by Redis kind, replicas and
 deployments, and what each report costs Redis.
 
-    python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare] [--replicas 1,2] [--deployments 1,50]
+    python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
@@ -21,7 +21,10 @@ GetPlacement from one pre-built response of a v3 placement's size, with no Redis
 floor under the service's: what the same clients see when nothing but gRPC's reception of the
 reports shares the event loop with GetPlacement.
 
-In both, a third process calls GetPlacement on the first replica every 5 ms (4 callers) and
+``memory`` (not run by default) runs ``eplb serve`` on its embedded in-memory store: the
+service's own cost without the Redis client's (Redis columns 0).
+
+In all, a third process calls GetPlacement on the first replica every 5 ms (4 callers) and
 prints its p99. Each figure is the median over ``--repeats`` runs.
 
 Per shard, for extrapolating to more masters: the CPU seconds each ``redis-server`` spent

@@ -57,13 +57,15 @@ def test_short_run_reports_per_shard_figures(tmp_path):
     assert 0 < row["service_cores"] <= 1.05  # pinned to one core
 
 
-def test_the_bare_kind_measures_the_floor_without_redis(tmp_path):
+@pytest.mark.parametrize("kind", ["bare", "memory"])
+def test_the_bare_and_memory_kinds_measure_without_redis(tmp_path, kind):
     path = tmp_path / "rows.json"
-    argv = ["--kinds", "bare", "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
+    argv = ["--kinds", kind, "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
     assert ingest_bench.main([*argv, "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())
-    assert row["redis"] == "bare"
-    # The bare server received the reports and answered GetPlacement; no Redis was involved.
+    assert row["redis"] == kind
+    # The server (bare, or eplb serve on its embedded store) received the reports and
+    # answered GetPlacement; no Redis was involved.
     assert row["max_reports_per_s"] > 0 and row["paced_reports_per_s"] > 0
     assert row["paced_get_p99_ms"] > 0
     assert row["bytes_per_report"] == 0 and row["redis_ms_per_report"] == 0
