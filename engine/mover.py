@@ -51,6 +51,7 @@ from eplb.transfer import Bandwidth, TransferSchedule, staged_chunks, staged_slo
 
 from .checksum import slot_checksum
 from .local_order import SPARE, order_local_copies
+from .survivors import GroupMismatch
 from .transport import P2P, DistTransport, Transport
 
 # staged_chunks and staged_slots live in eplb.transfer (pure numpy); importable from here as documented.
@@ -733,7 +734,7 @@ def _group_gpus(size: int, new: Placement, gpus: Sequence[int] | None) -> list[i
             return list(range(G))
         if size == len(live):
             return live
-        raise ValueError(
+        raise GroupMismatch(
             f"the process group has {size} ranks; the topology has num_gpus = {G}"
             + (f" and {len(live)} live in the new placement (gpus {list(new.down_gpus)} down)" if len(live) < G else "")
         )
@@ -742,5 +743,5 @@ def _group_gpus(size: int, new: Placement, gpus: Sequence[int] | None) -> list[i
         raise ValueError(f"gpus must list {size} distinct gpu ids in [0, {G - 1}] (one per group rank), got {out}")
     missing = sorted(set(live) - set(out))
     if missing:
-        raise ValueError(f"gpus {missing} are live in the new placement but not in the mover's group (gpus={out})")
+        raise GroupMismatch(f"gpus {missing} are live in the new placement but not in the mover's group (gpus={out})")
     return out

@@ -56,6 +56,7 @@ import grpc
 import eplb
 
 from .client import ServiceClient
+from .survivors import GroupMismatch
 from .wire import PublishedPlacement
 
 __all__ = [
@@ -772,6 +773,12 @@ class Rollout:
         """The prepare's outcome, read once: its chunks and finishing time, or its error."""
         try:
             chunks, finished = move.future.result()
+        except GroupMismatch as exc:
+            # Expected after a death (a version planned for the whole group reaching the
+            # survivors' one): refused and rolled back, no traceback for an operator to chase.
+            log.warning("version %d refused by this rank's mover group: %s", move.published.version, exc)
+            move.error = move.error or f"{type(exc).__name__}: {exc}"
+            finished = now
         except Exception as exc:  # reported through the barrier, then rolled back
             log.error("preparing version %d failed", move.published.version, exc_info=exc)
             move.error = move.error or f"{type(exc).__name__}: {exc}"

@@ -22,7 +22,13 @@ from eplb.survivor_rules import EPLB_VERSION, SURVIVOR_OPTIONS, SURVIVOR_POLICY
 
 from .wire import PublishedPlacement
 
-__all__ = ["SURVIVOR_OPTIONS", "SURVIVOR_POLICY", "same_survivor", "survivor_plan"]
+
+class GroupMismatch(ValueError):
+    """The mover's process group does not hold the gpus a placement puts experts on: after a
+    death, a version planned for the whole group that reaches the survivors' group."""
+
+
+__all__ = ["SURVIVOR_OPTIONS", "SURVIVOR_POLICY", "GroupMismatch", "same_survivor", "survivor_plan"]
 
 log = logging.getLogger(__name__)
 

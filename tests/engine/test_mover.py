@@ -15,6 +15,7 @@ from mover_sim import TENSORS, ThreadWorld, check_layers, encoded_layers
 
 import eplb
 from eplb_engine import WeightMover
+from eplb_engine.survivors import GroupMismatch
 from eplb_engine.transport import P2P
 
 
@@ -232,7 +233,7 @@ def test_bad_tensors_are_rejected_with_what_is_wrong() -> None:
     bad[1] = dict(layers[1], w13=layers[1]["w13"].transpose(1, 2))
     with pytest.raises(ValueError, match="is \\[4, 3, 4\\] torch.float32; layer 0 has \\[4, 4, 3\\]"):
         WeightMover(bad, old, old, transport=t)
-    with pytest.raises(ValueError, match="the process group has 2 ranks; the topology has num_gpus = 4"):
+    with pytest.raises(GroupMismatch, match="the process group has 2 ranks; the topology has num_gpus = 4"):
         WeightMover(
             encoded_layers(eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)), 0),
             eplb.Placement.contiguous(eplb.Topology(2, 4, 8, 4)),

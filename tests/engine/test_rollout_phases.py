@@ -3,6 +3,7 @@ one step boundary at a time, for a switch, a failed prepare and a prepare that t
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -13,6 +14,7 @@ from svc_thread import free_port
 from test_rollout_group import Recorder, published
 
 from eplb_engine.rollout import ChunkedApplier, MoverApplier, Phase, ProcessGroupBarrier, Rollout
+from eplb_engine.survivors import GroupMismatch
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,30 @@ def test_a_failed_prepare_goes_failed_then_idle_and_is_not_prepared_again(group_
     assert [(e.kind, e.error) for e in rollout.events] == [("failed", "RuntimeError: staging buffer allocation failed")]
     rollout.step(2)
     assert rollout.phase is Phase.IDLE and applier.calls == ["prepare", "rollback"]  # v2 is refused
+    rollout.close()
+
+
+class Mismatched(Gated):
+    def prepare(self, old, new) -> None:
+        super().prepare(old, new)
+        raise GroupMismatch("the process group has 2 ranks; the topology has num_gpus = 3")
+
+
+def test_a_version_the_mover_group_cannot_hold_is_refused_with_a_warning_not_a_traceback(group_of_one, caplog):
+    # After a death a version planned for the whole group reaches the survivors' group: it used
+    # to be logged at ERROR with a traceback on every such run (eplb demo --fail-rank).
+    applier = Mismatched()
+    rollout = Rollout(published(1), applier, ProcessGroupBarrier())
+    rollout.offer(published(2))
+    rollout.step(0)
+    with caplog.at_level(logging.WARNING, logger="eplb_engine.rollout"):
+        assert settle(rollout, applier, 1) is Phase.IDLE
+    assert [(e.kind, e.error) for e in rollout.events] == [
+        ("failed", "GroupMismatch: the process group has 2 ranks; the topology has num_gpus = 3")
+    ]
+    (record,) = [r for r in caplog.records if r.name == "eplb_engine.rollout"]
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "version 2 refused by this rank's mover group" in record.getMessage()
     rollout.close()
 
 
