@@ -2,7 +2,8 @@
 deployments, and what each report costs Redis.
 
     python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
-        [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE]
+        [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
+        [--clients lean|protobuf] [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
 For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
@@ -24,8 +25,18 @@ reports shares the event loop with GetPlacement.
 ``memory`` (not run by default) runs ``eplb serve`` on its embedded in-memory store: the
 service's own cost without the Redis client's (Redis columns 0).
 
-In all, a third process calls GetPlacement on the first replica every 5 ms (4 callers) and
-prints its p99. Each figure is the median over ``--repeats`` runs.
+In all, a third process calls GetPlacement on the first replica every 5 ms (4 callers; set
+with ``--probe-callers`` and ``--probe-interval-ms``) and prints its p99; ``--probe-on reader``
+calls it on one more replica that takes no reports instead (it shares the store, so only with
+``redis`` and ``cluster``). Every client process starts its load at one barrier once it has
+imported, connected and built its reports, and the GetPlacement calls start ``LEAD_S`` into the
+load and end ``LEAD_S`` before it, so that no client's start-up lands in the figures; each
+client measures its own CPU over the load ("client cores": on a 2-core machine the clients,
+which stand for engines on other machines, take a share of the service's cores). ``--clients
+lean`` (the default) sends each request as bytes (its small fields, then its counts' field
+serialized once per pool entry); ``protobuf`` builds each message. ``--serve-args`` adds
+flags to every replica, for an A/B of one flag (``--report-linger-seconds 0``). Each figure is
+the median over ``--repeats`` runs.
 
 Per shard, for extrapolating to more masters: the CPU seconds each ``redis-server`` spent
 (``INFO cpu`` ``used_cpu_sys`` + ``used_cpu_user``) per accepted report, summed over masters
@@ -51,6 +62,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import statistics
 import subprocess
@@ -70,19 +82,46 @@ from .harness.service import V3, aio_channel, create_v3, latency_worker, percent
 PAYLOAD = V3["num_layers"] * V3["num_experts"] * 4
 INGEST_PROCS = 2
 STREAMS = 8  # per client process
+LEAD_S = 0.5  # the load runs this long before the GetPlacement callers start, and after they end
 
 
-def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: float, rate: float, out: mp.Queue):
+def _ingest_worker(
+    targets: list[str], names: list[str], worker: int, seconds: float, rate: float, out: mp.Queue, lean: bool, start
+):
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
     rng = np.random.default_rng(worker)
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
+    # Lean clients send each request as bytes: its small fields serialized, then the counts'
+    # field serialized once per pool entry (protobuf's wire format is the concatenation of its
+    # fields), so that the clients, which stand for engines on other machines, take less of the
+    # cores the replica is measured on (about half of what building each message takes).
+    counts_fields = [
+        pb.ReportLoadRequest(logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=d)).SerializeToString()
+        for d in pool
+    ]
 
     async def main() -> None:
         chans = [aio_channel(t) for t in targets]
-        stubs = [pb_grpc.ExpertLoadBalancerServiceStub(c) for c in chans]
-        deadline = time.perf_counter() + seconds
+        if lean:
+            methods = [
+                c.stream_unary(
+                    "/eplb.v1.ExpertLoadBalancerService/ReportLoad",
+                    request_serializer=None,
+                    response_deserializer=pb.ReportLoadResponse.FromString,
+                )
+                for c in chans
+            ]
+        else:
+            methods = [pb_grpc.ExpertLoadBalancerServiceStub(c).ReportLoad for c in chans]
+        for c in chans:
+            await c.channel_ready()
+        # Every client starts its load together, after its start-up (imports, the pool).
+        await asyncio.get_running_loop().run_in_executor(None, start.wait, 120)
+        cpu0 = time.process_time()
+        # LEAD_S before and after the GetPlacement callers' ``seconds``: they see the load only.
+        deadline = time.perf_counter() + seconds + 2 * LEAD_S
         # Distinct ranks per stream (seqs only grow within a rank): rank = worker * STREAMS + i.
         seq0 = time.time_ns() // 1000
 
@@ -92,28 +131,35 @@ def _ingest_worker(targets: list[str], names: list[str], worker: int, seconds: f
 
             async def requests():
                 k = 0
-                nxt = time.perf_counter() + interval * i / STREAMS
+                # The streams of all workers spread evenly over one interval.
+                nxt = time.perf_counter() + interval * (i * INGEST_PROCS + worker) / (STREAMS * INGEST_PROCS)
                 while time.perf_counter() < deadline:
                     if interval:
                         await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
                         nxt += interval
                     k += 1
-                    yield pb.ReportLoadRequest(
-                        deployment=names[(i + k * STREAMS) % len(names)],
-                        rank=rank,
-                        seq=seq0 + k,
-                        logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]),
-                    )
+                    name = names[(i + k * STREAMS) % len(names)]
+                    if lean:
+                        head = pb.ReportLoadRequest(deployment=name, rank=rank, seq=seq0 + k).SerializeToString()
+                        yield head + counts_fields[k % len(pool)]
+                    else:
+                        yield pb.ReportLoadRequest(
+                            deployment=name,
+                            rank=rank,
+                            seq=seq0 + k,
+                            logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]),
+                        )
 
-            resp = await stubs[(worker + i) % len(stubs)].ReportLoad(requests())
+            resp = await methods[(worker + i) % len(methods)](requests())
             return resp.accepted
 
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         accepted = sum(await asyncio.gather(*(stream(i) for i in range(STREAMS))))
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         for c in chans:
             await c.close()
-        out.put((accepted, elapsed))
+        out.put((accepted, elapsed, cpu))
 
     asyncio.run(main())
 
@@ -163,25 +209,52 @@ def _proc_cpu(pids: list[int]) -> float:
     return total
 
 
-def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int], seconds: float, rate: float) -> dict:
+def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int], rate: float, args) -> dict:
+    """``targets``: the replicas that take reports, then the one GetPlacement is called on."""
     ctx = mp.get_context("spawn")
     out, lat_out = ctx.Queue(), ctx.Queue()
-    before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
+    seconds, lean = args.seconds, args.clients == "lean"
+    start = ctx.Barrier(INGEST_PROCS + 1 + 1)  # the clients and this process
     procs = [
-        ctx.Process(target=_ingest_worker, args=(targets, names, w, seconds, rate, out)) for w in range(INGEST_PROCS)
+        ctx.Process(target=_ingest_worker, args=(targets[:-1], names, w, seconds, rate, out, lean, start))
+        for w in range(INGEST_PROCS)
     ]
-    # 4 GetPlacement callers, each every 5 ms.
-    procs.append(ctx.Process(target=latency_worker, args=(targets[0], names[0], 4, seconds, 0.005, lat_out)))
+    procs.append(
+        ctx.Process(
+            target=latency_worker,
+            args=(
+                targets[-1],  # the probe target: the first replica, or the reader
+                names[0],
+                args.probe_callers,
+                seconds,
+                args.probe_interval_ms / 1e3,
+                lat_out,
+                start,
+                LEAD_S,
+            ),
+        )
+    )
     for p in procs:
         p.start()
-    results = [out.get() for _ in range(INGEST_PROCS)]
-    lat, _ = lat_out.get()
+    # The counters from when the load starts, not from the clients' start-up; a client that
+    # failed on its way (its traceback above) breaks the barrier rather than hanging the run.
+    start.wait(timeout=120)
+    before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
+    wait_s = seconds + 2 * LEAD_S + 120
+    try:
+        results = [out.get(timeout=wait_s) for _ in range(INGEST_PROCS)]
+        lat, _, probe_cpu = lat_out.get(timeout=wait_s)
+    except queue.Empty:
+        for p in procs:
+            p.kill()
+        raise RuntimeError("a client process failed (its traceback is above)") from None
     for p in procs:
         p.join()
     time.sleep(1.5)  # the replicas' last flushes
     after, cpu_after = _redis_counters(ports), _proc_cpu(pids)
-    accepted = sum(a for a, _ in results)
-    elapsed = max(e for _, e in results)
+    clients_cpu = sum(c for _, _, c in results) + probe_cpu
+    accepted = sum(a for a, _, _ in results)
+    elapsed = max(e for _, e, _ in results)
     n = max(1, accepted)
     redis_cpu = [a[1] - b[1] for a, b in zip(after, before)]
     return {
@@ -194,6 +267,9 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
         "hot_master_pct": max(redis_cpu, default=0.0) * 100 / (elapsed + 1.5),
         "service_ms_per_report": (cpu_after - cpu_before) * 1e3 / n,
         "service_cores": (cpu_after - cpu_before) / (elapsed + 1.5),
+        # Every client process (load and GetPlacement callers) over the load: its share of the cores.
+        "client_ms_per_report": clients_cpu * 1e3 / n,
+        "client_cores": clients_cpu / elapsed,
     }
 
 
@@ -210,11 +286,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=2000.0)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--clients",
+        choices=("lean", "protobuf"),
+        default="lean",
+        help="lean: load clients send pre-serialized requests; protobuf: they build each message",
+    )
+    ap.add_argument(
+        "--serve-args", default="", help="extra eplb serve flags, e.g. '--report-linger-seconds 0' (an A/B of one flag)"
+    )
+    ap.add_argument(
+        "--probe-on",
+        choices=("first", "reader"),
+        default="first",
+        help="GetPlacement on the first replica (which takes reports too), or on one more replica that takes none",
+    )
+    ap.add_argument("--probe-callers", type=int, default=4, help="GetPlacement callers (default 4)")
+    ap.add_argument(
+        "--probe-interval-ms", type=float, default=5.0, help="each caller's interval in ms (default 5; 0: back to back)"
+    )
     ap.add_argument("--cpus-redis", type=cpu_list, help="cores for every redis-server (e.g. 0,1)")
     ap.add_argument("--cpus-service", type=cpu_list, help="cores for the eplb serve replicas (e.g. 0,1)")
     ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
     ap.add_argument("--profile-dir", type=Path, help="run each replica under cProfile; profiles land here")
     args = ap.parse_args(argv)
+    if args.probe_on == "reader" and not set(args.kinds) <= {"redis", "cluster"}:
+        ap.error("--probe-on reader needs replicas that share a store: --kinds redis and/or cluster")
     rows = []
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="eplb-ingest-") as tmp:
@@ -297,7 +394,8 @@ def _cores(cores: list[int] | None) -> str:
 def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: int, args, workdir: Path) -> dict:
     prefix = f"ingest-{uuid.uuid4().hex[:8]}"
     servers = [
-        ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING")) for i in range(replicas)
+        ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING", *args.serve_args.split()))
+        for i in range(replicas + (args.probe_on == "reader"))
     ]
     if kind == "bare":
         servers = [_BareServe(s.redis_url, s.prefix, s.log_path) for s in servers]
@@ -316,10 +414,13 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         names = [f"d{i}" for i in range(deployments)]
         for name in names:
             create_v3(servers[0].target, name, ranks=INGEST_PROCS * STREAMS)
-        targets = [s.target for s in servers]
+        # The report streams go to the first ``replicas``; GetPlacement to the first, or to the
+        # replica after them that takes no reports (--probe-on reader).
+        probe = servers[-1] if args.probe_on == "reader" else servers[0]
+        targets = [s.target for s in servers[:replicas]] + [probe.target]
         pids = [s.proc.pid for s in servers]
-        runs_max = [_run(targets, names, ports, pids, args.seconds, 0.0) for _ in range(args.repeats)]
-        runs_paced = [_run(targets, names, ports, pids, args.seconds, args.rate) for _ in range(args.repeats)]
+        runs_max = [_run(targets, names, ports, pids, 0.0, args) for _ in range(args.repeats)]
+        runs_paced = [_run(targets, names, ports, pids, args.rate, args) for _ in range(args.repeats)]
     finally:
         for s in servers:
             s.stop()
@@ -330,6 +431,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
     return {
         "redis": kind,
         "replicas": replicas,
+        "probe_on": args.probe_on,
         "deployments": deployments,
         "max_reports_per_s": med(runs_max, "reports_per_s"),
         "bytes_per_report": med(runs_max, "bytes_per_report"),
@@ -342,6 +444,8 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         "hot_master_pct": med(runs_max, "hot_master_pct"),
         "service_ms_per_report": med(runs_max, "service_ms_per_report"),
         "service_cores": med(runs_max, "service_cores"),
+        "paced_service_cores": med(runs_paced, "service_cores"),
+        "paced_client_cores": med(runs_paced, "client_cores"),
         "paced_redis_ms_per_report": med(runs_paced, "redis_ms_per_report"),
         "paced_service_ms_per_report": med(runs_paced, "service_ms_per_report"),
     }
@@ -350,7 +454,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
 _HEADER = (
     f"{'redis':8} {'replicas':>8} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} {'p99 ms':>7} "
     f"{'redis ms/rep':>12} {'hot master %':>12} {'service ms/rep':>14} {'svc cores':>9} | "
-    f"{'paced rep/s':>11} {'p50 ms':>7} {'p99 ms':>7}"
+    f"{'paced rep/s':>11} {'p50 ms':>7} {'p99 ms':>7} {'svc cores':>9} {'client cores':>12}"
 )
 
 
@@ -360,7 +464,8 @@ def _print_row(r: dict) -> None:
         f"{r['bytes_per_report']:>9.0f} {r['bytes_per_report'] / PAYLOAD:>9.2f} {r['max_get_p99_ms']:>7.1f} "
         f"{r['redis_ms_per_report']:>12.3f} {r['hot_master_pct']:>12.0f} {r['service_ms_per_report']:>14.3f} "
         f"{r['service_cores']:>9.2f} | "
-        f"{r['paced_reports_per_s']:>11.0f} {r['paced_get_p50_ms']:>7.2f} {r['paced_get_p99_ms']:>7.1f}",
+        f"{r['paced_reports_per_s']:>11.0f} {r['paced_get_p50_ms']:>7.2f} {r['paced_get_p99_ms']:>7.1f} "
+        f"{r['paced_service_cores']:>9.2f} {r['paced_client_cores']:>12.2f}",
         flush=True,
     )
 

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 q = ctx.Queue()
                 p = ctx.Process(target=latency_worker, args=(target, name, args.callers, args.seconds, pace, q))
                 p.start()
-                lat, elapsed = q.get()
+                lat, elapsed, _ = q.get()
                 p.join()
                 row = {
                     "calls": len(lat),

@@ -73,7 +73,9 @@ class Balancer:
         )
         self.health = StoreHealth(store, on_health, on_deployment_health)
         self.registry = Registry(store, self.metrics, self.health)
-        self.ingest = Ingest(self.registry, store, self.health, self.metrics, self.config.replica_id)
+        self.ingest = Ingest(
+            self.registry, store, self.health, self.metrics, self.config.replica_id, self.config.report_linger_s
+        )
         self.liveness = Liveness(self.registry, store, self.metrics, self.config.liveness_s)
         self.planner = Planner(self.registry, self.ingest, self.solver, store, self.health, self.metrics, self.config)
         self.compute = Compute(self.solver)

@@ -152,6 +152,14 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         _seconds(zero_ok=False),
         "how often windows are flushed to the store (> 0)",
     ),
+    "report_linger_seconds": (
+        "--report-linger-seconds",
+        "REPORT_LINGER_SECONDS",
+        "0.002",
+        _seconds(zero_ok=True),
+        "group commit: a deployment's report batches go to the store at least this far apart while "
+        "reports keep coming (>= 0; 0: each batch as soon as the last one is stored)",
+    ),
     "grace_seconds": (
         "--grace-seconds",
         "GRACE_SECONDS",
@@ -275,6 +283,7 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         balancer=BalancerConfig(
             lease_s=args.lease_seconds,
             flush_s=args.flush_seconds,
+            report_linger_s=args.report_linger_seconds,
             plan_workers=args.plan_workers,
             small_plan_workers=args.small_plan_workers,
             compute_workers=args.compute_workers,

@@ -39,3 +39,7 @@ class BalancerConfig:
     # re-counts suspect ranks (service/liveness.py): another replica's view is this much old at
     # most, so it is the precision of Liveness.suspect_after (added to it as a margin).
     liveness_s: float = 1.0
+    # Group commit of reports (service/batcher.py): a deployment's store calls start at least
+    # this far apart while reports keep coming (one goes at once after a quiet spell), so that a
+    # high report rate costs fewer round trips; each report's answer waits at most this much more.
+    report_linger_s: float = 0.002

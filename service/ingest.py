@@ -43,12 +43,20 @@ log = logging.getLogger(__name__)
 
 class Ingest:
     """Reports in to ``registry``'s deployments, their windows out to ``store`` under this
-    replica's ``replica_id``; ``health`` refuses reports at once while the store is down."""
+    replica's ``replica_id``; ``health`` refuses reports at once while the store is down.
+    ``linger_s``: the group commit of each deployment's report batches (:class:`.Batcher`)."""
 
     def __init__(
-        self, registry: Registry, store: Store, health: StoreHealth, metrics: Metrics, replica_id: str
+        self,
+        registry: Registry,
+        store: Store,
+        health: StoreHealth,
+        metrics: Metrics,
+        replica_id: str,
+        linger_s: float = 0.0,
     ) -> None:
         self.registry = registry
+        self.linger_s = linger_s
         self.store = store
         self.health = health
         self.metrics = metrics
@@ -87,7 +95,7 @@ class Ingest:
             rejected.labels(request.deployment, "stale_version").inc()
             raise
         if local.batcher is None:
-            local.batcher = Batcher(lambda items, local=local: self._accept(local, items))
+            local.batcher = Batcher(lambda items, local=local: self._accept(local, items), self.linger_s)
         fresh = await local.batcher.submit((request.rank, request.seq, counts))
         local.saw(request.rank)  # a duplicate too: the rank is alive
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()

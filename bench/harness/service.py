@@ -57,7 +57,14 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def latency_worker(target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue) -> None:
+def latency_worker(
+    target: str, name: str, callers: int, seconds: float, pace_s: float, out: mp.Queue, start=None, lead_s: float = 0.0
+) -> None:
+    """``callers`` GetPlacement callers (each every ``pace_s``; 0: back to back) for ``seconds``;
+    puts ``(latencies, elapsed, cpu_s)`` on ``out``: cpu_s is this process's CPU over the calls.
+    ``start``: a barrier passed once connected (and one call made), so that the calls begin
+    with the other clients' load rather than during their start-up; the calls start ``lead_s``
+    after it, once the load is under way."""
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -66,7 +73,11 @@ def latency_worker(target: str, name: str, callers: int, seconds: float, pace_s:
         stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
         req = pb.GetPlacementRequest(deployment=name)
         await stub.GetPlacement(req)
+        if start is not None:
+            await asyncio.get_running_loop().run_in_executor(None, start.wait, 120)
+        await asyncio.sleep(lead_s)
         lat: list[float] = []
+        cpu0 = time.process_time()
         deadline = time.perf_counter() + seconds
 
         async def caller(i: int) -> None:
@@ -81,11 +92,12 @@ def latency_worker(target: str, name: str, callers: int, seconds: float, pace_s:
                 await stub.GetPlacement(req)
                 lat.append(time.perf_counter() - t)
 
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         await asyncio.gather(*(caller(i) for i in range(callers)))
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         await chan.close()
-        out.put((lat, elapsed))
+        out.put((lat, elapsed, cpu))
 
     asyncio.run(main())
 

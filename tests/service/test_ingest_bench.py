@@ -70,3 +70,24 @@ def test_the_bare_and_memory_kinds_measure_without_redis(tmp_path, kind):
     assert row["paced_get_p99_ms"] > 0
     assert row["bytes_per_report"] == 0 and row["redis_ms_per_report"] == 0
     assert row["service_ms_per_report"] > 0
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_a_reader_replica_protobuf_clients_and_the_clients_cpu(tmp_path):
+    # --probe-on reader: GetPlacement goes to one more replica that takes no reports (it
+    # shares the store); the clients' own CPU over the load (not their start-up) is measured.
+    path = tmp_path / "rows.json"
+    argv = ["--kinds", "redis", "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
+    argv += ["--probe-on", "reader", "--clients", "protobuf", "--probe-callers", "1", "--json", str(path)]
+    assert ingest_bench.main(argv) == 0
+    (row,) = json.loads(path.read_text())
+    assert row["probe_on"] == "reader"
+    assert row["max_reports_per_s"] > 0 and row["paced_get_p99_ms"] > 0
+    # Two client processes and a caller, each under a core: more than nothing, less than all.
+    assert 0 < row["paced_client_cores"] < 3.05
+
+
+def test_a_reader_replica_needs_a_shared_store(capsys):
+    with pytest.raises(SystemExit):
+        ingest_bench.main(["--kinds", "memory", "--probe-on", "reader"])
+    assert "--probe-on reader needs replicas that share a store" in capsys.readouterr().err

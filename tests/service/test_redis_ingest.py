@@ -149,3 +149,36 @@ async def test_concurrent_reports_of_mixed_dtypes_are_summed_exactly(replica):
     got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="big", include_window_loads=True))
     assert got.window_reports == 48
     assert np.array_equal(arrays.decode(got.window_loads, "window_loads", SHAPE), want)
+
+
+async def test_group_commit_spaces_a_deployments_store_calls_and_keeps_every_report(serve, connect, prefix):
+    # --report-linger-seconds: while reports keep coming, a deployment's batches go to Redis at
+    # least a linger apart (one write-ahead entry each, its stream id the time it was added);
+    # a report after a quiet spell is answered at once.
+    p = prefix()
+    linger = 0.2
+    server = await serve(
+        redis_url=REDIS_URL,
+        key_prefix=p,
+        balancer=replace(SLOW_FLUSH, replica_id=uuid.uuid4().hex[:8], report_linger_s=linger),
+    )
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment("big")))
+    client = AsyncServiceClient.over(c.channel)
+    t = time.monotonic()
+    assert (await client.report(reports("big", 0, [np.ones(SHAPE, dtype=np.int32)]))).accepted == 1
+    assert time.monotonic() - t < linger / 2  # after a quiet spell: not held for the linger
+    rng = np.random.default_rng(3)
+    batches = [[rng.integers(0, 1000, SHAPE, dtype=np.int32) for _ in range(6)] for _ in range(4)]
+    # Four streams, each waiting for its answer before its next report: 24 reports.
+    outs = await asyncio.gather(*(client.report(reports("big", 1 + r, b)) for r, b in enumerate(batches)))
+    assert sum(o.accepted for o in outs) == 24
+    with redis.Redis.from_url(REDIS_URL) as r:
+        ids = [int(i.split(b"-")[0]) for i, _ in r.xrange(f"{p}:{{big}}:wal2")]
+    gaps = [b - a for a, b in zip(ids[1:], ids[2:])]  # between the calls after the first report
+    assert gaps and min(gaps) >= linger * 1000 * 0.9, gaps
+    assert len(ids) <= 1 + 24 / 4 + 2  # about one call a linger, each with a report of every stream
+    entries = wal_entries(p, "big", "wal2")
+    sums, n, _ = sum_blobs({f"e{i}": e for i, e in enumerate(entries)}, SHAPE, time.time(), 60)
+    want = 1 + sum(x.astype(np.float64) for b in batches for x in b)
+    assert n == 25 and np.array_equal(sums, want)
