@@ -155,7 +155,7 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
     "report_linger_seconds": (
         "--report-linger-seconds",
         "REPORT_LINGER_SECONDS",
-        "0.002",
+        "0.005",
         _seconds(zero_ok=True),
         "group commit: a deployment's report batches go to the store at least this far apart while "
         "reports keep coming (>= 0; 0: each batch as soon as the last one is stored)",

@@ -42,4 +42,4 @@ class BalancerConfig:
     # Group commit of reports (service/batcher.py): a deployment's store calls start at least
     # this far apart while reports keep coming (one goes at once after a quiet spell), so that a
     # high report rate costs fewer round trips; each report's answer waits at most this much more.
-    report_linger_s: float = 0.002
+    report_linger_s: float = 0.005
