@@ -68,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -95,8 +96,7 @@ def _ingest_worker(
     pool = [rng.integers(0, 4096, size=(58, 256), dtype=np.int32).tobytes() for _ in range(8)]
     # Lean clients send each request as bytes: its small fields serialized, then the counts'
     # field serialized once per pool entry (protobuf's wire format is the concatenation of its
-    # fields), so that the clients, which stand for engines on other machines, take less of the
-    # cores the replica is measured on (about half of what building each message takes).
+    # fields), rather than a message built per report (--clients protobuf).
     counts_fields = [
         pb.ReportLoadRequest(logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=d)).SerializeToString()
         for d in pool
@@ -238,13 +238,13 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
         p.start()
     # The counters from when the load starts, not from the clients' start-up; a client that
     # failed on its way (its traceback above) breaks the barrier rather than hanging the run.
-    start.wait(timeout=120)
-    before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
     wait_s = seconds + 2 * LEAD_S + 120
     try:
+        start.wait(timeout=120)
+        before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
         results = [out.get(timeout=wait_s) for _ in range(INGEST_PROCS)]
         lat, _, probe_cpu = lat_out.get(timeout=wait_s)
-    except queue.Empty:
+    except (queue.Empty, threading.BrokenBarrierError):
         for p in procs:
             p.kill()
         raise RuntimeError("a client process failed (its traceback is above)") from None
