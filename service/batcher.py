@@ -1,4 +1,5 @@
-"""``Batcher``: concurrent calls coalesced into one (a deployment's reports into one store call)."""
+"""``Batcher``: concurrent calls coalesced into one (the reports of a store shard's deployments
+into one pipeline of store calls)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ class Batcher:
     Redis round trip whatever it carries (docs/service.md, Ingestion at scale, "Group commit":
     about 0.14 ms of replica CPU a call), and every item waits at most ``linger_s`` more for
     its answer.
+
+    ``fn`` answers each item in order; an answer that is an ``Exception`` is raised to that
+    item's caller alone (one deployment's failure in a batch of several), and an exception
+    ``fn`` raises goes to every item of the batch.
     """
 
     def __init__(self, fn: Callable[[list], Awaitable[list]], linger_s: float = 0.0, fill: int = 8) -> None:
@@ -81,7 +86,11 @@ class Batcher:
                             fut.set_exception(exc)
                     continue
                 for (_, fut), result in zip(batch, results):
-                    if not fut.done():
+                    if fut.done():
+                        continue
+                    if isinstance(result, Exception):
+                        fut.set_exception(result)
+                    else:
                         fut.set_result(result)
         finally:
             self._running = False

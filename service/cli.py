@@ -157,8 +157,9 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         "REPORT_LINGER_SECONDS",
         "0.005",
         _seconds(zero_ok=True),
-        "group commit: a deployment's report batches go to the store at least this far apart while "
-        "reports keep coming (>= 0; 0: each batch as soon as the last one is stored)",
+        "group commit: report batches (one pipeline for all deployments on a store shard) go to the "
+        "store at least this far apart while reports keep coming (>= 0; 0: each batch as soon as "
+        "the last one is stored)",
     ),
     "grace_seconds": (
         "--grace-seconds",

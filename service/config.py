@@ -39,7 +39,9 @@ class BalancerConfig:
     # re-counts suspect ranks (service/liveness.py): another replica's view is this much old at
     # most, so it is the precision of Liveness.suspect_after (added to it as a margin).
     liveness_s: float = 1.0
-    # Group commit of reports (service/batcher.py): a deployment's store calls start at least
+    # Group commit of reports (service/batcher.py, service/ingest.py): the store calls of a
+    # shard's deployments (one pipeline for the reports of all of them; a Redis Cluster master's
+    # each; a deployment of more than SHARED_MAX_COUNTS counts a report, its own) start at least
     # this far apart while reports keep coming (one goes at once after a quiet spell), so that a
     # high report rate costs fewer round trips; each report's answer waits at most this much more.
     report_linger_s: float = 0.005

@@ -26,7 +26,7 @@ from .errors import (
 from .local import LocalDeployment
 from .metrics import Metrics
 from .registry import Registry
-from .store import Store
+from .store import AcceptCall, Store
 from .store_health import StoreHealth
 from .windows import (
     encode_blob,
@@ -35,6 +35,14 @@ from .windows import (
 
 # Write-ahead entries a replica lets pile up before it flushes its window early.
 _UNFOLDED_MAX = 64
+# Deployments whose reports have at most this many counts share their store calls: the
+# batches of all such deployments on one shard (a Redis master) go in one pipeline, since each
+# call costs the loop redis-py's call path whatever it carries (docs/service.md, Ingestion at
+# scale). Bigger ones get calls of their own, so that their transfers do not hold up the small
+# deployments' answers.
+SHARED_MAX_COUNTS = 262_144
+# A shared call goes at once when this many reports wait (a deployment's own: Batcher's 8).
+SHARED_FILL = 32
 
 __all__ = ["Ingest"]
 
@@ -44,7 +52,8 @@ log = logging.getLogger(__name__)
 class Ingest:
     """Reports in to ``registry``'s deployments, their windows out to ``store`` under this
     replica's ``replica_id``; ``health`` refuses reports at once while the store is down.
-    ``linger_s``: the group commit of each deployment's report batches (:class:`.Batcher`)."""
+    ``linger_s``: the group commit of report batches (:class:`.Batcher`), per shard of the store
+    for deployments of up to ``SHARED_MAX_COUNTS`` counts a report, per deployment above."""
 
     def __init__(
         self,
@@ -61,6 +70,7 @@ class Ingest:
         self.health = health
         self.metrics = metrics
         self.replica_id = replica_id
+        self._shared: dict[str, Batcher] = {}
 
     async def report(self, request: pb.ReportLoadRequest) -> bool:
         """Validates, deduplicates and windows one report; False for a duplicate ``(rank, seq)``."""
@@ -94,17 +104,59 @@ class Ingest:
         except FailedPrecondition:
             rejected.labels(request.deployment, "stale_version").inc()
             raise
-        if local.batcher is None:
-            local.batcher = Batcher(lambda items, local=local: self._accept(local, items), self.linger_s)
-        fresh = await local.batcher.submit((request.rank, request.seq, counts))
+        fresh = await self._batcher(local).submit((local, request.rank, request.seq, counts))
         local.saw(request.rank)  # a duplicate too: the rank is alive
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
         return bool(fresh)
 
-    async def _accept(self, local: LocalDeployment, items: list[tuple[int, int, np.ndarray]]) -> list[bool]:
-        """One store call for a batch of reports; the new ones enter the window as soon as the
-        store has them (with their write-ahead entry), in the same step."""
-        name, spec = local.deployment.name, local.window_spec
+    def _batcher(self, local: LocalDeployment) -> Batcher:
+        """The batcher of ``local``'s reports, fixed for its life on this replica (so its
+        reports reach the store in the order they came)."""
+        if local.batcher is None:
+            topo = local.topology
+            if topo.num_layers * topo.num_experts > SHARED_MAX_COUNTS:
+                local.batcher = Batcher(self._accept, self.linger_s)
+            else:
+                shard = self.store.shard(local.deployment.name)
+                shared = self._shared.get(shard)
+                if shared is None:
+                    shared = self._shared[shard] = Batcher(self._accept, self.linger_s, fill=SHARED_FILL)
+                local.batcher = shared
+        return local.batcher
+
+    async def _accept(self, items: list[tuple[LocalDeployment, int, int, np.ndarray]]) -> list[bool | Exception]:
+        """One store call for a batch of reports (one write-ahead entry per deployment in it);
+        the new ones enter their window as soon as the store has them, in the same step. A
+        deployment whose call failed fails its own reports only."""
+        groups: dict[int, list[int]] = {}
+        for i, (local, *_) in enumerate(items):
+            groups.setdefault(id(local), []).append(i)
+        locals_ = [items[idx[0]][0] for idx in groups.values()]
+        calls = [self._call(local, [items[i][1:] for i in idx]) for local, idx in zip(locals_, groups.values())]
+        answers: list = await self.store.accept_many(calls)
+        out: list[bool | Exception] = [False] * len(items)
+        for local, idx, call, answer in zip(locals_, groups.values(), calls, answers):
+            if isinstance(answer, NotFound):
+                try:
+                    if await self.registry.confirm_deleted(call.name):
+                        raise answer
+                    answer = await self.store.accept_reports(call.name, call.pairs, call.journal, call.keep_s)
+                except Exception as exc:  # noqa: BLE001  (this deployment's reports fail with it)
+                    answer = exc
+            if isinstance(answer, Exception):
+                for i in idx:
+                    out[i] = answer
+                continue
+            fresh, entry = answer
+            self._apply(local, [items[i][3] for i in idx], fresh, entry)
+            for i, f in zip(idx, fresh):
+                out[i] = f
+        return out
+
+    @staticmethod
+    def _call(local: LocalDeployment, items: list[tuple[int, int, np.ndarray]]) -> AcceptCall:
+        """The store call of one deployment's ``(rank, seq, counts)`` reports."""
+        spec = local.window_spec
 
         def journal(fresh: list[bool]) -> bytes:
             new = [counts for (_, _, counts), f in zip(items, fresh) if f]
@@ -119,24 +171,20 @@ class Ingest:
                     sums += counts
             return encode_sums(sums, len(new), time.time(), spec)
 
-        pairs = [(rank, seq) for rank, seq, _ in items]
-        try:
-            fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
-        except NotFound:
-            if await self.registry.confirm_deleted(name):
-                raise
-            fresh, entry = await self.store.accept_reports(name, pairs, journal, spec.stale_after_s)
+        return AcceptCall(local.deployment.name, [(rank, seq) for rank, seq, _ in items], journal, spec.stale_after_s)
+
+    def _apply(self, local: LocalDeployment, counts: list[np.ndarray], fresh: list[bool], entry: str | None) -> None:
+        """The reports the store accepted into ``local``'s window, with their write-ahead entry."""
         now = time.time()
-        for (_, _, counts), f in zip(items, fresh):
+        for c, f in zip(counts, fresh):
             if f:
-                local.window.add(counts, now)
+                local.window.add(c, now)
                 local.dirty = True
         if entry is not None:
             local.unfolded.append(entry)
             if len(local.unfolded) >= _UNFOLDED_MAX and (local.flushing is None or local.flushing.done()):
                 # Fold early under a high report rate, so the write-ahead stream stays short.
                 local.flushing = asyncio.create_task(self.flush(local, now))
-        return fresh
 
     async def _to_logical(self, local: LocalDeployment, phys: np.ndarray, version: int) -> np.ndarray:
         """``phys``: ``[L, P]`` counts recorded under ``version`` → ``[L, E]`` per logical expert."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from .errors import Aborted, AlreadyExists, NotFound
 from .rollout import RankState, Rollout, VersionRollout, apply_ack
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen, created_seconds
+from .store import PLACEMENTS_KEPT, AcceptCall, Accepted, DeploymentRecord, PlanMarks, Seen, created_seconds
 
 __all__ = ["MemoryStore"]
 
@@ -148,6 +148,18 @@ class MemoryStore:
                 state.reports += 1
             out.append(fresh)
         return out, None
+
+    async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
+        out: list[Accepted | Exception] = []
+        for c in calls:
+            try:
+                out.append(await self.accept_reports(c.name, c.pairs, c.journal, c.keep_s))
+            except NotFound as exc:
+                out.append(exc)
+        return out
+
+    def shard(self, name: str) -> str:
+        return "memory"
 
     async def marks(self, name: str) -> PlanMarks:
         state = self._get(name)

@@ -38,7 +38,7 @@ import contextlib
 import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
@@ -60,7 +60,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout
-from .store import PLACEMENTS_KEPT, DeploymentRecord, PlanMarks, Seen, created_seconds
+from .store import PLACEMENTS_KEPT, AcceptCall, Accepted, DeploymentRecord, PlanMarks, Seen, created_seconds
 
 __all__ = ["RedisStore"]
 
@@ -111,9 +111,10 @@ return cur
 # write-ahead blob of the batch's sums, the MINID below which old entries are trimmed, then
 # rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below 2^53 (the servicer
 # rejects larger). If every pair is new: marks the seqs, counts them, appends the blob to the
-# wal stream and returns {1, flags, id}; otherwise writes nothing and returns {0, flags} (one
-# 0/1 per pair, in order), and the caller retries with the new ones' sums. -1 when the
-# deployment is gone.
+# wal stream and returns the entry's id (a string: the flags are all 1, and a reply of one
+# string is what the replica's loop parses fastest); otherwise writes nothing and returns
+# {0, flags} (one 0/1 per pair, in order), and the caller retries with the new ones' sums. -1
+# when the deployment is gone.
 _ACCEPT = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 local last = {}
@@ -134,8 +135,7 @@ end
 if all == 0 then return {0, out} end
 for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('HINCRBY', KEYS[2], 'reports', #out)
-local id = redis.call('XADD', KEYS[3], 'MINID', '~', ARGV[2], '*', 'b', ARGV[1])
-return {1, out, id}
+return redis.call('XADD', KEYS[3], 'MINID', '~', ARGV[2], '*', 'b', ARGV[1])
 """
 
 # The rules of rollout.apply_ack, atomically. KEYS: acks, rollout, meta; ARGV: rank, version,
@@ -434,11 +434,11 @@ class _Script:
     def __init__(self, r: redis.Redis | RedisCluster, source: str) -> None:
         self._r = r
         self._source = source
-        self._sha = hashlib.sha1(source.encode()).hexdigest()
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, keys: list[str], args: list[object]) -> object:
         try:
-            return await self._r.evalsha(self._sha, len(keys), *keys, *args)
+            return await self._r.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self._r.eval(self._source, len(keys), *keys, *args)
 
@@ -822,25 +822,111 @@ class RedisStore:
         pairs: list[tuple[int, int]],
         journal: Callable[[list[bool]], bytes],
         keep_s: float,
-    ) -> tuple[list[bool], str | None]:
-        fresh = [True] * len(pairs)
-        keys = [self.key(name, "seq"), self.key(name, "meta"), self.key(name, "wal2")]
-        # Duplicates are rare (client retries): send the batch as if all were new, and only when
-        # the script finds some were not, once more with the sums of the new ones.
-        while any(fresh):
-            args: list[object] = [journal(fresh), int((time.time() - keep_s) * 1000)]
-            for (rank, seq), f in zip(pairs, fresh):
-                if f:
-                    args += [rank, seq]
-            with self._on(name):
-                out = await self._accept(keys=keys, args=args)
-            if out == -1:
-                raise NotFound(f"deployment {name!r} not found")
-            flags = iter(out[1])
-            fresh = [f and bool(next(flags)) for f in fresh]
-            if out[0] == 1:
-                return fresh, out[2].decode()
-        return fresh, None
+    ) -> Accepted:
+        (out,) = await self.accept_many([AcceptCall(name, pairs, journal, keep_s)])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
+        results: list[Accepted | Exception | None] = [None] * len(calls)
+        fresh = [[True] * len(c.pairs) for c in calls]
+        # Duplicates are rare (client retries): each batch goes as if all were new, and only
+        # those the script finds were not go once more, with the sums of the new ones.
+        todo = list(range(len(calls)))
+        while todo:
+            now_ms = time.time() * 1000
+            commands = []
+            for i in todo:
+                c = calls[i]
+                args: list[object] = [c.journal(fresh[i]), int(now_ms - c.keep_s * 1000)]
+                for (rank, seq), f in zip(c.pairs, fresh[i]):
+                    if f:
+                        args += [rank, seq]
+                commands.append(
+                    (c.name, [self.key(c.name, "seq"), self.key(c.name, "meta"), self.key(c.name, "wal2")], args)
+                )
+            answers = await self._accept_commands(commands)
+            again = []
+            for i, out in zip(todo, answers):
+                if isinstance(out, Exception):
+                    # StoreUnavailable (its master down), or a ResponseError: a bug (in a
+                    # script), INTERNAL for this call's reports as from any other call.
+                    results[i] = out
+                elif isinstance(out, bytes):
+                    results[i] = (fresh[i], out.decode())
+                elif out == -1:
+                    results[i] = NotFound(f"deployment {calls[i].name!r} not found")
+                else:
+                    flags = iter(out[1])
+                    fresh[i] = [f and bool(next(flags)) for f in fresh[i]]
+                    if any(fresh[i]):
+                        again.append(i)
+                    else:
+                        results[i] = (fresh[i], None)
+            todo = again
+        return results  # type: ignore[return-value]  (every slot set above)
+
+    def shard(self, name: str) -> str:
+        if not self.cluster or not self._r.nodes_manager.slots_cache:
+            return "redis"
+        return self._master_of(self.key(name, "meta"))
+
+    async def _accept_commands(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
+        """``(deployment, keys, args)`` of ``_ACCEPT`` calls → each one's answer or exception: one
+        pipeline a master (a lone call as itself). On Redis Cluster a down master's calls get
+        ``StoreUnavailable`` while the other masters' go on; on one Redis it is raised."""
+        if not self.cluster:
+            return await self._accept_pipeline(commands)
+        groups: dict[str, list[int]] = {}
+        for i, (name, _, _) in enumerate(commands):
+            groups.setdefault(self.shard(name), []).append(i)
+        answers: list[object] = [None] * len(commands)
+
+        async def group(master: str, idx: list[int]) -> None:
+            try:
+                if master in self._down:
+                    raise StoreUnavailable(
+                        f"redis cluster master {master}, which holds deployment "
+                        f"{commands[idx[0]][0]!r}, is down; retry later"
+                    )
+                outs = await self._accept_pipeline([commands[i] for i in idx])
+            except StoreUnavailable as exc:
+                outs = [exc] * len(idx)
+            for i, out in zip(idx, outs):
+                answers[i] = out
+
+        if len(groups) == 1:
+            await group(*next(iter(groups.items())))
+        else:
+            await asyncio.gather(*(group(m, idx) for m, idx in groups.items()))
+        return answers
+
+    async def _accept_pipeline(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
+        with _unavailable():
+            if len(commands) == 1:
+                ((_, keys, args),) = commands
+                return [await self._accept(keys=keys, args=args)]
+            pipe = self._r.pipeline(transaction=False) if not self.cluster else self._r.pipeline()
+            async with pipe as p:
+                for _, keys, args in commands:
+                    p.evalsha(self._accept.sha, len(keys), *keys, *args)
+                outs = await p.execute(raise_on_error=False)
+        answers: list[object] = []
+        for (_, keys, args), out in zip(commands, outs):
+            if isinstance(out, NoScriptError):
+                # A Redis that restarted (or a new master) lacks the script: EVAL caches it.
+                try:
+                    with _unavailable():
+                        out = await self._accept(keys=keys, args=args)
+                except (StoreUnavailable, ResponseError) as exc:
+                    out = exc
+            elif isinstance(out, (ClusterDownError, TryAgainError, MasterDownError)):
+                out = StoreUnavailable(f"redis cluster unavailable: {out}")
+            elif isinstance(out, (RedisError, OSError)) and not isinstance(out, ResponseError):
+                out = StoreUnavailable(f"redis unavailable: {out}")
+            answers.append(out)
+        return answers
 
     async def marks(self, name: str) -> PlanMarks:
         with self._on(name):

@@ -9,7 +9,7 @@ Every method may raise ``StoreUnavailable`` when the backing store cannot be rea
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +17,16 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from .rollout import RankState, Rollout
 
-__all__ = ["Store", "DeploymentRecord", "PlanMarks", "Seen", "PLACEMENTS_KEPT", "created_seconds"]
+__all__ = [
+    "Store",
+    "AcceptCall",
+    "Accepted",
+    "DeploymentRecord",
+    "PlanMarks",
+    "Seen",
+    "PLACEMENTS_KEPT",
+    "created_seconds",
+]
 
 # Recent versions kept for GetPlacement(version=…) and for mapping physical counts that were
 # recorded under an older placement; older versions are deleted on publish.
@@ -57,6 +66,21 @@ class Seen:
 
     start: float
     ranks: dict[int, float]
+
+
+@dataclass(frozen=True)
+class AcceptCall:
+    """One deployment's batch of reports for :meth:`Store.accept_many`: the arguments of
+    :meth:`Store.accept_reports`."""
+
+    name: str
+    pairs: list[tuple[int, int]]
+    journal: Callable[[list[bool]], bytes]
+    keep_s: float
+
+
+# What :meth:`Store.accept_reports` returns: whether each pair is new, and the write-ahead id.
+Accepted = tuple[list[bool], str | None]
 
 
 class Store(Protocol):
@@ -116,6 +140,16 @@ class Store(Protocol):
         without its counts (kept ``keep_s`` at most, until ``put_window`` folds it). Counts
         accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
         """
+
+    async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
+        """:meth:`accept_reports` for the batches of several deployments, in one round trip where
+        the store allows (one pipeline a Redis master); one answer per call, in order: its result,
+        or the error that call alone failed with (``NotFound``; ``StoreUnavailable`` where only
+        its part of the store is down; a store's own error, a bug). Raises ``StoreUnavailable`` when the whole store is."""
+
+    def shard(self, name: str) -> str:
+        """The part of the store that holds ``name``'s keys (a Redis Cluster master), for
+        grouping calls that :meth:`accept_many` can send together; one value on one Redis."""
 
     async def marks(self, name: str) -> PlanMarks:
         """``planned_at`` is ``created_seconds(deployment)`` until the first plan (a restore

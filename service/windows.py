@@ -3,7 +3,7 @@
 Each replica sums the reports it receives into a window in memory and periodically flushes
 one blob per deployment to the store (``Store.put_window``); the planner sums every
 replica's blob. A batch of reports is accepted together with a write-ahead blob of its sums
-(``Store.accept_reports``), which the next flush of that replica deletes as it folds it in: the
+(``Store.accept_many``), which the next flush of that replica deletes as it folds it in: the
 blobs plus the write-ahead entries always hold every accepted report, whenever a replica dies. Store memory is therefore ``replicas × L × E × 8`` bytes per deployment,
 whatever the number of reporting ranks, the report rate or the window length.
 

@@ -78,7 +78,7 @@ async def test_metrics_count_calls_by_method_and_code_and_time_the_store(serve, 
     assert m[f'eplb_rpc_latency_seconds_bucket{{le="+Inf",method="{svc}/GetPlacement"}}'] == 4
     assert 0 < m[f'eplb_rpc_latency_seconds_sum{{method="{svc}/GetPlacement"}}'] < 4
     assert m["eplb_store_up"] == 1
-    assert m['eplb_store_latency_seconds_count{op="accept_reports"}'] >= 1
+    assert m['eplb_store_latency_seconds_count{op="accept_many"}'] >= 1
     assert m['eplb_store_latency_seconds_count{op="create"}'] == 1
     # prometheus-client's default collectors: process, platform, GC.
     assert m["process_cpu_seconds_total"] > 0 and m["process_resident_memory_bytes"] > 0

@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import replace
 
+import grpc
 import numpy as np
 import pytest
 import redis
@@ -182,3 +183,68 @@ async def test_group_commit_spaces_a_deployments_store_calls_and_keeps_every_rep
     sums, n, _ = sum_blobs({f"e{i}": e for i, e in enumerate(entries)}, SHAPE, time.time(), 60)
     want = 1 + sum(x.astype(np.float64) for b in batches for x in b)
     assert n == 25 and np.array_equal(sums, want)
+
+
+async def test_group_commit_spans_deployments_one_round_trip_for_many(serve, connect, prefix):
+    # The batches of every deployment of one shard (here one Redis) share the group commit: after
+    # a first report, one report to each of 8 deployments goes in one pipeline a linger later
+    # (each deployment's own entry). Before, each deployment had its own batcher, so a first
+    # report of a quiet deployment went at once, one round trip each.
+    p = prefix()
+    linger = 0.2
+    server = await serve(
+        redis_url=REDIS_URL,
+        key_prefix=p,
+        balancer=replace(SLOW_FLUSH, replica_id=uuid.uuid4().hex[:8], report_linger_s=linger),
+    )
+    c = connect(server)
+    names = [f"d{i}" for i in range(8)]
+    for name in names:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment(name)))
+    client = AsyncServiceClient.over(c.channel)
+    assert (await client.report(reports("d0", 0, [np.ones(SHAPE, dtype=np.int32)]))).accepted == 1
+    rng = np.random.default_rng(5)
+    counts = {name: rng.integers(0, 1000, SHAPE, dtype=np.int32) for name in names}
+    outs = await asyncio.gather(*(client.report(reports(name, 1, [counts[name]])) for name in names))
+    assert [o.accepted for o in outs] == [1] * 8
+    with redis.Redis.from_url(REDIS_URL) as r:
+        ids = {name: [int(i.split(b"-")[0]) for i, _ in r.xrange(f"{p}:{{{name}}}:wal2")] for name in names}
+    first = ids["d0"][0]
+    later = [ids["d0"][1]] + [ids[name][0] for name in names[1:]]
+    assert min(later) - first >= linger * 1000 * 0.9, (first, later)  # held for the linger
+    assert max(later) - min(later) < linger * 1000 / 2, later  # and sent together
+    for name in names:  # every deployment's entry holds its own report
+        sums, n, _ = sum_blobs({f"e{i}": e for i, e in enumerate(wal_entries(p, name, "wal2"))}, SHAPE, time.time(), 60)
+        want = counts[name].astype(np.float64) + (1 if name == "d0" else 0)
+        assert n == (2 if name == "d0" else 1) and np.array_equal(sums, want), name
+
+
+async def test_a_deployment_gone_from_a_shared_batch_fails_alone(serve, connect, prefix):
+    # Two deployments' reports in one pipeline; one deployment's keys were removed behind the
+    # replica's back (another replica deleted it): its report gets NOT_FOUND, the other's is
+    # accepted and stored.
+    p = prefix()
+    server = await serve(
+        redis_url=REDIS_URL,
+        key_prefix=p,
+        balancer=replace(SLOW_FLUSH, replica_id=uuid.uuid4().hex[:8], report_linger_s=0.2),
+    )
+    c = connect(server)
+    for name in ("alive", "gone"):
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment(name)))
+    client = AsyncServiceClient.over(c.channel)
+    assert (await client.report(reports("alive", 0, [np.ones(SHAPE, dtype=np.int32)]))).accepted == 1
+    with redis.Redis.from_url(REDIS_URL) as r:
+        r.delete(*r.keys(f"{p}:{{gone}}:*"))
+        r.srem(f"{p}:deployments", "gone")
+    alive, gone = await asyncio.gather(
+        client.report(reports("alive", 1, [np.full(SHAPE, 2, dtype=np.int32)])),
+        client.report(reports("gone", 1, [np.ones(SHAPE, dtype=np.int32)])),
+        return_exceptions=True,
+    )
+    assert isinstance(gone, grpc.aio.AioRpcError) and gone.code() == grpc.StatusCode.NOT_FOUND, gone
+    assert "gone" in gone.details()
+    assert alive.accepted == 1
+    entries = wal_entries(p, "alive", "wal2")
+    sums, n, _ = sum_blobs({f"e{i}": e for i, e in enumerate(entries)}, SHAPE, time.time(), 60)
+    assert n == 2 and np.array_equal(sums, np.full(SHAPE, 3.0))
