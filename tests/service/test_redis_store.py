@@ -14,6 +14,7 @@ import pytest
 
 from eplb_service.errors import AlreadyExists, NotFound, StoreUnavailable
 from eplb_service.redis_store import RedisStore
+from eplb_service.store import AcceptCall
 from eplb_service.windows import WindowSpec, encode_sums, sum_blobs
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -101,6 +102,76 @@ async def test_reports_are_accepted_once_with_their_entry_and_folded_by_a_flush(
     await store.put_window("w", "replica-a", encode_sums(counts * 2, 2, time.time(), spec), [entry])
     assert list(await store.windows("w")) == ["replica-a"]
     assert (await store.marks("w")).reports == 2
+
+
+async def test_accept_many_answers_each_deployment_of_one_pipeline(store):
+    # Batches of several deployments (on the cluster, over every master) in one call: each gets
+    # its own answer; a duplicate pair is left out of its deployment's entry only, and a
+    # deployment that is missing gets NotFound without failing the others.
+    names = [f"m{i}" for i in range(6)]
+    for n in names:
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+    spec = WindowSpec()
+    base = np.arange(12, dtype=np.float64).reshape(3, 4)
+
+    def call(n: str, pairs: list[tuple[int, int]], scale: float) -> AcceptCall:
+        return AcceptCall(n, pairs, lambda f: encode_sums(base * scale * sum(f), sum(f), time.time(), spec), 60)
+
+    first = await store.accept_many([call(n, [(0, 1)], i + 1) for i, n in enumerate(names)])
+    assert [a[0] for a in first] == [[True]] * 6 and all(a[1] for a in first)
+    # m0: (0, 1) again (a duplicate) and (1, 1) new; m1: only a duplicate; "nope": missing.
+    second = await store.accept_many(
+        [call("m0", [(0, 1), (1, 1)], 1), call("nope", [(0, 1)], 1), call("m1", [(0, 1)], 1), call("m2", [(0, 2)], 3)]
+    )
+    assert second[0][0] == [False, True] and second[0][1] is not None
+    assert isinstance(second[1], NotFound) and "nope" in str(second[1])
+    assert second[2] == ([False], None)
+    assert second[3][0] == [True] and second[3][1] is not None
+    for n, want, reports in (("m0", base * 2, 2), ("m1", base * 2, 1), ("m2", base * 6, 2)):
+        sums, got, _ = sum_blobs(await store.windows(n), (3, 4), time.time(), 60)
+        assert got == reports and np.array_equal(sums, want), n
+        assert (await store.marks(n)).reports == reports
+
+
+async def test_accept_many_fails_only_a_down_masters_deployments(redis_cluster):
+    # One pipeline a master: with one master dead, its deployments' batches get StoreUnavailable
+    # naming it while the live masters' are accepted in the same call.
+    s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
+    await s.ping()
+    names: dict[int, str] = {}
+    i = 0
+    while len(names) < len(redis_cluster.ports):
+        names.setdefault(redis_cluster.port_of(s.key(f"d{i}", "meta")), f"d{i}")
+        i += 1
+    for n in names.values():
+        await s.create(deployment(n), pb.Placement(deployment=n, version=1))
+    assert len({s.shard(n) for n in names.values()}) == len(names)
+    victim = redis_cluster.ports[-1]
+    spec = WindowSpec()
+    blob = encode_sums(np.ones((3, 4)), 1, time.time(), spec)
+    redis_cluster.kill(victim)
+    try:
+        # Before a ping notes it (the call to it is refused), then after (failed at once).
+        for seqs in (1, 2):
+            if seqs == 2:
+                await s.ping()
+            calls = [AcceptCall(n, [(0, seqs)], lambda f: blob, 60) for n in names.values()]
+            for (port, n), answer in zip(names.items(), await s.accept_many(calls)):
+                if port == victim:
+                    assert isinstance(answer, StoreUnavailable), answer
+                    assert seqs == 1 or f"{victim}, which holds deployment {n!r}, is down" in str(answer)
+                else:
+                    assert answer[0] == [True] and answer[1] is not None, (n, answer)
+    finally:
+        redis_cluster.start_node(victim)
+        redis_cluster.wait_ok()
+    await s.ping()
+    for port, n in names.items():
+        if port != victim:
+            await s.delete(n)
+    with pytest.raises(NotFound):  # the master came back empty; this unindexes the name
+        await s.delete(names[victim])
+    await s.close()
 
 
 async def test_acks_and_leases_work_on_each_deployment(store):
