@@ -3,7 +3,7 @@ deployments, and what each report costs Redis.
 
     python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
-        [--clients lean|protobuf] [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
+        [--clients lean|protobuf] [--streams 8] [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
 For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
@@ -11,7 +11,10 @@ without persistence, on free loopback ports in a temp directory) and each count 
 serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` reports), two runs:
 
 - max: two client processes stream ReportLoad as fast as the replicas accept (spread over the
-  replicas and deployments) for ``--seconds``; prints accepted reports/s and the bytes Redis
+  replicas and deployments) for ``--seconds``, each on ``--streams`` streams (8; a rank each,
+  which sends its next report once the service has read the last: a stream's rate is bound by
+  the answer's latency, about 1 / (linger + store call), so few streams cannot offer 2,000
+  reports/s where each store call carries many deployments' reports); prints accepted reports/s and the bytes Redis
   read from its clients per accepted report (``INFO stats`` ``total_net_input_bytes``, every
   master summed) against the report's payload (59,392 bytes);
 - paced: the same clients send ``--rate`` reports/s in total.
@@ -87,7 +90,15 @@ LEAD_S = 0.5  # the load runs this long before the GetPlacement callers start, a
 
 
 def _ingest_worker(
-    targets: list[str], names: list[str], worker: int, seconds: float, rate: float, out: mp.Queue, lean: bool, start
+    targets: list[str],
+    names: list[str],
+    worker: int,
+    seconds: float,
+    rate: float,
+    out: mp.Queue,
+    lean: bool,
+    start,
+    streams: int = STREAMS,
 ):
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
@@ -122,23 +133,23 @@ def _ingest_worker(
         cpu0 = time.process_time()
         # LEAD_S before and after the GetPlacement callers' ``seconds``: they see the load only.
         deadline = time.perf_counter() + seconds + 2 * LEAD_S
-        # Distinct ranks per stream (seqs only grow within a rank): rank = worker * STREAMS + i.
+        # Distinct ranks per stream (seqs only grow within a rank): rank = worker * streams + i.
         seq0 = time.time_ns() // 1000
 
         async def stream(i: int) -> int:
-            rank = worker * STREAMS + i
-            interval = STREAMS * INGEST_PROCS / rate if rate else 0.0
+            rank = worker * streams + i
+            interval = streams * INGEST_PROCS / rate if rate else 0.0
 
             async def requests():
                 k = 0
                 # The streams of all workers spread evenly over one interval.
-                nxt = time.perf_counter() + interval * (i * INGEST_PROCS + worker) / (STREAMS * INGEST_PROCS)
+                nxt = time.perf_counter() + interval * (i * INGEST_PROCS + worker) / (streams * INGEST_PROCS)
                 while time.perf_counter() < deadline:
                     if interval:
                         await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
                         nxt += interval
                     k += 1
-                    name = names[(i + k * STREAMS) % len(names)]
+                    name = names[(i + k * streams) % len(names)]
                     if lean:
                         head = pb.ReportLoadRequest(deployment=name, rank=rank, seq=seq0 + k).SerializeToString()
                         yield head + counts_fields[k % len(pool)]
@@ -154,7 +165,7 @@ def _ingest_worker(
             return resp.accepted
 
         t0 = time.perf_counter()
-        accepted = sum(await asyncio.gather(*(stream(i) for i in range(STREAMS))))
+        accepted = sum(await asyncio.gather(*(stream(i) for i in range(streams))))
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
         for c in chans:
@@ -216,7 +227,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
     seconds, lean = args.seconds, args.clients == "lean"
     start = ctx.Barrier(INGEST_PROCS + 1 + 1)  # the clients and this process
     procs = [
-        ctx.Process(target=_ingest_worker, args=(targets[:-1], names, w, seconds, rate, out, lean, start))
+        ctx.Process(target=_ingest_worker, args=(targets[:-1], names, w, seconds, rate, out, lean, start, args.streams))
         for w in range(INGEST_PROCS)
     ]
     procs.append(
@@ -300,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("first", "reader"),
         default="first",
         help="GetPlacement on the first replica (which takes reports too), or on one more replica that takes none",
+    )
+    ap.add_argument(
+        "--streams",
+        type=int,
+        default=STREAMS,
+        help=f"ReportLoad streams per load client process, one rank each (default {STREAMS}; {INGEST_PROCS} processes)",
     )
     ap.add_argument("--probe-callers", type=int, default=4, help="GetPlacement callers (default 4)")
     ap.add_argument(
@@ -413,7 +430,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
             s.wait_listening()
         names = [f"d{i}" for i in range(deployments)]
         for name in names:
-            create_v3(servers[0].target, name, ranks=INGEST_PROCS * STREAMS)
+            create_v3(servers[0].target, name, ranks=INGEST_PROCS * args.streams)
         # The report streams go to the first ``replicas``; GetPlacement to the first, or to the
         # replica after them that takes no reports (--probe-on reader).
         probe = servers[-1] if args.probe_on == "reader" else servers[0]

@@ -41,8 +41,6 @@ _UNFOLDED_MAX = 64
 # scale). Bigger ones get calls of their own, so that their transfers do not hold up the small
 # deployments' answers.
 SHARED_MAX_COUNTS = 262_144
-# A shared call goes at once when this many reports wait (a deployment's own: Batcher's 8).
-SHARED_FILL = 32
 
 __all__ = ["Ingest"]
 
@@ -120,7 +118,7 @@ class Ingest:
                 shard = self.store.shard(local.deployment.name)
                 shared = self._shared.get(shard)
                 if shared is None:
-                    shared = self._shared[shard] = Batcher(self._accept, self.linger_s, fill=SHARED_FILL)
+                    shared = self._shared[shard] = Batcher(self._accept, self.linger_s)
                 local.batcher = shared
         return local.batcher
 

@@ -1,5 +1,5 @@
-"""``Batcher``: coalescing, and the group commit (``linger_s``) that spaces a deployment's store
-calls while reports keep coming, without delaying a report after a quiet spell."""
+"""``Batcher``: coalescing, and the group commit (``linger_s``) that spaces a shard's store calls
+while reports keep coming, without delaying a report after a quiet spell."""
 
 from __future__ import annotations
 
@@ -97,6 +97,21 @@ async def test_a_failed_call_fails_every_item_it_carried_and_the_next_still_runs
         await first
     assert await asyncio.gather(*rest) == [2, 3]
     assert calls == [[1], [2, 3]]
+
+
+async def test_an_answer_that_is_an_exception_fails_its_item_alone():
+    # One deployment's failure in a shared batch (NotFound, its master down) reaches only the
+    # callers of that deployment's items; the others of the batch get their answers.
+    async def some_fail(items: list) -> list:
+        await asyncio.sleep(0.01)
+        return [KeyError(f"item {i}") if i % 2 else i * 10 for i in items]
+
+    b = Batcher(some_fail, linger_s=0.02)
+    out = await asyncio.gather(*(b.submit(i) for i in range(4)), return_exceptions=True)
+    assert out[0] == 0 and out[2] == 20
+    assert isinstance(out[1], KeyError) and "item 1" in str(out[1])
+    assert isinstance(out[3], KeyError) and "item 3" in str(out[3])
+    assert await b.submit(6) == 60  # and the batcher goes on
 
 
 @pytest.mark.parametrize("kw", [{"linger_s": -0.1}, {"fill": 0}])
