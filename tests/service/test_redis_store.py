@@ -25,6 +25,18 @@ def deployment(name: str) -> pb.Deployment:
     return d
 
 
+async def one_deployment_a_master(s: RedisStore, cluster) -> dict[int, str]:
+    """Creates a deployment on each master of ``cluster``: master port → its name."""
+    names: dict[int, str] = {}
+    i = 0
+    while len(names) < len(cluster.ports):
+        names.setdefault(cluster.port_of(s.key(f"d{i}", "meta")), f"d{i}")
+        i += 1
+    for n in names.values():
+        await s.create(deployment(n), pb.Placement(deployment=n, version=1))
+    return names
+
+
 @pytest.fixture
 async def store(redis_url):
     s = RedisStore(redis_url, f"eplb-test-{uuid.uuid4().hex[:10]}")
@@ -138,13 +150,7 @@ async def test_accept_many_fails_only_a_down_masters_deployments(redis_cluster):
     # naming it while the live masters' are accepted in the same call.
     s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
     await s.ping()
-    names: dict[int, str] = {}
-    i = 0
-    while len(names) < len(redis_cluster.ports):
-        names.setdefault(redis_cluster.port_of(s.key(f"d{i}", "meta")), f"d{i}")
-        i += 1
-    for n in names.values():
-        await s.create(deployment(n), pb.Placement(deployment=n, version=1))
+    names = await one_deployment_a_master(s, redis_cluster)
     assert len({s.shard(n) for n in names.values()}) == len(names)
     victim = redis_cluster.ports[-1]
     spec = WindowSpec()
@@ -218,13 +224,7 @@ async def test_calls_on_live_masters_go_on_while_the_default_node_is_dead(redis_
     s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
     await s.ping()
     victim = s._r.get_default_node()
-    names: dict[int, str] = {}
-    i = 0
-    while len(names) < len(redis_cluster.ports):
-        names.setdefault(redis_cluster.port_of(s.key(f"d{i}", "meta")), f"d{i}")
-        i += 1
-    for n in names.values():
-        await s.create(deployment(n), pb.Placement(deployment=n, version=1))
+    names = await one_deployment_a_master(s, redis_cluster)
     live = [n for port, n in names.items() if port != victim.port]
     redis_cluster.kill(victim.port)
     try:
