@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
     ap.add_argument("--profile-dir", type=Path, help="run each replica under cProfile; profiles land here")
     args = ap.parse_args(argv)
+    if args.streams < 1:
+        ap.error(f"--streams must be at least 1, got {args.streams}")
     if args.probe_on == "reader" and not set(args.kinds) <= {"redis", "cluster"}:
         ap.error("--probe-on reader needs replicas that share a store: --kinds redis and/or cluster")
     rows = []
@@ -449,6 +451,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         "redis": kind,
         "replicas": replicas,
         "probe_on": args.probe_on,
+        "streams": args.streams,
         "deployments": deployments,
         "max_reports_per_s": med(runs_max, "reports_per_s"),
         "bytes_per_report": med(runs_max, "bytes_per_report"),

@@ -91,3 +91,20 @@ def test_a_reader_replica_needs_a_shared_store(capsys):
     with pytest.raises(SystemExit):
         ingest_bench.main(["--kinds", "memory", "--probe-on", "reader"])
     assert "--probe-on reader needs replicas that share a store" in capsys.readouterr().err
+
+
+def test_streams_set_the_load_clients_ranks(tmp_path):
+    # --streams: each load client process opens this many ReportLoad streams, one rank each
+    # (the deployments are created with that many ranks, or the reports would be refused).
+    path = tmp_path / "rows.json"
+    argv = ["--kinds", "memory", "--replicas", "1", "--deployments", "2", "--seconds", "0.5", "--rate", "100"]
+    assert ingest_bench.main([*argv, "--streams", "11", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())
+    assert row["streams"] == 11
+    assert row["max_reports_per_s"] > 0 and row["paced_reports_per_s"] > 0
+
+
+def test_streams_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        ingest_bench.main(["--kinds", "memory", "--streams", "0"])
+    assert "--streams must be at least 1, got 0" in capsys.readouterr().err
