@@ -44,7 +44,15 @@ from .servicer import BalancerServicer, add_to_server
 from .store import Store
 from .timed_store import TimedStore
 
-__all__ = ["SERVICE_NAME", "RunningServer", "ServerConfig", "StartError", "check_certificate_dates", "start_server"]
+__all__ = [
+    "SERVICE_NAME",
+    "RunningServer",
+    "ServerConfig",
+    "StartError",
+    "check_certificate_dates",
+    "grpc_options",
+    "start_server",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +92,9 @@ class ServerConfig:
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
 
 
-def _options(config: ServerConfig) -> list[tuple[str, int]]:
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """The gRPC server options of ``eplb serve`` (also the bench's bare server's, so that its
+    floor is measured under the same transport settings)."""
     return [
         # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on a
         # taken port starts too, the kernel splitting clients between two unrelated states.
@@ -207,7 +217,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
                 "a bearer token is required but TLS is off: the token crosses the network in clear text "
                 "(set --tls-cert and --tls-key)"
             )
-    server = grpc.aio.server(interceptors=interceptors, options=_options(config))
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
     add_to_server(BalancerServicer(balancer, access), server)  # WatchPlacements sends pre-serialized bytes
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -18,7 +18,7 @@ import signal
 import grpc
 import numpy as np
 
-from eplb_service.server import ServerConfig, _options
+from eplb_service.server import ServerConfig, grpc_options
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
@@ -57,7 +57,7 @@ class BareServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
 
 
 async def _serve(port: int) -> None:
-    server = grpc.aio.server(options=_options(ServerConfig()))
+    server = grpc.aio.server(options=grpc_options(ServerConfig()))
     pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(BareServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
