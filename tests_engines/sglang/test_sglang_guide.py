@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from sglang_cpu import metadata, sglang_args
-from svc_free_port import free_port
 from test_sglang_maps import TENSORS
 
 import eplb
+from eplb_tools.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS, S, HOT = [1, 2], 6, 7

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from sglang_cpu import metadata, sglang_args
-from svc_free_port import free_port
 from test_sglang_maps import TENSORS, random_placement
 
 import eplb
 from eplb_engine.adapters import sglang_plugin
 from eplb_engine.adapters.sglang import to_sglang
 from eplb_engine.adapters.sglang_plugin import TARGET, EplbServiceManager
+from eplb_tools.ports import free_port
 
 
 @pytest.fixture

@@ -96,7 +96,7 @@ def test_weight_mover_matches_sglangs_expert_location_updater(world, nnodes, tra
     """100 random transitions on 2 ranks, 25 on 4 ranks as 2 nodes (the updater's same-node and
     cross-node paths): SGLang's moved weights, ours and the expected ones agree slot by slot;
     its updated global metadata equals what apply_to_sglang wrote (host copies, table)."""
-    from svc_free_port import free_port
+    from eplb_tools.ports import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -32,13 +31,9 @@ from unittest import mock
 import torch
 import torch.multiprocessing as mp
 
+from eplb_tools.ports import free_port
+
 GUIDE_EPLB = {"num_redundant_experts": 32, "window_size": 1000, "step_interval": 2147483647}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_configs(world: int, **eplb: object) -> tuple[object, object]:
