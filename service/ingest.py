@@ -132,15 +132,15 @@ class Ingest:
         locals_ = [items[idx[0]][0] for idx in groups.values()]
         calls = [self._call(local, [items[i][1:] for i in idx]) for local, idx in zip(locals_, groups.values())]
         answers: list = await self.store.accept_many(calls)
+        gone = [k for k, answer in enumerate(answers) if isinstance(answer, NotFound)]
+        if gone:
+            # Deleted, or the store restarted empty (written back, then retried): checked
+            # together, so that the batch's other deployments wait for one round of checks.
+            retried = await asyncio.gather(*(self._retry_gone(calls[k], answers[k]) for k in gone))
+            for k, answer in zip(gone, retried):
+                answers[k] = answer
         out: list[bool | Exception] = [False] * len(items)
-        for local, idx, call, answer in zip(locals_, groups.values(), calls, answers):
-            if isinstance(answer, NotFound):
-                try:
-                    if await self.registry.confirm_deleted(call.name):
-                        raise answer
-                    answer = await self.store.accept_reports(call.name, call.pairs, call.journal, call.keep_s)
-                except Exception as exc:  # noqa: BLE001  (this deployment's reports fail with it)
-                    answer = exc
+        for local, idx, answer in zip(locals_, groups.values(), answers):
             if isinstance(answer, Exception):
                 for i in idx:
                     out[i] = answer
@@ -150,6 +150,16 @@ class Ingest:
             for i, f in zip(idx, fresh):
                 out[i] = f
         return out
+
+    async def _retry_gone(self, call: AcceptCall, missing: NotFound) -> tuple[list[bool], str | None] | Exception:
+        """``call`` found its deployment missing: ``missing`` if it is really gone, else its answer
+        once more (after a store that restarted empty got this replica's deployments back)."""
+        try:
+            if await self.registry.confirm_deleted(call.name):
+                return missing
+            return await self.store.accept_reports(call.name, call.pairs, call.journal, call.keep_s)
+        except Exception as exc:  # noqa: BLE001  (this deployment's reports fail with it)
+            return exc
 
     @staticmethod
     def _call(local: LocalDeployment, items: list[tuple[int, int, np.ndarray]]) -> AcceptCall:

@@ -50,8 +50,11 @@ from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
     NoScriptError,
+    RedisClusterException,
+    RedisClusterUnreachableError,
     RedisError,
     ResponseError,
+    SlotNotCoveredError,
     TryAgainError,
 )
 
@@ -874,39 +877,54 @@ class RedisStore:
 
     async def _accept_commands(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
         """``(deployment, keys, args)`` of ``_ACCEPT`` calls → each one's answer or exception: one
-        pipeline a master (a lone call as itself). On Redis Cluster a down master's calls get
-        ``StoreUnavailable`` while the other masters' go on; on one Redis it is raised."""
+        pipeline a master (a lone call as itself). On Redis Cluster whatever fails one master's
+        pipeline (down, unreachable, a slot not covered) goes to its own calls alone, the other
+        masters' answers stand; on one Redis a store that does not answer raises."""
         if not self.cluster:
             return await self._accept_pipeline(commands)
         groups: dict[str, list[int]] = {}
         for i, (name, _, _) in enumerate(commands):
-            groups.setdefault(self.shard(name), []).append(i)
+            try:
+                master = self.shard(name)
+            except (RedisError, RedisClusterException) as exc:  # no slot map to route it by
+                master = f"unroutable: {exc}"
+            groups.setdefault(master, []).append(i)
         answers: list[object] = [None] * len(commands)
 
         async def group(master: str, idx: list[int]) -> None:
             try:
+                if master.startswith("unroutable: "):
+                    raise StoreUnavailable(f"redis cluster: no master known for the slot ({master[12:]})")
                 if master in self._down:
-                    raise StoreUnavailable(
-                        f"redis cluster master {master}, which holds deployment "
-                        f"{commands[idx[0]][0]!r}, is down; retry later"
-                    )
-                outs = await self._accept_pipeline([commands[i] for i in idx])
-            except StoreUnavailable as exc:
+                    outs: list[object] = [
+                        StoreUnavailable(
+                            f"redis cluster master {master}, which holds deployment "
+                            f"{commands[i][0]!r}, is down; retry later"
+                        )
+                        for i in idx
+                    ]
+                else:
+                    outs = await self._accept_pipeline([commands[i] for i in idx])
+            except (SlotNotCoveredError, RedisClusterUnreachableError) as exc:
+                outs = [StoreUnavailable(f"redis cluster unavailable: {exc}")] * len(idx)
+            except Exception as exc:  # noqa: BLE001  (this master's calls fail with it, no others)
                 outs = [exc] * len(idx)
             for i, out in zip(idx, outs):
                 answers[i] = out
 
-        if len(groups) == 1:
-            await group(*next(iter(groups.items())))
-        else:
-            await asyncio.gather(*(group(m, idx) for m, idx in groups.items()))
+        await asyncio.gather(*(group(m, idx) for m, idx in groups.items()))
         return answers
 
     async def _accept_pipeline(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
+        """The calls in one pipeline (one connection's round trip); each answer or its error."""
+        if len(commands) == 1:
+            ((_, keys, args),) = commands
+            try:
+                with _unavailable():
+                    return [await self._accept(keys=keys, args=args)]
+            except ResponseError as exc:  # a bug, in a script: this call's (INTERNAL), as in a pipeline
+                return [exc]
         with _unavailable():
-            if len(commands) == 1:
-                ((_, keys, args),) = commands
-                return [await self._accept(keys=keys, args=args)]
             pipe = self._r.pipeline(transaction=False) if not self.cluster else self._r.pipeline()
             async with pipe as p:
                 for _, keys, args in commands:

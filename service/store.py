@@ -144,8 +144,10 @@ class Store(Protocol):
     async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
         """:meth:`accept_reports` for the batches of several deployments, in one round trip where
         the store allows (one pipeline a Redis master); one answer per call, in order: its result,
-        or the error that call alone failed with (``NotFound``; ``StoreUnavailable`` where only
-        its part of the store is down; a store's own error, a bug). Raises ``StoreUnavailable`` when the whole store is."""
+        or the error that call alone failed with (``NotFound``; ``StoreUnavailable`` where its
+        part of the store is down: on Redis Cluster each master's calls are answered apart, even
+        when every master is down; a store's own error, a bug). Raises ``StoreUnavailable`` when
+        a store of one part (one Redis) does not answer."""
 
     def shard(self, name: str) -> str:
         """The part of the store that holds ``name``'s keys (a Redis Cluster master), for

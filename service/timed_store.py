@@ -18,7 +18,8 @@ __all__ = ["TimedStore"]
 
 class TimedStore:
     """A ``Store`` that times every call into ``eplb_store_latency_seconds{op}`` and keeps
-    ``eplb_store_up`` at 0 after a call failed with ``StoreUnavailable`` and 1 after one answered.
+    ``eplb_store_up`` at 0 after a call failed with ``StoreUnavailable`` (or answered a list
+    holding one: ``accept_many``'s per-deployment answers) and 1 after one answered.
 
     Everything else (attributes, async-generator methods such as ``follow``) passes through.
     """
@@ -57,6 +58,13 @@ class TimedStore:
                 raise
             finally:
                 latency.observe(time.perf_counter() - start)
+            if isinstance(out, list) and any(isinstance(a, StoreUnavailable) for a in out):
+                # accept_many answers each deployment's batch apart (a Redis Cluster master's
+                # failure fails its own): a call of which any part found the store unreachable
+                # counts as one that did, as when each was a call of its own.
+                errors.inc()
+                up.set(0)
+                return out
             up.set(1)
             return out
 

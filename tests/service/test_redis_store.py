@@ -27,12 +27,19 @@ def deployment(name: str) -> pb.Deployment:
 
 async def one_deployment_a_master(s: RedisStore, cluster) -> dict[int, str]:
     """Creates a deployment on each master of ``cluster``: master port → its name."""
-    names: dict[int, str] = {}
+    return {port: names[0] for port, names in (await deployments_a_master(s, cluster, 1)).items()}
+
+
+async def deployments_a_master(s: RedisStore, cluster, count: int) -> dict[int, list[str]]:
+    """Creates ``count`` deployments on each master of ``cluster``: master port → their names."""
+    names: dict[int, list[str]] = {port: [] for port in cluster.ports}
     i = 0
-    while len(names) < len(cluster.ports):
-        names.setdefault(cluster.port_of(s.key(f"d{i}", "meta")), f"d{i}")
+    while any(len(n) < count for n in names.values()):
+        on = names[cluster.port_of(s.key(f"d{i}", "meta"))]
+        if len(on) < count:
+            on.append(f"d{i}")
         i += 1
-    for n in names.values():
+    for n in sum(names.values(), []):
         await s.create(deployment(n), pb.Placement(deployment=n, version=1))
     return names
 
@@ -146,38 +153,59 @@ async def test_accept_many_answers_each_deployment_of_one_pipeline(store):
 
 
 async def test_accept_many_fails_only_a_down_masters_deployments(redis_cluster):
-    # One pipeline a master: with one master dead, its deployments' batches get StoreUnavailable
-    # naming it while the live masters' are accepted in the same call.
+    # One pipeline a master (two deployments on each, so each is a real pipeline): with one
+    # master dead, its deployments' batches get StoreUnavailable while the live masters' are
+    # accepted in the same call; before a ping notes it (its pipeline's connection is refused)
+    # and after (failed at once, naming it).
     s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
     await s.ping()
-    names = await one_deployment_a_master(s, redis_cluster)
-    assert len({s.shard(n) for n in names.values()}) == len(names)
+    names = await deployments_a_master(s, redis_cluster, 2)
+    assert len({s.shard(n) for n in sum(names.values(), [])}) == len(names)
     victim = redis_cluster.ports[-1]
-    spec = WindowSpec()
-    blob = encode_sums(np.ones((3, 4)), 1, time.time(), spec)
+    blob = encode_sums(np.ones((3, 4)), 1, time.time(), WindowSpec())
     redis_cluster.kill(victim)
     try:
-        # Before a ping notes it (the call to it is refused), then after (failed at once).
-        for seqs in (1, 2):
-            if seqs == 2:
+        for seq in (1, 2):
+            if seq == 2:
                 await s.ping()
-            calls = [AcceptCall(n, [(0, seqs)], lambda f: blob, 60) for n in names.values()]
-            for (port, n), answer in zip(names.items(), await s.accept_many(calls)):
+            flat = [(port, n) for port, ns in names.items() for n in ns]
+            answers = await s.accept_many([AcceptCall(n, [(0, seq)], lambda f: blob, 60) for _, n in flat])
+            for (port, n), answer in zip(flat, answers):
                 if port == victim:
                     assert isinstance(answer, StoreUnavailable), answer
-                    assert seqs == 1 or f"{victim}, which holds deployment {n!r}, is down" in str(answer)
+                    assert seq == 1 or f"{victim}, which holds deployment {n!r}, is down" in str(answer)
                 else:
                     assert answer[0] == [True] and answer[1] is not None, (n, answer)
     finally:
         redis_cluster.start_node(victim)
         redis_cluster.wait_ok()
     await s.ping()
-    for port, n in names.items():
-        if port != victim:
-            await s.delete(n)
-    with pytest.raises(NotFound):  # the master came back empty; this unindexes the name
-        await s.delete(names[victim])
+    for port, ns in names.items():
+        for n in ns:
+            if port != victim:
+                await s.delete(n)
+            else:
+                with pytest.raises(NotFound):  # the master came back empty; this unindexes it
+                    await s.delete(n)
     await s.close()
+
+
+async def test_accept_many_loads_its_script_where_redis_lost_it(store):
+    # A Redis that restarted (or a new master) has no scripts: every EVALSHA of the pipeline
+    # gets NOSCRIPT, and each call is sent again with EVAL, which caches the script.
+    names = [f"s{i}" for i in range(6)]
+    for n in names:
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+    blob = encode_sums(np.ones((3, 4)), 1, time.time(), WindowSpec())
+    if store.cluster:
+        for master in store._r.get_primaries():
+            await store._ping_client(master).script_flush()
+    else:
+        await store._r.script_flush()
+    answers = await store.accept_many([AcceptCall(n, [(0, 1)], lambda f: blob, 60) for n in names])
+    assert [a[0] for a in answers] == [[True]] * 6 and all(a[1] for a in answers)
+    for n in names:
+        assert (await store.marks(n)).reports == 1
 
 
 async def test_acks_and_leases_work_on_each_deployment(store):
