@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis import exceptions as redis_errors
 from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -51,10 +52,8 @@ from redis.exceptions import (
     MasterDownError,
     NoScriptError,
     RedisClusterException,
-    RedisClusterUnreachableError,
     RedisError,
     ResponseError,
-    SlotNotCoveredError,
     TryAgainError,
 )
 
@@ -66,6 +65,15 @@ from .rollout import RankState, Rollout
 from .store import PLACEMENTS_KEPT, AcceptCall, Accepted, DeploymentRecord, PlanMarks, Seen, created_seconds
 
 __all__ = ["RedisStore"]
+
+# The cluster client's errors for a slot no reachable master holds (not RedisErrors): a store
+# that does not answer there. RedisClusterUnreachableError is redis-py 8.2's (the SGLang venv
+# pins 8.1, which raises SlotNotCoveredError there).
+_CLUSTER_UNREACHABLE = tuple(
+    getattr(redis_errors, n)
+    for n in ("SlotNotCoveredError", "RedisClusterUnreachableError")
+    if hasattr(redis_errors, n)
+)
 
 ANNOUNCE_MAXLEN = 64
 POOL_CONNECTIONS = 32
@@ -905,7 +913,7 @@ class RedisStore:
                     ]
                 else:
                     outs = await self._accept_pipeline([commands[i] for i in idx])
-            except (SlotNotCoveredError, RedisClusterUnreachableError) as exc:
+            except _CLUSTER_UNREACHABLE as exc:
                 outs = [StoreUnavailable(f"redis cluster unavailable: {exc}")] * len(idx)
             except Exception as exc:  # noqa: BLE001  (this master's calls fail with it, no others)
                 outs = [exc] * len(idx)
