@@ -11,6 +11,7 @@ import uuid
 
 import numpy as np
 import pytest
+from redis.exceptions import SlotNotCoveredError
 
 from eplb_service.errors import AlreadyExists, NotFound, StoreUnavailable
 from eplb_service.redis_store import RedisStore
@@ -187,6 +188,35 @@ async def test_accept_many_fails_only_a_down_masters_deployments(redis_cluster):
             else:
                 with pytest.raises(NotFound):  # the master came back empty; this unindexes it
                     await s.delete(n)
+    await s.close()
+
+
+async def test_accept_many_keeps_other_masters_answers_when_one_masters_pipeline_raises(redis_cluster):
+    # Not only a down master: any error of one master's pipeline (here the cluster client's
+    # SlotNotCoveredError, which is no RedisError) goes to that master's calls alone. Before,
+    # it escaped the gather and failed every deployment's batch of the call.
+    s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
+    await s.ping()
+    names = await deployments_a_master(s, redis_cluster, 2)
+    victim = s.shard(names[redis_cluster.ports[0]][0])
+    real = s._accept_pipeline
+
+    async def failing(commands):
+        if s.shard(commands[0][0]) == victim:
+            raise SlotNotCoveredError("slot not covered by any master")
+        return await real(commands)
+
+    s._accept_pipeline = failing
+    blob = encode_sums(np.ones((3, 4)), 1, time.time(), WindowSpec())
+    flat = [(port, n) for port, ns in names.items() for n in ns]
+    answers = await s.accept_many([AcceptCall(n, [(0, 1)], lambda f: blob, 60) for _, n in flat])
+    for (port, n), answer in zip(flat, answers):
+        if port == redis_cluster.ports[0]:
+            assert isinstance(answer, StoreUnavailable) and "slot not covered" in str(answer), answer
+        else:
+            assert answer[0] == [True] and answer[1] is not None, (n, answer)
+    for n in sum(names.values(), []):
+        await s.delete(n)
     await s.close()
 
 
