@@ -890,33 +890,30 @@ class RedisStore:
         masters' answers stand; on one Redis a store that does not answer raises."""
         if not self.cluster:
             return await self._accept_pipeline(commands)
+        answers: list[object] = [None] * len(commands)
         groups: dict[str, list[int]] = {}
         for i, (name, _, _) in enumerate(commands):
             try:
-                master = self.shard(name)
+                groups.setdefault(self.shard(name), []).append(i)
             except (RedisError, RedisClusterException) as exc:  # no slot map to route it by
-                master = f"unroutable: {exc}"
-            groups.setdefault(master, []).append(i)
-        answers: list[object] = [None] * len(commands)
+                answers[i] = StoreUnavailable(f"redis cluster: no master known for {name!r}'s slot ({exc})")
 
         async def group(master: str, idx: list[int]) -> None:
-            try:
-                if master.startswith("unroutable: "):
-                    raise StoreUnavailable(f"redis cluster: no master known for the slot ({master[12:]})")
-                if master in self._down:
-                    outs: list[object] = [
-                        StoreUnavailable(
-                            f"redis cluster master {master}, which holds deployment "
-                            f"{commands[i][0]!r}, is down; retry later"
-                        )
-                        for i in idx
-                    ]
-                else:
+            outs: list[object]
+            if master in self._down:
+                outs = [
+                    StoreUnavailable(
+                        f"redis cluster master {master}, which holds deployment {commands[i][0]!r}, is down; retry later"
+                    )
+                    for i in idx
+                ]
+            else:
+                try:
                     outs = await self._accept_pipeline([commands[i] for i in idx])
-            except _CLUSTER_UNREACHABLE as exc:
-                outs = [StoreUnavailable(f"redis cluster unavailable: {exc}")] * len(idx)
-            except Exception as exc:  # noqa: BLE001  (this master's calls fail with it, no others)
-                outs = [exc] * len(idx)
+                except _CLUSTER_UNREACHABLE as exc:
+                    outs = [StoreUnavailable(f"redis cluster unavailable: {exc}")] * len(idx)
+                except Exception as exc:  # noqa: BLE001  (this master's calls fail with it, no others)
+                    outs = [exc] * len(idx)
             for i, out in zip(idx, outs):
                 answers[i] = out
 
