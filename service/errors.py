@@ -200,6 +200,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._end_server_streams: asyncio.Future | None = None
         self._end_client_streams = False
         self._discard_until = 0.0
+        # Tasks of client streams waiting for their next message, and those of them that
+        # end_client_streams woke: a quiet stream (an engine between reports) would otherwise
+        # hear of the shutdown only when the server stops at the end of the grace period.
+        self._reading: set[asyncio.Task] = set()
+        self._woken: set[asyncio.Task] = set()
 
     # shutdown
 
@@ -221,10 +226,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         client resends the rest, with the same seqs, to another replica. Messages the client is
         still sending are read and dropped, for up to ``discard_s``, so the status goes out after
         the client half-closed: grpc-python's asyncio client reports a status that arrives while
-        it is still writing as ``INTERNAL: Internal error from Core`` (grpc/grpc#36066).
+        it is still writing as ``INTERNAL: Internal error from Core`` (grpc/grpc#36066). A stream
+        waiting for its next message is ended now, not when it sends one.
         """
         self._discard_until = time.monotonic() + discard_s
         self._end_client_streams = True
+        for task in self._reading:
+            self._woken.add(task)
+            task.cancel()
 
     # interception
 
@@ -307,22 +316,38 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async def read() -> AsyncIterator[Any]:
             processed = 0
+            task = asyncio.current_task()
             while True:
                 # Checked before each read: the message in hand has been processed by now.
                 if self._end_client_streams:
                     dropped = await self._discard(requests)
-                    raise ShuttingDown(
-                        f"server shutting down: processed the first {processed} messages of this stream, "
-                        f"not the {dropped} after them; resend those to another replica (same seqs)"
-                    )
+                    raise self._ended(processed, dropped)
+                self._reading.add(task)
                 try:
                     request = await anext(requests)
                 except StopAsyncIteration:
                     return
+                except asyncio.CancelledError:
+                    if task not in self._woken:
+                        raise
+                    # Woken by end_client_streams while waiting: the cancelled read closed the
+                    # request iterator, so nothing more can be read (the client was not writing).
+                    self._woken.discard(task)
+                    task.uncancel()
+                    raise self._ended(processed, 0) from None
+                finally:
+                    self._reading.discard(task)
                 processed += 1
                 yield request
 
         return read()
+
+    @staticmethod
+    def _ended(processed: int, dropped: int) -> ShuttingDown:
+        return ShuttingDown(
+            f"server shutting down: processed the first {processed} messages of this stream, "
+            f"not the {dropped} after them; resend those to another replica (same seqs)"
+        )
 
     async def _discard(self, requests: AsyncIterator[Any]) -> int:
         """Reads and drops ``requests`` until the client half-closes or the discard time is up."""
