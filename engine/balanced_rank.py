@@ -113,6 +113,15 @@ class Part:
         self.routed: PublishedPlacement = rollout.current
         self._mixed = False
 
+    def route_moved(self, published: PublishedPlacement, base: PublishedPlacement, barrier: object = None) -> None:
+        """``Rollout.route_moved`` for this part, and ``routed`` from now on (its counts folded
+        per expert, as a local survivor placement's are). ``barrier``: the rollout's new one
+        (``Rollout.regroup``: over a new membership's group), or None to keep it."""
+        if barrier is not None:
+            self.rollout.regroup(barrier)
+        self.rollout.route_moved(published, base)
+        self._stepped(published)
+
     def _stepped(self, routed: PublishedPlacement) -> None:
         # A survivor placement computed here has a number of this rank's only (the service may
         # publish another map under it): its counts go per expert, as a half-switched map's.

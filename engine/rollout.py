@@ -650,6 +650,23 @@ class Rollout:
             elif published.version > max(self.current.version, self._offered.version if self._offered else 0):
                 self._offered = published
 
+    def route_moved(self, published: PublishedPlacement, base: PublishedPlacement) -> None:
+        """Routes ``published``, a survivor placement computed on this rank, from now on, its
+        weights already moved outside the rollout (every live rank at one agreed step, as when a
+        restarted rank is planned in again: the rollout has no way in for a rank that was not
+        there). It is then known by (``base``'s version, its down ranks), as a survivor placement
+        offered with ``supersede`` is once switched: the service's own plan of that pair is
+        adopted without a move, any other newer version is rolled out from it. An offered
+        version no newer than ``published`` is dropped (it counted the ranks as they were).
+        Only between transitions (``RuntimeError`` otherwise); call it on the step thread."""
+        if self._phase is not Phase.IDLE:
+            raise RuntimeError(f"route_moved needs an idle rollout, this one is {self._phase.value}")
+        with self._lock:
+            self._local_plan, self._local_base, self._from_service = published, base, None
+            if self._offered is not None and self._offered.version <= published.version:
+                self._offered = None
+        self.current, self.routing, self._routed = published, published.placement, published
+
     @property
     def local_survivor(self) -> PublishedPlacement | None:
         """The survivor placement this rank computed, while it is offered or routed and no

@@ -492,7 +492,7 @@ def _join(
     from eplb_engine.rollout import AckSender, ProcessGroupBarrier
 
     from .demo_failure import checkpoint
-    from .demo_rejoin import adopt, epoch_groups, go_payload, load_slots, rejoin_plan, staged, tell_service_up
+    from .demo_rejoin import epoch_groups, go_payload, load_slots, rejoin_plan, staged, tell_service_up
 
     t0 = time.perf_counter()
     back = cfg.fail_rank
@@ -516,7 +516,7 @@ def _join(
     if cfg.barrier == "group":
         barrier = ProcessGroupBarrier(barrier_group, acks=AckSender(balanced.client, balanced.deployment, rank))
         balanced.barrier = barrier
-    adopt(balanced.target, plan, base, barrier)
+    balanced.target.route_moved(plan, base, barrier)
     balanced.target.applier.group = movers
     if rejoin is not None:
         rejoin.step, rejoin.version, rejoin.serving_wall = step, plan.version, time.time()

@@ -19,8 +19,8 @@ J, the same on all) they stop routing for the join:
   and the mover moves, from that half-way map (``staged``), only what the plan changes on
   the survivors;
 - every rank routes the plan from J on, known by its (base version, no rank down) as the
-  local survivor plan after a death is (``adopt``): the service's own plan of the same
-  pair, published once the restarted rank tells it ``SetRanksDown(up=[R])``, is then
+  local survivor plan after a death is (``Part.route_moved``): the service's own plan of the
+  same pair, published once the restarted rank tells it ``SetRanksDown(up=[R])``, is then
   adopted without a move.
 """
 
@@ -39,7 +39,6 @@ __all__ = [
     "GO_KEY",
     "READY_KEY",
     "Rejoin",
-    "adopt",
     "cancel",
     "epoch_groups",
     "go_payload",
@@ -114,27 +113,6 @@ def load_slots(layers: list[dict], plan: eplb.Placement, rank: int, load: object
                 tensors[name][s].copy_(t)
             loaded += 1
     return loaded
-
-
-def adopt(part: object, published: object, base: object, barrier: object | None) -> None:
-    """Makes ``part`` (a ``BalancedRank`` ``Part``, idle) route ``published`` from now on, as the
-    survivor placement computed on the rank after a death is routed (``Rollout.offer(...,
-    supersede=True)``): known by its (base version, down ranks), so that the service's plan of
-    the same pair is adopted without a move and any other version is rolled out from it.
-    ``barrier``: the rollout's new one (over the epoch's group), or None to keep it.
-
-    The weights are in place already (moved by every rank at one step, outside the rollout):
-    the rollout has no way in for a rank that was not there, so its fields are set here."""
-    rollout = part.rollout
-    if barrier is not None:
-        rollout.regroup(barrier)
-    with rollout._lock:
-        rollout._local_plan, rollout._local_base, rollout._from_service = published, base, None
-        offered = rollout._offered
-        if offered is not None and offered.version <= published.version:
-            rollout._offered = None  # counted the rank down, or older: not to be started
-    rollout.current, rollout.routing, rollout._routed = published, published.placement, published
-    part._stepped(published)
 
 
 def tell_service_up(balanced: object, rank: int) -> str:

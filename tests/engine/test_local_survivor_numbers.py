@@ -56,16 +56,22 @@ def _steps_until(rollout: Rollout, step: int, done, timeout_s: float = 20.0) -> 
         time.sleep(0.005)
 
 
-def _rank(rank: int, address: str, scenario: str) -> dict:
+def _rank(rank: int, address: str, scenario: str, enter: str) -> dict:
     client = ServiceClient(address)
     base = client.get_placement("d1", topology=TOPO)
     applier = Recorder()
     rollout = Rollout(base, applier, ProcessGroupBarrier(dist.group.WORLD, acks=AckSender(client, "d1", rank)))
     # Gpu 3 died and the service is not heard from: both ranks switch to their own survivor plan.
     local = survivor_plan(base, DOWN)
-    rollout.offer(local, supersede=True)
-    step = _steps_until(rollout, 0, lambda: rollout.current is local)
-    assert rollout.current is local, rollout.events
+    if enter == "rolled out":
+        rollout.offer(local, supersede=True)
+        step = _steps_until(rollout, 0, lambda: rollout.current is local)
+    else:  # "moved outside": every rank moved the weights at one step itself (as a rejoin does)
+        rollout.offer(base)  # an offer no newer than the local plan: dropped by route_moved
+        rollout.route_moved(local, base)
+        step = _steps_until(rollout, 0, lambda: False, timeout_s=0.2)
+    assert rollout.current is local and rollout.routing is local.placement, rollout.events
+    assert rollout.local_survivor is local
     dist.barrier()
     if rank == 0:
         if scenario == "normal plan":  # a normal plan from the base, numbered base + 1 like the local one
@@ -103,14 +109,14 @@ def _rank(rank: int, address: str, scenario: str) -> dict:
     return out
 
 
-def _run(scenario: str) -> tuple[list[dict], list[tuple[int, int]]]:
+def _run(scenario: str, enter: str = "rolled out") -> tuple[list[dict], list[tuple[int, int]]]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     server = ServerThread().start()
     try:
         with ServiceClient(server.address) as client:
             client.create_deployment("d1", TOPO)
             report_some_load(server.address, shape=(3, 8))
-            out = spawn_ranks(_rank, 2, server.address, scenario)
+            out = spawn_ranks(_rank, 2, server.address, scenario, enter)
             reply = client.call("GetDeployment", pb.GetDeploymentRequest(name="d1"))
             acks = [(a.rank, a.version) for a in reply.acks]
     finally:
@@ -144,4 +150,32 @@ def test_ranks_on_a_local_survivor_adopt_the_services_survivor_plan_of_the_same_
         assert r["version"] == 2 and r["phy2log"] == survivor
         assert len(r["prepares"]) == 1  # the local plan's move only: adopting moved nothing
         assert r["events"] == [("switched", 2), ("adopted", 2)]
+    assert sorted(a for a in acks if a[1] == 2) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.slow
+def test_a_survivor_plan_moved_outside_the_rollout_is_adopted_as_one_it_switched_to():
+    """``Rollout.route_moved``: the local plan's weights moved by the ranks themselves (no
+    prepare here); the service's survivor plan of the same pair is then adopted, unmoved."""
+    out, acks = _run("survivor plan", enter="moved outside")
+    version, survivor_of, survivor = out[0]["published"]
+    assert (version, survivor_of) == (2, 1) and survivor == out[0]["local"]
+    for r in out:
+        assert r["version"] == 2 and r["phy2log"] == survivor
+        assert r["prepares"] == []  # neither the local plan nor the adoption went through the applier
+        assert r["events"] == [("adopted", 2)]
+    assert sorted(a for a in acks if a[1] == 2) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.slow
+def test_a_survivor_plan_moved_outside_the_rollout_is_left_for_a_normal_plan_that_took_its_number():
+    out, acks = _run("normal plan", enter="moved outside")
+    version, survivor_of, normal = out[0]["published"]
+    assert (version, survivor_of) == (2, 0)
+    local = out[0]["local"]
+    for r in out:
+        # The move to the service's version 2 starts from the local map the ranks hold.
+        assert r["version"] == 2 and r["phy2log"] == normal
+        assert r["prepares"] == [(local, normal)]
+        assert r["events"] == [("switched", 2)]
     assert sorted(a for a in acks if a[1] == 2) == [(0, 2), (1, 2)]

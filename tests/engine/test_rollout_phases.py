@@ -116,3 +116,16 @@ def test_a_timed_out_prepare_is_rolled_back_only_once_it_returns(group_of_one):
 def test_chunked_appliers_are_told_apart_by_the_declared_protocol():
     assert isinstance(MoverApplier(layers=[]), ChunkedApplier)
     assert not isinstance(Recorder(), ChunkedApplier)
+
+
+def test_route_moved_is_refused_while_a_transition_is_in_flight(group_of_one):
+    applier = Gated()
+    rollout = Rollout(published(1), applier, ProcessGroupBarrier())
+    rollout.offer(published(2))
+    rollout.step(0)
+    assert rollout.phase is Phase.PREPARING
+    with pytest.raises(RuntimeError, match="route_moved needs an idle rollout, this one is preparing"):
+        rollout.route_moved(published(3), published(1))
+    assert rollout.current.version == 1 and rollout.local_survivor is None  # nothing taken over
+    assert settle(rollout, applier, 1) is Phase.IDLE and rollout.current.version == 2
+    rollout.close()
