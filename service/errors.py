@@ -201,8 +201,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._end_client_streams = False
         self._discard_until = 0.0
         # Tasks of client streams waiting for their next message, and those of them that
-        # end_client_streams woke: a quiet stream (an engine between reports) would otherwise
-        # hear of the shutdown only when the server stops at the end of the grace period.
+        # _wake_waiting woke: a quiet stream (an engine between reports) would otherwise hear of
+        # the shutdown only when the server stops at the end of the grace period.
         self._reading: set[asyncio.Task] = set()
         self._woken: set[asyncio.Task] = set()
 
@@ -227,13 +227,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         still sending are read and dropped, for up to ``discard_s``, so the status goes out after
         the client half-closed: grpc-python's asyncio client reports a status that arrives while
         it is still writing as ``INTERNAL: Internal error from Core`` (grpc/grpc#36066). A stream
-        waiting for its next message is ended now, not when it sends one.
+        still waiting for its next message once ``discard_s`` is up (it sent none meanwhile) is
+        ended then, rather than when it sends one or the server stops.
         """
         self._discard_until = time.monotonic() + discard_s
         self._end_client_streams = True
+        asyncio.get_running_loop().call_later(discard_s, self._wake_waiting)
+
+    def _wake_waiting(self) -> None:
+        """Ends the client streams waiting for a message: their reads are cancelled (read() tells
+        this cancel from any other by ``_woken``)."""
         for task in self._reading:
-            self._woken.add(task)
-            task.cancel()
+            if not task.done():
+                self._woken.add(task)
+                task.cancel()
 
     # interception
 
@@ -316,12 +323,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async def read() -> AsyncIterator[Any]:
             processed = 0
-            task = asyncio.current_task()
             while True:
                 # Checked before each read: the message in hand has been processed by now.
                 if self._end_client_streams:
                     dropped = await self._discard(requests)
                     raise self._ended(processed, dropped)
+                # Per read: a bidi handler's messages are each read in a task of their own.
+                task = asyncio.current_task()
                 self._reading.add(task)
                 try:
                     request = await anext(requests)
@@ -330,10 +338,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except asyncio.CancelledError:
                     if task not in self._woken:
                         raise
-                    # Woken by end_client_streams while waiting: the cancelled read closed the
-                    # request iterator, so nothing more can be read (the client was not writing).
                     self._woken.discard(task)
-                    task.uncancel()
+                    if task.uncancel() > 0:
+                        raise  # cancelled by gRPC too (the client went, or the server stops)
+                    # Woken by _wake_waiting: the cancelled read closed the request iterator, so
+                    # nothing more is read. A message that arrived in that same turn of the loop
+                    # is not counted as processed: the client resends it.
                     raise self._ended(processed, 0) from None
                 finally:
                     self._reading.discard(task)
