@@ -558,6 +558,15 @@ class _Transition:
         return not self.chunks or self.chunk == len(self.chunks) - 1
 
 
+def _may_be_services_plan_of(local: PublishedPlacement, offered: PublishedPlacement | None) -> bool:
+    """Whether ``offered``, a service version that came before the local survivor placement
+    ``local`` was taken up, is to be resolved against it (``Rollout._resolve_local``) rather
+    than dropped: newer than its base, and counting at least its down ranks."""
+    return (
+        offered is not None and offered.version > local.survivor_of and set(local.down_ranks) <= set(offered.down_ranks)
+    )
+
+
 class Rollout:
     """One rank's rollout of published placements; ``step(step)`` at every step boundary.
 
@@ -638,11 +647,7 @@ class Rollout:
                 # watcher can deliver it before this rank's ranks_down runs, the SetRanksDown
                 # being a faster peer's): dropping it would leave this rank offering the local
                 # number while the others offer the service's, and no start is ever agreed.
-                if (
-                    before is not None
-                    and before.version > published.survivor_of
-                    and set(published.down_ranks) <= set(before.down_ranks)
-                ):
+                if _may_be_services_plan_of(published, before):
                     self._from_service = before
             elif self._local_plan is not None:
                 if published.version > max(self._local_plan.survivor_of, getattr(self._from_service, "version", 0)):
@@ -656,15 +661,19 @@ class Rollout:
         restarted rank is planned in again: the rollout has no way in for a rank that was not
         there). It is then known by (``base``'s version, its down ranks), as a survivor placement
         offered with ``supersede`` is once switched: the service's own plan of that pair is
-        adopted without a move, any other newer version is rolled out from it. An offered
-        version no newer than ``published`` is dropped (it counted the ranks as they were).
+        adopted without a move, any other newer version is rolled out from it. A version
+        offered before, as ``offer(supersede=True)`` treats it: newer than the base and counting
+        at least ``published``'s down ranks (the service's plan of the pair may come first), it
+        waits to be resolved so; otherwise it is dropped (it counted the ranks as they were).
         Only between transitions (``RuntimeError`` otherwise); call it on the step thread."""
         if self._phase is not Phase.IDLE:
             raise RuntimeError(f"route_moved needs an idle rollout, this one is {self._phase.value}")
         with self._lock:
+            before, self._offered = self._offered, None
+            self._refused = min(self._refused, published.version - 1)
             self._local_plan, self._local_base, self._from_service = published, base, None
-            if self._offered is not None and self._offered.version <= published.version:
-                self._offered = None
+            if _may_be_services_plan_of(published, before):
+                self._from_service = before
         self.current, self.routing, self._routed = published, published.placement, published
 
     @property

@@ -129,3 +129,35 @@ def test_route_moved_is_refused_while_a_transition_is_in_flight(group_of_one):
     assert rollout.current.version == 1 and rollout.local_survivor is None  # nothing taken over
     assert settle(rollout, applier, 1) is Phase.IDLE and rollout.current.version == 2
     rollout.close()
+
+
+@pytest.mark.parametrize("service_first", [False, True])
+def test_route_moved_adopts_the_services_plan_of_the_pair_whether_it_came_before_or_after(group_of_one, service_first):
+    """The service's plan of (base, no rank down), the same map as the one the ranks moved to
+    themselves, may reach a rank's watcher before that rank calls route_moved (a faster rank
+    already told the service). Dropping it left this rank on its local number while the others
+    adopted the service's, and no later version was ever started."""
+    from dataclasses import replace
+
+    base = published(1)
+    local = replace(published(2), survivor_of=1, down_ranks=())
+    service_plan = replace(local)  # the service's own: same number, pair and map, another object
+    applier = Recorder()
+    rollout = Rollout(base, applier, ProcessGroupBarrier())
+    if service_first:
+        rollout.offer(service_plan)
+    rollout.route_moved(local, base)
+    if not service_first:
+        rollout.offer(service_plan)
+    rollout.step(0)
+    assert rollout.current is service_plan and rollout.local_survivor is None
+    assert [(e.kind, e.version) for e in rollout.events] == [("adopted", 2)] and applier.calls == []
+    # A later version is rolled out from the map routed, as usual.
+    rollout.offer(published(3))
+    for step in range(1, 20):
+        rollout.step(step)
+        if rollout.current.version == 3:
+            break
+        time.sleep(0.02)
+    assert rollout.current.version == 3 and applier.calls[:1] == ["prepare"]
+    rollout.close()
