@@ -639,16 +639,7 @@ class Rollout:
         versions offered before it count the dead rank)."""
         with self._lock:
             if supersede and published.version > self.current.version:
-                before = self._offered
-                self._offered = published
-                self._refused = min(self._refused, published.version - 1)
-                self._local_plan, self._local_base, self._from_service = published, self.current, None
-                # The service's own survivor plan of these down ranks may have come first (the
-                # watcher can deliver it before this rank's ranks_down runs, the SetRanksDown
-                # being a faster peer's): dropping it would leave this rank offering the local
-                # number while the others offer the service's, and no start is ever agreed.
-                if _may_be_services_plan_of(published, before):
-                    self._from_service = before
+                self._take_local(published, self.current, offered=published)
             elif self._local_plan is not None:
                 if published.version > max(self._local_plan.survivor_of, getattr(self._from_service, "version", 0)):
                     self._from_service = published
@@ -669,12 +660,24 @@ class Rollout:
         if self._phase is not Phase.IDLE:
             raise RuntimeError(f"route_moved needs an idle rollout, this one is {self._phase.value}")
         with self._lock:
-            before, self._offered = self._offered, None
-            self._refused = min(self._refused, published.version - 1)
-            self._local_plan, self._local_base, self._from_service = published, base, None
-            if _may_be_services_plan_of(published, before):
-                self._from_service = before
+            self._take_local(published, base, offered=None)
         self.current, self.routing, self._routed = published, published.placement, published
+
+    def _take_local(
+        self, published: PublishedPlacement, base: PublishedPlacement, offered: PublishedPlacement | None
+    ) -> None:
+        """Under ``_lock``: ``published`` becomes the local survivor placement of ``base``,
+        ``offered`` the version offered (``published`` to be rolled out, or None: routed already),
+        and an earlier refusal of its number is forgotten. The service's own survivor plan of
+        these down ranks may have come first (the watcher can deliver it before this rank's
+        ranks_down runs, the SetRanksDown being a faster peer's): dropping it would leave this
+        rank on the local number while the others take the service's, and no start is ever
+        agreed; so a version offered before is kept for ``_resolve_local`` where it may be that
+        plan, and dropped otherwise (it counted the ranks as they were)."""
+        before, self._offered = self._offered, offered
+        self._refused = min(self._refused, published.version - 1)
+        self._local_plan, self._local_base = published, base
+        self._from_service = before if _may_be_services_plan_of(published, before) else None
 
     @property
     def local_survivor(self) -> PublishedPlacement | None:
