@@ -21,8 +21,10 @@ deployment it takes out of the token's scope) ends at once (:meth:`Access.guard`
 reflection stay open: they reveal nothing a token protects.
 
 Refused calls are written to the audit log (logger ``eplb_service.audit``) at most once per
-(token hash prefix, reason) per minute, with the count of the others (:class:`RefusalLog`);
-never the token itself.
+caller (token hash prefix, and status code) per minute, with the count of the others
+(:class:`RefusalLog`); never the token itself, and client strings only clipped (clip.py).
+Per-deployment health (``<service>/<deployment>``) answers as for an unknown name unless the
+caller's token may see that deployment (:class:`ScopedHealth`); the overall health stays open.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
+from .clip import cap, clip
 from .errors import PermissionDenied, Unauthenticated
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "AuthInterceptor",
     "Grant",
     "RefusalLog",
+    "ScopedHealth",
     "Role",
     "parse_auth_file",
     "token_sha256",
@@ -156,11 +161,11 @@ class Grant:
         if not self.may_call(method):
             roles = [r.value for r in Role if r is Role.ADMIN or method in ROLE_METHODS[r]]
             allowed = "admin only" if len(roles) == 1 else f"allowed for {', '.join(roles)} tokens"
-            where = f" (deployment {deployment!r})" if deployment is not None else ""
+            where = f" (deployment {clip(deployment)})" if deployment is not None else ""
             return f"{_a(self.role.value)} token may not call {method}{where}: {allowed}"
         if deployment is not None and not self.sees(deployment):
             return (
-                f"deployment {deployment!r} is outside this {self.role.value} token's deployments "
+                f"deployment {clip(deployment)} is outside this {self.role.value} token's deployments "
                 f"({', '.join(repr(g) for g in self.globs)})"
             )
         return None
@@ -512,19 +517,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 @dataclass
 class _Window:
     start: float
-    code: str
+    reason: str
     method: str
     peer: str
     more: int = 0
 
 
 class RefusalLog:
-    """Audit lines for refused calls: the first per (token label, reason) at once, then one line
-    with the count of the others when its ``window_s`` ends (:meth:`flush`, which the server runs
-    every second). Thread-safe: ``/metrics`` refusals come from the HTTP server's threads.
+    """Audit lines for refused calls: the first per caller (token label and status code) at
+    once, then one line with the count of the others when its ``window_s`` ends (:meth:`flush`,
+    which the server runs every second). Thread-safe: ``/metrics`` refusals come from the HTTP
+    server's threads.
 
-    At most ``max_keys`` windows are open; refusals beyond them are counted under token label
-    ``other``, so random tokens cannot grow memory or the log without bound."""
+    Keyed by caller, not by reason: a reason names the deployment asked for, so a caller
+    cycling through names would otherwise write a line a call. Reasons are capped at
+    ``MAX_REASON`` characters. At most ``max_keys`` windows are open; refusals beyond them are
+    counted under token label ``other``, so random tokens cannot grow memory or the log without
+    bound."""
+
+    MAX_REASON = 512
 
     def __init__(self, window_s: float = 60.0, max_keys: int = 256, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
@@ -535,15 +546,19 @@ class RefusalLog:
 
     def refused(self, label: str, reason: str, code: str, method: str, peer: str) -> None:
         now = self._clock()
+        reason = cap(reason, self.MAX_REASON)
         with self._lock:
-            key = (label, reason)
+            key = (label, code)
             if key not in self._open and len(self._open) >= self.max_keys:
-                key = ("other", reason)
+                key = ("other", code)
             window = self._open.get(key)
             if window is not None:
                 window.more += 1
+                window.reason = reason
+                window.method = method
+                window.peer = peer
                 return
-            self._open[key] = _Window(now, code, method, peer)
+            self._open[key] = _Window(now, reason, method, peer)
         kind = "auth_failure" if code in ("UNAUTHENTICATED", "HTTP 401") else "permission_denied"
         audit.warning(
             "audit: refused %s from %s, token %s: %s: %s (more like it are counted for %gs)",
@@ -572,25 +587,69 @@ class RefusalLog:
             ended = [(k, w) for k, w in self._open.items() if everything or now - w.start >= self.window_s]
             for k, _ in ended:
                 del self._open[k]
-        for (label, reason), w in ended:
+        for (label, code), w in ended:
             if w.more == 0:
                 continue
             audit.warning(
-                "audit: %d more calls refused in the last %.0fs, token %s: %s: %s (last: %s from %s)",
+                "audit: %d more calls refused in the last %.0fs, token %s: %s (last: %s from %s: %s)",
                 w.more,
                 now - w.start,
                 label,
-                w.code,
-                reason,
+                code,
                 w.method,
                 w.peer,
+                w.reason,
                 extra={
-                    "audit": "auth_failure" if w.code in ("UNAUTHENTICATED", "HTTP 401") else "permission_denied",
+                    "audit": "auth_failure" if code in ("UNAUTHENTICATED", "HTTP 401") else "permission_denied",
                     "method": w.method,
                     "peer": w.peer,
                     "token": label,
-                    "code": w.code,
-                    "reason": reason,
+                    "code": code,
+                    "reason": w.reason,
                     "count": w.more,
                 },
             )
+
+
+class ScopedHealth(health.aio.HealthServicer):
+    """gRPC health whose per-deployment entries (``<service>/<deployment>``, set while a Redis
+    Cluster master is down or after) are shown only to callers whose token may see the
+    deployment. To anyone else an existing deployment answers as an unknown name does (``Check``
+    NOT_FOUND, ``Watch`` SERVICE_UNKNOWN), so health is no token-less oracle of names. The
+    overall entries (``""`` and the service's name) stay open for load balancers and probes.
+    Without ``access`` (no tokens) every caller may list every name anyway: nothing is hidden.
+
+    A service name over ``MAX_SERVICE`` characters (no deployment's) is answered as unknown
+    without being kept: the stock servicer keeps each watched name as a key while its watch is
+    open."""
+
+    MAX_SERVICE = 256
+
+    def __init__(self, access: Access | None, deployment_prefix: str) -> None:
+        super().__init__()
+        self._access = access
+        self._prefix = deployment_prefix
+
+    def _hidden(self, service: str, context: grpc.aio.ServicerContext) -> bool:
+        if len(service) > self.MAX_SERVICE:
+            return True
+        if self._access is None or not service.startswith(self._prefix):
+            return False
+        grant, _ = self._access.authenticate(context.invocation_metadata())
+        return grant is None or not grant.sees(service[len(self._prefix) :])
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        if self._hidden(request.service, context):
+            await context.abort(grpc.StatusCode.NOT_FOUND)  # as the stock servicer answers an unknown name
+        return await super().Check(request, context)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        if not self._hidden(request.service, context):
+            await super().Watch(request, context)
+            return
+        # What the stock servicer sends for a name never set; the stream stays open as it would
+        # (until the client goes or the server ends its streams), but never changes.
+        await context.write(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN))
+        await asyncio.get_running_loop().create_future()

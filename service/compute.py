@@ -26,6 +26,9 @@ class Compute:
     ) -> pb.ComputePlacementResponse:
         """Stateless: ``loads [L, E]`` (+ optional ``previous_phy2log [L, P]``) → a plan, on the
         bounded compute pool, within ``deadline_s`` (the caller's time left; None: none)."""
+        times = validation.check_times(request)
+        if times:
+            raise InvalidArgument(times)
         topo = validation.topology_from(request.topology, "topology")
         policy = validation.check_policy(request.policy, "policy")
         loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))

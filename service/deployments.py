@@ -18,6 +18,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, codec, limits, validation
 from . import rollout as rollout_states
+from .clip import clip
 from .config import BalancerConfig
 from .errors import (
     FailedPrecondition,
@@ -317,7 +318,7 @@ class Deployments:
                 name,
                 request.rank,
                 request.version,
-                request.error or "(no error given)",
+                clip(request.error, 256) if request.error else "(no error given)",
             )
         for outcome, became, what in (
             ("prepared", rollout.became_prepared, f"every rank prepared, switch at step {rollout.switch_step}"),

@@ -25,6 +25,7 @@ from grpc_status import rpc_status
 from eplb import PolicyError
 from eplb_wire.arrays import ArrayError
 
+from .clip import MAX_DESCRIPTION, MAX_FIELD, MAX_MESSAGE, MAX_VIOLATIONS, cap, clip
 from .metrics import Metrics
 
 __all__ = [
@@ -126,8 +127,20 @@ class ShuttingDown(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def _bounded(violations: list[FieldViolation]) -> list[FieldViolation]:
+    """At most ``MAX_VIOLATIONS`` violations, each field and description capped (clip.py):
+    whatever a handler echoed of the request, the status fits gRPC's trailers."""
+    kept = [FieldViolation(cap(v.field, MAX_FIELD), cap(v.description, MAX_DESCRIPTION)) for v in violations]
+    if len(kept) > MAX_VIOLATIONS:
+        # The last stays: a report stream's progress note ("the reports before it were kept").
+        more = len(kept) - MAX_VIOLATIONS + 1
+        kept = [*kept[: MAX_VIOLATIONS - 2], FieldViolation("request", f"{more} more violations not shown"), kept[-1]]
+    return kept
+
+
 def to_status(exc: BaseException) -> status_pb2.Status | None:
-    """The rich status for ``exc``, or None when it is not ours to map (a bug: INTERNAL)."""
+    """The rich status for ``exc``, or None when it is not ours to map (a bug: INTERNAL). Its
+    message and details are bounded (clip.py), whatever the exception echoed."""
     if isinstance(exc, InvalidArgument):
         violations = exc.violations
     elif isinstance(exc, ArrayError):
@@ -136,15 +149,16 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
         exc = InvalidArgument(violations)
     elif isinstance(exc, PolicyError):
         # A plugin policy's bad output is this server's fault, not the request's.
-        return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=str(exc))
+        return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=cap(str(exc), MAX_MESSAGE))
     elif isinstance(exc, ValueError):
         # The core validates its inputs and raises ValueError naming the field and the rule.
         violations = [FieldViolation("request", str(exc))]
         exc = InvalidArgument(violations)
     elif isinstance(exc, ServiceError):
-        return status_pb2.Status(code=exc.code.value[0], message=str(exc))
+        return status_pb2.Status(code=exc.code.value[0], message=cap(str(exc), MAX_MESSAGE))
     else:
         return None
+    violations = _bounded(violations)
     detail = any_pb2.Any()
     detail.Pack(
         error_details_pb2.BadRequest(
@@ -154,10 +168,63 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
             ]
         )
     )
-    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
+    message = cap(str(InvalidArgument(violations)), MAX_MESSAGE)
+    return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message, details=[detail])
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class LogThrottle:
+    """At most one log line per key per ``window_s``: :meth:`admit` says whether to write one
+    now and how many it held back since the last. At most ``max_keys`` keys are tracked; more
+    share the key ``"other"``, so callers choosing keys cannot grow it."""
+
+    def __init__(self, window_s: float = 60.0, max_keys: int = 256, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._clock = clock
+        self._last: dict[Any, list] = {}  # key -> [time of the last line, held back since]
+
+    def admit(self, key: Any) -> int | None:
+        """None: hold this line back (counted); else write it, with this many held back before it."""
+        now = self._clock()
+        if key not in self._last and len(self._last) >= self.max_keys:
+            key = "other"
+        entry = self._last.get(key)
+        if entry is not None and now - entry[0] < self.window_s:
+            entry[1] += 1
+            return None
+        held = 0 if entry is None else entry[1]
+        self._last[key] = [now, 0]
+        return held
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request message whose bytes did not parse (what the interceptor's deserializer hands
+    the handler instead of raising: grpc would log a traceback and answer UNKNOWN)."""
+
+    message_type: str
+    size: int
+    error: str
+
+
+def _decoding(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserializer``, returning :class:`Undecodable` for bytes it cannot parse."""
+    if deserializer is None:
+        return None
+    owner = getattr(deserializer, "__self__", None)
+    message_type = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "the request message")
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001  (protobuf's DecodeError, or another deserializer's error)
+            return Undecodable(message_type, len(data), cap(f"{type(exc).__name__}: {exc}", 200))
+
+    return decode
+
 
 # Successful or refused, these are written as one audit line each (logger ``eplb_service.audit``).
 _AUDITED = {
@@ -195,6 +262,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         # Wrapped handlers per (method, handler): building them on every call costs as much as a
         # small RPC. The handler is kept with its wrapper so its id cannot be reused.
         self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        # Lines about what callers sent (undecodable messages, refused creates and deletes) are
+        # throttled: any caller could otherwise write one a call.
+        self._throttle = LogThrottle()
         self._counts: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
         self._end_server_streams: asyncio.Future | None = None
@@ -261,7 +331,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kw = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": _decoding(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
         label = short_name(method)
@@ -288,13 +358,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             latency.observe(time.perf_counter() - call.start)
         # A refused token is audited by auth (throttled), not once per call here.
         if audited is not None and call.code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-            name = audited(request)
+            if isinstance(request, Undecodable):
+                return  # logged (throttled) where it was refused
+            held = 0
+            if call.code != "OK":
+                # Every change is audited; refused ones (a bad name, an existing deployment) at most
+                # one line a minute per method and code, with the count of the others.
+                held = self._throttle.admit((call.label, call.code))
+                if held is None:
+                    return
+            name = clip(audited(request))
             audit.info(
-                "audit: %s %r by %s: %s",
+                "audit: %s %s by %s: %s%s",
                 call.label.rpartition("/")[2],
                 name,
                 context.peer(),
                 call.code,
+                f" ({held} more like it in the last minute)" if held else "",
                 extra={
                     "audit": call.label.rpartition("/")[2],
                     "deployment": name,
@@ -320,7 +400,26 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         code = context.code()
         call.code = code.name if isinstance(code, grpc.StatusCode) else _CODE_NAMES.get(code, "UNKNOWN")
 
-    def _requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    def _undecodable(self, label: str, request: Undecodable, context: grpc.aio.ServicerContext) -> InvalidArgument:
+        """The status for a message that did not parse; one log line a minute per method."""
+        held = self._throttle.admit((label, "undecodable"))
+        if held is not None:
+            log.warning(
+                "%s: a message of %d bytes from %s is not a valid %s (%s)%s",
+                label,
+                request.size,
+                context.peer(),
+                request.message_type,
+                request.error,
+                f"; {held} more in the last minute" if held else "",
+            )
+        return InvalidArgument(
+            FieldViolation("request", f"{request.size} bytes that do not parse as {request.message_type}")
+        )
+
+    def _requests(
+        self, requests: AsyncIterator[Any], label: str = "", context: grpc.aio.ServicerContext | None = None
+    ) -> AsyncIterator[Any]:
         async def read() -> AsyncIterator[Any]:
             processed = 0
             while True:
@@ -347,6 +446,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     raise self._ended(processed, 0) from None
                 finally:
                     self._reading.discard(task)
+                if isinstance(request, Undecodable):
+                    exc = self._undecodable(label, request, context)
+                    raise InvalidArgument(
+                        [
+                            FieldViolation(f"message {processed}", exc.violations[0].description),
+                            FieldViolation(
+                                "stream", f"the {processed} messages before it were processed; resend from it on"
+                            ),
+                        ]
+                    )
                 processed += 1
                 yield request
 
@@ -376,7 +485,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _Call(label)
             try:
-                return await fn(self._requests(request) if client_stream else request, context)
+                if isinstance(request, Undecodable):
+                    raise self._undecodable(label, request, context)
+                return await fn(self._requests(request, label, context) if client_stream else request, context)
             except grpc.aio.AbortError:
                 self._aborted(call, context)
                 raise
@@ -414,7 +525,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             call = _Call(label)
             items = None
             try:
-                items = fn(self._requests(request) if client_stream else request, context)
+                if isinstance(request, Undecodable):
+                    raise self._undecodable(label, request, context)
+                items = fn(self._requests(request, label, context) if client_stream else request, context)
                 while True:
                     try:
                         item = await until_end(anext(items))
@@ -438,7 +551,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def written(request: Any, context: grpc.aio.ServicerContext) -> None:
             call = _Call(label)
             try:
-                await until_end(fn(self._requests(request) if client_stream else request, context))
+                if isinstance(request, Undecodable):
+                    raise self._undecodable(label, request, context)
+                await until_end(fn(self._requests(request, label, context) if client_stream else request, context))
             except grpc.aio.AbortError:
                 self._aborted(call, context)
                 raise

@@ -222,11 +222,16 @@ class Planner:
                 if why is not None:
                     log.info("re-planning %s: %s", name, why)
                     try:
-                        await self._plan(local, dry_run=False, force=False)
+                        await self._plan(local, dry_run=False, force=False, asked=False)
                     except Aborted as exc:
                         log.info("triggered plan of %s lost the race: %s", name, exc)
 
-    async def _plan(self, local: LocalDeployment, dry_run: bool, force: bool) -> pb.RebalanceResponse:
+    async def _plan(
+        self, local: LocalDeployment, dry_run: bool, force: bool, asked: bool = True
+    ) -> pb.RebalanceResponse:
+        """One plan of ``local`` from its window: published, skipped (the trigger's gates) or a
+        dry run. ``asked``: a caller's Rebalance (an empty window is FAILED_PRECONDITION), not
+        the trigger's."""
         name, topo = local.deployment.name, local.topology
         policy = local.deployment.policy
         start = time.perf_counter()
@@ -238,12 +243,18 @@ class Planner:
             blobs, (topo.num_layers, topo.num_experts), now, local.window_spec.stale_after_s
         )
         await self.store.drop_windows(name, stale)
-        if force and not loads.any():
-            # A forced plan of no load is a plan of nothing (from the first-plan path, a fresh one
-            # that moves most slots): the placement in service stays.
+        if not loads.any():
+            # A plan of no load is a plan of nothing (from the first-plan path, a fresh one that
+            # moves most slots), forced or not, dry or not: nothing is planned and the placement
+            # in service stays. A caller is told so; the trigger (an interval that came round
+            # with no report since) notes the round as planned, as a skipped plan would.
+            if not asked:
+                await self.store.mark_planned(name, marks.reports, now)
+                self.metrics.rebalances.labels(name, policy, "skipped").inc()
+                return pb.RebalanceResponse(reason="the load window is empty", window_reports=reports)
             raise FailedPrecondition(
                 f"the load window of {name!r} is empty (no load reported, or all of it older than "
-                f"stale_after_s): a forced re-plan would plan nothing, so the current placement stays"
+                f"stale_after_s): there is nothing to plan from, so the current placement stays"
             )
         current = await self.store.placement(name)
         previous = arrays.decode(current.phy2log, "phy2log", (topo.num_layers, topo.num_slots))

@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from .auth import Access, AuthFileError, AuthInterceptor
+from .auth import Access, AuthFileError, AuthInterceptor, ScopedHealth
 from .balancer import Balancer, BalancerConfig
 from .errors import ErrorInterceptor, ServiceError
 from .memory_store import MemoryStore
@@ -191,7 +191,8 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
             raise StartError("redis_url", str(exc)) from None
     metrics = Metrics()
     store = TimedStore(store, metrics)
-    health_servicer = health.aio.HealthServicer()
+    # Per-deployment entries only for callers who may see the deployment (no oracle of names).
+    health_servicer = ScopedHealth(access, f"{SERVICE_NAME}/")
 
     def on_health(ok: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -19,6 +19,7 @@ from . import arrays
 from .auth import Access
 from .balancer import Balancer
 from .errors import FieldViolation, InvalidArgument, ServiceError
+from .validation import check_name
 
 __all__ = ["BalancerServicer", "add_to_server"]
 
@@ -97,21 +98,27 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             cached = self._responses[key] = (placement, cls(placement=placement))
         return cached[1]
 
-    def _check(self, context: grpc.aio.ServicerContext, method: str, deployment: str | None = None) -> None:
-        """PERMISSION_DENIED unless the call's token may call ``method`` on ``deployment``."""
+    def _check(
+        self, context: grpc.aio.ServicerContext, method: str, deployment: str | None = None, field: str = "deployment"
+    ) -> None:
+        """INVALID_ARGUMENT on ``field`` unless ``deployment`` is a valid name, then
+        PERMISSION_DENIED unless the call's token may call ``method`` on it. The name comes
+        first: nothing else (a refusal, a log line, a lookup) sees a name over its 64 characters."""
+        if deployment is not None:
+            check_name(deployment, field)
         if self.access is not None:
             self.access.check(context, method, deployment)
 
     async def CreateDeployment(
         self, request: pb.CreateDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateDeploymentResponse:
-        self._check(context, "CreateDeployment", request.deployment.name)
+        self._check(context, "CreateDeployment", request.deployment.name, "deployment.name")
         return await self.deployments.create(request)
 
     async def GetDeployment(
         self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetDeploymentResponse:
-        self._check(context, "GetDeployment", request.name)
+        self._check(context, "GetDeployment", request.name, "name")
         return await self.deployments.get(request.name)
 
     async def ListDeployments(
@@ -132,7 +139,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     async def DeleteDeployment(
         self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteDeploymentResponse:
-        self._check(context, "DeleteDeployment", request.name)
+        self._check(context, "DeleteDeployment", request.name, "name")
         await self.deployments.delete(request.name)
         return pb.DeleteDeploymentResponse()
 

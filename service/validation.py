@@ -10,10 +10,13 @@ import math
 import re
 from collections.abc import Collection
 
+from google.protobuf.message import Message
+
 import eplb
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import limits
+from .clip import clip
 from .codec import (
     EFFORTS,
     MIGRATION_FIELDS,
@@ -26,6 +29,7 @@ from .errors import FieldViolation, InvalidArgument, ResourceExhausted
 from .rollout import DEFAULT_SWITCH_MARGIN
 
 __all__ = [
+    "MAX_NAME",
     "MAX_SEQ",
     "check_deployment",
     "check_ilp_size",
@@ -34,11 +38,12 @@ __all__ = [
     "check_planning",
     "check_policy",
     "check_rank",
+    "check_times",
     "topology_from",
 ]
 
 
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # MAX_NAME
 
 
 MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
@@ -47,10 +52,63 @@ MAX_SEQ = 2**53  # seqs are compared as Lua doubles in Redis: exact below this
 DEFAULT_WINDOW_S = 600.0
 
 
+MAX_NAME = 64  # characters of a deployment name (docs/service.md, "Limits")
+
+
 def check_name(name: str, field: str) -> str:
+    """``name`` if it is a valid deployment name, else INVALID_ARGUMENT on ``field`` quoting it
+    clipped (a name of megabytes must not reach a status or a log line whole)."""
     if not _NAME.fullmatch(name):
-        raise InvalidArgument(FieldViolation(field, f"{name!r} must be 1-64 letters, digits, '-', '_' or '.'"))
+        raise InvalidArgument(
+            FieldViolation(field, f"{clip(name)} must be 1-{MAX_NAME} letters, digits, '-', '_' or '.'")
+        )
     return name
+
+
+# protobuf's ranges (google/protobuf/duration.proto, timestamp.proto): a value outside them is
+# stored fine but json_format (grpcurl, any JSON tool) then fails on the whole message.
+_MAX_DURATION_S = 315_576_000_000
+_MIN_TIMESTAMP_S = -62_135_596_800  # 0001-01-01T00:00:00Z
+_MAX_TIMESTAMP_S = 253_402_300_799  # 9999-12-31T23:59:59Z
+_NANOS = 999_999_999
+
+
+def check_times(msg: Message, field: str = "") -> list[FieldViolation]:
+    """Field violations of every ``Duration`` and ``Timestamp`` set anywhere in ``msg``
+    (recursively) outside protobuf's ranges: seconds within +-10,000 years for a duration,
+    0001-01-01 to 9999-12-31 for a timestamp, nanos within +-999,999,999 with the sign of seconds
+    (0 to 999,999,999 for a timestamp)."""
+    out: list[FieldViolation] = []
+    for desc, value in msg.ListFields():
+        if desc.message_type is None:
+            continue
+        path = f"{field}.{desc.name}" if field else desc.name
+        if desc.is_repeated:  # (no repeated messages hold times today; walked for the future)
+            values = value.values() if hasattr(value, "values") else value
+            for i, item in enumerate(values):
+                if isinstance(item, Message):
+                    out += check_times(item, f"{path}[{i}]")
+            continue
+        kind = desc.message_type.full_name
+        if kind == "google.protobuf.Duration":
+            s, n = value.seconds, value.nanos
+            if not -_MAX_DURATION_S <= s <= _MAX_DURATION_S:
+                out.append(FieldViolation(f"{path}.seconds", f"{s} is outside +-{_MAX_DURATION_S} (10,000 years)"))
+            if not -_NANOS <= n <= _NANOS:
+                out.append(FieldViolation(f"{path}.nanos", f"{n} is outside +-{_NANOS}: carry whole seconds"))
+            elif (s > 0 and n < 0) or (s < 0 and n > 0):
+                out.append(FieldViolation(f"{path}.nanos", f"{n} must have the sign of seconds ({s}) or be 0"))
+        elif kind == "google.protobuf.Timestamp":
+            s, n = value.seconds, value.nanos
+            if not _MIN_TIMESTAMP_S <= s <= _MAX_TIMESTAMP_S:
+                out.append(
+                    FieldViolation(f"{path}.seconds", f"{s} is outside 0001-01-01 to 9999-12-31 (seconds since 1970)")
+                )
+            if not 0 <= n <= _NANOS:
+                out.append(FieldViolation(f"{path}.nanos", f"{n} must be 0 to {_NANOS}"))
+        else:
+            out += check_times(value, path)
+    return out
 
 
 def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
@@ -100,7 +158,7 @@ def check_policy(policy: str, field: str) -> str:
     policy = policy or "auto"
     if policy not in eplb.policies():
         raise InvalidArgument(
-            FieldViolation(field, f"unknown policy {policy!r}; registered: {', '.join(eplb.policies())}")
+            FieldViolation(field, f"unknown policy {clip(policy)}; registered: {', '.join(eplb.policies())}")
         )
     return policy
 
@@ -128,6 +186,10 @@ def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bo
 
 def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deployment:
     """Validates a deployment to create and returns it normalized (defaults filled in)."""
+    times = check_times(msg, field)
+    if times:
+        # The checks below read these times: out of range, they would judge garbage.
+        raise InvalidArgument(times)
     out = pb.Deployment()
     out.CopyFrom(msg)
     violations: list[FieldViolation] = []
@@ -250,7 +312,7 @@ def check_planning(msg: pb.Planning, policy: str, field: str) -> list[FieldViola
         ]
     if msg.effort:
         if msg.effort not in EFFORTS:
-            out.append(FieldViolation(f"{field}.effort", f"{msg.effort!r} is not one of {', '.join(EFFORTS)}"))
+            out.append(FieldViolation(f"{field}.effort", f"{clip(msg.effort)} is not one of {', '.join(EFFORTS)}"))
         elif not accepts(policy, "effort"):
             out.append(FieldViolation(f"{field}.effort", f"policy {policy!r} has no effort levels; set time_limit"))
     if msg.HasField("work_budget") and not accepts(policy, "work_budget"):

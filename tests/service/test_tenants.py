@@ -600,19 +600,23 @@ async def test_engine_clients_work_with_a_scoped_token(serve, connect, tmp_path)
     assert gave_up and last_error.startswith("PERMISSION_DENIED")
 
 
-async def test_a_forced_rebalance_of_an_empty_window_keeps_the_placement(serve, connect):
+async def test_a_rebalance_of_an_empty_window_keeps_the_placement(serve, connect):
     server = await serve()
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-    for dry_run in (False, True):
-        err = await refused(c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True, dry_run=dry_run)))
-        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "load window of 'd1' is empty" in err.details() and "current placement stays" in err.details()
+    before = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    # Forced or not, dry or not: refused alike, no candidate planned from zero loads, no plan
+    # noted (it answered OK with a candidate rewriting most slots when not forced).
+    for force in (True, False):
+        for dry_run in (False, True):
+            err = await refused(c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=force, dry_run=dry_run)))
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, (force, dry_run)
+            assert "load window of 'd1' is empty" in err.details() and "current placement stays" in err.details()
     got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
     assert got.placement.version == 1 and got.placement.stats.policy == "initial"
-    # Without force an empty window is a skipped plan, as before; with load, force publishes.
-    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1"))
-    assert not out.published and out.reason == "the load window is empty"
+    after = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    assert after.status.last_plan_time == before.status.last_plan_time
+    # With load, force publishes.
     await report_some_load(c.stub)
     out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     assert out.published and out.placement.version == 2

@@ -198,6 +198,13 @@ def test_placement_formats_out_and_plot(
 def test_rebalance_dry_run_and_force(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
     s = served()
     s.client.create_deployment("d1", TOPO)
+    # No load yet: every kind of rebalance says the window is empty and fails (it printed a
+    # candidate planned from zero loads, "N slots moved", with rc 0), and show notes no plan.
+    for flags in ((), ("--dry-run",), ("--force",)):
+        code, out, err = run(capsys, "--address", s.address, "rebalance", "d1", *flags)
+        assert code != 0 and out == "" and "the load window of 'd1' is empty" in err, flags
+    code, out, _ = run(capsys, "--address", s.address, "show", "d1")
+    assert code == 0 and "last plan:  never" in out, out
     s.report("d1", _loads(), range(8))
     code, out, _ = run(capsys, "--address", s.address, "rebalance", "d1", "--dry-run")
     assert code == 0 and out.startswith("dry run of d1, nothing published")
