@@ -173,6 +173,7 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+MAX_NAME_SHOWN = 64  # characters of a name written as it is in an audit line's fields
 
 
 class LogThrottle:
@@ -367,17 +368,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 held = self._throttle.admit((call.label, call.code))
                 if held is None:
                     return
-            name = clip(audited(request))
+            name = audited(request)
+            shown = clip(name)
             audit.info(
                 "audit: %s %s by %s: %s%s",
                 call.label.rpartition("/")[2],
-                name,
+                shown,
                 context.peer(),
                 call.code,
                 f" ({held} more like it in the last minute)" if held else "",
                 extra={
                     "audit": call.label.rpartition("/")[2],
-                    "deployment": name,
+                    # The name itself when it could be one (JSON logs keep it a plain value).
+                    "deployment": name if len(name) <= MAX_NAME_SHOWN else shown,
                     "peer": context.peer(),
                     "code": call.code,
                 },

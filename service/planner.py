@@ -24,6 +24,7 @@ from eplb.survivors import survivors
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import arrays, codec, validation
+from .clip import clip
 from .compute import topology_tuple
 from .config import BalancerConfig
 from .errors import (
@@ -409,7 +410,7 @@ class Planner:
             who or "unknown peer",
             sorted(was),
             sorted(now_down),
-            reason or "no reason given",
+            clip(reason, 256) if reason else "no reason given",
             version,
             stats.moves,
             stats.transfer.restored_experts,
