@@ -79,6 +79,9 @@ class MemoryStore:
     async def list(self) -> list[DeploymentRecord]:
         return [DeploymentRecord(s.deployment, s.version) for _, s in sorted(self._states.items())]
 
+    async def names(self) -> list[str]:
+        return sorted(self._states)
+
     async def count(self) -> int:
         return len(self._states)
 

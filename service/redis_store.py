@@ -308,14 +308,16 @@ class _Announcements:
     async def _run(self, group: str) -> None:
         backoff = 0.05
         subs = self._subs[group]
-        rounds = 0
+        checked = 0.0
         while subs and not self._closed:
             try:
                 with _unavailable():
                     await self._read_once(subs)
-                    rounds += 1
-                    # Polling rounds are short: deletions are checked about every _FOLLOW_BLOCK_MS.
-                    if self._reader is not None or rounds % round(_FOLLOW_BLOCK_MS / 1000 / _CLUSTER_POLL_S) == 0:
+                    # Deletions are checked about every _FOLLOW_BLOCK_MS, however often reads
+                    # return (cluster polls every _CLUSTER_POLL_S; a busy stream returns at once):
+                    # the check reads every followed deployment.
+                    if time.monotonic() - checked >= _FOLLOW_BLOCK_MS / 1000:
+                        checked = time.monotonic()
                         await self._check_generations(subs)
                 backoff = 0.05
             except (RedisError, OSError, StoreUnavailable) as exc:
@@ -352,11 +354,11 @@ class _Announcements:
             return
         async with self._r.pipeline(transaction=False) as p:
             for sub in subs:
-                p.exists(f"{self._prefix}:{{{sub.name}}}:meta").hget(f"{self._prefix}:{{{sub.name}}}:meta", "gen")
+                # One command a deployment: a live one's meta always holds its version.
+                p.hmget(f"{self._prefix}:{{{sub.name}}}:meta", "gen", "version")
             out = await p.execute()
-        for i, sub in enumerate(subs):
-            exists, gen = out[2 * i], out[2 * i + 1]
-            if not exists or _other_generation(gen, sub.gen):
+        for sub, (gen, version) in zip(subs, out):
+            if version is None or _other_generation(gen, sub.gen):
                 self.unsubscribe(sub)
                 sub.queue.put_nowait(NotFound(f"deployment {sub.name!r} was deleted"))
 
@@ -740,6 +742,9 @@ class RedisStore:
                     raise
                 # Its master is down: listed again once it answers.
         return out
+
+    async def names(self) -> list[str]:
+        return sorted(await self._names())
 
     async def count(self) -> int:
         return len(await self._names())

@@ -103,6 +103,10 @@ class Store(Protocol):
 
     async def list(self) -> list[DeploymentRecord]: ...
 
+    async def names(self) -> list[str]:
+        """Every deployment's name, sorted: the index alone, no record read (what a replica
+        polls to follow new deployments)."""
+
     async def count(self) -> int:
         """How many deployments there are."""
 
