@@ -400,7 +400,7 @@ class Access:
             label = digest[:8]
             grant = self._grants.get(digest)
             if grant is None:
-                why = "unknown token"
+                why, label = f"unknown token {label}", "unknown"
             elif grant.role is Role.ENGINE:
                 why = "an engine token may not read /metrics: admin and reader tokens only"
             else:
@@ -504,7 +504,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # no such method: UNIMPLEMENTED, as without auth
             return None
         if grant is None:
-            _denial.set((label, "no bearer token" if label == "none" else "unknown token"))
+            # Every token not in the file is one caller, "unknown": random tokens cannot open a
+            # log window each, nor push a known token's refusals out under "other".
+            _denial.set(("none", "no bearer token") if label == "none" else ("unknown", f"unknown token {label}"))
             return self._refusal(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
         if details.method not in HANDLER_CHECKED and grant.role is not Role.ADMIN:
             why = f"{_a(grant.role.value)} token may not call {details.method}: admin only"
@@ -530,10 +532,11 @@ class RefusalLog:
     server's threads.
 
     Keyed by caller, not by reason: a reason names the deployment asked for, so a caller
-    cycling through names would otherwise write a line a call. Reasons are capped at
-    ``MAX_REASON`` characters. At most ``max_keys`` windows are open; refusals beyond them are
-    counted under token label ``other``, so random tokens cannot grow memory or the log without
-    bound."""
+    cycling through names would otherwise write a line a call. The callers are the auth file's
+    tokens, ``none`` (no token) and ``unknown`` (every token not in the file, its hash prefix in
+    the reason), so random tokens open no windows and cannot push a known token's refusals out.
+    Reasons are capped at ``MAX_REASON`` characters. At most ``max_keys`` windows are open (an
+    auth file of more tokens); refusals beyond them are counted under ``other``."""
 
     MAX_REASON = 512
 
@@ -619,9 +622,9 @@ class ScopedHealth(health.aio.HealthServicer):
     overall entries (``""`` and the service's name) stay open for load balancers and probes.
     Without ``access`` (no tokens) every caller may list every name anyway: nothing is hidden.
 
-    A service name over ``MAX_SERVICE`` characters (no deployment's) is answered as unknown
-    without being kept: the stock servicer keeps each watched name as a key while its watch is
-    open."""
+    A service name over ``MAX_SERVICE`` characters (no deployment's: telling it apart tells
+    nothing) is INVALID_ARGUMENT at once, ``Watch`` included: an open watch keeps its request,
+    and megabyte names would pin memory for as long as anyone keeps them open."""
 
     MAX_SERVICE = 256
 
@@ -630,9 +633,14 @@ class ScopedHealth(health.aio.HealthServicer):
         self._access = access
         self._prefix = deployment_prefix
 
-    def _hidden(self, service: str, context: grpc.aio.ServicerContext) -> bool:
+    async def _check_length(self, service: str, context: grpc.aio.ServicerContext) -> None:
         if len(service) > self.MAX_SERVICE:
-            return True
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a health service name is at most {self.MAX_SERVICE} characters; this one has {len(service)}",
+            )
+
+    def _hidden(self, service: str, context: grpc.aio.ServicerContext) -> bool:
         if self._access is None or not service.startswith(self._prefix):
             return False
         grant, _ = self._access.authenticate(context.invocation_metadata())
@@ -641,11 +649,13 @@ class ScopedHealth(health.aio.HealthServicer):
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
+        await self._check_length(request.service, context)
         if self._hidden(request.service, context):
             await context.abort(grpc.StatusCode.NOT_FOUND)  # as the stock servicer answers an unknown name
         return await super().Check(request, context)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._check_length(request.service, context)
         if not self._hidden(request.service, context):
             await super().Watch(request, context)
             return

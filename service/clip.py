@@ -11,8 +11,9 @@ string's head, its length and a short hash (two long names still tell apart in a
 from __future__ import annotations
 
 import hashlib
+import re
 
-__all__ = ["MAX_DESCRIPTION", "MAX_FIELD", "MAX_MESSAGE", "MAX_VIOLATIONS", "cap", "clip"]
+__all__ = ["MAX_DESCRIPTION", "MAX_FIELD", "MAX_MESSAGE", "MAX_VIOLATIONS", "cap", "clip", "plain"]
 
 # Status bounds (docs/service.md, "Limits"). A status travels in the trailers twice: the
 # message as ``grpc-message`` and the details (field violations) base64'd in
@@ -24,16 +25,29 @@ MAX_FIELD = 96
 MAX_VIOLATIONS = 8
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
 def clip(value: str | bytes, limit: int = 64) -> str:
-    """``value`` quoted as ``ascii`` does, or, when longer than ``limit`` characters, its first
-    ``limit`` characters quoted, then its length and a short SHA-256: ``'aaaa'... (1048576
-    characters, sha256 3f1c0b2a9e8d)``. Always printable ASCII: a status message is
-    percent-encoded on the wire, and a log line stays one line."""
-    if len(value) <= limit:
-        return ascii(value)
+    """``value`` quoted as ``ascii`` does, or, when that is longer than ``limit`` characters
+    between its quotes, its first ``limit`` quoted, then its length and a short SHA-256:
+    ``'aaaa'... (1048576 characters, sha256 3f1c0b2a9e8d)``. Always printable ASCII (a status
+    message is percent-encoded on the wire, a log line stays one line), and at most ``limit``
+    + 60 characters however the value escapes (an emoji is 10 of them)."""
+    shown = ascii(value[:limit])
+    if len(value) <= limit and len(shown) <= limit + 3:  # (b'' adds one)
+        return shown
+    if len(shown) > limit + 3:
+        shown = shown[: limit + 1] + shown[-1]  # cut within the quotes, which close it again
     data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
     unit = "characters" if isinstance(value, str) else "bytes"
-    return f"{ascii(value[:limit])}... ({len(value)} {unit}, sha256 {hashlib.sha256(data).hexdigest()[:12]})"
+    return f"{shown}... ({len(value)} {unit}, sha256 {hashlib.sha256(data).hexdigest()[:12]})"
+
+
+def plain(value: str) -> bool:
+    """Whether ``value`` may go into a structured log field as it is: 1-64 of ``A-Z a-z 0-9 .
+    _ -`` (a deployment name's characters; anything else goes clipped)."""
+    return _PLAIN.fullmatch(value) is not None
 
 
 def cap(text: str, limit: int) -> str:

@@ -24,6 +24,7 @@ from .errors import (
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
+    LogThrottle,
     NotFound,
     OutOfRange,
     ResourceExhausted,
@@ -64,6 +65,8 @@ class Deployments:
         self.planner = planner
         self.metrics = metrics
         self.config = config
+        # A rank may send FAILED acks as often as it likes: one line per (deployment, rank) a minute.
+        self._failed_acks = LogThrottle()
 
     async def create(self, request: pb.CreateDeploymentRequest) -> pb.CreateDeploymentResponse:
         deployment = validation.check_deployment(request.deployment)
@@ -312,13 +315,17 @@ class Deployments:
                 rollout, num_ranks=len(counted) - 1, aborted=rollout.aborted or not rollout.switch_step
             )
         (await self.registry.get(name)).saw(request.rank)
-        if request.state == rollout_states.FAILED:
+        if (
+            request.state == rollout_states.FAILED
+            and (held := self._failed_acks.admit((name, request.rank))) is not None
+        ):
             log.warning(
-                "%s rank %d failed to prepare version %d: %s",
+                "%s rank %d failed to prepare version %d: %s%s",
                 name,
                 request.rank,
                 request.version,
                 clip(request.error, 256) if request.error else "(no error given)",
+                f" ({held} more FAILED acks of this rank in the last minute)" if held else "",
             )
         for outcome, became, what in (
             ("prepared", rollout.became_prepared, f"every rank prepared, switch at step {rollout.switch_step}"),

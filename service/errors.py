@@ -25,7 +25,7 @@ from grpc_status import rpc_status
 from eplb import PolicyError
 from eplb_wire.arrays import ArrayError
 
-from .clip import MAX_DESCRIPTION, MAX_FIELD, MAX_MESSAGE, MAX_VIOLATIONS, cap, clip
+from .clip import MAX_DESCRIPTION, MAX_FIELD, MAX_MESSAGE, MAX_VIOLATIONS, cap, clip, plain
 from .metrics import Metrics
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "FailedPrecondition",
     "FieldViolation",
     "InvalidArgument",
+    "LogThrottle",
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
@@ -173,7 +174,6 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-MAX_NAME_SHOWN = 64  # characters of a name written as it is in an audit line's fields
 
 
 class LogThrottle:
@@ -379,8 +379,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 f" ({held} more like it in the last minute)" if held else "",
                 extra={
                     "audit": call.label.rpartition("/")[2],
-                    # The name itself when it could be one (JSON logs keep it a plain value).
-                    "deployment": name if len(name) <= MAX_NAME_SHOWN else shown,
+                    # The name itself when it is a valid one (JSON logs keep it a plain value);
+                    # anything else clipped, so no raw control or line-break characters.
+                    "deployment": name if plain(name) else shown,
                     "peer": context.peer(),
                     "code": call.code,
                 },

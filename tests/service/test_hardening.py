@@ -361,6 +361,61 @@ async def test_per_deployment_health_tells_no_name_without_a_scoped_token(serve,
         assert time.monotonic() < deadline, "the master's deployment never came back SERVING"
         await asyncio.sleep(0.1)
     await hidden_alike(anon, list(names.values()))
-    # A name too long for any deployment is not kept by a watch (the stock servicer keys on it).
-    assert await _first_watched(anon.channel, "x" * 100_000) == UNKNOWN
-    assert await _health(anon.channel, "x" * 100_000) == "NOT_FOUND:"
+    # A name too long for any deployment is refused at once, a watch too (an open watch holds its
+    # request: 100 watches of 1 MiB names held 220 MiB).
+    too_long = "INVALID_ARGUMENT:a health service name is at most 256 characters; this one has 100000"
+    assert await _health(anon.channel, "x" * 100_000) == too_long
+    call = health_pb2_grpc.HealthStub(anon.channel).Watch(health_pb2.HealthCheckRequest(service="x" * 100_000))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(call.read(), 5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_repeated_failed_acks_write_one_line_a_rank_a_minute(serve, connect):
+    """An engine may send FAILED acks as often as it likes: one log line per (deployment, rank) a
+    minute, the error clipped to about 256 characters however it escapes (300 acks of 1,024
+    emoji wrote 2.7 KB a line, 810 KB)."""
+    server = await serve()
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("d1")))
+    with LogBytes() as logged:
+        for i in range(200):
+            await c.stub.AckPlacement(
+                pb.AckPlacementRequest(
+                    deployment="d1", rank=i % 2, version=1, state=pb.ACK_STATE_FAILED, error="\U0001f600" * 1024
+                )
+            )
+    lines = [line for line in logged.text.splitlines() if "failed to prepare" in line]
+    assert len(lines) == 2 and all(len(line) < 512 for line in lines), [len(line) for line in lines]
+
+
+async def test_random_tokens_cannot_push_a_known_tokens_refusals_out(serve, connect, tmp_path, caplog):
+    """Unknown tokens are one caller: 300 random ones write one line, and a known token's refusal
+    after them is still logged under its own hash prefix (it went to "other" once 256 random
+    tokens held every window)."""
+    server = await serve(auth_file=write_auth(tmp_path / "auth.json"))
+    caplog.set_level(logging.INFO, logger="eplb_service.audit")
+    for i in range(300):
+        spray = connect(server, token=f"spray-{i}")
+        err = await _call(spray.stub, "GetDeployment", pb.GetDeploymentRequest(name="x"), spray.metadata)
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        await spray.channel.close()
+    engine = connect(server, token=ENGINE_A)
+    err = await _call(engine.stub, "GetDeployment", pb.GetDeploymentRequest(name="team-b-1"), engine.metadata)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    lines = [r for r in caplog.records if r.name == "eplb_service.audit"]
+    assert [r.token for r in lines] == ["unknown", token_sha256(ENGINE_A)[:8]], [r.getMessage() for r in lines]
+    assert lines[0].reason == f"unknown token {token_sha256('spray-0')[:8]}"
+
+
+async def test_audit_fields_hold_names_only_when_plain(serve, connect, caplog):
+    """The audit line's ``deployment`` field is the name itself only when it is a valid one; a
+    refused name with line-break or bidi characters goes clipped (ASCII), as in the message."""
+    server = await serve()
+    c = connect(server)
+    caplog.set_level(logging.INFO, logger="eplb_service.audit")
+    odd = 'ok\u2028{"level": "CRITICAL"}\x85\u202e'
+    await _call(c.stub, "CreateDeployment", pb.CreateDeploymentRequest(deployment=small_deployment(odd)))
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("fine-1")))
+    fields = [r.deployment for r in caplog.records if r.name == "eplb_service.audit"]
+    assert fields == [ascii(odd), "fine-1"] and fields[0].isascii()
