@@ -11,6 +11,9 @@ its answer (``UNAVAILABLE`` expected; ``GetPlacement`` of the current version is
 memory) is kept, and so is the slowest call on the other masters' deployments in that time.
 Then SIGCONT, and the time until the victim's deployment takes a report again.
 
+``--single`` does the same on one private ``redis-server`` (every deployment on it, so no
+other master serves meanwhile).
+
 ``--load N`` runs the same rounds while a client process sends N reports/s spread over every
 deployment (the victim's included, as engines keep sending), each report its own ReportLoad
 call, errors ignored. Prints, per load and RPC, the slowest time to fail over the rounds (and
@@ -26,6 +29,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -39,7 +44,7 @@ import numpy as np
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
-from .harness.processes import ServeProcess
+from .harness.processes import RedisProcess, ServeProcess
 from .harness.redis_cluster import ClusterProcesses
 from .harness.service import aio_channel, reports
 
@@ -57,6 +62,23 @@ RPCS = (
     "DeleteDeployment",
     "ListDeployments",
 )
+
+
+class SingleRedis(RedisProcess):
+    """One ``redis-server`` with the parts of ``ClusterProcesses`` this bench uses."""
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.port]
+
+    def port_of(self, key: str) -> int:
+        return self.port
+
+    def pause(self, port: int) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
 
 
 def names_by_master(cluster: ClusterProcesses, prefix: str, per_master: int) -> dict[int, list[str]]:
@@ -132,7 +154,11 @@ def victim_calls(stub, victim: str, to_delete: str, fresh: str) -> dict[str, obj
 
 
 async def one_round(args: argparse.Namespace, load: float, workdir: Path) -> dict:
-    cluster = ClusterProcesses(workdir / f"cluster-{uuid.uuid4().hex[:6]}", appendfsync=None)
+    if args.single:
+        cluster = SingleRedis(workdir / f"redis-{uuid.uuid4().hex[:6]}", appendfsync=None)
+        cluster.directory.mkdir()
+    else:
+        cluster = ClusterProcesses(workdir / f"cluster-{uuid.uuid4().hex[:6]}", appendfsync=None)
     cluster.start()
     prefix = f"hung-{uuid.uuid4().hex[:8]}"
     server = ServeProcess(cluster.url, prefix, workdir / f"{prefix}.log")
@@ -143,7 +169,7 @@ async def one_round(args: argparse.Namespace, load: float, workdir: Path) -> dic
         server.start()
         server.wait_listening()
         by_master = names_by_master(cluster, prefix, 2 + args.waves)
-        victim_port = cluster.ports[1]
+        victim_port = cluster.ports[-1]
         chan = aio_channel(server.target)
         stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
         used = {p: names[:2] for p, names in by_master.items()}
@@ -255,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per load, each on a fresh cluster and service")
     ap.add_argument("--load", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 400.0])
     ap.add_argument("--waves", type=int, default=8, help="waves of calls, 0.5 s apart from the SIGSTOP")
+    ap.add_argument("--single", action="store_true", help="one redis-server instead of a 3-master cluster")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     rows = asyncio.run(main_async(args))
