@@ -27,7 +27,8 @@ the deployment-count limit still holds while a bucket's master is down), the ann
 are polled per master (one pipeline of single-stream reads per master), and the store's run id
 is one per master, so a master that restarted empty gets its deployments written back while
 the others are untouched. A master that stops answering fails the calls on the deployments of
-its slots at once (``StoreUnavailable``, naming it) until it answers again; the others go on.
+its slots at once (``StoreUnavailable``, naming it) until it answers again, from the first call
+on it that timed out or the first ping it missed; the others go on.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from redis import exceptions as redis_errors
 from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
@@ -76,6 +77,8 @@ _CLUSTER_UNREACHABLE = tuple(
 )
 
 ANNOUNCE_MAXLEN = 64
+# The shard name of one Redis (a Redis Cluster's are its masters' host:port).
+_ONE_REDIS = "redis"
 POOL_CONNECTIONS = 32
 # The shared reader blocks this long per XREAD, and checks the followed deployments' generations
 # between reads: a deletion or re-creation reaches every replica's followers within about this.
@@ -397,6 +400,21 @@ def _retry() -> Retry:
     return Retry(ExponentialBackoff(cap=0.05, base=0.01), 3, supported_errors=(redis.ConnectionError,))
 
 
+# The cluster client retries a command or a pipeline itself, on timeouts as on broken
+# connections (its ERRORS_ALLOW_RETRY, whatever the retry's supported errors say), each time on
+# the same master: a hung master cost a call four socket timeouts (4.1 s). So it retries
+# nothing; a call on a broken connection (a master that restarted) fails UNAVAILABLE once, and
+# the client reconnects the master's other connections before they are used.
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a socket timeout: a master that did not
+    answer in time, rather than one that refused or closed the connection."""
+    return isinstance(exc, redis_errors.TimeoutError) or isinstance(exc.__cause__, redis_errors.TimeoutError)
+
+
 class _CommandTable(AsyncCommandsParser):
     """redis-py's command table (for finding a command's keys), read from a master once.
 
@@ -427,7 +445,7 @@ def _cluster_client(url: str, prefix: str) -> RedisCluster:
         client_name=f"eplb:{prefix}",
         socket_connect_timeout=1.0,
         socket_timeout=1.0,
-        retry=_retry(),
+        retry=_no_retry(),
         health_check_interval=0,
         **dict(seeds.options),
     )
@@ -463,8 +481,12 @@ class RedisStore:
     def __init__(self, url: str, prefix: str = "eplb") -> None:
         self.prefix = prefix
         self.cluster = parse_cluster_url(url) is not None
-        # Masters (host:port) that did not answer the last ping, and each master's run id.
+        # Shards that did not answer the last ping, or a call since (a socket timeout): Redis
+        # Cluster masters (host:port), or "redis" for one Redis (a call timed out: its failed
+        # pings are the store's health); and each master's run id.
         self._down: set[str] = set()
+        # Shard → when a call on it last timed out (loop time): down until a later ping answers.
+        self._hung_at: dict[str, float] = {}
         self._run_ids: dict[str, str] = {}
         # Index bucket → its last known names (Redis Cluster: a bucket's master may be down).
         self._index_cache: dict[str, set[str]] = {}
@@ -504,7 +526,7 @@ class RedisStore:
                 client_name=f"eplb:{prefix}",
             )
             self._index_keys = [f"{prefix}:deployments"]
-            self._announcements = _Announcements(self._r, prefix, self._reader, lambda _: "redis")
+            self._announcements = _Announcements(self._r, prefix, self._reader, lambda _: _ONE_REDIS)
         script = functools.partial(_Script, self._r)
         self._create = script(_CREATE)
         self._publish = script(_PUBLISH)
@@ -545,45 +567,75 @@ class RedisStore:
         return self._r.get_node_from_key(key).name
 
     def down(self, names: list[str]) -> set[str]:
-        if not self._down or not self._r.nodes_manager.slots_cache:
+        if not self.cluster or not self._down or not self._r.nodes_manager.slots_cache:
             return set()
         return {n for n in names if self._master_of(self.key(n, "meta")) in self._down}
 
     @property
     def degraded(self) -> str | None:
         """What is down while the rest answers (Redis Cluster: masters that missed the last ping)."""
-        if not self._down:
+        if not self.cluster or not self._down:
             return None
         return f"redis cluster master(s) down: {', '.join(sorted(self._down))}"
 
+    def _shard_down(self, shard: str, name: str) -> StoreUnavailable:
+        if shard == _ONE_REDIS:
+            return StoreUnavailable("redis unavailable: it did not answer a call in time; retry later")
+        return StoreUnavailable(f"redis cluster master {shard}, which holds deployment {name!r}, is down; retry later")
+
     @contextlib.contextmanager
     def _on(self, name: str) -> Iterator[None]:
-        """``_unavailable`` for a call on deployment ``name``; on Redis Cluster it fails at once,
-        naming the master, while the master of ``name``'s slot missed the last ping."""
-        if self._down and self._r.nodes_manager.slots_cache:
-            master = self._master_of(self.key(name, "meta"))
-            if master in self._down:
-                raise StoreUnavailable(
-                    f"redis cluster master {master}, which holds deployment {name!r}, is down; retry later"
-                )
-        with _unavailable():
-            yield
+        """``_unavailable`` for a call on deployment ``name``; fails at once while its shard is
+        down (on Redis Cluster the master of ``name``'s slot, named: it missed the last ping;
+        either kind: a call on it timed out since), and a timeout marks its shard down."""
+        shard = _ONE_REDIS
+        if self.cluster:
+            shard = self._master_of(self.key(name, "meta")) if self._r.nodes_manager.slots_cache else None
+        if shard in self._down:
+            raise self._shard_down(shard, name)
+        try:
+            with _unavailable():
+                yield
+        except StoreUnavailable as exc:
+            if shard is not None:
+                self._note_timeout(shard, exc)
+            raise
+
+    def _note_timeout(self, shard: str, exc: BaseException) -> None:
+        """A call on ``shard`` (a Redis Cluster master, or one Redis) failed with ``exc``: a
+        socket timeout marks the shard down until a ping that starts later answers, so that the
+        calls after it (the next store call of the same RPC, the reports queued behind it) fail
+        at once instead of each waiting its own timeout on a hung Redis."""
+        if _timed_out(exc):
+            self._hung_at[shard] = asyncio.get_running_loop().time()
+            self._down.add(shard)
 
     async def ping(self) -> str:
         if not self.cluster:
+            asked = asyncio.get_running_loop().time()
             with _unavailable():
                 info = await self._r.info("server")
+            # A call that timed out after this ping asked keeps it down until the next ping.
+            if self._hung_at.get(_ONE_REDIS, asked - 1) < asked:
+                self._hung_at.pop(_ONE_REDIS, None)
+                self._down.discard(_ONE_REDIS)
             return str(info.get("run_id", ""))
         await self._initialized()
         masters = self._r.get_primaries()
         down = set()
+        asked: dict[str, float] = {}
+        loop = asyncio.get_running_loop()
         for master in masters:  # one at a time, as in _names
+            asked[master.name] = loop.time()
             try:
                 info = await self._ping_client(master).info("server")
             except (RedisError, OSError):
                 down.add(master.name)
             else:
                 self._run_ids[master.name] = str(info.get("run_id", ""))
+        # A master a call found hung after this ping asked it stays down until the next ping.
+        down |= {m for m, at in self._hung_at.items() if m in asked and at >= asked[m]}
+        self._hung_at = {m: at for m, at in self._hung_at.items() if m in down}
         self._down = down
         if len(down) == len(masters):
             raise StoreUnavailable(f"redis unavailable: no cluster master answers ({', '.join(sorted(down))})")
@@ -638,7 +690,7 @@ class RedisStore:
 
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name
-        if only_if_newer and self._down and self._master_of(self.key(name, "meta")) in self._down:
+        if only_if_newer and self.cluster and self._down and self._master_of(self.key(name, "meta")) in self._down:
             # A restore (after a master restarted empty) skips masters that are down (only
             # Redis Cluster has some down and others up): one that comes back empty has a new
             # run id and triggers its own restore.
@@ -703,9 +755,12 @@ class RedisStore:
             # Concurrent first commands on a cluster client that is not initialized yet race
             # (redis-py: "'NoneType' object has no attribute 'writelines'").
             await self._initialized()
-        live = [k for k in self._index_keys if not (self._down and self._master_of(k) in self._down)]
         answers: dict[str, object] = {}
-        for key in live:
+        for key in self._index_keys:
+            # Checked per bucket: a bucket whose master timed out marks it down for the rest.
+            master = self._master_of(key) if self.cluster else _ONE_REDIS
+            if master in self._down:
+                continue
             # One at a time: concurrent commands to a master that just came back raced in
             # redis-py's cluster client ("'NoneType' object has no attribute 'writelines'").
             try:
@@ -715,6 +770,7 @@ class RedisStore:
                     answers[key] = await self._r.smembers(key)
             except StoreUnavailable as exc:
                 answers[key] = exc
+                self._note_timeout(master, exc)
         names: set[str] = set()
         for key in self._index_keys:
             members = answers.get(key, StoreUnavailable(f"the master of {key} is down"))
@@ -885,7 +941,7 @@ class RedisStore:
 
     def shard(self, name: str) -> str:
         if not self.cluster or not self._r.nodes_manager.slots_cache:
-            return "redis"
+            return _ONE_REDIS
         return self._master_of(self.key(name, "meta"))
 
     async def _accept_commands(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
@@ -894,7 +950,13 @@ class RedisStore:
         pipeline (down, unreachable, a slot not covered) goes to its own calls alone, the other
         masters' answers stand; on one Redis a store that does not answer raises."""
         if not self.cluster:
-            return await self._accept_pipeline(commands)
+            if _ONE_REDIS in self._down:
+                raise self._shard_down(_ONE_REDIS, commands[0][0])
+            try:
+                return await self._accept_pipeline(commands)
+            except StoreUnavailable as exc:
+                self._note_timeout(_ONE_REDIS, exc)
+                raise
         answers: list[object] = [None] * len(commands)
         groups: dict[str, list[int]] = {}
         for i, (name, _, _) in enumerate(commands):
@@ -919,6 +981,9 @@ class RedisStore:
                     outs = [StoreUnavailable(f"redis cluster unavailable: {exc}")] * len(idx)
                 except Exception as exc:  # noqa: BLE001  (this master's calls fail with it, no others)
                     outs = [exc] * len(idx)
+                for out in outs:
+                    if isinstance(out, BaseException):
+                        self._note_timeout(master, out)
             for i, out in zip(idx, outs):
                 answers[i] = out
 
@@ -952,7 +1017,8 @@ class RedisStore:
             elif isinstance(out, (ClusterDownError, TryAgainError, MasterDownError)):
                 out = StoreUnavailable(f"redis cluster unavailable: {out}")
             elif isinstance(out, (RedisError, OSError)) and not isinstance(out, ResponseError):
-                out = StoreUnavailable(f"redis unavailable: {out}")
+                cause, out = out, StoreUnavailable(f"redis unavailable: {out}")
+                out.__cause__ = cause
             answers.append(out)
         return answers
 

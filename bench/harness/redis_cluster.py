@@ -155,6 +155,20 @@ class ClusterProcesses:
                     return
                 time.sleep(0.02)
 
+    def _pid(self, port: int) -> int:
+        proc = self.procs.get(port)
+        if proc is not None:
+            return proc.pid
+        return int((self.directory / f"node-{port}" / "redis.pid").read_text())
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP one master: its sockets stay open and nothing answers (a hung master)."""
+        os.kill(self._pid(port), signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        """SIGCONT a master ``pause`` stopped."""
+        os.kill(self._pid(port), signal.SIGCONT)
+
     def stop(self) -> None:
         for port in list(self.procs):
             proc = self.procs.pop(port)

@@ -144,3 +144,91 @@ async def _is(coro, want) -> bool:
 
 async def _reports(c, name: str, loads: np.ndarray) -> bool:
     return (await AsyncServiceClient.over(c.channel).report(reports(name, 1, [loads]))).accepted == 1
+
+
+async def _timed(call) -> tuple[grpc.StatusCode, float]:
+    start = time.monotonic()
+    try:
+        await call
+        code = grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+    return code, time.monotonic() - start
+
+
+async def test_a_hung_master_fails_every_call_of_its_deployments_within_one_socket_timeout(
+    serve, connect, redis_cluster
+):
+    # SIGSTOP: the master's sockets stay open and nothing answers. The cluster client retried a
+    # timed-out call on the same master three times (4.1 s), and each store call of an RPC, each
+    # index bucket of a list and each report batch queued behind another waited its own timeout.
+    p = f"eplb-test-{uuid.uuid4().hex[:10]}"
+    victim_port = redis_cluster.ports[2]
+    on_victim: list[str] = []
+    others: list[str] = []
+    i = 0
+    while len(on_victim) < 4 or len(others) < 2:
+        name = f"d{i}"
+        (on_victim if redis_cluster.port_of(f"{p}:{{{name}}}:meta") == victim_port else others).append(name)
+        i += 1
+    victim, to_delete, fresh, fresh2 = on_victim[:4]
+    others = others[:2]
+    c = connect(await serve(redis_url=redis_cluster.url, key_prefix=p))
+    loads = np.ones((4, 16), dtype=np.int32)
+    for n in (victim, to_delete, *others):
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
+        await report_some_load(c.stub, n)
+        await c.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))
+
+    def victim_calls(new_name: str) -> dict[str, object]:
+        s = c.stub
+        return {
+            "GetDeployment": s.GetDeployment(pb.GetDeploymentRequest(name=victim)),
+            "GetPlacement(window)": s.GetPlacement(
+                pb.GetPlacementRequest(deployment=victim, include_window_loads=True)
+            ),
+            "AckPlacement": s.AckPlacement(pb.AckPlacementRequest(deployment=victim, rank=0, version=2)),
+            "Rebalance": s.Rebalance(pb.RebalanceRequest(deployment=victim, force=True)),
+            "SetRanksDown": s.SetRanksDown(pb.SetRanksDownRequest(deployment=victim, down=[7])),
+            "CreateDeployment": s.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(new_name))),
+            "DeleteDeployment": s.DeleteDeployment(pb.DeleteDeploymentRequest(name=to_delete)),
+            **{
+                f"ReportLoad(rank {r})": AsyncServiceClient.over(c.channel).report(reports(victim, r, [loads]))
+                for r in range(4)
+            },
+        }
+
+    redis_cluster.pause(victim_port)
+    try:
+        for wave, new_name in enumerate((fresh, fresh2)):
+            # The second wave 0.5 s in: reports queue behind the first wave's batch in flight.
+            if wave:
+                await asyncio.sleep(0.5)
+            calls = victim_calls(new_name)
+            served = {
+                "GetPlacement": c.stub.GetPlacement(pb.GetPlacementRequest(deployment=victim)),  # from memory
+                "ListDeployments": c.stub.ListDeployments(pb.ListDeploymentsRequest()),  # the others
+            }
+            tasks = {what: asyncio.create_task(_timed(call)) for what, call in {**calls, **served}.items()}
+            if wave:
+                # Deployments on the other masters keep serving meanwhile.
+                for n in others:
+                    code, took = await _timed(AsyncServiceClient.over(c.channel).report(reports(n, 0, [loads])))
+                    assert code == grpc.StatusCode.OK and took < 0.5, (n, code, took)
+                    code, took = await _timed(c.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True)))
+                    assert code == grpc.StatusCode.OK and took < 1.0, (n, code, took)
+            got = {what: await task for what, task in tasks.items()}
+            for what in calls:
+                code, took = got[what]
+                assert code == grpc.StatusCode.UNAVAILABLE and took <= 1.5, (wave, what, code.name, f"{took:.2f}s")
+            for what in served:
+                code, took = got[what]
+                assert code == grpc.StatusCode.OK and took <= 1.5, (wave, what, code.name, f"{took:.2f}s")
+    finally:
+        redis_cluster.resume(victim_port)
+    # Back: its deployment takes reports again, as it was.
+    await eventually(lambda: _reports(c, victim, loads), timeout=15)
+    got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name=victim))
+    assert got.deployment.version == 2
+    listed = await c.stub.ListDeployments(pb.ListDeploymentsRequest())
+    assert sorted(d.name for d in listed.deployments) == sorted((victim, to_delete, *others))

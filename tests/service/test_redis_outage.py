@@ -150,3 +150,63 @@ async def test_a_hung_redis_costs_a_call_one_socket_timeout(serve, connect, priv
     await eventually(lambda: _is(health_of(c), health_pb2.HealthCheckResponse.SERVING))
     got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
     assert got.deployment.version == 1
+
+
+async def _timed(call) -> tuple[grpc.StatusCode, float]:
+    start = time.monotonic()
+    try:
+        await call
+        code = grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+    return code, time.monotonic() - start
+
+
+async def test_a_hung_redis_fails_every_call_within_one_socket_timeout(serve, connect, private_redis):
+    # Every RPC at once, before health notices: each waited its own timeouts (ReportLoad queued
+    # behind a batch in flight 2 s, SetRanksDown and Rebalance 4-5 s, one store call after another).
+    c = connect(await serve(redis_url=private_redis.url, key_prefix="outage-hung-all"))
+    for n in ("d1", "d2"):
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment(n)))
+        await report_some_load(c.stub, n)
+        await c.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True))
+    loads = np.ones((4, 16), dtype=np.int32)
+    s = c.stub
+    private_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        calls = {
+            "GetDeployment": s.GetDeployment(pb.GetDeploymentRequest(name="d1")),
+            "GetPlacement(window)": s.GetPlacement(pb.GetPlacementRequest(deployment="d1", include_window_loads=True)),
+            "AckPlacement": s.AckPlacement(pb.AckPlacementRequest(deployment="d1", rank=0, version=2)),
+            "Rebalance": s.Rebalance(pb.RebalanceRequest(deployment="d1", force=True)),
+            "SetRanksDown": s.SetRanksDown(pb.SetRanksDownRequest(deployment="d1", down=[7])),
+            "CreateDeployment": s.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("d3"))),
+            "DeleteDeployment": s.DeleteDeployment(pb.DeleteDeploymentRequest(name="d2")),
+            "ListDeployments": s.ListDeployments(pb.ListDeploymentsRequest()),
+            **{
+                f"ReportLoad(rank {r})": AsyncServiceClient.over(c.channel).report(reports("d1", r, [loads]))
+                for r in range(4)
+            },
+        }
+        tasks = {what: asyncio.create_task(_timed(call)) for what, call in calls.items()}
+        await asyncio.sleep(0.5)  # these queue behind the first reports' batch in flight
+        later = {
+            f"ReportLoad(rank {r}, later)": asyncio.create_task(
+                _timed(AsyncServiceClient.over(c.channel).report(reports("d1", r, [loads])))
+            )
+            for r in range(4, 8)
+        }
+        served = await _timed(s.GetPlacement(pb.GetPlacementRequest(deployment="d1")))  # from memory
+        for what, task in {**tasks, **later}.items():
+            code, took = await task
+            assert code == grpc.StatusCode.UNAVAILABLE and took <= 1.5, (what, code.name, f"{took:.2f}s")
+        assert served[0] == grpc.StatusCode.OK and served[1] < 0.5, served
+    finally:
+        private_redis.proc.send_signal(signal.SIGCONT)
+    await eventually(lambda: _accepted(c, loads))
+    got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
+    assert got.deployment.version == 2
+
+
+async def _accepted(c, loads: np.ndarray) -> bool:
+    return (await AsyncServiceClient.over(c.channel).report(reports("d1", 0, [loads]))).accepted == 1
