@@ -8,6 +8,14 @@ replica run out of memory, or a window sum overflow; they are checked before any
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from .planner.packing import swap_partners
+from .planner.search import CHUNK
+
+if TYPE_CHECKING:
+    from .topology import Topology
+
 __all__ = [
     "COMPUTE_QUEUE",
     "COMPUTE_WORKERS",
@@ -24,13 +32,20 @@ __all__ = [
     "MAX_WINDOW_BYTES",
     "MIN_SUSPECT_AFTER_S",
     "MIN_TRIGGER_INTERVAL_S",
+    "PAIR_SEARCH_BYTES_PER_SLOT",
+    "PLAN_BYTES_BASE",
     "PLAN_BYTES_PER_EXPERT",
     "PLAN_BYTES_PER_EXPERT_GPU",
+    "PLAN_BYTES_PER_SLOT",
     "PLAN_BYTES_PER_SLOT_PAIR",
+    "PLAN_BYTES_PER_SWAP_PAIR",
+    "REPLAN_BYTES_PER_SLOT",
+    "REPLAN_BYTES_PER_SWAP_PAIR",
     "REPLAN_WORKERS",
     "SMALL_PLAN_CELLS",
     "SMALL_PLAN_WORKERS",
     "plan_bytes",
+    "size_text",
 ]
 
 # Largest count one report may carry in one [layer, expert] (or slot) entry. A window sums at
@@ -81,20 +96,59 @@ MAX_WINDOW_BYTES = 16 << 20
 # Deployments one service (all its replicas, one Redis key prefix) holds.
 MAX_DEPLOYMENTS = 1000
 
-# Peak memory of one plan (``plan_bytes``), fitted to the peak RSS of ``eplb place --synthetic
-# zipf-1.0 --effort fast --layers L --experts E --slots P --gpus G`` (``/usr/bin/time -f %M``,
-# less the interpreter's ~50 MB), in MB: L=1, E=P=2e5 / 4e5 / 1e6, G=1000: 238 / 485 / 1220;
-# L=1, E=4e5, P=4e5, G=100: 228; L=1, E=P=4000 / 8000 / 12000, G=1: 60 / 252 / 570; L=2000,
-# E=256, P=288, G=32: 74. Per layer: about 2 B per (expert, gpu), 4 B per pair of one gpu's slots
-# and 128 B per expert; the estimate is within -15 % / +80 % of those runs.
-PLAN_BYTES_PER_EXPERT = 128
-PLAN_BYTES_PER_EXPERT_GPU = 2
+# Peak memory of one plan (``plan_bytes``), fitted as an upper bound of the peak of numpy's
+# allocations (tracemalloc) during ``eplb.rebalance`` at default effort, fresh plans, re-plans
+# and plans with a gpu down at 13 shapes (``python -m eplb_bench.plan_memory``; its table is in
+# docs/algorithms.md, "Memory"), and small plans (a few layers) at 5 more. PLAN_BYTES_BASE for
+# any plan (its result, its notes), then per layer of a plan, for S slots per gpu:
+# - PLAN_BYTES_PER_EXPERT, PLAN_BYTES_PER_SLOT and PLAN_BYTES_PER_EXPERT_GPU: the rows, counts
+#   and, in the count moves, which gpu holds which expert (a bool per (expert, gpu));
+# - PLAN_BYTES_PER_SLOT_PAIR per pair of one gpu's slots for each node (the deal of a row's
+#   replicas holds each of its S merge steps' sort of the partials), and PLAN_BYTES_PER_SWAP_PAIR
+#   for each gpu (the swaps' item grids);
+# - at two slots per gpu, the search's pairings: PAIR_SEARCH_BYTES_PER_SLOT per slot of each
+#   layer searched together (a chunk of eplb.planner.search.CHUNK), whatever the layers;
+# - a re-plan (``previous=``) also REPLAN_BYTES_PER_SLOT (its candidates and their alignment to
+#   the previous placement) and REPLAN_BYTES_PER_SWAP_PAIR per item pair of its
+#   repairs' swap grids, ``swap_partners(G) * S * S`` (eplb.planner.packing): with many slots
+#   per gpu, most of it (8 layers x 256 experts on 512 slots of 4 gpus: 79 MB, 1 MB fresh).
+PLAN_BYTES_PER_EXPERT = 144
+PLAN_BYTES_PER_SLOT = 72
+PLAN_BYTES_PER_EXPERT_GPU = 1
 PLAN_BYTES_PER_SLOT_PAIR = 4
+PLAN_BYTES_PER_SWAP_PAIR = 1
+PAIR_SEARCH_BYTES_PER_SLOT = 5600
+REPLAN_BYTES_PER_SLOT = 800
+REPLAN_BYTES_PER_SWAP_PAIR = 200
+PLAN_BYTES_BASE = 1 << 20
 
 
-def plan_bytes(topology: object) -> int:
-    """An estimate of the peak memory, in bytes, of planning ``topology`` (an ``eplb.Topology``)
-    with the default policy: ``L * (128 E + 2 E G + 4 S^2)`` for ``S`` slots per gpu (fitted
-    above; tens of MB low for small instances, which fit anywhere)."""
-    L, E, G, S = topology.num_layers, topology.num_experts, topology.num_gpus, topology.slots_per_gpu
-    return L * (PLAN_BYTES_PER_EXPERT * E + PLAN_BYTES_PER_EXPERT_GPU * E * G + PLAN_BYTES_PER_SLOT_PAIR * S * S)
+def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
+    """An estimate of the peak memory, in bytes, of planning ``topology`` with the default
+    policy at default effort (``replan``: from a previous placement, ``previous=``), fitted to
+    be above the peaks measured (the constants above):
+    ``1 MiB + L * (144 E + 72 P + E G + (4 N + G) S^2)``, plus ``min(L, 16) * 5600 P`` at two
+    slots per gpu, plus ``L * (800 P + 200 swap_partners(G) S^2)`` for a re-plan; a plan with
+    gpus down is its live gpus' plan."""
+    L, E, P, G = topology.num_layers, topology.num_experts, topology.num_slots, topology.num_gpus
+    N, S = topology.num_nodes, topology.slots_per_gpu
+    need = PLAN_BYTES_BASE + L * (
+        PLAN_BYTES_PER_EXPERT * E
+        + PLAN_BYTES_PER_SLOT * P
+        + PLAN_BYTES_PER_EXPERT_GPU * E * G
+        + (PLAN_BYTES_PER_SLOT_PAIR * N + PLAN_BYTES_PER_SWAP_PAIR * G) * S * S
+    )
+    if S == 2:
+        need += min(L, CHUNK) * PAIR_SEARCH_BYTES_PER_SLOT * P
+    if replan:
+        need += L * (REPLAN_BYTES_PER_SLOT * P + REPLAN_BYTES_PER_SWAP_PAIR * swap_partners(G) * S * S)
+    return need
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes in decimal units, three significant digits: ``"40 PB"``, ``"8.59 GB"``."""
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return ""  # unreachable

@@ -28,7 +28,7 @@ from .counts import refine_counts
 from .hot import separate_hot
 from .packing import WIDE_SPREAD, pack, packed_loads
 from .replicate import replica_cap, waterfill
-from .search import refine_thorough
+from .search import CHUNK, refine_thorough
 
 __all__ = ["PlanOptions", "EFFORTS", "plan_placement", "place_global", "flat_topology"]
 
@@ -38,9 +38,6 @@ EFFORTS = ("fast", "default", "high")
 # at the standard scales (bench/default_bench.py); "high" searches wider and four times longer.
 DEFAULT_WORK = 100_000
 HIGH_WORK = 400_000
-# Layers searched together. Fixed so that a plan does not depend on `workers`: each chunk has
-# its own budget and the same chunks run whichever process takes them.
-CHUNK = 16
 # Layers whose first plan is made together: each (layer, node) row's first plan is its own, so
 # blocks make the same plan as one pass, and a long plan (20000 layers) reports progress and
 # holds its temporaries per block rather than once for every layer.
