@@ -32,7 +32,6 @@ __all__ = [
     "MAX_WINDOW_BYTES",
     "MIN_SUSPECT_AFTER_S",
     "MIN_TRIGGER_INTERVAL_S",
-    "PAIR_SEARCH_BYTES_PER_SLOT",
     "PLAN_BYTES_BASE",
     "PLAN_BYTES_PER_EXPERT",
     "PLAN_BYTES_PER_EXPERT_GPU",
@@ -42,6 +41,7 @@ __all__ = [
     "REPLAN_BYTES_PER_SLOT",
     "REPLAN_BYTES_PER_SWAP_PAIR",
     "REPLAN_WORKERS",
+    "SEARCH_BYTES_PER_SLOT",
     "SMALL_PLAN_CELLS",
     "SMALL_PLAN_WORKERS",
     "plan_bytes",
@@ -106,8 +106,10 @@ MAX_DEPLOYMENTS = 1000
 # - PLAN_BYTES_PER_SLOT_PAIR per pair of one gpu's slots for each node (the deal of a row's
 #   replicas holds each of its S merge steps' sort of the partials), and PLAN_BYTES_PER_SWAP_PAIR
 #   for each gpu (the swaps' item grids);
-# - at two slots per gpu, the search's pairings: PAIR_SEARCH_BYTES_PER_SLOT per slot of each
-#   layer searched together (a chunk of eplb.planner.search.CHUNK), whatever the layers;
+# - the search after the first plan, where there are redundant slots and gpus to move them
+#   between: SEARCH_BYTES_PER_SLOT per slot of each layer searched together (a chunk of
+#   eplb.planner.search.CHUNK, whatever the layers), twice that at two slots per gpu (its
+#   count moves weigh twice the donors there);
 # - a re-plan (``previous=``) also REPLAN_BYTES_PER_SLOT (its candidates and their alignment to
 #   the previous placement) and REPLAN_BYTES_PER_SWAP_PAIR per item pair of its
 #   repairs' swap grids, ``swap_partners(G) * S * S`` (eplb.planner.packing): with many slots
@@ -117,8 +119,8 @@ PLAN_BYTES_PER_SLOT = 72
 PLAN_BYTES_PER_EXPERT_GPU = 1
 PLAN_BYTES_PER_SLOT_PAIR = 4
 PLAN_BYTES_PER_SWAP_PAIR = 1
-PAIR_SEARCH_BYTES_PER_SLOT = 5600
-REPLAN_BYTES_PER_SLOT = 800
+SEARCH_BYTES_PER_SLOT = 2800
+REPLAN_BYTES_PER_SLOT = 1200
 REPLAN_BYTES_PER_SWAP_PAIR = 200
 PLAN_BYTES_BASE = 1 << 20
 
@@ -127,9 +129,10 @@ def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
     """An estimate of the peak memory, in bytes, of planning ``topology`` with the default
     policy at default effort (``replan``: from a previous placement, ``previous=``), fitted to
     be above the peaks measured (the constants above):
-    ``1 MiB + L * (144 E + 72 P + E G + (4 N + G) S^2)``, plus ``min(L, 16) * 5600 P`` at two
-    slots per gpu, plus ``L * (800 P + 200 swap_partners(G) S^2)`` for a re-plan; a plan with
-    gpus down is its live gpus' plan."""
+    ``1 MiB + L * (144 E + 72 P + E G + (4 N + G) S^2)``, plus ``min(L, 16) * 2800 P`` (5600 P
+    at two slots per gpu) where there are redundant slots and two gpus or more, plus
+    ``L * (1200 P + 200 swap_partners(G) S^2)`` for a re-plan; a plan with gpus down is its
+    live gpus' plan."""
     L, E, P, G = topology.num_layers, topology.num_experts, topology.num_slots, topology.num_gpus
     N, S = topology.num_nodes, topology.slots_per_gpu
     need = PLAN_BYTES_BASE + L * (
@@ -138,8 +141,8 @@ def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
         + PLAN_BYTES_PER_EXPERT_GPU * E * G
         + (PLAN_BYTES_PER_SLOT_PAIR * N + PLAN_BYTES_PER_SWAP_PAIR * G) * S * S
     )
-    if S == 2:
-        need += min(L, CHUNK) * PAIR_SEARCH_BYTES_PER_SLOT * P
+    if G > 1 and P > E:
+        need += min(L, CHUNK) * SEARCH_BYTES_PER_SLOT * (2 if S == 2 else 1) * P
     if replan:
         need += L * (REPLAN_BYTES_PER_SLOT * P + REPLAN_BYTES_PER_SWAP_PAIR * swap_partners(G) * S * S)
     return need

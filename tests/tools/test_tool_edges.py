@@ -163,8 +163,8 @@ def test_the_size_check_names_the_estimate_and_the_limit_it_was_given():
 
 
 def test_the_size_check_of_a_re_plan_counts_its_repairs(capsys, monkeypatch, tmp_path):
-    # 2 layers x 256 experts on 512 slots of 4 gpus: a fresh plan needs about 1.4 MB, a re-plan
-    # 48 MB (it used 35 MB, its repairs' swap grids, where the estimate said 0.2 MB).
+    # 2 layers x 256 experts on 512 slots of 4 gpus: a fresh plan needs about 4.3 MB, a re-plan
+    # 51 MB (it used 35 MB, its repairs' swap grids, where the estimate said 0.2 MB).
     import eplb
 
     topo = eplb.Topology(2, 256, 512, 4)
@@ -174,7 +174,7 @@ def test_the_size_check_of_a_re_plan_counts_its_repairs(capsys, monkeypatch, tmp
     flags = ["--layers", "2", "--experts", "256", "--slots", "512", "--gpus", "4"]
     err = _err(capsys, ["place", "--synthetic", "zipf-1.0", *flags, "--previous", str(previous)])
     assert err == (
-        "eplb place: error: a plan of 2 layers x 256 experts on 512 slots (128 per gpu) needs about 48.2 MB of memory "
+        "eplb place: error: a plan of 2 layers x 256 experts on 512 slots (128 per gpu) needs about 51.4 MB of memory "
         "(eplb.limits.plan_bytes), more than the 10 MB available (MemAvailable); plan fewer layers, experts or "
         "slots per gpu\n"
     )
