@@ -1,6 +1,7 @@
 """The documented limits, shared by the service (docs/service.md, "Limits") and the tools,
-and the estimate of the memory a plan needs, so that both refuse what cannot fit before they
-allocate. Each is a module constant so operators and tests read the same figure the checks use.
+and the estimate of the memory a plan needs with the most it may need (``max_plan_bytes``,
+raised with ``set_max_plan_bytes``), so that the library and the tools refuse what cannot fit
+before they allocate. Each is a module constant so operators and tests read the same figure the checks use.
 
 The service's limits keep one tenant's input from making a deployment unreadable, the store or a
 replica run out of memory, or a window sum overflow; they are checked before any state is written.
@@ -8,6 +9,7 @@ replica run out of memory, or a window sum overflow; they are checked before any
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING
 
 from .planner.packing import swap_partners
@@ -26,6 +28,7 @@ __all__ = [
     "MAX_GPUS",
     "MAX_LAYERS",
     "MAX_PLACEMENT_BYTES",
+    "MAX_PLAN_BYTES",
     "MAX_REPORT_COUNT",
     "MAX_SLOTS",
     "MAX_SUSPECT_AFTER_S",
@@ -44,7 +47,10 @@ __all__ = [
     "SEARCH_BYTES_PER_SLOT",
     "SMALL_PLAN_CELLS",
     "SMALL_PLAN_WORKERS",
+    "check_plan_bytes",
+    "max_plan_bytes",
     "plan_bytes",
+    "set_max_plan_bytes",
     "size_text",
 ]
 
@@ -124,6 +130,15 @@ REPLAN_BYTES_PER_SLOT = 1200
 REPLAN_BYTES_PER_SWAP_PAIR = 200
 PLAN_BYTES_BASE = 1 << 20
 
+# The most ``plan_bytes`` a plan may need before the library refuses it (``ValueError``), unless
+# raised with ``set_max_plan_bytes``: a plan that needs more than the machine has grows until
+# the kernel kills the process, without a word (rebalance of 1 layer x 10**8 experts on 10**8
+# slots grew to 23 GB in two minutes). 8 GiB covers every standard scale many times over; the
+# tools set it to the memory available (``eplb place``: MemAvailable).
+MAX_PLAN_BYTES = 8 << 30
+
+_max_plan_bytes = MAX_PLAN_BYTES
+
 
 def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
     """An estimate of the peak memory, in bytes, of planning ``topology`` with the default
@@ -148,6 +163,23 @@ def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
     return need
 
 
+def max_plan_bytes() -> int:
+    """The most ``plan_bytes`` a plan may need now: ``MAX_PLAN_BYTES`` unless set otherwise."""
+    return _max_plan_bytes
+
+
+def set_max_plan_bytes(limit: int | None) -> int:
+    """Sets the most ``plan_bytes`` a plan may need, in bytes, for this process (``None``:
+    ``MAX_PLAN_BYTES`` again), on a machine with the memory for larger plans; returns the limit
+    it replaces. Planning calls check it before they allocate anything that grows with the
+    topology, and raise ``ValueError`` above it."""
+    global _max_plan_bytes
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+        raise ValueError(f"the plan memory limit must be a positive integer number of bytes or None, got {limit!r}")
+    old, _max_plan_bytes = _max_plan_bytes, MAX_PLAN_BYTES if limit is None else int(limit)
+    return old
+
+
 def size_text(n: float) -> str:
     """``n`` bytes in decimal units, three significant digits: ``"40 PB"``, ``"8.59 GB"``."""
     for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
@@ -155,3 +187,19 @@ def size_text(n: float) -> str:
             return f"{n:.3g} {unit}"
         n /= 1000
     return ""  # unreachable
+
+
+def check_plan_bytes(topology: Topology, *, replan: bool = False) -> None:
+    """Raises ``ValueError`` when planning ``topology`` (``replan``: see ``plan_bytes``) needs
+    more than ``max_plan_bytes()``, naming both and how to raise the limit: called before
+    anything that grows with the topology is allocated."""
+    need, limit = plan_bytes(topology, replan=replan), _max_plan_bytes
+    if need > limit:
+        t = topology
+        raise ValueError(
+            f"{'a re-plan' if replan else 'a plan'} of {t.num_layers} layer{'s' if t.num_layers > 1 else ''} x "
+            f"{t.num_experts} experts on {t.num_slots} slots ({t.slots_per_gpu} per gpu) needs about "
+            f"{size_text(need)} of memory (eplb.limits.plan_bytes), more than the limit of {size_text(limit)} "
+            f"(eplb.limits.max_plan_bytes()); on a machine with the memory, raise it with "
+            f"eplb.set_max_plan_bytes(n); or plan fewer layers, experts or slots per gpu"
+        )

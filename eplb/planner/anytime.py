@@ -19,6 +19,7 @@ import numpy as np
 from ..bounds import row_bound
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
+from ..limits import check_plan_bytes
 from ..progress import report
 from ..result import SearchStats
 from ..topology import Topology
@@ -156,9 +157,11 @@ def plan_placement(
     started earlier. The first plan (1-3) runs whole whatever the time: it is what the limit
     can never cut, and ``SearchStats.first_plan_over`` says when it alone ran past it.
     ``phase``: what ``eplb.progress`` calls the first plan (then ``"search"``; ``"plan"`` per
-    job with ``workers`` > 1).
+    job with ``workers`` > 1). Raises ``ValueError`` when ``eplb.limits.plan_bytes`` of
+    ``topology`` is above ``eplb.limits.max_plan_bytes()``.
     """
     topo = topology
+    check_plan_bytes(topo)
     if topo.num_groups % topo.num_nodes:
         raise ValueError(
             f"hierarchical needs num_groups ({topo.num_groups}) to be a multiple of num_nodes "

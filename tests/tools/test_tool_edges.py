@@ -157,7 +157,7 @@ def test_the_size_check_names_the_estimate_and_the_limit_it_was_given():
 
     topo = eplb.Topology(2, 1000, 1000, 10)
     need = (1 << 20) + 2 * (144 * 1000 + 72 * 1000 + 1000 * 10 + (4 + 10) * 100 * 100)
-    cli.check_plan_fits(topo, available=need)  # fits exactly
+    assert cli.check_plan_fits(topo, available=need) == need  # fits exactly
     with pytest.raises(ValueError, match=r"needs about 1.78 MB of memory .*, more than the 1.78 MB available"):
         cli.check_plan_fits(topo, available=need - 1)
 
@@ -178,6 +178,26 @@ def test_the_size_check_of_a_re_plan_counts_its_repairs(capsys, monkeypatch, tmp
         "(eplb.limits.plan_bytes), more than the 10 MB available (MemAvailable); plan fewer layers, experts or "
         "slots per gpu\n"
     )
+
+
+def test_eplb_place_plans_up_to_the_memory_available_not_the_librarys_default(capsys, monkeypatch):
+    # The library's default limit is for callers that do not know the machine; eplb place
+    # measures it, and sets the library's limit to it while it plans (then puts it back).
+    import eplb
+
+    monkeypatch.setattr(cli, "available_bytes", lambda: 1 << 30)
+    old = eplb.set_max_plan_bytes(1000)  # below any plan: the library alone would refuse this one
+    try:
+        seen = []
+        plan = eplb.rebalance
+        monkeypatch.setattr(
+            cli.eplb, "rebalance", lambda *a, **k: seen.append(eplb.limits.max_plan_bytes()) or plan(*a, **k)
+        )
+        assert cli.main(["place", *SMALL]) == 0
+        assert seen == [1 << 30] and eplb.limits.max_plan_bytes() == 1000
+    finally:
+        eplb.set_max_plan_bytes(old)
+    capsys.readouterr()
 
 
 def test_the_service_limits_are_the_cores():
