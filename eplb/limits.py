@@ -120,7 +120,7 @@ MAX_DEPLOYMENTS = 1000
 #   the previous placement) and REPLAN_BYTES_PER_SWAP_PAIR per item pair of its
 #   repairs' swap grids, ``swap_partners(G) * S * S`` (eplb.planner.packing): with many slots
 #   per gpu, most of it (8 layers x 256 experts on 512 slots of 4 gpus: 79 MB, 1 MB fresh).
-PLAN_BYTES_PER_EXPERT = 144
+PLAN_BYTES_PER_EXPERT = 384
 PLAN_BYTES_PER_SLOT = 72
 PLAN_BYTES_PER_EXPERT_GPU = 1
 PLAN_BYTES_PER_SLOT_PAIR = 4
@@ -144,7 +144,7 @@ def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
     """An estimate of the peak memory, in bytes, of planning ``topology`` with the default
     policy at default effort (``replan``: from a previous placement, ``previous=``), fitted to
     be above the peaks measured (the constants above):
-    ``1 MiB + L * (144 E + 72 P + E G + (4 N + G) S^2)``, plus ``min(L, 16) * 2800 P`` (5600 P
+    ``1 MiB + L * (384 E + 72 P + E G + (4 N + G) S^2)``, plus ``min(L, 16) * 2800 P`` (5600 P
     at two slots per gpu) where there are redundant slots and two gpus or more, plus
     ``L * (1200 P + 200 swap_partners(G) S^2)`` for a re-plan; a plan with gpus down is its
     live gpus' plan."""

@@ -156,15 +156,15 @@ def test_the_size_check_names_the_estimate_and_the_limit_it_was_given():
     import eplb
 
     topo = eplb.Topology(2, 1000, 1000, 10)
-    need = (1 << 20) + 2 * (144 * 1000 + 72 * 1000 + 1000 * 10 + (4 + 10) * 100 * 100)
+    need = (1 << 20) + 2 * (384 * 1000 + 72 * 1000 + 1000 * 10 + (4 + 10) * 100 * 100)
     assert cli.check_plan_fits(topo, available=need) == need  # fits exactly
-    with pytest.raises(ValueError, match=r"needs about 1.78 MB of memory .*, more than the 1.78 MB available"):
+    with pytest.raises(ValueError, match=r"needs about 2.26 MB of memory .*, more than the 2.26 MB available"):
         cli.check_plan_fits(topo, available=need - 1)
 
 
 def test_the_size_check_of_a_re_plan_counts_its_repairs(capsys, monkeypatch, tmp_path):
-    # 2 layers x 256 experts on 512 slots of 4 gpus: a fresh plan needs about 4.3 MB, a re-plan
-    # 51 MB (it used 35 MB, its repairs' swap grids, where the estimate said 0.2 MB).
+    # 2 layers x 256 experts on 512 slots of 4 gpus: a fresh plan needs about 4.5 MB, a re-plan
+    # 52 MB (it used 35 MB, its repairs' swap grids, where the estimate said 0.2 MB).
     import eplb
 
     topo = eplb.Topology(2, 256, 512, 4)
@@ -174,7 +174,7 @@ def test_the_size_check_of_a_re_plan_counts_its_repairs(capsys, monkeypatch, tmp
     flags = ["--layers", "2", "--experts", "256", "--slots", "512", "--gpus", "4"]
     err = _err(capsys, ["place", "--synthetic", "zipf-1.0", *flags, "--previous", str(previous)])
     assert err == (
-        "eplb place: error: a plan of 2 layers x 256 experts on 512 slots (128 per gpu) needs about 51.4 MB of memory "
+        "eplb place: error: a plan of 2 layers x 256 experts on 512 slots (128 per gpu) needs about 51.6 MB of memory "
         "(eplb.limits.plan_bytes), more than the 10 MB available (MemAvailable); plan fewer layers, experts or "
         "slots per gpu\n"
     )
