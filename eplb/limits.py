@@ -104,8 +104,9 @@ MAX_DEPLOYMENTS = 1000
 
 # Peak memory of one plan (``plan_bytes``), fitted as an upper bound of the peak of numpy's
 # allocations (tracemalloc) during ``eplb.rebalance`` at default effort, fresh plans, re-plans
-# and plans with a gpu down at 13 shapes (``python -m eplb_bench.plan_memory``; its table is in
-# docs/algorithms.md, "Memory"), and small plans (a few layers) at 5 more. PLAN_BYTES_BASE for
+# and plans with a gpu down at 13 shapes under zipf-1.0 and lognormal-1.0 loads (``python -m
+# eplb_bench.plan_memory``; the table is in docs/algorithms.md, "Memory"), and small plans (a
+# few layers) at 5 more. PLAN_BYTES_BASE for
 # any plan (its result, its notes), then per layer of a plan, for S slots per gpu:
 # - PLAN_BYTES_PER_EXPERT, PLAN_BYTES_PER_SLOT and PLAN_BYTES_PER_EXPERT_GPU: the rows, counts
 #   and, in the count moves, which gpu holds which expert (a bool per (expert, gpu));
@@ -133,8 +134,11 @@ PLAN_BYTES_BASE = 1 << 20
 # The most ``plan_bytes`` a plan may need before the library refuses it (``ValueError``), unless
 # raised with ``set_max_plan_bytes``: a plan that needs more than the machine has grows until
 # the kernel kills the process, without a word (rebalance of 1 layer x 10**8 experts on 10**8
-# slots grew to 23 GB in two minutes). 8 GiB covers every standard scale many times over; the
-# tools set it to the memory available (``eplb place``: MemAvailable).
+# slots grew to 23 GB in two minutes). 8 GiB covers every standard scale many times over, and
+# the service's limit-size re-plan (replan_limits: 128 x 8192 x 8192 on 4096 gpus, 6.0 GB); a
+# topology within the service's limits with few gpus of many slots can need far more (its swap
+# grids), and is refused when planned. The tools set it to the memory available (``eplb
+# place``: MemAvailable).
 MAX_PLAN_BYTES = 8 << 30
 
 _max_plan_bytes = MAX_PLAN_BYTES
