@@ -7,13 +7,15 @@ what it is (its options, whether it re-plans migration-aware). The library's roo
 a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
 ``[rows, gpus, slots]`` arrays the steps share), ``eplb.policies`` (the registered policies),
 ``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``), ``eplb.progress`` (what
-``rebalance(..., progress=callback)`` reports as layers finish). The tool modules
+``rebalance(..., progress=callback)`` reports as layers finish), ``eplb.limits`` (the most memory
+a plan may need, ``set_max_plan_bytes``). The tool modules
 (``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ...) load on first use.
 """
 
 import importlib
 
 from . import policies as _policies  # noqa: F401  (registers the built-in policies)
+from .limits import set_max_plan_bytes
 from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bound, moves
 from .placement import Placement
 from .planner.anytime import EFFORTS, PlanOptions
@@ -57,6 +59,7 @@ __all__ = [
     "lower_bound",
     "imbalance_lb",
     "moves",
+    "set_max_plan_bytes",
 ]
 
 # Modules reachable as eplb.<name> after `import eplb`, loaded on first access: imported eagerly

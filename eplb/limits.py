@@ -1,12 +1,22 @@
 """The documented limits, shared by the service (docs/service.md, "Limits") and the tools,
-and the estimate of the memory a plan needs, so that both refuse what cannot fit before they
-allocate. Each is a module constant so operators and tests read the same figure the checks use.
+and the estimate of the memory a plan needs with the most it may need (``max_plan_bytes``,
+raised with ``set_max_plan_bytes``), so that the library and the tools refuse what cannot fit
+before they allocate. Each is a module constant so operators and tests read the same figure the checks use.
 
 The service's limits keep one tenant's input from making a deployment unreadable, the store or a
 replica run out of memory, or a window sum overflow; they are checked before any state is written.
 """
 
 from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING
+
+from .planner.packing import swap_partners
+from .planner.search import CHUNK
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 __all__ = [
     "COMPUTE_QUEUE",
@@ -18,19 +28,30 @@ __all__ = [
     "MAX_GPUS",
     "MAX_LAYERS",
     "MAX_PLACEMENT_BYTES",
+    "MAX_PLAN_BYTES",
     "MAX_REPORT_COUNT",
     "MAX_SLOTS",
     "MAX_SUSPECT_AFTER_S",
     "MAX_WINDOW_BYTES",
     "MIN_SUSPECT_AFTER_S",
     "MIN_TRIGGER_INTERVAL_S",
+    "PLAN_BYTES_BASE",
     "PLAN_BYTES_PER_EXPERT",
     "PLAN_BYTES_PER_EXPERT_GPU",
+    "PLAN_BYTES_PER_SLOT",
     "PLAN_BYTES_PER_SLOT_PAIR",
+    "PLAN_BYTES_PER_SWAP_PAIR",
+    "REPLAN_BYTES_PER_SLOT",
+    "REPLAN_BYTES_PER_SWAP_PAIR",
     "REPLAN_WORKERS",
+    "SEARCH_BYTES_PER_SLOT",
     "SMALL_PLAN_CELLS",
     "SMALL_PLAN_WORKERS",
+    "check_plan_bytes",
+    "max_plan_bytes",
     "plan_bytes",
+    "set_max_plan_bytes",
+    "size_text",
 ]
 
 # Largest count one report may carry in one [layer, expert] (or slot) entry. A window sums at
@@ -81,20 +102,108 @@ MAX_WINDOW_BYTES = 16 << 20
 # Deployments one service (all its replicas, one Redis key prefix) holds.
 MAX_DEPLOYMENTS = 1000
 
-# Peak memory of one plan (``plan_bytes``), fitted to the peak RSS of ``eplb place --synthetic
-# zipf-1.0 --effort fast --layers L --experts E --slots P --gpus G`` (``/usr/bin/time -f %M``,
-# less the interpreter's ~50 MB), in MB: L=1, E=P=2e5 / 4e5 / 1e6, G=1000: 238 / 485 / 1220;
-# L=1, E=4e5, P=4e5, G=100: 228; L=1, E=P=4000 / 8000 / 12000, G=1: 60 / 252 / 570; L=2000,
-# E=256, P=288, G=32: 74. Per layer: about 2 B per (expert, gpu), 4 B per pair of one gpu's slots
-# and 128 B per expert; the estimate is within -15 % / +80 % of those runs.
-PLAN_BYTES_PER_EXPERT = 128
-PLAN_BYTES_PER_EXPERT_GPU = 2
+# Peak memory of one plan (``plan_bytes``), fitted as an upper bound of the peak of numpy's
+# allocations (tracemalloc) during ``eplb.rebalance`` at default effort, fresh plans, re-plans
+# and plans with a gpu down at 13 shapes under zipf-1.0 and lognormal-1.0 loads (``python -m
+# eplb_bench.plan_memory``; the table is in docs/algorithms.md, "Memory"), and small plans (a
+# few layers) at 5 more. PLAN_BYTES_BASE for
+# any plan (its result, its notes), then per layer of a plan, for S slots per gpu:
+# - PLAN_BYTES_PER_EXPERT, PLAN_BYTES_PER_SLOT and PLAN_BYTES_PER_EXPERT_GPU: the rows, counts
+#   and, in the count moves, which gpu holds which expert (a bool per (expert, gpu));
+# - PLAN_BYTES_PER_SLOT_PAIR per pair of one gpu's slots for each node (the deal of a row's
+#   replicas holds each of its S merge steps' sort of the partials), and PLAN_BYTES_PER_SWAP_PAIR
+#   for each gpu (the swaps' item grids);
+# - the search after the first plan, where there are redundant slots and gpus to move them
+#   between: SEARCH_BYTES_PER_SLOT per slot of each layer searched together (a chunk of
+#   eplb.planner.search.CHUNK, whatever the layers), twice that at two slots per gpu (its
+#   count moves weigh twice the donors there);
+# - a re-plan (``previous=``) also REPLAN_BYTES_PER_SLOT (its candidates and their alignment to
+#   the previous placement) and REPLAN_BYTES_PER_SWAP_PAIR per item pair of its
+#   repairs' swap grids, ``swap_partners(G) * S * S`` (eplb.planner.packing): with many slots
+#   per gpu, most of it (8 layers x 256 experts on 512 slots of 4 gpus: 79 MB, 1 MB fresh).
+PLAN_BYTES_PER_EXPERT = 384
+PLAN_BYTES_PER_SLOT = 72
+PLAN_BYTES_PER_EXPERT_GPU = 1
 PLAN_BYTES_PER_SLOT_PAIR = 4
+PLAN_BYTES_PER_SWAP_PAIR = 1
+SEARCH_BYTES_PER_SLOT = 2800
+REPLAN_BYTES_PER_SLOT = 1200
+REPLAN_BYTES_PER_SWAP_PAIR = 200
+PLAN_BYTES_BASE = 1 << 20
+
+# The most ``plan_bytes`` a plan may need before the library refuses it (``ValueError``), unless
+# raised with ``set_max_plan_bytes``: a plan that needs more than the machine has grows until
+# the kernel kills the process, without a word (rebalance of 1 layer x 10**8 experts on 10**8
+# slots grew to 23 GB in two minutes). 8 GiB covers every standard scale many times over, and
+# the service's limit-size re-plan (replan_limits: 128 x 8192 x 8192 on 4096 gpus, 6.0 GB); a
+# topology within the service's limits with few gpus of many slots can need far more (its swap
+# grids), and is refused when planned. The tools set it to the memory available (``eplb
+# place``: MemAvailable).
+MAX_PLAN_BYTES = 8 << 30
+
+_max_plan_bytes = MAX_PLAN_BYTES
 
 
-def plan_bytes(topology: object) -> int:
-    """An estimate of the peak memory, in bytes, of planning ``topology`` (an ``eplb.Topology``)
-    with the default policy: ``L * (128 E + 2 E G + 4 S^2)`` for ``S`` slots per gpu (fitted
-    above; tens of MB low for small instances, which fit anywhere)."""
-    L, E, G, S = topology.num_layers, topology.num_experts, topology.num_gpus, topology.slots_per_gpu
-    return L * (PLAN_BYTES_PER_EXPERT * E + PLAN_BYTES_PER_EXPERT_GPU * E * G + PLAN_BYTES_PER_SLOT_PAIR * S * S)
+def plan_bytes(topology: Topology, *, replan: bool = False) -> int:
+    """An estimate of the peak memory, in bytes, of planning ``topology`` with the default
+    policy at default effort (``replan``: from a previous placement, ``previous=``), fitted to
+    be above the peaks measured (the constants above):
+    ``1 MiB + L * (384 E + 72 P + E G + (4 N + G) S^2)``, plus ``min(L, 16) * 2800 P`` (5600 P
+    at two slots per gpu) where there are redundant slots and two gpus or more, plus
+    ``L * (1200 P + 200 swap_partners(G) S^2)`` for a re-plan; a plan with gpus down is its
+    live gpus' plan."""
+    L, E, P, G = topology.num_layers, topology.num_experts, topology.num_slots, topology.num_gpus
+    N, S = topology.num_nodes, topology.slots_per_gpu
+    need = PLAN_BYTES_BASE + L * (
+        PLAN_BYTES_PER_EXPERT * E
+        + PLAN_BYTES_PER_SLOT * P
+        + PLAN_BYTES_PER_EXPERT_GPU * E * G
+        + (PLAN_BYTES_PER_SLOT_PAIR * N + PLAN_BYTES_PER_SWAP_PAIR * G) * S * S
+    )
+    if G > 1 and P > E:
+        need += min(L, CHUNK) * SEARCH_BYTES_PER_SLOT * (2 if S == 2 else 1) * P
+    if replan:
+        need += L * (REPLAN_BYTES_PER_SLOT * P + REPLAN_BYTES_PER_SWAP_PAIR * swap_partners(G) * S * S)
+    return need
+
+
+def max_plan_bytes() -> int:
+    """The most ``plan_bytes`` a plan may need now: ``MAX_PLAN_BYTES`` unless set otherwise."""
+    return _max_plan_bytes
+
+
+def set_max_plan_bytes(limit: int | None) -> int:
+    """Sets the most ``plan_bytes`` a plan may need, in bytes, for this process (``None``:
+    ``MAX_PLAN_BYTES`` again), on a machine with the memory for larger plans; returns the limit
+    it replaces. Planning calls check it before they allocate anything that grows with the
+    topology, and raise ``ValueError`` above it."""
+    global _max_plan_bytes
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+        raise ValueError(f"the plan memory limit must be a positive integer number of bytes or None, got {limit!r}")
+    old, _max_plan_bytes = _max_plan_bytes, MAX_PLAN_BYTES if limit is None else int(limit)
+    return old
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes in decimal units, three significant digits: ``"40 PB"``, ``"8.59 GB"``."""
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return ""  # unreachable
+
+
+def check_plan_bytes(topology: Topology, *, replan: bool = False) -> None:
+    """Raises ``ValueError`` when planning ``topology`` (``replan``: see ``plan_bytes``) needs
+    more than ``max_plan_bytes()``, naming both and how to raise the limit: called before
+    anything that grows with the topology is allocated."""
+    need, limit = plan_bytes(topology, replan=replan), _max_plan_bytes
+    if need > limit:
+        t = topology
+        raise ValueError(
+            f"{'a re-plan' if replan else 'a plan'} of {t.num_layers} layer{'s' if t.num_layers > 1 else ''} x "
+            f"{t.num_experts} experts on {t.num_slots} slots ({t.slots_per_gpu} per gpu) needs about "
+            f"{size_text(need)} of memory (eplb.limits.plan_bytes), more than the limit of {size_text(limit)} "
+            f"(eplb.limits.max_plan_bytes()); on a machine with the memory, raise it with "
+            f"eplb.set_max_plan_bytes(n); or plan fewer layers, experts or slots per gpu"
+        )

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import metrics
+from .limits import check_plan_bytes
 from .loads import check_loads
 from .placement import Placement
 from .planner.anytime import PlanOptions
@@ -28,7 +29,7 @@ from .replan.choose import choose
 from .replan.fresh import near_bound
 from .replan.migration import Migration
 from .result import Plan, SearchStats, SolverStats
-from .survivors import Survivors, restore, survivors
+from .survivors import Survivors, live_topology, restore, survivors
 from .topology import Topology
 
 __all__ = [
@@ -261,6 +262,10 @@ def rebalance(
     slots of gpus back up (down in ``previous``, not in ``down_gpus``) filled. Too few live
     slots for every expert raises ``ValueError`` before any work.
 
+    A plan whose estimated memory (``eplb.limits.plan_bytes``) is above the limit
+    (``eplb.limits.max_plan_bytes()``, 8 GiB unless raised with ``eplb.set_max_plan_bytes``)
+    raises ``ValueError`` before anything that grows with the topology is allocated.
+
     ``spread_nodes``: after planning, swap one replica of each expert whose replicas are all on
     one node onto another node where a slot allows (``eplb.planner.spread``), so that a node
     failing loses fewer experts (``Plan.single_node``); it costs some balance and moves, and a
@@ -274,6 +279,10 @@ def rebalance(
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
     spec = get_policy(policy)
+    # Before anything of the topology's size (the live slots, the loads' float64 copy): a plan
+    # too large for the limit fails at once, not when the kernel kills the process. With gpus
+    # down it is the live gpus' plan.
+    check_plan_bytes(live_topology(topology, down_gpus), replan=previous is not None and spec.replans)
     live = survivors(topology, down_gpus)
     arr = check_loads(loads, topology)
     if previous is not None:

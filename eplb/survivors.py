@@ -26,7 +26,7 @@ import numpy as np
 from .layout import per_replica, replica_counts, slot_sums, take_rows
 from .topology import Topology
 
-__all__ = ["Survivors", "survivors", "restore"]
+__all__ = ["Survivors", "survivors", "live_topology", "restore"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,6 +81,39 @@ def _down_list(topology: Topology, down_gpus: object) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _reduced(t: Topology, down: tuple[int, ...]) -> tuple[Topology, tuple[str, ...]]:
+    """The live gpus' topology for the checked ``down`` ids, and the notes saying how nodes were
+    treated; no array of the topology's size (``live_topology`` runs before the memory check)."""
+    S, gpn = t.slots_per_gpu, t.gpus_per_node
+    G = t.num_gpus - len(down)
+    if G * S < t.num_experts:
+        raise ValueError(
+            f"only {G * S} live slots ({G} live gpus x {S} slots) for {t.num_experts} experts with "
+            f"gpus {list(down)} down: every expert needs a slot on a live gpu"
+        )
+    per_node = gpn - np.bincount(np.asarray(down, dtype=np.int64) // gpn, minlength=t.num_nodes)
+    kept = per_node[per_node > 0]
+    if t.num_nodes > 1 and (kept == kept[0]).all():
+        N = int(kept.size)
+        where = f"{N} nodes of {G // N} gpus" if N > 1 else "one node"
+        notes = (f"gpus {list(down)} down: planned over {G} live gpus on {where}",)
+        return Topology(t.num_layers, t.num_experts, G * S, G, N, t.num_groups), notes
+    short = ", ".join(f"node {n}: {int(c)} of {gpn}" for n, c in enumerate(per_node) if c < gpn)
+    notes = (
+        f"gpus {list(down)} down: planned over {G} live gpus"
+        + (f" as one node (live gpus per node differ: {short})" if t.num_nodes > 1 else ""),
+    )
+    return _flat(t, G), notes
+
+
+def live_topology(topology: Topology, down_gpus: object = ()) -> Topology:
+    """``survivors(topology, down_gpus).reduced`` without the arrays: what a plan with
+    ``down_gpus`` down plans for (``eplb.rebalance`` checks its memory on it first). Raises
+    ``ValueError`` as ``survivors`` does."""
+    down = _down_list(topology, down_gpus)
+    return _reduced(topology, down)[0] if down else topology
+
+
 def survivors(topology: Topology, down_gpus: object = ()) -> Survivors:
     """The live gpus' problem for ``topology`` with ``down_gpus`` (ids; ``None``: none) down.
 
@@ -91,32 +124,13 @@ def survivors(topology: Topology, down_gpus: object = ()) -> Survivors:
     down = _down_list(t, down_gpus)
     if not down:
         return Survivors(t, (), np.arange(t.num_gpus), np.arange(t.num_slots), t, _flat(t, t.num_gpus), ())
-    S, gpn = t.slots_per_gpu, t.gpus_per_node
+    reduced, notes = _reduced(t, down)
+    S = t.slots_per_gpu
     alive = np.ones(t.num_gpus, dtype=bool)
     alive[list(down)] = False
     live_gpus = np.flatnonzero(alive)
-    G = int(live_gpus.size)
-    if G * S < t.num_experts:
-        raise ValueError(
-            f"only {G * S} live slots ({G} live gpus x {S} slots) for {t.num_experts} experts with "
-            f"gpus {list(down)} down: every expert needs a slot on a live gpu"
-        )
     live_slots = (live_gpus[:, None] * S + np.arange(S)[None]).ravel()
-    per_node = alive.reshape(t.num_nodes, gpn).sum(axis=1)
-    kept = per_node[per_node > 0]
-    if t.num_nodes > 1 and (kept == kept[0]).all():
-        N = int(kept.size)
-        reduced = Topology(t.num_layers, t.num_experts, G * S, G, N, t.num_groups)
-        where = f"{N} nodes of {G // N} gpus" if N > 1 else "one node"
-        notes = (f"gpus {list(down)} down: planned over {G} live gpus on {where}",)
-    else:
-        reduced = _flat(t, G)
-        short = ", ".join(f"node {n}: {int(c)} of {gpn}" for n, c in enumerate(per_node) if c < gpn)
-        notes = (
-            f"gpus {list(down)} down: planned over {G} live gpus"
-            + (f" as one node (live gpus per node differ: {short})" if t.num_nodes > 1 else ""),
-        )
-    return Survivors(t, down, live_gpus, live_slots, reduced, _flat(t, G), notes)
+    return Survivors(t, down, live_gpus, live_slots, reduced, _flat(t, reduced.num_gpus), notes)
 
 
 def _flat(t: Topology, gpus: int) -> Topology:

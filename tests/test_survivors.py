@@ -8,7 +8,7 @@ import pytest
 import eplb
 from eplb import formats, simulate, transfer
 from eplb.layout import bin_loads, replica_counts
-from eplb.survivors import restore, survivors
+from eplb.survivors import live_topology, restore, survivors
 from eplb.workloads import SCALES, make_loads
 
 # 2 layers, 8 experts, 4 gpus of 4 slots on 2 nodes, 4 groups.
@@ -251,3 +251,12 @@ def test_fast_survivor_plan_repairs_the_carried_placement_toward_the_fast_plan()
     assert fast.mean_imbalance <= eplb.imbalance(eplb.gpu_loads(loads, carried)).mean()
     again = eplb.rebalance(loads, topo, previous=prev, down_gpus=[9, 8], effort="fast")
     assert again.placement == fast.placement
+
+
+def test_live_topology_is_the_reduced_topology_of_survivors_without_its_arrays():
+    # rebalance checks a plan's memory on it before anything of the topology's size exists.
+    for down in ([], [1], [0, 1], [0, 2], [2, 3]):
+        assert live_topology(TOPO, down) == survivors(TOPO, down).reduced
+    assert live_topology(TOPO, [0, 2]).num_nodes == 2 and live_topology(TOPO, [0, 1]).num_nodes == 1
+    with pytest.raises(ValueError, match=r"only 8 live slots \(2 live gpus x 4 slots\) for 16 experts"):
+        live_topology(eplb.Topology(1, 16, 16, 4), [0, 1])

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import eplb
+from eplb.limits import plan_bytes, size_text
 from eplb.loads import check_loads
 from eplb.topology import Topology
 from eplb.transfer import transfer_plan, transfer_schedule
@@ -137,28 +138,35 @@ def available_bytes() -> int | None:
     return None
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return ""  # unreachable
-
-
-def check_plan_fits(topo: Topology, available: int | None = None) -> None:
-    """Refuses, before anything is allocated, a plan whose estimated memory
-    (``eplb.limits.plan_bytes``) is more than the memory available (``available``, default
-    ``available_bytes()``): the kernel would otherwise kill the process without a word."""
-    from eplb.limits import plan_bytes
-
+def check_plan_fits(topo: Topology, available: int | None = None, *, replan: bool = False) -> int | None:
+    """Refuses, before anything is allocated, a plan (``replan``: from ``--previous``) whose
+    estimated memory (``eplb.limits.plan_bytes``) is more than the memory available
+    (``available``, default ``available_bytes()``): the kernel would otherwise kill the process
+    without a word. Returns the memory available, for ``plan_limit``."""
     available = available_bytes() if available is None else available
-    need = plan_bytes(topo)
+    need = plan_bytes(topo, replan=replan)
     if available is not None and need > available:
         raise ValueError(
             f"a plan of {_count(topo.num_layers, 'layers')} x {topo.num_experts} experts on {topo.num_slots} slots "
-            f"({topo.slots_per_gpu} per gpu) needs about {_size(need)} of memory (eplb.limits.plan_bytes), more than "
-            f"the {_size(available)} available (MemAvailable); plan fewer layers, experts or slots per gpu"
+            f"({topo.slots_per_gpu} per gpu) needs about {size_text(need)} of memory (eplb.limits.plan_bytes), more "
+            f"than the {size_text(available)} available (MemAvailable); plan fewer layers, experts or slots per gpu"
         )
+    return available
+
+
+@contextmanager
+def plan_limit(available: int | None) -> Iterator[None]:
+    """The library's limit on a plan's memory (``eplb.set_max_plan_bytes``) set to the memory
+    available while the block runs, where it is known: the tools measure the machine they run
+    on, the library's default (``eplb.limits.MAX_PLAN_BYTES``) is for callers that do not."""
+    if available is None:
+        yield
+        return
+    old = eplb.set_max_plan_bytes(available)
+    try:
+        yield
+    finally:
+        eplb.set_max_plan_bytes(old)
 
 
 # Numeric flags: (what the value is, the comparison, the limit). Checked here so the error
@@ -232,7 +240,7 @@ def _place(args: argparse.Namespace) -> int:
         if "duplicate_rows" in trace.meta and eio.trace_format_of(Path(args.trace), args.trace_format) == "csv":
             _warn(f"{args.trace}: {trace.meta['duplicate_rows']}")
         topo = _topology(args, trace.num_layers, trace.num_experts)
-        check_plan_fits(topo)
+        available = check_plan_fits(topo, replan=bool(args.previous))
         if args.window is not None and args.window > trace.num_steps:
             raise ValueError(
                 f"--window must be between 1 and the trace's {_count(trace.num_steps, 'steps')}, got {args.window}"
@@ -251,7 +259,7 @@ def _place(args: argparse.Namespace) -> int:
         if args.scale is None and args.topology is None and args.slots is None:
             args.scale = "v3-prefill"
         topo = _topology(args, None, None)
-        check_plan_fits(topo)  # before the workload's [L, E] loads too
+        available = check_plan_fits(topo, replan=bool(args.previous))  # before the workload's [L, E] loads too
         workload, seed = args.synthetic, args.seed or 0
         loads = make_loads(workload, topo, seed)
         source = f"synthetic {workload} (seed {seed})"
@@ -292,7 +300,7 @@ def _place(args: argparse.Namespace) -> int:
             "--time-limit S caps the whole run",
             file=sys.stderr,
         )
-    with _progress("eplb place", eager=args.progress) as progress:
+    with _progress("eplb place", eager=args.progress) as progress, plan_limit(available):
         plan = eplb.rebalance(loads, topo, args.policy, previous=previous, progress=progress, **bounds, **planning)
     replicated = (plan.logcnt > 1).sum(axis=1)
     say = functools.partial(print, file=report)

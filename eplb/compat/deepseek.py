@@ -6,8 +6,10 @@ import numbers
 
 import numpy as np
 
+from ..limits import check_plan_bytes
 from ..loads import check_layer_sums
 from ..policies.deepseek import FLOAT32_LAYER_SUM, deepseek_log2phy, deepseek_rebalance
+from ..topology import Topology
 
 __all__ = ["rebalance_experts"]
 
@@ -28,7 +30,9 @@ def rebalance_experts(
       order, -1 padded, ``X`` the largest replica count of the call;
     - ``logcnt``: ``[layers, num_logical_experts]``, replicas per expert.
 
-    Where eplb.py would fail an ``assert``, this raises ``ValueError`` saying which rule broke.
+    Where eplb.py would fail an ``assert``, this raises ``ValueError`` saying which rule broke;
+    so does a plan whose ``eplb.limits.plan_bytes`` (the library's estimate, more than eplb.py's
+    linear memory needs) is above ``eplb.limits.max_plan_bytes()``.
     """
     w = np.asarray(weight)
     if w.ndim != 2 or w.dtype == bool or w.dtype.kind not in "iuf":
@@ -52,5 +56,8 @@ def rebalance_experts(
             raise ValueError(f"num_logical_experts ({num_log}) must be a multiple of num_groups ({num_groups})")
         if num_replicas % num_nodes or (num_log // num_nodes) > (num_replicas // num_nodes):
             raise ValueError("each node needs at least as many slots as it has experts")
+    if w.size:
+        hier = (num_nodes, num_groups) if num_groups % num_nodes == 0 else ()
+        check_plan_bytes(Topology(w.shape[0], num_log, num_replicas, num_gpus, *hier))
     phy2log, phyrank, logcnt, _ = deepseek_rebalance(w, num_replicas, num_groups, num_nodes, num_gpus)
     return phy2log, deepseek_log2phy(phy2log, phyrank, logcnt), logcnt

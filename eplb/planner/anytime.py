@@ -19,6 +19,7 @@ import numpy as np
 from ..bounds import row_bound
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
+from ..limits import check_plan_bytes
 from ..progress import report
 from ..result import SearchStats
 from ..topology import Topology
@@ -28,7 +29,7 @@ from .counts import refine_counts
 from .hot import separate_hot
 from .packing import WIDE_SPREAD, pack, packed_loads
 from .replicate import replica_cap, waterfill
-from .search import refine_thorough
+from .search import CHUNK, refine_thorough
 
 __all__ = ["PlanOptions", "EFFORTS", "plan_placement", "place_global", "flat_topology"]
 
@@ -38,9 +39,6 @@ EFFORTS = ("fast", "default", "high")
 # at the standard scales (bench/default_bench.py); "high" searches wider and four times longer.
 DEFAULT_WORK = 100_000
 HIGH_WORK = 400_000
-# Layers searched together. Fixed so that a plan does not depend on `workers`: each chunk has
-# its own budget and the same chunks run whichever process takes them.
-CHUNK = 16
 # Layers whose first plan is made together: each (layer, node) row's first plan is its own, so
 # blocks make the same plan as one pass, and a long plan (20000 layers) reports progress and
 # holds its temporaries per block rather than once for every layer.
@@ -159,9 +157,11 @@ def plan_placement(
     started earlier. The first plan (1-3) runs whole whatever the time: it is what the limit
     can never cut, and ``SearchStats.first_plan_over`` says when it alone ran past it.
     ``phase``: what ``eplb.progress`` calls the first plan (then ``"search"``; ``"plan"`` per
-    job with ``workers`` > 1).
+    job with ``workers`` > 1). Raises ``ValueError`` when ``eplb.limits.plan_bytes`` of
+    ``topology`` is above ``eplb.limits.max_plan_bytes()``.
     """
     topo = topology
+    check_plan_bytes(topo)
     if topo.num_groups % topo.num_nodes:
         raise ValueError(
             f"hierarchical needs num_groups ({topo.num_groups}) to be a multiple of num_nodes "

@@ -14,7 +14,16 @@ from ..bounds import item_bound
 from ..budget import Clock
 from ..layout import GOOD_ENOUGH, REL_TOL, replica_counts, slot_sums, stable_argsort, take_rows
 
-__all__ = ["WIDE_SPREAD", "pack", "packed_loads", "improve", "swap_improve", "pack_counts", "descending_order"]
+__all__ = [
+    "WIDE_SPREAD",
+    "pack",
+    "swap_partners",
+    "packed_loads",
+    "improve",
+    "swap_improve",
+    "pack_counts",
+    "descending_order",
+]
 
 # Partner bins the heaviest bin tries when the paired round finds nothing.
 _WIDE = 16
@@ -94,6 +103,16 @@ def pack(
                 _improve(weights[part], keys[part], sub, max_rounds, pairs, target[part], width)
                 assign[part] = sub
     return assign
+
+
+def swap_partners(num_bins: int) -> int:
+    """The most partner bins one heavy bin's swap grid spans in ``swap_improve`` (its wide
+    round: the lightest bins and those holding the smallest items; its paired rounds span
+    fewer), for ``eplb.limits.plan_bytes``: a row's grid holds ``swap_partners(B) * S * S``
+    item pairs."""
+    if num_bins < 2:
+        return 0
+    return min(num_bins - 1, _WIDE) + min(num_bins, _SMALL)
 
 
 def descending_order(weights: np.ndarray) -> np.ndarray:

@@ -24,7 +24,12 @@ from .packing import pack_counts, pack_counts_in_time
 from .pairing import pair_counts, pair_counts_sweep, pair_descent, paired_max
 from .replicate import count_vectors
 
-__all__ = ["refine_thorough", "repack_search", "exhaustive_counts"]
+__all__ = ["CHUNK", "refine_thorough", "repack_search", "exhaustive_counts"]
+
+# Layers searched together (eplb.planner.anytime plans in chunks of them). Fixed so that a plan
+# does not depend on `workers`: each chunk has its own budget and the same chunks run whichever
+# process takes them.
+CHUNK = 16
 
 # repack_search with many candidates per row of at least _SCREEN_SLOTS slots screens them
 # with a quick packing (_QUICK swap rounds) and packs only each row's best _SCREEN properly;

@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from ..layout import REL_TOL
+from ..limits import check_plan_bytes
 from ..metrics import gpu_loads, imbalance
 from ..placement import Placement
 from ..result import ReplanStats
@@ -117,7 +118,11 @@ def choose(
     ``quick``: the repairs aim at ``(1 + tolerance)`` of fresh's busiest gpu alone, in the
     orders and with the count moves of ``candidates(quick=True)`` (a survivor plan at
     ``effort="fast"``, where the previous placement lost slots and the time is what counts).
+
+    Raises ``ValueError`` when ``eplb.limits.plan_bytes(topology, replan=True)`` is above
+    ``eplb.limits.max_plan_bytes()``, before the candidates are made.
     """
+    check_plan_bytes(topology, replan=True)
     # No placement's imbalance exceeds num_gpus and a fresh plan's is >= 1, so a tolerance of
     # num_gpus - 1 already allows every placement; capping there keeps the repair targets
     # ((1 + k tolerance) x the busiest gpu's load) finite for any tolerance, inf included.

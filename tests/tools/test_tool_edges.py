@@ -147,7 +147,7 @@ def test_a_plan_too_large_for_the_memory_is_refused_before_allocating(capsys, mo
     assert time.monotonic() - start < 5 and allocated == []
     assert err.startswith(
         "eplb place: error: a plan of 1 layer x 100000000 experts on 100000000 slots (100000000 per gpu) needs "
-        "about 40 PB of memory (eplb.limits.plan_bytes), more than the "
+        "about 50 PB of memory (eplb.limits.plan_bytes), more than the "
     )
     assert err.endswith(" available (MemAvailable); plan fewer layers, experts or slots per gpu\n")
 
@@ -156,10 +156,48 @@ def test_the_size_check_names_the_estimate_and_the_limit_it_was_given():
     import eplb
 
     topo = eplb.Topology(2, 1000, 1000, 10)
-    need = 2 * (128 * 1000 + 2 * 1000 * 10 + 4 * 100 * 100)
-    cli.check_plan_fits(topo, available=need)  # fits exactly
-    with pytest.raises(ValueError, match=r"needs about 376 kB of memory .*, more than the 376 kB available"):
+    need = (1 << 20) + 2 * (384 * 1000 + 72 * 1000 + 1000 * 10 + (4 + 10) * 100 * 100)
+    assert cli.check_plan_fits(topo, available=need) == need  # fits exactly
+    with pytest.raises(ValueError, match=r"needs about 2.26 MB of memory .*, more than the 2.26 MB available"):
         cli.check_plan_fits(topo, available=need - 1)
+
+
+def test_the_size_check_of_a_re_plan_counts_its_repairs(capsys, monkeypatch, tmp_path):
+    # 2 layers x 256 experts on 512 slots of 4 gpus: a fresh plan needs about 4.5 MB, a re-plan
+    # 52 MB (it used 35 MB, its repairs' swap grids, where the estimate said 0.2 MB).
+    import eplb
+
+    topo = eplb.Topology(2, 256, 512, 4)
+    monkeypatch.setattr(cli, "available_bytes", lambda: 10**7)
+    previous = tmp_path / "p.npy"
+    np.save(previous, eplb.Placement.contiguous(topo).phy2log)
+    flags = ["--layers", "2", "--experts", "256", "--slots", "512", "--gpus", "4"]
+    err = _err(capsys, ["place", "--synthetic", "zipf-1.0", *flags, "--previous", str(previous)])
+    assert err == (
+        "eplb place: error: a plan of 2 layers x 256 experts on 512 slots (128 per gpu) needs about 51.6 MB of memory "
+        "(eplb.limits.plan_bytes), more than the 10 MB available (MemAvailable); plan fewer layers, experts or "
+        "slots per gpu\n"
+    )
+
+
+def test_eplb_place_plans_up_to_the_memory_available_not_the_librarys_default(capsys, monkeypatch):
+    # The library's default limit is for callers that do not know the machine; eplb place
+    # measures it, and sets the library's limit to it while it plans (then puts it back).
+    import eplb
+
+    monkeypatch.setattr(cli, "available_bytes", lambda: 1 << 30)
+    old = eplb.set_max_plan_bytes(1000)  # below any plan: the library alone would refuse this one
+    try:
+        seen = []
+        plan = eplb.rebalance
+        monkeypatch.setattr(
+            cli.eplb, "rebalance", lambda *a, **k: seen.append(eplb.limits.max_plan_bytes()) or plan(*a, **k)
+        )
+        assert cli.main(["place", *SMALL]) == 0
+        assert seen == [1 << 30] and eplb.limits.max_plan_bytes() == 1000
+    finally:
+        eplb.set_max_plan_bytes(old)
+    capsys.readouterr()
 
 
 def test_the_service_limits_are_the_cores():
