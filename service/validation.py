@@ -147,11 +147,16 @@ def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
                 )
             )
     try:
-        return eplb.Topology(
+        topo = eplb.Topology(
             msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
         )
+        # A topology within the sizes above may still need more memory to re-plan than a plan
+        # may take (few gpus of many slots: the repairs grow with slots per gpu squared): refused
+        # here, not at its first plan.
+        eplb.limits.check_plan_bytes(topo, replan=True)
     except ValueError as exc:
         raise InvalidArgument(FieldViolation(field, str(exc))) from None
+    return topo
 
 
 def check_policy(policy: str, field: str) -> str:

@@ -419,3 +419,17 @@ async def test_audit_fields_hold_names_only_when_plain(serve, connect, caplog):
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment("fine-1")))
     fields = [r.deployment for r in caplog.records if r.name == "eplb_service.audit"]
     assert fields == [ascii(odd), "fine-1"] and fields[0].isascii()
+
+
+async def test_a_topology_too_big_to_re_plan_is_refused_at_create(serve, connect):
+    """Within every size limit, a few gpus of many slots may still need more memory to re-plan
+    than the library allows (eplb.limits.plan_bytes): refused when created, not at its first plan
+    (which ran the worker out of memory before the library's guard)."""
+    server = await serve()
+    c = connect(server)
+    d = pb.Deployment(name="wide", topology=pb.Topology(num_layers=64, num_experts=8192, num_slots=16384, num_gpus=1))
+    err = await _call(c.stub, "CreateDeployment", pb.CreateDeploymentRequest(deployment=d))
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [(field, description)] = status_details(err)
+    assert field == "deployment.topology" and "eplb.limits.plan_bytes" in description, description
+    assert not (await c.stub.ListDeployments(pb.ListDeploymentsRequest())).deployments
