@@ -19,6 +19,9 @@ Per model, ``EplbState.model_states[...]`` holds (all int64 on the device unless
 - ``expert_load_window`` int32 ``[W, L, P]``: tokens per physical slot over the last ``W``
   steps, this rank's view (vLLM sums it over the window, folds slots into experts with
   ``scatter_add_`` and all-reduces over the EP group before its own rebalance).
+
+Every array and tensor returned here is contiguous (``tests/engine/test_adapter_contiguity.py``
+all-reduces each over gloo ranks).
 """
 
 from __future__ import annotations
@@ -125,10 +128,12 @@ def take_over(eplb_state: Any) -> None:
 
 def last_step_loads(eplb_state: Any, model_state: Any) -> torch.Tensor:
     """int32 ``[L, P]``: the tokens per slot of the pass the last ``eplb_state.step()`` recorded
-    (its row of ``model_state.expert_load_window``, a view: report it with ``copy=True``).
+    (its row of ``model_state.expert_load_window``, a view of the window, which vLLM allocates
+    contiguous: report it with ``copy=True``).
     Meaningful after ``take_over`` (every non-dummy step records)."""
     row = (eplb_state.expert_load_window_step - 1) % eplb_state.expert_load_window_size
-    return model_state.expert_load_window[row]
+    # A row of vLLM's contiguous window is contiguous: contiguous() keeps it a view then.
+    return model_state.expert_load_window[row].contiguous()
 
 
 @dataclass(frozen=True)
@@ -217,4 +222,5 @@ def vllm_expert_loads(
     # as vLLM's own fold does.
     out = torch.zeros((slots.shape[0], num_experts + 1), dtype=torch.float64)
     out.scatter_add_(1, p2l.masked_fill(p2l < 0, num_experts), slots)
-    return out[:, :num_experts].numpy()
+    # A copy, not the column slice: a strided result all-reduces to wrong values on gloo.
+    return out[:, :num_experts].contiguous().numpy()
