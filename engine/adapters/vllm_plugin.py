@@ -8,7 +8,8 @@ two methods of vLLM's ``EplbState`` class at import time:
 - ``add_model``: after vLLM built a model's ``EplbModelState``, ``take_over`` hands the state
   to eplb (records every step, no rearrangement of vLLM's own, no ``log_balancedness``
   all-reduce); the model waits to be wired until the next ``step``, since vLLM adds a draft
-  model and its target one after the other (the draft first: ``GPUModelRunner.load_model``);
+  model and its target one after the other (the draft first: ``GPUModelRunner.load_model``;
+  from 0.34.0 ``EPLBController.maybe_register_speculator``, then ``maybe_register_model``);
 - ``step`` (called by the model runner after each forward pass, dummy and profile ones
   included, on every EP rank): the first call after models were added wires them
   (``wire_rank``: this rank's ``eplb_engine.BalancedRank`` on vLLM's EP group, connected to
