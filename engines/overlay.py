@@ -8,6 +8,14 @@ every entry a symlink into the venv's install except the paths named, which are 
 wheel's own files (a named folder whole, files the pinned one lacks included). The venv is not
 touched, so the same venv runs the tests against the pinned release and against the overlay.
 
+A path may name definitions after a colon, ``vllm/config/utils.py:hash_config,hash_config_cached``:
+a graft. The file is then the pinned release's own, with those top-level definitions (functions,
+classes with their decorators, assignments) of the later release's file appended, their source
+text as the wheel has it. It is for a module the later package imports a new name from while
+the pinned release's other modules still import names the later file dropped (vLLM 0.34.0's
+``vllm/config/utils.py``: ``hash_config_cached`` in, ``compute_hash_cached`` out), so that
+neither file can stand alone beside the rest of the pinned install.
+
 The wheel comes through ``pip download --no-deps --only-binary :all:`` into a temporary folder
 (vLLM 0.33.0's: 336 MB, fetched in 14 to 19 s here; pip's cache does not keep a file that
 large) and only the named paths are kept. The sdist (47 MB) cannot be fetched so: ``pip
@@ -19,7 +27,9 @@ rebuilt only when its ``overlays.txt`` line changes.
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +46,14 @@ def installed_root(python: str, package: str) -> Path:
 
 
 def download(python: str, requirement: str, into: Path) -> Path:
+    """The requirement's wheel: from ``$EPLB_OVERLAY_WHEELS`` (a folder ``scripts/engine_release.sh``
+    has just downloaded it into) when it is there, else through ``pip download``."""
+    name, _, version = requirement.partition("==")
+    kept = os.environ.get("EPLB_OVERLAY_WHEELS")
+    if kept:
+        found = sorted(Path(kept).glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+        if found:
+            return found[0]
     subprocess.run(
         [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", requirement, "-d", str(into)],
         check=True,
@@ -58,6 +76,36 @@ def extract(wheel: Path, paths: list[str], into: Path) -> list[str]:
         for name in names:
             zf.extract(name, into)
     return names
+
+
+def split_graft(path: str) -> tuple[str, list[str]]:
+    """``"a/b.py:f,g"`` → ``("a/b.py", ["f", "g"])``; a plain path → ``(path, [])``."""
+    path, _, names = path.partition(":")
+    return path, [n for n in names.split(",") if n]
+
+
+def graft(pinned: str, later: str, names: list[str], origin: str) -> str:
+    """``pinned``'s source with the top-level definitions ``names`` of ``later`` appended (in
+    ``later``'s order, decorators included); ``SystemExit`` naming any it lacks."""
+    lines = later.splitlines(keepends=True)
+    taken: dict[str, str] = {}
+    for node in ast.parse(later).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined = [node.name]
+        elif isinstance(node, ast.Assign):
+            defined = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined = [node.target.id]
+        else:
+            continue
+        for name in set(defined) & set(names):
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            taken[name] = "".join(lines[first - 1 : node.end_lineno])
+    missing = [n for n in names if n not in taken]
+    if missing:
+        raise SystemExit(f"{origin} defines no {missing}")
+    header = f"\n\n# Grafted by eplb's engines/overlay.py from {origin}: {', '.join(names)}\n"
+    return pinned.rstrip("\n") + header + "\n\n".join(taken.values())
 
 
 def mirror(installed: Path, out: Path, taken: Path, rel: Path, paths: set[Path]) -> None:
@@ -86,17 +134,24 @@ def main(python: str, out: str, requirement: str, *paths: str) -> None:
         return
     shutil.rmtree(out_dir, ignore_errors=True)
     start = time.monotonic()
+    grafts = dict(split_graft(p) for p in paths)
+    files = list(grafts)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = download(python, requirement, Path(tmp) / "wheel")
         size = wheel.stat().st_size
         fetched = time.monotonic() - start
         taken = Path(tmp) / "taken"
-        names = extract(wheel, list(paths), taken)
-        package = Path(paths[0]).parts[0]
-        if any(Path(p).parts[0] != package for p in paths):
-            raise SystemExit(f"the overlay's paths must lie in one package ({package}): {list(paths)}")
+        names = extract(wheel, files, taken)
+        package = Path(files[0]).parts[0]
+        if any(Path(p).parts[0] != package for p in files):
+            raise SystemExit(f"the overlay's paths must lie in one package ({package}): {files}")
         installed = installed_root(python, package)
-        mirror(installed.parent, out_dir, taken, Path(package), {Path(p.rstrip("/")) for p in paths})
+        for path, defs in grafts.items():
+            if defs:
+                later = taken / path
+                pinned = (installed.parent / path).read_text()
+                later.write_text(graft(pinned, later.read_text(), defs, f"{requirement}'s {path}"))
+        mirror(installed.parent, out_dir, taken, Path(package), {Path(p.rstrip("/")) for p in files})
     stamp.write_text(json.dumps(want))
     print(
         f"overlay {requirement}: {wheel.name} ({size / 1e6:.1f} MB) fetched in {fetched:.0f} s, "

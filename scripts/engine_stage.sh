@@ -8,8 +8,9 @@
 # packages their EPLB and expert-location modules import, CPU torch among them. eplb itself goes
 # in editable, without its own extras. The tests live in tests_engines/NAME/, outside the main
 # suite's testpaths, so the rest of the suite runs without any engine installed.
-# engines/NAME/overlays.txt names later releases whose Python files (vLLM 0.33.0's EPLB package)
+# engines/NAME/overlays.txt names later releases whose Python files (vLLM 0.33.0's and 0.34.0's EPLB packages)
 # are laid over the pinned install (engines/overlay.py): the tests run again against each.
+# scripts/engine_release.sh ENGINE VERSION adds a new release (engines/release.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 engines=("$@")

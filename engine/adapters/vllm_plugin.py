@@ -8,7 +8,8 @@ two methods of vLLM's ``EplbState`` class at import time:
 - ``add_model``: after vLLM built a model's ``EplbModelState``, ``take_over`` hands the state
   to eplb (records every step, no rearrangement of vLLM's own, no ``log_balancedness``
   all-reduce); the model waits to be wired until the next ``step``, since vLLM adds a draft
-  model and its target one after the other (the draft first: ``GPUModelRunner.load_model``);
+  model and its target one after the other (the draft first: ``GPUModelRunner.load_model``;
+  from 0.34.0 ``EPLBController.maybe_register_speculator``, then ``maybe_register_model``);
 - ``step`` (called by the model runner after each forward pass, dummy and profile ones
   included, on every EP rank): the first call after models were added wires them
   (``wire_rank``: this rank's ``eplb_engine.BalancedRank`` on vLLM's EP group, connected to
@@ -71,6 +72,7 @@ def install(eplb_state_class: type, wire: Wire) -> None:
     def eplb_add_model(self: Any, model: Any, model_config: Any, model_name: str | None = None) -> None:
         from .vllm import take_over
 
+        before = list(self.model_states.values())
         add_model(self, model, model_config, model_name)
         take_over(self)
         if self.__dict__.get("_eplb_ranks"):
@@ -78,7 +80,11 @@ def install(eplb_state_class: type, wire: Wire) -> None:
                 "a model added after the drop-in wired its models at the first step() is not supported: vLLM "
                 "adds the target and its draft before it steps"
             )
-        self.__dict__.setdefault("_eplb_pending", []).append((model_config.compute_hash(), model_name, model_config))
+        # The key of the state add_model built, found rather than computed: vLLM keys
+        # model_states by model_config.compute_hash() up to 0.33.0 and by
+        # vllm.config.utils.hash_config_cached(model_config) from 0.34.0.
+        (key,) = [k for k, v in self.model_states.items() if not any(v is old for old in before)]
+        self.__dict__.setdefault("_eplb_pending", []).append((key, model_name, model_config))
         self._eplb_step = 0
 
     def wire_pending(self: Any) -> None:

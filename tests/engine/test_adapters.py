@@ -24,6 +24,7 @@ from eplb_engine.adapters.vllm import (
     from_vllm,
     to_vllm,
     vllm_expert_loads,
+    vllm_release,
     vllm_slot_loads,
 )
 
@@ -43,7 +44,7 @@ def _random_placement(rng: np.random.Generator, G: int | None = None) -> eplb.Pl
 
 def test_vllm_maps_match_vllms_documented_example() -> None:
     topo = eplb.Topology(2, 4, 6, 3)
-    maps = to_vllm(eplb.Placement(np.array(VLLM_P2L), topo))
+    maps = to_vllm(eplb.Placement(np.array(VLLM_P2L), topo), width=VLLM_MAP_WIDTH)
     assert maps.physical_to_logical_map.tolist() == VLLM_P2L
     assert maps.logical_to_physical_map.shape == (2, 4, VLLM_MAP_WIDTH) == (2, 4, 1024)
     assert maps.logical_to_physical_map[..., :3].tolist() == VLLM_L2P
@@ -53,6 +54,28 @@ def test_vllm_maps_match_vllms_documented_example() -> None:
         t.dtype for t in (maps.physical_to_logical_map, maps.logical_to_physical_map, maps.logical_replica_count)
     } == {torch.int64}
     assert from_vllm(maps.physical_to_logical_map, topo) == eplb.Placement(np.array(VLLM_P2L), topo)
+
+
+def test_vllm_release_decides_the_map_width_and_the_recording_write() -> None:
+    """vLLM 0.34.0 sizes logical_to_physical_map by the redundant slots (unless elastic EP is
+    on) and writes should_record_tensor only on a change; earlier releases: 1024, every step.
+    A later release is taken as the newest; no vLLM installed (this suite): the newest."""
+    for version, width, elastic, tracks in (
+        ("0.32.0", 1024, 1024, False),
+        ("0.33.0+cpu", 1024, 1024, False),
+        ("0.34.0", 33, 1024, True),
+        ("0.35.0rc1", 33, 1024, True),
+    ):
+        release = vllm_release(version)
+        assert release.version == version
+        assert (release.map_width(32), release.map_width(32, elastic_ep=True)) == (width, elastic), version
+        assert release.tracks_should_record is tracks, version
+    assert vllm_release() == vllm_release("0.34.0")
+    with pytest.raises(ValueError, match="vLLM version 'dev' does not start with MAJOR.MINOR"):
+        vllm_release("dev")
+    # to_vllm's default width is the installed release's for the placement's redundant slots
+    maps = to_vllm(eplb.Placement(np.array(VLLM_P2L), eplb.Topology(2, 4, 6, 3)))
+    assert maps.logical_to_physical_map.shape == (2, 4, 3)
 
 
 def test_apply_to_vllm_writes_the_live_tensors_in_place() -> None:

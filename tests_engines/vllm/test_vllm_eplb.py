@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from vllm_world import GUIDE_EPLB, coded, cpu_streams, fake_moe, model_config, run_ranks, vllm_world
+from vllm_world import GUIDE_EPLB, coded, cpu_streams, fake_moe, model_config, run_ranks, state_key, vllm_world
 
 import eplb
 from eplb_engine.adapters.vllm import (
@@ -22,6 +22,7 @@ from eplb_engine.adapters.vllm import (
     take_over,
     to_vllm,
     vllm_expert_loads,
+    vllm_release,
 )
 
 L, E, R = 2, 8, 4  # MoE layers, experts, redundant slots: P = 12 over 2 ranks
@@ -37,7 +38,7 @@ def test_the_installed_vllm_is_a_supported_version():
 
     assert check_vllm_version() == vllm.__version__
     assert vllm.__version__ in SUPPORTED_VLLM
-    with pytest.warns(UnsupportedVllmWarning, match=r"vLLM 0\.31\.0 is not .*0\.32\.0, 0\.33\.0"):
+    with pytest.warns(UnsupportedVllmWarning, match=r"vLLM 0\.31\.0 is not .*0\.32\.0, 0\.33\.0, 0\.34\.0"):
         check_vllm_version("0.31.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -258,6 +259,7 @@ def _gpu_down(rank: int, world: int, port: int) -> dict:
             ],
             "derived": [l2p.tolist(), count.tolist()],
             "to_vllm_width": to_vllm(down).logical_to_physical_map.shape[-1],
+            "live_width": ms.logical_to_physical_map.shape[-1],
             "our_fold": vllm_expert_loads(window, ms.physical_to_logical_map, DOWN_E).tolist(),
             "fold_torch": fold_slot_counts(slot_counts.double(), down).tolist(),
             "fold_numpy": fold_slot_counts(slot_counts.double().numpy(), down).tolist(),
@@ -293,8 +295,104 @@ def test_a_map_with_a_gpu_down_commits_and_folds_as_vllms_own():
         row for layer in out["derived"][0] for row in layer
     ]
     assert out["ours"][2] == out["vllm"][2] == out["derived"][1]
-    assert out["to_vllm_width"] == 1024
+    assert out["to_vllm_width"] == out["live_width"] == _WIDTHS[_version()](DOWN_R)
     assert out["our_fold"] == out["fold_torch"] == out["fold_numpy"] == out["live_tokens"]
     # vLLM's fold all-reduces over the 2 ranks, which routed the same pass
     assert out["vllm_fold"] == both[1]["vllm_fold"] == (2 * np.array(out["our_fold"])).tolist()
     assert out["p2l_after"] == both[1]["p2l_after"] == _down_map().tolist()
+
+
+def _version() -> str:
+    import vllm
+
+    return vllm.__version__.split("+")[0]
+
+
+# logical_to_physical_map's width per release, for a model of R redundant slots (elastic EP off):
+# vLLM's MAX_EXPERT_REDUNDANCY + 1 up to 0.33.0, num_redundant_experts + 1 from 0.34.0.
+_WIDTHS = {"0.32.0": lambda r: 1024, "0.33.0": lambda r: 1024, "0.34.0": lambda r: r + 1}
+
+
+def _built(rank: int, world: int, port: int) -> dict:
+    """What ``add_model`` built: the maps' width, the key it filed the state under."""
+    with vllm_world(rank, world, port, **GUIDE_EPLB) as parallel:
+        from vllm.distributed.eplb.eplb_state import EplbState
+
+        state = EplbState(parallel, torch.device("cpu"))
+        config = model_config()
+        state.add_model(fake_moe(L, E, GUIDE_EPLB["num_redundant_experts"], world, rank), config)
+        ms = next(iter(state.model_states.values()))
+        placement = eplb.Placement(ms.physical_to_logical_map.numpy().copy(), eplb.Topology(L, E, E + 32, world))
+        maps = to_vllm(placement)
+        return {
+            "keys": list(state.model_states),
+            "state_key": state_key(config),
+            "width": ms.logical_to_physical_map.shape[-1],
+            "release_width": vllm_release().map_width(GUIDE_EPLB["num_redundant_experts"]),
+            "to_vllm_equal": all(
+                torch.equal(getattr(maps, name), getattr(ms, name))
+                for name in ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count")
+            ),
+        }
+
+
+def test_each_release_builds_the_map_width_and_state_key_the_adapter_expects():
+    """vLLM 0.34.0 sizes logical_to_physical_map by the model's redundant slots (33 for the
+    guide's 32; 1024 before) and files the state under hash_config_cached(model_config) (a
+    SHA-256 of compile_factors(); compute_hash() before): to_vllm's default width is the live
+    one on each release, and the drop-in finds the state whatever its key."""
+    import hashlib
+    import json
+
+    out = run_ranks(_built, 2)[0]
+    version = _version()
+    assert out["width"] == out["release_width"] == _WIDTHS[version](32)
+    assert out["to_vllm_equal"]
+    sha = hashlib.sha256(json.dumps({"model": "fake-moe"}, sort_keys=True).encode()).hexdigest()
+    want_key = {"0.32.0": "fake-moe", "0.33.0": "fake-moe", "0.34.0": sha}[version]
+    assert out["keys"] == [want_key] == [out["state_key"]]
+
+
+def _recording_after_a_write_elsewhere(rank: int, world: int, port: int) -> dict:
+    """vLLM's step records (every step lies within the window before a rearrangement), so
+    the last value it wrote is True; a write elsewhere turns the layers' recording off, as
+    0.34.0's EPLBController.suppress does around a warmup pass; then take_over."""
+    config = {"num_redundant_experts": R, "window_size": 1000, "step_interval": 100}
+    with vllm_world(rank, world, port, **config) as parallel:
+        from vllm.distributed.eplb.eplb_state import EplbState
+
+        state = EplbState(parallel, torch.device("cpu"))
+        model = fake_moe(L, E, R, world, rank)
+        state.add_model(model, model_config())
+        state.step()
+        written_before = state.__dict__.get("_should_record_value", "absent")
+        state.should_record_tensor.fill_(False)
+        take_over(state)
+        on_after_take_over = bool(state.should_record_tensor)
+        ms = next(iter(state.model_states.values()))
+        P = model.num_physical_experts
+        for layer, moe in enumerate(model.moe_layers):
+            moe.route(slot_tokens(layer, 7, P))
+        state.step()
+        return {
+            "written_before": written_before,
+            "on_after_take_over": on_after_take_over,
+            "on_after_step": bool(state.should_record_tensor),
+            "recorded": last_step_loads(state, ms).tolist(),
+            "want": [slot_tokens(layer, 7, P).tolist() for layer in range(L)],
+        }
+
+
+def test_take_over_switches_recording_on_after_a_write_vllm_did_not_track():
+    """0.34.0 writes should_record_tensor only when the value differs from the last it wrote
+    (_should_record_value): take_over must still switch the layers' recording on when a write
+    elsewhere turned it off behind that value. Without forgetting the value, 0.34.0's update
+    skips the write and the pass is not recorded."""
+    out = run_ranks(_recording_after_a_write_elsewhere, 2)
+    version = _version()
+    for rank in (0, 1):
+        got = out[rank]
+        assert got["written_before"] == (True if vllm_release().tracks_should_record else "absent"), got
+        assert vllm_release().tracks_should_record == (version == "0.34.0")
+        assert got["on_after_take_over"] and got["on_after_step"], got
+        assert got["recorded"] == got["want"], got

@@ -1,6 +1,7 @@
 """docs/integrate-vllm.md's code blocks, extracted and run as written (gloo for nccl, the
-address of a real service on 127.0.0.1), against vLLM 0.32.0's real ``EplbState`` and
-``EplbModelState`` on two gloo ranks, with the guide's ``--eplb-config`` and ``take_over``:
+address of a real service on 127.0.0.1), against the vLLM release under test's real
+``EplbState`` and ``EplbModelState`` (0.32.0, or 0.33.0's or 0.34.0's in the overlay runs) on two
+gloo ranks, with the guide's ``--eplb-config`` and ``take_over``:
 vLLM's ``step()`` records each pass, the guide's ``report_step`` reports it, a forced re-plan
 is moved and switched by the guide's rollout, and vLLM's live maps and the expert weights end
 on the new version. CPU patches as in ``vllm_world`` (tests only); the MoE model is

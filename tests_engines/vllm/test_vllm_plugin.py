@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_world import coded, cpu_streams, fake_moe, model_config, run_ranks, vllm_world
+from vllm_world import coded, cpu_streams, fake_moe, model_config, run_ranks, state_key, vllm_world
 
 L, E, R = 2, 8, 4  # MoE layers, experts, redundant slots: P = 12 over 2 ranks
 HOT = 7
@@ -206,10 +206,10 @@ def _with_draft(rank: int, world: int, port: int, address: str) -> dict:
         state = EplbState(parallel, torch.device("cpu"))
         # As GPUModelRunner.load_model: the draft first, named by eplb_draft_model_name, then the target.
         draft, target = fake_moe(DL, E, R, world, rank), fake_moe(L, E, R, world, rank)
-        draft_config = model_config("fake-draft")
+        draft_config, target_config = model_config("fake-draft"), model_config()
         state.add_model(draft, draft_config, model_name=f"{draft_config.model} (draft)")  # eplb_draft_model_name
-        state.add_model(target, model_config())
-        ms, dms = state.model_states["fake-moe"], state.model_states["fake-draft"]
+        state.add_model(target, target_config)
+        ms, dms = state.model_states[state_key(target_config)], state.model_states[state_key(draft_config)]
         client = ServiceClient(address)
         deadline, step, forced = time.monotonic() + 60, 0, []
         while True:

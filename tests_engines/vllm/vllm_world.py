@@ -170,7 +170,9 @@ def coded(layer: int, experts: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def model_config(name: str = "fake-moe") -> object:
-    """What ``EplbState.add_model`` reads of a ``ModelConfig``: ``model`` and ``compute_hash()``."""
+    """What ``EplbState.add_model`` reads of a ``ModelConfig``: ``model``, and what its key is
+    made of: ``compute_hash()`` up to 0.33.0, ``compile_factors()`` (hashed by
+    ``hash_config_cached``) from 0.34.0."""
 
     class _ModelConfig:
         model = name
@@ -178,7 +180,18 @@ def model_config(name: str = "fake-moe") -> object:
         def compute_hash(self) -> str:
             return name
 
+        def compile_factors(self) -> dict[str, object]:
+            return {"model": name}
+
     return _ModelConfig()
+
+
+def state_key(config: object) -> str:
+    """The key of ``config``'s model in ``EplbState.model_states``, as this vLLM computes it
+    (``hash_config_cached`` where ``vllm.config.utils`` has it, 0.34.0 on; else ``compute_hash()``)."""
+    import vllm.config.utils as utils
+
+    return utils.hash_config_cached(config) if hasattr(utils, "hash_config_cached") else config.compute_hash()
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: dict) -> None:
