@@ -85,3 +85,14 @@ def status_details(exc: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
             detail.Unpack(bad)
             out += [(v.field, v.description) for v in bad.field_violations]
     return out
+
+
+async def timed(call: object) -> tuple[grpc.StatusCode, float]:
+    """``call``'s status code (OK when it returned) and the seconds it took to answer."""
+    start = time.monotonic()
+    try:
+        await call
+        code = grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+    return code, time.monotonic() - start

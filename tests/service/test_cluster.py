@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import report_some_load, small_deployment
+from svc_helpers import report_some_load, small_deployment, timed
 
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
@@ -146,16 +146,6 @@ async def _reports(c, name: str, loads: np.ndarray) -> bool:
     return (await AsyncServiceClient.over(c.channel).report(reports(name, 1, [loads]))).accepted == 1
 
 
-async def _timed(call) -> tuple[grpc.StatusCode, float]:
-    start = time.monotonic()
-    try:
-        await call
-        code = grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as exc:
-        code = exc.code()
-    return code, time.monotonic() - start
-
-
 async def test_a_hung_master_fails_every_call_of_its_deployments_within_one_socket_timeout(
     serve, connect, redis_cluster
 ):
@@ -209,13 +199,13 @@ async def test_a_hung_master_fails_every_call_of_its_deployments_within_one_sock
                 "GetPlacement": c.stub.GetPlacement(pb.GetPlacementRequest(deployment=victim)),  # from memory
                 "ListDeployments": c.stub.ListDeployments(pb.ListDeploymentsRequest()),  # the others
             }
-            tasks = {what: asyncio.create_task(_timed(call)) for what, call in {**calls, **served}.items()}
+            tasks = {what: asyncio.create_task(timed(call)) for what, call in {**calls, **served}.items()}
             if wave:
                 # Deployments on the other masters keep serving meanwhile.
                 for n in others:
-                    code, took = await _timed(AsyncServiceClient.over(c.channel).report(reports(n, 0, [loads])))
+                    code, took = await timed(AsyncServiceClient.over(c.channel).report(reports(n, 0, [loads])))
                     assert code == grpc.StatusCode.OK and took < 0.5, (n, code, took)
-                    code, took = await _timed(c.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True)))
+                    code, took = await timed(c.stub.Rebalance(pb.RebalanceRequest(deployment=n, force=True)))
                     assert code == grpc.StatusCode.OK and took < 1.0, (n, code, took)
             got = {what: await task for what, task in tasks.items()}
             for what in calls:

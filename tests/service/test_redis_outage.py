@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from svc_helpers import report_some_load, small_deployment
+from svc_helpers import report_some_load, small_deployment, timed
 
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
@@ -152,16 +152,6 @@ async def test_a_hung_redis_costs_a_call_one_socket_timeout(serve, connect, priv
     assert got.deployment.version == 1
 
 
-async def _timed(call) -> tuple[grpc.StatusCode, float]:
-    start = time.monotonic()
-    try:
-        await call
-        code = grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as exc:
-        code = exc.code()
-    return code, time.monotonic() - start
-
-
 async def test_a_hung_redis_fails_every_call_within_one_socket_timeout(serve, connect, private_redis):
     # Every RPC at once, before health notices: each waited its own timeouts (ReportLoad queued
     # behind a batch in flight 2 s, SetRanksDown and Rebalance 4-5 s, one store call after another).
@@ -188,15 +178,15 @@ async def test_a_hung_redis_fails_every_call_within_one_socket_timeout(serve, co
                 for r in range(4)
             },
         }
-        tasks = {what: asyncio.create_task(_timed(call)) for what, call in calls.items()}
+        tasks = {what: asyncio.create_task(timed(call)) for what, call in calls.items()}
         await asyncio.sleep(0.5)  # these queue behind the first reports' batch in flight
         later = {
             f"ReportLoad(rank {r}, later)": asyncio.create_task(
-                _timed(AsyncServiceClient.over(c.channel).report(reports("d1", r, [loads])))
+                timed(AsyncServiceClient.over(c.channel).report(reports("d1", r, [loads])))
             )
             for r in range(4, 8)
         }
-        served = await _timed(s.GetPlacement(pb.GetPlacementRequest(deployment="d1")))  # from memory
+        served = await timed(s.GetPlacement(pb.GetPlacementRequest(deployment="d1")))  # from memory
         for what, task in {**tasks, **later}.items():
             code, took = await task
             assert code == grpc.StatusCode.UNAVAILABLE and took <= 1.5, (what, code.name, f"{took:.2f}s")

@@ -170,14 +170,19 @@ def test_ilp_time_limit_is_one_limit_with_progress_and_a_note(tmp_path, capsys):
         in captured.out
     )
     # Not a terminal: plain lines, from the start with --progress.
-    assert "eplb place: ilp: layers 4/4 (100 %), 0 s\n" in captured.err
+    # (the seconds are wall time: 0 or 1 on a loaded machine, so they are not asserted)
+    assert re.search(r"^eplb place: ilp: layers 4/4 \(100 %\), \d+ s$", captured.err, re.M), captured.err
     topo = eplb.Topology(4, 64, 80, 16)
     assert (
         eplb.Placement(np.array(json.loads(out.read_text())["phy2log"]), topo)
         == eplb.rebalance(make_loads("zipf-1.0", topo), topo, "global").placement
     )
     assert cli.main(["place", *flags, "--policy", "global", "--progress"]) == 0
-    assert "eplb place: search: layers 4/4 (100 %), 0 s\neplb place: planned in 0 s\n" in capsys.readouterr().err
+    assert re.search(
+        r"^eplb place: search: layers 4/4 \(100 %\), \d+ s\neplb place: planned in \d+ s$",
+        capsys.readouterr().err,
+        re.M,
+    )
     assert cli.main(["place", *flags, "--policy", "global", "--time-limit", "0"]) == 2
     assert "--time-limit must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
 
