@@ -30,6 +30,7 @@ class Compute:
         if times:
             raise InvalidArgument(times)
         topo = validation.topology_from(request.topology, "topology")
+        validation.check_plan_memory(topo, "topology")
         policy = validation.check_policy(request.policy, "policy")
         loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
         violations = validation.check_migration(request.migration, policy, "migration")

@@ -35,6 +35,7 @@ __all__ = [
     "check_ilp_size",
     "check_migration",
     "check_name",
+    "check_plan_memory",
     "check_planning",
     "check_policy",
     "check_rank",
@@ -147,16 +148,29 @@ def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
                 )
             )
     try:
-        topo = eplb.Topology(
+        return eplb.Topology(
             msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
         )
-        # A topology within the sizes above may still need more memory to re-plan than a plan
-        # may take (few gpus of many slots: the repairs grow with slots per gpu squared): refused
-        # here, not at its first plan.
+    except ValueError as exc:
+        raise InvalidArgument(FieldViolation(field, str(exc))) from None
+
+
+def _plannable(msg: pb.Topology, field: str) -> eplb.Topology:
+    topo = topology_from(msg, field)
+    check_plan_memory(topo, field)
+    return topo
+
+
+def check_plan_memory(topo: eplb.Topology, field: str) -> None:
+    """INVALID_ARGUMENT on ``field`` when re-planning ``topo`` needs more memory than a plan may
+    take (``eplb.limits.check_plan_bytes``): a topology within the sizes of ``topology_from`` may
+    still (few gpus of many slots: the repairs grow with slots per gpu squared). Checked on
+    create and on ComputePlacement, so it is refused there, not at its first plan; deployments
+    already stored are followed and served whatever it says."""
+    try:
         eplb.limits.check_plan_bytes(topo, replan=True)
     except ValueError as exc:
         raise InvalidArgument(FieldViolation(field, str(exc))) from None
-    return topo
 
 
 def check_policy(policy: str, field: str) -> str:
@@ -200,7 +214,7 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     violations: list[FieldViolation] = []
     for check in (
         lambda: check_name(msg.name, f"{field}.name"),
-        lambda: out.topology.CopyFrom(topology_to(topology_from(msg.topology, f"{field}.topology"))),
+        lambda: out.topology.CopyFrom(topology_to(_plannable(msg.topology, f"{field}.topology"))),
         lambda: setattr(out, "policy", check_policy(msg.policy, f"{field}.policy")),
     ):
         try:
