@@ -23,6 +23,7 @@ from .limits import check_plan_bytes
 from .loads import check_loads
 from .placement import Placement
 from .planner.anytime import PlanOptions
+from .planner.settle import settle
 from .planner.spread import spread_nodes as spread_over_nodes
 from .progress import Progress, check_callback, report, reporting
 from .replan.choose import choose
@@ -276,6 +277,7 @@ def rebalance(
     placement. What it does with it (a bar, a log line) is the caller's.
     """
     check_callback(progress)
+    timing = _time_options({k: options.pop(k) for k in TIME_OPTIONS if k in options})
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
     spec = get_policy(policy)
@@ -307,7 +309,90 @@ def rebalance(
             plan = _survivor_plan(arr, live, policy, previous, options)
         else:
             plan = _plan(arr, topology, spec, policy, previous, options)
-        return _spread(plan, arr, previous) if spread_nodes else plan
+        plan = _spread(plan, arr, previous) if spread_nodes else plan
+        return plan if timing is None else _for_time(plan, arr, previous, timing)
+
+
+# Policies whose fresh plans without redundant slots are settled (eplb.planner.settle): the
+# replicate-and-pack family; deepseek stays eplb.py's, ilp the solver's.
+_SETTLED = ("global", "hierarchical")
+
+# rebalance's options for planning time rather than tokens (eplb.timing, eplb.planner.timeplan).
+TIME_OPTIONS = ("kernel_curve", "tokens_per_gpu", "top_k", "dispatch")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    cost: object
+    batches: object
+    top_k: int
+    dispatch: str
+
+
+def _time_options(given: dict) -> _Timing | None:
+    """``kernel_curve``, ``tokens_per_gpu``, ``top_k``, ``dispatch`` checked (``ValueError`` says
+    what each allows); ``None`` without a curve."""
+    from .kernel import as_cost_model
+    from .timing import DISPATCHES, batches_from
+
+    if "kernel_curve" not in given:
+        if given:
+            raise ValueError(
+                f"{', '.join(sorted(given))} plan for time and need kernel_curve= (a KernelModel, a shipped "
+                "model's name, or a (tokens, microseconds) pair of arrays)"
+            )
+        return None
+    cost = as_cost_model(given["kernel_curve"])
+    missing = [k for k in ("tokens_per_gpu", "top_k") if k not in given]
+    if missing:
+        raise ValueError(f"kernel_curve= plans for time and needs {' and '.join(missing)}=")
+    top_k = given["top_k"]
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 (experts each token picks), got {top_k!r}")
+    dispatch = given.get("dispatch", "even")
+    if dispatch not in DISPATCHES:
+        raise ValueError(
+            f"dispatch must be one of {', '.join(DISPATCHES)} (how the engine splits an expert's tokens over its "
+            f"replicas: 'even' as vLLM's modulo, 'static' one replica per source rank as SGLang's); got {dispatch!r}"
+        )
+    return _Timing(cost, batches_from(given["tokens_per_gpu"]), int(top_k), str(dispatch))
+
+
+def _for_time(plan: Plan, arr: np.ndarray, previous: Placement | None, timing: _Timing) -> Plan:
+    """``plan`` re-planned for expected MoE time (eplb.planner.timeplan), with ``predicted_ms``."""
+    from .planner.timeplan import plan_for_time
+
+    start = time.perf_counter()
+    topology = plan.placement.topology
+    if timing.top_k > topology.num_experts:
+        raise ValueError(f"top_k ({timing.top_k}) must be at most num_experts ({topology.num_experts})")
+    live = plan.placement.live
+    phy, notes, per_layer = plan_for_time(
+        arr,
+        plan.phy2log,
+        topology,
+        cost=timing.cost,
+        batches=timing.batches,
+        top_k=timing.top_k,
+        dispatch=timing.dispatch,
+        live=live,
+        previous=None if previous is None else previous.phy2log,
+        fresh=plan.replan is None,
+    )
+    placement = Placement(phy, topology)
+    load = metrics.gpu_loads(arr, placement)
+    ms = per_layer.sum(axis=0) / 1000.0
+    return dataclasses.replace(
+        plan,
+        placement=placement,
+        imbalance=metrics.imbalance(load),
+        balancedness=metrics.balancedness(load),
+        moves=metrics.moves(previous, placement) if previous is not None else plan.moves,
+        gpu_load=load,
+        solve_seconds=plan.solve_seconds + time.perf_counter() - start,
+        notes=plan.notes + notes,
+        predicted_ms={int(b): round(float(m), 4) for b, m in zip(timing.batches.sizes, ms)},
+    )
 
 
 def _spread(plan: Plan, arr: np.ndarray, previous: Placement | None) -> Plan:
@@ -429,6 +514,11 @@ def _plan(
             "slot of the topology it is given (rebalance plans down gpus on the live gpus alone)"
         )
     phy2log, notes, replan = fresh.phy2log, result.notes, None
+    if previous is None and topology.num_slots == topology.num_experts and result.policy_used in _SETTLED:
+        # No redundant slots: spread the gpus under a pinned maximum (eplb.planner.settle).
+        phy2log, swaps = settle(arr, phy2log, topology.num_gpus, topology.num_gpus // topology.num_nodes)
+        if swaps:
+            notes += (f"no redundant slots: {swaps} swaps spread the gpus below the busiest (settle)",)
     if previous is not None and migration is not None:
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))

@@ -92,7 +92,8 @@ class Plan:
     ``search`` (``SearchStats``: what the anytime search after the first plan did), ``replan``
     (``ReplanStats``: how a migration-aware re-plan treated the layers) and ``solver``
     (``SolverStats``: an exact solver's status and bound per layer; ``solver_status`` and
-    ``solver_bound`` read it).
+    ``solver_bound`` read it). ``predicted_ms``: with ``kernel_curve=``, the expected MoE
+    milliseconds per step (summed over layers) at each planned tokens-per-gpu batch size.
     """
 
     placement: Placement
@@ -108,6 +109,7 @@ class Plan:
     search: SearchStats | None = None
     replan: ReplanStats | None = None
     solver: SolverStats | None = None
+    predicted_ms: dict[int, float] | None = None
 
     @property
     def solver_status(self) -> tuple[str, ...] | None:
@@ -174,4 +176,4 @@ class Plan:
             "total_moves": self.total_moves,
             "solve_seconds": self.solve_seconds,
             "notes": list(self.notes),
-        }
+        } | ({} if self.predicted_ms is None else {"predicted_ms": {str(b): v for b, v in self.predicted_ms.items()}})

@@ -300,8 +300,11 @@ def _place(args: argparse.Namespace) -> int:
             "--time-limit S caps the whole run",
             file=sys.stderr,
         )
+    timed = _time_flags(args)
     with _progress("eplb place", eager=args.progress) as progress, plan_limit(available):
-        plan = eplb.rebalance(loads, topo, args.policy, previous=previous, progress=progress, **bounds, **planning)
+        plan = eplb.rebalance(
+            loads, topo, args.policy, previous=previous, progress=progress, **bounds, **planning, **timed
+        )
     replicated = (plan.logcnt > 1).sum(axis=1)
     say = functools.partial(print, file=report)
     say(f"loads: {source}")
@@ -342,6 +345,12 @@ def _place(args: argparse.Namespace) -> int:
         f"replicated experts per layer: min {replicated.min()}  mean {replicated.mean():.1f}  max {replicated.max()}; "
         f"most replicas of one expert: {int(plan.logcnt.max())}"
     )
+    if plan.predicted_ms:
+        say(
+            "predicted MoE time per step:   "
+            + "  ".join(f"{b} tokens/gpu {ms:.3f} ms" for b, ms in plan.predicted_ms.items())
+            + f" ({timed['kernel_curve'].gpu or 'a plain curve'}, sum over {topo.num_layers} layers)"
+        )
     say(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if previous is not None:
         total = topo.num_layers * topo.num_slots
@@ -605,6 +614,44 @@ _FLAG_ORDER = (
 )
 
 
+def _time_flags(args: argparse.Namespace) -> dict:
+    """``--kernel-curve``, ``--tokens-per-gpu``, ``--top-k``, ``--dispatch`` as ``rebalance``'s
+    time options (``ValueError`` names the flag)."""
+    from eplb import kernel
+
+    if args.kernel_curve is None:
+        given = [f for f in ("tokens_per_gpu", "top_k", "dispatch") if getattr(args, f) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join('--' + f.replace('_', '-') for f in given)} plan for time: give --kernel-curve"
+            )
+        return {}
+    if args.kernel_curve.endswith(".json"):
+        import json
+
+        model = kernel.KernelModel.from_dict(json.loads(Path(args.kernel_curve).read_text()))
+    else:
+        try:
+            model = kernel.load(args.kernel_curve)
+        except ValueError as exc:
+            raise ValueError(f"--kernel-curve: {exc}, or a .json from eplb calibrate --out") from None
+    if not args.tokens_per_gpu:
+        raise ValueError("--kernel-curve plans for batch sizes: give --tokens-per-gpu, e.g. 4,16,64")
+    sizes: list = []
+    for part in args.tokens_per_gpu.split(","):
+        b, _, w = part.partition(":")
+        try:
+            sizes.append((int(b), float(w)) if w else int(b))
+        except ValueError:
+            raise ValueError(f"--tokens-per-gpu: {part!r} is not N or N:WEIGHT (e.g. 4,16,64 or 4:3,64:1)") from None
+    return {
+        "kernel_curve": model,
+        "tokens_per_gpu": sizes,
+        "top_k": 8 if args.top_k is None else args.top_k,
+        "dispatch": args.dispatch or "even",
+    }
+
+
 def _planning(args: argparse.Namespace) -> dict:
     """The planning options of ``eplb place`` as ``rebalance`` options for ``args.policy``."""
     given = {
@@ -679,6 +726,25 @@ def build_parser() -> argparse.ArgumentParser:
     window.add_argument("--half-life", type=float, help="plan on an exponentially decayed sum (half-life in steps)")
     p.add_argument(
         "--policy", default="auto", choices=eplb.policies(), help="a registered policy (docs/algorithms.md) [auto]"
+    )
+    p.add_argument(
+        "--kernel-curve",
+        metavar="MODEL",
+        help="plan for MoE time with this kernel model: a shipped name (eplb.kernel.shipped(), e.g. "
+        "qwen3-30b-a3b@h100) or a model .json written by eplb calibrate --out (docs/algorithms.md)",
+    )
+    p.add_argument(
+        "--tokens-per-gpu",
+        metavar="LIST",
+        help="with --kernel-curve: the batch sizes to plan for, tokens per gpu per step: 4,16,64 (equal weights) "
+        "or 4:3,64:1 (size:weight)",
+    )
+    p.add_argument("--top-k", type=int, help="with --kernel-curve: experts each token picks [8]")
+    p.add_argument(
+        "--dispatch",
+        choices=("even", "static"),
+        help="with --kernel-curve: how the engine splits an expert's tokens over its replicas: even (vLLM) or "
+        "static, one replica per source rank (SGLang) [even]",
     )
     p.add_argument(
         "--previous",
@@ -762,6 +828,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     c.set_defaults(fn=None)
+    k = sub.add_parser(
+        "calibrate",
+        help="measure one gpu's MoE layer on this GPU and fit the kernel model (eplb calibrate --help)",
+        add_help=False,
+    )
+    k.set_defaults(fn=None)
     return ap
 
 
@@ -815,6 +887,10 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl import main as ctl_main  # grpc only for ctl: it checks the service extra itself
 
         return ctl_main(rest)
+    if args.command == "calibrate":
+        from .calibrate import main as calibrate_main  # torch only here
+
+        return calibrate_main(rest)
     if rest:
         _subparser(ap, args.command).error(_unrecognized(_subparser(ap, args.command), rest))
     try:

@@ -1,0 +1,123 @@
+"""MoE time per step of DeepSeek's eplb.py, eplb's default and eplb planned for time.
+
+For each model shape, EP size and slot count, and each placement: routing is sampled token by
+token (top-8, seeded, steps the planner never saw; ``eplb.timing.sample_slot_counts``) at each
+tokens-per-gpu batch size, and each layer's time is the slowest gpu's. ``--kernels model`` scores
+it with the kernel model (``eplb.kernel``, shipped H100 models); ``--kernels gpu`` runs every
+gpu's slot set as real grouped GEMMs on this machine's GPU (``eplb_tools.calibrate.Timer``) and
+takes the measured maximum.
+
+Placements: ``deepseek`` (eplb.py's algorithm, ``policy="deepseek"``), ``default``
+(``policy="auto"``), ``time@b`` (auto with ``kernel_curve=`` and ``tokens_per_gpu=b``, planned for
+the batch size it is judged at) and ``time@mix`` (planned for the decode mix 4-256, equal weights).
+
+    python -m eplb_bench.moe_time_bench                  # kernel model, every grid point
+    python -m eplb_bench.moe_time_bench --kernels gpu    # real kernels (needs CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import eplb
+from eplb import kernel
+from eplb.timing import sample_slot_counts
+from eplb.workloads import make_loads
+
+SHAPES = {"qwen3-30b-a3b": 48, "qwen3-235b-a22b": 94}  # MoE layers
+CONFIGS = {"EP16 P=E": (16, 128), "EP32 P=E": (32, 128), "EP16 P=160": (16, 160), "EP32 P=192": (32, 192)}
+BATCHES = (4, 16, 64, 256, 1024)
+MIX = (4, 16, 64, 256)
+TOP_K = 8
+
+
+def placements(loads: np.ndarray, topo: eplb.Topology, model: kernel.KernelModel, batches: tuple[int, ...]) -> dict:
+    out = {"deepseek": eplb.rebalance(loads, topo, "deepseek"), "default": eplb.rebalance(loads, topo)}
+    for b in batches:
+        out[f"time@{b}"] = eplb.rebalance(loads, topo, kernel_curve=model, tokens_per_gpu=b, top_k=TOP_K)
+    out["time@mix"] = eplb.rebalance(loads, topo, kernel_curve=model, tokens_per_gpu=list(MIX), top_k=TOP_K)
+    return out
+
+
+def layer_sets(plan: eplb.Plan, loads: np.ndarray, b: int, steps: int, seed: int) -> np.ndarray:
+    """``[L, steps, G, S]`` tokens of each gpu's slots in sampled steps."""
+    topo = plan.placement.topology
+    out = []
+    for layer in range(topo.num_layers):
+        c = sample_slot_counts(loads[layer], plan.placement, b, TOP_K, steps, layer=layer, seed=seed + layer)
+        out.append(c.reshape(steps, topo.num_gpus, topo.slots_per_gpu))
+    return np.array(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", choices=("model", "gpu"), default="model")
+    ap.add_argument("--gpu-name", default="h100", help="shipped model to plan with (and score with, --kernels model)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--workload", default="lognormal-1.0")
+    ap.add_argument("--layers", type=int, default=8, help="layers planned and judged")
+    ap.add_argument("--steps", type=int, default=8, help="held-out sampled steps per layer and batch size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every figure to this file")
+    args = ap.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    rows = []
+    timers: dict = {}
+    for shape in args.shapes.split(","):
+        model = kernel.load(f"{shape}@{args.gpu_name}")
+        if args.kernels == "gpu":
+            from eplb_tools.calibrate import SHAPES as HI
+            from eplb_tools.calibrate import Shape, Timer
+
+            timers[shape] = (Timer(Shape(*HI[shape]), replays=5), {})
+        for cname in args.configs.split(","):
+            G, P = CONFIGS[cname]
+            topo = eplb.Topology(args.layers, 128, P, G, 1, 1)
+            loads = make_loads(args.workload, topo, seed=args.seed)
+            t0 = time.perf_counter()
+            plans = placements(loads, topo, model, batches)
+            plan_s = time.perf_counter() - t0
+            for b in batches:
+                res = {}
+                for name, plan in plans.items():
+                    if name.startswith("time@") and name not in (f"time@{b}", "time@mix"):
+                        continue
+                    if name == "time@mix" and b not in MIX:
+                        continue
+                    sets = layer_sets(plan, loads, b, args.steps, seed=1000 + args.seed)
+                    if args.kernels == "model":
+                        us = model.gpu_us(sets).max(axis=2)  # [L, steps]
+                    else:
+                        timer, cache = timers[shape]
+                        flat = [tuple(s) for s in sets.reshape(-1, sets.shape[-1]).tolist()]
+                        for s in flat:
+                            if s not in cache:
+                                cache[s] = timer.time(np.array(s))
+                        us = np.array([cache[s] for s in flat]).reshape(sets.shape[:3]).max(axis=2)
+                    res[name] = float(us.mean(axis=1).sum() / 1000.0)  # ms per step over the layers
+                row = {"shape": shape, "config": cname, "tokens_per_gpu": b, "ms": res, "plan_s": round(plan_s, 2)}
+                rows.append(row)
+                tp = res[f"time@{b}"]
+                line = (
+                    f"{shape:16s} {cname:11s} b={b:5d}  eplb.py {res['deepseek']:.3f}  default {res['default']:.3f}"
+                    f"  time {tp:.3f} ({(tp / res['default'] - 1):+.1%} vs default, {(tp / res['deepseek'] - 1):+.1%} vs eplb.py)"
+                    f"  default vs eplb.py {(res['default'] / res['deepseek'] - 1):+.1%}"
+                )
+                if "time@mix" in res:
+                    line += f"  mix {res['time@mix']:.3f} ({(res['time@mix'] / res['default'] - 1):+.1%})"
+                print(line, flush=True)
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Planning for time: ``rebalance(..., kernel_curve=, tokens_per_gpu=, top_k=)`` and the settle step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb import kernel, timing
+from eplb.planner.settle import settle
+from eplb.workloads import make_loads
+
+MODEL = kernel.load("qwen3-30b-a3b@h100")
+
+
+def _predicted(plan: eplb.Plan, loads: np.ndarray, b: object, dispatch: str = "even") -> np.ndarray:
+    return timing.predicted_layer_us(plan.placement, loads, MODEL, b, 8, dispatch).sum(axis=0)
+
+
+def test_decode_plan_with_redundant_slots_is_faster_and_deterministic():
+    topo = eplb.Topology(3, 128, 192, 32, 1, 1)
+    loads = make_loads("lognormal-1.0", topo, seed=0)
+    default = eplb.rebalance(loads, topo)
+    fast = eplb.rebalance(loads, topo, kernel_curve=MODEL, tokens_per_gpu=4, top_k=8)
+    again = eplb.rebalance(loads, topo, kernel_curve="qwen3-30b-a3b@h100", tokens_per_gpu=[4], top_k=8)
+    assert fast.placement == again.placement
+    assert set(fast.predicted_ms) == {4}
+    before = _predicted(default, loads, 4)[0]
+    assert fast.predicted_ms[4] * 1000 == pytest.approx(_predicted(fast, loads, 4)[0], rel=1e-3)
+    assert fast.predicted_ms[4] * 1000 < 0.93 * before
+    assert "replica counts chosen by time" in fast.notes[-1]
+    # Counts by time differ from the token plan's: fewer replicas on the hottest expert.
+    hot = np.argmax(loads, axis=1)
+    assert (fast.placement.logcnt[np.arange(3), hot] <= default.placement.logcnt[np.arange(3), hot]).all()
+    assert (fast.placement.logcnt != default.placement.logcnt).any()
+
+
+@pytest.mark.parametrize("config", [(128, 16), (160, 16)])
+def test_a_mix_is_never_expected_slower_than_the_token_plan_at_any_size(config):
+    slots, gpus = config
+    topo = eplb.Topology(3, 128, slots, gpus, 1, 1)
+    loads = make_loads("zipf-0.5", topo, seed=4)
+    mix = [4, 16, 64, 256]
+    default = eplb.rebalance(loads, topo)
+    plan = eplb.rebalance(loads, topo, kernel_curve=MODEL, tokens_per_gpu=mix, top_k=8)
+    before = _predicted(default, loads, mix)
+    after = _predicted(plan, loads, mix)
+    assert (after <= before * 1.01 + 1e-9).all()
+    assert after.sum() <= before.sum() + 1e-9
+    assert set(plan.predicted_ms) == set(mix)
+
+
+def test_static_dispatch_and_a_plain_curve_plan():
+    topo = eplb.Topology(2, 64, 80, 8, 1, 1)
+    loads = make_loads("lognormal-1.0", topo, seed=2)
+    curve = (np.array([1, 128, 129, 256, 4096]), np.array([5.0, 6.0, 9.0, 10.0, 80.0]))
+    plan = eplb.rebalance(
+        loads, topo, kernel_curve=curve, tokens_per_gpu=[(16, 2), (512, 1)], top_k=4, dispatch="static"
+    )
+    assert set(plan.predicted_ms) == {16, 512}
+    assert plan.placement.logcnt.sum(axis=1).tolist() == [80, 80]
+
+
+def test_replan_swaps_never_add_moves():
+    topo = eplb.Topology(2, 128, 160, 16, 1, 1)
+    old = make_loads("lognormal-1.0", topo, seed=0)
+    new = make_loads("lognormal-1.0", topo, seed=1)
+    previous = eplb.rebalance(old, topo).placement
+    tokens = eplb.rebalance(new, topo, previous=previous)
+    timed = eplb.rebalance(new, topo, previous=previous, kernel_curve=MODEL, tokens_per_gpu=64, top_k=8)
+    assert (timed.moves <= tokens.moves).all()
+    assert (timed.placement.logcnt == tokens.placement.logcnt).all()
+
+
+def test_nodes_keep_their_experts_and_down_gpus_stay_empty():
+    topo = eplb.Topology(2, 128, 160, 16, 2, 8)
+    loads = make_loads("group-limited", topo, seed=0)
+    tokens = eplb.rebalance(loads, topo, "hierarchical")
+    timed = eplb.rebalance(loads, topo, "hierarchical", kernel_curve=MODEL, tokens_per_gpu=16, top_k=8)
+    half = topo.num_slots // 2
+    for phy_t, phy_s in zip(tokens.phy2log, timed.phy2log):
+        assert sorted(phy_t[:half]) == sorted(phy_s[:half])
+    down = eplb.rebalance(loads, topo, kernel_curve=MODEL, tokens_per_gpu=16, top_k=8, down_gpus=[3])
+    spg = topo.slots_per_gpu
+    assert (down.phy2log[:, 3 * spg : 4 * spg] == -1).all()
+    assert np.isfinite(list(down.predicted_ms.values())).all()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"tokens_per_gpu": 64}, "need kernel_curve="),
+        ({"kernel_curve": MODEL, "top_k": 8}, "needs tokens_per_gpu="),
+        ({"kernel_curve": MODEL, "tokens_per_gpu": 64}, "needs top_k="),
+        ({"kernel_curve": MODEL, "tokens_per_gpu": 64, "top_k": 0}, "top_k must be an integer >= 1"),
+        ({"kernel_curve": MODEL, "tokens_per_gpu": 64, "top_k": 8, "dispatch": "x"}, "dispatch must be one of"),
+        ({"kernel_curve": "h100", "tokens_per_gpu": 64, "top_k": 8}, "no shipped kernel model"),
+        ({"kernel_curve": MODEL, "tokens_per_gpu": -4, "top_k": 8}, "tokens_per_gpu must be"),
+        ({"kernel_curve": MODEL, "tokens_per_gpu": 4, "top_k": 200}, "top_k .200. must be at most"),
+    ],
+)
+def test_time_options_are_checked(options, match):
+    topo = eplb.Topology(1, 128, 128, 16, 1, 1)
+    with pytest.raises(ValueError, match=match):
+        eplb.rebalance(make_loads("zipf-1.0", topo), topo, **options)
+
+
+def test_settle_spreads_gpus_without_raising_the_busiest():
+    rng = np.random.default_rng(0)
+    loads = rng.lognormal(0, 1.0, (4, 64))
+    loads[:, 0] *= 40  # a hot expert pins its gpu
+    phy = np.array([rng.permutation(64) for _ in range(4)])
+    out, swaps = settle(loads, phy, 16, 16)
+    assert swaps > 0
+    for layer in range(4):
+        assert sorted(out[layer]) == list(range(64))
+        before = loads[layer][phy[layer]].reshape(16, 4).sum(axis=1)
+        after = loads[layer][out[layer]].reshape(16, 4).sum(axis=1)
+        assert after.max() <= before.max() + 1e-9
+        assert (after**2).sum() < (before**2).sum()
+    # Two nodes: no expert leaves its node.
+    out2, _ = settle(loads, phy, 16, 8)
+    for layer in range(4):
+        assert sorted(out2[layer][:32]) == sorted(phy[layer][:32])
+
+
+def test_default_without_redundant_slots_is_settled():
+    topo = eplb.Topology(2, 128, 128, 32, 1, 1)
+    loads = make_loads("lognormal-0.5", topo, seed=0)
+    plan = eplb.rebalance(loads, topo)
+    assert any("settle" in n for n in plan.notes)
+    ds = eplb.rebalance(loads, topo, "deepseek")
+    assert plan.mean_imbalance <= ds.mean_imbalance + 1e-9
