@@ -276,6 +276,10 @@ def markdown(report: dict) -> str:
         "| scale | workload | policy | imbalance mean | imbalance worst | lower bound | gap to lb % | gap to ilp % | solve ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    timed = any("predicted_ms" in r for r in report["placement"])
+    if timed:
+        out[-2] = out[-2][:-1] + "| predicted MoE ms per step |"
+        out[-1] += "---|"
     for r in report["placement"]:
         if "skipped" in r:
             out.append(
@@ -286,6 +290,15 @@ def markdown(report: dict) -> str:
             f"| {r['scale']} | {r['workload']} | {r['policy']} | {_fmt(r, 'imbalance_mean')} | {_fmt(r, 'imbalance_worst')} | "
             f"{_fmt(r, 'imbalance_lb_mean')} | {_fmt(r, 'gap_to_lb', '.2f', 100)} | {_fmt(r, 'gap_to_ilp', '.2f', 100)} | "
             f"{_fmt(r, 'solve_seconds', '.2f', 1e3)} |"
+            + (
+                (
+                    " " + ", ".join(f"{v:.3f} at {b}" for b, v in r["predicted_ms"].items()) + " |"
+                    if "predicted_ms" in r
+                    else " |"
+                )
+                if timed
+                else ""
+            )
         )
     # A section with no rows (a trace-only run has no per-step rows, a one-step trace no
     # re-planning) is left out rather than printed as an empty table.
@@ -334,6 +347,8 @@ class Settings:
     layer: int
     ilp_time_limit: float
     expert_bytes: float = 0.0
+    # A kernel model (eplb.kernel): each placement's predicted MoE ms per step at tokens_per_gpu.
+    kernel_curve: str = ""
 
 
 QUICK = Settings(
@@ -378,6 +393,13 @@ def _run_sections(settings: Settings, trace_cases: list[Case], plots: Path | Non
     rows, per_case = report["placement"], {}
     for case, policy in tqdm(tasks, desc="placement", disable=not sys.stderr.isatty()):
         row, placement, imb = plan_case(case, policy, settings.ilp_time_limit)
+        if placement is not None and settings.kernel_curve and case.topology.num_experts >= settings.topk:
+            from eplb.timing import predicted_layer_us
+
+            us = predicted_layer_us(
+                placement, case.loads, settings.kernel_curve, list(settings.tokens_per_gpu), settings.topk
+            ).sum(axis=0)
+            row["predicted_ms"] = {int(b): round(float(u) / 1000.0, 4) for b, u in zip(settings.tokens_per_gpu, us)}
         rows.append(row)
         if placement is not None:
             per_case.setdefault((case.scale, case.workload), {})[policy] = (placement, imb)
@@ -641,6 +663,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--groups", type=int, help="expert groups for trace files [1]")
     ap.add_argument("--ilp-time-limit", type=float, help="seconds per layer for the ilp policy (quick: 2, full: 10)")
     ap.add_argument("--expert-bytes", type=float, help="bytes of one expert's weights: adds moved bytes per re-plan")
+    ap.add_argument(
+        "--kernel-curve",
+        metavar="MODEL",
+        help="a shipped kernel model (eplb.kernel.shipped()): add each placement's predicted MoE ms per step at "
+        "--tokens-per-gpu (top-6 as the per-step simulation)",
+    )
     ap.add_argument("--json", help="also write the report as JSON to this file")
     ap.add_argument("--plots", help="write PNG plots into this directory")
     return ap
@@ -677,6 +705,11 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.policies:
         check_policies(args.policies)
         overrides["policies"] = args.policies
+    if args.kernel_curve is not None:
+        from eplb import kernel
+
+        kernel.load(args.kernel_curve)  # an unknown name fails here, before any plan
+        overrides["kernel_curve"] = args.kernel_curve
     for name in ("tokens_per_gpu", "replan_every", "ilp_time_limit", "expert_bytes"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)

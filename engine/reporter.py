@@ -41,6 +41,9 @@ __all__ = ["LoadReporter", "ReporterStats"]
 
 log = logging.getLogger(__name__)
 
+# ReportLoadRequest.steps: the service refuses more (eplb_service.ingest.MAX_STEPS).
+_MAX_STEPS = 1 << 20
+
 
 @dataclass(frozen=True)
 class ReporterStats:
@@ -114,7 +117,7 @@ class LoadReporter:
         self._physical = (topology.num_layers, topology.num_slots)
         # (counts, version or None, CUDA event or None); appended by add() on the engine's
         # thread, drained by ours.
-        self._queue: deque[tuple[object, int | None, object]] = deque()
+        self._queue: deque[tuple[object, int | None, object, int]] = deque()
         self._outbox: deque[pb.ReportLoadRequest] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -135,11 +138,14 @@ class LoadReporter:
     def start(self) -> None:
         self._thread.start()
 
-    def add(self, counts: object, version: int | None = None, *, copy: bool = True) -> bool:
+    def add(self, counts: object, version: int | None = None, *, copy: bool = True, steps: int = 1) -> bool:
         """Queues one step's counts: ``[L, E]`` per logical expert (``version`` None), or ``[L, P]``
         per slot recorded under placement ``version``. A numpy array or a torch tensor (on any
         device; copied there without a sync, moved to the host in the background). ``copy=False``
-        hands the array over: the caller must not write to it afterwards.
+        hands the array over: the caller must not write to it afterwards. ``steps``: the forward
+        steps the counts cover (counts summed over an interval: its steps); each report says how
+        many it sums (``ReportLoadRequest.steps``), from which a deployment planned for time
+        learns its tokens per gpu per step. 0: not known.
 
         Every count must be finite and in ``[0, MAX_REPORT_COUNT]``: a numpy array or a CPU
         tensor that breaks the rule raises ``ValueError`` here (nothing queued, the pending sum
@@ -149,6 +155,10 @@ class LoadReporter:
         O(1) on the caller's thread (plus a vectorised min and max of host arrays); returns
         False (and counts it) if the queue is full.
         """
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= _MAX_STEPS:
+            raise ValueError(
+                f"steps must be an integer in [0, {_MAX_STEPS}] (forward steps the counts cover), got {steps!r}"
+            )
         shape = tuple(getattr(counts, "shape", ()))
         if version is None:
             if shape != self._logical:
@@ -187,7 +197,7 @@ class LoadReporter:
             if len(self._queue) >= self.max_queued:
                 self._counts["dropped_adds"] += 1
                 return False
-            self._queue.append((item, version, ready))
+            self._queue.append((item, version, ready, steps))
             self._counts["added"] += 1
             filling = len(self._queue) * 2 >= self.max_queued
         if filling:  # sum it now rather than at the next interval, before the queue runs over
@@ -261,7 +271,8 @@ class LoadReporter:
         if not items:
             return
         sums: dict[int | None, np.ndarray] = {}
-        for counts, version, ready in items:
+        steps: dict[int | None, int] = {}
+        for counts, version, ready, n in items:
             if ready is not None:
                 ready.synchronize()
             arr = counts.cpu().numpy() if hasattr(counts, "cpu") else counts
@@ -276,10 +287,14 @@ class LoadReporter:
                 sums[version] += arr
             else:
                 sums[version] = arr.copy()
+            # A sum with any add of unknown steps has unknown steps.
+            steps[version] = 0 if n == 0 or steps.get(version, 1) == 0 else steps.get(version, 0) + n
         with self._lock:
             for version, total in sums.items():
                 self._seq += 1
-                msg = pb.ReportLoadRequest(deployment=self.deployment, rank=self.rank, seq=self._seq)
+                msg = pb.ReportLoadRequest(
+                    deployment=self.deployment, rank=self.rank, seq=self._seq, steps=min(steps[version], _MAX_STEPS)
+                )
                 if version is None:
                     msg.logical.CopyFrom(wire.encode_array(total))
                 else:

@@ -140,6 +140,10 @@ def deployment_pb(
     ranks: Sequence[int] = (),
     switch_margin_steps: int | None = None,
     expert_bytes: int = 0,
+    kernel_model: str | None = None,
+    tokens_per_gpu: Sequence[int] = (),
+    top_k: int | None = None,
+    dispatch: str | None = None,
 ) -> pb.Deployment:
     """A ``Deployment`` message for ``topology``: a sliding window of ``window_s`` seconds (or
     exponential decay with ``half_life_s``; neither: the service's default, sliding 10 minutes;
@@ -153,7 +157,11 @@ def deployment_pb(
     (an integer >= 0, work units per layer; None: the effort's), ``time_limit_s`` (seconds >
     0; None: the service's cap of half the trigger interval, else none). A value outside
     these raises ``ValueError`` naming the argument, before anything is sent; which policies
-    take which option is the service's check (``INVALID_ARGUMENT`` on the field)."""
+    take which option is the service's check (``INVALID_ARGUMENT`` on the field).
+
+    Planning for time: ``kernel_model`` (a shipped model's name, ``eplb.kernel.shipped()``),
+    ``tokens_per_gpu`` (the batch sizes; empty: those the reports' steps show), ``top_k``
+    (None: 8), ``dispatch`` (``"even"`` or ``"static"``; None: even); the service checks them."""
     _check_migration(tolerance, layer_tolerance, max_moves, max_layer_moves)
     _check_planning(effort, work_budget, time_limit_s)
     msg = pb.Deployment(
@@ -185,6 +193,13 @@ def deployment_pb(
         msg.planning.time_limit.FromNanoseconds(int(time_limit_s * 1e9))
     if switch_margin_steps is not None:
         msg.switch_margin_steps = switch_margin_steps
+    if kernel_model is not None:
+        msg.planning.kernel_model = kernel_model
+    msg.planning.tokens_per_gpu.extend(int(b) for b in tokens_per_gpu)
+    if top_k is not None:
+        msg.planning.top_k = top_k
+    if dispatch is not None:
+        msg.planning.dispatch = dispatch
     return msg
 
 

@@ -138,11 +138,14 @@ def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
     deprecated ``Trigger.max_moves`` where that is unset."""
     t = msg.trigger
     budget = msg.migration.max_moves if msg.migration.HasField("max_moves") else t.max_moves
-    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, budget)
+    payback = t.max_payback_steps if t.HasField("max_payback_steps") else None
+    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, budget, payback)
 
 
 # Planning.effort values on the wire: the library's.
 EFFORTS = eplb.EFFORTS
+# Planning.top_k when unset: DeepSeek-V3's, Qwen3's and Kimi's.
+DEFAULT_TOP_K = 8
 
 
 # A deployment's re-plan without its own Planning.time_limit searches at most this share of its
@@ -153,14 +156,21 @@ TRIGGER_MIN_SECONDS = 1.0
 
 
 def planning_options(
-    msg: pb.Planning, policy: str, num_layers: int, deadline_s: float | None, interval_s: float = 0.0
+    msg: pb.Planning,
+    policy: str,
+    num_layers: int,
+    deadline_s: float | None,
+    interval_s: float = 0.0,
+    batches: list[tuple[int, float]] | None = None,
 ) -> dict:
     """A checked ``Planning`` → ``eplb.rebalance`` keyword options, those the policy takes (the
     library's registry says). ``deadline_s``: seconds left to the caller (None: none);
     the plan's time limit never runs past it. ``interval_s``: the deployment's trigger interval
     (0: none); without a ``time_limit`` of its own the plan gets ``TRIGGER_SHARE`` of it (at least
     ``TRIGGER_MIN_SECONDS``). ``ilp`` always gets a time limit (at most
-    ``limits.ILP_MAX_SECONDS`` for the whole model) and one solver thread."""
+    ``limits.ILP_MAX_SECONDS`` for the whole model) and one solver thread. With
+    ``kernel_model``, the time options: ``tokens_per_gpu`` the message's, else ``batches`` (the
+    sizes the reports showed; none: no time options, the plan is for tokens)."""
     options: dict[str, object] = {}
     limit = msg.time_limit.ToNanoseconds() / 1e9 if msg.HasField("time_limit") else None
     if limit is None and interval_s > 0:
@@ -169,9 +179,15 @@ def planning_options(
         # Leave room to send the answer back before the caller gives up.
         room = max(0.05, 0.8 * deadline_s - 0.05)
         limit = room if limit is None else min(limit, room)
+    if msg.kernel_model and (msg.tokens_per_gpu or batches):
+        # Planning for time applies to any policy (rebalance plans it after the policy's plan).
+        options["kernel_curve"] = msg.kernel_model
+        options["tokens_per_gpu"] = list(msg.tokens_per_gpu) or list(batches or ())
+        options["top_k"] = msg.top_k if msg.HasField("top_k") else DEFAULT_TOP_K
+        options["dispatch"] = msg.dispatch or "even"
     if policy == "ilp":
         total = min(limit or limits.ILP_MAX_SECONDS, limits.ILP_MAX_SECONDS)
-        return {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}
+        return options | {"time_limit": max(0.01, total / max(1, num_layers)), "workers": 1}
     if not accepts(policy, "time_limit"):
         return options
     if msg.effort and accepts(policy, "effort"):
@@ -217,4 +233,5 @@ def plan_stats(plan: eplb.Plan, imbalance_before: float) -> pb.PlanStats:
         gain_percent=gain,
         notes=list(plan.notes),
         budget_limited=plan.replan is not None and plan.replan.budget_limited,
+        predicted_ms=plan.predicted_ms or {},
     )

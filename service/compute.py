@@ -34,7 +34,7 @@ class Compute:
         policy = validation.check_policy(request.policy, "policy")
         loads = arrays.decode_counts(request.loads, "loads", (topo.num_layers, topo.num_experts))
         violations = validation.check_migration(request.migration, policy, "migration")
-        violations += validation.check_planning(request.planning, policy, "planning")
+        violations += validation.check_planning(request.planning, policy, "planning", topo.num_experts)
         if violations:
             raise InvalidArgument(violations)
         if policy == "ilp":

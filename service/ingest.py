@@ -41,6 +41,8 @@ _UNFOLDED_MAX = 64
 # scale). Bigger ones get calls of their own, so that their transfers do not hold up the small
 # deployments' answers.
 SHARED_MAX_COUNTS = 262_144
+# ReportLoadRequest.steps: the most steps one report may say it covers.
+MAX_STEPS = 1 << 20
 
 __all__ = ["Ingest"]
 
@@ -102,7 +104,11 @@ class Ingest:
         except FailedPrecondition:
             rejected.labels(request.deployment, "stale_version").inc()
             raise
+        if request.steps > MAX_STEPS:
+            raise InvalidArgument(FieldViolation("steps", f"must be <= {MAX_STEPS}, got {request.steps}"))
         fresh = await self._batcher(local).submit((local, request.rank, request.seq, counts))
+        if fresh:
+            local.note_batch(counts, request.steps, time.time())
         local.saw(request.rank)  # a duplicate too: the rank is alive
         self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
         return bool(fresh)

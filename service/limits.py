@@ -27,7 +27,16 @@ from eplb.limits import (
     SMALL_PLAN_WORKERS,
 )
 
+# Planning.tokens_per_gpu: at most this many batch sizes, each 1 .. MAX_TOKENS_PER_GPU; a plan
+# for time costs about one search per size. Planning.top_k: 1 .. MAX_TOP_K (and num_experts).
+MAX_BATCH_SIZES = 16
+MAX_TOKENS_PER_GPU = 1 << 20
+MAX_TOP_K = 64
+
 __all__ = [
+    "MAX_BATCH_SIZES",
+    "MAX_TOKENS_PER_GPU",
+    "MAX_TOP_K",
     "COMPUTE_QUEUE",
     "COMPUTE_WORKERS",
     "ILP_MAX_CELLS",

@@ -268,10 +268,19 @@ class Planner:
             # Plan within the move budget rather than plan past it and be refused (deployments
             # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
             options.setdefault("max_moves", local.trigger.max_moves)
-        planning, notes = (
-            codec.planning_options(local.deployment.planning, policy, topo.num_layers, None, local.trigger.interval_s),
-            [],
-        )
+        learned = None
+        notes = []
+        p = local.deployment.planning
+        if p.kernel_model and not p.tokens_per_gpu:
+            learned = local.batch_sizes(now)
+            notes.append(
+                "planned for time at the reports' tokens per gpu per step "
+                + ", ".join(f"{b} ({w:.0%})" for b, w in learned)
+                if learned
+                else "planned for tokens: no report in the window says its steps (ReportLoadRequest.steps), "
+                "so the batch sizes to plan for time are unknown"
+            )
+        planning = codec.planning_options(p, policy, topo.num_layers, None, local.trigger.interval_s, learned)
         if not dry_run and self.config.layer_workers > 1 and policy != "ilp" and codec.accepts(policy, "workers"):
             planning["workers"] = self.config.layer_workers
         fresh = await self._first_plan_is_fresh(name, current, previous, topo)
@@ -305,7 +314,18 @@ class Planner:
             eplb_version=codec.EPLB_VERSION,
         )
         candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
-        reason = decide(local.trigger, float(loads.sum()), stats.gain_percent, stats.moves, force) or ""
+        reason = (
+            decide(
+                local.trigger,
+                float(loads.sum()),
+                stats.gain_percent,
+                stats.moves,
+                force,
+                saved_ms=stats.predicted_saved_ms if stats.predicted_ms else None,
+                stall_s=stats.transfer.predicted_seconds if stats.HasField("transfer") else 0.0,
+            )
+            or ""
+        )
         response = pb.RebalanceResponse(window_tokens=float(loads.sum()), window_reports=reports)
         if dry_run:
             outcome = "dry_run"

@@ -85,6 +85,17 @@ def solve(job: Job) -> tuple[np.ndarray, np.ndarray, bytes]:
         stats.moves = int(eplb.moves(baseline, plan.placement).sum())
     if job.expert_bytes and base_arr is not None:
         stats.transfer.CopyFrom(codec.transfer_stats(baseline, plan.placement, topo, job.expert_bytes))
+    if plan.predicted_ms:
+        # The placement in service at the same batch sizes: what the time gate weighs the plan against.
+        from eplb.timing import batches_from, predicted_layer_us
+
+        o = job.options
+        batches = batches_from(o["tokens_per_gpu"])
+        was = predicted_layer_us(baseline, job.loads, o["kernel_curve"], o["tokens_per_gpu"], o["top_k"], o["dispatch"])
+        was_ms = was.sum(axis=0) / 1000.0
+        stats.predicted_ms_before.update({int(b): float(m) for b, m in zip(batches.sizes, was_ms)})
+        now_ms = np.array([plan.predicted_ms[int(b)] for b in batches.sizes])
+        stats.predicted_saved_ms = float((batches.weights * (was_ms - now_ms)).sum())
     return plan.phy2log.astype(np.int32), plan.logcnt.astype(np.int32), stats.SerializeToString()
 
 

@@ -26,6 +26,8 @@ class TriggerSpec:
     report_count: int = 0
     min_gain_percent: float = 0.0
     max_moves: int = 0
+    # Trigger.max_payback_steps (None: no time gate).
+    max_payback_steps: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -43,8 +45,17 @@ def due(spec: TriggerSpec, marks: PlanMarks, now: float) -> str | None:
     return None
 
 
-def decide(spec: TriggerSpec, window_tokens: float, gain_percent: float, moves: int, force: bool) -> str | None:
-    """Why a plan must not be published, or None when it may."""
+def decide(
+    spec: TriggerSpec,
+    window_tokens: float,
+    gain_percent: float,
+    moves: int,
+    force: bool,
+    saved_ms: float | None = None,
+    stall_s: float = 0.0,
+) -> str | None:
+    """Why a plan must not be published, or None when it may. ``saved_ms``: MoE milliseconds per
+    step the plan saves (None: not planned for time); ``stall_s``: the move's predicted stall."""
     if force:
         return None
     if window_tokens <= 0:
@@ -59,4 +70,13 @@ def decide(spec: TriggerSpec, window_tokens: float, gain_percent: float, moves: 
         return f"predicted gain {gain_percent:.2f}% is below min_gain_percent {spec.min_gain_percent:g}%"
     if spec.max_moves and moves > spec.max_moves:
         return f"plan moves {moves} slots, over the move budget max_moves {spec.max_moves}"
+    if spec.max_payback_steps is not None and saved_ms is not None:
+        if saved_ms <= 0:
+            return f"the plan saves no MoE time ({saved_ms:.4f} ms per step predicted)"
+        steps = stall_s * 1000.0 / saved_ms
+        if steps > spec.max_payback_steps:
+            return (
+                f"the move's predicted stall {stall_s * 1000:.1f} ms takes {steps:.0f} steps of the {saved_ms:.4f} ms "
+                f"saved per step to repay, over max_payback_steps {spec.max_payback_steps}"
+            )
     return None

@@ -238,7 +238,18 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     elif msg.window.decay.half_life.ToNanoseconds() <= 0:
         violations.append(FieldViolation(f"{field}.window.decay.half_life", "must be > 0"))
     violations += check_migration(msg.migration, out.policy, f"{field}.migration", budget_gates=True)
-    violations += check_planning(msg.planning, out.policy, f"{field}.planning")
+    violations += check_planning(
+        msg.planning, out.policy, f"{field}.planning", msg.topology.num_experts if msg.HasField("topology") else None
+    )
+    if msg.trigger.HasField("max_payback_steps"):
+        if not msg.planning.kernel_model:
+            violations.append(
+                FieldViolation(
+                    f"{field}.trigger.max_payback_steps", "gates on predicted time: set planning.kernel_model"
+                )
+            )
+        elif not 1 <= msg.trigger.max_payback_steps <= 10**9:
+            violations.append(FieldViolation(f"{field}.trigger.max_payback_steps", "must be in 1..10^9"))
     if (
         msg.trigger.max_moves
         and msg.migration.HasField("max_moves")
@@ -314,10 +325,55 @@ def check_rank(rank: int, ranks: Collection[int], field: str) -> None:
         raise InvalidArgument(FieldViolation(field, f"rank {rank} is not one of the deployment's ranks ({shown})"))
 
 
-def check_planning(msg: pb.Planning, policy: str, field: str) -> list[FieldViolation]:
-    """Field violations of a ``Planning`` for ``policy`` (empty when it is valid)."""
+def check_time_planning(msg: pb.Planning, field: str, num_experts: int | None) -> list[FieldViolation]:
+    """Field violations of ``Planning``'s time fields (kernel_model, tokens_per_gpu, top_k, dispatch)."""
+    from eplb import kernel
+    from eplb.timing import DISPATCHES
+
     out = []
-    set_fields = [f.name for f, _ in msg.ListFields()]
+    if not msg.kernel_model:
+        given = {
+            "tokens_per_gpu": bool(msg.tokens_per_gpu),
+            "top_k": msg.HasField("top_k"),
+            "dispatch": bool(msg.dispatch),
+        }
+        return [
+            FieldViolation(f"{field}.{name}", "plans for time: set kernel_model too")
+            for name, on in given.items()
+            if on
+        ]
+    shipped = kernel.shipped()
+    if msg.kernel_model not in shipped:
+        out.append(
+            FieldViolation(
+                f"{field}.kernel_model",
+                f"{clip(msg.kernel_model)} is not a shipped kernel model; one of {', '.join(shipped)}",
+            )
+        )
+    if len(msg.tokens_per_gpu) > limits.MAX_BATCH_SIZES:
+        out.append(
+            FieldViolation(
+                f"{field}.tokens_per_gpu", f"{len(msg.tokens_per_gpu)} sizes; at most {limits.MAX_BATCH_SIZES}"
+            )
+        )
+    bad = [b for b in msg.tokens_per_gpu if not 1 <= b <= limits.MAX_TOKENS_PER_GPU]
+    if bad:
+        out.append(FieldViolation(f"{field}.tokens_per_gpu", f"{bad[0]} is not in 1..{limits.MAX_TOKENS_PER_GPU}"))
+    if msg.HasField("top_k"):
+        most = min(limits.MAX_TOP_K, num_experts or limits.MAX_TOP_K)
+        if not 1 <= msg.top_k <= most:
+            out.append(FieldViolation(f"{field}.top_k", f"{msg.top_k} is not in 1..{most} (and at most num_experts)"))
+    if msg.dispatch and msg.dispatch not in DISPATCHES:
+        out.append(FieldViolation(f"{field}.dispatch", f"{clip(msg.dispatch)} is not one of {', '.join(DISPATCHES)}"))
+    return out
+
+
+def check_planning(msg: pb.Planning, policy: str, field: str, num_experts: int | None = None) -> list[FieldViolation]:
+    """Field violations of a ``Planning`` for ``policy`` (empty when it is valid); the time
+    fields apply to every policy."""
+    out = check_time_planning(msg, field, num_experts)
+    time_fields = ("kernel_model", "tokens_per_gpu", "top_k", "dispatch")
+    set_fields = [f.name for f, _ in msg.ListFields() if f.name not in time_fields]
 
     def planning(p: str) -> bool:
         return accepts(p, "time_limit")

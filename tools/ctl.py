@@ -148,6 +148,12 @@ def _planning(d: object) -> str:
         parts.append(f"work budget {p.work_budget}")
     if p.HasField("time_limit") and p.time_limit.ToNanoseconds():
         parts.append(f"time limit {_duration(p.time_limit)}")
+    if p.kernel_model:
+        sizes = ",".join(map(str, p.tokens_per_gpu)) or "from the reports"
+        top_k = p.top_k if p.HasField("top_k") else 8
+        parts.append(
+            f"for time: {p.kernel_model}, {sizes} tokens per gpu, top-{top_k}, {p.dispatch or 'even'} dispatch"
+        )
     return ", ".join(parts)
 
 
@@ -175,6 +181,8 @@ def _stats_line(s: object) -> str:
     )
     if s.HasField("transfer"):
         line += f", {_bytes(s.transfer.bytes)} copied, predicted stall {s.transfer.predicted_seconds:.3f} s"
+    if s.predicted_ms:
+        line += ", predicted MoE " + ", ".join(f"{s.predicted_ms[b]:.3f} ms at {b}" for b in sorted(s.predicted_ms))
     return line + f", policy {s.policy} -> {s.policy_used}"
 
 

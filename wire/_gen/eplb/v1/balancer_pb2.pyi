@@ -86,16 +86,18 @@ class Window(_message.Message):
     def __init__(self, sliding: _Optional[_Union[SlidingWindow, _Mapping]] = ..., decay: _Optional[_Union[DecayWindow, _Mapping]] = ...) -> None: ...
 
 class Trigger(_message.Message):
-    __slots__ = ("interval", "report_count", "min_gain_percent", "max_moves")
+    __slots__ = ("interval", "report_count", "min_gain_percent", "max_moves", "max_payback_steps")
     INTERVAL_FIELD_NUMBER: _ClassVar[int]
     REPORT_COUNT_FIELD_NUMBER: _ClassVar[int]
     MIN_GAIN_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MAX_MOVES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAYBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     interval: _duration_pb2.Duration
     report_count: int
     min_gain_percent: float
     max_moves: int
-    def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., min_gain_percent: _Optional[float] = ..., max_moves: _Optional[int] = ...) -> None: ...
+    max_payback_steps: int
+    def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., report_count: _Optional[int] = ..., min_gain_percent: _Optional[float] = ..., max_moves: _Optional[int] = ..., max_payback_steps: _Optional[int] = ...) -> None: ...
 
 class Deployment(_message.Message):
     __slots__ = ("name", "topology", "policy", "window", "trigger", "create_time", "version", "migration", "ranks", "switch_margin_steps", "planning", "expert_bytes", "liveness")
@@ -134,14 +136,22 @@ class Liveness(_message.Message):
     def __init__(self, suspect_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Planning(_message.Message):
-    __slots__ = ("effort", "work_budget", "time_limit")
+    __slots__ = ("effort", "work_budget", "time_limit", "kernel_model", "tokens_per_gpu", "top_k", "dispatch")
     EFFORT_FIELD_NUMBER: _ClassVar[int]
     WORK_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_GPU_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_FIELD_NUMBER: _ClassVar[int]
     effort: str
     work_budget: int
     time_limit: _duration_pb2.Duration
-    def __init__(self, effort: _Optional[str] = ..., work_budget: _Optional[int] = ..., time_limit: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    kernel_model: str
+    tokens_per_gpu: _containers.RepeatedScalarFieldContainer[int]
+    top_k: int
+    dispatch: str
+    def __init__(self, effort: _Optional[str] = ..., work_budget: _Optional[int] = ..., time_limit: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kernel_model: _Optional[str] = ..., tokens_per_gpu: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., dispatch: _Optional[str] = ...) -> None: ...
 
 class Migration(_message.Message):
     __slots__ = ("tolerance", "layer_tolerance", "max_moves", "max_layer_moves")
@@ -156,7 +166,21 @@ class Migration(_message.Message):
     def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ..., max_moves: _Optional[int] = ..., max_layer_moves: _Optional[int] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited", "transfer")
+    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited", "transfer", "predicted_ms", "predicted_ms_before", "predicted_saved_ms")
+    class PredictedMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class PredictedMsBeforeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_USED_FIELD_NUMBER: _ClassVar[int]
     IMBALANCE_BEFORE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +193,9 @@ class PlanStats(_message.Message):
     NOTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_LIMITED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SAVED_MS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     policy_used: str
     imbalance_before: float
@@ -181,7 +208,10 @@ class PlanStats(_message.Message):
     notes: _containers.RepeatedScalarFieldContainer[str]
     budget_limited: bool
     transfer: TransferStats
-    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    predicted_ms: _containers.ScalarMap[int, float]
+    predicted_ms_before: _containers.ScalarMap[int, float]
+    predicted_saved_ms: float
+    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., predicted_ms: _Optional[_Mapping[int, float]] = ..., predicted_ms_before: _Optional[_Mapping[int, float]] = ..., predicted_saved_ms: _Optional[float] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds", "restored_experts", "restored_bytes")
@@ -334,18 +364,20 @@ class PhysicalCounts(_message.Message):
     def __init__(self, counts: _Optional[_Union[Array, _Mapping]] = ..., placement_version: _Optional[int] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "seq", "logical", "physical")
+    __slots__ = ("deployment", "rank", "seq", "logical", "physical", "steps")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_FIELD_NUMBER: _ClassVar[int]
     PHYSICAL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     seq: int
     logical: Array
     physical: PhysicalCounts
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., seq: _Optional[int] = ..., logical: _Optional[_Union[Array, _Mapping]] = ..., physical: _Optional[_Union[PhysicalCounts, _Mapping]] = ...) -> None: ...
+    steps: int
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., seq: _Optional[int] = ..., logical: _Optional[_Union[Array, _Mapping]] = ..., physical: _Optional[_Union[PhysicalCounts, _Mapping]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")
