@@ -129,6 +129,13 @@ def _count_grid(mean: np.ndarray, var: np.ndarray, limit: np.ndarray) -> tuple[n
         w = np.exp(-0.5 * ((p - m) / s) ** 2) * (p <= hi)
         pts[big] = p
         wts[big] = w
+    # No variance (an expert every token picks) can leave a row's grid without weight: all of
+    # it then sits on the point nearest the mean.
+    empty = wts.sum(axis=1) <= 0
+    if empty.any():
+        near = np.argmin(np.abs(pts[empty] - mean[empty][:, None]), axis=1)
+        wts[empty] = 0.0
+        wts[np.flatnonzero(empty), near] = 1.0
     wts /= wts.sum(axis=1, keepdims=True)
     return pts, wts
 

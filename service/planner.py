@@ -318,7 +318,8 @@ class Planner:
             decide(
                 local.trigger,
                 float(loads.sum()),
-                stats.gain_percent,
+                # A plan for time is judged by the time it saves, not by its token imbalance.
+                stats.predicted_gain_percent if stats.predicted_ms else stats.gain_percent,
                 stats.moves,
                 force,
                 saved_ms=stats.predicted_saved_ms if stats.predicted_ms else None,

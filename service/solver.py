@@ -96,6 +96,8 @@ def solve(job: Job) -> tuple[np.ndarray, np.ndarray, bytes]:
         stats.predicted_ms_before.update({int(b): float(m) for b, m in zip(batches.sizes, was_ms)})
         now_ms = np.array([plan.predicted_ms[int(b)] for b in batches.sizes])
         stats.predicted_saved_ms = float((batches.weights * (was_ms - now_ms)).sum())
+        was_mean = float((batches.weights * was_ms).sum())
+        stats.predicted_gain_percent = 100.0 * stats.predicted_saved_ms / was_mean if was_mean > 0 else 0.0
     return plan.phy2log.astype(np.int32), plan.logcnt.astype(np.int32), stats.SerializeToString()
 
 

@@ -54,7 +54,8 @@ def decide(
     saved_ms: float | None = None,
     stall_s: float = 0.0,
 ) -> str | None:
-    """Why a plan must not be published, or None when it may. ``saved_ms``: MoE milliseconds per
+    """Why a plan must not be published, or None when it may. ``gain_percent``: the imbalance's
+    gain, or for a plan for time the predicted MoE time's; ``saved_ms``: MoE milliseconds per
     step the plan saves (None: not planned for time); ``stall_s``: the move's predicted stall."""
     if force:
         return None
@@ -64,10 +65,11 @@ def decide(
     # nothing: every watcher woken, a rollout run, a real version pushed out of the kept 16.
     if moves == 0:
         return "the plan moves no slot: the placement in service stays"
+    what = "predicted gain" if saved_ms is None else "predicted MoE time gain"
     if gain_percent <= 0 and spec.min_gain_percent <= 0:
-        return f"predicted gain {gain_percent:.2f}% is not above 0%"
+        return f"{what} {gain_percent:.2f}% is not above 0%"
     if gain_percent < spec.min_gain_percent:
-        return f"predicted gain {gain_percent:.2f}% is below min_gain_percent {spec.min_gain_percent:g}%"
+        return f"{what} {gain_percent:.2f}% is below min_gain_percent {spec.min_gain_percent:g}%"
     if spec.max_moves and moves > spec.max_moves:
         return f"plan moves {moves} slots, over the move budget max_moves {spec.max_moves}"
     if spec.max_payback_steps is not None and saved_ms is not None:

@@ -222,6 +222,8 @@ def time_swaps(
         crit[~live] = -np.inf
         # One scoring pass over every swap from the three likeliest slowest gpus.
         src = [int(g) for g in np.argsort(-crit)[:3] if np.isfinite(crit[g])]
+        if not src:
+            break
         ia = np.concatenate([np.arange(g * spg, (g + 1) * spg) for g in src])
         ia = ia[slot_ok[ia]]
         held = np.zeros((num_gpus, lc.pi.size), dtype=bool)

@@ -155,6 +155,8 @@ async def test_the_time_gate_weighs_the_saved_ms_against_the_moves_stall(serve, 
     want = 0.5 * sum(s.predicted_ms_before[b] - s.predicted_ms[b] for b in (4, 64))
     assert s.predicted_saved_ms == pytest.approx(want) and s.predicted_saved_ms > 0
     assert s.transfer.predicted_seconds > 0
+    assert s.predicted_gain_percent == pytest.approx(100 * want / (0.5 * sum(s.predicted_ms_before.values())))
+    # Judged by time: the token imbalance may be worse than before.
     strict = out["strict"]
     assert not strict.published
     assert "max_payback_steps 1" in strict.reason

@@ -166,7 +166,7 @@ class Migration(_message.Message):
     def __init__(self, tolerance: _Optional[float] = ..., layer_tolerance: _Optional[float] = ..., max_moves: _Optional[int] = ..., max_layer_moves: _Optional[int] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited", "transfer", "predicted_ms", "predicted_ms_before", "predicted_saved_ms")
+    __slots__ = ("policy", "policy_used", "imbalance_before", "imbalance_after", "imbalance_lb", "max_imbalance_after", "moves", "solve_seconds", "gain_percent", "notes", "budget_limited", "transfer", "predicted_ms", "predicted_ms_before", "predicted_saved_ms", "predicted_gain_percent")
     class PredictedMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class PlanStats(_message.Message):
     PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SAVED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_GAIN_PERCENT_FIELD_NUMBER: _ClassVar[int]
     policy: str
     policy_used: str
     imbalance_before: float
@@ -211,7 +212,8 @@ class PlanStats(_message.Message):
     predicted_ms: _containers.ScalarMap[int, float]
     predicted_ms_before: _containers.ScalarMap[int, float]
     predicted_saved_ms: float
-    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., predicted_ms: _Optional[_Mapping[int, float]] = ..., predicted_ms_before: _Optional[_Mapping[int, float]] = ..., predicted_saved_ms: _Optional[float] = ...) -> None: ...
+    predicted_gain_percent: float
+    def __init__(self, policy: _Optional[str] = ..., policy_used: _Optional[str] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., imbalance_lb: _Optional[float] = ..., max_imbalance_after: _Optional[float] = ..., moves: _Optional[int] = ..., solve_seconds: _Optional[float] = ..., gain_percent: _Optional[float] = ..., notes: _Optional[_Iterable[str]] = ..., budget_limited: _Optional[bool] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., predicted_ms: _Optional[_Mapping[int, float]] = ..., predicted_ms_before: _Optional[_Mapping[int, float]] = ..., predicted_saved_ms: _Optional[float] = ..., predicted_gain_percent: _Optional[float] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("bytes", "cross_node_bytes", "rounds", "max_rank_round_bytes", "predicted_seconds", "restored_experts", "restored_bytes")
