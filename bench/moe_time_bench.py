@@ -85,23 +85,30 @@ def main(argv: list[str] | None = None) -> int:
             plans = placements(loads, topo, model, batches)
             plan_s = time.perf_counter() - t0
             for b in batches:
+                named = {
+                    name: layer_sets(plan, loads, b, args.steps, seed=1000 + args.seed)
+                    for name, plan in plans.items()
+                    if not (name.startswith("time@") and name not in (f"time@{b}", "time@mix"))
+                    and not (name == "time@mix" and b not in MIX)
+                }
                 res = {}
-                for name, plan in plans.items():
-                    if name.startswith("time@") and name not in (f"time@{b}", "time@mix"):
-                        continue
-                    if name == "time@mix" and b not in MIX:
-                        continue
-                    sets = layer_sets(plan, loads, b, args.steps, seed=1000 + args.seed)
-                    if args.kernels == "model":
-                        us = model.gpu_us(sets).max(axis=2)  # [L, steps]
-                    else:
-                        timer, cache = timers[shape]
-                        flat = [tuple(s) for s in sets.reshape(-1, sets.shape[-1]).tolist()]
-                        for s in flat:
-                            if s not in cache:
-                                cache[s] = timer.time(np.array(s))
-                        us = np.array([cache[s] for s in flat]).reshape(sets.shape[:3]).max(axis=2)
-                    res[name] = float(us.mean(axis=1).sum() / 1000.0)  # ms per step over the layers
+                if args.kernels == "model":
+                    for name, sets in named.items():
+                        res[name] = float(model.gpu_us(sets).max(axis=2).mean(axis=1).sum() / 1000.0)
+                else:
+                    # The placements' sets timed in turn, set by set, so a drift of the GPU's clock
+                    # during the run weighs on every placement alike; a set two placements share is
+                    # timed once.
+                    timer, cache = timers[shape]
+                    flat = {n: [tuple(x) for x in s.reshape(-1, s.shape[-1]).tolist()] for n, s in named.items()}
+                    for i in range(len(next(iter(flat.values())))):
+                        for n in flat:
+                            key = flat[n][i]
+                            if key not in cache:
+                                cache[key] = timer.time(np.array(key))
+                    for n, sets in named.items():
+                        us = np.array([cache[k] for k in flat[n]]).reshape(sets.shape[:3]).max(axis=2)
+                        res[n] = float(us.mean(axis=1).sum() / 1000.0)  # ms per step over the layers
                 row = {"shape": shape, "config": cname, "tokens_per_gpu": b, "ms": res, "plan_s": round(plan_s, 2)}
                 rows.append(row)
                 tp = res[f"time@{b}"]

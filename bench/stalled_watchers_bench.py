@@ -144,7 +144,9 @@ async def main_async(args: argparse.Namespace, load: float) -> dict:
             for _ in range(args.watchers)
         ]
         stalled = [
-            pb_grpc.ExpertLoadBalancerServiceStub(c).WatchPlacements(pb.WatchPlacementsRequest(deployment="big"))
+            pb_grpc.ExpertLoadBalancerServiceStub(c).WatchPlacements(
+                pb.WatchPlacementsRequest(deployment="big", max_part_bytes=getattr(args, "part_bytes", 0))
+            )
             for c in chans
         ]
         for call in stalled:
@@ -208,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         "--experts", type=int, default=1024, help="of 64 layers; the window's float32 loads travel with the placement"
     )
     ap.add_argument("--slots", type=int, default=4096, help="of 64 layers on 512 gpus: 4096 is a 1 MiB phy2log")
+    ap.add_argument(
+        "--part-bytes",
+        type=int,
+        default=0,
+        help="the stalled watchers ask for placements in parts of this many bytes (0: whole; eplb's "
+        "watchers ask for 65536)",
+    )
     ap.add_argument("--runs", type=int, default=1, help="runs per load, each with a fresh server")
     ap.add_argument("--load", type=lambda s: [float(x) for x in s.split(",")], default=[0.0], help="reports/s")
     ap.add_argument("--json", type=Path, help="write the figures here")

@@ -27,6 +27,7 @@ import grpc
 import eplb
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire.parts import WATCH_PART_BYTES, PartAssembler
 
 from . import wire
 
@@ -348,18 +349,21 @@ class Calls:
                     # (its retries failed over already) wait, then try again
                     yield Sleep(backoff.delay())
                     continue
-            sent = yield Watch(pb.WatchPlacementsRequest(deployment=deployment, since_version=version))
+            sent = yield Watch(
+                pb.WatchPlacementsRequest(deployment=deployment, since_version=version, max_part_bytes=WATCH_PART_BYTES)
+            )
             stub, error = sent.stub, sent.error
             if error is None:
                 call = sent.response
+                parts = PartAssembler()
                 while True:
                     got = yield Read(call)
                     if got.error is not None or got.response is None:
                         error = got.error
                         break
                     backoff.reset()
-                    msg = got.response.placement
-                    if msg.version > version:
+                    msg = parts.feed(got.response)
+                    if msg is not None and msg.version > version:
                         item = wire.placement_from_pb(msg, topology) if decode else msg
                         version = msg.version
                         yield Deliver(item)

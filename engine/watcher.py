@@ -20,6 +20,7 @@ import grpc
 
 import eplb
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.parts import WATCH_PART_BYTES, PartAssembler
 
 from . import wire
 from .client import TRANSIENT, Backoff, Endpoints, ServiceClient
@@ -130,13 +131,18 @@ class PlacementWatcher:
                     self._recovered()
                     stub = self.endpoints.stub()  # the call may have moved to another address
                 self._call = stub.WatchPlacements(
-                    pb.WatchPlacementsRequest(deployment=self.deployment, since_version=self.version),
+                    pb.WatchPlacementsRequest(
+                        deployment=self.deployment, since_version=self.version, max_part_bytes=WATCH_PART_BYTES
+                    ),
                     metadata=self.endpoints.metadata,
                 )
+                parts = PartAssembler()
                 for response in self._call:
                     backoff.reset()
                     self._recovered()
-                    self._deliver(response.placement)
+                    placement = parts.feed(response)
+                    if placement is not None:
+                        self._deliver(placement)
                     if self._stop.is_set():
                         return
             except grpc.RpcError as exc:

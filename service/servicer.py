@@ -14,12 +14,17 @@ import grpc
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire.parts import WATCH_PART_BYTES
 
 from . import arrays
 from .auth import Access
 from .balancer import Balancer
 from .errors import FieldViolation, InvalidArgument, ServiceError
 from .validation import check_name
+
+# WatchPlacementsRequest.max_part_bytes: 0, or this range.
+MIN_PART_BYTES = 4096
+MAX_PART_BYTES = 4 << 20
 
 __all__ = ["BalancerServicer", "add_to_server"]
 
@@ -90,6 +95,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         # every watch stream (a stream that does not read holds its message until it does: one
         # copy for all rather than one per stream; see add_to_server).
         self._wire: dict[str, tuple[pb.Placement, bytes]] = {}
+        self._wire_parts: dict[tuple[str, int], tuple[pb.Placement, tuple[bytes, ...]]] = {}
 
     def _response(self, cls: type, placement: pb.Placement) -> object:
         key = (cls, placement.deployment)
@@ -171,6 +177,29 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         loads, reports = await self.deployments.window_loads(request.deployment)
         return pb.GetPlacementResponse(placement=placement, window_loads=arrays.encode(loads), window_reports=reports)
 
+    def _parts(self, placement: pb.Placement, size: int) -> tuple[bytes, ...]:
+        """``WatchPlacementsResponse(part)`` of ``placement`` in parts of ``size`` bytes, serialized
+        once per (version, size) for the newest version, as ``_serialized``."""
+        key = (placement.deployment, size)
+        cached = self._wire_parts.get(key)
+        if cached is not None and cached[0] is placement:
+            return cached[1]
+        whole = placement.SerializeToString()
+        count = max(1, -(-len(whole) // size))
+        parts = tuple(
+            pb.WatchPlacementsResponse(
+                part=pb.PlacementPart(
+                    version=placement.version, index=i, count=count, data=whole[i * size : (i + 1) * size]
+                )
+            ).SerializeToString()
+            for i in range(count)
+        )
+        # Kept for the size eplb's watchers ask for only: a cache per size a client may name
+        # would let clients fill the server with copies.
+        if size == WATCH_PART_BYTES and (cached is None or placement.version >= cached[0].version):
+            self._wire_parts[key] = (placement, parts)
+        return parts
+
     def _serialized(self, placement: pb.Placement) -> bytes:
         """``WatchPlacementsResponse(placement)`` serialized, once per version for the newest."""
         cached = self._wire.get(placement.deployment)
@@ -186,6 +215,13 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         # grpc logs that at ERROR when it does the writing; here it only ends the stream. The
         # bytes are pre-serialized (add_to_server registers an identity serializer).
         self._check(context, "WatchPlacements", request.deployment)
+        size = request.max_part_bytes
+        if size and not MIN_PART_BYTES <= size <= MAX_PART_BYTES:
+            raise InvalidArgument(
+                FieldViolation(
+                    "max_part_bytes", f"{size} is not 0 (whole placements) or {MIN_PART_BYTES} to {MAX_PART_BYTES}"
+                )
+            )
         placements = self.deployments.watch(request.deployment, request.since_version)
         if self.access is not None:
             # Ends the stream at once when a reload of the auth file revokes the token.
@@ -194,7 +230,10 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             async with contextlib.aclosing(placements):
                 async for placement in placements:
                     try:
-                        await context.write(self._serialized(placement))
+                        # Part by part: gRPC takes the next write only once the last is taken, so
+                        # a watcher that stopped reading holds one part here, not a placement.
+                        for data in self._parts(placement, size) if size else (self._serialized(placement),):
+                            await context.write(data)
                     except (grpc.aio.AbortError, asyncio.CancelledError):
                         raise
                     except Exception as exc:  # noqa: BLE001  (the client went away: nothing to send to)

@@ -31,3 +31,15 @@ async def test_stalled_watchers_cost_one_message_each_and_the_memory_comes_back(
     ring_mb = 16 * out["message_mib"]
     assert out["peak_grown_mb"] <= WATCHERS * 1.5 * out["message_mib"] + ring_mb + 15, out
     assert out["after_grown_mb"] <= ring_mb + 15, out
+
+
+@pytest.mark.slow
+async def test_stalled_watchers_in_parts_hold_a_part_each():
+    # eplb's watchers ask for 64 KiB parts: a stalled stream then holds about a part and its
+    # window, not a 1.25 MiB message (200 of them: +51 MB peak against +289 MB whole, the bench).
+    args = argparse.Namespace(watchers=WATCHERS, versions=VERSIONS, experts=1024, slots=4096, part_bytes=65536)
+    out = await stalled_watchers_bench.main_async(args, 0.0)
+    assert out["reader_in_order"], out["reader_versions"]
+    assert out["error_lines"] == 0, out["first_error"]
+    ring_mb = 16 * out["message_mib"]
+    assert out["peak_grown_mb"] <= WATCHERS * 0.25 + ring_mb + 15, out

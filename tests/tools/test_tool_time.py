@@ -70,7 +70,10 @@ def test_bench_report_adds_predicted_ms_per_placement():
     for r in rows:
         placement = eplb.rebalance(loads, topo, r["policy"]).placement
         us = timing.predicted_layer_us(placement, loads, MODEL, [8, 64], settings.topk).sum(axis=0)
-        assert r["predicted_ms"] == {8: pytest.approx(us[0] / 1000, abs=1e-4), 64: pytest.approx(us[1] / 1000, abs=1e-4)}
+        assert r["predicted_ms"] == {
+            8: pytest.approx(us[0] / 1000, abs=1e-4),
+            64: pytest.approx(us[1] / 1000, abs=1e-4),
+        }
     assert "predicted MoE ms per step" in report.markdown(rep)
     json.dumps(rep)
 

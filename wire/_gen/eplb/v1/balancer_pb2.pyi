@@ -410,18 +410,34 @@ class GetPlacementResponse(_message.Message):
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., window_loads: _Optional[_Union[Array, _Mapping]] = ..., window_reports: _Optional[int] = ...) -> None: ...
 
 class WatchPlacementsRequest(_message.Message):
-    __slots__ = ("deployment", "since_version")
+    __slots__ = ("deployment", "since_version", "max_part_bytes")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     since_version: int
-    def __init__(self, deployment: _Optional[str] = ..., since_version: _Optional[int] = ...) -> None: ...
+    max_part_bytes: int
+    def __init__(self, deployment: _Optional[str] = ..., since_version: _Optional[int] = ..., max_part_bytes: _Optional[int] = ...) -> None: ...
 
 class WatchPlacementsResponse(_message.Message):
-    __slots__ = ("placement",)
+    __slots__ = ("placement", "part")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    part: PlacementPart
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., part: _Optional[_Union[PlacementPart, _Mapping]] = ...) -> None: ...
+
+class PlacementPart(_message.Message):
+    __slots__ = ("version", "index", "count", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    index: int
+    count: int
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AckPlacementRequest(_message.Message):
     __slots__ = ("deployment", "rank", "version", "state", "step", "error")
