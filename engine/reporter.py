@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 import eplb
-from eplb.limits import MAX_REPORT_COUNT
+from eplb.limits import MAX_REPORT_COUNT, MAX_REPORT_STEPS
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import wire
@@ -41,8 +41,8 @@ __all__ = ["LoadReporter", "ReporterStats"]
 
 log = logging.getLogger(__name__)
 
-# ReportLoadRequest.steps: the service refuses more (eplb_service.ingest.MAX_STEPS).
-_MAX_STEPS = 1 << 20
+# ReportLoadRequest.steps: the service refuses more.
+_MAX_STEPS = MAX_REPORT_STEPS
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from .topology import Topology
 
 __all__ = [
+    "MAX_BATCH_SIZES",
+    "MAX_REPORT_STEPS",
+    "MAX_TOKENS_PER_GPU",
+    "MAX_TOP_K",
     "COMPUTE_QUEUE",
     "COMPUTE_WORKERS",
     "ILP_MAX_CELLS",
@@ -58,6 +62,13 @@ __all__ = [
 # most a few million reports, so its sums stay far below float64's range (and exact far beyond
 # any realistic token count): no report can make a window infinite.
 MAX_REPORT_COUNT = 1e12
+# ReportLoadRequest.steps: the most forward steps one report may say it covers.
+MAX_REPORT_STEPS = 1 << 20
+# Planning for time (Planning.kernel_model): at most MAX_BATCH_SIZES tokens_per_gpu sizes, each 1 ..
+# MAX_TOKENS_PER_GPU (a plan for time costs about one search per size); top_k 1 .. MAX_TOP_K.
+MAX_BATCH_SIZES = 16
+MAX_TOKENS_PER_GPU = 1 << 20
+MAX_TOP_K = 64
 
 # Planning capacity of the service (service/solver.py). Re-plans of deployments run in their own pool, which
 # stateless ComputePlacement calls never use: those get COMPUTE_WORKERS processes and a queue of

@@ -14,7 +14,7 @@ import numpy as np
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import arrays, report_counts, validation
+from . import arrays, limits, report_counts, validation
 from .batcher import Batcher
 from .errors import (
     FailedPrecondition,
@@ -41,8 +41,6 @@ _UNFOLDED_MAX = 64
 # scale). Bigger ones get calls of their own, so that their transfers do not hold up the small
 # deployments' answers.
 SHARED_MAX_COUNTS = 262_144
-# ReportLoadRequest.steps: the most steps one report may say it covers.
-MAX_STEPS = 1 << 20
 
 __all__ = ["Ingest"]
 
@@ -104,8 +102,8 @@ class Ingest:
         except FailedPrecondition:
             rejected.labels(request.deployment, "stale_version").inc()
             raise
-        if request.steps > MAX_STEPS:
-            raise InvalidArgument(FieldViolation("steps", f"must be <= {MAX_STEPS}, got {request.steps}"))
+        if request.steps > limits.MAX_REPORT_STEPS:
+            raise InvalidArgument(FieldViolation("steps", f"must be <= {limits.MAX_REPORT_STEPS}, got {request.steps}"))
         fresh = await self._batcher(local).submit((local, request.rank, request.seq, counts))
         if fresh:
             local.note_batch(counts, request.steps, time.time())
