@@ -36,8 +36,10 @@ __all__ = [
     "slot_moments",
     "expected_max",
     "normal_cdf",
+    "gpu_moments",
     "predicted_layer_us",
     "sample_layer_us",
+    "sample_slot_counts",
 ]
 
 DISPATCHES = ("even", "static")
