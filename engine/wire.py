@@ -144,6 +144,7 @@ def deployment_pb(
     tokens_per_gpu: Sequence[int] = (),
     top_k: int | None = None,
     dispatch: str | None = None,
+    max_payback_steps: int | None = None,
 ) -> pb.Deployment:
     """A ``Deployment`` message for ``topology``: a sliding window of ``window_s`` seconds (or
     exponential decay with ``half_life_s``; neither: the service's default, sliding 10 minutes;
@@ -161,7 +162,8 @@ def deployment_pb(
 
     Planning for time: ``kernel_model`` (a shipped model's name, ``eplb.kernel.shipped()``),
     ``tokens_per_gpu`` (the batch sizes; empty: those the reports' steps show), ``top_k``
-    (None: 8), ``dispatch`` (``"even"`` or ``"static"``; None: even); the service checks them."""
+    (None: 8), ``dispatch`` (``"even"`` or ``"static"``; None: even), and ``max_payback_steps`` (the
+    trigger's time gate, ``Trigger.max_payback_steps``); the service checks them."""
     _check_migration(tolerance, layer_tolerance, max_moves, max_layer_moves)
     _check_planning(effort, work_budget, time_limit_s)
     msg = pb.Deployment(
@@ -200,6 +202,8 @@ def deployment_pb(
         msg.planning.top_k = top_k
     if dispatch is not None:
         msg.planning.dispatch = dispatch
+    if max_payback_steps is not None:
+        msg.trigger.max_payback_steps = max_payback_steps
     return msg
 
 

@@ -110,6 +110,11 @@ class Curve:
             raise ValueError("a kernel curve's tokens must be finite and >= 1, its microseconds finite and >= 0")
         if (np.diff(t) <= 0).any():
             raise ValueError("a kernel curve's tokens must be strictly increasing")
+        if (np.diff(u) < 0).any() or u[-1] <= 0:
+            raise ValueError(
+                "a kernel curve's microseconds must not fall as tokens grow and must end above 0 "
+                "(it is extended past its last point by its last slope)"
+            )
         object.__setattr__(self, "tokens", t)
         object.__setattr__(self, "us", u)
 

@@ -277,9 +277,13 @@ def rebalance(
     placement. What it does with it (a bar, a log line) is the caller's.
     """
     check_callback(progress)
-    timing = _time_options({k: options.pop(k) for k in TIME_OPTIONS if k in options})
+    called = time.perf_counter()
+    time_given = {k: options.pop(k) for k in TIME_OPTIONS if k in options}
+    timing = _time_options(time_given)
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
+    if timing is not None and timing.top_k > topology.num_experts:
+        raise ValueError(f"top_k ({timing.top_k}) must be at most num_experts ({topology.num_experts})")
     spec = get_policy(policy)
     # Before anything of the topology's size (the live slots, the loads' float64 copy): a plan
     # too large for the limit fails at once, not when the kernel kills the process. With gpus
@@ -310,7 +314,21 @@ def rebalance(
         else:
             plan = _plan(arr, topology, spec, policy, previous, options)
         plan = _spread(plan, arr, previous) if spread_nodes else plan
-        return plan if timing is None else _for_time(plan, arr, previous, timing)
+        if timing is None:
+            return plan
+        limit = options.get("time_limit")
+        deadline = None if limit is None else called + float(limit)
+        fresh = None
+        if previous is not None and (deadline is None or time.perf_counter() < deadline):
+            # A re-plan's candidates for time: the fresh plan for time of the same loads too, which
+            # _for_time weighs per layer against the re-plan and the placement in service.
+            fresh_options = {k: v for k, v in options.items() if k not in _MIGRATION_FIELDS}
+            if deadline is not None:
+                fresh_options["time_limit"] = max(1e-3, deadline - time.perf_counter())
+            fresh = rebalance(
+                arr, topology, policy, down_gpus=down_gpus, spread_nodes=spread_nodes, **fresh_options, **time_given
+            ).placement
+        return _for_time(plan, arr, previous, timing, deadline, fresh, options)
 
 
 # Policies whose fresh plans without redundant slots are settled (eplb.planner.settle): the
@@ -358,14 +376,29 @@ def _time_options(given: dict) -> _Timing | None:
     return _Timing(cost, batches_from(given["tokens_per_gpu"]), int(top_k), str(dispatch))
 
 
-def _for_time(plan: Plan, arr: np.ndarray, previous: Placement | None, timing: _Timing) -> Plan:
-    """``plan`` re-planned for expected MoE time (eplb.planner.timeplan), with ``predicted_ms``."""
+_MIGRATION_FIELDS = tuple(f.name for f in dataclasses.fields(Migration))
+
+
+def _for_time(
+    plan: Plan,
+    arr: np.ndarray,
+    previous: Placement | None,
+    timing: _Timing,
+    deadline: float | None = None,
+    fresh: Placement | None = None,
+    options: dict | None = None,
+) -> Plan:
+    """``plan`` re-planned for expected MoE time (eplb.planner.timeplan), with ``predicted_ms``.
+
+    With ``previous`` (a re-plan), each layer then takes, of the re-plan searched for time (no
+    slot moved that the re-plan kept), ``fresh`` (the fresh plan for time) and ``previous`` (where
+    its layer fits the live gpus), the one of fewest moves whose expected time is within the
+    migration's ``layer_tolerance`` of the fastest, within the move budgets: a re-plan for time
+    keeps what it can without giving back the time a fresh plan would win."""
     from .planner.timeplan import plan_for_time
 
     start = time.perf_counter()
     topology = plan.placement.topology
-    if timing.top_k > topology.num_experts:
-        raise ValueError(f"top_k ({timing.top_k}) must be at most num_experts ({topology.num_experts})")
     live = plan.placement.live
     phy, notes, per_layer = plan_for_time(
         arr,
@@ -377,8 +410,20 @@ def _for_time(plan: Plan, arr: np.ndarray, previous: Placement | None, timing: _
         dispatch=timing.dispatch,
         live=live,
         previous=None if previous is None else previous.phy2log,
-        fresh=plan.replan is None,
+        fresh=plan.replan is None and previous is None,
+        deadline=deadline,
     )
+    if previous is not None:
+        phy, per_layer, more = _replan_for_time(
+            arr,
+            phy,
+            per_layer,
+            previous,
+            fresh,
+            timing,
+            Migration(**{k: v for k, v in (options or {}).items() if k in _MIGRATION_FIELDS}),
+        )
+        notes += more
     placement = Placement(phy, topology)
     load = metrics.gpu_loads(arr, placement)
     ms = per_layer.sum(axis=0) / 1000.0
@@ -393,6 +438,58 @@ def _for_time(plan: Plan, arr: np.ndarray, previous: Placement | None, timing: _
         notes=plan.notes + notes,
         predicted_ms={int(b): round(float(m), 4) for b, m in zip(timing.batches.sizes, ms)},
     )
+
+
+def _replan_for_time(
+    arr: np.ndarray,
+    phy: np.ndarray,
+    per_layer: np.ndarray,
+    previous: Placement,
+    fresh: Placement | None,
+    timing: _Timing,
+    migration: Migration,
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Per layer, the candidate of fewest moves within ``layer_tolerance`` of the fastest (see
+    ``_for_time``) → (``[L, P]``, ``[L, K]`` expected microseconds, notes)."""
+    from .timing import predicted_layer_us
+
+    topology = previous.topology
+    w = timing.batches.weights
+    args = (timing.cost, [(int(b), float(x)) for b, x in zip(timing.batches.sizes, w)], timing.top_k, timing.dispatch)
+    pattern = phy >= 0
+    cands = [("re-plan", phy, per_layer)]
+    if fresh is not None:
+        cands.append(("fresh", fresh.phy2log, predicted_layer_us(fresh, arr, *args)))
+    # The placement in service, in the layers whose empty slots are the plan's (no gpu came back).
+    prev_ok = (pattern == (previous.phy2log >= 0)).all(axis=1) & (previous.logcnt > 0).all(axis=1)
+    if prev_ok.any():
+        cands.append(("kept", previous.phy2log, predicted_layer_us(previous, arr, *args)))
+    out, out_us = phy.copy(), per_layer.copy()
+    budget = migration.max_moves
+    taken = {name: 0 for name, *_ in cands}
+    for layer in range(topology.num_layers):
+        options = []
+        for name, p, us in cands:
+            if name == "kept" and not prev_ok[layer]:
+                continue
+            moves = int((p[layer] != previous.phy2log[layer]).sum())
+            if migration.max_layer_moves is not None and moves > migration.max_layer_moves and name != "re-plan":
+                continue
+            if budget is not None and moves > budget and name != "re-plan":
+                continue
+            options.append((float((w * us[layer]).sum()), moves, name, p[layer], us[layer]))
+        best = min(o[0] for o in options)
+        t, moves, name, row, us = min(
+            (o for o in options if o[0] <= best * (1 + migration.layer_tolerance) + 1e-12), key=lambda o: (o[1], o[0])
+        )
+        out[layer], out_us[layer] = row, us
+        taken[name] += 1
+        if budget is not None:
+            budget = max(0, budget - moves)
+    note = "re-planned for time: per layer the fewest moves within layer_tolerance of the fastest: " + ", ".join(
+        f"{n} {c}" for n, c in taken.items()
+    )
+    return out, out_us, (note,)
 
 
 def _spread(plan: Plan, arr: np.ndarray, previous: Placement | None) -> Plan:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kernel import CostModel, as_cost_model
+from .limits import MAX_TOKENS_PER_GPU
 from .placement import Placement
 from .simulate import inclusion_probabilities, systematic_subsets
 
@@ -62,9 +63,11 @@ def batches_from(tokens_per_gpu: object) -> Batches:
     """``tokens_per_gpu=``: one int, a list of ints (equal weights) or a list of
     ``(tokens, weight)`` pairs → ``Batches`` (``ValueError`` says what is allowed)."""
     msg = (
-        "tokens_per_gpu must be an int >= 1, a list of them, or a list of (tokens, weight) pairs "
-        f"with weights >= 0 and a positive sum; got {tokens_per_gpu!r}"
+        f"tokens_per_gpu must be an int in 1..{MAX_TOKENS_PER_GPU}, a list of them, or a list of (tokens, weight) "
+        f"pairs with weights >= 0 and a positive sum; got {tokens_per_gpu!r}"
     )
+    if isinstance(tokens_per_gpu, (dict, str, bytes, set)):
+        raise ValueError(msg + " (a dict's weights would be lost: give [(tokens, weight), ...])")
     items = [tokens_per_gpu] if isinstance(tokens_per_gpu, (int, np.integer)) else tokens_per_gpu
     try:
         items = list(items)  # type: ignore[arg-type]
@@ -75,8 +78,10 @@ def batches_from(tokens_per_gpu: object) -> Batches:
     sizes, weights = [], []
     for it in items:
         b, w = it if isinstance(it, (tuple, list)) and len(it) == 2 else (it, 1.0)
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_TOKENS_PER_GPU:
             raise ValueError(msg)
+        if int(b) in sizes:
+            raise ValueError(f"tokens_per_gpu names {int(b)} twice; give each size once, with its weight")
         if isinstance(w, bool) or not isinstance(w, (int, float, np.number)) or not np.isfinite(w) or w < 0:
             raise ValueError(msg)
         sizes.append(int(b))
@@ -85,6 +90,11 @@ def batches_from(tokens_per_gpu: object) -> Batches:
     if wt.sum() <= 0:
         raise ValueError(msg)
     return Batches(np.array(sizes, dtype=np.int64), wt / wt.sum())
+
+
+def _check_top_k(top_k: object, num_experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an integer in 1..num_experts ({num_experts}), got {top_k!r}")
 
 
 def normal_cdf(z: np.ndarray) -> np.ndarray:
@@ -218,11 +228,21 @@ def predicted_layer_us(
     cost = as_cost_model(kernel_curve)
     batches = batches_from(tokens_per_gpu)
     topo = placement.topology
+    loads = np.asarray(loads, dtype=np.float64)
+    if loads.shape != (topo.num_layers, topo.num_experts):
+        raise ValueError(
+            f"loads has shape {list(loads.shape)}; expected [num_layers, num_experts] = "
+            f"[{topo.num_layers}, {topo.num_experts}]"
+        )
+    _check_top_k(top_k, topo.num_experts)
     live = placement.live
     out = np.zeros((topo.num_layers, batches.sizes.size))
     phy = placement.phy2log
     for layer in range(topo.num_layers):
-        pi = inclusion_probabilities(loads[layer], top_k)
+        if not loads[layer].any():
+            continue  # no load, no routing: the layer costs nothing
+        # Fewer loaded experts than top_k: every token picks all of them.
+        pi = inclusion_probabilities(loads[layer], min(top_k, int((loads[layer] > 0).sum())))
         for k, b in enumerate(batches.sizes):
             mean, var, p0 = slot_moments(pi, placement.logcnt[layer], int(b) * int(live.sum()), cost, dispatch)
             mu, v = gpu_moments(phy[layer], mean, var, p0, topo.num_gpus, cost.call_us)
@@ -269,6 +289,12 @@ def sample_slot_counts(
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}; got {dispatch!r}")
     topo = placement.topology
+    batches_from(tokens_per_gpu)  # an int in 1 .. MAX_TOKENS_PER_GPU
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if not 0 <= layer < topo.num_layers:
+        raise ValueError(f"layer ({layer}) must be in [0, {topo.num_layers - 1}]")
+    _check_top_k(top_k, topo.num_experts)
     pi = inclusion_probabilities(np.asarray(popularity, dtype=np.float64), top_k)
     rng = np.random.default_rng(seed)
     live_gpus = np.flatnonzero(placement.live)

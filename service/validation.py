@@ -18,6 +18,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from . import limits
 from .clip import clip
 from .codec import (
+    DEFAULT_TOP_K,
     EFFORTS,
     MIGRATION_FIELDS,
     accepts,
@@ -359,10 +360,14 @@ def check_time_planning(msg: pb.Planning, field: str, num_experts: int | None) -
     bad = [b for b in msg.tokens_per_gpu if not 1 <= b <= limits.MAX_TOKENS_PER_GPU]
     if bad:
         out.append(FieldViolation(f"{field}.tokens_per_gpu", f"{bad[0]} is not in 1..{limits.MAX_TOKENS_PER_GPU}"))
+    most = min(limits.MAX_TOP_K, num_experts or limits.MAX_TOP_K)
     if msg.HasField("top_k"):
-        most = min(limits.MAX_TOP_K, num_experts or limits.MAX_TOP_K)
         if not 1 <= msg.top_k <= most:
             out.append(FieldViolation(f"{field}.top_k", f"{msg.top_k} is not in 1..{most} (and at most num_experts)"))
+    elif DEFAULT_TOP_K > most:
+        out.append(
+            FieldViolation(f"{field}.top_k", f"unset means {DEFAULT_TOP_K}, more than the {most} experts: set it")
+        )
     if msg.dispatch and msg.dispatch not in DISPATCHES:
         out.append(FieldViolation(f"{field}.dispatch", f"{clip(msg.dispatch)} is not one of {', '.join(DISPATCHES)}"))
     return out

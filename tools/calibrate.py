@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -225,12 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.shape:
         h, i = SHAPES[args.shape]
-    elif args.hidden and args.intermediate:
+    elif args.hidden is not None and args.intermediate is not None:
         h, i = args.hidden, args.intermediate
     else:
         ap.error("give --shape, or --hidden and --intermediate")
     if min(h, i) < 16 or h % 8 or i % 8:
         ap.error(f"--hidden ({h}) and --intermediate ({i}) must be multiples of 8, >= 16")
+    if args.heldout < 4:
+        ap.error(f"--heldout must be at least 4 slot sets, got {args.heldout}")
+    if args.out and not os.access(args.out.parent if str(args.out.parent) else Path("."), os.W_OK):
+        ap.error(f"--out {args.out}: its folder is not writable (checked before the measurement)")
     try:
         import torch
     except ImportError:
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("eplb calibrate: no CUDA device: the model is of this GPU's kernels, so it needs one", file=sys.stderr)
         return 2
-    res = calibrate(Shape(h, i))
+    res = calibrate(Shape(h, i), heldout=args.heldout)
     m = res["model"]
     print(
         f"{m.gpu}, {m.kernel}, hidden {h}, intermediate {i}: call {m.call_us:.1f} us + per activated expert "

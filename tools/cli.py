@@ -349,7 +349,7 @@ def _place(args: argparse.Namespace) -> int:
         say(
             "predicted MoE time per step:   "
             + "  ".join(f"{b} tokens/gpu {ms:.3f} ms" for b, ms in plan.predicted_ms.items())
-            + f" ({timed['kernel_curve'].gpu or 'a plain curve'}, sum over {topo.num_layers} layers)"
+            + f" ({timed['kernel_curve'].gpu or 'a kernel model of no named GPU'}, sum over {topo.num_layers} layers)"
         )
     say(f"solve time: {plan.solve_seconds * 1e3:.1f} ms")
     if previous is not None:
@@ -629,7 +629,18 @@ def _time_flags(args: argparse.Namespace) -> dict:
     if args.kernel_curve.endswith(".json"):
         import json
 
-        model = kernel.KernelModel.from_dict(json.loads(Path(args.kernel_curve).read_text()))
+        try:
+            raw = json.loads(Path(args.kernel_curve).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--kernel-curve {args.kernel_curve}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"--kernel-curve {args.kernel_curve}: not a kernel model (eplb calibrate --out writes one)"
+            )
+        try:
+            model = kernel.KernelModel.from_dict(raw)
+        except ValueError as exc:
+            raise ValueError(f"--kernel-curve {args.kernel_curve}: {exc}") from None
     else:
         try:
             model = kernel.load(args.kernel_curve)

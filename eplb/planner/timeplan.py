@@ -21,6 +21,7 @@ Everything is deterministic: no sampling, no clock.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,9 +152,10 @@ def time_counts(
     return counts
 
 
-def time_pack(lc: LayerCost, counts: np.ndarray, num_gpus: int) -> np.ndarray:
+def time_pack(lc: LayerCost, counts: np.ndarray, num_gpus: int) -> np.ndarray | None:
     """``counts`` ``[E]`` → ``[P]`` phy2log: replicas onto gpus, heaviest first, each to the gpu
-    of least expected time that has room and no copy of its expert."""
+    of least expected time that has room and no copy of its expert (None when the last replicas
+    find room only beside a copy of their own: many replicas on few gpus)."""
     mean, _ = lc.moments(counts)
     w = (lc.weights[:, None] * mean / np.maximum(mean.sum(axis=1, keepdims=True), 1e-12)).sum(axis=0)
     items = np.repeat(np.arange(counts.size), counts)
@@ -167,6 +169,8 @@ def time_pack(lc: LayerCost, counts: np.ndarray, num_gpus: int) -> np.ndarray:
     phy = np.full((num_gpus, per), -1, dtype=np.int64)
     for it in items[order]:
         ok = (fill < per) & ~held[:, it]
+        if not ok.any():
+            return None  # only gpus holding a copy have room left: no packing from this order
         g = int(np.flatnonzero(ok)[np.argmin(load[ok])])
         phy[g, fill[g]] = it
         fill[g] += 1
@@ -288,6 +292,7 @@ def plan_for_time(
     live: np.ndarray,
     previous: np.ndarray | None,
     fresh: bool,
+    deadline: float | None = None,
 ) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
     """``loads`` ``[L, E]``, the token plan's ``phy2log`` ``[L, P]`` → (``[L, P]`` planned for time,
     notes, ``[L, K]`` expected microseconds per layer and batch size).
@@ -306,16 +311,23 @@ def plan_for_time(
     tokens = batches.sizes * int(live.sum())
     skipped, recounted, swapped = 0, 0, 0
     one_node = fresh and previous is None and topo.num_nodes == 1 and live.all() and P > topo.num_experts
+    late = 0
     for layer in range(L):
-        try:
-            pi = inclusion_probabilities(loads[layer], top_k)
-        except ValueError:
-            skipped += 1  # fewer experts with load than top_k: no routing to model
+        out_of_time = deadline is not None and time.perf_counter() > deadline
+        if not loads[layer].any():
+            skipped += 1  # no load: nothing routed, the layer costs nothing to model
             continue
+        # Fewer loaded experts than top_k: every token picks all of them.
+        pi = inclusion_probabilities(loads[layer], min(top_k, int((loads[layer] > 0).sum())))
         lc = LayerCost(pi, tokens, batches.weights, cost, dispatch)
         prev = None if previous is None else np.asarray(previous[layer], dtype=np.int64)
         token = out[layer].copy()
         base_k = _layer_us(lc, token, np.bincount(token[token >= 0], minlength=topo.num_experts), G, live)
+        if out_of_time:
+            # Past the plan's time_limit: the token plan, with its expected time.
+            per_layer[layer] = base_k
+            late += 1
+            continue
         cands = [(time_swaps(lc, token, G, gpus_per_node=gpn, live=live, previous=prev)[0], False)]
         if one_node:
             # Counts by time for the last m redundant slots, the rest water-filled by tokens: the
@@ -326,10 +338,12 @@ def plan_for_time(
             for m in sorted({extra, extra // 2, extra // 4, extra // 8} - {0}, reverse=True):
                 tc = time_counts(lc, topo.num_experts, P, G, start=token_counts(pi, extra - m, G))
                 phy = time_pack(lc, tc, G)
-                packed.append((objective(lc, phy, tc, G, live), phy))
-            # Only the most promising packing is searched: the search costs most of the plan.
-            phy = min(packed, key=lambda x: x[0])[1]
-            cands.append((time_swaps(lc, phy, G, gpus_per_node=gpn, live=live)[0], True))
+                if phy is not None:
+                    packed.append((objective(lc, phy, tc, G, live), phy))
+            if packed:
+                # Only the most promising packing is searched: the search costs most of the plan.
+                phy = min(packed, key=lambda x: x[0])[1]
+                cands.append((time_swaps(lc, phy, G, gpus_per_node=gpn, live=live)[0], True))
         best, best_k, best_recount = token, base_k, False
         for cand, recount in cands:
             cand_k = _layer_us(lc, cand, np.bincount(cand[cand >= 0], minlength=topo.num_experts), G, live)
@@ -351,6 +365,8 @@ def plan_for_time(
         f"planned for time: {swapped} of {L} layers changed from the token plan, {recounted} of them with replica "
         "counts chosen by time"
     ]
+    if late:
+        notes.append(f"planned for time: time_limit reached, {late} layers kept as planned for tokens")
     if skipped:
         notes.append(
             f"planned for time: {skipped} layers with fewer loaded experts than top_k ({top_k}) kept as planned for tokens"

@@ -39,8 +39,15 @@ def test_steps_are_checked_on_the_callers_thread(server):
         with pytest.raises(ValueError, match="steps must be an integer"):
             reporter.add(np.zeros((2, 32)), steps=bad)
     msg = wire.deployment_pb(
-        "d", TOPO, kernel_model="qwen3-30b-a3b@h100", tokens_per_gpu=[4, 16], top_k=4, dispatch="static"
+        "d",
+        TOPO,
+        kernel_model="qwen3-30b-a3b@h100",
+        tokens_per_gpu=[4, 16],
+        top_k=4,
+        dispatch="static",
+        max_payback_steps=1000,
     )
+    assert msg.trigger.max_payback_steps == 1000
     assert (
         list(msg.planning.tokens_per_gpu) == [4, 16] and msg.planning.top_k == 4 and msg.planning.dispatch == "static"
     )

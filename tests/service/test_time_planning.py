@@ -165,3 +165,16 @@ async def test_the_time_gate_weighs_the_saved_ms_against_the_moves_stall(serve, 
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=bad))
     assert [f for f, _ in status_details(info.value)] == ["deployment.trigger.max_payback_steps"]
+
+
+async def test_a_default_top_k_above_the_experts_is_refused_on_create(serve, connect):
+    c = connect(await serve())
+    topo = pb.Topology(num_layers=1, num_experts=4, num_slots=8, num_gpus=4, num_nodes=1, num_groups=1)
+    d = pb.Deployment(name="tiny", topology=topo, planning=pb.Planning(kernel_model=MODEL))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
+    assert status_details(info.value) == [
+        ("deployment.planning.top_k", "unset means 8, more than the 4 experts: set it")
+    ]
+    d.planning.top_k = 2
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=d))
