@@ -9,7 +9,8 @@ a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
 ``eplb.survivors`` (plans with gpus down: ``rebalance(..., down_gpus=[...])``), ``eplb.progress`` (what
 ``rebalance(..., progress=callback)`` reports as layers finish), ``eplb.limits`` (the most memory
 a plan may need, ``set_max_plan_bytes``). The tool modules
-(``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ...) load on first use.
+(``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ``eplb.kernel``, ``eplb.timing``, ...) load on
+first use.
 """
 
 import importlib
@@ -65,7 +66,7 @@ __all__ = [
 # Modules reachable as eplb.<name> after `import eplb`, loaded on first access: imported eagerly
 # they added 10-30 ms to the ~110 ms of `import eplb` (python -X importtime, shared 2-core VM),
 # which every engine rank pays at start-up.
-_LAZY = ("compat", "formats", "simulate", "traces", "transfer", "workloads")
+_LAZY = ("compat", "formats", "kernel", "simulate", "timing", "traces", "transfer", "workloads")
 
 
 def __getattr__(name: str) -> object:
