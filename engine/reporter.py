@@ -142,9 +142,10 @@ class LoadReporter:
         """Queues one step's counts: ``[L, E]`` per logical expert (``version`` None), or ``[L, P]``
         per slot recorded under placement ``version``. A numpy array or a torch tensor (on any
         device; copied there without a sync, moved to the host in the background). ``copy=False``
-        hands the array over: the caller must not write to it afterwards. ``steps``: the forward
-        steps the counts cover (counts summed over an interval: its steps); each report says how
-        many it sums (``ReportLoadRequest.steps``), from which a deployment planned for time
+        hands the array over: the caller must not write to it afterwards. ``steps``: the rank-steps
+        the counts cover: a rank's own counts of one step are 1, of an interval its steps, and
+        counts summed over ranks (an all-reduced dump) the steps times the ranks; each report says
+        how many it sums (``ReportLoadRequest.steps``), from which a deployment planned for time
         learns its tokens per gpu per step. 0: not known.
 
         Every count must be finite and in ``[0, MAX_REPORT_COUNT]``: a numpy array or a CPU

@@ -99,6 +99,8 @@ class EplbServiceManager:
         self.ep_rank = 0
         self.rows: list[int] = []
         self.steps = 0
+        self.reported_at = 0  # the step of the last dump: the steps the next report covers
+        self.world = 1
         self.disabled_reason: str | None = None
 
     def on_forward_pass_end(self) -> None:
@@ -115,8 +117,11 @@ class EplbServiceManager:
         from .sglang import sglang_expert_loads
 
         dump = self.recorder.dump_record(output_mode="object")
+        # The dump is all ranks' counts since the last one: rank-steps are those steps times the
+        # ranks, so the service reads tokens per gpu per step from it (ReportLoadRequest.steps).
+        steps, self.reported_at = self.steps - self.reported_at, self.steps
         if self.ep_rank == 0:
-            self.rank.reporter.add(sglang_expert_loads(dump["logical_count"], self.rows))
+            self.rank.reporter.add(sglang_expert_loads(dump["logical_count"], self.rows), steps=steps * self.world)
 
     def on_switch(self, step: int, layers: tuple[int, ...], routing: Any) -> None:
         """The rollout's switch (every rank, same step): report what the old map routed, then
@@ -205,6 +210,7 @@ def wire_rank(manager: EplbServiceManager) -> Any:
             client.create_deployment(deployment, topo, initial=serving, exist_ok=True)
     dist.barrier()  # the deployment exists before any rank reads it
     manager.ep_rank = rank
+    manager.world = world
     layers = [{f"t{i}": t for i, t in enumerate(weights[row])} for row in manager.rows]
     balanced = BalancedRank(addresses, deployment, rank, topo, layers, on_switch=manager.on_switch)
     if balanced.rollout.current.placement != serving:

@@ -63,7 +63,10 @@ class _Rank:
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.reported: list[np.ndarray] = []
-        self.reporter = SimpleNamespace(add=lambda loads: self.reported.append(loads) or True)
+        self.reported_steps: list[int] = []
+        self.reporter = SimpleNamespace(
+            add=lambda loads, steps=1: self.reported.append(loads) or self.reported_steps.append(steps) or True
+        )
 
     def step(self, step: int) -> None:
         self.steps.append(step)
@@ -140,6 +143,8 @@ def test_manager_constructs_from_the_model_runners_arguments_reports_and_switche
             manager.on_forward_pass_end()
         assert wired == [manager] and fake.steps == list(range(1, 9))
         assert len(fake.reported) == 2 and all(r.shape == (2, 8) for r in fake.reported)
+        # Each dump is every rank's counts of the 4 steps since the last: 4 x 1 rank-steps here.
+        assert fake.reported_steps == [4, 4]
         # A switch: SGLang's update() on a copy, ours through the manager's on_switch.
         new = random_placement(rng, moe)
         full = eplb.Placement(np.concatenate([initial.phy2log[:1], new.phy2log]), model_topo)
