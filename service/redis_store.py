@@ -11,7 +11,9 @@ below touch one slot only):
 | ``P:{d}:deployment`` | string | the ``eplb.v1.Deployment`` message, serialized |
 | ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at``, ``gen`` (generation) |
 | ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
-| ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries; replicas tail it |
+| ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries (written for replicas of earlier releases; this one reads the feeds) |
+| ``P:feed`` | stream | on one Redis: ``name=<d>`` after each commit, create, restore and delete, trimmed to ~4,096 entries; every replica's reader blocks on it |
+| ``P:{index:<k>}:feed`` | stream | on Redis Cluster instead: the feed of index bucket ``k``, in the bucket's slot |
 | ``P:{d}:seq`` | hash | rank → last accepted report seq (idempotent retries) |
 | ``P:{d}:acks`` | hash | ``<rank>`` → latest switched version, ``<rank>:p`` prepared, ``<rank>:f`` failed |
 | ``P:{d}:rollout`` | hash | ``<v>:step`` largest PREPARED step, ``<v>:switch`` switch step, ``<v>:aborted`` (recent versions) |
@@ -23,8 +25,8 @@ below touch one slot only):
 
 On Redis Cluster (``redis+cluster://`` seed nodes, :mod:`.cluster`) no command names keys of
 two slots: the deployments index is 16 buckets (listed one by one; their sizes are cached, so
-the deployment-count limit still holds while a bucket's master is down), the announce streams
-are polled per master (one pipeline of single-stream reads per master), and the store's run id
+the deployment-count limit still holds while a bucket's master is down), each bucket has its
+feed (one blocking reader each: see ``_Announcements``), and the store's run id
 is one per master, so a master that restarted empty gets its deployments written back while
 the others are untouched. A master that stops answering fails the calls on the deployments of
 its slots at once (``StoreUnavailable``, naming it) until it answers again, from the first call
@@ -38,8 +40,9 @@ import binascii
 import contextlib
 import functools
 import hashlib
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
@@ -67,6 +70,8 @@ from .store import PLACEMENTS_KEPT, AcceptCall, Accepted, DeploymentRecord, Plan
 
 __all__ = ["RedisStore"]
 
+log = logging.getLogger(__name__)
+
 # The cluster client's errors for a slot no reachable master holds (not RedisErrors): a store
 # that does not answer there. RedisClusterUnreachableError is redis-py 8.2's (the SGLang venv
 # pins 8.1, which raises SlotNotCoveredError there).
@@ -80,12 +85,15 @@ ANNOUNCE_MAXLEN = 64
 # The shard name of one Redis (a Redis Cluster's are its masters' host:port).
 _ONE_REDIS = "redis"
 POOL_CONNECTIONS = 32
-# The shared reader blocks this long per XREAD, and checks the followed deployments' generations
-# between reads: a deletion or re-creation reaches every replica's followers within about this.
-_FOLLOW_BLOCK_MS = 500
-# On Redis Cluster, announce streams of different deployments are in different slots, which no
-# one XREAD may name: each master's followed streams are read by one pipeline this often.
-_CLUSTER_POLL_S = 0.05
+# Feeds (see _Announcements): a reader blocks this long per XREAD; a feed keeps about this many
+# entries; a reader checks every follower of its feed this often in any case (a commit whose
+# feed entry was lost: the replica died between the two), and this often while its feed's
+# master does not answer (then a commit reaches watchers within about this).
+_FEED_BLOCK_MS = 2000
+_FEED_MAXLEN = 4096
+_FEED_COUNT = 256
+_RECONCILE_S = 15.0
+_FALLBACK_S = 0.5
 # Index buckets on Redis Cluster (a slot each; a deployment's bucket is CRC32(name) mod this).
 _INDEX_BUCKETS = 16
 
@@ -255,12 +263,13 @@ def _other_generation(stored: bytes | None, gen: int) -> bool:
 
 @dataclass(eq=False)
 class _Subscription:
-    """One follower of one deployment: its stream cursor and the versions announced since."""
+    """One follower of one deployment: the newest version it was handed (0: not yet known) and
+    the versions announced since."""
 
     name: str
-    stream: str
-    cursor: bytes
+    meta: str
     gen: int
+    version: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     async def next(self) -> int:
@@ -273,28 +282,43 @@ class _Subscription:
 
 
 class _Announcements:
-    """Tails every followed deployment's announce stream: on one Redis with one blocking XREAD
-    at a time on its own connection; on Redis Cluster with one poller per master (``group_of``
-    names a stream's master), so a master that is down pauses only its own followers."""
+    """Follows every followed deployment through the feeds, so an idle deployment costs nothing.
+
+    Every commit, create, restore and delete appends the deployment's name to its feed (one
+    stream per index bucket, in the bucket's slot; one stream on one Redis). Per feed, one
+    blocking ``XREAD`` on a connection of its own wakes on an entry and checks only the
+    deployments it names (their ``meta``: version and generation), so the work follows what
+    changes, not how many deployments there are. The feed is a hint, written after the commit
+    it names: what could slip past it (a replica that died between the two, a feed whose master
+    was down, a feed trimmed under a reader far behind) is caught by a full check of the feed's
+    followers when its reader starts or resumes, every ``_RECONCILE_S``, and every
+    ``_FALLBACK_S`` while the feed does not answer. Checks go per master (``group_of``), so a
+    master that is down ends only its own deployments' followers (UNAVAILABLE; they re-follow).
+    """
 
     def __init__(
-        self, r: redis.Redis | RedisCluster, prefix: str, reader: redis.Redis | None, group_of: Callable[[str], str]
+        self,
+        r: redis.Redis | RedisCluster,
+        reader: Callable[[str], Awaitable[redis.Redis]],
+        drop_reader: Callable[[str], Awaitable[None]],
+        group_of: Callable[[str], str],
     ) -> None:
-        self._reader = reader
         self._r = r
-        self._prefix = prefix
+        self._reader = reader
+        self._drop_reader = drop_reader
         self._group_of = group_of
         self._subs: dict[str, set[_Subscription]] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._closed = False
 
-    def subscribe(self, name: str, stream: str, cursor: bytes, gen: int) -> _Subscription:
-        sub = _Subscription(name, stream, cursor, gen)
-        group = self._group_of(stream)
-        self._subs.setdefault(group, set()).add(sub)
-        task = self._tasks.get(group)
+    def subscribe(self, name: str, feed: str, meta: str, gen: int) -> _Subscription:
+        """Follows ``name`` from now on: subscribe before reading its current version, so that
+        no commit falls between that read and the subscription."""
+        sub = _Subscription(name, meta, gen)
+        self._subs.setdefault(feed, set()).add(sub)
+        task = self._tasks.get(feed)
         if task is None or task.done():
-            self._tasks[group] = asyncio.create_task(self._run(group), name=f"redis-announcements-{group}")
+            self._tasks[feed] = asyncio.create_task(self._run(feed), name=f"redis-feed-{feed}")
         return sub
 
     def unsubscribe(self, sub: _Subscription) -> None:
@@ -308,67 +332,74 @@ class _Announcements:
         if self._tasks:
             await asyncio.wait(self._tasks.values(), timeout=2.0)
 
-    async def _run(self, group: str) -> None:
-        backoff = 0.05
-        subs = self._subs[group]
+    async def _run(self, feed: str) -> None:
+        subs = self._subs[feed]
+        cursor: bytes | None = None  # None: (re)start, so check everyone once the cursor is set
         checked = 0.0
+        backoff = _FALLBACK_S
         while subs and not self._closed:
             try:
                 with _unavailable():
-                    await self._read_once(subs)
-                    # Deletions are checked about every _FOLLOW_BLOCK_MS, however often reads
-                    # return (cluster polls every _CLUSTER_POLL_S; a busy stream returns at once):
-                    # the check reads every followed deployment.
-                    if time.monotonic() - checked >= _FOLLOW_BLOCK_MS / 1000:
-                        checked = time.monotonic()
-                        await self._check_generations(subs)
-                backoff = 0.05
-            except (RedisError, OSError, StoreUnavailable) as exc:
-                # Every follower ends with UNAVAILABLE and re-subscribes once Redis answers.
-                for sub in list(subs):
-                    sub.queue.put_nowait(StoreUnavailable(f"redis unavailable: {exc}"))
-                subs.clear()
+                    reader = await self._reader(feed)
+                    if cursor is None:
+                        last = await reader.xrevrange(feed, count=1)
+                        cursor = last[0][0] if last else b"0-0"
+                        targets = None
+                    else:
+                        out = await reader.xread({feed: cursor}, count=_FEED_COUNT, block=_FEED_BLOCK_MS)
+                        names, read = set(), 0
+                        for _, items in out or []:
+                            for entry_id, fields in items:
+                                cursor = entry_id
+                                names.add(fields.get(b"name", b"").decode())
+                                read += 1
+                        # A full batch: the reader may be behind a trimmed feed; check everyone.
+                        targets = None if read >= _FEED_COUNT else {s for s in subs if s.name in names}
+                if targets is None or time.monotonic() - checked >= _RECONCILE_S:
+                    checked = time.monotonic()
+                    targets = set(subs)
+                await self._check(targets)
+                backoff = _FALLBACK_S
+            except StoreUnavailable:
+                # The feed's master does not answer: its followers are checked directly (each
+                # on its own master) until it does, then once more in full from a new cursor.
+                cursor = None
+                await self._drop_reader(feed)
+                await self._check(set(subs))
                 await asyncio.sleep(backoff)
-                backoff = min(1.0, backoff * 2)
+                backoff = min(2.0, backoff * 2)
 
-    async def _read_once(self, subs: set[_Subscription]) -> None:
-        cursors: dict[str, bytes] = {}
+    async def _check(self, subs: set[_Subscription]) -> None:
+        """Reads ``subs``' versions and generations (a pipeline per master) and hands each its
+        new versions; a deleted or re-created deployment's follower gets NotFound, and those of
+        a master that does not answer get StoreUnavailable (both end the follow)."""
+        groups: dict[str, list[_Subscription]] = {}
         for sub in subs:
-            cursors[sub.stream] = min(cursors.get(sub.stream, sub.cursor), sub.cursor, key=_stream_id)
-        if self._reader is not None:
-            entries = await self._reader.xread(cursors, count=256, block=_FOLLOW_BLOCK_MS)
-        else:
-            async with self._r.pipeline(transaction=False) as p:
-                for stream, cursor in cursors.items():
-                    p.xread({stream: cursor}, count=256)
-                entries = [e for out in await p.execute() for e in out or []]
-            await asyncio.sleep(_CLUSTER_POLL_S)
-        for stream, items in entries or []:
-            stream = stream.decode()
-            for sub in [s for s in subs if s.stream == stream]:
-                for entry_id, fields in items:
-                    if _stream_id(entry_id) > _stream_id(sub.cursor):
-                        sub.cursor = entry_id
-                        sub.queue.put_nowait(int(fields[b"version"]))
-
-    async def _check_generations(self, subs: set[_Subscription]) -> None:
-        subs = list(subs)
-        if not subs:
-            return
-        async with self._r.pipeline(transaction=False) as p:
-            for sub in subs:
-                # One command a deployment: a live one's meta always holds its version.
-                p.hmget(f"{self._prefix}:{{{sub.name}}}:meta", "gen", "version")
-            out = await p.execute()
-        for sub, (gen, version) in zip(subs, out):
-            if version is None or _other_generation(gen, sub.gen):
-                self.unsubscribe(sub)
-                sub.queue.put_nowait(NotFound(f"deployment {sub.name!r} was deleted"))
-
-
-def _stream_id(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
+            groups.setdefault(self._group_of(sub.meta), []).append(sub)
+        for group in groups.values():
+            try:
+                with _unavailable():
+                    async with self._r.pipeline(transaction=False) as p:
+                        for sub in group:
+                            p.hmget(sub.meta, "gen", "version")
+                        out = await p.execute()
+            except (RedisError, OSError, StoreUnavailable) as exc:
+                for sub in group:
+                    self.unsubscribe(sub)
+                    sub.queue.put_nowait(StoreUnavailable(f"redis unavailable: {exc}"))
+                continue
+            for sub, (gen, version) in zip(group, out, strict=True):
+                if version is None or _other_generation(gen, sub.gen):
+                    self.unsubscribe(sub)
+                    sub.queue.put_nowait(NotFound(f"deployment {sub.name!r} was deleted"))
+                    continue
+                v = int(version)
+                if v > sub.version:
+                    # Every version since the last handed (the follower reads each in order, or
+                    # jumps to the latest where one left the store); only the current when new.
+                    for x in range(max(sub.version + 1, v - PLACEMENTS_KEPT + 1) if sub.version else v, v + 1):
+                        sub.queue.put_nowait(x)
+                    sub.version = v
 
 
 @contextlib.contextmanager
@@ -494,12 +525,13 @@ class RedisStore:
         self._ping_clients: dict[str, redis.Redis] = {}
         if self.cluster:
             self._r: redis.Redis | RedisCluster = _cluster_client(url, prefix)
-            self._reader = None
             self._index_keys = [f"{prefix}:{{index:{k}}}:deployments" for k in range(_INDEX_BUCKETS)]
-            self._announcements = _Announcements(self._r, prefix, None, self._master_of)
+            # A feed per index bucket, in the bucket's slot.
+            self._feed_keys = [f"{prefix}:{{index:{k}}}:feed" for k in range(_INDEX_BUCKETS)]
+            group_of: Callable[[str], str] = self._master_of
         else:
             # A bounded pool that makes callers wait for a free connection rather than fail: a
-            # replica holds at most POOL_CONNECTIONS + 1 (the announce reader) connections,
+            # replica holds at most POOL_CONNECTIONS + 1 (the feed's reader) connections,
             # however many deployments and calls it serves.
             self._r = redis.Redis.from_pool(
                 redis.BlockingConnectionPool.from_url(
@@ -508,25 +540,20 @@ class RedisStore:
                     timeout=2.0,
                     client_name=f"eplb:{prefix}",
                     socket_connect_timeout=1.0,
-                    # No call on this pool blocks (the announce reader has its own connection): a
+                    # No call on this pool blocks (the feed's reader has its own connection): a
                     # hung Redis costs a call at most about this long.
                     socket_timeout=1.0,
                     retry=_retry(),
                     health_check_interval=0,
                 )
             )
-            # One blocking reader over every followed deployment's announce stream, on its own
-            # connection: the connections a replica holds do not grow with its deployments.
-            self._reader = redis.Redis.from_url(
-                url,
-                socket_connect_timeout=1.0,
-                socket_timeout=(_FOLLOW_BLOCK_MS / 1000) + 3.0,
-                health_check_interval=0,
-                max_connections=1,
-                client_name=f"eplb:{prefix}",
-            )
             self._index_keys = [f"{prefix}:deployments"]
-            self._announcements = _Announcements(self._r, prefix, self._reader, lambda _: _ONE_REDIS)
+            self._feed_keys = [f"{prefix}:feed"]
+            group_of = lambda _: _ONE_REDIS  # noqa: E731
+        # Feed → the connection of its own its reader blocks on (one per feed: the connections
+        # a replica holds do not grow with its deployments).
+        self._readers: dict[str, redis.Redis] = {}
+        self._announcements = _Announcements(self._r, self._feed_reader, self._drop_feed_reader, group_of)
         script = functools.partial(_Script, self._r)
         self._create = script(_CREATE)
         self._publish = script(_PUBLISH)
@@ -561,6 +588,61 @@ class RedisStore:
 
     def _index_key(self, name: str) -> str:
         return self._index_keys[binascii.crc32(name.encode()) % len(self._index_keys)]
+
+    def _feed_key(self, name: str) -> str:
+        return self._feed_keys[binascii.crc32(name.encode()) % len(self._feed_keys)]
+
+    async def _feed_reader(self, feed: str) -> redis.Redis:
+        """The connection ``feed``'s reader blocks on: its own, to the feed's master."""
+        client = self._readers.get(feed)
+        if client is not None:
+            return client
+        timeout = _FEED_BLOCK_MS / 1000 + 3.0
+        if not self.cluster:
+            client = redis.Redis.from_url(
+                self._url,
+                socket_connect_timeout=1.0,
+                socket_timeout=timeout,
+                health_check_interval=0,
+                max_connections=1,
+                client_name=f"eplb:{self.prefix}",
+            )
+        else:
+            await self._initialized()
+            node = self._r.get_node_from_key(feed)
+            seeds = parse_cluster_url(self._url)
+            assert seeds is not None
+            client = redis.Redis(
+                host=node.host,
+                port=node.port,
+                ssl=seeds.tls,
+                username=seeds.username,
+                password=seeds.password,
+                socket_connect_timeout=1.0,
+                socket_timeout=timeout,
+                health_check_interval=0,
+                max_connections=1,
+                client_name=f"eplb:{self.prefix}",
+                **dict(seeds.options),
+            )
+        self._readers[feed] = client
+        return client
+
+    async def _drop_feed_reader(self, feed: str) -> None:
+        """Closes ``feed``'s reader after an error; the next is made anew (its slot may have moved)."""
+        client = self._readers.pop(feed, None)
+        if client is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
+
+    async def _announce(self, name: str) -> None:
+        """Appends ``name`` to its feed after a commit, create, restore or delete. A hint only
+        (``_Announcements``): a failure is caught by the readers' checks, so it is not raised."""
+        try:
+            with _unavailable():
+                await self._r.xadd(self._feed_key(name), {"name": name}, maxlen=_FEED_MAXLEN, approximate=True)
+        except (StoreUnavailable, RedisError) as exc:
+            log.debug("feed entry of %s not written (%s): readers catch it at their next check", name, exc)
 
     def _master_of(self, key: str) -> str:
         """``host:port`` of the master owning ``key``'s slot (Redis Cluster only)."""
@@ -729,6 +811,8 @@ class RedisStore:
                     with contextlib.suppress(StoreUnavailable), _unavailable():
                         await self._r.delete(*self.keys_of(name), self.key(name, f"placement:{placement.version}"))
                     raise
+        if written:
+            await self._announce(name)
         return bool(written)
 
     async def create(self, deployment: pb.Deployment, placement: pb.Placement) -> None:
@@ -820,6 +904,7 @@ class RedisStore:
         with _unavailable():
             await self._r.srem(self._index_key(name), name)
         self._index_cache.get(self._index_key(name), set()).discard(name)
+        await self._announce(name)
 
     async def placement(self, name: str, version: int = 0) -> pb.Placement:
         with self._on(name):
@@ -849,21 +934,17 @@ class RedisStore:
             raise NotFound(f"deployment {name!r} not found")
         if before != v - 1:
             raise Aborted(f"version {v} is not current + 1 (current is {before}); another plan won")
+        await self._announce(name)
 
     async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
-        stream = self.key(name, "announce")
-        with self._on(name):
-            async with self._r.pipeline(transaction=True) as p:
-                cur, stored_gen, last = await (
-                    p.hget(self.key(name, "meta"), "version")
-                    .hget(self.key(name, "meta"), "gen")
-                    .xrevrange(stream, count=1)
-                    .execute()
-                )
-        if cur is None or _other_generation(stored_gen, gen):
-            raise NotFound(f"deployment {name!r} not found")
-        sub = self._announcements.subscribe(name, stream, last[0][0] if last else b"0-0", gen)
+        # Subscribed first: a commit after the version read below is announced to this follower.
+        sub = self._announcements.subscribe(name, self._feed_key(name), self.key(name, "meta"), gen)
         try:
+            with self._on(name):
+                cur, stored_gen = await self._r.hmget(self.key(name, "meta"), "version", "gen")
+            if cur is None or _other_generation(stored_gen, gen):
+                raise NotFound(f"deployment {name!r} not found")
+            sub.version = max(sub.version, int(cur))
             sent = since_version
             # Resuming (a follower that lost Redis for a while): every kept version it missed,
             # in order, so no watcher sees a gap; a fresh follower starts at the current one.
@@ -1125,8 +1206,8 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._announcements.close()
-        if self._reader is not None:
-            await self._reader.aclose()
+        for feed in list(self._readers):
+            await self._drop_feed_reader(feed)
         for client in self._ping_clients.values():
             await client.aclose()
         await self._r.aclose()

@@ -302,3 +302,74 @@ async def test_calls_on_live_masters_go_on_while_the_default_node_is_dead(redis_
         await s.delete(names[victim.port])
     assert await s.count() == 0
     await s.close()
+
+
+def _ports(url: str) -> list[int]:
+    return [int(hp.rsplit(":", 1)[1].split("/")[0]) for hp in url.split("://", 1)[1].split(",")]
+
+
+def _calls(ports: list[int], *commands: str) -> int:
+    import redis as sync_redis
+
+    total = 0
+    for port in ports:
+        stats = sync_redis.Redis(port=port).info("commandstats")
+        total += sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in commands)
+    return total
+
+
+async def test_idle_followers_cost_redis_nothing_per_deployment(store, redis_url):
+    # Before the feeds, each followed deployment was read every 50 ms (Redis Cluster) or its
+    # generation every 0.5 s (one Redis): an idle replica's work grew with its deployments.
+    names = [f"idle{i}" for i in range(60)]
+    for n in names:
+        await store.create(deployment(n), pb.Placement(deployment=n, version=1))
+    firsts = {n: asyncio.Event() for n in names}
+
+    async def follow(n: str) -> None:
+        async for _ in store.follow(n, 0):
+            firsts[n].set()
+
+    tasks = [asyncio.create_task(follow(n)) for n in names]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts.values())), 10)
+    await asyncio.sleep(0.5)
+    ports = _ports(redis_url)
+    before = _calls(ports, "xread", "hmget", "xrevrange", "get")
+    await asyncio.sleep(3)
+    idle = _calls(ports, "xread", "hmget", "xrevrange", "get") - before
+    for t in tasks:
+        t.cancel()
+    # The feeds' blocking reads (16 on the cluster, one on one Redis) wake every 2 s at most.
+    assert idle <= 40, f"{idle} reads in 3 s of 60 idle followed deployments"
+
+
+async def test_a_commit_reaches_followers_at_once_and_one_whose_feed_entry_was_lost_at_the_next_check(
+    store, monkeypatch
+):
+    from eplb_service import redis_store
+
+    monkeypatch.setattr(redis_store, "_RECONCILE_S", 1.0)
+    monkeypatch.setattr(redis_store, "_FEED_BLOCK_MS", 300)
+    await store.create(deployment("fed"), pb.Placement(deployment="fed", version=1))
+    seen: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+
+    async def follow() -> None:
+        async for p in store.follow("fed", 0):
+            seen.put_nowait((p.version, time.monotonic()))
+
+    task = asyncio.create_task(follow())
+    assert (await asyncio.wait_for(seen.get(), 5))[0] == 1
+    t0 = time.monotonic()
+    await store.publish("fed", pb.Placement(deployment="fed", version=2))
+    version, at = await asyncio.wait_for(seen.get(), 5)
+    assert version == 2 and at - t0 < 0.25, at - t0  # woken by the feed, not by a poll
+
+    async def lost(name: str) -> None:  # the replica died between the commit and its feed entry
+        return None
+
+    monkeypatch.setattr(store, "_announce", lost)
+    await store.publish("fed", pb.Placement(deployment="fed", version=3))
+    await store.publish("fed", pb.Placement(deployment="fed", version=4))
+    got = [await asyncio.wait_for(seen.get(), 5) for _ in range(2)]
+    task.cancel()
+    assert [v for v, _ in got] == [3, 4]  # every version, in order, from the full check
