@@ -10,7 +10,8 @@ counts of the interval with it. Host arrays are checked in ``add`` (a min and a 
 
 A background thread sums the queue every ``interval_s`` into one report per placement version
 (logical ``[L, E]`` counts in one report, physical ``[L, P]`` counts one per version they were
-recorded under), gives each report the next ``seq`` and keeps it in a bounded outbox until
+recorded under; int32 on the wire when every sum is a whole number that fits, as engines'
+token counts are, else float64), gives each report the next ``seq`` and keeps it in a bounded outbox until
 the service has answered the ``ReportLoad`` stream it went out in. A failed stream is sent again
 with the same seqs (the service drops a ``(rank, seq)`` it has accepted, so nothing counts
 twice), at the next address after an unavailable one, with exponential backoff. While the
@@ -292,6 +293,7 @@ class LoadReporter:
             steps[version] = 0 if n == 0 or steps.get(version, 1) == 0 else steps.get(version, 0) + n
         with self._lock:
             for version, total in sums.items():
+                total = _narrow(total)
                 self._seq += 1
                 msg = pb.ReportLoadRequest(
                     deployment=self.deployment, rank=self.rank, seq=self._seq, steps=min(steps[version], _MAX_STEPS)
@@ -373,6 +375,17 @@ def _bad_values(counts: object) -> str:
         return ""
     found = "NaN" if np.isnan(lo) or np.isnan(hi) else f"values from {lo:g} to {hi:g}"
     return f"every count must be finite and in [0, {MAX_REPORT_COUNT:g}] tokens; got {found}"
+
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _narrow(total: np.ndarray) -> np.ndarray:
+    """``total`` as int32 when every count is a whole number that fits (what engines count:
+    half the bytes of float64 on the wire and in the service's hands), else as it is."""
+    if total.size and total.max() <= _INT32_MAX and np.array_equal(total, np.trunc(total)):
+        return total.astype(np.int32)
+    return total
 
 
 def _tokens(msg: pb.ReportLoadRequest) -> float:

@@ -51,3 +51,22 @@ def test_steps_are_checked_on_the_callers_thread(server):
     assert (
         list(msg.planning.tokens_per_gpu) == [4, 16] and msg.planning.top_k == 4 and msg.planning.dispatch == "static"
     )
+
+
+def test_whole_counts_go_as_int32_and_fractions_as_float64():
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+    reporter = LoadReporter("127.0.0.1:1", "d1", rank=0, topology=TOPO, start=False)
+    reporter.add(np.full((2, 32), 7, dtype=np.int64))
+    reporter.add(np.full((2, 32), 3.0))
+    reporter._aggregate()
+    whole = reporter._outbox[-1].logical
+    assert whole.dtype == pb.DTYPE_INT32 and len(whole.data) == 2 * 32 * 4
+    assert (wire.decode_array(whole) == 10).all()
+    reporter.add(np.full((2, 32), 0.5))
+    reporter._aggregate()
+    assert reporter._outbox[-1].logical.dtype == pb.DTYPE_FLOAT64
+    reporter.add(np.full((2, 32), 2.0**31))  # whole, but past int32
+    reporter._aggregate()
+    assert reporter._outbox[-1].logical.dtype == pb.DTYPE_FLOAT64
+    assert float(wire.decode_array(reporter._outbox[-1].logical).max()) == 2.0**31
