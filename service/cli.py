@@ -23,6 +23,7 @@ from . import limits, plugins
 from .balancer import BalancerConfig
 from .cluster import parse_cluster_url
 from .logs import LOG_FORMATS, JsonFormatter, setup_logging
+from .processes import WORKER_ENV, free_port, supervise
 from .server import ServerConfig, StartError, start_server
 
 __all__ = ["main", "parse_args"]
@@ -204,6 +205,15 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         str,
         "modules to import first, comma separated: the policies they register can be named",
     ),
+    "processes": (
+        "--processes",
+        "PROCESSES",
+        "1",
+        _int_in(1, 256, "a number of processes 1-256"),
+        "serving processes sharing the port (SO_REUSEPORT; Linux), each an instance of its own that "
+        "shares state through Redis as replicas do; above 1 needs --redis-url; /metrics on "
+        "--metrics-port + the process's index (1-256)",
+    ),
     "log_level": ("--log-level", "LOG_LEVEL", "INFO", _one_of(_LOG_LEVELS, str.upper), "/".join(_LOG_LEVELS)),
     "log_format": (
         "--log-format",
@@ -264,6 +274,11 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
             token = _read_token(args.token_file)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.processes > 1 and not args.redis_url:
+        ap.error(
+            "--processes above 1 needs --redis-url: the processes share state through Redis, and the "
+            "in-memory store is one process's"
+        )
     modules = plugins.parse(args.plugins)
     try:
         plugins.load(modules)
@@ -281,6 +296,8 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         max_message_bytes=args.max_message_bytes,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         grace_s=args.grace_seconds,
+        processes=args.processes,
+        reuse_port=os.environ.get(WORKER_ENV) is not None,
         balancer=BalancerConfig(
             lease_s=args.lease_seconds,
             flush_s=args.flush_seconds,
@@ -332,12 +349,31 @@ async def _serve(config: ServerConfig, fmt: str) -> None:
 def main(argv: list[str]) -> int:
     config, level, fmt = parse_args(argv)
     setup_logging(level, fmt)
+    if config.processes > 1:
+        return _supervise(config, argv, fmt)
     try:
         asyncio.run(_serve(config, fmt))
     except StartError as exc:
         print(f"eplb serve: error: {_source(exc.field, argv)}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _supervise(config: ServerConfig, argv: list[str], fmt: str) -> int:
+    """``--processes`` N > 1: this process supervises N serving processes (:mod:`.processes`)."""
+    from .server import _probe
+
+    host = config.host.strip("[]")
+    try:
+        if config.port == 0:
+            port = free_port(host)
+        else:
+            _probe(host, config.port)
+            port = config.port
+    except (StartError, OSError) as exc:
+        print(f"eplb serve: error: {_source(getattr(exc, 'field', 'port'), argv)}: {exc}", file=sys.stderr)
+        return 2
+    return supervise(config.processes, port, argv, config.metrics_port, lambda p: _listening_line(fmt, config.host, p))
 
 
 def _source(field: str, argv: list[str]) -> str:

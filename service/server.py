@@ -90,6 +90,10 @@ class ServerConfig:
     metrics_port: int | None = None
     grace_s: float = 5.0
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    # Serving processes of this instance (``eplb serve --processes``, :mod:`.processes`); a
+    # serving process itself has ``reuse_port``: it shares the port with its siblings.
+    processes: int = 1
+    reuse_port: bool = False
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -98,7 +102,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
         # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on a
         # taken port starts too, the kernel splitting clients between two unrelated states.
-        ("grpc.so_reuseport", 0),
+        # Only the serving processes of one instance share it (--processes: :mod:`.processes`).
+        ("grpc.so_reuseport", int(config.reuse_port)),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         # Engines hold watch streams for hours: ping idle connections so dead peers are noticed,
@@ -340,7 +345,8 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: bool) -> int:
         add = lambda: server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     else:
         add = lambda: server.add_insecure_port(address)
-    _probe(config.host.strip("[]"), config.port)
+    if not config.reuse_port:  # a serving process: its supervisor probed the port
+        _probe(config.host.strip("[]"), config.port)
     try:
         port = add()
     except RuntimeError:  # "Failed to bind", the reason only in gRPC's own log
