@@ -3,14 +3,15 @@ deployments, and what each report costs Redis.
 
     python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
-        [--clients lean|protobuf] [--streams 8] [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
+        [--clients lean|protobuf] [--streams 8] [--client-procs 2] [--connections 1]
+        [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
 For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
 without persistence, on free loopback ports in a temp directory) and each count of ``eplb
 serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` reports), two runs:
 
-- max: two client processes stream ReportLoad as fast as the replicas accept (spread over the
+- max: two client processes (``--client-procs``) stream ReportLoad as fast as the replicas accept (spread over the
   replicas and deployments) for ``--seconds``, each on ``--streams`` streams (8; a rank each,
   which sends its next report once the service has read the last: a stream's rate is bound by
   the answer's latency, about 1 / (linger + store call), so few streams cannot offer 2,000
@@ -37,7 +38,10 @@ load and end ``LEAD_S`` before it, so that no client's start-up lands in the fig
 client measures its own CPU over the load ("client cores": on a 2-core machine the clients,
 which stand for engines on other machines, take a share of the service's cores). ``--clients
 lean`` (the default) sends each request as bytes (its small fields, then its counts' field
-serialized once per pool entry); ``protobuf`` builds each message. ``--serve-args`` adds
+serialized once per pool entry); ``protobuf`` builds each message. ``--connections N`` gives each client process N connections of its own to each replica
+(engines on other hosts each have theirs; channels of one process to one target otherwise share
+one), so that a replica's ``--processes`` all get some; the replicas' CPU then sums each
+replica's serving processes. ``--serve-args`` adds
 flags to every replica, for an A/B of one flag (``--report-linger-seconds 0``). Each figure is
 the median over ``--repeats`` runs.
 
@@ -79,6 +83,8 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from eplb_service.processes import WORKER_ENV
+
 from .harness.processes import RedisProcess, ServeProcess, serve_argv
 from .harness.redis_cluster import ClusterProcesses
 from .harness.service import V3, aio_channel, create_v3, latency_worker, percentile
@@ -99,6 +105,8 @@ def _ingest_worker(
     lean: bool,
     start,
     streams: int = STREAMS,
+    procs: int = INGEST_PROCS,
+    connections: int = 1,
 ):
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
@@ -114,7 +122,10 @@ def _ingest_worker(
     ]
 
     async def main() -> None:
-        chans = [aio_channel(t) for t in targets]
+        # ``connections`` per target, each its own (engines on other hosts each have theirs; one
+        # process's channels to one target otherwise share one: gRPC's global subchannel pool),
+        # so that a replica's serving processes (--processes) all get some.
+        chans = [aio_channel(t) if connections == 1 else _own_channel(t) for t in targets for _ in range(connections)]
         if lean:
             methods = [
                 c.stream_unary(
@@ -138,12 +149,12 @@ def _ingest_worker(
 
         async def stream(i: int) -> int:
             rank = worker * streams + i
-            interval = streams * INGEST_PROCS / rate if rate else 0.0
+            interval = streams * procs / rate if rate else 0.0
 
             async def requests():
                 k = 0
                 # The streams of all workers spread evenly over one interval.
-                nxt = time.perf_counter() + interval * (i * INGEST_PROCS + worker) / (streams * INGEST_PROCS)
+                nxt = time.perf_counter() + interval * (i * procs + worker) / (streams * procs)
                 while time.perf_counter() < deadline:
                     if interval:
                         await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
@@ -208,10 +219,33 @@ def _redis_counters(ports: list[int]) -> list[tuple[int, float]]:
     return counters
 
 
+def _own_channel(target: str):
+    """A ``grpc.aio`` channel on a connection of its own (the engine client's options)."""
+    from eplb_engine.client import channel_options, open_channel
+
+    return open_channel(target, None, [*channel_options(16 << 20), ("grpc.use_local_subchannel_pool", 1)], aio=True)
+
+
+def _serving(pid: int) -> list[int]:
+    """``pid`` and, where it supervises ``eplb serve --processes``, its serving processes (not
+    the plan and compute workers under those)."""
+    out = [pid]
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            if WORKER_ENV.encode() + b"=" in Path(f"/proc/{entry}/environ").read_bytes():
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
 def _proc_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` used so far; 0 where /proc is absent."""
+    """CPU seconds (user + system) the processes ``pids`` used so far, each with its serving
+    processes (``--serve-args "--processes N"``); 0 where /proc is absent."""
     total = 0.0
-    for pid in pids:
+    for pid in (p for top in pids for p in _serving(top)):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -225,10 +259,14 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
     ctx = mp.get_context("spawn")
     out, lat_out = ctx.Queue(), ctx.Queue()
     seconds, lean = args.seconds, args.clients == "lean"
-    start = ctx.Barrier(INGEST_PROCS + 1 + 1)  # the clients and this process
+    clients = args.client_procs
+    start = ctx.Barrier(clients + 1 + 1)  # the clients and this process
     procs = [
-        ctx.Process(target=_ingest_worker, args=(targets[:-1], names, w, seconds, rate, out, lean, start, args.streams))
-        for w in range(INGEST_PROCS)
+        ctx.Process(
+            target=_ingest_worker,
+            args=(targets[:-1], names, w, seconds, rate, out, lean, start, args.streams, clients, args.connections),
+        )
+        for w in range(clients)
     ]
     procs.append(
         ctx.Process(
@@ -253,7 +291,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
     try:
         start.wait(timeout=120)
         before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
-        results = [out.get(timeout=wait_s) for _ in range(INGEST_PROCS)]
+        results = [out.get(timeout=wait_s) for _ in range(clients)]
         lat, _, probe_cpu = lat_out.get(timeout=wait_s)
     except (queue.Empty, threading.BrokenBarrierError):
         for p in procs:
@@ -316,7 +354,17 @@ def main(argv: list[str] | None = None) -> int:
         "--streams",
         type=int,
         default=STREAMS,
-        help=f"ReportLoad streams per load client process, one rank each (default {STREAMS}; {INGEST_PROCS} processes)",
+        help=f"ReportLoad streams per load client process, one rank each (default {STREAMS})",
+    )
+    ap.add_argument(
+        "--client-procs", type=int, default=INGEST_PROCS, help=f"load client processes (default {INGEST_PROCS})"
+    )
+    ap.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="connections per load client process to each replica, streams spread over them (default 1; "
+        "more to spread over a replica's --processes)",
     )
     ap.add_argument("--probe-callers", type=int, default=4, help="GetPlacement callers (default 4)")
     ap.add_argument(
@@ -327,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
     ap.add_argument("--profile-dir", type=Path, help="run each replica under cProfile; profiles land here")
     args = ap.parse_args(argv)
+    if args.client_procs < 1 or args.connections < 1:
+        ap.error("--client-procs and --connections must be at least 1")
     if args.streams < 1:
         ap.error(f"--streams must be at least 1, got {args.streams}")
     if args.probe_on == "reader" and not set(args.kinds) <= {"redis", "cluster"}:
@@ -432,7 +482,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
             s.wait_listening()
         names = [f"d{i}" for i in range(deployments)]
         for name in names:
-            create_v3(servers[0].target, name, ranks=INGEST_PROCS * args.streams)
+            create_v3(servers[0].target, name, ranks=args.client_procs * args.streams)
         # The report streams go to the first ``replicas``; GetPlacement to the first, or to the
         # replica after them that takes no reports (--probe-on reader).
         probe = servers[-1] if args.probe_on == "reader" else servers[0]
@@ -452,6 +502,8 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         "replicas": replicas,
         "probe_on": args.probe_on,
         "streams": args.streams,
+        "client_procs": args.client_procs,
+        "connections": args.connections,
         "deployments": deployments,
         "max_reports_per_s": med(runs_max, "reports_per_s"),
         "bytes_per_report": med(runs_max, "bytes_per_report"),
