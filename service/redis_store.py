@@ -66,7 +66,16 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from .cluster import parse_cluster_url
 from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
 from .rollout import RankState, Rollout
-from .store import PLACEMENTS_KEPT, AcceptCall, Accepted, DeploymentRecord, PlanMarks, Seen, created_seconds
+from .store import (
+    PLACEMENTS_KEPT,
+    AcceptCall,
+    Accepted,
+    DeploymentRecord,
+    PlanMarks,
+    Seen,
+    all_or_nothing,
+    created_seconds,
+)
 
 __all__ = ["RedisStore"]
 
@@ -553,6 +562,7 @@ class RedisStore:
         # Feed → the connection of its own its reader blocks on (one per feed: the connections
         # a replica holds do not grow with its deployments).
         self._readers: dict[str, redis.Redis] = {}
+        self._feed_writes: set[asyncio.Task] = set()
         self._announcements = _Announcements(self._r, self._feed_reader, self._drop_feed_reader, group_of)
         script = functools.partial(_Script, self._r)
         self._create = script(_CREATE)
@@ -636,11 +646,21 @@ class RedisStore:
                 await client.aclose()
 
     async def _announce(self, name: str) -> None:
-        """Appends ``name`` to its feed after a commit, create, restore or delete. A hint only
-        (``_Announcements``): a failure is caught by the readers' checks, so it is not raised."""
+        """Appends ``name`` to its feed after a commit, create, restore or delete, in the
+        background: a hint only (``_Announcements``), so the call that committed does not wait
+        for it (the feed may live on another master, down or hung), and a failure is caught by
+        the readers' checks."""
+        feed = self._feed_key(name)
+        if self.cluster and self._down and self._master_of(feed) in self._down:
+            return  # its readers check every follower every _FALLBACK_S meanwhile
+        task = asyncio.create_task(self._xadd_feed(feed, name), name=f"feed-{name}")
+        self._feed_writes.add(task)
+        task.add_done_callback(self._feed_writes.discard)
+
+    async def _xadd_feed(self, feed: str, name: str) -> None:
         try:
             with _unavailable():
-                await self._r.xadd(self._feed_key(name), {"name": name}, maxlen=_FEED_MAXLEN, approximate=True)
+                await self._r.xadd(feed, {"name": name}, maxlen=_FEED_MAXLEN, approximate=True)
         except (StoreUnavailable, RedisError) as exc:
             log.debug("feed entry of %s not written (%s): readers catch it at their next check", name, exc)
 
@@ -975,17 +995,19 @@ class RedisStore:
         pairs: list[tuple[int, int]],
         journal: Callable[[list[bool]], bytes],
         keep_s: float,
+        groups: list[int] | None = None,
     ) -> Accepted:
-        (out,) = await self.accept_many([AcceptCall(name, pairs, journal, keep_s)])
+        (out,) = await self.accept_many([AcceptCall(name, pairs, journal, keep_s, groups)])
         if isinstance(out, Exception):
             raise out
         return out
 
     async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
         results: list[Accepted | Exception | None] = [None] * len(calls)
-        fresh = [[True] * len(c.pairs) for c in calls]
+        fresh: list[list[bool | None]] = [[True] * len(c.pairs) for c in calls]
         # Duplicates are rare (client retries): each batch goes as if all were new, and only
-        # those the script finds were not go once more, with the sums of the new ones.
+        # those the script finds were not go once more, with the sums of the new ones (a report
+        # of several pairs only if all of them are: AcceptCall.groups).
         todo = list(range(len(calls)))
         while todo:
             now_ms = time.time() * 1000
@@ -1012,7 +1034,9 @@ class RedisStore:
                     results[i] = NotFound(f"deployment {calls[i].name!r} not found")
                 else:
                     flags = iter(out[1])
-                    fresh[i] = [f and bool(next(flags)) for f in fresh[i]]
+                    sent = fresh[i]
+                    now_new = all_or_nothing([bool(f) and bool(next(flags)) for f in sent], calls[i].groups)
+                    fresh[i] = [None if f is None else n for f, n in zip(sent, now_new)]
                     if any(fresh[i]):
                         again.append(i)
                     else:
@@ -1205,6 +1229,8 @@ class RedisStore:
             await self._release(keys=[self.key(name, "lease")], args=[owner])
 
     async def close(self) -> None:
+        if self._feed_writes:
+            await asyncio.wait(list(self._feed_writes), timeout=1.0)
         await self._announcements.close()
         for feed in list(self._readers):
             await self._drop_feed_reader(feed)
