@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_BATCH_SIZES",
+    "MAX_REPORT_COVERS",
     "MAX_REPORT_STEPS",
     "MAX_TOKENS_PER_GPU",
     "MAX_TOP_K",
@@ -64,6 +65,8 @@ __all__ = [
 MAX_REPORT_COUNT = 1e12
 # ReportLoadRequest.steps: the most forward steps one report may say it covers.
 MAX_REPORT_STEPS = 1 << 20
+# ReportLoadRequest.covers: the most ranks' reports one node report may hold.
+MAX_REPORT_COVERS = 4096
 # Planning for time (Planning.kernel_model): at most MAX_BATCH_SIZES tokens_per_gpu sizes, each 1 ..
 # MAX_TOKENS_PER_GPU (a plan for time costs about one search per size); top_k 1 .. MAX_TOP_K.
 MAX_BATCH_SIZES = 16

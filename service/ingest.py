@@ -17,6 +17,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from . import arrays, limits, report_counts, validation
 from .batcher import Batcher
 from .errors import (
+    Aborted,
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
@@ -79,7 +80,7 @@ class Ingest:
         local = await self.registry.get(request.deployment)
         rejected = self.metrics.reports_rejected
         try:
-            validation.check_rank(request.rank, local.ranks, "rank")
+            pairs = self._pairs(request, local)
         except InvalidArgument:
             rejected.labels(request.deployment, "unknown_rank").inc()
             raise
@@ -104,12 +105,41 @@ class Ingest:
             raise
         if request.steps > limits.MAX_REPORT_STEPS:
             raise InvalidArgument(FieldViolation("steps", f"must be <= {limits.MAX_REPORT_STEPS}, got {request.steps}"))
-        fresh = await self._batcher(local).submit((local, request.rank, request.seq, counts))
+        fresh = await self._batcher(local).submit((local, pairs, counts))
+        if fresh is None:
+            rejected.labels(request.deployment, "partly_counted").inc()
+            raise Aborted(
+                f"the node report covers reports already counted on their own ({len(pairs)} covered); "
+                "nothing of it was counted: each rank must send its report on its own"
+            )
         if fresh:
             local.note_batch(counts, request.steps, time.time())
-        local.saw(request.rank)  # a duplicate too: the rank is alive
-        self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc()
+        for rank, _ in pairs:
+            local.saw(rank)  # a duplicate too: the rank is alive
+        self.metrics.reports.labels(request.deployment, "accepted" if fresh else "duplicate").inc(len(pairs))
         return bool(fresh)
+
+    @staticmethod
+    def _pairs(request: pb.ReportLoadRequest, local: LocalDeployment) -> tuple[tuple[int, int], ...]:
+        """The ``(rank, seq)`` reports ``request`` holds: its own, or a node report's covers."""
+        if not request.covers:
+            validation.check_rank(request.rank, local.ranks, "rank")
+            return ((request.rank, request.seq),)
+        if request.rank or request.seq:
+            raise InvalidArgument(FieldViolation("covers", "a node report (covers set) has rank and seq 0"))
+        if len(request.covers) > limits.MAX_REPORT_COVERS:
+            raise InvalidArgument(
+                FieldViolation(
+                    "covers", f"at most {limits.MAX_REPORT_COVERS} reports in a node report, got {len(request.covers)}"
+                )
+            )
+        pairs = []
+        for i, cover in enumerate(request.covers):
+            validation.check_rank(cover.rank, local.ranks, f"covers[{i}].rank")
+            if not 0 < cover.seq < validation.MAX_SEQ:
+                raise InvalidArgument(FieldViolation(f"covers[{i}].seq", f"must be in [1, 2^53), got {cover.seq}"))
+            pairs.append((cover.rank, cover.seq))
+        return tuple(pairs)
 
     def _batcher(self, local: LocalDeployment) -> Batcher:
         """The batcher of ``local``'s reports, fixed for its life on this replica (so its
@@ -126,7 +156,9 @@ class Ingest:
                 local.batcher = shared
         return local.batcher
 
-    async def _accept(self, items: list[tuple[LocalDeployment, int, int, np.ndarray]]) -> list[bool | Exception]:
+    async def _accept(
+        self, items: list[tuple[LocalDeployment, tuple[tuple[int, int], ...], np.ndarray]]
+    ) -> list[bool | None | Exception]:
         """One store call for a batch of reports (one write-ahead entry per deployment in it);
         the new ones enter their window as soon as the store has them, in the same step. A
         deployment whose call failed fails its own reports only."""
@@ -143,14 +175,19 @@ class Ingest:
             retried = await asyncio.gather(*(self._retry_gone(calls[k], answers[k]) for k in gone))
             for k, answer in zip(gone, retried):
                 answers[k] = answer
-        out: list[bool | Exception] = [False] * len(items)
+        out: list[bool | None | Exception] = [False] * len(items)
         for local, idx, answer in zip(locals_, groups.values(), answers):
             if isinstance(answer, Exception):
                 for i in idx:
                     out[i] = answer
                 continue
-            fresh, entry = answer
-            self._apply(local, [items[i][3] for i in idx], fresh, entry)
+            flags = iter(answer[0])
+            # Per report: new (all its pairs new), a duplicate (none), or None (refused).
+            fresh = []
+            for i in idx:
+                mine = [next(flags) for _ in items[i][1]]
+                fresh.append(None if None in mine else all(mine))
+            self._apply(local, [(items[i][2], len(items[i][1])) for i in idx], fresh, answer[1])
             for i, f in zip(idx, fresh):
                 out[i] = f
         return out
@@ -161,36 +198,45 @@ class Ingest:
         try:
             if await self.registry.confirm_deleted(call.name):
                 return missing
-            return await self.store.accept_reports(call.name, call.pairs, call.journal, call.keep_s)
+            return await self.store.accept_reports(call.name, call.pairs, call.journal, call.keep_s, call.groups)
         except Exception as exc:  # noqa: BLE001  (this deployment's reports fail with it)
             return exc
 
     @staticmethod
-    def _call(local: LocalDeployment, items: list[tuple[int, int, np.ndarray]]) -> AcceptCall:
-        """The store call of one deployment's ``(rank, seq, counts)`` reports."""
+    def _call(local: LocalDeployment, items: list[tuple[tuple[tuple[int, int], ...], np.ndarray]]) -> AcceptCall:
+        """The store call of one deployment's ``(pairs, counts)`` reports (a pair each, or a
+        node report's covers: accepted all together or not at all)."""
         spec = local.window_spec
+        pairs = [pair for report, _ in items for pair in report]
+        groups = [k for k, (report, _) in enumerate(items) for _ in report]
+        several = len(pairs) > len(items)
 
         def journal(fresh: list[bool]) -> bytes:
-            new = [counts for (_, _, counts), f in zip(items, fresh) if f]
+            flags = iter(fresh)
+            # A report's pairs are all new or none (the store sees to it): its first says.
+            new = [(counts, len(report)) for report, counts in items if [bool(next(flags)) for _ in report][0]]
             if len(new) == 1:
-                sums = new[0]  # as it came: an int32 report's entry is its own counts
+                sums = new[0][0]  # as it came: an int32 report's entry is its own counts
             else:
                 # In place, in report order: one array for the batch rather than one per
                 # report; exact int64 sums while every report is integer.
-                exact = all(c.dtype.kind == "i" for c in new)
+                exact = all(c.dtype.kind == "i" for c, _ in new)
                 sums = np.zeros(local.window.shape, dtype=np.int64 if exact else np.float64)
-                for counts in new:
+                for counts, _ in new:
                     sums += counts
-            return encode_sums(sums, len(new), time.time(), spec)
+            return encode_sums(sums, sum(n for _, n in new), time.time(), spec)
 
-        return AcceptCall(local.deployment.name, [(rank, seq) for rank, seq, _ in items], journal, spec.stale_after_s)
+        return AcceptCall(local.deployment.name, pairs, journal, spec.stale_after_s, groups if several else None)
 
-    def _apply(self, local: LocalDeployment, counts: list[np.ndarray], fresh: list[bool], entry: str | None) -> None:
-        """The reports the store accepted into ``local``'s window, with their write-ahead entry."""
+    def _apply(
+        self, local: LocalDeployment, counts: list[tuple[np.ndarray, int]], fresh: list[bool | None], entry: str | None
+    ) -> None:
+        """The reports the store accepted (counts, how many reports they sum) into ``local``'s
+        window, with their write-ahead entry."""
         now = time.time()
-        for c, f in zip(counts, fresh):
+        for (c, n), f in zip(counts, fresh):
             if f:
-                local.window.add(c, now)
+                local.window.add(c, now, n)
                 local.dirty = True
         if entry is not None:
             local.unfolded.append(entry)

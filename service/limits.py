@@ -18,6 +18,7 @@ from eplb.limits import (
     MAX_LAYERS,
     MAX_PLACEMENT_BYTES,
     MAX_REPORT_COUNT,
+    MAX_REPORT_COVERS,
     MAX_REPORT_STEPS,
     MAX_SLOTS,
     MAX_SUSPECT_AFTER_S,
@@ -33,6 +34,7 @@ from eplb.limits import (
 
 __all__ = [
     "MAX_BATCH_SIZES",
+    "MAX_REPORT_COVERS",
     "MAX_REPORT_STEPS",
     "MAX_TOKENS_PER_GPU",
     "MAX_TOP_K",

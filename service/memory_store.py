@@ -12,7 +12,16 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from .errors import Aborted, AlreadyExists, NotFound
 from .rollout import RankState, Rollout, VersionRollout, apply_ack
-from .store import PLACEMENTS_KEPT, AcceptCall, Accepted, DeploymentRecord, PlanMarks, Seen, created_seconds
+from .store import (
+    PLACEMENTS_KEPT,
+    AcceptCall,
+    Accepted,
+    DeploymentRecord,
+    PlanMarks,
+    Seen,
+    all_or_nothing,
+    created_seconds,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -140,23 +149,36 @@ class MemoryStore:
         pairs: list[tuple[int, int]],
         journal: Callable[[list[bool]], bytes],
         keep_s: float,
-    ) -> tuple[list[bool], str | None]:
+        groups: list[int] | None = None,
+    ) -> Accepted:
         # One process: the windows in memory die with the seqs, so no write-ahead entry is kept.
         state = self._get(name)
-        out = []
-        for rank, seq in pairs:
-            fresh = seq > state.seq.get(rank, -1)
-            if fresh:
+        # As the Redis script and its caller do: flag the pairs still in play in order, drop the
+        # reports that are not all new, again until none drops; then commit the rest.
+        out: list[bool | None] = [True] * len(pairs)
+        while True:
+            last: dict[int, int] = {}
+            flags = []
+            for (rank, seq), f in zip(pairs, out):
+                new = bool(f) and seq > last.get(rank, state.seq.get(rank, -1))
+                if new:
+                    last[rank] = seq
+                flags.append(new)
+            merged = [None if old is None else new for old, new in zip(out, all_or_nothing(flags, groups))]
+            if merged == out:
+                break
+            out = merged
+        for (rank, seq), f in zip(pairs, out):
+            if f:
                 state.seq[rank] = seq
                 state.reports += 1
-            out.append(fresh)
         return out, None
 
     async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
         out: list[Accepted | Exception] = []
         for c in calls:
             try:
-                out.append(await self.accept_reports(c.name, c.pairs, c.journal, c.keep_s))
+                out.append(await self.accept_reports(c.name, c.pairs, c.journal, c.keep_s, c.groups))
             except NotFound as exc:
                 out.append(exc)
         return out

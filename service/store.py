@@ -77,10 +77,33 @@ class AcceptCall:
     pairs: list[tuple[int, int]]
     journal: Callable[[list[bool]], bytes]
     keep_s: float
+    # The report each pair belongs to (None: a report each). A report of several pairs (a node
+    # report's covers) is accepted all together or not at all: one pair counted before makes
+    # its others not new either, and where some were new they answer None (refused).
+    groups: list[int] | None = None
 
 
-# What :meth:`Store.accept_reports` returns: whether each pair is new, and the write-ahead id.
-Accepted = tuple[list[bool], str | None]
+def all_or_nothing(flags: list[bool], groups: list[int] | None) -> list[bool | None]:
+    """``flags`` (whether each pair is new) with every report of ``groups`` all new or none:
+    a report with some new pairs and some not gets None for every pair (refused)."""
+    if groups is None:
+        return list(flags)
+    seen: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        seen.setdefault(g, []).append(i)
+    out: list[bool | None] = list(flags)
+    for members in seen.values():
+        if len(members) > 1:
+            new = [flags[i] for i in members]
+            if any(new) and not all(new):
+                for i in members:
+                    out[i] = None
+    return out
+
+
+# What :meth:`Store.accept_reports` returns: whether each pair is new (None: refused, its report
+# partly counted before: see AcceptCall.groups), and the write-ahead id.
+Accepted = tuple[list[bool | None], str | None]
 
 
 class Store(Protocol):
@@ -135,9 +158,11 @@ class Store(Protocol):
         pairs: list[tuple[int, int]],
         journal: Callable[[list[bool]], bytes],
         keep_s: float,
-    ) -> tuple[list[bool], str | None]:
-        """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted), and
-        the id of the write-ahead entry holding the new reports' counts.
+        groups: list[int] | None = None,
+    ) -> Accepted:
+        """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted; None:
+        refused, as ``AcceptCall.groups`` says), and the id of the write-ahead entry holding the
+        new reports' counts.
 
         ``journal(fresh)`` is the window blob of the reports flagged fresh; a store shared by
         replicas writes it in the same atomic step as the seqs, so a report is never marked seen

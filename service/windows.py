@@ -79,13 +79,14 @@ class SlidingWindow:
         # (start time, reports, sums); the last one is open.
         self._buckets: deque[tuple[float, int, np.ndarray]] = deque()
 
-    def add(self, counts: np.ndarray, now: float) -> None:
-        """``counts``: ``[L, E]`` of any real dtype (int32 as reports come: added as float64)."""
+    def add(self, counts: np.ndarray, now: float, reports: int = 1) -> None:
+        """``counts``: ``[L, E]`` of any real dtype (int32 as reports come: added as float64),
+        the sum of ``reports`` reports (a node report's covers)."""
         if not self._buckets or self._full(self._buckets[-1], now):
             self._buckets.append((now, 0, np.zeros(self.shape)))
         start, n, sums = self._buckets[-1]
         sums += counts
-        self._buckets[-1] = (start, n + 1, sums)
+        self._buckets[-1] = (start, n + reports, sums)
         # After the report is counted, so that a count window never holds more than its span.
         self._expire(now)
 
@@ -135,10 +136,10 @@ class DecayWindow:
             self._sums *= 2.0 ** (-(now - self._at) / self.spec.half_life_s)
             self._at = now
 
-    def add(self, counts: np.ndarray, now: float) -> None:
+    def add(self, counts: np.ndarray, now: float, reports: int = 1) -> None:
         self._decay_to(now)
         self._sums += counts
-        self._reports += 1
+        self._reports += reports
 
     def total(self, now: float) -> tuple[np.ndarray, int]:
         self._decay_to(now)

@@ -366,20 +366,30 @@ class PhysicalCounts(_message.Message):
     def __init__(self, counts: _Optional[_Union[Array, _Mapping]] = ..., placement_version: _Optional[int] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "seq", "logical", "physical", "steps")
+    __slots__ = ("deployment", "rank", "seq", "logical", "physical", "steps", "covers")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_FIELD_NUMBER: _ClassVar[int]
     PHYSICAL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    COVERS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     seq: int
     logical: Array
     physical: PhysicalCounts
     steps: int
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., seq: _Optional[int] = ..., logical: _Optional[_Union[Array, _Mapping]] = ..., physical: _Optional[_Union[PhysicalCounts, _Mapping]] = ..., steps: _Optional[int] = ...) -> None: ...
+    covers: _containers.RepeatedCompositeFieldContainer[ReportCover]
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., seq: _Optional[int] = ..., logical: _Optional[_Union[Array, _Mapping]] = ..., physical: _Optional[_Union[PhysicalCounts, _Mapping]] = ..., steps: _Optional[int] = ..., covers: _Optional[_Iterable[_Union[ReportCover, _Mapping]]] = ...) -> None: ...
+
+class ReportCover(_message.Message):
+    __slots__ = ("rank", "seq")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    seq: int
+    def __init__(self, rank: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")
