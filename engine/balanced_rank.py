@@ -171,7 +171,9 @@ class BalancedRank:
     ``on_switch(step, layers, routing)``: write the rows ``layers`` of ``routing`` into the
     engine's maps (on the step thread, weights in place). ``ack_initial``: tell the service
     at start that this rank holds the current version (so its first re-plan moves from it).
-    ``report_interval_s``: how often loads go to the service. ``draft``: a ``Draft`` model on
+    ``report_interval_s``: how often loads go to the service; ``node_agent``: the Unix socket of
+    the host's node agent (``eplb agent``), so the host's ranks send one report per interval
+    (``LoadReporter``'s). ``draft``: a ``Draft`` model on
     the same ranks, switched with this one (``barrier="group"`` only); its part is ``draft``.
 
     Its parts stay reachable: ``client``, ``barrier`` (the target's), ``target`` and ``draft``
@@ -199,6 +201,7 @@ class BalancedRank:
         on_event: OnEvent | None = None,
         ack_initial: bool = True,
         report_interval_s: float = 1.0,
+        node_agent: str | None = None,
         token: str | None = None,
         draft: Draft | None = None,
         **mover_options: object,
@@ -283,7 +286,9 @@ class BalancedRank:
                     since_version=initial.version,
                 )
                 stack.callback(watcher.close)
-                reporter = LoadReporter(self.client.endpoints, name, rank, topo, interval_s=report_interval_s)
+                reporter = LoadReporter(
+                    self.client.endpoints, name, rank, topo, interval_s=report_interval_s, node_agent=node_agent
+                )
                 stack.callback(reporter.close)
                 built.append(Part(name, topo, rollout, part_applier, watcher, reporter))
             self.target = built[0]

@@ -21,7 +21,9 @@ counted in ``stats().dropped_reports`` / ``dropped_tokens``: never silently.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -36,6 +38,10 @@ from eplb.limits import MAX_REPORT_COUNT, MAX_REPORT_STEPS
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from . import wire
+from .agent import ACK as AGENT_ACK
+from .agent import COUNTED as AGENT_COUNTED
+from .agent import read_frame as agent_read
+from .agent import write_frame as agent_frame
 from .client import TRANSIENT, Backoff, Endpoints
 
 __all__ = ["LoadReporter", "ReporterStats"]
@@ -59,7 +65,8 @@ class ReporterStats:
     counts tagged with a version it no longer keeps), dropped; ``dropped_reports`` /
     ``dropped_tokens``: reports (and the tokens in them) dropped from the full outbox while the
     service was away; ``pending`` / ``pending_tokens``: reports (and their tokens) waiting to be
-    sent; ``failovers``: address changes.
+    sent; ``failovers``: address changes; ``via_agent``: reports the node agent had counted
+    (``node_agent``; also in ``sent`` and ``accepted``, a duplicate among them too).
     """
 
     added: int
@@ -76,6 +83,7 @@ class ReporterStats:
     failovers: int
     address: str
     last_error: str
+    via_agent: int = 0
 
 
 class LoadReporter:
@@ -98,6 +106,7 @@ class LoadReporter:
         max_pending: int = 256,
         max_batch: int = 32,
         rpc_timeout_s: float = 10.0,
+        node_agent: str | None = None,
         start: bool = True,
     ) -> None:
         if interval_s <= 0 or max_queued < 1 or max_pending < 1 or max_batch < 1:
@@ -127,11 +136,25 @@ class LoadReporter:
         # Microseconds since the epoch: a restarted rank's seqs keep increasing past its last run's.
         self._seq = time.time_ns() // 1000
         self._counts = dict(
-            added=0, dropped_adds=0, invalid_adds=0, sent=0, accepted=0, duplicates=0, rejected=0, dropped_reports=0
+            added=0,
+            dropped_adds=0,
+            invalid_adds=0,
+            sent=0,
+            accepted=0,
+            duplicates=0,
+            rejected=0,
+            dropped_reports=0,
+            via_agent=0,
         )
         self._dropped_tokens = 0.0
         self._pending_tokens = 0.0
         self._last_error = ""
+        # The host's node agent (engine/agent.py): its Unix socket path; ``_handed`` leading
+        # outbox reports are with it; ``_agent`` is None while reports go on our own.
+        self.node_agent = node_agent
+        self._agent: socket.socket | None = None
+        self._handed = 0
+        self._agent_tried = 0.0
         self._thread = threading.Thread(target=self._run, name=f"eplb-reporter-{rank}", daemon=True)
         if start:
             self._thread.start()
@@ -238,6 +261,8 @@ class LoadReporter:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._agent is not None:
+            self._leave_agent(self._agent)
         if self._owned:
             self.endpoints.close()
         return done
@@ -257,6 +282,10 @@ class LoadReporter:
             self._wake.wait(self.interval_s)
             self._wake.clear()
             self._aggregate()
+            if self._through_agent():
+                with self._lock:
+                    self._idle.notify_all()
+                continue
             while self._outbox and not self._stop and time.monotonic() >= retry_at:
                 if self._send():
                     backoff.reset()
@@ -306,9 +335,80 @@ class LoadReporter:
                 self._outbox.append(msg)
                 self._pending_tokens += float(total.sum())
             while len(self._outbox) > self.max_pending:
+                self._handed = max(0, self._handed - 1)
                 tokens = self._pop()
                 self._counts["dropped_reports"] += 1
                 self._dropped_tokens += tokens
+
+    def _through_agent(self) -> bool:
+        """Hands the new outbox reports to the node agent; False when they go on our own (no
+        agent, or it is gone or said so: the outbox, the reports it held included, goes on our
+        own, and the agent is tried again only once the outbox is empty, so seqs stay in order)."""
+        if self.node_agent is None or self._stop:
+            return False
+        if self._agent is None:
+            with self._lock:
+                if self._outbox or time.monotonic() - self._agent_tried < self.interval_s:
+                    return False
+            self._agent_tried = time.monotonic()
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(self.node_agent)
+            except OSError as exc:
+                sock.close()
+                log.debug(
+                    "rank %d: node agent %s not reachable (%s): reporting on our own", self.rank, self.node_agent, exc
+                )
+                return False
+            with self._lock:
+                self._agent, self._handed = sock, 0
+            threading.Thread(
+                target=self._read_acks, args=(sock,), name=f"eplb-reporter-acks-{self.rank}", daemon=True
+            ).start()
+        with self._lock:
+            sock = self._agent
+            fresh = list(self._outbox)[self._handed :] if sock is not None else []
+            self._handed += len(fresh)
+        if sock is None:
+            return False
+        try:
+            for msg in fresh:
+                agent_frame(sock, msg.SerializeToString())
+        except OSError:
+            self._leave_agent(sock)
+            return False
+        return True
+
+    def _read_acks(self, sock: socket.socket) -> None:
+        """The agent's answers, in the order it was handed the reports: counted ones leave the
+        outbox; at ON_YOUR_OWN, or when the agent is gone, the outbox goes on our own."""
+        try:
+            while (frame := agent_read(sock)) is not None:
+                seq, code = AGENT_ACK.unpack(frame)
+                with self._lock:
+                    if self._agent is not sock:
+                        return
+                    if code != AGENT_COUNTED or not self._outbox or self._outbox[0].seq != seq:
+                        break
+                    self._pop()
+                    self._handed -= 1
+                    self._counts["sent"] += 1
+                    self._counts["accepted"] += 1
+                    self._counts["via_agent"] += 1
+                    if not self._outbox:
+                        self._idle.notify_all()
+        except (OSError, ValueError):
+            pass
+        self._leave_agent(sock)
+
+    def _leave_agent(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._agent is sock:
+                self._agent, self._handed = None, 0
+                self._agent_tried = time.monotonic()
+        with contextlib.suppress(OSError):
+            sock.close()
+        self._wake.set()
 
     def _send(self) -> bool:
         """One ``ReportLoad`` stream of up to ``max_batch`` reports; False on a transient failure."""

@@ -827,6 +827,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_place)
     s = sub.add_parser("serve", help="run the balancer service (eplb serve --help)", add_help=False)
     s.set_defaults(fn=None)
+    a = sub.add_parser(
+        "agent",
+        help="a host's node agent: its ranks' reports summed into one per interval (eplb agent --help)",
+        add_help=False,
+    )
+    a.set_defaults(fn=None)
     d = sub.add_parser(
         "demo",
         help="the service, simulated engine ranks and the weight mover on CPU (eplb demo --help)",
@@ -889,6 +895,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eplb serve: error: {extras.missing('the service', 'service', exc)}", file=sys.stderr)
             return 2
         return serve_main(rest)
+    if args.command == "agent":
+        try:
+            from eplb_engine.agent import main as agent_main
+        except ImportError as exc:
+            print(f"eplb agent: error: {extras.missing('the node agent', 'engine', exc)}", file=sys.stderr)
+            return 2
+        return agent_main(rest)
     if args.command == "demo":
         # The demo checks its extras (service, engine, torch) itself, after parsing its flags.
         from .demo import main as demo_main

@@ -48,6 +48,8 @@ __all__ = [
 ENV_ADDRESSES = "EPLB_ADDRESSES"
 ENV_DEPLOYMENT = "EPLB_DEPLOYMENT"
 ENV_REPORT_EVERY = "EPLB_REPORT_EVERY"
+# The host's node agent (eplb agent): its Unix socket; unset, each rank reports on its own.
+ENV_NODE_AGENT = "EPLB_NODE_AGENT"
 TARGET = "sglang.srt.eplb.eplb_manager.EPLBManager"
 
 Wire = Callable[["EplbServiceManager"], Any]
@@ -212,7 +214,15 @@ def wire_rank(manager: EplbServiceManager) -> Any:
     manager.ep_rank = rank
     manager.world = world
     layers = [{f"t{i}": t for i, t in enumerate(weights[row])} for row in manager.rows]
-    balanced = BalancedRank(addresses, deployment, rank, topo, layers, on_switch=manager.on_switch)
+    balanced = BalancedRank(
+        addresses,
+        deployment,
+        rank,
+        topo,
+        layers,
+        on_switch=manager.on_switch,
+        node_agent=os.environ.get(ENV_NODE_AGENT) or None,
+    )
     if balanced.rollout.current.placement != serving:
         version = balanced.rollout.current.version
         balanced.close()

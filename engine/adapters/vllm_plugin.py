@@ -38,6 +38,8 @@ __all__ = ["ENV_ADDRESSES", "ENV_DEPLOYMENT", "install", "register", "wire_rank"
 
 ENV_ADDRESSES = "EPLB_ADDRESSES"
 ENV_DEPLOYMENT = "EPLB_DEPLOYMENT"
+# The host's node agent (eplb agent): its Unix socket; unset, each rank reports on its own.
+ENV_NODE_AGENT = "EPLB_NODE_AGENT"
 DRAFT_SUFFIX = " (draft)"  # vLLM's eplb_draft_model_name: f"{model_config.model} (draft)"
 
 Wire = Callable[[Any, Any, str, "tuple[Any, str] | None"], Any]
@@ -190,6 +192,7 @@ def wire_rank(
         ep.cpu_group,
         mover_group=dist.new_group(ranks=list(ep.ranks), backend=backend),
         on_switch=switcher(model_state),
+        node_agent=os.environ.get(ENV_NODE_AGENT) or None,
         draft=Draft(drafted[0][0], drafted[0][4], drafted[0][2], on_switch=switcher(drafted[0][1]))
         if drafted
         else None,
