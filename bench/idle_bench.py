@@ -10,7 +10,8 @@ ranks on 18 nodes) and each count of instances: the instances start, the deploym
 created through the first one (every instance follows all of them: they plan, restore and
 serve any), the instances get ``--settle`` seconds to adopt them, and then each instance's CPU
 (``/proc/PID/stat`` utime + stime) is read over ``--seconds``. Prints each instance's share of
-one core and Redis's (every master summed). Issue 35's target: ≤ 5 % of a core for 1,000
+one core and Redis's (every master summed), each instance's RSS and Redis's ``used_memory``
+(every master summed) at the end. Issue 35's target: ≤ 5 % of a core for 1,000
 deployments, not growing with the number of instances.
 """
 
@@ -41,6 +42,18 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _redis_mb(ports: list[int]) -> float:
+    return sum(redis.Redis(port=port).info("memory")["used_memory"] for port in ports) / 2**20
 
 
 def _redis_cpu_s(ports: list[int]) -> float:
@@ -97,6 +110,8 @@ def _measure(kind: str, deployments: int, instances: int, args: argparse.Namespa
         elapsed = time.monotonic() - t0
         shares = [(_cpu_s(p) - b) / elapsed for p, b in zip(pids, before, strict=True)]
         redis_share = (_redis_cpu_s(ports) - redis_before) / elapsed
+        rss = [_rss_mb(p) for p in pids]
+        redis_mb = _redis_mb(ports)
         for s in serves:
             if not s.running:
                 raise RuntimeError(f"an instance exited; see {s.log_path}")
@@ -107,6 +122,8 @@ def _measure(kind: str, deployments: int, instances: int, args: argparse.Namespa
             create_s=created_s,
             instance_core_percent=[100 * s for s in shares],
             redis_core_percent=100 * redis_share,
+            rss_mb=rss,
+            redis_mb=redis_mb,
         )
     finally:
         for s in serves:
@@ -124,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--serve-args", default="")
     args = ap.parse_args(argv)
-    print(f"{'kind':8} {'deps':>6} {'inst':>4} {'create s':>9} {'instance % of a core (each)':>30} {'redis %':>8}")
+    print(
+        f"{'kind':8} {'deps':>6} {'inst':>4} {'create s':>9} {'instance % of a core (each)':>30} {'redis %':>8} "
+        f"{'RSS MB (each)':>16} {'redis MB':>9}"
+    )
     for kind in args.kinds.split(","):
         for deployments in (int(x) for x in args.deployments.split(",")):
             for instances in (int(x) for x in args.instances.split(",")):
@@ -136,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                 red = statistics.median(r["redis_core_percent"] for r in runs)
                 cre = statistics.median(r["create_s"] for r in runs)
                 shown = " ".join(f"{x:.1f}" for x in each)
-                print(f"{kind:8} {deployments:>6} {instances:>4} {cre:>9.1f} {shown:>30} {red:>8.1f}", flush=True)
+                rss = " ".join(f"{statistics.median(r['rss_mb'][i] for r in runs):.0f}" for i in range(instances))
+                mem = statistics.median(r["redis_mb"] for r in runs)
+                print(
+                    f"{kind:8} {deployments:>6} {instances:>4} {cre:>9.1f} {shown:>30} {red:>8.1f} {rss:>16} {mem:>9.1f}",
+                    flush=True,
+                )
     return 0
 
 
