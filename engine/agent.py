@@ -257,7 +257,7 @@ class NodeAgent:
     def _send(self) -> None:
         """Each deployment's node reports in order, until one fails transiently (kept for the
         next round: the same covers, so a repeat counts once)."""
-        for queue in self._queues.values():
+        for deployment, queue in self._queues.items():
             while queue:
                 report = queue[0]
                 stub = self.endpoints.stub()
@@ -265,7 +265,6 @@ class NodeAgent:
                     stub.ReportLoad(
                         iter([report.message]), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata
                     )
-                    code = COUNTED
                 except grpc.RpcError as exc:
                     # ABORTED: partly counted before, never worth a repeat (TRANSIENT has it
                     # for other calls).
@@ -275,16 +274,28 @@ class NodeAgent:
                             self.endpoints.failover(stub)
                         log.warning("node report not sent (%s), kept for the next round", exc.code().name)
                         break
-                    # Refused (ABORTED: partly counted before; or invalid): the ranks send theirs.
                     log.info("node report refused (%s: %s): ranks send their own", exc.code().name, exc.details())
                     self.stats["refused"] += 1
-                    code = ON_YOUR_OWN
+                    self._give_back(deployment, queue)
+                    break
                 queue.popleft()
-                if code == COUNTED:
-                    self.stats["node_reports"] += 1
-                    self.stats["covered"] += len(report.ranks)
+                self.stats["node_reports"] += 1
+                self.stats["covered"] += len(report.ranks)
                 for rank, seq in report.ranks:
-                    rank.tell(seq, code)
+                    rank.tell(seq, COUNTED)
+
+    def _give_back(self, deployment: str, queue: deque[_NodeReport]) -> None:
+        """A node report of ``deployment`` was refused (partly counted before, or invalid): it,
+        every later one and every report received since go back to their ranks, which send them
+        on their own. None may go on from here: a rank re-sends from its oldest report on, and a
+        later seq of its counted first would make its earlier ones duplicates (lost)."""
+        told = [(rank, seq) for report in queue for rank, seq in report.ranks]
+        queue.clear()
+        with self._lock:
+            told += [(rank, msg.seq) for rank, msg in self._pending if msg.deployment == deployment]
+            self._pending = [(rank, msg) for rank, msg in self._pending if msg.deployment != deployment]
+        for rank, seq in told:
+            rank.tell(seq, ON_YOUR_OWN)
 
 
 def main(argv: list[str] | None = None) -> int:
