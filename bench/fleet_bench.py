@@ -138,7 +138,8 @@ def _client(
                 try:
                     resp = await calls[target]([head + body], timeout=30)
                 except Exception as exc:  # noqa: BLE001  (counted and named, the run goes on)
-                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                    code = exc.code().name if hasattr(exc, "code") else type(exc).__name__
+                    errors[code] = errors.get(code, 0) + 1
                     continue
                 latencies.append(time.perf_counter() - t)
                 if resp.accepted:

@@ -125,7 +125,8 @@ def _ingest_worker(
         # ``connections`` per target, each its own (engines on other hosts each have theirs; one
         # process's channels to one target otherwise share one: gRPC's global subchannel pool),
         # so that a replica's serving processes (--processes) all get some.
-        chans = [aio_channel(t) if connections == 1 else _own_channel(t) for t in targets for _ in range(connections)]
+        # Replica-minor: consecutive streams go to different replicas.
+        chans = [aio_channel(t) if connections == 1 else _own_channel(t) for _ in range(connections) for t in targets]
         if lean:
             methods = [
                 c.stream_unary(

@@ -274,6 +274,11 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
             token = _read_token(args.token_file)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.processes > 1 and args.metrics_port > 0 and args.metrics_port + args.processes - 1 > 65535:
+        ap.error(
+            f"--metrics-port {args.metrics_port} with --processes {args.processes}: process i serves /metrics on "
+            f"the port + i, so the port must be at most {65536 - args.processes} (or 0: each picks one)"
+        )
     if args.processes > 1 and not args.redis_url:
         ap.error(
             "--processes above 1 needs --redis-url: the processes share state through Redis, and the "
@@ -370,10 +375,23 @@ def _supervise(config: ServerConfig, argv: list[str], fmt: str) -> int:
         else:
             _probe(host, config.port)
             port = config.port
-    except (StartError, OSError) as exc:
-        print(f"eplb serve: error: {_source(getattr(exc, 'field', 'port'), argv)}: {exc}", file=sys.stderr)
+    except StartError as exc:
+        print(f"eplb serve: error: {_source(exc.field, argv)}: {exc}", file=sys.stderr)
         return 2
-    return supervise(config.processes, port, argv, config.metrics_port, lambda p: _listening_line(fmt, config.host, p))
+    except OSError as exc:  # binding port 0 on the host: the host is at fault
+        print(
+            f"eplb serve: error: {_source('host', argv)}: cannot listen on {config.host} ({exc.strerror or exc})",
+            file=sys.stderr,
+        )
+        return 2
+    return supervise(
+        config.processes,
+        port,
+        argv,
+        config.metrics_port,
+        lambda p: _listening_line(fmt, config.host, p),
+        reload_on_hup=config.auth_file is not None,
+    )
 
 
 def _source(field: str, argv: list[str]) -> str:

@@ -11,7 +11,8 @@ This process is only the supervisor: it checks that the port is free (``SO_REUSE
 any process of the same user bind it too, so the check comes first), starts the serving
 processes (each told the port, ``SO_REUSEPORT`` on, and its own ``/metrics`` port: the given
 one plus its index), prints the one ``listening on`` line once all listen, forwards SIGTERM,
-SIGINT and SIGHUP to them, and starts again one that dies while the instance runs. A serving
+SIGINT and SIGHUP (with an auth file; without one SIGHUP stops the instance) to them, and
+starts again one that dies while the instance runs. A serving
 process ends with its supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no
 process serving the port behind.
 """
@@ -86,15 +87,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _status(code: int) -> int:
+    """A child's return code as an exit status: a signal's death is 128 + the signal, as in a shell."""
+    return 128 - code if code < 0 else code
+
+
 def supervise(
     processes: int,
     port: int,
     argv: list[str],
     metrics_port: int | None,
     listening_line: Callable[[int], str],
+    reload_on_hup: bool = False,
 ) -> int:
     """Runs ``processes`` serving processes of ``eplb serve`` ``argv`` on ``port`` until SIGTERM
-    or SIGINT; their exit status (the first non-zero), or 2 when one could not start."""
+    or SIGINT; their exit status (the first non-zero), or that of one that could not start.
+    SIGHUP is forwarded where it reloads the auth file (``reload_on_hup``); without one it stops
+    the instance gracefully (one process without an auth file ends at SIGHUP too)."""
     base = [sys.executable, "-m", "eplb_tools.cli", "serve", *argv, "--processes", "1", "--port", str(port)]
     workers = []
     for i in range(processes):
@@ -103,6 +112,8 @@ def supervise(
     stopping = threading.Event()
 
     def forward(sig: int, _frame: object) -> None:
+        if sig == signal.SIGHUP and not reload_on_hup:
+            sig = signal.SIGTERM
         if sig in (signal.SIGTERM, signal.SIGINT):
             stopping.set()
         for w in workers:
@@ -120,7 +131,9 @@ def supervise(
         if failed is not None or stopping.is_set():
             forward(signal.SIGTERM, None)
             codes = [w.proc.wait() for w in workers]
-            return next((c for c in codes if c), 0) if failed is None else (failed.proc.returncode or 2)
+            if failed is None:
+                return 0
+            return _status(failed.proc.returncode) or 2
         time.sleep(0.02)
     print(listening_line(port), flush=True)
     log.info("%d serving processes on port %d", processes, port)
@@ -129,15 +142,19 @@ def supervise(
             code = w.proc.poll()
             if code is None or stopping.is_set():
                 continue
-            if time.monotonic() - w.started < _START_S and not w.listening.is_set():
+            # An error exit before it listened again: a start error, which another try repeats.
+            # A death by a signal (the OOM killer, an operator) is started again like any other.
+            if code > 0 and time.monotonic() - w.started < _START_S and not w.listening.is_set():
                 log.error("serving process %d could not start again (exit %s); stopping", w.index, code)
                 forward(signal.SIGTERM, None)
-                stopping.set()
                 break
             log.error("serving process %d (pid %d) exited with %s; starting it again", w.index, w.proc.pid, code)
-            time.sleep(_RESTART_BACKOFF_S)
+            if stopping.wait(_RESTART_BACKOFF_S):
+                w.proc = None  # stopped meanwhile: nothing to start (its death was said above)
+                break
             w.start()
         stopping.wait(0.2)
+    forward(signal.SIGTERM, None)  # (again: one started just before the stop got none)
     # One killed by the signal it was sent before it set its handler (starting) had nothing to drain.
-    codes = [w.proc.wait() for w in workers]
-    return next((c for c in codes if c not in (0, -signal.SIGTERM, -signal.SIGINT)), 0)
+    codes = [w.proc.wait() for w in workers if w.proc is not None]
+    return next((_status(c) for c in codes if c not in (0, -signal.SIGTERM, -signal.SIGINT)), 0)

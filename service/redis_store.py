@@ -309,13 +309,15 @@ class _Announcements:
         self,
         r: redis.Redis | RedisCluster,
         reader: Callable[[str], Awaitable[redis.Redis]],
-        drop_reader: Callable[[str], Awaitable[None]],
+        drop_reader: Callable[[str, bool], Awaitable[None]],
         group_of: Callable[[str], str],
+        feed_down: Callable[[str], bool],
     ) -> None:
         self._r = r
         self._reader = reader
         self._drop_reader = drop_reader
         self._group_of = group_of
+        self._feed_down = feed_down
         self._subs: dict[str, set[_Subscription]] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._closed = False
@@ -345,17 +347,21 @@ class _Announcements:
         subs = self._subs[feed]
         cursor: bytes | None = None  # None: (re)start, so check everyone once the cursor is set
         checked = 0.0
-        backoff = _FALLBACK_S
         while subs and not self._closed:
             try:
+                if self._feed_down(feed):
+                    # Known down (a missed ping, a timed-out call): no read waits on it.
+                    raise StoreUnavailable(f"the master of {feed} is down")
                 with _unavailable():
                     reader = await self._reader(feed)
                     if cursor is None:
-                        last = await reader.xrevrange(feed, count=1)
+                        last = await self._watched(feed, reader.xrevrange(feed, count=1))
                         cursor = last[0][0] if last else b"0-0"
                         targets = None
                     else:
-                        out = await reader.xread({feed: cursor}, count=_FEED_COUNT, block=_FEED_BLOCK_MS)
+                        out = await self._watched(
+                            feed, reader.xread({feed: cursor}, count=_FEED_COUNT, block=_FEED_BLOCK_MS)
+                        )
                         names, read = set(), 0
                         for _, items in out or []:
                             for entry_id, fields in items:
@@ -368,15 +374,35 @@ class _Announcements:
                     checked = time.monotonic()
                     targets = set(subs)
                 await self._check(targets)
-                backoff = _FALLBACK_S
-            except StoreUnavailable:
-                # The feed's master does not answer: its followers are checked directly (each
-                # on its own master) until it does, then once more in full from a new cursor.
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (the feed's task must outlive any error)
+                # The feed's master does not answer, or its slot moved (MOVED: the reader is
+                # made anew on the slot's new master): its followers are checked directly (each
+                # on its own master) every _FALLBACK_S until it answers, then once more in full
+                # from a new cursor.
+                if not isinstance(exc, StoreUnavailable):
+                    log.info("feed %s: %s; following its deployments directly until it answers", feed, exc)
                 cursor = None
-                await self._drop_reader(feed)
+                await self._drop_reader(feed, isinstance(exc, ResponseError))
                 await self._check(set(subs))
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
+                await asyncio.sleep(_FALLBACK_S)
+
+    async def _watched(self, feed: str, call: Awaitable[object]) -> object:
+        """``call`` on ``feed``'s reader, given up (StoreUnavailable) as soon as the feed's master
+        is found down meanwhile: a hung master would hold a blocking read for its socket timeout."""
+        task = asyncio.ensure_future(call)
+        # Retrieved whatever becomes of it (a read given up fails later, on its closed connection).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_FALLBACK_S)
+                if done:
+                    return task.result()
+                if self._feed_down(feed):
+                    raise StoreUnavailable(f"the master of {feed} is down")
+        finally:
+            task.cancel()  # given up, or this follower's task was cancelled (the store closing)
 
     async def _check(self, subs: set[_Subscription]) -> None:
         """Reads ``subs``' versions and generations (a pipeline per master) and hands each its
@@ -563,7 +589,9 @@ class RedisStore:
         # a replica holds do not grow with its deployments).
         self._readers: dict[str, redis.Redis] = {}
         self._feed_writes: set[asyncio.Task] = set()
-        self._announcements = _Announcements(self._r, self._feed_reader, self._drop_feed_reader, group_of)
+        self._announcements = _Announcements(
+            self._r, self._feed_reader, self._drop_feed_reader, group_of, self._feed_master_down
+        )
         script = functools.partial(_Script, self._r)
         self._create = script(_CREATE)
         self._publish = script(_PUBLISH)
@@ -616,6 +644,9 @@ class RedisStore:
                 health_check_interval=0,
                 max_connections=1,
                 client_name=f"eplb:{self.prefix}",
+                # No retries: a failed read falls back to direct checks at once (redis-py's
+                # default retried ten times, holding the followers meanwhile).
+                retry=_no_retry(),
             )
         else:
             await self._initialized()
@@ -633,17 +664,30 @@ class RedisStore:
                 health_check_interval=0,
                 max_connections=1,
                 client_name=f"eplb:{self.prefix}",
+                retry=_no_retry(),
                 **dict(seeds.options),
             )
         self._readers[feed] = client
         return client
 
-    async def _drop_feed_reader(self, feed: str) -> None:
-        """Closes ``feed``'s reader after an error; the next is made anew (its slot may have moved)."""
+    async def _drop_feed_reader(self, feed: str, moved: bool = False) -> None:
+        """Closes ``feed``'s reader after an error; the next is made anew. ``moved`` (an error
+        answer, as MOVED after a reshard or a failover): the slot map is read again first, so
+        the next reader goes to the slot's master now."""
         client = self._readers.pop(feed, None)
         if client is not None:
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
+        if moved and self.cluster:
+            with contextlib.suppress(RedisError, OSError, RedisClusterException, *_CLUSTER_UNREACHABLE):
+                await self._r.nodes_manager.initialize()
+
+    def _feed_master_down(self, feed: str) -> bool:
+        """Whether ``feed``'s master is known down (Redis Cluster: a missed ping or a timed-out
+        call; one Redis: the store's own health decides, as for every call)."""
+        if not self.cluster or not self._down or not self._r.nodes_manager.slots_cache:
+            return False
+        return self._master_of(feed) in self._down
 
     async def _announce(self, name: str) -> None:
         """Appends ``name`` to its feed after a commit, create, restore or delete, in the
@@ -651,7 +695,7 @@ class RedisStore:
         for it (the feed may live on another master, down or hung), and a failure is caught by
         the readers' checks."""
         feed = self._feed_key(name)
-        if self.cluster and self._down and self._master_of(feed) in self._down:
+        if self._feed_master_down(feed):
             return  # its readers check every follower every _FALLBACK_S meanwhile
         task = asyncio.create_task(self._xadd_feed(feed, name), name=f"feed-{name}")
         self._feed_writes.add(task)

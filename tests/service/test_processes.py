@@ -205,3 +205,51 @@ def test_processes_are_checked(flags, message):
         [sys.executable, "-m", "eplb_tools.cli", "serve", *flags], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_sigterm_during_the_restart_backoff_stops_the_instance(prefix):
+    proc, _ = start(prefix(), processes=2)
+    os.kill(children(proc.pid)[0], signal.SIGKILL)
+    time.sleep(0.5)  # the supervisor waits a second before it starts the process again
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    assert children(proc.pid) == []
+
+
+def test_a_process_killed_again_while_restarting_is_started_again(prefix):
+    proc, target = start(prefix(), processes=2)
+    try:
+        first = children(proc.pid)
+        os.kill(first[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not (new := [k for k in children(proc.pid) if k not in first]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(new[0], signal.SIGKILL)  # before it listens (the OOM killer, an operator)
+        port = int(target.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 30
+        while len(listening(port)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None and len(listening(port)) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_sighup_without_an_auth_file_stops_the_instance_gracefully(prefix):
+    proc, _ = start(prefix(), processes=2)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(30) == 0
+    assert children(proc.pid) == []
+
+
+def test_the_metrics_ports_of_the_processes_are_checked_first():
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "eplb_tools.cli", "serve", "--redis-url", REDIS_URL, "--processes", "2"]
+        + ["--metrics-port", "65535"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "the port must be at most 65534" in out.stderr, out.stderr

@@ -6,6 +6,7 @@ multi-stream XREAD failed with CROSSSLOT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -373,3 +374,99 @@ async def test_a_commit_reaches_followers_at_once_and_one_whose_feed_entry_was_l
     got = [await asyncio.wait_for(seen.get(), 5) for _ in range(2)]
     task.cancel()
     assert [v for v, _ in got] == [3, 4]  # every version, in order, from the full check
+
+
+def _split_name(s: RedisStore, cluster) -> tuple[str, int, int]:
+    """A name whose meta lives on another master than its feed: (name, meta port, feed port)."""
+    for i in range(1000):
+        n = f"split{i}"
+        meta, feed = cluster.port_of(s.key(n, "meta")), cluster.port_of(s._feed_key(n))
+        if meta != feed:
+            return n, meta, feed
+    raise AssertionError("no such name")
+
+
+def _move_slot(cluster, slot: int, src: int, dst: int) -> None:
+    import redis as sync_redis
+
+    a, b = sync_redis.Redis(port=src), sync_redis.Redis(port=dst)
+    src_id, dst_id = a.execute_command("CLUSTER MYID"), b.execute_command("CLUSTER MYID")
+    b.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    a.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    while keys := a.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+        a.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
+    for port in cluster.ports:
+        sync_redis.Redis(port=port).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+
+async def _follow_into(s: RedisStore, name: str, q: asyncio.Queue) -> None:
+    async for p in s.follow(name, 0):
+        q.put_nowait((p.version, time.monotonic()))
+
+
+async def test_followers_keep_their_versions_after_their_feeds_slot_moved(redis_cluster):
+    # A reshard (or a failed master back as a replica): the feed's reader gets MOVED. It ended
+    # the feed's task, and its followers heard of no version again.
+    import redis as sync_redis
+
+    s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
+    name, _, feed_port = _split_name(s, redis_cluster)
+    slot = sync_redis.Redis(port=feed_port).execute_command("CLUSTER KEYSLOT", s._feed_key(name))
+    dst = next(p for p in redis_cluster.ports if p != feed_port)
+    seen: asyncio.Queue = asyncio.Queue()
+    task = None
+    try:
+        await s.create(deployment(name), pb.Placement(deployment=name, version=1))
+        task = asyncio.create_task(_follow_into(s, name, seen))
+        assert (await asyncio.wait_for(seen.get(), 5))[0] == 1
+        _move_slot(redis_cluster, slot, feed_port, dst)
+        await asyncio.sleep(1)
+        for v in (2, 3):
+            await s.publish(name, pb.Placement(deployment=name, version=v))
+            assert (await asyncio.wait_for(seen.get(), 10))[0] == v
+    finally:
+        if task is not None:
+            task.cancel()
+        _move_slot(redis_cluster, slot, dst, feed_port)
+        await s.delete(name)
+        await s.close()
+
+
+@pytest.mark.parametrize("how", ["pause", "kill"])
+async def test_a_live_deployment_is_followed_promptly_while_its_feeds_master_is_down(redis_cluster, how):
+    # With its feed's master hung or dead, a deployment on a live master still reaches its
+    # followers within about _FALLBACK_S (0.5 s) plus a ping: the service pings every 0.5 s.
+    s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
+    name, _, feed_port = _split_name(s, redis_cluster)
+
+    async def pings() -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await s.ping()
+            await asyncio.sleep(0.5)
+
+    seen: asyncio.Queue = asyncio.Queue()
+    tasks = []
+    try:
+        await s.create(deployment(name), pb.Placement(deployment=name, version=1))
+        tasks = [asyncio.create_task(_follow_into(s, name, seen)), asyncio.create_task(pings())]
+        assert (await asyncio.wait_for(seen.get(), 5))[0] == 1
+        (redis_cluster.pause if how == "pause" else redis_cluster.kill)(feed_port)
+        await asyncio.sleep(3)
+        for v in (2, 3, 4):
+            t0 = time.monotonic()
+            await s.publish(name, pb.Placement(deployment=name, version=v))
+            got, at = await asyncio.wait_for(seen.get(), 30)
+            assert got == v and at - t0 < 1.5, (v, got, at - t0)
+            await asyncio.sleep(0.7)
+    finally:
+        for t in tasks:
+            t.cancel()
+        if how == "pause":
+            redis_cluster.resume(feed_port)
+        else:
+            redis_cluster.start_node(feed_port)
+        redis_cluster.wait_ok()
+        with contextlib.suppress(Exception):
+            await s.delete(name)
+        await s.close()
