@@ -101,6 +101,7 @@ POOL_CONNECTIONS = 32
 _FEED_BLOCK_MS = 2000
 _FEED_MAXLEN = 4096
 _FEED_COUNT = 256
+_FEED_TTL_S = 600
 _RECONCILE_S = 15.0
 _FALLBACK_S = 0.5
 # Index buckets on Redis Cluster (a slot each; a deployment's bucket is CRC32(name) mod this).
@@ -704,7 +705,14 @@ class RedisStore:
     async def _xadd_feed(self, feed: str, name: str) -> None:
         try:
             with _unavailable():
-                await self._r.xadd(feed, {"name": name}, maxlen=_FEED_MAXLEN, approximate=True)
+                # The feed expires once nothing happened for _FEED_TTL_S: a prefix whose
+                # deployments were all deleted leaves no key behind for long.
+                async with self._r.pipeline(transaction=False) as p:
+                    await (
+                        p.xadd(feed, {"name": name}, maxlen=_FEED_MAXLEN, approximate=True)
+                        .expire(feed, _FEED_TTL_S)
+                        .execute()
+                    )
         except (StoreUnavailable, RedisError) as exc:
             log.debug("feed entry of %s not written (%s): readers catch it at their next check", name, exc)
 

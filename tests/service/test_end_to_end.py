@@ -143,7 +143,9 @@ async def test_delete_on_one_replica_leaves_no_keys(serve, connect, prefix):
     # b keeps flushing until its follower notices the deletion; none of that may re-create keys.
     await asyncio.sleep(2.5)
     r = aredis.Redis.from_url(REDIS_URL)
-    assert [k async for k in r.scan_iter(match=f"{p}:*")] == []
+    # Only the prefix's feed (P:feed: shared by its deployments), which expires by itself.
+    assert [k async for k in r.scan_iter(match=f"{p}:*")] == [f"{p}:feed".encode()]
+    assert 0 < await r.ttl(f"{p}:feed") <= 600
     await r.aclose()
     with pytest.raises(Exception) as info:
         await cb.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))
