@@ -153,21 +153,23 @@ class MemoryStore:
     ) -> Accepted:
         # One process: the windows in memory die with the seqs, so no write-ahead entry is kept.
         state = self._get(name)
-        # As the Redis script and its caller do: flag the pairs still in play in order, drop the
-        # reports that are not all new, again until none drops; then commit the rest.
-        out: list[bool | None] = [True] * len(pairs)
+        # As the Redis script and its caller do: flag the pairs in order, refuse the reports
+        # that are not all new, and flag again without them (a refused report's pair must not
+        # make a later pair of its rank look counted) until no more is refused.
+        refused: set[int] = set()
         while True:
             last: dict[int, int] = {}
             flags = []
-            for (rank, seq), f in zip(pairs, out):
-                new = bool(f) and seq > last.get(rank, state.seq.get(rank, -1))
+            for i, (rank, seq) in enumerate(pairs):
+                new = i not in refused and seq > last.get(rank, state.seq.get(rank, -1))
                 if new:
                     last[rank] = seq
                 flags.append(new)
-            merged = [None if old is None else new for old, new in zip(out, all_or_nothing(flags, groups))]
-            if merged == out:
+            more = {i for i, f in enumerate(all_or_nothing(flags, groups)) if f is None} - refused
+            if not more:
                 break
-            out = merged
+            refused |= more
+        out: list[bool | None] = [None if i in refused else f for i, f in enumerate(flags)]
         for (rank, seq), f in zip(pairs, out):
             if f:
                 state.seq[rank] = seq

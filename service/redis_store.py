@@ -1088,7 +1088,12 @@ class RedisStore:
                     flags = iter(out[1])
                     sent = fresh[i]
                     now_new = all_or_nothing([bool(f) and bool(next(flags)) for f in sent], calls[i].groups)
-                    fresh[i] = [None if f is None else n for f, n in zip(sent, now_new)]
+                    if any(n is None and f is not None for f, n in zip(sent, now_new)):
+                        # A report refused now: its pairs may have made later pairs of their
+                        # ranks look counted, so every pair not refused is flagged again.
+                        fresh[i] = [None if n is None or f is None else True for f, n in zip(sent, now_new)]
+                    else:
+                        fresh[i] = [None if f is None else n for f, n in zip(sent, now_new)]
                     if any(fresh[i]):
                         again.append(i)
                     else:
