@@ -8,16 +8,20 @@ interval instead of R.
 
 Exactly once, end to end. A rank keeps each report in its outbox until the agent says it was
 counted, which the agent says only once the service answered the node report that holds it. The
-service accepts a node report all together or not at all, so a node report re-sent after a
-lost answer counts once. When the agent dies (or says so) a rank sends what it still holds on
-its own, with the same seqs: those the agent's last node report had counted are duplicates,
-the rest are counted; and where a rank's own report beat the agent's node report holding it,
-the service refuses that node report whole (ABORTED) and the agent tells its other ranks to
-send theirs on their own. A rank goes back to the agent only once its outbox is empty, so its
-seqs reach the service in order.
+service accepts a node report all together or not at all, so a node report re-sent after a lost
+answer counts once. The agent sends each rank's reports in seq order and never one past a
+report of that rank that was not counted: node reports keep every rank's order, and a refused
+one (ABORTED: a rank's own report beat it) gives back every later one of its deployment, whose
+ranks send theirs on their own. So what the agent counted of a rank is always the oldest of
+what it was handed, and a rank may leave it at any time (the agent died, said so, or answered
+nothing for ``agent_timeout_s``): it sends its whole outbox, oldest first, on its own, and what
+the agent had counted comes back as duplicates. It tries the agent again every interval.
 
-The agent never blocks a rank: a rank's ``add`` only queues (``LoadReporter``), and a dead
-rank's connection only ends its own reports. The service sees every covered rank as alive.
+The agent never blocks a rank: a rank's ``add`` only queues (``LoadReporter``); a dead rank's
+connection only ends its own reports, and one that does not read its answers for a second is
+let go (it reports on its own). The service sees every covered rank as alive. The socket file
+is replaced only when it is a socket no agent listens on, and removed on close only if it is
+still this agent's.
 
 Wire between rank and agent, both ways length-prefixed (4 bytes, little-endian): rank → agent a
 serialized ``ReportLoadRequest`` (its own rank and seq); agent → rank ``<QB``: a seq and a code,
@@ -28,9 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
+import stat
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -56,6 +63,8 @@ _LEN = struct.Struct("<I")
 # A rank's frame: one report; the largest message the service takes.
 _MAX_FRAME = 16 << 20
 _INT32_MAX = np.iinfo(np.int32).max
+# A rank that does not take its acks for this long is let go.
+_SEND_TIMEOUT_S = 1
 
 
 def write_frame(sock: socket.socket, payload: bytes) -> None:
@@ -84,12 +93,16 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
 
 
 class _Rank:
-    """One rank's connection: acks go back on it, one writer at a time."""
+    """One rank's connection: acks go back on it, one writer at a time. A rank that does not
+    read its acks for ``_SEND_TIMEOUT_S`` is let go (it reports on its own): the agent's one
+    sending thread never waits on it longer."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self.open = True
+        # A send timeout only (SO_SNDTIMEO): the reader thread's recv keeps blocking.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_SEND_TIMEOUT_S), 0))
 
     def tell(self, seq: int, code: int) -> None:
         if not self.open:
@@ -98,7 +111,13 @@ class _Rank:
             with self.lock:
                 write_frame(self.sock, ACK.pack(seq, code))
         except OSError:
-            self.open = False
+            self.end()
+
+    def end(self) -> None:
+        """Lets the rank go: its reader sees the end, the rank sees EOF and reports on its own."""
+        self.open = False
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass
@@ -122,8 +141,8 @@ class NodeAgent:
         interval_s: float = 1.0,
         rpc_timeout_s: float = 10.0,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if not (math.isfinite(interval_s) and interval_s > 0):
+            raise ValueError(f"interval_s must be a number of seconds > 0, got {interval_s}")
         self.socket_path = socket_path
         self.endpoints = addresses if isinstance(addresses, Endpoints) else Endpoints(addresses, token=token)
         self.interval_s = interval_s
@@ -136,12 +155,26 @@ class NodeAgent:
         self._server: socket.socket | None = None
         self.stats = dict(received=0, node_reports=0, covered=0, refused=0)
         self._threads: list[threading.Thread] = []
+        self._ranks: set[_Rank] = set()
+        self._inode: int | None = None
 
     def start(self) -> NodeAgent:
-        if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)  # a dead agent's socket file
+        """Listens on ``socket_path``: ``FileExistsError`` if something other than a socket is
+        there or an agent already listens on it (a dead agent's socket file is replaced)."""
+        path = self.socket_path
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise FileExistsError(f"{path} exists and is not a socket: not replacing it")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(path)
+                except OSError:
+                    os.unlink(path)  # a dead agent's socket
+                else:
+                    raise FileExistsError(f"an agent already listens on {path}")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(self.socket_path)
+        server.bind(path)
+        self._inode = os.stat(path).st_ino
         server.listen(1024)
         server.settimeout(0.2)
         self._server = server
@@ -152,14 +185,20 @@ class NodeAgent:
         return self
 
     def close(self) -> None:
-        """Sends what it holds once more, then stops."""
+        """Sends what it holds once more, then stops: its ranks see the end and report on their
+        own what it did not answer."""
         self._stop.set()
         for t in self._threads:
             t.join(timeout=self.rpc_timeout_s + 1)
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(OSError):
-                os.unlink(self.socket_path)
+                if os.stat(self.socket_path).st_ino == self._inode:  # ours, not a later agent's
+                    os.unlink(self.socket_path)
+        with self._lock:
+            ranks = list(self._ranks)
+        for rank in ranks:
+            rank.end()
 
     def __enter__(self) -> NodeAgent:
         return self.start()
@@ -177,6 +216,8 @@ class NodeAgent:
                 return
             sock.settimeout(None)
             rank = _Rank(sock)
+            with self._lock:
+                self._ranks.add(rank)
             threading.Thread(target=self._read, args=(rank,), name="eplb-agent-rank", daemon=True).start()
 
     def _read(self, rank: _Rank) -> None:
@@ -193,6 +234,7 @@ class NodeAgent:
             rank.open = False
             with self._lock:
                 self._pending = [(r, m) for r, m in self._pending if r is not rank]
+                self._ranks.discard(rank)
             with contextlib.suppress(OSError):
                 rank.sock.close()
 
@@ -205,25 +247,40 @@ class NodeAgent:
                 return
 
     def _sum(self) -> None:
-        """The reports received since the last round → one node report per deployment and kind
-        of counts (logical, or physical per placement version), at most MAX_REPORT_COVERS each."""
+        """The reports received since the last round → node reports per deployment, appended to
+        its queue in an order that keeps every rank's seqs in order: a node report holds one
+        kind of counts (logical, or physical of one placement version) and at most
+        MAX_REPORT_COVERS reports, and a rank's report goes in the first one of its kind not
+        before the one its previous report went in (the service counts a rank's seq below one
+        it counted as a duplicate: out of order, a report would be lost)."""
         with self._lock:
             items, self._pending = self._pending, []
-        groups: dict[tuple[str, str, int], list[tuple[_Rank, pb.ReportLoadRequest]]] = {}
+        by_deployment: dict[str, list[tuple[_Rank, pb.ReportLoadRequest]]] = {}
         for rank, msg in items:
-            kind = msg.WhichOneof("counts") or ""
-            version = msg.physical.placement_version if kind == "physical" else 0
-            groups.setdefault((msg.deployment, kind, version), []).append((rank, msg))
-        for (deployment, kind, version), members in groups.items():
-            for start in range(0, len(members), MAX_REPORT_COVERS):
-                chunk = members[start : start + MAX_REPORT_COVERS]
+            by_deployment.setdefault(msg.deployment, []).append((rank, msg))
+        for deployment, members in by_deployment.items():
+            groups: list[tuple[tuple[str, int], list[tuple[_Rank, pb.ReportLoadRequest]]]] = []
+            at: dict[tuple[int, int], int] = {}  # (connection, rank) → its last group
+            for rank, msg in members:
+                kind = msg.WhichOneof("counts") or ""
+                key = (kind, msg.physical.placement_version if kind == "physical" else 0)
+                who = (id(rank), msg.rank)
+                j = at.get(who, 0)
+                while j < len(groups) and (groups[j][0] != key or len(groups[j][1]) >= MAX_REPORT_COVERS):
+                    j += 1
+                if j == len(groups):
+                    groups.append((key, []))
+                groups[j][1].append((rank, msg))
+                at[who] = j
+            queue = self._queues.setdefault(deployment, deque())
+            for (kind, version), chunk in groups:
                 node = self._node_report(deployment, kind, version, [m for _, m in chunk])
-                if node is None:  # counts the agent cannot sum: each rank sends its own
-                    for rank, msg in chunk:
-                        rank.tell(msg.seq, ON_YOUR_OWN)
-                    continue
-                report = _NodeReport(node, [(rank, msg.seq) for rank, msg in chunk])
-                self._queues.setdefault(deployment, deque()).append(report)
+                if node is None:
+                    # Counts the agent cannot sum: this round's later node reports must not go
+                    # on without them, so the deployment's whole round goes back to its ranks.
+                    self._give_back(deployment, queue, [(r, m.seq) for r, m in members])
+                    break
+                queue.append(_NodeReport(node, [(rank, msg.seq) for rank, msg in chunk]))
 
     @staticmethod
     def _node_report(
@@ -284,12 +341,14 @@ class NodeAgent:
                 for rank, seq in report.ranks:
                     rank.tell(seq, COUNTED)
 
-    def _give_back(self, deployment: str, queue: deque[_NodeReport]) -> None:
+    def _give_back(
+        self, deployment: str, queue: deque[_NodeReport], more: list[tuple[_Rank, int]] | None = None
+    ) -> None:
         """A node report of ``deployment`` was refused (partly counted before, or invalid): it,
         every later one and every report received since go back to their ranks, which send them
         on their own. None may go on from here: a rank re-sends from its oldest report on, and a
         later seq of its counted first would make its earlier ones duplicates (lost)."""
-        told = [(rank, seq) for report in queue for rank, seq in report.ranks]
+        told = [(rank, seq) for report in queue for rank, seq in report.ranks] + (more or [])
         queue.clear()
         with self._lock:
             told += [(rank, msg.seq) for rank, msg in self._pending if msg.deployment == deployment]
@@ -303,17 +362,32 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import signal
 
-    ap = argparse.ArgumentParser(prog="eplb agent", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="eplb agent",
+        description="A host's node agent: its ranks (LoadReporter(node_agent=SOCKET), EPLB_NODE_AGENT in the "
+        "drop-ins) hand it their reports over a Unix socket, and it sends one node report per deployment "
+        "every interval, each rank's report counted exactly once.",
+    )
     ap.add_argument("--socket", required=True, help="Unix socket path the host's ranks connect to")
     ap.add_argument("--address", required=True, help="the service, host:port[,host:port...] (replicas)")
     ap.add_argument("--interval-seconds", type=float, default=1.0, help="how often node reports go (default 1)")
     ap.add_argument("--token-file", help="bearer token file (an engine token)")
     args = ap.parse_args(argv)
-    if args.interval_seconds <= 0:
-        ap.error(f"--interval-seconds must be > 0, got {args.interval_seconds}")
-    token = open(args.token_file).read().strip() if args.token_file else None
+    if not (math.isfinite(args.interval_seconds) and args.interval_seconds > 0):
+        ap.error(f"--interval-seconds must be a number of seconds > 0, got {args.interval_seconds}")
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            ap.error(f"--token-file {args.token_file}: cannot read it ({exc.strerror})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = NodeAgent(args.socket, args.address, token=token, interval_s=args.interval_seconds).start()
+    try:
+        agent = NodeAgent(args.socket, args.address, token=token, interval_s=args.interval_seconds).start()
+    except OSError as exc:
+        print(f"eplb agent: error: --socket {args.socket}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -107,6 +107,7 @@ class LoadReporter:
         max_batch: int = 32,
         rpc_timeout_s: float = 10.0,
         node_agent: str | None = None,
+        agent_timeout_s: float = 30.0,
         start: bool = True,
     ) -> None:
         if interval_s <= 0 or max_queued < 1 or max_pending < 1 or max_batch < 1:
@@ -155,6 +156,10 @@ class LoadReporter:
         self._agent: socket.socket | None = None
         self._handed = 0
         self._agent_tried = 0.0
+        self._acked_at = 0.0
+        # Seqs dropped from the full outbox while the agent had them → their tokens.
+        self._dropped_handed: dict[int, float] = {}
+        self.agent_timeout_s = agent_timeout_s
         self._thread = threading.Thread(target=self._run, name=f"eplb-reporter-{rank}", daemon=True)
         if start:
             self._thread.start()
@@ -335,24 +340,32 @@ class LoadReporter:
                 self._outbox.append(msg)
                 self._pending_tokens += float(total.sum())
             while len(self._outbox) > self.max_pending:
-                self._handed = max(0, self._handed - 1)
+                if self._handed:
+                    # With the agent, which may still count it: settled if its ack comes.
+                    self._handed -= 1
+                    self._dropped_handed[self._outbox[0].seq] = _tokens(self._outbox[0])
                 tokens = self._pop()
                 self._counts["dropped_reports"] += 1
                 self._dropped_tokens += tokens
 
     def _through_agent(self) -> bool:
-        """Hands the new outbox reports to the node agent; False when they go on our own (no
-        agent, or it is gone or said so: the outbox, the reports it held included, goes on our
-        own, and the agent is tried again only once the outbox is empty, so seqs stay in order)."""
+        """Hands the new outbox reports to the node agent; False when they go on our own.
+
+        Safe at any time, both ways: the agent sends a rank's reports in seq order and never one
+        past a report of it that was not counted (a refused node report gives back everything
+        after it: engine/agent.py), so whatever it counts is the oldest of what it was handed; a
+        rank that leaves it sends its whole outbox from the oldest on, and what the agent had
+        counted comes back as duplicates. So the rank leaves when the agent is gone, says so, or
+        answers nothing for ``agent_timeout_s``, and tries it again every ``interval_s``,
+        handing it the whole outbox."""
         if self.node_agent is None or self._stop:
             return False
         if self._agent is None:
-            with self._lock:
-                if self._outbox or time.monotonic() - self._agent_tried < self.interval_s:
-                    return False
+            if time.monotonic() - self._agent_tried < self.interval_s:
+                return False
             self._agent_tried = time.monotonic()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect(self.node_agent)
             except OSError as exc:
                 sock.close()
@@ -361,15 +374,31 @@ class LoadReporter:
                 )
                 return False
             with self._lock:
-                self._agent, self._handed = sock, 0
+                self._agent, self._handed, self._acked_at = sock, 0, time.monotonic()
             threading.Thread(
                 target=self._read_acks, args=(sock,), name=f"eplb-reporter-acks-{self.rank}", daemon=True
             ).start()
         with self._lock:
             sock = self._agent
-            fresh = list(self._outbox)[self._handed :] if sock is not None else []
-            self._handed += len(fresh)
+            if sock is not None and self._handed and time.monotonic() - self._acked_at > self.agent_timeout_s:
+                stalled = True
+                fresh = []
+            else:
+                stalled = False
+                fresh = list(self._outbox)[self._handed :] if sock is not None else []
+                self._handed += len(fresh)
+                if not self._handed:
+                    self._acked_at = time.monotonic()  # nothing owed: the clock starts at a hand-over
         if sock is None:
+            return False
+        if stalled:
+            log.warning(
+                "rank %d: node agent %s answered nothing for %.0fs: reporting on our own",
+                self.rank,
+                self.node_agent,
+                self.agent_timeout_s,
+            )
+            self._leave_agent(sock)
             return False
         try:
             for msg in fresh:
@@ -388,15 +417,22 @@ class LoadReporter:
                 with self._lock:
                     if self._agent is not sock:
                         return
-                    if code != AGENT_COUNTED or not self._outbox or self._outbox[0].seq != seq:
+                    if code == AGENT_COUNTED and seq in self._dropped_handed:
+                        # Dropped from the full outbox, yet the agent had it counted.
+                        tokens = self._dropped_handed.pop(seq)
+                        self._counts["dropped_reports"] -= 1
+                        self._dropped_tokens -= tokens
+                    elif code != AGENT_COUNTED or not self._outbox or self._outbox[0].seq != seq:
                         break
-                    self._pop()
-                    self._handed -= 1
+                    else:
+                        self._pop()
+                        self._handed -= 1
+                        if not self._outbox:
+                            self._idle.notify_all()
+                    self._acked_at = time.monotonic()
                     self._counts["sent"] += 1
                     self._counts["accepted"] += 1
                     self._counts["via_agent"] += 1
-                    if not self._outbox:
-                        self._idle.notify_all()
         except (OSError, ValueError):
             pass
         self._leave_agent(sock)
@@ -406,6 +442,9 @@ class LoadReporter:
             if self._agent is sock:
                 self._agent, self._handed = None, 0
                 self._agent_tried = time.monotonic()
+                self._dropped_handed.clear()
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the ack thread's recv
         with contextlib.suppress(OSError):
             sock.close()
         self._wake.set()
