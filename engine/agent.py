@@ -260,11 +260,13 @@ class NodeAgent:
             by_deployment.setdefault(msg.deployment, []).append((rank, msg))
         for deployment, members in by_deployment.items():
             groups: list[tuple[tuple[str, int], list[tuple[_Rank, pb.ReportLoadRequest]]]] = []
-            at: dict[tuple[int, int], int] = {}  # (connection, rank) → its last group
+            # Rank → its last group; by rank, not by connection: a rank that came back on a new
+            # connection re-hands from its oldest report, after what its old one handed.
+            at: dict[int, int] = {}
             for rank, msg in members:
                 kind = msg.WhichOneof("counts") or ""
                 key = (kind, msg.physical.placement_version if kind == "physical" else 0)
-                who = (id(rank), msg.rank)
+                who = msg.rank
                 j = at.get(who, 0)
                 while j < len(groups) and (groups[j][0] != key or len(groups[j][1]) >= MAX_REPORT_COVERS):
                     j += 1
