@@ -652,22 +652,7 @@ class RedisStore:
         else:
             await self._initialized()
             node = self._r.get_node_from_key(feed)
-            seeds = parse_cluster_url(self._url)
-            assert seeds is not None
-            client = redis.Redis(
-                host=node.host,
-                port=node.port,
-                ssl=seeds.tls,
-                username=seeds.username,
-                password=seeds.password,
-                socket_connect_timeout=1.0,
-                socket_timeout=timeout,
-                health_check_interval=0,
-                max_connections=1,
-                client_name=f"eplb:{self.prefix}",
-                retry=_no_retry(),
-                **dict(seeds.options),
-            )
+            client = self._master_client(node.host, node.port, timeout, _no_retry())
         self._readers[feed] = client
         return client
 
@@ -823,24 +808,29 @@ class RedisStore:
         """
         client = self._ping_clients.get(master.name)
         if client is None:
-            seeds = parse_cluster_url(self._url)
-            assert seeds is not None
-            client = redis.Redis(
-                host=master.host,
-                port=master.port,
-                ssl=seeds.tls,
-                username=seeds.username,
-                password=seeds.password,
-                socket_connect_timeout=1.0,
-                socket_timeout=1.0,
-                retry=_retry(),
-                health_check_interval=0,
-                max_connections=1,
-                client_name=f"eplb:{self.prefix}",
-                **dict(seeds.options),
-            )
+            client = self._master_client(master.host, master.port, 1.0, _retry())
             self._ping_clients[master.name] = client
         return client
+
+    def _master_client(self, host: str, port: int, socket_timeout: float, retry: Retry) -> redis.Redis:
+        """One connection of its own to the master ``host:port`` of the cluster (its TLS, user and
+        options as the seed URL says)."""
+        seeds = parse_cluster_url(self._url)
+        assert seeds is not None
+        return redis.Redis(
+            host=host,
+            port=port,
+            ssl=seeds.tls,
+            username=seeds.username,
+            password=seeds.password,
+            socket_connect_timeout=1.0,
+            socket_timeout=socket_timeout,
+            retry=retry,
+            health_check_interval=0,
+            max_connections=1,
+            client_name=f"eplb:{self.prefix}",
+            **dict(seeds.options),
+        )
 
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name

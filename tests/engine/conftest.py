@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import uuid
 
 import pytest
 import redis
-from svc_thread import REDIS_URL
+from agent_helpers import TOPO
+from svc_thread import REDIS_URL, ServerThread
+
+from eplb_engine.client import ServiceClient
 
 
 @pytest.fixture
@@ -19,3 +24,20 @@ def prefix():
     if keys:
         r.delete(*keys)
     r.close()
+
+
+@pytest.fixture
+def d1_server():
+    """A service (embedded store) with deployment d1 of ``agent_helpers.TOPO``."""
+    s = ServerThread().start()
+    with ServiceClient(s.address) as client:
+        client.create_deployment("d1", TOPO)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def sock_path():
+    """A path for a node agent's socket, in a directory removed afterwards."""
+    with tempfile.TemporaryDirectory() as d:
+        yield os.path.join(d, "agent.sock")

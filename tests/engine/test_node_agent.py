@@ -7,55 +7,25 @@ in this process or as its own ``eplb agent`` process (killed with SIGKILL).
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import grpc
 import numpy as np
-import pytest
-from svc_thread import ServerThread
+from agent_helpers import TOPO, agent_process, window
 
-import eplb
 from eplb_engine.agent import ACK, COUNTED, ON_YOUR_OWN, NodeAgent, read_frame, write_frame
-from eplb_engine.client import ServiceClient
 from eplb_engine.reporter import LoadReporter
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_wire.arrays import encode
 
-TOPO = eplb.Topology(num_layers=2, num_experts=32, num_slots=48, num_gpus=8, num_nodes=1, num_groups=1)
 
-
-@pytest.fixture
-def server():
-    s = ServerThread().start()
-    with ServiceClient(s.address) as client:
-        client.create_deployment("d1", TOPO)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def sock_path():
-    with tempfile.TemporaryDirectory() as d:
-        yield os.path.join(d, "agent.sock")
-
-
-def window(address: str) -> tuple[int, float]:
-    with grpc.insecure_channel(address) as ch:
-        dry = pb_grpc.ExpertLoadBalancerServiceStub(ch).Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
-    return dry.window_reports, dry.window_tokens
-
-
-def test_eight_ranks_send_one_report_an_interval_and_every_count_is_counted_once(server, sock_path):
-    with NodeAgent(sock_path, server.address, interval_s=0.2) as agent:
+def test_eight_ranks_send_one_report_an_interval_and_every_count_is_counted_once(d1_server, sock_path):
+    with NodeAgent(sock_path, d1_server.address, interval_s=0.2) as agent:
         reporters = [
-            LoadReporter(server.address, "d1", rank=r, topology=TOPO, interval_s=0.1, node_agent=sock_path)
+            LoadReporter(d1_server.address, "d1", rank=r, topology=TOPO, interval_s=0.1, node_agent=sock_path)
             for r in range(8)
         ]
         time.sleep(0.3)  # connected
@@ -71,25 +41,13 @@ def test_eight_ranks_send_one_report_an_interval_and_every_count_is_counted_once
     reports = sum(s.sent for s in stats)
     assert sum(s.via_agent for s in stats) == reports > 0  # all went through the agent
     assert covered == reports and node_reports <= reports / 4  # about 8 ranks' reports in one
-    assert window(server.address) == (reports, 10 * 2 * 32 * sum(range(1, 9)))
+    assert window(d1_server.address) == (reports, 10 * 2 * 32 * sum(range(1, 9)))
 
 
-def _agent_process(sock_path: str, address: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eplb_tools.cli", "agent", "--socket", sock_path, "--address", address]
-        + ["--interval-seconds", "0.3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert "listening on" in proc.stdout.readline()
-    return proc
-
-
-def test_a_killed_agent_loses_nothing_and_counts_nothing_twice(server, sock_path):
-    agent = _agent_process(sock_path, server.address)
+def test_a_killed_agent_loses_nothing_and_counts_nothing_twice(d1_server, sock_path):
+    agent = agent_process(sock_path, d1_server.address)
     reporters = [
-        LoadReporter(server.address, "d1", rank=r, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+        LoadReporter(d1_server.address, "d1", rank=r, topology=TOPO, interval_s=0.05, node_agent=sock_path)
         for r in range(8)
     ]
     try:
@@ -103,7 +61,7 @@ def test_a_killed_agent_loses_nothing_and_counts_nothing_twice(server, sock_path
                 agent.send_signal(signal.SIGKILL)  # mid-interval: some reports with it, unanswered
                 agent.wait()
             if step == 40:
-                agent = _agent_process(sock_path, server.address)  # ranks come back to it
+                agent = agent_process(sock_path, d1_server.address)  # ranks come back to it
             time.sleep(0.03)
         assert all(rep.flush(15) for rep in reporters)
         stats = [rep.stats() for rep in reporters]
@@ -114,14 +72,14 @@ def test_a_killed_agent_loses_nothing_and_counts_nothing_twice(server, sock_path
         agent.wait()
     assert all(s.dropped_reports == 0 and s.rejected == 0 for s in stats)
     assert 0 < sum(s.via_agent for s in stats) < sum(s.sent for s in stats)  # both ways were used
-    reports, tokens = window(server.address)
+    reports, tokens = window(d1_server.address)
     assert tokens == added * 2 * 32 * sum(range(1, 9))  # every count once
     assert reports == sum(s.accepted for s in stats)
 
 
-def test_a_node_report_beaten_by_a_ranks_own_tells_the_others_to_send_theirs(server, sock_path):
+def test_a_node_report_beaten_by_a_ranks_own_tells_the_others_to_send_theirs(d1_server, sock_path):
     counts = encode(np.ones((2, 32), dtype=np.int32))
-    with NodeAgent(sock_path, server.address, interval_s=0.5):
+    with NodeAgent(sock_path, d1_server.address, interval_s=0.5):
         socks = []
         for rank in (0, 1):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,13 +90,13 @@ def test_a_node_report_beaten_by_a_ranks_own_tells_the_others_to_send_theirs(ser
                 s, pb.ReportLoadRequest(deployment="d1", rank=rank, seq=100, logical=counts).SerializeToString()
             )
         # Rank 0 sends its own before the agent's interval ends (it thought the agent dead).
-        with grpc.insecure_channel(server.address) as ch:
+        with grpc.insecure_channel(d1_server.address) as ch:
             own = pb.ReportLoadRequest(deployment="d1", rank=0, seq=100, logical=counts)
             assert pb_grpc.ExpertLoadBalancerServiceStub(ch).ReportLoad(iter([own])).accepted == 1
         answers = [ACK.unpack(read_frame(s)) for s in socks]
         assert answers == [(100, ON_YOUR_OWN), (100, ON_YOUR_OWN)]
         # Rank 1 does as told; rank 0's is a duplicate: each counted once.
-        with grpc.insecure_channel(server.address) as ch:
+        with grpc.insecure_channel(d1_server.address) as ch:
             stub = pb_grpc.ExpertLoadBalancerServiceStub(ch)
             assert (
                 stub.ReportLoad(iter([pb.ReportLoadRequest(deployment="d1", rank=1, seq=100, logical=counts)])).accepted
@@ -150,4 +108,4 @@ def test_a_node_report_beaten_by_a_ranks_own_tells_the_others_to_send_theirs(ser
         assert ACK.unpack(read_frame(socks[1])) == (101, COUNTED)
         for s in socks:
             s.close()
-    assert window(server.address) == (3, 3 * 2 * 32)
+    assert window(d1_server.address) == (3, 3 * 2 * 32)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
+from agent_helpers import TOPO, agent_process, window
 from svc_thread import ServerThread
 
-import eplb
 from eplb_engine.agent import NodeAgent, write_frame
 from eplb_engine.client import ServiceClient
 from eplb_engine.reporter import LoadReporter
@@ -24,42 +23,20 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 from eplb_wire.arrays import encode
 
-TOPO = eplb.Topology(num_layers=2, num_experts=32, num_slots=48, num_gpus=8, num_nodes=1, num_groups=1)
 LOGICAL = np.ones((2, 32), dtype=np.int64)  # 64 tokens
 PHYSICAL = np.ones((2, 48), dtype=np.int64)  # 96 tokens
-
-
-@pytest.fixture
-def server():
-    s = ServerThread().start()
-    with ServiceClient(s.address) as client:
-        client.create_deployment("d1", TOPO)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def sock_path():
-    with tempfile.TemporaryDirectory() as d:
-        yield os.path.join(d, "agent.sock")
-
-
-def window(address: str) -> tuple[int, float]:
-    with grpc.insecure_channel(address) as ch:
-        dry = pb_grpc.ExpertLoadBalancerServiceStub(ch).Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
-    return dry.window_reports, dry.window_tokens
 
 
 def own(rank: int, seq: int, counts: np.ndarray = LOGICAL) -> pb.ReportLoadRequest:
     return pb.ReportLoadRequest(deployment="d1", rank=rank, seq=seq, logical=encode(counts.astype(np.int32)))
 
 
-def test_a_rank_whose_engine_steps_from_the_start_ever_uses_the_agent(server, sock_path):
+def test_a_rank_whose_engine_steps_from_the_start_ever_uses_the_agent(d1_server, sock_path):
     """An engine adds every step from the moment its reporter starts (BalancedRank, drop-ins):
     each round _aggregate fills the outbox before _through_agent looks, and _through_agent only
     connects with an empty outbox, so the rank never reaches the agent."""
-    with NodeAgent(sock_path, server.address, interval_s=0.2) as agent:
-        rep = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.1, node_agent=sock_path)
+    with NodeAgent(sock_path, d1_server.address, interval_s=0.2) as agent:
+        rep = LoadReporter(d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.1, node_agent=sock_path)
         for _ in range(100):  # 2 s of steps, 20 ms each
             assert rep.add(LOGICAL)
             time.sleep(0.02)
@@ -69,14 +46,14 @@ def test_a_rank_whose_engine_steps_from_the_start_ever_uses_the_agent(server, so
     assert received > 0 and stats.via_agent > 0, (received, stats)
 
 
-def test_a_ranks_reports_of_two_kinds_keep_their_seq_order_through_the_agent(server, sock_path):
+def test_a_ranks_reports_of_two_kinds_keep_their_seq_order_through_the_agent(d1_server, sock_path):
     """The agent groups a round's reports by (deployment, kind, version) in order of first
     appearance, so rank 0's later report (logical, seq s2) goes in a node report before its
     earlier one (physical, seq s1): s1 is then below rank 0's high-water mark, a duplicate,
     and lost (also when rank 0 re-sends it on its own)."""
-    with NodeAgent(sock_path, server.address, interval_s=2.0):
-        a = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
-        b = LoadReporter(server.address, "d1", rank=1, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+    with NodeAgent(sock_path, d1_server.address, interval_s=2.0):
+        a = LoadReporter(d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+        b = LoadReporter(d1_server.address, "d1", rank=1, topology=TOPO, interval_s=0.05, node_agent=sock_path)
         time.sleep(0.3)  # both connected
         assert b.add(LOGICAL)  # rank 1: logical first in the agent's round
         time.sleep(0.15)
@@ -87,21 +64,21 @@ def test_a_ranks_reports_of_two_kinds_keep_their_seq_order_through_the_agent(ser
         sa = a.stats()
         a.close()
         b.close()
-    assert window(server.address) == (3, 64 + 96 + 64), sa
+    assert window(d1_server.address) == (3, 64 + 96 + 64), sa
 
 
-def test_after_a_refused_node_report_the_agent_does_not_count_a_later_report_of_its_ranks(server, sock_path):
+def test_after_a_refused_node_report_the_agent_does_not_count_a_later_report_of_its_ranks(d1_server, sock_path):
     """The agent tells rank 0 ON_YOUR_OWN for s1 (its node report ABORTED: rank 5 had sent its
     own) and goes on to send rank 0's s2 in the next node report of the round: counted, so rank
     0's own re-send of s1 is a duplicate and s1 is lost."""
-    with NodeAgent(sock_path, server.address, interval_s=2.0):
-        a = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+    with NodeAgent(sock_path, d1_server.address, interval_s=2.0):
+        a = LoadReporter(d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
         time.sleep(0.3)  # connected
         r5 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         r5.connect(sock_path)
         write_frame(r5, own(5, 100).SerializeToString())  # rank 5, logical: first in the round
         time.sleep(0.1)
-        with grpc.insecure_channel(server.address) as ch:  # rank 5 also sends its own (it thought the agent dead)
+        with grpc.insecure_channel(d1_server.address) as ch:  # rank 5 also sends its own (it thought the agent dead)
             assert pb_grpc.ExpertLoadBalancerServiceStub(ch).ReportLoad(iter([own(5, 100)])).accepted == 1
         assert a.add(LOGICAL)  # rank 0: s1, in the node report with rank 5's (ABORTED)
         time.sleep(0.15)
@@ -110,29 +87,29 @@ def test_after_a_refused_node_report_the_agent_does_not_count_a_later_report_of_
         sa = a.stats()
         a.close()
         r5.close()
-    assert window(server.address) == (3, 64 + 64 + 96), sa
+    assert window(d1_server.address) == (3, 64 + 64 + 96), sa
 
 
-def test_a_closed_agent_hands_its_ranks_back(server, sock_path):
+def test_a_closed_agent_hands_its_ranks_back(d1_server, sock_path):
     """NodeAgent.close() stops summing but leaves its ranks' connections open and read: a rank
     keeps handing reports to it that nobody sends, and they are never counted."""
-    agent = NodeAgent(sock_path, server.address, interval_s=0.1).start()
-    rep = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+    agent = NodeAgent(sock_path, d1_server.address, interval_s=0.1).start()
+    rep = LoadReporter(d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
     time.sleep(0.3)  # connected
     agent.close()
     assert rep.add(LOGICAL)
     done = rep.flush(3)
     rep.close(1)
-    assert done and window(server.address) == (1, 64)
+    assert done and window(d1_server.address) == (1, 64)
 
 
-def test_closing_a_reporter_closes_its_agent_connection(server, sock_path):
+def test_closing_a_reporter_closes_its_agent_connection(d1_server, sock_path):
     """LoadReporter.close() close()s the agent socket while its ack thread is blocked in recv:
     on Linux that does not end the connection, so the ack thread and the agent's reader of that
     rank live on (one of each per closed reporter)."""
-    with NodeAgent(sock_path, server.address, interval_s=0.2):
+    with NodeAgent(sock_path, d1_server.address, interval_s=0.2):
         for rank in range(4):
-            rep = LoadReporter(server.address, "d1", rank=rank, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+            rep = LoadReporter(d1_server.address, "d1", rank=rank, topology=TOPO, interval_s=0.05, node_agent=sock_path)
             time.sleep(0.2)
             assert rep.add(LOGICAL)
             assert rep.flush(5)
@@ -142,12 +119,12 @@ def test_closing_a_reporter_closes_its_agent_connection(server, sock_path):
     assert not [n for n in names if n.startswith("eplb-reporter-acks") or n == "eplb-agent-rank"], names
 
 
-def test_a_report_dropped_from_the_full_outbox_but_counted_by_the_agent_is_not_dropped(server, sock_path):
+def test_a_report_dropped_from_the_full_outbox_but_counted_by_the_agent_is_not_dropped(d1_server, sock_path):
     """max_pending: the outbox drops its oldest report, which the agent holds and later counts:
     stats say dropped_reports=1 yet the service counted its tokens."""
-    agent = NodeAgent(sock_path, server.address, interval_s=1.5).start()
+    agent = NodeAgent(sock_path, d1_server.address, interval_s=1.5).start()
     rep = LoadReporter(
-        server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, max_pending=2, node_agent=sock_path
+        d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, max_pending=2, node_agent=sock_path
     )
     try:
         time.sleep(0.3)  # connected
@@ -159,7 +136,7 @@ def test_a_report_dropped_from_the_full_outbox_but_counted_by_the_agent_is_not_d
     finally:
         rep.close()
         agent.close()
-    reports, tokens = window(server.address)
+    reports, tokens = window(d1_server.address)
     assert tokens == 3 * 64 - s.dropped_tokens, (s, tokens)
 
 
@@ -195,33 +172,14 @@ def test_an_interval_of_nan_or_inf_is_refused():
             NodeAgent("/tmp/unused.sock", "127.0.0.1:1", interval_s=bad)
 
 
-def test_a_busy_rank_goes_back_to_a_restarted_agent(server, sock_path):
+def test_a_busy_rank_goes_back_to_a_restarted_agent(d1_server, sock_path):
     """After the agent dies (or says ON_YOUR_OWN once) a rank that adds every step never returns
     to the agent: _through_agent only reconnects with an empty outbox, and each round's
     _aggregate has just put the new report in it."""
     import signal
-    import subprocess
-    import sys
 
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "eplb_tools.cli",
-            "agent",
-            "--socket",
-            sock_path,
-            "--address",
-            server.address,
-            "--interval-seconds",
-            "0.2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert "listening on" in first.stdout.readline()
-    rep = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.1, node_agent=sock_path)
+    first = agent_process(sock_path, d1_server.address, 0.2)
+    rep = LoadReporter(d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.1, node_agent=sock_path)
     try:
         time.sleep(0.3)  # connected
         for _ in range(25):
@@ -230,7 +188,7 @@ def test_a_busy_rank_goes_back_to_a_restarted_agent(server, sock_path):
         assert rep.stats().via_agent > 0  # it did use the first agent
         first.send_signal(signal.SIGKILL)
         first.wait()
-        with NodeAgent(sock_path, server.address, interval_s=0.2) as second:
+        with NodeAgent(sock_path, d1_server.address, interval_s=0.2) as second:
             for _ in range(150):  # 3 s of steps
                 assert rep.add(LOGICAL)
                 time.sleep(0.02)
@@ -280,34 +238,15 @@ def test_one_kind_a_node_report_kept_across_rounds_then_aborted_loses_nothing(so
         s.stop()
 
 
-def test_a_hung_agent_does_not_make_a_rank_drop_reports_while_the_service_is_up(server, sock_path):
+def test_a_hung_agent_does_not_make_a_rank_drop_reports_while_the_service_is_up(d1_server, sock_path):
     """An agent that is alive but stuck (SIGSTOP here; or its send loop blocked) never answers:
     the rank leaves it after agent_timeout_s and sends its reports on its own (it kept them for
     the agent and dropped them past max_pending, though the service was up)."""
     import signal
-    import subprocess
-    import sys
 
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "eplb_tools.cli",
-            "agent",
-            "--socket",
-            sock_path,
-            "--address",
-            server.address,
-            "--interval-seconds",
-            "0.2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert "listening on" in agent.stdout.readline()
+    agent = agent_process(sock_path, d1_server.address, 0.2)
     rep = LoadReporter(
-        server.address,
+        d1_server.address,
         "d1",
         rank=0,
         topology=TOPO,
@@ -331,11 +270,11 @@ def test_a_hung_agent_does_not_make_a_rank_drop_reports_while_the_service_is_up(
     assert s.dropped_reports == 0, s
 
 
-def test_a_rank_that_does_not_read_its_acks_does_not_stall_the_others(server, sock_path):
+def test_a_rank_that_does_not_read_its_acks_does_not_stall_the_others(d1_server, sock_path):
     """_Rank.tell is a blocking sendall on the agent's only send thread: about 278 unread
     13-byte acks fill a Unix socket's buffer, and then no rank of the host hears anything."""
-    with NodeAgent(sock_path, server.address, interval_s=0.3):
-        a = LoadReporter(server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
+    with NodeAgent(sock_path, d1_server.address, interval_s=0.3):
+        a = LoadReporter(d1_server.address, "d1", rank=0, topology=TOPO, interval_s=0.05, node_agent=sock_path)
         time.sleep(0.4)  # connected
         quiet = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         quiet.connect(sock_path)
