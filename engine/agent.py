@@ -11,8 +11,8 @@ counted, which the agent says only once the service answered the node report tha
 service accepts a node report all together or not at all, so a node report re-sent after a lost
 answer counts once. The agent sends each rank's reports in seq order and never one past a
 report of that rank that was not counted: node reports keep every rank's order, and a refused
-one (ABORTED: a rank's own report beat it) gives back every later one of its deployment, whose
-ranks send theirs on their own. So what the agent counted of a rank is always the oldest of
+one (ABORTED: a rank's own report beat it) gives back every later one of its deployment and
+ends those ranks' connections, so they send theirs on their own. So what the agent counted of a rank is always the oldest of
 what it was handed, and a rank may leave it at any time (the agent died, said so, or answered
 nothing for ``agent_timeout_s``): it sends its whole outbox, oldest first, on its own, and what
 the agent had counted comes back as duplicates. It tries the agent again every interval.
@@ -65,6 +65,8 @@ _MAX_FRAME = 16 << 20
 _INT32_MAX = np.iinfo(np.int32).max
 # A rank that does not take its acks for this long is let go.
 _SEND_TIMEOUT_S = 1
+# Node reports of one deployment waiting for the service, at most (then its ranks go on their own).
+_MAX_QUEUED = 64
 
 
 def write_frame(sock: socket.socket, payload: bytes) -> None:
@@ -275,6 +277,12 @@ class NodeAgent:
                 groups[j][1].append((rank, msg))
                 at[who] = j
             queue = self._queues.setdefault(deployment, deque())
+            if len(queue) >= _MAX_QUEUED:
+                # The service has been away for that many rounds: the ranks keep their reports
+                # (bounded by their max_pending) and send them on their own once it is back.
+                log.warning("%d node reports of %s unanswered: its ranks report on their own", len(queue), deployment)
+                self._give_back(deployment, queue, [(r, m.seq) for r, m in members])
+                continue
             for (kind, version), chunk in groups:
                 node = self._node_report(deployment, kind, version, [m for _, m in chunk])
                 if node is None:
@@ -357,6 +365,10 @@ class NodeAgent:
             self._pending = [(rank, msg) for rank, msg in self._pending if msg.deployment != deployment]
         for rank, seq in told:
             rank.tell(seq, ON_YOUR_OWN)
+        # And their connections end: a report a rank hands in before it read the answer must
+        # not be counted ahead of the ones given back (it comes again from the rank's outbox).
+        for rank in {rank for rank, _ in told}:
+            rank.end()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,10 +102,14 @@ def test_a_node_report_beaten_by_a_ranks_own_tells_the_others_to_send_theirs(d1_
                 stub.ReportLoad(iter([pb.ReportLoadRequest(deployment="d1", rank=1, seq=100, logical=counts)])).accepted
                 == 1
             )
-        write_frame(
-            socks[1], pb.ReportLoadRequest(deployment="d1", rank=1, seq=101, logical=counts).SerializeToString()
-        )
-        assert ACK.unpack(read_frame(socks[1])) == (101, COUNTED)
+        # The agent ended both connections with its answer; rank 1 comes back on a new one.
+        assert read_frame(socks[1]) is None
+        again = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        again.connect(sock_path)
+        again.settimeout(5)
+        socks.append(again)
+        write_frame(again, pb.ReportLoadRequest(deployment="d1", rank=1, seq=101, logical=counts).SerializeToString())
+        assert ACK.unpack(read_frame(again)) == (101, COUNTED)
         for s in socks:
             s.close()
     assert window(d1_server.address) == (3, 3 * 2 * 32)

@@ -286,3 +286,36 @@ def test_a_rank_that_does_not_read_its_acks_does_not_stall_the_others(d1_server,
         a.close(1)
         quiet.close()
     assert done
+
+
+def test_a_report_handed_after_a_give_back_is_not_counted_before_the_given_back_one(d1_server, sock_path):
+    """A rank that had not read its ON_YOUR_OWN yet handed its next report to the agent, which
+    counted it in the next round: the given-back lower seq, re-sent on its own, was then a
+    duplicate (lost). Now a give-back ends the rank's connection."""
+    import contextlib
+
+    from eplb_engine.agent import ACK, ON_YOUR_OWN, read_frame
+
+    with NodeAgent(sock_path, d1_server.address, interval_s=1.0):
+        t0 = time.monotonic()
+        r5 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        r5.connect(sock_path)
+        r0 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        r0.connect(sock_path)
+        write_frame(r5, own(5, 100).SerializeToString())
+        write_frame(r0, own(0, 1).SerializeToString())
+        with grpc.insecure_channel(d1_server.address) as ch:  # rank 5 also sent its own
+            assert pb_grpc.ExpertLoadBalancerServiceStub(ch).ReportLoad(iter([own(5, 100)])).accepted == 1
+        time.sleep(t0 + 1.4 - time.monotonic())  # round 1: {5:100, 0:1} ABORTED, s1 given back
+        with contextlib.suppress(OSError):
+            write_frame(r0, own(0, 2).SerializeToString())  # rank 0 has not read its answer yet
+        time.sleep(t0 + 2.5 - time.monotonic())  # round 2
+        r0.settimeout(2)
+        assert ACK.unpack(read_frame(r0)) == (1, ON_YOUR_OWN)
+        assert read_frame(r0) is None  # its connection ended: seq 2 was not taken
+        with grpc.insecure_channel(d1_server.address) as ch:  # rank 0 sends its outbox on its own
+            stub = pb_grpc.ExpertLoadBalancerServiceStub(ch)
+            assert stub.ReportLoad(iter([own(0, 1), own(0, 2)])).accepted == 2
+        r0.close()
+        r5.close()
+    assert window(d1_server.address) == (3, 3 * 64)
