@@ -48,10 +48,10 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from .harness.cores import cpu_list, own_channel, pin, proc_cpu, serving
 from .harness.processes import ServeProcess
 from .harness.redis_cluster import ClusterProcesses
 from .harness.service import latency_worker, percentile
-from .ingest_bench import _pin, _proc_cpu, _serving, cpu_list
 
 LAYERS, EXPERTS, SLOTS, RANKS, NODES = 58, 256, 288, 144, 18
 PER_NODE = RANKS // NODES
@@ -87,8 +87,6 @@ def _client(
     """Node reports for ``pairs`` (deployment, node, instance index) every ``report_every`` s."""
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-    from .ingest_bench import _own_channel
-
     phases = [
         [
             pb.ReportLoadRequest(
@@ -104,7 +102,7 @@ def _client(
     latencies: list[float] = []
 
     async def main() -> None:
-        chans = [_own_channel(t) for t in targets]
+        chans = [own_channel(t) for t in targets]
         calls = [
             c.stream_unary(
                 "/eplb.v1.ExpertLoadBalancerService/ReportLoad",
@@ -160,12 +158,10 @@ def _watcher(target: str, names: list[str], seconds: float, start, out: mp.Queue
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
-    from .ingest_bench import _own_channel
-
     arrivals: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
 
     async def main() -> None:
-        chan = _own_channel(target)
+        chan = own_channel(target)
         stub = pb_grpc.ExpertLoadBalancerServiceStub(chan)
         await chan.channel_ready()
         await asyncio.get_running_loop().run_in_executor(None, start.wait, 600)
@@ -216,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         (workdir / "cluster").mkdir()
-        _pin(args.cpus_redis)
+        pin(args.cpus_redis)
         cluster = ClusterProcesses(workdir / "cluster", appendfsync=None)
         cluster.start()
-        _pin(args.cpus_service)
+        pin(args.cpus_service)
         flags = ("--processes", str(args.processes), "--flush-seconds", "1", *shlex.split(args.serve_args))
         serves = [ServeProcess(cluster.url, "fleet", workdir / f"serve-{i}.log", flags) for i in range(args.instances)]
         try:
@@ -227,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 s.start()
             for s in serves:
                 s.wait_listening(120)
-            _pin(args.cpus_clients)
+            pin(args.cpus_clients)
             return _run(args, cluster, serves)
         finally:
             for s in serves:
@@ -255,7 +251,7 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
             )
             stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=deployment), timeout=60)
     print(f"created {len(names)} deployments in {time.monotonic() - t:.1f}s", flush=True)
-    pids = {i: sorted(_serving(s.proc.pid)) for i, s in enumerate(serves)}
+    pids = {i: sorted(serving(s.proc.pid)) for i, s in enumerate(serves)}
 
     # (deployment, node, instance): a node's agent uses one instance, the nodes spread over them.
     pairs = [(name, node, (d * NODES + node) % len(targets)) for d, name in enumerate(names) for node in range(NODES)]
@@ -290,11 +286,11 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
     start.wait(600)
     ports = cluster.ports
     redis_cpu0 = [_master_cpu(port) for port in ports]
-    cpu0 = _proc_cpu([s.proc.pid for s in serves])
+    cpu0 = proc_cpu([s.proc.pid for s in serves])
     t0 = time.monotonic()
     results = [out.get(timeout=args.seconds + 600) for _ in procs]
     elapsed = time.monotonic() - t0
-    service_cpu = _proc_cpu([s.proc.pid for s in serves]) - cpu0
+    service_cpu = proc_cpu([s.proc.pid for s in serves]) - cpu0
     redis_cpu = [_master_cpu(port) - c for port, c in zip(ports, redis_cpu0, strict=True)]
     for p in procs:
         p.join(30)
@@ -328,8 +324,8 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
         replan.append(after[0] - drift_s if after else float("inf"))
     never = sum(1 for x in replan if x == float("inf"))
     finite = sorted(x for x in replan if x != float("inf")) or [float("nan")]
-    restarted = [i for i, s in enumerate(serves) if not s.running or sorted(_serving(s.proc.pid)) != pids[i]]
-    rss = [sum(_rss_mb(p) for p in _serving(s.proc.pid)) for s in serves]
+    restarted = [i for i, s in enumerate(serves) if not s.running or sorted(serving(s.proc.pid)) != pids[i]]
+    rss = [sum(_rss_mb(p) for p in serving(s.proc.pid)) for s in serves]
     used = sum(redis.Redis(port=port).info("memory")["used_memory"] for port in ports)
     result = dict(
         deployments=args.deployments,

@@ -83,8 +83,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from eplb_service.processes import WORKER_ENV
-
+from .harness.cores import cpu_list, own_channel, pin, proc_cpu
 from .harness.processes import RedisProcess, ServeProcess, serve_argv
 from .harness.redis_cluster import ClusterProcesses
 from .harness.service import V3, aio_channel, create_v3, latency_worker, percentile
@@ -126,7 +125,7 @@ def _ingest_worker(
         # process's channels to one target otherwise share one: gRPC's global subchannel pool),
         # so that a replica's serving processes (--processes) all get some.
         # Replica-minor: consecutive streams go to different replicas.
-        chans = [aio_channel(t) if connections == 1 else _own_channel(t) for _ in range(connections) for t in targets]
+        chans = [aio_channel(t) if connections == 1 else own_channel(t) for _ in range(connections) for t in targets]
         if lean:
             methods = [
                 c.stream_unary(
@@ -187,27 +186,6 @@ def _ingest_worker(
     asyncio.run(main())
 
 
-def cpu_list(text: str) -> list[int]:
-    """``"0,2-4"`` → ``[0, 2, 3, 4]``; ``ValueError`` naming the part that is not a core or a range."""
-    cores: list[int] = []
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        try:
-            cores.extend(range(int(lo), int(hi or lo) + 1))
-        except ValueError:
-            raise ValueError(f"cpu list {text!r}: {part!r} is not a core number or a range such as 2-15") from None
-    return cores
-
-
-def _pin(cores: list[int] | None) -> None:
-    """This process (and so what it starts next) on ``cores``; None: all this process may use."""
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores or _ALL_CORES)
-
-
-_ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
 def _redis_counters(ports: list[int]) -> list[tuple[int, float]]:
     """Per master: (bytes read from clients, CPU seconds used)."""
     counters = []
@@ -218,41 +196,6 @@ def _redis_counters(ports: list[int]) -> list[tuple[int, float]]:
                 (int(stats["total_net_input_bytes"]), float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]))
             )
     return counters
-
-
-def _own_channel(target: str):
-    """A ``grpc.aio`` channel on a connection of its own (the engine client's options)."""
-    from eplb_engine.client import channel_options, open_channel
-
-    return open_channel(target, None, [*channel_options(16 << 20), ("grpc.use_local_subchannel_pool", 1)], aio=True)
-
-
-def _serving(pid: int) -> list[int]:
-    """``pid`` and, where it supervises ``eplb serve --processes``, its serving processes (not
-    the plan and compute workers under those)."""
-    out = [pid]
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
-                continue
-            if WORKER_ENV.encode() + b"=" in Path(f"/proc/{entry}/environ").read_bytes():
-                out.append(int(entry))
-        except OSError:
-            continue
-    return out
-
-
-def _proc_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` used so far, each with its serving
-    processes (``--serve-args "--processes N"``); 0 where /proc is absent."""
-    total = 0.0
-    for pid in (p for top in pids for p in _serving(top)):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int], rate: float, args) -> dict:
@@ -291,7 +234,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
     wait_s = seconds + 2 * LEAD_S + 120
     try:
         start.wait(timeout=120)
-        before, cpu_before = _redis_counters(ports), _proc_cpu(pids)
+        before, cpu_before = _redis_counters(ports), proc_cpu(pids)
         results = [out.get(timeout=wait_s) for _ in range(clients)]
         lat, _, probe_cpu = lat_out.get(timeout=wait_s)
     except (queue.Empty, threading.BrokenBarrierError):
@@ -301,7 +244,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
     for p in procs:
         p.join()
     time.sleep(1.5)  # the replicas' last flushes
-    after, cpu_after = _redis_counters(ports), _proc_cpu(pids)
+    after, cpu_after = _redis_counters(ports), proc_cpu(pids)
     clients_cpu = sum(c for _, _, c in results) + probe_cpu
     accepted = sum(a for a, _, _ in results)
     elapsed = max(e for _, e, _ in results)
@@ -387,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eplb-ingest-") as tmp:
         workdir = Path(tmp)
         for kind in args.kinds:
-            _pin(args.cpus_redis)
+            pin(args.cpus_redis)
             if kind in ("bare", "memory"):
                 backend, url, ports = None, "", []
             elif kind == "cluster":
@@ -474,10 +417,10 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         servers = [_ProfiledServe(s.redis_url, s.prefix, s.log_path, s.args) for s in servers]
         for i, s in enumerate(servers):
             s.profile = args.profile_dir / f"{prefix}-{i}.prof"
-    _pin(args.cpus_service)
+    pin(args.cpus_service)
     for s in servers:
         s.start()
-    _pin(args.cpus_clients)
+    pin(args.cpus_clients)
     try:
         for s in servers:
             s.wait_listening()

@@ -12,24 +12,25 @@ import sys
 import pytest
 
 from eplb_bench import ingest_bench
+from eplb_bench.harness import cores
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 
 
 def test_cpu_list_reads_cores_and_ranges():
-    assert ingest_bench.cpu_list("0,2-4") == [0, 2, 3, 4]
-    assert ingest_bench.cpu_list("3") == [3]
+    assert cores.cpu_list("0,2-4") == [0, 2, 3, 4]
+    assert cores.cpu_list("3") == [3]
 
 
 def test_cpu_list_names_the_bad_part():
     with pytest.raises(ValueError, match=r"'x' is not a core number"):
-        ingest_bench.cpu_list("0,x")
+        cores.cpu_list("0,x")
 
 
 def test_pin_is_inherited_by_started_processes():
     core = min(os.sched_getaffinity(0))
     try:
-        ingest_bench._pin([core])
+        cores.pin([core])
         out = subprocess.run(
             [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
             capture_output=True,
@@ -38,8 +39,8 @@ def test_pin_is_inherited_by_started_processes():
         )
         assert out.stdout.strip() == f"[{core}]"
     finally:
-        ingest_bench._pin(None)
-    assert sorted(os.sched_getaffinity(0)) == ingest_bench._ALL_CORES
+        cores.pin(None)
+    assert sorted(os.sched_getaffinity(0)) == cores._ALL_CORES
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
