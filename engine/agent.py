@@ -50,7 +50,7 @@ from eplb.limits import MAX_REPORT_COVERS, MAX_REPORT_STEPS
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from .client import TRANSIENT, Endpoints
+from .client import Endpoints, transient
 
 __all__ = ["ACK", "COUNTED", "ON_YOUR_OWN", "NodeAgent", "read_frame", "write_frame"]
 
@@ -333,9 +333,11 @@ class NodeAgent:
                         iter([report.message]), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata
                     )
                 except grpc.RpcError as exc:
-                    # ABORTED: partly counted before, never worth a repeat (TRANSIENT has it
-                    # for other calls).
-                    retry = exc.code() in TRANSIENT or exc.code() == grpc.StatusCode.NOT_FOUND
+                    # ABORTED: partly counted before, never worth a repeat (``transient`` has it
+                    # for other calls). A server failure (INTERNAL not of the transport) goes
+                    # back too: the same node report would fail again, and its ranks' own
+                    # reports count once whether or not the service kept this one.
+                    retry = transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND
                     if retry and exc.code() != grpc.StatusCode.ABORTED:
                         if exc.code() != grpc.StatusCode.NOT_FOUND:
                             self.endpoints.failover(stub)

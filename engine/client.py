@@ -38,26 +38,73 @@ __all__ = [
     "Calls",
     "ServiceClient",
     "ACK_STATES",
-    "TRANSIENT",
+    "transient",
+    "pushback_s",
     "parse_addresses",
     "channel_options",
     "auth_metadata",
     "open_channel",
 ]
 
-# Failures that another attempt (later, or at another replica) can cure: the replica is down or
-# restarting, the stream was cut, or its store is away. Everything else is the request's fault.
-TRANSIENT = frozenset(
+# Codes that say the call did not get through or lost a race, whatever its details: the replica
+# is down or restarting (UNAVAILABLE), the attempt ran out of its time (DEADLINE_EXCEEDED), the
+# stream was cut (CANCELLED), a concurrent change won (ABORTED, which the service raises for a
+# retry). Another attempt, later or at another replica, can cure them.
+_TRANSIENT_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
+
+# INTERNAL and UNKNOWN are the server's failure (a bug: the same request fails the same way), except
+# where grpc itself makes them of a broken transport; those have these exact details, which no
+# eplb servicer writes. "Internal error from Core": grpc.aio's client lost the status of a stream
+# it was still writing (grpc/grpc#36066); "Received RST_STREAM with error code N": the peer or a
+# proxy reset the HTTP/2 stream without a status; "Stream removed": the connection went mid-call.
+_TRANSPORT_DETAILS = frozenset({"Internal error from Core", "Stream removed"})
+_TRANSPORT_PREFIX = "Received RST_STREAM with error code "
+
+# The server's hint (gRPC's retry design, A6): wait this many milliseconds before another attempt;
+# a negative or unreadable value asks for no retry at all.
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def pushback_s(error: grpc.RpcError) -> float | None:
+    """The wait in seconds the server asked for in ``error``'s trailing metadata
+    (``grpc-retry-pushback-ms``), None if it named none, -1.0 if it asked for no retry."""
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == PUSHBACK_KEY:
+            try:
+                ms = int(value)
+            except (TypeError, ValueError):
+                return -1.0
+            return -1.0 if ms < 0 else ms / 1000
+    return None
+
+
+def transient(error: grpc.RpcError) -> bool:
+    """Whether another attempt of the call that failed with ``error`` can succeed: UNAVAILABLE,
+    DEADLINE_EXCEEDED, CANCELLED and ABORTED; RESOURCE_EXHAUSTED only when the server said when
+    to come back (``pushback_s``); INTERNAL and UNKNOWN only when grpc made them of a broken
+    transport. Never when the server's hint asks for no retry. Anything else is the request's
+    fault, or a server failure that would fail the same way again."""
+    pushback = pushback_s(error)
+    if pushback is not None and pushback < 0:
+        return False
+    code = error.code()
+    if code in _TRANSIENT_CODES:
+        return True
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return pushback is not None
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        details = error.details() or ""
+        return details in _TRANSPORT_DETAILS or details.startswith(_TRANSPORT_PREFIX)
+    return False
+
 
 ACK_STATES: dict[str, int] = {
     "prepared": pb.ACK_STATE_PREPARED,
@@ -136,13 +183,18 @@ class Retry:
             return None
         return max(0.05, min(self.deadline - time.monotonic(), 5.0))
 
-    def retryable(self, code: grpc.StatusCode) -> bool:
-        """Whether a failure with ``code`` is worth another attempt before the deadline."""
-        return self.deadline is not None and code in TRANSIENT and time.monotonic() + 0.05 < self.deadline
+    def retryable(self, error: grpc.RpcError) -> bool:
+        """Whether ``error`` is worth another attempt (``transient``) that can start, after any
+        wait the server asked for, before the deadline."""
+        if self.deadline is None or not transient(error):
+            return False
+        return time.monotonic() + (pushback_s(error) or 0.0) + 0.05 < self.deadline
 
-    def pause_s(self) -> float:
-        """The wait before the next attempt, never past the deadline."""
-        return min(self.backoff.delay(), max(0.0, self.deadline - time.monotonic()))
+    def pause_s(self, error: grpc.RpcError) -> float:
+        """The wait before the next attempt: the backoff, or the server's pushback if longer;
+        never past the deadline."""
+        wait = max(self.backoff.delay(), pushback_s(error) or 0.0)
+        return min(wait, max(0.0, self.deadline - time.monotonic()))
 
 
 # create_deployment(exist_ok=True) reads the deployment on these: it exists, or the token may not
@@ -276,10 +328,10 @@ class Calls:
             sent = yield Rpc(method, request, retry.attempt_timeout(), stream)
             if sent.error is None:
                 return sent.response
-            if not retry.retryable(sent.error.code()):
+            if not retry.retryable(sent.error):
                 raise sent.error
             yield Failover(sent.stub)
-            yield Sleep(retry.pause_s())
+            yield Sleep(retry.pause_s(sent.error))
 
     def create_deployment(
         self, name: str, topology: eplb.Topology, initial: eplb.Placement | None, exist_ok: bool, options: dict
@@ -344,7 +396,7 @@ class Calls:
                 try:
                     topology = yield from self.topology(deployment)
                 except grpc.RpcError as exc:
-                    if exc.code() not in TRANSIENT:
+                    if not transient(exc):
                         raise
                     # (its retries failed over already) wait, then try again
                     yield Sleep(backoff.delay())
@@ -368,7 +420,7 @@ class Calls:
                         version = msg.version
                         yield Deliver(item)
             if error is not None:
-                if error.code() not in TRANSIENT:
+                if not transient(error):
                     raise error
                 yield Failover(stub)
             yield Sleep(backoff.delay())

@@ -42,7 +42,7 @@ from .agent import ACK as AGENT_ACK
 from .agent import COUNTED as AGENT_COUNTED
 from .agent import read_frame as agent_read
 from .agent import write_frame as agent_frame
-from .client import TRANSIENT, Backoff, Endpoints
+from .client import Backoff, Endpoints, transient
 
 __all__ = ["LoadReporter", "ReporterStats"]
 
@@ -457,7 +457,7 @@ class LoadReporter:
         try:
             response = stub.ReportLoad(iter(batch), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata)
         except grpc.RpcError as exc:
-            if exc.code() in TRANSIENT or exc.code() == grpc.StatusCode.NOT_FOUND:
+            if transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND:
                 # NOT_FOUND: a replica whose store restarted empty answers it until the deployment is
                 # written back, so keep the reports and try again.
                 self._note_error(exc)
@@ -476,7 +476,7 @@ class LoadReporter:
                 response = stub.ReportLoad(iter([msg]), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata)
             except grpc.RpcError as exc:
                 self._note_error(exc)
-                if exc.code() in TRANSIENT or exc.code() == grpc.StatusCode.NOT_FOUND:
+                if transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND:
                     return False
                 log.warning("service refused report seq %d of rank %d: %s", msg.seq, self.rank, exc.details())
                 with self._lock:

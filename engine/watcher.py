@@ -23,7 +23,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.parts import WATCH_PART_BYTES, PartAssembler
 
 from . import wire
-from .client import TRANSIENT, Backoff, Endpoints, ServiceClient
+from .client import Backoff, Endpoints, ServiceClient, transient
 
 __all__ = ["PlacementWatcher"]
 
@@ -150,7 +150,7 @@ class PlacementWatcher:
                     return
                 self.last_error = f"{exc.code().name}: {exc.details()}"
                 self.connected = False
-                if exc.code() in TRANSIENT:
+                if transient(exc):
                     if not self._failing:
                         self._outage_from = self.reconnects
                         log.warning(
@@ -168,7 +168,8 @@ class PlacementWatcher:
                         self._changed.notify_all()
                     return
                 else:
-                    # Not the network's fault (deployment missing): retry, keep saying why.
+                    # Not the network's fault (deployment missing, a server failure): retry at
+                    # the same address, keep saying why.
                     log.warning("watching %s: %s", self.deployment, self.last_error)
                     if not self._failing:
                         self._outage_from = self.reconnects
