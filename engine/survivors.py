@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 import eplb
 from eplb.survivor_rules import EPLB_VERSION, SURVIVOR_OPTIONS, SURVIVOR_POLICY
 
-from .wire import PublishedPlacement
+if TYPE_CHECKING:
+    # .wire imports grpc; the mover imports GroupMismatch from here and must not need it.
+    from .wire import PublishedPlacement
 
 
 class GroupMismatch(ValueError):
@@ -44,6 +47,8 @@ def survivor_plan(
     whole set); ``down_ranks``: their ranks (default: the gpu ids, ranks = gpus). Raises
     ``ValueError`` (the library's) when too few live slots remain for every expert.
     """
+    from .wire import PublishedPlacement  # here, not at the top: see the TYPE_CHECKING import
+
     topo = base.placement.topology
     mine = EPLB_VERSION
     if base.eplb_version and base.eplb_version != mine:
