@@ -90,15 +90,7 @@ def test_the_layers_import_downwards_only():
         "eplb_tools": {"eplb", "eplb_wire", "eplb_service", "eplb_engine", "eplb_tools"},
         "eplb_bench": set(PACKAGES),
     }
-    # The one exception: eplb_service.client is a deprecated alias (for one release) over the
-    # engine's client, so it imports that client; nothing else in the service may.
-    alias = {"eplb_service.client": {"eplb_engine.aio", "eplb_engine.client"}}
-    bad = {
-        (name, dep)
-        for name, deps in GRAPH.items()
-        for dep in deps
-        if _top(dep) not in allowed[_top(name)] and dep not in alias.get(name, ())
-    }
+    bad = {(name, dep) for name, deps in GRAPH.items() for dep in deps if _top(dep) not in allowed[_top(name)]}
     assert not bad, f"imports against the layering: {sorted(bad)}"
 
 
