@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
 
-from . import limits, plugins
+from eplb import limits
+
+from . import plugins
 from .balancer import BalancerConfig
 from .cluster import parse_cluster_url
 from .logs import LOG_FORMATS, JsonFormatter, setup_logging

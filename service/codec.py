@@ -10,13 +10,14 @@ import dataclasses
 import numpy as np
 
 import eplb
+from eplb import limits
 
 # The survivor rules (policy "auto" at effort "fast", the base version's loads) and the release
 # recorded in each plan: one definition with the engine ranks, which compute the same plan.
 from eplb.survivor_rules import EPLB_VERSION, SURVIVOR_OPTIONS, SURVIVOR_POLICY  # noqa: F401  (read as codec.*)
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import arrays, limits
+from . import arrays
 from .rollout import DEFAULT_SWITCH_MARGIN
 from .trigger import TriggerSpec
 from .windows import WindowSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from . import limits
+from eplb import limits
 
 __all__ = ["BalancerConfig"]
 

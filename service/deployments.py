@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 import eplb
+from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import arrays, codec, limits, validation
+from . import arrays, codec, validation
 from . import rollout as rollout_states
 from .clip import clip
 from .config import BalancerConfig

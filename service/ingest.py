@@ -12,9 +12,10 @@ import time
 
 import numpy as np
 
+from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import arrays, limits, report_counts, validation
+from . import arrays, report_counts, validation
 from .batcher import Batcher
 from .errors import (
     Aborted,

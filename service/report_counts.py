@@ -22,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import arrays, limits
+from . import arrays
 
 __all__ = ["decode"]
 

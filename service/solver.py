@@ -35,9 +35,9 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import limits
 from .errors import DeadlineExceeded, ResourceExhausted
 
 __all__ = ["Job", "Solved", "Solver", "solve"]

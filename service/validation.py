@@ -13,9 +13,9 @@ from collections.abc import Collection
 from google.protobuf.message import Message
 
 import eplb
+from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from . import limits
 from .clip import clip
 from .codec import (
     DEFAULT_TOP_K,

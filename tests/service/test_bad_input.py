@@ -319,7 +319,7 @@ async def test_limits_are_enforced_before_anything_is_stored(primed, case, field
 
 
 async def test_deployments_per_service_are_limited(serve, connect, monkeypatch):
-    from eplb_service import limits
+    from eplb import limits
 
     monkeypatch.setattr(limits, "MAX_DEPLOYMENTS", 2)
     c = connect(await serve())

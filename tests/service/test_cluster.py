@@ -17,9 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import report_some_load, small_deployment, timed
 
+from eplb import limits
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
-from eplb_service import limits
 from eplb_service.cluster import ClusterUrl, parse_cluster_url
 from eplb_service.server import SERVICE_NAME
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb

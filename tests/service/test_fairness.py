@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from svc_helpers import FAST, small_deployment
 
+from eplb import limits
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
-from eplb_service import limits
 from eplb_service.cli import parse_args
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc

@@ -13,9 +13,9 @@ import numpy as np
 import redis
 from svc_helpers import REDIS_URL, small_deployment, status_details
 
+from eplb import limits
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
-from eplb_service import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 

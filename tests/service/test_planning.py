@@ -12,10 +12,10 @@ import pytest
 from svc_helpers import FAST, report_some_load, small_deployment, status_details
 
 import eplb
+from eplb import limits
 from eplb.transfer import transfer_schedule
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
-from eplb_service import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.arrays import encode
 

@@ -13,9 +13,9 @@ from dataclasses import replace
 import numpy as np
 from svc_helpers import FAST, small_deployment
 
+from eplb import limits
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
-from eplb_service import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 # 128 layers x 8192 slots (the documented limits): past the small-plan lane (2^18 cells) and

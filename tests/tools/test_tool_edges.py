@@ -200,15 +200,6 @@ def test_eplb_place_plans_up_to_the_memory_available_not_the_librarys_default(ca
     capsys.readouterr()
 
 
-def test_the_service_limits_are_the_cores():
-    import eplb.limits
-    import eplb_service.limits
-
-    for name in eplb_service.limits.__all__:
-        assert getattr(eplb_service.limits, name) is getattr(eplb.limits, name)
-    assert eplb_service.limits.MAX_LAYERS == 1024 and eplb.limits.MAX_REPORT_COUNT == 1e12
-
-
 def test_eplb_bench_refuses_a_trace_deployment_too_large_for_the_memory(tmp_path, capsys):
     from eplb_bench import report
 
