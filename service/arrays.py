@@ -1,10 +1,8 @@
 """The service's face of :mod:`eplb_wire.arrays` (the one ``Array`` codec, shared with the engine):
 the same functions, with a bad array raised as ``InvalidArgument`` carrying its field violation
 (``logical.shape``, ``phy2log.data``, …), which the service's handlers extend (a report stream
-adds how many of its reports were kept) and count (rejected reports by reason).
-
-Importing the codec from here for anything but the service's own errors is deprecated: use
-``eplb_wire.arrays``.
+adds how many of its reports were kept) and count (rejected reports by reason). Encoding has no
+service face: ``eplb_wire.arrays.encode``.
 """
 
 from __future__ import annotations
@@ -13,11 +11,11 @@ import numpy as np
 
 from eplb_wire import arrays as _wire
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
-from eplb_wire.arrays import ArrayError, encode
+from eplb_wire.arrays import ArrayError
 
 from .errors import FieldViolation, InvalidArgument
 
-__all__ = ["ArrayError", "encode", "decode", "decode_counts"]
+__all__ = ["decode", "decode_counts"]
 
 
 def decode(msg: pb.Array, field: str, shape: tuple[int, ...], kinds: str = "iuf") -> np.ndarray:

@@ -7,6 +7,7 @@ import numpy as np
 
 import eplb
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.arrays import encode
 
 from . import arrays, codec, validation
 from .errors import FieldViolation, InvalidArgument
@@ -65,7 +66,7 @@ class Compute:
         solved = await self.solver.compute(job, deadline_s)
         solved.stats.notes.extend(notes)
         return pb.ComputePlacementResponse(
-            phy2log=arrays.encode(solved.phy2log), logcnt=arrays.encode(solved.logcnt), stats=solved.stats
+            phy2log=encode(solved.phy2log), logcnt=encode(solved.logcnt), stats=solved.stats
         )
 
 

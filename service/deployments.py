@@ -16,6 +16,7 @@ import numpy as np
 import eplb
 from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.arrays import encode
 
 from . import arrays, codec, validation
 from . import rollout as rollout_states
@@ -94,7 +95,7 @@ class Deployments:
         first = pb.Placement(
             deployment=deployment.name,
             version=1,
-            phy2log=arrays.encode(placement.phy2log),
+            phy2log=encode(placement.phy2log),
             stats=pb.PlanStats(policy="initial", policy_used="initial"),
         )
         if placement.down_gpus:
@@ -391,7 +392,7 @@ def _check_fits(first: pb.Placement, max_message_bytes: int, topo: eplb.Topology
     """Refuses a deployment whose placements would not fit in one message of this server: every
     GetPlacement and WatchPlacements answer would fail with RESOURCE_EXHAUSTED. Later versions
     carry the float32 ``[L, E]`` loads they were planned from, counted here."""
-    loads = arrays.encode(np.zeros((topo.num_layers, topo.num_experts), dtype=np.float32))
+    loads = encode(np.zeros((topo.num_layers, topo.num_experts), dtype=np.float32))
     size = first.ByteSize() + pb.Placement(loads=loads).ByteSize() + _STATS_HEADROOM
     if size > max_message_bytes:
         L, P = first.phy2log.shape

@@ -22,6 +22,7 @@ import numpy as np
 import eplb
 from eplb.survivors import survivors
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.arrays import encode
 
 from . import arrays, codec, validation
 from .clip import clip
@@ -306,11 +307,11 @@ class Planner:
         before = stats.imbalance_before
         candidate = pb.Placement(
             deployment=name,
-            phy2log=arrays.encode(solved.phy2log),
+            phy2log=encode(solved.phy2log),
             stats=stats,
             down_ranks=current.down_ranks,
             down_ranks_version=current.down_ranks_version,
-            loads=arrays.encode(loads.astype(np.float32)),
+            loads=encode(loads.astype(np.float32)),
             eplb_version=codec.EPLB_VERSION,
         )
         candidate.create_time.FromNanoseconds(int(time.time() * 1e9))
@@ -410,7 +411,7 @@ class Planner:
                 out = pb.Placement(
                     deployment=name,
                     version=version,
-                    phy2log=arrays.encode(solved.phy2log),
+                    phy2log=encode(solved.phy2log),
                     stats=stats,
                     down_ranks=sorted(now_down),
                     down_ranks_version=version,

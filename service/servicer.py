@@ -14,9 +14,9 @@ import grpc
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
+from eplb_wire.arrays import encode
 from eplb_wire.parts import WATCH_PART_BYTES
 
-from . import arrays
 from .auth import Access
 from .balancer import Balancer
 from .errors import FieldViolation, InvalidArgument, ServiceError
@@ -175,7 +175,7 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         if not request.include_window_loads:
             return self._response(pb.GetPlacementResponse, placement)
         loads, reports = await self.deployments.window_loads(request.deployment)
-        return pb.GetPlacementResponse(placement=placement, window_loads=arrays.encode(loads), window_reports=reports)
+        return pb.GetPlacementResponse(placement=placement, window_loads=encode(loads), window_reports=reports)
 
     def _parts(self, placement: pb.Placement, size: int) -> tuple[bytes, ...]:
         """``WatchPlacementsResponse(part)`` of ``placement`` in parts of ``size`` bytes, serialized

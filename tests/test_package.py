@@ -40,17 +40,6 @@ def test_the_engine_side_imports_no_service_module() -> None:
     assert out == ["[]", "True"]
 
 
-def test_the_old_codec_name_is_the_same_function() -> None:
-    # A deprecated alias for a release: the same function object.
-    code = (
-        "from eplb_service import arrays as old_arrays\n"
-        "from eplb_wire import arrays\n"
-        "print(old_arrays.encode is arrays.encode)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True"]
-
-
 def test_one_codec_raises_the_field_and_the_service_maps_it_to_invalid_argument() -> None:
     import numpy as np
 

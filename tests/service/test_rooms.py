@@ -15,7 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from svc_helpers import small_deployment
 
 import eplb
-from eplb_service import arrays, balancer
+from eplb_service import balancer
 from eplb_service.compute import Compute
 from eplb_service.config import BalancerConfig
 from eplb_service.deployments import Deployments
@@ -28,6 +28,7 @@ from eplb_service.planner import Planner
 from eplb_service.registry import Registry
 from eplb_service.solver import Solver
 from eplb_service.store_health import StoreHealth
+from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 SERVICE = Path(__file__).resolve().parents[2] / "service"
