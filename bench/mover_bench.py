@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 import eplb
-from eplb.transfer import Bandwidth
+from eplb.transfer import Bandwidth, staged_chunks, staged_slots
 from eplb.workloads import SCALES, drift, make_loads
 from eplb_engine.checksum import slot_checksum
-from eplb_engine.mover import WeightMover, staged_chunks, staged_slots
+from eplb_engine.mover import WeightMover
 from eplb_engine.transport import P2P
 
 from .harness.mover import TENSORS, check, fill_slot, make_layers, plans, reset

@@ -47,15 +47,14 @@ except ImportError as exc:  # the client half of eplb_engine works without torch
     raise ImportError("eplb_engine's WeightMover needs torch: pip install 'eplb[engine]'") from exc
 
 from eplb import Placement
-from eplb.transfer import Bandwidth, TransferSchedule, staged_chunks, staged_slots, transfer_schedule
+from eplb.transfer import Bandwidth, TransferSchedule, staged_chunks, transfer_schedule
 
 from .checksum import slot_checksum
 from .local_order import SPARE, order_local_copies
 from .survivors import GroupMismatch
 from .transport import P2P, DistTransport, Transport
 
-# staged_chunks and staged_slots live in eplb.transfer (pure numpy); importable from here as documented.
-__all__ = ["MoveReport", "WeightMover", "staged_chunks", "staged_slots"]
+__all__ = ["MoveReport", "WeightMover"]
 
 # Below this many bytes a slot's copy is launch-bound: batch such copies into one kernel.
 _SMALL_SLOT_BYTES = 1 << 20

@@ -11,7 +11,6 @@ import torch
 from mover_sim import TENSORS, ThreadWorld, check_layers, encoded_layers
 
 import eplb
-import eplb_engine.mover
 from eplb.transfer import staged_chunks, staged_slots
 from eplb_engine.mover import WeightMover
 
@@ -154,8 +153,3 @@ def test_rollback_after_committed_chunks_keeps_them_and_a_new_mover_finishes_fro
         check_layers(layers, old, r)
 
     world.run(rank)
-
-
-def test_the_chunking_lives_in_eplb_transfer_and_keeps_its_documented_engine_names():
-    assert eplb_engine.mover.staged_chunks is staged_chunks and eplb_engine.mover.staged_slots is staged_slots
-    assert staged_chunks.__module__ == "eplb.transfer"  # pure numpy: the service and tools can use it

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from mover_sim import check_layers, encoded_layers
 
 import eplb
+from eplb.transfer import staged_slots
 from eplb_engine import WeightMover
-from eplb_engine.mover import staged_slots
 from eplb_tools.ports import free_port
 
 
