@@ -265,10 +265,6 @@ class Planner:
         if down:
             # The ranks down stay out of every plan until SetRanksDown brings them back.
             options["down_gpus"] = down
-        if codec.replans(policy) and local.trigger.max_moves:
-            # Plan within the move budget rather than plan past it and be refused (deployments
-            # stored before Trigger.max_moves was folded into Migration.max_moves have it there).
-            options.setdefault("max_moves", local.trigger.max_moves)
         learned = None
         notes = []
         p = local.deployment.planning

@@ -1,8 +1,7 @@
 """When to re-plan on our own (``due``), and whether a plan is published (``decide``).
 
 ``decide`` is the one place for the publication rules: an empty window, a plan that moves
-nothing or gains nothing, the gain gate (``Trigger.min_gain_percent``) and the move budget (``Migration.max_moves``; the deprecated
-``Trigger.max_moves`` where that is unset). The migration-aware policies also plan within the
+nothing or gains nothing, the gain gate (``Trigger.min_gain_percent``) and the move budget (``Migration.max_moves``). The migration-aware policies also plan within the
 move budget (:mod:`.planner`), so for them the budget rule only refuses what the budget could
 not hold back; a forced Rebalance skips every rule.
 """

@@ -40,3 +40,14 @@ def test_the_interval_waits_for_a_report_since_the_last_plan():
     # An idle deployment re-planned its unchanged (or empty) window every interval.
     assert due(SPEC, PlanMarks(reports=0, planned_reports=0, planned_at=100.0), now=160.0) is None
     assert due(SPEC, PlanMarks(reports=7, planned_reports=7, planned_at=100.0), now=1e6) is None
+
+
+def test_the_move_budget_is_read_from_migration_max_moves_only():
+    from eplb_service.codec import trigger_spec
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+    both = pb.Deployment(trigger=pb.Trigger(max_moves=3), migration=pb.Migration(max_moves=5))
+    assert trigger_spec(both).max_moves == 5
+    # The deprecated wire field alone (folded into Migration.max_moves on create, so only a
+    # deployment stored before that fold has it so) is no budget.
+    assert trigger_spec(pb.Deployment(trigger=pb.Trigger(max_moves=7))).max_moves == 0
