@@ -10,6 +10,7 @@ server shuts down (see :meth:`ErrorInterceptor.end_server_streams`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import time
@@ -97,9 +98,24 @@ class Aborted(ServiceError):
 
 
 class ResourceExhausted(ServiceError):
-    """A documented limit (docs/service.md, "Limits") or a bounded queue is full."""
+    """A documented limit (docs/service.md, "Limits") or a bounded queue is full. ``retry_after_s``:
+    a full queue that drains says when to come back (``grpc-retry-pushback-ms``, gRPC's retry
+    hint, which eplb's engine client waits for); a limit that stays says nothing, and clients do
+    not repeat the call."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# gRPC's retry hint (A6): the client waits this many milliseconds before another attempt.
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
+    """A status to abort with (grpc.Status is an interface): the rich status's, plus the hint."""
 
 
 class OutOfRange(ServiceError):
@@ -397,7 +413,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             # Expected (the client got the reason); the balancer logs lost planning races at INFO.
             log.debug("%s failed: %s: %s", call.label, _CODE_NAMES.get(status.code, "UNKNOWN"), status.message)
         call.code = _CODE_NAMES.get(status.code, "UNKNOWN")
-        await context.abort_with_status(rpc_status.to_status(status))
+        out = rpc_status.to_status(status)
+        after = getattr(exc, "retry_after_s", None)
+        if isinstance(exc, ResourceExhausted) and after is not None:
+            hint = ((PUSHBACK_KEY, str(max(1, round(after * 1000)))),)
+            out = _Status(out.code, out.details, tuple(out.trailing_metadata) + hint)
+        await context.abort_with_status(out)
 
     def _aborted(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
         """The handler aborted the call itself (e.g. auth, health ``Check`` of an unknown service)."""

@@ -40,6 +40,10 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from .errors import DeadlineExceeded, ResourceExhausted
 
+# How long a ComputePlacement refused at capacity is told to wait (its retry hint): a stateless
+# plan takes tenths of a second to seconds, so a second lets the queue move.
+COMPUTE_PUSHBACK_S = 1.0
+
 __all__ = ["Job", "Solved", "Solver", "solve"]
 
 
@@ -335,7 +339,8 @@ class Solver:
             if slots.waiting >= limits.COMPUTE_QUEUE:
                 raise ResourceExhausted(
                     f"ComputePlacement is at capacity: {self.compute_workers} plans running and "
-                    f"{slots.waiting} waiting (at most {limits.COMPUTE_QUEUE}); retry with backoff"
+                    f"{slots.waiting} waiting (at most {limits.COMPUTE_QUEUE}); retry with backoff",
+                    retry_after_s=COMPUTE_PUSHBACK_S,
                 )
         try:
             return await self._run("compute", lanes, job, deadline_s, ("compute",))

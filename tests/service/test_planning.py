@@ -16,6 +16,8 @@ from eplb import limits
 from eplb.transfer import transfer_schedule
 from eplb_bench.harness.service import reports
 from eplb_engine.aio import AsyncServiceClient
+from eplb_engine.client import pushback_s, transient
+from eplb_service.solver import COMPUTE_PUSHBACK_S
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.arrays import encode
 
@@ -106,6 +108,8 @@ async def test_an_ilp_over_the_size_limit_is_refused(serve, connect):
         )
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(limits.ILP_MAX_CELLS) in info.value.details()
+    # A limit that stays gives no retry hint: the engine client does not repeat the call.
+    assert pushback_s(info.value) is None and not transient(info.value)
 
 
 @pytest.mark.slow
@@ -129,6 +133,9 @@ async def test_ilp_calls_keep_their_deadline_and_leave_re_plans_their_capacity(s
             codes.append(grpc.StatusCode.OK)
         except grpc.aio.AioRpcError as exc:
             codes.append(exc.code())
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # A full queue drains: the refusal says when to come back, and the client retries.
+                assert pushback_s(exc) == COMPUTE_PUSHBACK_S and transient(exc)
     allowed = {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert set(codes) <= allowed, codes
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 8 - limits.COMPUTE_WORKERS - limits.COMPUTE_QUEUE
