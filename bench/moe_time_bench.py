@@ -27,7 +27,10 @@ import numpy as np
 import eplb
 from eplb import kernel
 from eplb.timing import sample_slot_counts
-from eplb.workloads import make_loads
+from eplb.workloads import WORKLOADS, make_loads
+
+from .harness.shapes import SHAPES as TRACE_SHAPES
+from .harness.shapes import make_shape
 
 SHAPES = {"qwen3-30b-a3b": 48, "qwen3-235b-a22b": 94}  # MoE layers
 CONFIGS = {"EP16 P=E": (16, 128), "EP32 P=E": (32, 128), "EP16 P=160": (16, 160), "EP32 P=192": (32, 192)}
@@ -36,22 +39,48 @@ MIX = (4, 16, 64, 256)
 TOP_K = 8
 
 
-def placements(loads: np.ndarray, topo: eplb.Topology, model: kernel.KernelModel, batches: tuple[int, ...]) -> dict:
+def gpu_max(loads: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """``[L]`` the busiest gpu's tokens per layer."""
+    return np.take_along_axis(loads, phy2log, axis=1).reshape(len(loads), num_gpus, -1).sum(axis=2).max(axis=1)
+
+
+def tie_plan(loads: np.ndarray, topo: eplb.Topology, ours: eplb.Plan, ref: eplb.Plan, slack: float) -> eplb.Placement:
+    """Per layer, ``ref``'s slots where its busiest gpu is within ``slack`` of ``ours``', else ours."""
+    a, b = ours.placement.phy2log, ref.placement.phy2log
+    take = gpu_max(loads, b, topo.num_gpus) <= gpu_max(loads, a, topo.num_gpus) * (1 + slack) + 1e-9
+    return eplb.Placement(np.where(take[:, None], b, a), topo)
+
+
+def placements(
+    loads: np.ndarray, topo: eplb.Topology, model: kernel.KernelModel, batches: tuple[int, ...], ties: bool = False
+) -> dict:
     out = {"deepseek": eplb.rebalance(loads, topo, "deepseek"), "default": eplb.rebalance(loads, topo)}
+    if ties:
+        for slack in (0.0, 0.01):
+            out[f"tie{slack:g}"] = tie_plan(loads, topo, out["default"], out["deepseek"], slack)
     for b in batches:
         out[f"time@{b}"] = eplb.rebalance(loads, topo, kernel_curve=model, tokens_per_gpu=b, top_k=TOP_K)
     out["time@mix"] = eplb.rebalance(loads, topo, kernel_curve=model, tokens_per_gpu=list(MIX), top_k=TOP_K)
     return out
 
 
-def layer_sets(plan: eplb.Plan, loads: np.ndarray, b: int, steps: int, seed: int) -> np.ndarray:
+def layer_sets(plan: eplb.Plan | eplb.Placement, loads: np.ndarray, b: int, steps: int, seed: int) -> np.ndarray:
     """``[L, steps, G, S]`` tokens of each gpu's slots in sampled steps."""
-    topo = plan.placement.topology
+    placement = plan if isinstance(plan, eplb.Placement) else plan.placement
+    topo = placement.topology
     out = []
     for layer in range(topo.num_layers):
-        c = sample_slot_counts(loads[layer], plan.placement, b, TOP_K, steps, layer=layer, seed=seed + layer)
+        c = sample_slot_counts(loads[layer], placement, b, TOP_K, steps, layer=layer, seed=seed + layer)
         out.append(c.reshape(steps, topo.num_gpus, topo.slots_per_gpu))
     return np.array(out)
+
+
+def load_workload(name: str, topo: eplb.Topology, seed: int) -> np.ndarray:
+    """``[L, E]`` loads: an ``eplb.workloads`` name, or a routing-count shape (``harness.shapes``:
+    window counts with ties, zeros, dead and hot experts, as real traces have)."""
+    if name in TRACE_SHAPES:
+        return make_shape(TRACE_SHAPES[name], topo.num_layers, topo.num_experts, seed).astype(np.float64)
+    return make_loads(name, topo, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,10 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--workload", default="lognormal-1.0")
+    ap.add_argument(
+        "--workload",
+        default="lognormal-1.0",
+        help=f"eplb.workloads name ({', '.join(WORKLOADS)}) or a routing-count shape shaped like real traces "
+        f"(shapes_bench's: {'; '.join(TRACE_SHAPES)})",
+    )
     ap.add_argument("--layers", type=int, default=8, help="layers planned and judged")
     ap.add_argument("--steps", type=int, default=8, help="held-out sampled steps per layer and batch size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--ties",
+        action="store_true",
+        help="also judge tie0 / tie0.01: per layer, eplb.py's slots where its busiest gpu's tokens are within "
+        "0 / 1 %% of the default's",
+    )
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -80,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         for cname in args.configs.split(","):
             G, P = CONFIGS[cname]
             topo = eplb.Topology(args.layers, 128, P, G, 1, 1)
-            loads = make_loads(args.workload, topo, seed=args.seed)
+            loads = load_workload(args.workload, topo, args.seed)
             t0 = time.perf_counter()
-            plans = placements(loads, topo, model, batches)
+            plans = placements(loads, topo, model, batches, ties=args.ties)
             plan_s = time.perf_counter() - t0
             for b in batches:
                 named = {
@@ -117,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"  time {tp:.3f} ({(tp / res['default'] - 1):+.1%} vs default, {(tp / res['deepseek'] - 1):+.1%} vs eplb.py)"
                     f"  default vs eplb.py {(res['default'] / res['deepseek'] - 1):+.1%}"
                 )
+                for n in ("tie0", "tie0.01"):
+                    if n in res:
+                        line += f"  {n} {res[n]:.3f} ({(res[n] / res['deepseek'] - 1):+.1%} vs eplb.py)"
                 if "time@mix" in res:
                     line += f"  mix {res['time@mix']:.3f} ({(res['time@mix'] / res['default'] - 1):+.1%})"
                 print(line, flush=True)
