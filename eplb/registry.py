@@ -23,7 +23,7 @@ from .limits import check_plan_bytes
 from .loads import check_loads
 from .placement import Placement
 from .planner.anytime import PlanOptions
-from .planner.settle import settle
+from .planner.settle import prefer_deal, settle
 from .planner.spread import spread_nodes as spread_over_nodes
 from .progress import Progress, check_callback, report, reporting
 from .replan.choose import choose
@@ -616,6 +616,14 @@ def _plan(
         phy2log, swaps = settle(arr, phy2log, topology.num_gpus, topology.num_gpus // topology.num_nodes)
         if swaps:
             notes += (f"no redundant slots: {swaps} swaps spread the gpus below the busiest (settle)",)
+        # Where tokens tie, eplb.py's deal, whose MoE time is the reference (eplb.planner.settle).
+        # hierarchical keeps expert groups on nodes: it takes only eplb.py's hierarchical deal.
+        hier = result.policy_used == "hierarchical"
+        groups, nodes = (topology.num_groups, topology.num_nodes) if hier else (1, 1)
+        if not hier or groups % nodes == 0:
+            phy2log, dealt = prefer_deal(arr, phy2log, topology.num_gpus, groups, nodes)
+            if dealt:
+                notes += (f"no redundant slots: {dealt} layers take eplb.py's deal, as busy as ours in tokens",)
     if previous is not None and migration is not None:
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))
