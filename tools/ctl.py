@@ -1,6 +1,6 @@
 """``eplb ctl``: what a running balancer service is doing, for operators (no grpcurl needed).
 
-    eplb ctl --address HOST:PORT[,HOST:PORT...] [--token-file F] [--tls-ca PEM] [--timeout S] COMMAND
+    eplb ctl [--address HOST:PORT[,HOST:PORT...]] [--token-file F] [--tls-ca PEM] [--timeout S] COMMAND
 
 ``list`` (every deployment: version, ranks acked, last plan), ``show NAME`` (topology, options,
 rollout per rank, the current version's plan stats), ``placement NAME`` (a version in a
@@ -32,6 +32,8 @@ from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 __all__ = ["build_parser", "main"]
 
 PROG = "eplb ctl"
+# Where `eplb serve` listens by default, so the two work together with no flags.
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 class CtlError(Exception):
@@ -518,8 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--address",
-        default=os.environ.get("EPLB_ADDRESS") or None,
-        help="HOST:PORT of the service, or several comma-separated (replicas; failover) [EPLB_ADDRESS]",
+        default=os.environ.get("EPLB_ADDRESS") or DEFAULT_ADDRESS,
+        help="HOST:PORT of the service, or several comma-separated (replicas; failover) "
+        f"[EPLB_ADDRESS, else {DEFAULT_ADDRESS}: where eplb serve listens by default]",
     )
     ap.add_argument("--token-file", help="the service's bearer token, from this file [EPLB_TOKEN_FILE, EPLB_TOKEN]")
     ap.add_argument("--tls-ca", metavar="PEM", help="root certificates to verify a TLS service by (default: plaintext)")
@@ -565,8 +568,6 @@ _COMMANDS: dict[str, Callable[[_Ctl, argparse.Namespace], int]] = {
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not args.address:
-        raise CtlError("give the service's --address HOST:PORT (or set EPLB_ADDRESS)")
     for address in args.address.split(","):
         host, _, port = address.strip().rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -292,7 +292,6 @@ def test_token_from_file_and_environment(
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["list"], "list: error: give the service's --address HOST:PORT (or set EPLB_ADDRESS)"),
         (
             ["--address", "localhost", "list"],
             "list: error: --address localhost: 'localhost' is not HOST:PORT (port 1-65535)",
@@ -309,6 +308,18 @@ def test_bad_flags_get_one_line(
 ) -> None:
     monkeypatch.delenv("EPLB_ADDRESS", raising=False)
     assert run(capsys, *argv) == (2, "", f"eplb ctl {said}\n")
+
+
+def test_the_address_defaults_to_where_eplb_serve_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eplb_service import cli as serve_cli
+
+    monkeypatch.delenv("EPLB_ADDRESS", raising=False)
+    assert ctl.build_parser().parse_args(["list"]).address == "127.0.0.1:50051"
+    host, port = (serve_cli._OPTIONS[name][2] for name in ("host", "port"))
+    assert ctl.DEFAULT_ADDRESS == f"{host}:{port}"  # the two defaults agree
+    monkeypatch.setenv("EPLB_ADDRESS", "10.0.0.1:7000")
+    assert ctl.build_parser().parse_args(["list"]).address == "10.0.0.1:7000"
+    assert ctl.build_parser().parse_args(["--address", "h:1", "list"]).address == "h:1"
 
 
 def test_unknown_deployment_and_the_eplb_entry_point(
