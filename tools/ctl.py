@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -70,6 +71,46 @@ def _root_certificates(args: argparse.Namespace) -> bytes | None:
         return Path(args.tls_ca).read_bytes()
     except OSError as exc:
         raise CtlError(f"--tls-ca {args.tls_ca}: cannot read it ({exc.strerror})") from None
+
+
+# Reaching the service
+
+# gRPC goes through a proxy these name; a direct connection then says nothing about the service.
+_PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
+
+
+def _connect_error(address: str, timeout_s: float) -> str | None:
+    """Why nothing answers a TCP connection to ``address`` (``"connection refused"``, an unknown
+    host), or None when something does or the answer is not known within ``timeout_s`` (a host
+    that drops packets: the call's own deadline then says so)."""
+    host, _, port = address.strip().rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return None
+    except socket.gaierror as exc:
+        return f"unknown host ({exc.strerror})"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+
+
+def check_reachable(addresses: str, timeout_s: float) -> None:
+    """``CtlError`` at once when no address of ``addresses`` (comma-separated) takes a TCP
+    connection: the client's retries would otherwise wait out the whole ``--timeout`` on a
+    refused connection. One address that answers is enough (the client fails over to it)."""
+    if any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_VARIABLES):
+        return
+    errors = []
+    for address in addresses.split(","):
+        error = _connect_error(address, min(timeout_s, 2.0))
+        if error is None:
+            return
+        errors.append(f"{address.strip()}: {error}")
+    raise CtlError(
+        f"nothing answers at {'; '.join(errors)}; is eplb serve running there? "
+        "(--address HOST:PORT or EPLB_ADDRESS names another)"
+    )
 
 
 # Time
@@ -594,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             extras.require("grpc", "google.protobuf", "grpc_health")
         except ImportError as exc:
             raise CtlError(extras.missing(PROG, "service", exc)) from None
+        if args.ctl_command != "health":  # health reports each address, reachable or not
+            check_reachable(args.address, args.timeout)
         ctl = _Ctl(args)
         return _COMMANDS[args.ctl_command](ctl, args)
     except BrokenPipeError:

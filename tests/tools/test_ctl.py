@@ -253,16 +253,30 @@ def test_watch_ctrl_c_exits_130_with_one_line(served: Callable[..., Served], cap
     assert code == 130 and err == "\neplb ctl watch: interrupted\n" and len(out.splitlines()) == 1
 
 
-def test_health_and_an_unreachable_service(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+def test_health_and_an_unreachable_service(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ctl._PROXY_VARIABLES:  # a proxy skips the connection check
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
     s = served()
     assert run(capsys, "--address", s.address, "health") == (0, f"{s.address}: SERVING\n", "")
     s.stop()
     code, out, _ = run(capsys, "--address", s.address, "--timeout", "0.5", "health")
     assert code == 1 and out == f"{s.address}: NOT SERVING (or unreachable)\n"
-    code, out, err = run(capsys, "--address", s.address, "--timeout", "0.5", "list")
-    assert code == 2 and out == ""
-    assert err.startswith(f"eplb ctl list: error: cannot reach the service at {s.address} within 0.5 s (")
-    assert len(err.splitlines()) == 1
+    # A refused connection fails at once, not after --timeout of retries (5.5 s before).
+    for command in ("list", "watch"):
+        began = time.monotonic()
+        code, out, err = run(capsys, "--address", s.address, command, *(["d1"] if command == "watch" else []))
+        assert time.monotonic() - began < 1.5
+        assert (code, out) == (2, "")
+        assert err == (
+            f"eplb ctl {command}: error: nothing answers at {s.address}: connection refused; is eplb serve "
+            "running there? (--address HOST:PORT or EPLB_ADDRESS names another)\n"
+        )
+    # One address that answers is enough: the client fails over to it.
+    live = served()
+    assert run(capsys, "--address", f"{s.address},{live.address}", "list") == (0, "no deployments\n", "")
     s.thread.join()  # stopped above: the fixture's stop must not run twice
     s.stop = lambda: None
 
