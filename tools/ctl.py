@@ -2,7 +2,9 @@
 
     eplb ctl [--address HOST:PORT[,HOST:PORT...]] [--token-file F] [--tls-ca PEM] [--timeout S] COMMAND
 
-``list`` (every deployment: version, ranks acked, last plan), ``show NAME`` (topology, options,
+``create [NAME] [-f SPEC] [flags]`` (a deployment from flags and/or a TOML or JSON spec file
+whose fields are the wire's ``Deployment``), ``delete NAME [--yes]``, ``list`` (every
+deployment: version, ranks acked, last plan), ``show NAME`` (topology, options,
 rollout per rank, the current version's plan stats), ``placement NAME`` (a version in a
 placement format, or ``--plot FILE``: the heatmap of ``eplb place --plot`` under the
 deployment's load window), ``rebalance NAME [--dry-run] [--force]``, ``watch NAME`` (a line per
@@ -17,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
+import math
 import os
 import socket
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -255,6 +260,113 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+# A deployment to create: a spec file (the wire's Deployment) and the flags over it
+
+# flag dest -> (the Deployment field it sets, as a path of names). The rest of a deployment
+# (ranks, planning for time, liveness, ...) is for the spec file.
+_CREATE_FLAGS: dict[str, tuple[str, ...]] = {
+    "layers": ("topology", "num_layers"),
+    "experts": ("topology", "num_experts"),
+    "slots": ("topology", "num_slots"),
+    "gpus": ("topology", "num_gpus"),
+    "nodes": ("topology", "num_nodes"),
+    "groups": ("topology", "num_groups"),
+    "policy": ("policy",),
+    "report_count": ("trigger", "report_count"),
+    "min_gain": ("trigger", "min_gain_percent"),
+    "max_moves": ("migration", "max_moves"),
+    "expert_bytes": ("expert_bytes",),
+    "effort": ("planning", "effort"),
+}
+# Flags of seconds -> the Duration field they set.
+_CREATE_SECONDS: dict[str, tuple[str, ...]] = {
+    "window": ("window", "sliding", "duration"),
+    "half_life": ("window", "decay", "half_life"),
+    "interval": ("trigger", "interval"),
+}
+
+
+def read_spec(path: str) -> dict:
+    """The spec file at ``path`` as a dict: TOML (``.toml``) or JSON (``.json``)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise CtlError(f"--file {path}: a spec is .toml or .json, not {suffix or 'a file without a suffix'!r}")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise CtlError(f"--file {path}: cannot read it ({exc.strerror})") from None
+    try:
+        doc = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise CtlError(f"--file {path}: not valid {suffix[1:].upper()}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CtlError(f"--file {path}: must hold one table (the Deployment's fields), not a {type(doc).__name__}")
+    return doc
+
+
+def deployment_spec(args: argparse.Namespace, pb: object) -> object:
+    """The ``Deployment`` message ``create`` sends: the spec file (``--file``) parsed by
+    protobuf's JSON mapping (the codec of grpcurl and of ``show -o json``: proto field names,
+    durations as ``"30s"``), then NAME and each flag given over it. The service checks it."""
+    from google.protobuf import json_format
+
+    msg = pb.Deployment()
+    if args.file:
+        try:
+            json_format.ParseDict(read_spec(args.file), msg)
+        except json_format.ParseError as exc:
+            raise CtlError(f"--file {args.file}: {' '.join(str(exc).split()).rstrip('.')}") from None
+    if args.name:
+        msg.name = args.name
+    for dest, path in _CREATE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            *parents, field = path
+            target = msg
+            for parent in parents:
+                target = getattr(target, parent)
+            setattr(target, field, value)
+    for dest, path in _CREATE_SECONDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            if path[0] == "window":
+                msg.ClearField("window")  # a flag's window replaces the spec's, sliding or decay
+            target = msg
+            for part in path:
+                target = getattr(target, part)
+            target.FromNanoseconds(round(value * 1e9))
+    if not msg.name:
+        raise CtlError("name the deployment: eplb ctl create NAME ... (or name = ... in the spec file)")
+    if not msg.HasField("topology"):
+        raise CtlError(
+            "give the topology: --layers L --experts E --slots P --gpus G [--nodes N --groups K] "
+            "(or a [topology] table in the spec file)"
+        )
+    return msg
+
+
+def _count(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
+def _number(value: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r}")
+    return x
+
+
 # Commands
 
 
@@ -290,12 +402,36 @@ class _Ctl:
             return f"{where} did not answer within {self.args.timeout:g} s (--timeout S waits longer)"
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return f"{where} refused the call: {details}; give the service's token with --token-file F or EPLB_TOKEN"
+        if code == grpc.StatusCode.ALREADY_EXISTS and self.args.ctl_command == "create":
+            return f"{details} (ALREADY_EXISTS; eplb ctl delete NAME removes it first)"
         if code == grpc.StatusCode.NOT_FOUND and details.endswith("not found"):
             return f"{details} (NOT_FOUND; eplb ctl list shows the deployments)"
         return f"{details} ({code.name})"
 
     def close(self) -> None:
         self.client.close()
+
+    # create, delete
+
+    def create(self, d: object) -> int:
+        r = self.call("CreateDeployment", self.pb.CreateDeploymentRequest(deployment=d))
+        d = r.deployment
+        print(f"created deployment {d.name}, version {r.placement.version}: {_topology(d.topology)}")
+        print(f"policy {d.policy or 'auto'}; window {_window(d)}; trigger {_trigger(d)}")
+        return 0
+
+    def delete(self, name: str, yes: bool) -> int:
+        d = self.call("GetDeployment", self.pb.GetDeploymentRequest(name=name)).deployment
+        question = (
+            f"delete deployment {name!r} (version {d.version}, {d.topology.num_gpus} gpus) and all its state: "
+            "placements, load window, acks?"
+        )
+        if not yes and not _confirm(question):
+            print(f"{PROG} delete: {name!r} not deleted", file=sys.stderr)
+            return 1
+        self.call("DeleteDeployment", self.pb.DeleteDeploymentRequest(name=name))
+        print(f"deleted deployment {name}")
+        return 0
 
     # list
 
@@ -554,6 +690,46 @@ class _Ctl:
         return 0 if ok else 1
 
 
+def _confirm(question: str) -> bool:
+    """Asks ``question`` on the terminal (stderr, so stdout stays the command's); True on y or yes."""
+    if not sys.stdin.isatty():
+        raise CtlError("stdin is not a terminal to ask on; pass --yes to delete without asking")
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def _create_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "create",
+        help="create a deployment from flags and/or a spec file (TOML or JSON: the wire's Deployment)",
+        description="Create a deployment and publish its version 1 (the contiguous placement). The spec file's "
+        "fields are the wire's Deployment message (proto/eplb/v1/balancer.proto) in protobuf's JSON mapping: "
+        "durations as strings such as '600s'. Flags set their field over the file's. The service checks the "
+        "result and names the field it refuses.",
+    )
+    c.add_argument("name", nargs="?", help="the deployment's name [the spec's name]")
+    c.add_argument("-f", "--file", metavar="SPEC", help="a spec file, .toml or .json (docs/tools.md, 'eplb ctl')")
+    for flag, field in (("layers", "num_layers"), ("experts", "num_experts"), ("slots", "num_slots")):
+        c.add_argument(f"--{flag}", type=_count, metavar="N", help=f"topology.{field}")
+    c.add_argument("--gpus", type=_count, metavar="N", help="topology.num_gpus (the ranks are 0 .. N-1)")
+    c.add_argument("--nodes", type=_count, metavar="N", help="topology.num_nodes [1]")
+    c.add_argument("--groups", type=_count, metavar="N", help="topology.num_groups [1]")
+    c.add_argument("--policy", help="a policy the service has registered [auto]")
+    window = c.add_mutually_exclusive_group()
+    window.add_argument("--window", type=_number, metavar="S", help="a sliding load window of S seconds [600]")
+    window.add_argument("--half-life", type=_number, metavar="S", help="a decaying load window instead")
+    c.add_argument("--interval", type=_number, metavar="S", help="re-plan every S seconds [0: only on rebalance]")
+    c.add_argument("--report-count", type=_count, metavar="N", help="re-plan after N reports [0: off]")
+    c.add_argument("--min-gain", type=_number, metavar="PCT", help="publish at >= PCT %% gain [0]")
+    c.add_argument("--max-moves", type=_count, metavar="N", help="at most N slots rewritten per re-plan [no limit]")
+    c.add_argument("--expert-bytes", type=_count, metavar="B", help="bytes of one expert's weights [0: unknown]")
+    c.add_argument("--effort", help="planning.effort: fast, default or high [default]")
+    d = sub.add_parser("delete", help="delete a deployment and all its state (asks first, unless --yes)")
+    d.add_argument("name")
+    d.add_argument("-y", "--yes", action="store_true", help="do not ask")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=PROG,
@@ -569,6 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-ca", metavar="PEM", help="root certificates to verify a TLS service by (default: plaintext)")
     ap.add_argument("--timeout", type=float, help="seconds a call may take, retries included [5; rebalance 60]")
     sub = ap.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
+    _create_parser(sub)
     sub.add_parser("list", help="every deployment: version, ranks acked, last plan")
     s = sub.add_parser("show", help="one deployment: topology, options, rollout per rank, the current plan's stats")
     s.add_argument("name")
@@ -599,6 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS: dict[str, Callable[[_Ctl, argparse.Namespace], int]] = {
+    "create": lambda c, a: c.create(a.deployment),
+    "delete": lambda c, a: c.delete(a.name, a.yes),
     "list": lambda c, a: c.list(),
     "show": lambda c, a: c.show(a.name, a.ranks),
     "placement": lambda c, a: c.placement(a),
@@ -635,6 +814,10 @@ def main(argv: list[str] | None = None) -> int:
             extras.require("grpc", "google.protobuf", "grpc_health")
         except ImportError as exc:
             raise CtlError(extras.missing(PROG, "service", exc)) from None
+        if args.ctl_command == "create":  # a bad spec fails before anything is asked of the service
+            from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+            args.deployment = deployment_spec(args, pb)
         if args.ctl_command != "health":  # health reports each address, reachable or not
             check_reachable(args.address, args.timeout)
         ctl = _Ctl(args)

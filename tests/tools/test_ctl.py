@@ -4,6 +4,7 @@ calls run in-process: ``main(argv)`` with capsys), and the wire fields it reads.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import shutil
@@ -430,3 +431,149 @@ def test_show_names_down_and_suspect_ranks(served: Callable[..., Served], capsys
     assert "down:       ranks 7 (SetRanksDown; not in the rollout)" in lines
     assert "suspect:    rank 6, never heard from (no report or ack; still planned for)" in lines
     assert "  down (1): 7" in lines
+
+
+SPEC_TOML = """\
+name = "from-toml"
+policy = "global"
+expert_bytes = 1048576
+
+[topology]
+num_layers = 4
+num_experts = 16
+num_slots = 24
+num_gpus = 8
+num_nodes = 2
+num_groups = 4
+
+[window.decay]
+half_life = "60s"
+
+[trigger]
+interval = "30s"
+min_gain_percent = 2.5
+"""
+
+
+def test_create_from_flags_then_list_shows_it(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    code, out, err = run(
+        capsys, "--address", s.address, "create", "d1", "--layers", "4", "--experts", "16", "--slots", "24"
+    )
+    assert (code, out) == (2, "")
+    assert err == "eplb ctl create: error: deployment.topology.num_gpus: must be >= 1 (INVALID_ARGUMENT)\n"
+    code, out, err = run(capsys, "--address", s.address, "create", "d1")
+    assert err == (
+        "eplb ctl create: error: give the topology: --layers L --experts E --slots P --gpus G [--nodes N --groups K] "
+        "(or a [topology] table in the spec file)\n"
+    )
+    argv = ["create", "d1", "--layers", "4", "--experts", "16", "--slots", "24", "--gpus", "8", "--nodes", "2"]
+    code, out, err = run(capsys, "--address", s.address, *argv, "--groups", "4", "--window", "120", "--max-moves", "5")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "created deployment d1, version 1: 4 layers, 16 experts, 24 slots on 8 gpus, 2 nodes, 4 groups",
+        "policy auto; window sliding, last 120 s, 10 buckets; trigger off (plans only on Rebalance)",
+    ]
+    stored = s.client.get_deployment("d1")
+    assert wire.topology_from_pb(stored.topology) == TOPO and stored.migration.max_moves == 5
+    assert list(stored.ranks) == list(range(8))
+    code, out, _ = run(capsys, "--address", s.address, "list")
+    assert out.splitlines()[1].split()[:3] == ["d1", "1", "0/8"]
+    code, out, err = run(capsys, "--address", s.address, *argv, "--groups", "4")
+    assert (code, out) == (2, "")
+    assert err == (
+        "eplb ctl create: error: deployment 'd1' already exists (ALREADY_EXISTS; eplb ctl delete NAME removes it "
+        "first)\n"
+    )
+
+
+def test_create_from_a_spec_file_with_flags_over_it(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    s = served()
+    (tmp_path / "d.toml").write_text(SPEC_TOML)
+    assert run(capsys, "--address", s.address, "create", "-f", str(tmp_path / "d.toml"))[0] == 0
+    got = s.client.get_deployment("from-toml")
+    assert wire.topology_from_pb(got.topology) == TOPO and got.policy == "global" and got.expert_bytes == 1 << 20
+    assert got.window.decay.half_life.seconds == 60 and got.trigger.interval.seconds == 30
+    assert got.trigger.min_gain_percent == 2.5
+    # NAME and flags win over the file; a flag's window replaces the file's decay one.
+    code, out, _ = run(
+        capsys, "--address", s.address, "create", "other", "-f", str(tmp_path / "d.toml"), "--window", "90"
+    )
+    assert code == 0 and out.splitlines()[1] == (
+        "policy global; window sliding, last 90 s, 10 buckets; trigger every 30 s, publish at >= 2.5 % gain"
+    )
+    # JSON, in the mapping show -o json prints (camelCase names too, as protobuf's JSON parser reads them).
+    spec = {"name": "from-json", "topology": {"numLayers": 4, "numExperts": 16, "numSlots": 24, "numGpus": 8}}
+    (tmp_path / "d.json").write_text(json.dumps(spec))
+    assert run(capsys, "--address", s.address, "create", "-f", str(tmp_path / "d.json"))[0] == 0
+    assert s.client.get_deployment("from-json").topology.num_gpus == 8
+
+
+@pytest.mark.parametrize(
+    ("spec_name", "text", "said"),
+    [
+        ("d.yaml", "name: x", "a spec is .toml or .json, not '.yaml'"),
+        ("d.toml", "name = ", "not valid TOML: "),
+        ("d.json", "[1]", "must hold one table (the Deployment's fields), not a list"),
+        ("d.toml", 'nme = "x"', 'Message type "eplb.v1.Deployment" has no field named "nme"'),
+        ("d.toml", "[window.sliding]\nduration = 600\n[topology]\nnum_gpus = 8", "Duration JSON value not a string"),
+    ],
+)
+def test_a_bad_spec_file_is_one_line_before_any_call(
+    capsys: pytest.CaptureFixture, tmp_path: Path, spec_name: str, text: str, said: str
+) -> None:
+    (tmp_path / spec_name).write_text(text)
+    # Nothing listens at 127.0.0.1:1: the spec fails first, so no connection is tried.
+    code, out, err = run(capsys, "--address", "127.0.0.1:1", "create", "d", "-f", str(tmp_path / spec_name))
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith(f"eplb ctl create: error: --file {tmp_path / spec_name}: ") and said in err, err
+
+
+def test_the_service_refusing_a_spec_is_one_line_naming_the_field_and_status(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture
+) -> None:
+    s = served()
+    argv = ["create", "d1", "--layers", "4", "--experts", "16", "--slots", "20", "--gpus", "8", "--policy", "nope"]
+    code, out, err = run(capsys, "--address", s.address, *argv)
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith("eplb ctl create: error: deployment.topology: num_slots (20) must be a multiple of num_gpus")
+    assert "deployment.policy: unknown policy 'nope'; registered: auto," in err
+    assert err.endswith(" (INVALID_ARGUMENT)\n")
+    assert s.client.call("ListDeployments", pb.ListDeploymentsRequest()).deployments == []
+
+
+class _Terminal(io.StringIO):
+    """stdin as a terminal that answers ``text``."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_delete_asks_on_a_terminal_and_takes_yes(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO)
+    monkeypatch.setattr("sys.stdin", _Terminal("n\n"))
+    code, out, err = run(capsys, "--address", s.address, "delete", "d1")
+    assert (code, out) == (1, "")
+    assert err == (
+        "delete deployment 'd1' (version 1, 8 gpus) and all its state: placements, load window, acks? [y/N] "
+        "eplb ctl delete: 'd1' not deleted\n"
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # not a terminal: no one to ask
+    code, out, err = run(capsys, "--address", s.address, "delete", "d1")
+    assert (code, out) == (2, "")
+    assert err == "eplb ctl delete: error: stdin is not a terminal to ask on; pass --yes to delete without asking\n"
+    assert s.client.get_deployment("d1").name == "d1"  # still there
+    monkeypatch.setattr("sys.stdin", _Terminal("yes\n"))
+    assert run(capsys, "--address", s.address, "delete", "d1")[:2] == (0, "deleted deployment d1\n")
+    s.client.create_deployment("d2", TOPO)
+    assert run(capsys, "--address", s.address, "delete", "d2", "--yes") == (0, "deleted deployment d2\n", "")
+    assert run(capsys, "--address", s.address, "list") == (0, "no deployments\n", "")
+    code, _, err = run(capsys, "--address", s.address, "delete", "d2", "--yes")
+    assert code == 2 and err == (
+        "eplb ctl delete: error: deployment 'd2' not found (NOT_FOUND; eplb ctl list shows the deployments)\n"
+    )
