@@ -345,6 +345,27 @@ def deployment_spec(args: argparse.Namespace, pb: object) -> object:
     return msg
 
 
+# -o json: the wire's messages in protobuf's JSON mapping
+
+
+def as_json(msg: object) -> dict:
+    """``msg`` as ``-o json`` prints it: protobuf's JSON mapping with the proto's field names,
+    every field present (0, "" and [] included, so a script need not guess a default), 64-bit
+    integers as numbers, timestamps RFC 3339, durations ``"30s"``."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(
+        msg,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+
+
+def _print_json(doc: dict) -> None:
+    print(json.dumps(doc, sort_keys=True))
+
+
 def _count(value: str) -> int:
     """An argparse type: an integer >= 0."""
     try:
@@ -435,8 +456,14 @@ class _Ctl:
 
     # list
 
-    def list(self) -> int:
+    def list(self, output: str = "text") -> int:
         r = self.call("ListDeployments", self.pb.ListDeploymentsRequest())
+        if output == "json":
+            # Each deployment beside its status (the wire sends two lists in the same order).
+            statuses = list(r.statuses) or [self.pb.DeploymentStatus()] * len(r.deployments)
+            pairs = [{"deployment": as_json(d), "status": as_json(st)} for d, st in zip(r.deployments, statuses)]
+            _print_json({"deployments": pairs})
+            return 0
         if not r.deployments:
             print("no deployments")
             return 0
@@ -460,8 +487,11 @@ class _Ctl:
 
     # show
 
-    def show(self, name: str, ranks_table: bool = False) -> int:
+    def show(self, name: str, ranks_table: bool = False, output: str = "text") -> int:
         r = self.call("GetDeployment", self.pb.GetDeploymentRequest(name=name))
+        if output == "json":
+            _print_json(as_json(r))  # GetDeploymentResponse: deployment, acks, down_ranks, status
+            return 0
         d, s = r.deployment, r.status
         say = print
         say(f"deployment {d.name}, created {_stamp(d.create_time)}")
@@ -545,6 +575,9 @@ class _Ctl:
         from .plots_check import plot_target
 
         plot = plot_target("--plot", args.plot) if args.plot else None
+        if args.output == "json" and (args.format or args.out):
+            flag = "--format" if args.format else "--out"
+            raise CtlError(f"-o json prints the version to stdout; {flag} is for a placement format (not both)")
         out, fmt = None, args.format or "listing"
         if args.out:
             out = Path(args.out)
@@ -564,11 +597,16 @@ class _Ctl:
         loads = wire.decode_array(r.window_loads, "window_loads") if r.HasField("window_loads") else None
         stats = json_format.MessageToDict(r.placement.stats, preserving_proto_field_name=True)
         stats |= {"deployment": args.name, "version": published.version}
+        if args.output == "json":
+            # The version's fields as watch -o json prints them, and its phy2log [L, P] as rows.
+            _print_json(_watch_json(r.placement) | {"phy2log": published.placement.phy2log.tolist()})
         if plot is not None:
             self._plot(plot, args.name, published, loads, r.window_reports, topo)
             print(f"wrote plot of {args.name} version {published.version} to {plot}", file=sys.stderr)
             if args.format is None and out is None:
                 return 0
+        if args.output == "json":
+            return 0
         if out is not None:
             kind = eio.write_placement(out, published.placement, fmt, stats=stats, loads=loads)
             print(f"wrote {kind} placement of {args.name} version {published.version} to {out}", file=sys.stderr)
@@ -647,9 +685,13 @@ class _Ctl:
                         print(f"{PROG} watch: reconnected to {self.client.endpoints.address}", file=sys.stderr)
                         lost = False
                     seen = p.version
-                    print(
-                        f"{_utc(p.create_time.ToNanoseconds() / 1e9)}  {args.name} version {p.version}: {_stats_line(p.stats)}"
-                    )
+                    if args.output == "json":
+                        _print_json(_watch_json(p))
+                    else:
+                        print(
+                            f"{_utc(p.create_time.ToNanoseconds() / 1e9)}  {args.name} version {p.version}: "
+                            f"{_stats_line(p.stats)}"
+                        )
                     sys.stdout.flush()
                     lines += 1
                     if args.count and lines >= args.count:
@@ -688,6 +730,19 @@ class _Ctl:
             print(f"{address}: {'SERVING' if serving else 'NOT SERVING (or unreachable)'}")
             ok |= serving
         return 0 if ok else 1
+
+
+def _watch_json(p: object) -> dict:
+    """A version as ``watch -o json`` prints it: the ``Placement`` without its arrays (phy2log and
+    loads, which ``placement NAME --version V -o json`` gives in full)."""
+    q = type(p)()
+    q.CopyFrom(p)
+    q.ClearField("phy2log")
+    q.ClearField("loads")
+    doc = as_json(q)
+    doc.pop("phy2log", None)
+    doc.pop("loads", None)
+    return doc
 
 
 def _confirm(question: str) -> bool:
@@ -730,6 +785,16 @@ def _create_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("-y", "--yes", action="store_true", help="do not ask")
 
 
+def _output(parser: argparse.ArgumentParser, json_is: str = "the wire's messages") -> None:
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=("text", "json"),
+        default="text",
+        help=f"text for people, or json for scripts ({json_is}; fields: docs/tools.md) [text]",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=PROG,
@@ -746,12 +811,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, help="seconds a call may take, retries included [5; rebalance 60]")
     sub = ap.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
     _create_parser(sub)
-    sub.add_parser("list", help="every deployment: version, ranks acked, last plan")
+    _output(sub.add_parser("list", help="every deployment: version, ranks acked, last plan"))
     s = sub.add_parser("show", help="one deployment: topology, options, rollout per rank, the current plan's stats")
     s.add_argument("name")
+    _output(s)
     s.add_argument("--ranks", action="store_true", help="a table row per rank (default: ranks grouped by state)")
     p = sub.add_parser("placement", help="a version's placement in a placement format, or its heatmap")
     p.add_argument("name")
+    _output(p, "json: the version's fields, as watch's, and its phy2log")
     p.add_argument("--version", type=int, default=0, help="a recent version (the last 16 are kept) [current]")
     p.add_argument(
         "--format", choices=eio.PLACEMENT_FORMATS, help="placement format [listing; with --out: by its suffix]"
@@ -769,6 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="publish even if the gain gate or the move budget refuses")
     w = sub.add_parser("watch", help="a line per placement version (the current one first) until Ctrl-C")
     w.add_argument("name")
+    _output(w, "json: one object per line (JSON Lines)")
     w.add_argument("--since", type=int, help="start after this version [0: with the current one]")
     w.add_argument("--count", type=int, help="stop after this many lines")
     sub.add_parser("health", help="the gRPC health check of each address; exit 1 if none is SERVING")
@@ -778,8 +846,8 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMANDS: dict[str, Callable[[_Ctl, argparse.Namespace], int]] = {
     "create": lambda c, a: c.create(a.deployment),
     "delete": lambda c, a: c.delete(a.name, a.yes),
-    "list": lambda c, a: c.list(),
-    "show": lambda c, a: c.show(a.name, a.ranks),
+    "list": lambda c, a: c.list(a.output),
+    "show": lambda c, a: c.show(a.name, a.ranks, a.output),
     "placement": lambda c, a: c.placement(a),
     "rebalance": lambda c, a: c.rebalance(a),
     "watch": lambda c, a: c.watch(a),

@@ -577,3 +577,47 @@ def test_delete_asks_on_a_terminal_and_takes_yes(
     assert code == 2 and err == (
         "eplb ctl delete: error: deployment 'd2' not found (NOT_FOUND; eplb ctl list shows the deployments)\n"
     )
+
+
+def test_output_json_for_scripts(served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    s = served()
+    assert run(capsys, "--address", s.address, "list", "-o", "json") == (0, '{"deployments": []}\n', "")
+    s.client.create_deployment("d1", TOPO, interval_s=30)
+    s.report("d1", _loads(), range(8))
+    published = s.client.rebalance("d1")
+    for rank in range(3):
+        s.client.ack("d1", rank, 2, "switched")
+    code, out, _ = run(capsys, "--address", s.address, "list", "-o", "json")
+    (entry,) = json.loads(out)["deployments"]
+    d, status = entry["deployment"], entry["status"]
+    assert (d["name"], d["version"], d["policy"], d["trigger"]["interval"]) == ("d1", 2, "auto", "30s")
+    assert d["topology"] == {
+        "num_layers": 4,
+        "num_experts": 16,
+        "num_slots": 24,
+        "num_gpus": 8,
+        "num_nodes": 2,
+        "num_groups": 4,
+    }
+    assert (status["version"], status["ranks_acked"], status["ranks_failed"], status["num_ranks"]) == (2, 3, 0, 8)
+    assert status["stats"]["moves"] == published.placement.stats.moves  # 64-bit integers are numbers
+    assert status["version_time"].endswith("Z")
+    code, out, _ = run(capsys, "--address", s.address, "show", "d1", "-o", "json")
+    shown = json.loads(out)
+    assert shown["deployment"] == d and shown["status"]["ranks_acked"] == 3 and shown["down_ranks"] == []
+    assert sorted(a["rank"] for a in shown["acks"]) == [0, 1, 2]
+    # show's deployment is a spec: create -f takes it back (output-only fields ignored).
+    (tmp_path / "copy.json").write_text(json.dumps(shown["deployment"] | {"name": "copy"}))
+    assert run(capsys, "--address", s.address, "create", "-f", str(tmp_path / "copy.json"))[0] == 0
+    copy = s.client.get_deployment("copy")
+    assert copy.version == 1 and copy.trigger == s.client.get_deployment("d1").trigger
+    code, out, _ = run(capsys, "--address", s.address, "placement", "d1", "-o", "json")
+    p = json.loads(out)
+    assert (p["deployment"], p["version"]) == ("d1", 2) and p["stats"]["policy_used"] == "global"
+    current = s.client.get_placement("d1", topology=TOPO).placement.phy2log
+    assert np.array_equal(np.array(p["phy2log"]), current)
+    code, out, _ = run(capsys, "--address", s.address, "watch", "d1", "--count", "1", "-o", "json")
+    (line,) = out.splitlines()  # JSON Lines: one object per version, the current one first
+    assert json.loads(line) == {k: v for k, v in p.items() if k != "phy2log"}
+    code, _, err = run(capsys, "--address", s.address, "placement", "d1", "-o", "json", "--format", "sglang")
+    assert code == 2 and "-o json prints the version to stdout; --format is for a placement format" in err
