@@ -699,6 +699,7 @@ def _planning(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
+    ap.add_argument("--version", action="version", version=f"eplb {eplb.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "place",
@@ -845,6 +846,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     c.set_defaults(fn=None)
+    b = sub.add_parser(
+        "bench",
+        help="policies x workloads x scales as a report, as eplb-bench (eplb bench --help)",
+        add_help=False,
+    )
+    b.set_defaults(fn=None)
     k = sub.add_parser(
         "calibrate",
         help="measure one gpu's MoE layer on this GPU and fit the kernel model (eplb calibrate --help)",
@@ -873,6 +880,18 @@ def _unrecognized(parser: argparse.ArgumentParser, rest: list[str]) -> str:
             if close:
                 hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
     return f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def _bench(argv: list[str]) -> int:
+    """``eplb bench ARGS``: the installed ``eplb-bench`` command. Found by its entry point, not
+    imported: the benchmarks build on the tools (eplb_bench imports eplb_tools), never the reverse."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="console_scripts", name="eplb-bench")
+    if not found:
+        print("eplb bench: error: the eplb-bench command is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return 2
+    return next(iter(found)).load()(argv)
 
 
 @quiet_on_broken_pipe
@@ -911,6 +930,8 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl import main as ctl_main  # grpc only for ctl: it checks the service extra itself
 
         return ctl_main(rest)
+    if args.command == "bench":
+        return _bench(rest)
     if args.command == "calibrate":
         from .calibrate import main as calibrate_main  # torch only here
 
