@@ -45,6 +45,7 @@ from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 from eplb_tools import extras
 from eplb_tools import io as eio
+from eplb_tools.args import OneLineParser
 from eplb_tools.cli import ProgressLines, build_topology, check_plan_fits
 from eplb_tools.pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
@@ -614,9 +615,7 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = OneLineParser(prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "traces",
         nargs="*",

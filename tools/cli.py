@@ -28,6 +28,7 @@ from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import extras
 from . import io as eio
+from .args import OneLineParser
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 from .plots_check import plot_target
 
@@ -698,7 +699,7 @@ def _planning(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
+    ap = OneLineParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
     ap.add_argument("--version", action="version", version=f"eplb {eplb.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser(

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import extras
 from . import io as eio
+from .args import OneLineParser
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 __all__ = ["build_parser", "main"]
@@ -796,7 +797,7 @@ def _output(parser: argparse.ArgumentParser, json_is: str = "the wire's messages
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=PROG,
         description="Ask a running eplb service what it is doing (docs/tools.md, 'eplb ctl').",
     )

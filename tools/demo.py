@@ -46,6 +46,7 @@ import eplb
 from eplb.workloads import shift, zipf
 
 from . import extras
+from .args import OneLineParser
 from .demo_failure import DOWN_KEY, Failure, heartbeat, lost_experts
 from .demo_failure import summarize as summarize_failure
 from .demo_rejoin import GO_KEY, READY_KEY, Rejoin, cancel, wait_go
@@ -985,7 +986,7 @@ def _check_failure_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, 
 
 def main(argv: list[str] | None = None) -> int:
     d = DemoConfig()
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="eplb demo",
         description="The balancer service, simulated engine ranks and the "
         "weight mover on loopback, on CPU, in under a minute.",

@@ -325,6 +325,27 @@ def test_bad_flags_get_one_line(
     assert run(capsys, *argv) == (2, "", f"eplb ctl {said}\n")
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["watch", "d", "--count", "x"], "eplb ctl watch: error: argument --count: invalid int value: 'x'"),
+        (["create", "d", "--gpus", "-8"], "eplb ctl create: error: argument --gpus: must be an integer >= 0, got '-8'"),
+        (["create", "d", "--window", "inf"], "eplb ctl create: error: argument --window: must be a finite number >= 0"),
+        (["list", "-o", "yaml"], "eplb ctl list: error: argument -o/--output: invalid choice: 'yaml' (choose from"),
+        (["lst"], "eplb ctl: error: argument COMMAND: invalid choice: 'lst' (choose from 'create', 'delete',"),
+    ],
+)
+def test_a_bad_flag_value_is_one_line_with_a_hint_to_help(
+    capsys: pytest.CaptureFixture, argv: list[str], said: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's own: before any connection
+        ctl.main(argv)
+    out, err = capsys.readouterr()
+    assert (exc.value.code, out) == (2, "")
+    (line,) = err.splitlines()  # argparse printed its usage first: 8 lines for create
+    assert line.startswith(said) and line.endswith(f" (see {said.split(': error')[0]} --help)"), line
+
+
 def test_the_address_defaults_to_where_eplb_serve_listens(monkeypatch: pytest.MonkeyPatch) -> None:
     from eplb_service import cli as serve_cli
 
