@@ -1,6 +1,6 @@
 """The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
 ``eplb serve`` (the balancer service), ``eplb demo`` (service, engine ranks and mover on CPU) and
-``eplb ctl`` (ask a running service, tools/ctl.py)."""
+``eplb ctl`` (ask a running service, tools/ctl.py), ``eplb bench`` (``eplb-bench``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -31,6 +33,8 @@ from . import io as eio
 from .args import OneLineParser
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 from .plots_check import plot_target
+
+T = TypeVar("T")
 
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
@@ -488,6 +492,22 @@ def _refuse_a_trace(path: str) -> None:
 # has run this long, then at most one per interval, so a quick plan prints none.
 PROGRESS_AFTER_S = 3.0
 PROGRESS_EVERY_S = 3.0
+
+
+def progress_lines(items: Sequence[T], prefix: str) -> Iterator[T]:
+    """``items`` one at a time, with a line on stderr for a log file where a terminal gets a
+    bar: ``eplb-bench: placement 12/42, 9 s``, the first after ``PROGRESS_AFTER_S``, then at
+    most one per ``PROGRESS_EVERY_S``, and the last once all are done if any was printed."""
+    start = time.monotonic()
+    last = start + PROGRESS_AFTER_S - PROGRESS_EVERY_S
+    for i, item in enumerate(items):
+        now = time.monotonic()
+        if i and now - last >= PROGRESS_EVERY_S:
+            print(f"{prefix} {i}/{len(items)}, {now - start:.0f} s", file=sys.stderr, flush=True)
+            last = now
+        yield item
+    if last > start + PROGRESS_AFTER_S - PROGRESS_EVERY_S:
+        print(f"{prefix} {len(items)}/{len(items)}, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def _is_terminal() -> bool:

@@ -35,7 +35,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -216,6 +217,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
             world_size=cfg.ranks,
             timeout=timedelta(seconds=60),
         )
+    events.put(("up", {"rank": rank}))  # torch imported and the group joined: seconds of start-up
     failing = cfg.fail_rank >= 0
     rejoining = cfg.rejoin_at > 0
     # The mover's transfers on a group with a short timeout: a prepare in flight when a rank
@@ -683,16 +685,20 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     restarted: dict[int, float] = {}  # rank -> when it was started again (time.time())
     rejoined: dict[int, dict] = {}  # a restarted rank's results
     deadline = time.monotonic() + cfg.seconds + 120
+    starting = _StartUp(cfg.ranks)
     try:
         while len(results) < cfg.ranks or len(rejoined) < len(restarted):
             try:
                 kind, item = events.get(timeout=1.0)
             except queue.Empty:
+                starting.waiting()
                 exits = [None if r in killed and r not in restarted else p.exitcode for r, p in enumerate(procs)]
                 if time.monotonic() > deadline or any(code not in (None, 0) for code in exits):
                     raise RuntimeError(f"engine ranks failed (exit codes {[p.exitcode for p in procs]})") from None
                 continue
-            if kind == "event":
+            if kind == "up":
+                starting.up(item["rank"])
+            elif kind == "event":
                 print(_line(item), file=out, flush=True)
             elif kind == "rejoin":
                 # The survivors reached --rejoin-at: the dead rank's process starts again, joins
@@ -750,6 +756,54 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
             summary[f"service_{key}failed_versions"] = sorted({got[r][1] for r in got if got[r][1]})
     _print_summary(summary, out)
     return summary
+
+
+@contextmanager
+def _said_if_slow(message: str, after_s: float = 3.0) -> Iterator[None]:
+    """Prints ``message`` on stderr once the block has run ``after_s``: a slow start-up is not
+    silent, a quick one (or one that fails at once, whose error is then the only line) says nothing."""
+    timer = threading.Timer(after_s, lambda: print(message, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+class _StartUp:
+    """The ranks' start-up on stderr (importing torch and joining the gloo group takes 9-21 s on
+    a loaded machine, in which the demo printed nothing): a line every ``EVERY_S`` until every
+    rank is up, then one saying so. A rank restarted later (``--rejoin-at``) says nothing."""
+
+    EVERY_S = 3.0
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.started = self.said = time.monotonic()
+        self.ranks_up: set[int] = set()
+
+    def waiting(self) -> None:
+        now = time.monotonic()
+        if len(self.ranks_up) < self.ranks and now - self.said >= self.EVERY_S:
+            print(
+                f"eplb demo: starting {self.ranks} engine ranks (importing torch, joining the gloo group): "
+                f"{len(self.ranks_up)} up, {now - self.started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.said = now
+
+    def up(self, rank: int) -> None:
+        if len(self.ranks_up) == self.ranks:
+            return
+        self.ranks_up.add(rank)
+        if len(self.ranks_up) == self.ranks:
+            print(
+                f"eplb demo: {self.ranks} engine ranks up in {time.monotonic() - self.started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _ignore_sigint() -> Callable[[], None]:
@@ -1041,7 +1095,8 @@ def main(argv: list[str] | None = None) -> int:
         "eplb_engine.balanced_rank",
     ]
     try:
-        extras.require(*needed, *(["matplotlib"] if args.plots else []))
+        with _said_if_slow("eplb demo: importing torch and the service (seconds on a loaded machine)"):
+            extras.require(*needed, *(["matplotlib"] if args.plots else []))
     except ImportError as exc:
         print(f"eplb demo: error: {extras.missing('the demo', 'demo', exc)}", file=sys.stderr)
         return 2
