@@ -612,7 +612,16 @@ class _Ctl:
             kind = eio.write_placement(out, published.placement, fmt, stats=stats, loads=loads)
             print(f"wrote {kind} placement of {args.name} version {published.version} to {out}", file=sys.stderr)
         else:
-            sys.stdout.write(eio.placement_text(published.placement, fmt, stats, loads))
+            text = eio.placement_text(published.placement, fmt, stats, loads)
+            if fmt == "listing":
+                # Under the format's line, a comment saying which placement this is (listings
+                # read back skip comment lines).
+                head, _, rest = text.partition("\n")
+                when = _utc(r.placement.create_time.ToNanoseconds() / 1e9)
+                text = (
+                    f"{head}\n# deployment {args.name}, placement version {published.version}, published {when}\n{rest}"
+                )
+            sys.stdout.write(text)
         return 0
 
     def _plot(

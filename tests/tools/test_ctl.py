@@ -23,10 +23,12 @@ import pytest
 
 import eplb
 import eplb_engine.wire as wire
+from eplb import formats
 from eplb_engine.client import ServiceClient
 from eplb_service.balancer import BalancerConfig
 from eplb_service.server import RunningServer, ServerConfig, start_server
 from eplb_tools import cli, ctl
+from eplb_tools import io as eio
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 # As tests/service's FAST: flushes, triggers and refreshes within a fraction of a second.
@@ -190,6 +192,12 @@ def test_placement_formats_out_and_plot(
     code, out, err = run(capsys, "--address", s.address, "placement", "d1", "--plot", str(tmp_path / "h.png"))
     assert code == 0 and out == "" and "wrote plot of d1 version 2" in err
     assert mpimg.imread(tmp_path / "h.png").shape[1] >= 600
+    code, out, _ = run(capsys, "--address", s.address, "placement", "d1")
+    first, second = out.splitlines()[:2]
+    assert first.startswith("# eplb placement listing, format 1: layers=4 experts=16 slots=24 gpus=8")
+    assert second.startswith("# deployment d1, placement version 2, published 20") and second.endswith(" UTC")
+    assert eio.placement_text(current.placement, "listing") == out.replace(second + "\n", "")
+    assert formats.from_listing(out) == current.placement  # it reads back as a listing
     code, _, err = run(capsys, "--address", s.address, "placement", "d1", "--version", "9")
     assert code == 2 and err == (
         "eplb ctl placement: error: deployment 'd1' has no placement version 9 (current 2) (NOT_FOUND)\n"
