@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -275,6 +276,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
                     planned_before=stats.imbalance_before,
                     planned_after=stats.imbalance_after,
                     moves=stats.moves,
+                    survivor_of=part.rollout.current.survivor_of,
                 )
             pending.append(item)
 
@@ -425,8 +427,10 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
             topo = model.topo
             gpu = got.reshape(topo.num_layers, topo.num_gpus, -1).sum(axis=2)[:, live]
             model.series.append(float((gpu.max(axis=1) / gpu.mean(axis=1)).mean()))
-        for item in [p for p in pending if step >= p["step"] + _AFTER_STEPS or p["kind"] != "switched"]:
-            pending.remove(item)
+        # In the order they happened: a switch waits _AFTER_STEPS steps for its measurement, and
+        # what came after it (the service's survivor version adopted, say) waits behind it.
+        while pending and (pending[0]["kind"] != "switched" or step >= pending[0]["step"] + _AFTER_STEPS):
+            item = pending.pop(0)
             if item["kind"] == "switched":
                 s, series = item["step"], models[[m.name for m in models].index(item["model"])].series
                 item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
@@ -573,6 +577,12 @@ class _Service:
         from eplb_service.balancer import BalancerConfig
         from eplb_service.server import ServerConfig, start_server
 
+        # The service's audit lines (SetRanksDown when --fail-rank kills a rank) went to stderr
+        # through logging's last-resort handler, in the middle of the report that already says
+        # what happened; the demo is the entry point, so it decides where its logs go.
+        audit = logging.getLogger("eplb_service.audit")
+        audit.addHandler(logging.NullHandler())
+        audit.propagate = False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -598,7 +608,14 @@ def _line(e: dict) -> str:
         return f"  {who}v{e['version']:<3} adopted: the service's survivor placement, the map routed already (no move)"
     if e["kind"] != "switched":
         return f"  {who}v{e['version']:<3} {e['kind']} at step {e['step']}: {e['error'] or 'another rank failed'}; kept the previous map"
-    planned = f"{e['planned_before']:.3f} -> {e['planned_after']:.3f}" if "planned_before" in e else "?"
+    if e.get("survivor_of"):
+        # A survivor placement is planned from its base version's loads, with no figure for
+        # the map before it (whose dead gpu holds nothing): "0.000 -> ..." read as a gain.
+        planned = f"(survivor placement of v{e['survivor_of']}) {e['planned_after']:.3f}"
+    elif "planned_before" in e:
+        planned = f"{e['planned_before']:.3f} -> {e['planned_after']:.3f}"
+    else:
+        planned = "?"
     return (
         f"  {who}v{e['version']:<3} t={e['t']:5.1f}s step {e['step']:<5} imbalance {planned} planned, "
         f"{e['measured_before']:.3f} -> {e['measured_after']:.3f} measured | moves {e.get('moves', '?')} "
