@@ -863,7 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=None)
     c = sub.add_parser(
         "ctl",
-        help="ask a running service: list, show, placement, rebalance, watch, health (eplb ctl --help)",
+        help="a running service: create, delete, list, show, placement, rebalance, watch, health (eplb ctl --help)",
         add_help=False,
     )
     c.set_defaults(fn=None)

@@ -1,4 +1,5 @@
-"""``eplb ctl``: what a running balancer service is doing, for operators (no grpcurl needed).
+"""``eplb ctl``: a running balancer service's deployments, from creating one to deleting it, and
+what the service is doing with them, for operators (no grpcurl, no Python needed).
 
     eplb ctl [--address HOST:PORT[,HOST:PORT...]] [--token-file F] [--tls-ca PEM] [--timeout S] COMMAND
 
@@ -9,6 +10,11 @@ rollout per rank, the current version's plan stats), ``placement NAME`` (a versi
 placement format, or ``--plot FILE``: the heatmap of ``eplb place --plot`` under the
 deployment's load window), ``rebalance NAME [--dry-run] [--force]``, ``watch NAME`` (a line per
 version until Ctrl-C) and ``health``.
+
+``list``, ``show``, ``placement`` and ``watch`` take ``-o json``: the wire's messages in
+protobuf's JSON mapping, for scripts (docs/tools.md, "-o json"). ``--address`` defaults to
+``EPLB_ADDRESS``, else ``127.0.0.1:50051`` (where ``eplb serve`` listens); nothing listening
+there fails at once.
 
 The token, as for the service's other clients: ``--token-file F``, else ``EPLB_TOKEN_FILE``,
 else ``EPLB_TOKEN``. Errors are one line ``eplb ctl: error: ...``, exit 2 (as ``eplb place``);
@@ -808,7 +814,7 @@ def _output(parser: argparse.ArgumentParser, json_is: str = "the wire's messages
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(
         prog=PROG,
-        description="Ask a running eplb service what it is doing (docs/tools.md, 'eplb ctl').",
+        description="Create, inspect and delete the deployments of a running eplb service (docs/tools.md, 'eplb ctl').",
     )
     ap.add_argument(
         "--address",
