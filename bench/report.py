@@ -45,7 +45,8 @@ from eplb.topology import Topology
 from eplb.workloads import SCALES, WORKLOADS, drift, make_loads, shift
 from eplb_tools import extras
 from eplb_tools import io as eio
-from eplb_tools.cli import ProgressLines, build_topology, check_plan_fits
+from eplb_tools.args import OneLineParser
+from eplb_tools.cli import ProgressLines, build_topology, check_plan_fits, progress_lines
 from eplb_tools.pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 try:
@@ -54,6 +55,14 @@ except ImportError:  # the bench extra: without it no progress bars, as in eplb 
 
     def tqdm(iterable: Iterable[T], **_: object) -> Iterable[T]:
         return iterable
+
+
+def _each(items: list[T], section: str) -> Iterable[T]:
+    """``items`` with progress on stderr: a bar on a terminal, else a line every few seconds, so
+    a report run with ``2>log`` is not silent for the whole run."""
+    if sys.stderr.isatty():
+        return tqdm(items, desc=section)
+    return progress_lines(items, f"eplb-bench: {section}")
 
 
 OUR_POLICIES = ("global", "hierarchical", "auto")
@@ -391,7 +400,7 @@ def _run_sections(settings: Settings, trace_cases: list[Case], plots: Path | Non
     cases += trace_cases
     tasks = [(c, p) for c in cases for p in policies_for(c.topology, c.scale, settings.policies)]
     rows, per_case = report["placement"], {}
-    for case, policy in tqdm(tasks, desc="placement", disable=not sys.stderr.isatty()):
+    for case, policy in _each(tasks, "placement"):
         row, placement, imb = plan_case(case, policy, settings.ilp_time_limit)
         if placement is not None and settings.kernel_curve and case.topology.num_experts >= settings.topk:
             from eplb.timing import predicted_layer_us
@@ -426,7 +435,7 @@ def _run_sections(settings: Settings, trace_cases: list[Case], plots: Path | Non
             continue
         sequences.append((c.scale, c.topology, c.workload, c.sequence))
     replan, series = report["replan"], {}
-    for scale, stopo, name, seq in tqdm(sequences, desc="re-planning", disable=not sys.stderr.isatty()):
+    for scale, stopo, name, seq in _each(sequences, "re-planning"):
         r, s = replan_rows(
             scale, stopo, name, seq, policies_for(stopo, scale, settings.policies), settings.replan_every
         )
@@ -614,9 +623,7 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = OneLineParser(prog="eplb-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "traces",
         nargs="*",

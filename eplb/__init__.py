@@ -10,7 +10,7 @@ a previous placement), ``eplb.bounds`` (every lower bound), ``eplb.layout`` (the
 ``rebalance(..., progress=callback)`` reports as layers finish), ``eplb.limits`` (the most memory
 a plan may need, ``set_max_plan_bytes``). The tool modules
 (``eplb.workloads``, ``eplb.transfer``, ``eplb.compat``, ``eplb.kernel``, ``eplb.timing``, ...) load on
-first use.
+first use. ``eplb.__version__`` is the installed release (package metadata).
 """
 
 import importlib
@@ -70,10 +70,15 @@ _LAZY = ("compat", "formats", "kernel", "simulate", "timing", "traces", "transfe
 
 
 def __getattr__(name: str) -> object:
+    if name == "__version__":
+        # Read on first use: importlib.metadata costs `import eplb` several ms.
+        from .survivor_rules import EPLB_VERSION
+
+        return EPLB_VERSION
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, "__version__"})

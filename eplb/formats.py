@@ -202,7 +202,12 @@ def from_vllm(arrays: dict, num_gpus: int, num_nodes: int = 1, num_groups: int =
     return placement
 
 
-_HEADER = re.compile(r"# eplb placement v1: " + " ".join(rf"{n.removeprefix('num_')}=(\d+)" for n in _TOPO_FIELDS))
+# The listing's first line names its format, not a placement version (which "v1" was read as);
+# files written with the earlier "# eplb placement v1: ..." read the same.
+_LISTING_HEADER = "# eplb placement listing, format 1:"
+_HEADER = re.compile(
+    r"# eplb placement (?:v1|listing, format 1): " + " ".join(rf"{n.removeprefix('num_')}=(\d+)" for n in _TOPO_FIELDS)
+)
 _LINE = re.compile(r"layer (\d+) gpu (\d+) node (\d+):([-\d ]*)(?:\|.*)?$")
 
 
@@ -212,7 +217,7 @@ def to_listing(placement: Placement, loads: np.ndarray | None = None) -> str:
     share of the mean over live gpus (a down gpu's line says ``down``)."""
     topo = placement.topology
     head = " ".join(f"{n.removeprefix('num_')}={getattr(topo, n)}" for n in _TOPO_FIELDS)
-    lines = [f"# eplb placement v1: {head}", "# layer L gpu G node N: experts in slot order | tokens (x mean gpu load)"]
+    lines = [f"{_LISTING_HEADER} {head}", "# layer L gpu G node N: experts in slot order | tokens (x mean gpu load)"]
     on_gpu = placement.experts_on_gpu()
     load = gpu_loads(loads, placement) if loads is not None else None
     for layer in range(topo.num_layers):
@@ -235,7 +240,7 @@ def from_listing(text: str) -> Placement:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     match = _HEADER.match(lines[0]) if lines else None
     if not match:
-        raise ValueError("line 1: expected '# eplb placement v1: layers=L experts=E slots=P gpus=G nodes=N groups=K'")
+        raise ValueError(f"line 1: expected '{_LISTING_HEADER} layers=L experts=E slots=P gpus=G nodes=N groups=K'")
     topo = Topology(*map(int, match.groups()))
     # -2 marks a (layer, gpu) no line gave: -1 is an empty slot.
     phy2log = np.full((topo.num_layers, topo.num_gpus, topo.slots_per_gpu), -2, dtype=np.int64)

@@ -164,6 +164,20 @@ class Plan:
     def total_moves(self) -> int:
         return int(self.moves.sum())
 
+    def __repr__(self) -> str:
+        """A summary on one line (the arrays are ``[L]`` and ``[L, P]``: printed whole, a plan
+        of 58 layers ran to hundreds of lines): shape, policy, imbalance, moves, time."""
+        t = self.placement.topology
+        policy = self.policy if self.policy == self.policy_used else f"{self.policy} -> {self.policy_used}"
+        down = f", gpus down {list(self.down_gpus)}" if self.down_gpus else ""
+        notes = f", {len(self.notes)} note{'s' if len(self.notes) > 1 else ''}" if self.notes else ""
+        return (
+            f"Plan({t.num_layers} layers x {t.num_experts} experts in {t.num_slots} slots on {t.num_gpus} gpus "
+            f"({t.num_nodes} nodes, {t.num_groups} groups){down}, policy {policy}, imbalance mean "
+            f"{self.mean_imbalance:.4f} max {self.max_imbalance:.4f} (lower bound {float(self.imbalance_lb.mean()):.4f}), "
+            f"{self.total_moves} moves, {self.solve_seconds:.3f} s{notes})"
+        )
+
     def summary(self) -> dict:
         """Plain-Python figures for reports and the wire."""
         return {

@@ -22,11 +22,13 @@ SURVIVOR_OPTIONS: Mapping[str, object] = MappingProxyType({"effort": "fast"})
 
 
 def eplb_version() -> str:
-    """The installed eplb release (package metadata), ``"unknown"`` when it is not installed."""
+    """The installed eplb release (package metadata; an editable install has it too), else
+    ``"0+unknown"``: a checkout on ``sys.path`` that was never installed. A valid PEP 440 version,
+    so tools that parse ``eplb.__version__`` still can."""
     try:
         return version("eplb")
     except PackageNotFoundError:
-        return "unknown"
+        return "0+unknown"
 
 
 # Recorded in every planned placement (Placement.eplb_version) and compared by the ranks.

@@ -67,3 +67,22 @@ def test_one_codec_raises_the_field_and_the_service_maps_it_to_invalid_argument(
     assert arrays.encode(np.zeros(2, np.float16), widen=True).dtype == pb.DTYPE_FLOAT32
     with pytest.raises(ValueError, match="cannot encode a boolean array"):
         arrays.encode(np.zeros(2, bool), widen=True)
+
+
+def test_a_plan_prints_as_one_line_of_figures_not_its_arrays() -> None:
+    # print(plan) dumped every [L] and [L, P] array (hundreds of lines at DeepSeek-V3's scale).
+    import numpy as np
+
+    topo = eplb.Topology(58, 256, 288, 32, 4, 8)
+    loads = np.random.default_rng(0).lognormal(0, 1, (58, 256))
+    plan = eplb.rebalance(loads, topo, "global", effort="fast")
+    text = repr(plan)
+    assert str(plan) == text and "\n" not in text and "array" not in text and len(text) < 300
+    assert text.startswith(
+        "Plan(58 layers x 256 experts in 288 slots on 32 gpus (4 nodes, 8 groups), policy global, imbalance mean "
+        f"{plan.mean_imbalance:.4f} max {plan.max_imbalance:.4f} (lower bound {plan.imbalance_lb.mean():.4f}), "
+        f"0 moves, {plan.solve_seconds:.3f} s"
+    )
+    down = eplb.rebalance(loads, topo, "auto", previous=plan.placement, down_gpus=[3], effort="fast")
+    assert "gpus down [3], policy auto -> " in repr(down) and f"{down.total_moves} moves" in repr(down)
+    assert down.total_moves > 0 and repr(down).endswith(f"{len(down.notes)} note{'s' if len(down.notes) > 1 else ''})")

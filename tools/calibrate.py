@@ -13,7 +13,6 @@ torch is imported here only (the library stays numpy).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from eplb import kernel
+
+from .args import OneLineParser
 
 # Expert shapes (hidden, intermediate) of the models the issue names.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -213,7 +214,7 @@ def calibrate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="eplb calibrate",
         description="Measure one gpu's MoE layer (grouped GEMMs, SwiGLU, bf16) on this GPU over slot sets and "
         "token counts, fit the kernel model the planner uses and print its error on held-out slot sets.",

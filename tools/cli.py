@@ -1,6 +1,6 @@
 """The ``eplb`` command: ``eplb place`` (trace file or synthetic workload → placement file),
 ``eplb serve`` (the balancer service), ``eplb demo`` (service, engine ranks and mover on CPU) and
-``eplb ctl`` (ask a running service, tools/ctl.py)."""
+``eplb ctl`` (ask a running service, tools/ctl.py), ``eplb bench`` (``eplb-bench``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,8 +30,11 @@ from eplb.workloads import SCALES, WORKLOADS, make_loads
 
 from . import extras
 from . import io as eio
+from .args import OneLineParser
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 from .plots_check import plot_target
+
+T = TypeVar("T")
 
 _TOPO_ARGS = ("layers", "experts", "slots", "gpus", "nodes", "groups")
 
@@ -489,6 +494,22 @@ PROGRESS_AFTER_S = 3.0
 PROGRESS_EVERY_S = 3.0
 
 
+def progress_lines(items: Sequence[T], prefix: str) -> Iterator[T]:
+    """``items`` one at a time, with a line on stderr for a log file where a terminal gets a
+    bar: ``eplb-bench: placement 12/42, 9 s``, the first after ``PROGRESS_AFTER_S``, then at
+    most one per ``PROGRESS_EVERY_S``, and the last once all are done if any was printed."""
+    start = time.monotonic()
+    last = start + PROGRESS_AFTER_S - PROGRESS_EVERY_S
+    for i, item in enumerate(items):
+        now = time.monotonic()
+        if i and now - last >= PROGRESS_EVERY_S:
+            print(f"{prefix} {i}/{len(items)}, {now - start:.0f} s", file=sys.stderr, flush=True)
+            last = now
+        yield item
+    if last > start + PROGRESS_AFTER_S - PROGRESS_EVERY_S:
+        print(f"{prefix} {len(items)}/{len(items)}, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
 def _is_terminal() -> bool:
     return sys.stderr.isatty()
 
@@ -698,7 +719,8 @@ def _planning(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
+    ap = OneLineParser(prog="eplb", description="Expert-parallel load balancer for MoE inference.")
+    ap.add_argument("--version", action="version", version=f"eplb {eplb.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "place",
@@ -841,10 +863,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=None)
     c = sub.add_parser(
         "ctl",
-        help="ask a running service: list, show, placement, rebalance, watch, health (eplb ctl --help)",
+        help="a running service: create, delete, list, show, placement, rebalance, watch, health (eplb ctl --help)",
         add_help=False,
     )
     c.set_defaults(fn=None)
+    b = sub.add_parser(
+        "bench",
+        help="policies x workloads x scales as a report, as eplb-bench (eplb bench --help)",
+        add_help=False,
+    )
+    b.set_defaults(fn=None)
     k = sub.add_parser(
         "calibrate",
         help="measure one gpu's MoE layer on this GPU and fit the kernel model (eplb calibrate --help)",
@@ -873,6 +901,18 @@ def _unrecognized(parser: argparse.ArgumentParser, rest: list[str]) -> str:
             if close:
                 hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
     return f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def _bench(argv: list[str]) -> int:
+    """``eplb bench ARGS``: the installed ``eplb-bench`` command. Found by its entry point, not
+    imported: the benchmarks build on the tools (eplb_bench imports eplb_tools), never the reverse."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="console_scripts", name="eplb-bench")
+    if not found:
+        print("eplb bench: error: the eplb-bench command is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return 2
+    return next(iter(found)).load()(argv)
 
 
 @quiet_on_broken_pipe
@@ -911,6 +951,8 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl import main as ctl_main  # grpc only for ctl: it checks the service extra itself
 
         return ctl_main(rest)
+    if args.command == "bench":
+        return _bench(rest)
     if args.command == "calibrate":
         from .calibrate import main as calibrate_main  # torch only here
 

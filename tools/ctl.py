@@ -1,12 +1,20 @@
-"""``eplb ctl``: what a running balancer service is doing, for operators (no grpcurl needed).
+"""``eplb ctl``: a running balancer service's deployments, from creating one to deleting it, and
+what the service is doing with them, for operators (no grpcurl, no Python needed).
 
-    eplb ctl --address HOST:PORT[,HOST:PORT...] [--token-file F] [--tls-ca PEM] [--timeout S] COMMAND
+    eplb ctl [--address HOST:PORT[,HOST:PORT...]] [--token-file F] [--tls-ca PEM] [--timeout S] COMMAND
 
-``list`` (every deployment: version, ranks acked, last plan), ``show NAME`` (topology, options,
+``create [NAME] [-f SPEC] [flags]`` (a deployment from flags and/or a TOML or JSON spec file
+whose fields are the wire's ``Deployment``), ``delete NAME [--yes]``, ``list`` (every
+deployment: version, ranks acked, last plan), ``show NAME`` (topology, options,
 rollout per rank, the current version's plan stats), ``placement NAME`` (a version in a
 placement format, or ``--plot FILE``: the heatmap of ``eplb place --plot`` under the
 deployment's load window), ``rebalance NAME [--dry-run] [--force]``, ``watch NAME`` (a line per
 version until Ctrl-C) and ``health``.
+
+``list``, ``show``, ``placement`` and ``watch`` take ``-o json``: the wire's messages in
+protobuf's JSON mapping, for scripts (docs/tools.md, "-o json"). ``--address`` defaults to
+``EPLB_ADDRESS``, else ``127.0.0.1:50051`` (where ``eplb serve`` listens); nothing listening
+there fails at once.
 
 The token, as for the service's other clients: ``--token-file F``, else ``EPLB_TOKEN_FILE``,
 else ``EPLB_TOKEN``. Errors are one line ``eplb ctl: error: ...``, exit 2 (as ``eplb place``);
@@ -17,9 +25,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
+import math
 import os
+import socket
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,11 +39,14 @@ import numpy as np
 
 from . import extras
 from . import io as eio
+from .args import OneLineParser
 from .pipes import INTERRUPTED_STATUS, quiet_on_broken_pipe
 
 __all__ = ["build_parser", "main"]
 
 PROG = "eplb ctl"
+# Where `eplb serve` listens by default, so the two work together with no flags.
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 class CtlError(Exception):
@@ -68,6 +83,46 @@ def _root_certificates(args: argparse.Namespace) -> bytes | None:
         return Path(args.tls_ca).read_bytes()
     except OSError as exc:
         raise CtlError(f"--tls-ca {args.tls_ca}: cannot read it ({exc.strerror})") from None
+
+
+# Reaching the service
+
+# gRPC goes through a proxy these name; a direct connection then says nothing about the service.
+_PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
+
+
+def _connect_error(address: str, timeout_s: float) -> str | None:
+    """Why nothing answers a TCP connection to ``address`` (``"connection refused"``, an unknown
+    host), or None when something does or the answer is not known within ``timeout_s`` (a host
+    that drops packets: the call's own deadline then says so)."""
+    host, _, port = address.strip().rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return None
+    except socket.gaierror as exc:
+        return f"unknown host ({exc.strerror})"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+
+
+def check_reachable(addresses: str, timeout_s: float) -> None:
+    """``CtlError`` at once when no address of ``addresses`` (comma-separated) takes a TCP
+    connection: the client's retries would otherwise wait out the whole ``--timeout`` on a
+    refused connection. One address that answers is enough (the client fails over to it)."""
+    if any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_VARIABLES):
+        return
+    errors = []
+    for address in addresses.split(","):
+        error = _connect_error(address, min(timeout_s, 2.0))
+        if error is None:
+            return
+        errors.append(f"{address.strip()}: {error}")
+    raise CtlError(
+        f"nothing answers at {'; '.join(errors)}; is eplb serve running there? "
+        "(--address HOST:PORT or EPLB_ADDRESS names another)"
+    )
 
 
 # Time
@@ -212,6 +267,134 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+# A deployment to create: a spec file (the wire's Deployment) and the flags over it
+
+# flag dest -> (the Deployment field it sets, as a path of names). The rest of a deployment
+# (ranks, planning for time, liveness, ...) is for the spec file.
+_CREATE_FLAGS: dict[str, tuple[str, ...]] = {
+    "layers": ("topology", "num_layers"),
+    "experts": ("topology", "num_experts"),
+    "slots": ("topology", "num_slots"),
+    "gpus": ("topology", "num_gpus"),
+    "nodes": ("topology", "num_nodes"),
+    "groups": ("topology", "num_groups"),
+    "policy": ("policy",),
+    "report_count": ("trigger", "report_count"),
+    "min_gain": ("trigger", "min_gain_percent"),
+    "max_moves": ("migration", "max_moves"),
+    "expert_bytes": ("expert_bytes",),
+    "effort": ("planning", "effort"),
+}
+# Flags of seconds -> the Duration field they set.
+_CREATE_SECONDS: dict[str, tuple[str, ...]] = {
+    "window": ("window", "sliding", "duration"),
+    "half_life": ("window", "decay", "half_life"),
+    "interval": ("trigger", "interval"),
+}
+
+
+def read_spec(path: str) -> dict:
+    """The spec file at ``path`` as a dict: TOML (``.toml``) or JSON (``.json``)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise CtlError(f"--file {path}: a spec is .toml or .json, not {suffix or 'a file without a suffix'!r}")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise CtlError(f"--file {path}: cannot read it ({exc.strerror})") from None
+    try:
+        doc = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise CtlError(f"--file {path}: not valid {suffix[1:].upper()}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CtlError(f"--file {path}: must hold one table (the Deployment's fields), not a {type(doc).__name__}")
+    return doc
+
+
+def deployment_spec(args: argparse.Namespace, pb: object) -> object:
+    """The ``Deployment`` message ``create`` sends: the spec file (``--file``) parsed by
+    protobuf's JSON mapping (the codec of grpcurl and of ``show -o json``: proto field names,
+    durations as ``"30s"``), then NAME and each flag given over it. The service checks it."""
+    from google.protobuf import json_format
+
+    msg = pb.Deployment()
+    if args.file:
+        try:
+            json_format.ParseDict(read_spec(args.file), msg)
+        except json_format.ParseError as exc:
+            raise CtlError(f"--file {args.file}: {' '.join(str(exc).split()).rstrip('.')}") from None
+    if args.name:
+        msg.name = args.name
+    for dest, path in _CREATE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            *parents, field = path
+            target = msg
+            for parent in parents:
+                target = getattr(target, parent)
+            setattr(target, field, value)
+    for dest, path in _CREATE_SECONDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            if path[0] == "window":
+                msg.ClearField("window")  # a flag's window replaces the spec's, sliding or decay
+            target = msg
+            for part in path:
+                target = getattr(target, part)
+            target.FromNanoseconds(round(value * 1e9))
+    if not msg.name:
+        raise CtlError("name the deployment: eplb ctl create NAME ... (or name = ... in the spec file)")
+    if not msg.HasField("topology"):
+        raise CtlError(
+            "give the topology: --layers L --experts E --slots P --gpus G [--nodes N --groups K] "
+            "(or a [topology] table in the spec file)"
+        )
+    return msg
+
+
+# -o json: the wire's messages in protobuf's JSON mapping
+
+
+def as_json(msg: object) -> dict:
+    """``msg`` as ``-o json`` prints it: protobuf's JSON mapping with the proto's field names,
+    every field present (0, "" and [] included, so a script need not guess a default), 64-bit
+    integers as numbers, timestamps RFC 3339, durations ``"30s"``."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(
+        msg,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+
+
+def _print_json(doc: dict) -> None:
+    print(json.dumps(doc, sort_keys=True))
+
+
+def _count(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
+def _number(value: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r}")
+    return x
+
+
 # Commands
 
 
@@ -247,6 +430,8 @@ class _Ctl:
             return f"{where} did not answer within {self.args.timeout:g} s (--timeout S waits longer)"
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return f"{where} refused the call: {details}; give the service's token with --token-file F or EPLB_TOKEN"
+        if code == grpc.StatusCode.ALREADY_EXISTS and self.args.ctl_command == "create":
+            return f"{details} (ALREADY_EXISTS; eplb ctl delete NAME removes it first)"
         if code == grpc.StatusCode.NOT_FOUND and details.endswith("not found"):
             return f"{details} (NOT_FOUND; eplb ctl list shows the deployments)"
         return f"{details} ({code.name})"
@@ -254,10 +439,38 @@ class _Ctl:
     def close(self) -> None:
         self.client.close()
 
+    # create, delete
+
+    def create(self, d: object) -> int:
+        r = self.call("CreateDeployment", self.pb.CreateDeploymentRequest(deployment=d))
+        d = r.deployment
+        print(f"created deployment {d.name}, version {r.placement.version}: {_topology(d.topology)}")
+        print(f"policy {d.policy or 'auto'}; window {_window(d)}; trigger {_trigger(d)}")
+        return 0
+
+    def delete(self, name: str, yes: bool) -> int:
+        d = self.call("GetDeployment", self.pb.GetDeploymentRequest(name=name)).deployment
+        question = (
+            f"delete deployment {name!r} (version {d.version}, {d.topology.num_gpus} gpus) and all its state: "
+            "placements, load window, acks?"
+        )
+        if not yes and not _confirm(question):
+            print(f"{PROG} delete: {name!r} not deleted", file=sys.stderr)
+            return 1
+        self.call("DeleteDeployment", self.pb.DeleteDeploymentRequest(name=name))
+        print(f"deleted deployment {name}")
+        return 0
+
     # list
 
-    def list(self) -> int:
+    def list(self, output: str = "text") -> int:
         r = self.call("ListDeployments", self.pb.ListDeploymentsRequest())
+        if output == "json":
+            # Each deployment beside its status (the wire sends two lists in the same order).
+            statuses = list(r.statuses) or [self.pb.DeploymentStatus()] * len(r.deployments)
+            pairs = [{"deployment": as_json(d), "status": as_json(st)} for d, st in zip(r.deployments, statuses)]
+            _print_json({"deployments": pairs})
+            return 0
         if not r.deployments:
             print("no deployments")
             return 0
@@ -281,8 +494,11 @@ class _Ctl:
 
     # show
 
-    def show(self, name: str, ranks_table: bool = False) -> int:
+    def show(self, name: str, ranks_table: bool = False, output: str = "text") -> int:
         r = self.call("GetDeployment", self.pb.GetDeploymentRequest(name=name))
+        if output == "json":
+            _print_json(as_json(r))  # GetDeploymentResponse: deployment, acks, down_ranks, status
+            return 0
         d, s = r.deployment, r.status
         say = print
         say(f"deployment {d.name}, created {_stamp(d.create_time)}")
@@ -366,6 +582,9 @@ class _Ctl:
         from .plots_check import plot_target
 
         plot = plot_target("--plot", args.plot) if args.plot else None
+        if args.output == "json" and (args.format or args.out):
+            flag = "--format" if args.format else "--out"
+            raise CtlError(f"-o json prints the version to stdout; {flag} is for a placement format (not both)")
         out, fmt = None, args.format or "listing"
         if args.out:
             out = Path(args.out)
@@ -385,16 +604,30 @@ class _Ctl:
         loads = wire.decode_array(r.window_loads, "window_loads") if r.HasField("window_loads") else None
         stats = json_format.MessageToDict(r.placement.stats, preserving_proto_field_name=True)
         stats |= {"deployment": args.name, "version": published.version}
+        if args.output == "json":
+            # The version's fields as watch -o json prints them, and its phy2log [L, P] as rows.
+            _print_json(_watch_json(r.placement) | {"phy2log": published.placement.phy2log.tolist()})
         if plot is not None:
             self._plot(plot, args.name, published, loads, r.window_reports, topo)
             print(f"wrote plot of {args.name} version {published.version} to {plot}", file=sys.stderr)
             if args.format is None and out is None:
                 return 0
+        if args.output == "json":
+            return 0
         if out is not None:
             kind = eio.write_placement(out, published.placement, fmt, stats=stats, loads=loads)
             print(f"wrote {kind} placement of {args.name} version {published.version} to {out}", file=sys.stderr)
         else:
-            sys.stdout.write(eio.placement_text(published.placement, fmt, stats, loads))
+            text = eio.placement_text(published.placement, fmt, stats, loads)
+            if fmt == "listing":
+                # Under the format's line, a comment saying which placement this is (listings
+                # read back skip comment lines).
+                head, _, rest = text.partition("\n")
+                when = _utc(r.placement.create_time.ToNanoseconds() / 1e9)
+                text = (
+                    f"{head}\n# deployment {args.name}, placement version {published.version}, published {when}\n{rest}"
+                )
+            sys.stdout.write(text)
         return 0
 
     def _plot(
@@ -468,9 +701,13 @@ class _Ctl:
                         print(f"{PROG} watch: reconnected to {self.client.endpoints.address}", file=sys.stderr)
                         lost = False
                     seen = p.version
-                    print(
-                        f"{_utc(p.create_time.ToNanoseconds() / 1e9)}  {args.name} version {p.version}: {_stats_line(p.stats)}"
-                    )
+                    if args.output == "json":
+                        _print_json(_watch_json(p))
+                    else:
+                        print(
+                            f"{_utc(p.create_time.ToNanoseconds() / 1e9)}  {args.name} version {p.version}: "
+                            f"{_stats_line(p.stats)}"
+                        )
                     sys.stdout.flush()
                     lines += 1
                     if args.count and lines >= args.count:
@@ -511,26 +748,93 @@ class _Ctl:
         return 0 if ok else 1
 
 
+def _watch_json(p: object) -> dict:
+    """A version as ``watch -o json`` prints it: the ``Placement`` without its arrays (phy2log and
+    loads, which ``placement NAME --version V -o json`` gives in full)."""
+    q = type(p)()
+    q.CopyFrom(p)
+    q.ClearField("phy2log")
+    q.ClearField("loads")
+    doc = as_json(q)
+    doc.pop("phy2log", None)
+    doc.pop("loads", None)
+    return doc
+
+
+def _confirm(question: str) -> bool:
+    """Asks ``question`` on the terminal (stderr, so stdout stays the command's); True on y or yes."""
+    if not sys.stdin.isatty():
+        raise CtlError("stdin is not a terminal to ask on; pass --yes to delete without asking")
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def _create_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "create",
+        help="create a deployment from flags and/or a spec file (TOML or JSON: the wire's Deployment)",
+        description="Create a deployment and publish its version 1 (the contiguous placement). The spec file's "
+        "fields are the wire's Deployment message (proto/eplb/v1/balancer.proto) in protobuf's JSON mapping: "
+        "durations as strings such as '600s'. Flags set their field over the file's. The service checks the "
+        "result and names the field it refuses.",
+    )
+    c.add_argument("name", nargs="?", help="the deployment's name [the spec's name]")
+    c.add_argument("-f", "--file", metavar="SPEC", help="a spec file, .toml or .json (docs/tools.md, 'eplb ctl')")
+    for flag, field in (("layers", "num_layers"), ("experts", "num_experts"), ("slots", "num_slots")):
+        c.add_argument(f"--{flag}", type=_count, metavar="N", help=f"topology.{field}")
+    c.add_argument("--gpus", type=_count, metavar="N", help="topology.num_gpus (the ranks are 0 .. N-1)")
+    c.add_argument("--nodes", type=_count, metavar="N", help="topology.num_nodes [1]")
+    c.add_argument("--groups", type=_count, metavar="N", help="topology.num_groups [1]")
+    c.add_argument("--policy", help="a policy the service has registered [auto]")
+    window = c.add_mutually_exclusive_group()
+    window.add_argument("--window", type=_number, metavar="S", help="a sliding load window of S seconds [600]")
+    window.add_argument("--half-life", type=_number, metavar="S", help="a decaying load window instead")
+    c.add_argument("--interval", type=_number, metavar="S", help="re-plan every S seconds [0: only on rebalance]")
+    c.add_argument("--report-count", type=_count, metavar="N", help="re-plan after N reports [0: off]")
+    c.add_argument("--min-gain", type=_number, metavar="PCT", help="publish at >= PCT %% gain [0]")
+    c.add_argument("--max-moves", type=_count, metavar="N", help="at most N slots rewritten per re-plan [no limit]")
+    c.add_argument("--expert-bytes", type=_count, metavar="B", help="bytes of one expert's weights [0: unknown]")
+    c.add_argument("--effort", help="planning.effort: fast, default or high [default]")
+    d = sub.add_parser("delete", help="delete a deployment and all its state (asks first, unless --yes)")
+    d.add_argument("name")
+    d.add_argument("-y", "--yes", action="store_true", help="do not ask")
+
+
+def _output(parser: argparse.ArgumentParser, json_is: str = "the wire's messages") -> None:
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=("text", "json"),
+        default="text",
+        help=f"text for people, or json for scripts ({json_is}; fields: docs/tools.md) [text]",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=PROG,
-        description="Ask a running eplb service what it is doing (docs/tools.md, 'eplb ctl').",
+        description="Create, inspect and delete the deployments of a running eplb service (docs/tools.md, 'eplb ctl').",
     )
     ap.add_argument(
         "--address",
-        default=os.environ.get("EPLB_ADDRESS") or None,
-        help="HOST:PORT of the service, or several comma-separated (replicas; failover) [EPLB_ADDRESS]",
+        default=os.environ.get("EPLB_ADDRESS") or DEFAULT_ADDRESS,
+        help="HOST:PORT of the service, or several comma-separated (replicas; failover) "
+        f"[EPLB_ADDRESS, else {DEFAULT_ADDRESS}: where eplb serve listens by default]",
     )
     ap.add_argument("--token-file", help="the service's bearer token, from this file [EPLB_TOKEN_FILE, EPLB_TOKEN]")
     ap.add_argument("--tls-ca", metavar="PEM", help="root certificates to verify a TLS service by (default: plaintext)")
     ap.add_argument("--timeout", type=float, help="seconds a call may take, retries included [5; rebalance 60]")
     sub = ap.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
-    sub.add_parser("list", help="every deployment: version, ranks acked, last plan")
+    _create_parser(sub)
+    _output(sub.add_parser("list", help="every deployment: version, ranks acked, last plan"))
     s = sub.add_parser("show", help="one deployment: topology, options, rollout per rank, the current plan's stats")
     s.add_argument("name")
+    _output(s)
     s.add_argument("--ranks", action="store_true", help="a table row per rank (default: ranks grouped by state)")
     p = sub.add_parser("placement", help="a version's placement in a placement format, or its heatmap")
     p.add_argument("name")
+    _output(p, "json: the version's fields, as watch's, and its phy2log")
     p.add_argument("--version", type=int, default=0, help="a recent version (the last 16 are kept) [current]")
     p.add_argument(
         "--format", choices=eio.PLACEMENT_FORMATS, help="placement format [listing; with --out: by its suffix]"
@@ -548,6 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="publish even if the gain gate or the move budget refuses")
     w = sub.add_parser("watch", help="a line per placement version (the current one first) until Ctrl-C")
     w.add_argument("name")
+    _output(w, "json: one object per line (JSON Lines)")
     w.add_argument("--since", type=int, help="start after this version [0: with the current one]")
     w.add_argument("--count", type=int, help="stop after this many lines")
     sub.add_parser("health", help="the gRPC health check of each address; exit 1 if none is SERVING")
@@ -555,8 +860,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS: dict[str, Callable[[_Ctl, argparse.Namespace], int]] = {
-    "list": lambda c, a: c.list(),
-    "show": lambda c, a: c.show(a.name, a.ranks),
+    "create": lambda c, a: c.create(a.deployment),
+    "delete": lambda c, a: c.delete(a.name, a.yes),
+    "list": lambda c, a: c.list(a.output),
+    "show": lambda c, a: c.show(a.name, a.ranks, a.output),
     "placement": lambda c, a: c.placement(a),
     "rebalance": lambda c, a: c.rebalance(a),
     "watch": lambda c, a: c.watch(a),
@@ -565,8 +872,6 @@ _COMMANDS: dict[str, Callable[[_Ctl, argparse.Namespace], int]] = {
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not args.address:
-        raise CtlError("give the service's --address HOST:PORT (or set EPLB_ADDRESS)")
     for address in args.address.split(","):
         host, _, port = address.strip().rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -593,6 +898,12 @@ def main(argv: list[str] | None = None) -> int:
             extras.require("grpc", "google.protobuf", "grpc_health")
         except ImportError as exc:
             raise CtlError(extras.missing(PROG, "service", exc)) from None
+        if args.ctl_command == "create":  # a bad spec fails before anything is asked of the service
+            from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+            args.deployment = deployment_spec(args, pb)
+        if args.ctl_command != "health":  # health reports each address, reachable or not
+            check_reachable(args.address, args.timeout)
         ctl = _Ctl(args)
         return _COMMANDS[args.ctl_command](ctl, args)
     except BrokenPipeError:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -35,7 +36,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +48,7 @@ import eplb
 from eplb.workloads import shift, zipf
 
 from . import extras
+from .args import OneLineParser
 from .demo_failure import DOWN_KEY, Failure, heartbeat, lost_experts
 from .demo_failure import summarize as summarize_failure
 from .demo_rejoin import GO_KEY, READY_KEY, Rejoin, cancel, wait_go
@@ -215,6 +218,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
             world_size=cfg.ranks,
             timeout=timedelta(seconds=60),
         )
+    events.put(("up", {"rank": rank}))  # torch imported and the group joined: seconds of start-up
     failing = cfg.fail_rank >= 0
     rejoining = cfg.rejoin_at > 0
     # The mover's transfers on a group with a short timeout: a prepare in flight when a rank
@@ -272,6 +276,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
                     planned_before=stats.imbalance_before,
                     planned_after=stats.imbalance_after,
                     moves=stats.moves,
+                    survivor_of=part.rollout.current.survivor_of,
                 )
             pending.append(item)
 
@@ -422,8 +427,10 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
             topo = model.topo
             gpu = got.reshape(topo.num_layers, topo.num_gpus, -1).sum(axis=2)[:, live]
             model.series.append(float((gpu.max(axis=1) / gpu.mean(axis=1)).mean()))
-        for item in [p for p in pending if step >= p["step"] + _AFTER_STEPS or p["kind"] != "switched"]:
-            pending.remove(item)
+        # In the order they happened: a switch waits _AFTER_STEPS steps for its measurement, and
+        # what came after it (the service's survivor version adopted, say) waits behind it.
+        while pending and (pending[0]["kind"] != "switched" or step >= pending[0]["step"] + _AFTER_STEPS):
+            item = pending.pop(0)
             if item["kind"] == "switched":
                 s, series = item["step"], models[[m.name for m in models].index(item["model"])].series
                 item["measured_before"] = float(np.mean(series[max(0, s - _AFTER_STEPS) : s] or [np.nan]))
@@ -570,6 +577,12 @@ class _Service:
         from eplb_service.balancer import BalancerConfig
         from eplb_service.server import ServerConfig, start_server
 
+        # The service's audit lines (SetRanksDown when --fail-rank kills a rank) went to stderr
+        # through logging's last-resort handler, in the middle of the report that already says
+        # what happened; the demo is the entry point, so it decides where its logs go.
+        audit = logging.getLogger("eplb_service.audit")
+        audit.addHandler(logging.NullHandler())
+        audit.propagate = False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -595,7 +608,14 @@ def _line(e: dict) -> str:
         return f"  {who}v{e['version']:<3} adopted: the service's survivor placement, the map routed already (no move)"
     if e["kind"] != "switched":
         return f"  {who}v{e['version']:<3} {e['kind']} at step {e['step']}: {e['error'] or 'another rank failed'}; kept the previous map"
-    planned = f"{e['planned_before']:.3f} -> {e['planned_after']:.3f}" if "planned_before" in e else "?"
+    if e.get("survivor_of"):
+        # A survivor placement is planned from its base version's loads, with no figure for
+        # the map before it (whose dead gpu holds nothing): "0.000 -> ..." read as a gain.
+        planned = f"(survivor placement of v{e['survivor_of']}) {e['planned_after']:.3f}"
+    elif "planned_before" in e:
+        planned = f"{e['planned_before']:.3f} -> {e['planned_after']:.3f}"
+    else:
+        planned = "?"
     return (
         f"  {who}v{e['version']:<3} t={e['t']:5.1f}s step {e['step']:<5} imbalance {planned} planned, "
         f"{e['measured_before']:.3f} -> {e['measured_after']:.3f} measured | moves {e.get('moves', '?')} "
@@ -682,16 +702,20 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     restarted: dict[int, float] = {}  # rank -> when it was started again (time.time())
     rejoined: dict[int, dict] = {}  # a restarted rank's results
     deadline = time.monotonic() + cfg.seconds + 120
+    starting = _StartUp(cfg.ranks)
     try:
         while len(results) < cfg.ranks or len(rejoined) < len(restarted):
             try:
                 kind, item = events.get(timeout=1.0)
             except queue.Empty:
+                starting.waiting()
                 exits = [None if r in killed and r not in restarted else p.exitcode for r, p in enumerate(procs)]
                 if time.monotonic() > deadline or any(code not in (None, 0) for code in exits):
                     raise RuntimeError(f"engine ranks failed (exit codes {[p.exitcode for p in procs]})") from None
                 continue
-            if kind == "event":
+            if kind == "up":
+                starting.up(item["rank"])
+            elif kind == "event":
                 print(_line(item), file=out, flush=True)
             elif kind == "rejoin":
                 # The survivors reached --rejoin-at: the dead rank's process starts again, joins
@@ -749,6 +773,54 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
             summary[f"service_{key}failed_versions"] = sorted({got[r][1] for r in got if got[r][1]})
     _print_summary(summary, out)
     return summary
+
+
+@contextmanager
+def _said_if_slow(message: str, after_s: float = 3.0) -> Iterator[None]:
+    """Prints ``message`` on stderr once the block has run ``after_s``: a slow start-up is not
+    silent, a quick one (or one that fails at once, whose error is then the only line) says nothing."""
+    timer = threading.Timer(after_s, lambda: print(message, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+class _StartUp:
+    """The ranks' start-up on stderr (importing torch and joining the gloo group takes 9-21 s on
+    a loaded machine, in which the demo printed nothing): a line every ``EVERY_S`` until every
+    rank is up, then one saying so. A rank restarted later (``--rejoin-at``) says nothing."""
+
+    EVERY_S = 3.0
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.started = self.said = time.monotonic()
+        self.ranks_up: set[int] = set()
+
+    def waiting(self) -> None:
+        now = time.monotonic()
+        if len(self.ranks_up) < self.ranks and now - self.said >= self.EVERY_S:
+            print(
+                f"eplb demo: starting {self.ranks} engine ranks (importing torch, joining the gloo group): "
+                f"{len(self.ranks_up)} up, {now - self.started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.said = now
+
+    def up(self, rank: int) -> None:
+        if len(self.ranks_up) == self.ranks:
+            return
+        self.ranks_up.add(rank)
+        if len(self.ranks_up) == self.ranks:
+            print(
+                f"eplb demo: {self.ranks} engine ranks up in {time.monotonic() - self.started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _ignore_sigint() -> Callable[[], None]:
@@ -985,7 +1057,7 @@ def _check_failure_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, 
 
 def main(argv: list[str] | None = None) -> int:
     d = DemoConfig()
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="eplb demo",
         description="The balancer service, simulated engine ranks and the "
         "weight mover on loopback, on CPU, in under a minute.",
@@ -1040,7 +1112,8 @@ def main(argv: list[str] | None = None) -> int:
         "eplb_engine.balanced_rank",
     ]
     try:
-        extras.require(*needed, *(["matplotlib"] if args.plots else []))
+        with _said_if_slow("eplb demo: importing torch and the service (seconds on a loaded machine)"):
+            extras.require(*needed, *(["matplotlib"] if args.plots else []))
     except ImportError as exc:
         print(f"eplb demo: error: {extras.missing('the demo', 'demo', exc)}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ calls run in-process: ``main(argv)`` with capsys), and the wire fields it reads.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import shutil
@@ -22,10 +23,12 @@ import pytest
 
 import eplb
 import eplb_engine.wire as wire
+from eplb import formats
 from eplb_engine.client import ServiceClient
 from eplb_service.balancer import BalancerConfig
 from eplb_service.server import RunningServer, ServerConfig, start_server
 from eplb_tools import cli, ctl
+from eplb_tools import io as eio
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 # As tests/service's FAST: flushes, triggers and refreshes within a fraction of a second.
@@ -189,6 +192,12 @@ def test_placement_formats_out_and_plot(
     code, out, err = run(capsys, "--address", s.address, "placement", "d1", "--plot", str(tmp_path / "h.png"))
     assert code == 0 and out == "" and "wrote plot of d1 version 2" in err
     assert mpimg.imread(tmp_path / "h.png").shape[1] >= 600
+    code, out, _ = run(capsys, "--address", s.address, "placement", "d1")
+    first, second = out.splitlines()[:2]
+    assert first.startswith("# eplb placement listing, format 1: layers=4 experts=16 slots=24 gpus=8")
+    assert second.startswith("# deployment d1, placement version 2, published 20") and second.endswith(" UTC")
+    assert eio.placement_text(current.placement, "listing") == out.replace(second + "\n", "")
+    assert formats.from_listing(out) == current.placement  # it reads back as a listing
     code, _, err = run(capsys, "--address", s.address, "placement", "d1", "--version", "9")
     assert code == 2 and err == (
         "eplb ctl placement: error: deployment 'd1' has no placement version 9 (current 2) (NOT_FOUND)\n"
@@ -253,16 +262,30 @@ def test_watch_ctrl_c_exits_130_with_one_line(served: Callable[..., Served], cap
     assert code == 130 and err == "\neplb ctl watch: interrupted\n" and len(out.splitlines()) == 1
 
 
-def test_health_and_an_unreachable_service(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+def test_health_and_an_unreachable_service(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ctl._PROXY_VARIABLES:  # a proxy skips the connection check
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
     s = served()
     assert run(capsys, "--address", s.address, "health") == (0, f"{s.address}: SERVING\n", "")
     s.stop()
     code, out, _ = run(capsys, "--address", s.address, "--timeout", "0.5", "health")
     assert code == 1 and out == f"{s.address}: NOT SERVING (or unreachable)\n"
-    code, out, err = run(capsys, "--address", s.address, "--timeout", "0.5", "list")
-    assert code == 2 and out == ""
-    assert err.startswith(f"eplb ctl list: error: cannot reach the service at {s.address} within 0.5 s (")
-    assert len(err.splitlines()) == 1
+    # A refused connection fails at once, not after --timeout of retries (5.5 s before).
+    for command in ("list", "watch"):
+        began = time.monotonic()
+        code, out, err = run(capsys, "--address", s.address, command, *(["d1"] if command == "watch" else []))
+        assert time.monotonic() - began < 1.5
+        assert (code, out) == (2, "")
+        assert err == (
+            f"eplb ctl {command}: error: nothing answers at {s.address}: connection refused; is eplb serve "
+            "running there? (--address HOST:PORT or EPLB_ADDRESS names another)\n"
+        )
+    # One address that answers is enough: the client fails over to it.
+    live = served()
+    assert run(capsys, "--address", f"{s.address},{live.address}", "list") == (0, "no deployments\n", "")
     s.thread.join()  # stopped above: the fixture's stop must not run twice
     s.stop = lambda: None
 
@@ -292,7 +315,6 @@ def test_token_from_file_and_environment(
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["list"], "list: error: give the service's --address HOST:PORT (or set EPLB_ADDRESS)"),
         (
             ["--address", "localhost", "list"],
             "list: error: --address localhost: 'localhost' is not HOST:PORT (port 1-65535)",
@@ -309,6 +331,39 @@ def test_bad_flags_get_one_line(
 ) -> None:
     monkeypatch.delenv("EPLB_ADDRESS", raising=False)
     assert run(capsys, *argv) == (2, "", f"eplb ctl {said}\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["watch", "d", "--count", "x"], "eplb ctl watch: error: argument --count: invalid int value: 'x'"),
+        (["create", "d", "--gpus", "-8"], "eplb ctl create: error: argument --gpus: must be an integer >= 0, got '-8'"),
+        (["create", "d", "--window", "inf"], "eplb ctl create: error: argument --window: must be a finite number >= 0"),
+        (["list", "-o", "yaml"], "eplb ctl list: error: argument -o/--output: invalid choice: 'yaml' (choose from"),
+        (["lst"], "eplb ctl: error: argument COMMAND: invalid choice: 'lst' (choose from 'create', 'delete',"),
+    ],
+)
+def test_a_bad_flag_value_is_one_line_with_a_hint_to_help(
+    capsys: pytest.CaptureFixture, argv: list[str], said: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's own: before any connection
+        ctl.main(argv)
+    out, err = capsys.readouterr()
+    assert (exc.value.code, out) == (2, "")
+    (line,) = err.splitlines()  # argparse printed its usage first: 8 lines for create
+    assert line.startswith(said) and line.endswith(f" (see {said.split(': error')[0]} --help)"), line
+
+
+def test_the_address_defaults_to_where_eplb_serve_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eplb_service import cli as serve_cli
+
+    monkeypatch.delenv("EPLB_ADDRESS", raising=False)
+    assert ctl.build_parser().parse_args(["list"]).address == "127.0.0.1:50051"
+    host, port = (serve_cli._OPTIONS[name][2] for name in ("host", "port"))
+    assert ctl.DEFAULT_ADDRESS == f"{host}:{port}"  # the two defaults agree
+    monkeypatch.setenv("EPLB_ADDRESS", "10.0.0.1:7000")
+    assert ctl.build_parser().parse_args(["list"]).address == "10.0.0.1:7000"
+    assert ctl.build_parser().parse_args(["--address", "h:1", "list"]).address == "h:1"
 
 
 def test_unknown_deployment_and_the_eplb_entry_point(
@@ -405,3 +460,193 @@ def test_show_names_down_and_suspect_ranks(served: Callable[..., Served], capsys
     assert "down:       ranks 7 (SetRanksDown; not in the rollout)" in lines
     assert "suspect:    rank 6, never heard from (no report or ack; still planned for)" in lines
     assert "  down (1): 7" in lines
+
+
+SPEC_TOML = """\
+name = "from-toml"
+policy = "global"
+expert_bytes = 1048576
+
+[topology]
+num_layers = 4
+num_experts = 16
+num_slots = 24
+num_gpus = 8
+num_nodes = 2
+num_groups = 4
+
+[window.decay]
+half_life = "60s"
+
+[trigger]
+interval = "30s"
+min_gain_percent = 2.5
+"""
+
+
+def test_create_from_flags_then_list_shows_it(served: Callable[..., Served], capsys: pytest.CaptureFixture) -> None:
+    s = served()
+    code, out, err = run(
+        capsys, "--address", s.address, "create", "d1", "--layers", "4", "--experts", "16", "--slots", "24"
+    )
+    assert (code, out) == (2, "")
+    assert err == "eplb ctl create: error: deployment.topology.num_gpus: must be >= 1 (INVALID_ARGUMENT)\n"
+    code, out, err = run(capsys, "--address", s.address, "create", "d1")
+    assert err == (
+        "eplb ctl create: error: give the topology: --layers L --experts E --slots P --gpus G [--nodes N --groups K] "
+        "(or a [topology] table in the spec file)\n"
+    )
+    argv = ["create", "d1", "--layers", "4", "--experts", "16", "--slots", "24", "--gpus", "8", "--nodes", "2"]
+    code, out, err = run(capsys, "--address", s.address, *argv, "--groups", "4", "--window", "120", "--max-moves", "5")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "created deployment d1, version 1: 4 layers, 16 experts, 24 slots on 8 gpus, 2 nodes, 4 groups",
+        "policy auto; window sliding, last 120 s, 10 buckets; trigger off (plans only on Rebalance)",
+    ]
+    stored = s.client.get_deployment("d1")
+    assert wire.topology_from_pb(stored.topology) == TOPO and stored.migration.max_moves == 5
+    assert list(stored.ranks) == list(range(8))
+    code, out, _ = run(capsys, "--address", s.address, "list")
+    assert out.splitlines()[1].split()[:3] == ["d1", "1", "0/8"]
+    code, out, err = run(capsys, "--address", s.address, *argv, "--groups", "4")
+    assert (code, out) == (2, "")
+    assert err == (
+        "eplb ctl create: error: deployment 'd1' already exists (ALREADY_EXISTS; eplb ctl delete NAME removes it "
+        "first)\n"
+    )
+
+
+def test_create_from_a_spec_file_with_flags_over_it(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    s = served()
+    (tmp_path / "d.toml").write_text(SPEC_TOML)
+    assert run(capsys, "--address", s.address, "create", "-f", str(tmp_path / "d.toml"))[0] == 0
+    got = s.client.get_deployment("from-toml")
+    assert wire.topology_from_pb(got.topology) == TOPO and got.policy == "global" and got.expert_bytes == 1 << 20
+    assert got.window.decay.half_life.seconds == 60 and got.trigger.interval.seconds == 30
+    assert got.trigger.min_gain_percent == 2.5
+    # NAME and flags win over the file; a flag's window replaces the file's decay one.
+    code, out, _ = run(
+        capsys, "--address", s.address, "create", "other", "-f", str(tmp_path / "d.toml"), "--window", "90"
+    )
+    assert code == 0 and out.splitlines()[1] == (
+        "policy global; window sliding, last 90 s, 10 buckets; trigger every 30 s, publish at >= 2.5 % gain"
+    )
+    # JSON, in the mapping show -o json prints (camelCase names too, as protobuf's JSON parser reads them).
+    spec = {"name": "from-json", "topology": {"numLayers": 4, "numExperts": 16, "numSlots": 24, "numGpus": 8}}
+    (tmp_path / "d.json").write_text(json.dumps(spec))
+    assert run(capsys, "--address", s.address, "create", "-f", str(tmp_path / "d.json"))[0] == 0
+    assert s.client.get_deployment("from-json").topology.num_gpus == 8
+
+
+@pytest.mark.parametrize(
+    ("spec_name", "text", "said"),
+    [
+        ("d.yaml", "name: x", "a spec is .toml or .json, not '.yaml'"),
+        ("d.toml", "name = ", "not valid TOML: "),
+        ("d.json", "[1]", "must hold one table (the Deployment's fields), not a list"),
+        ("d.toml", 'nme = "x"', 'Message type "eplb.v1.Deployment" has no field named "nme"'),
+        ("d.toml", "[window.sliding]\nduration = 600\n[topology]\nnum_gpus = 8", "Duration JSON value not a string"),
+    ],
+)
+def test_a_bad_spec_file_is_one_line_before_any_call(
+    capsys: pytest.CaptureFixture, tmp_path: Path, spec_name: str, text: str, said: str
+) -> None:
+    (tmp_path / spec_name).write_text(text)
+    # Nothing listens at 127.0.0.1:1: the spec fails first, so no connection is tried.
+    code, out, err = run(capsys, "--address", "127.0.0.1:1", "create", "d", "-f", str(tmp_path / spec_name))
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith(f"eplb ctl create: error: --file {tmp_path / spec_name}: ") and said in err, err
+
+
+def test_the_service_refusing_a_spec_is_one_line_naming_the_field_and_status(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture
+) -> None:
+    s = served()
+    argv = ["create", "d1", "--layers", "4", "--experts", "16", "--slots", "20", "--gpus", "8", "--policy", "nope"]
+    code, out, err = run(capsys, "--address", s.address, *argv)
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith("eplb ctl create: error: deployment.topology: num_slots (20) must be a multiple of num_gpus")
+    assert "deployment.policy: unknown policy 'nope'; registered: auto," in err
+    assert err.endswith(" (INVALID_ARGUMENT)\n")
+    assert s.client.call("ListDeployments", pb.ListDeploymentsRequest()).deployments == []
+
+
+class _Terminal(io.StringIO):
+    """stdin as a terminal that answers ``text``."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_delete_asks_on_a_terminal_and_takes_yes(
+    served: Callable[..., Served], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = served()
+    s.client.create_deployment("d1", TOPO)
+    monkeypatch.setattr("sys.stdin", _Terminal("n\n"))
+    code, out, err = run(capsys, "--address", s.address, "delete", "d1")
+    assert (code, out) == (1, "")
+    assert err == (
+        "delete deployment 'd1' (version 1, 8 gpus) and all its state: placements, load window, acks? [y/N] "
+        "eplb ctl delete: 'd1' not deleted\n"
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # not a terminal: no one to ask
+    code, out, err = run(capsys, "--address", s.address, "delete", "d1")
+    assert (code, out) == (2, "")
+    assert err == "eplb ctl delete: error: stdin is not a terminal to ask on; pass --yes to delete without asking\n"
+    assert s.client.get_deployment("d1").name == "d1"  # still there
+    monkeypatch.setattr("sys.stdin", _Terminal("yes\n"))
+    assert run(capsys, "--address", s.address, "delete", "d1")[:2] == (0, "deleted deployment d1\n")
+    s.client.create_deployment("d2", TOPO)
+    assert run(capsys, "--address", s.address, "delete", "d2", "--yes") == (0, "deleted deployment d2\n", "")
+    assert run(capsys, "--address", s.address, "list") == (0, "no deployments\n", "")
+    code, _, err = run(capsys, "--address", s.address, "delete", "d2", "--yes")
+    assert code == 2 and err == (
+        "eplb ctl delete: error: deployment 'd2' not found (NOT_FOUND; eplb ctl list shows the deployments)\n"
+    )
+
+
+def test_output_json_for_scripts(served: Callable[..., Served], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    s = served()
+    assert run(capsys, "--address", s.address, "list", "-o", "json") == (0, '{"deployments": []}\n', "")
+    s.client.create_deployment("d1", TOPO, interval_s=30)
+    s.report("d1", _loads(), range(8))
+    published = s.client.rebalance("d1")
+    for rank in range(3):
+        s.client.ack("d1", rank, 2, "switched")
+    code, out, _ = run(capsys, "--address", s.address, "list", "-o", "json")
+    (entry,) = json.loads(out)["deployments"]
+    d, status = entry["deployment"], entry["status"]
+    assert (d["name"], d["version"], d["policy"], d["trigger"]["interval"]) == ("d1", 2, "auto", "30s")
+    assert d["topology"] == {
+        "num_layers": 4,
+        "num_experts": 16,
+        "num_slots": 24,
+        "num_gpus": 8,
+        "num_nodes": 2,
+        "num_groups": 4,
+    }
+    assert (status["version"], status["ranks_acked"], status["ranks_failed"], status["num_ranks"]) == (2, 3, 0, 8)
+    assert status["stats"]["moves"] == published.placement.stats.moves  # 64-bit integers are numbers
+    assert status["version_time"].endswith("Z")
+    code, out, _ = run(capsys, "--address", s.address, "show", "d1", "-o", "json")
+    shown = json.loads(out)
+    assert shown["deployment"] == d and shown["status"]["ranks_acked"] == 3 and shown["down_ranks"] == []
+    assert sorted(a["rank"] for a in shown["acks"]) == [0, 1, 2]
+    # show's deployment is a spec: create -f takes it back (output-only fields ignored).
+    (tmp_path / "copy.json").write_text(json.dumps(shown["deployment"] | {"name": "copy"}))
+    assert run(capsys, "--address", s.address, "create", "-f", str(tmp_path / "copy.json"))[0] == 0
+    copy = s.client.get_deployment("copy")
+    assert copy.version == 1 and copy.trigger == s.client.get_deployment("d1").trigger
+    code, out, _ = run(capsys, "--address", s.address, "placement", "d1", "-o", "json")
+    p = json.loads(out)
+    assert (p["deployment"], p["version"]) == ("d1", 2) and p["stats"]["policy_used"] == "global"
+    current = s.client.get_placement("d1", topology=TOPO).placement.phy2log
+    assert np.array_equal(np.array(p["phy2log"]), current)
+    code, out, _ = run(capsys, "--address", s.address, "watch", "d1", "--count", "1", "-o", "json")
+    (line,) = out.splitlines()  # JSON Lines: one object per version, the current one first
+    assert json.loads(line) == {k: v for k, v in p.items() if k != "phy2log"}
+    code, _, err = run(capsys, "--address", s.address, "placement", "d1", "-o", "json", "--format", "sglang")
+    assert code == 2 and "-o json prints the version to stdout; --format is for a placement format" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,8 @@ def test_demo_balances_and_routes_every_token_right(tmp_path, barrier):
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # stderr is a pipe here, not a terminal: the start-up still says when the ranks are up.
+    assert re.search(r"^eplb demo: 3 engine ranks up in \d+ s$", proc.stderr, re.M), proc.stderr
     s = json.loads(out.read_text())
     assert s["misrouted_dispatches"] == 0 and s["checksum_mismatches"] == 0
     # 250 steps of 1024 tokens per rank, each to 4 experts in each of 6 layers, all checked.
@@ -209,7 +212,11 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip().splitlines() == ["eplb demo: interrupted; ranks stopped, nothing written"], err
+    # Besides the start-up's progress lines ("eplb demo: importing ...", "... engine ranks up in 2 s").
+    said = [
+        line for line in err.strip().splitlines() if not re.match(r"eplb demo: (importing|starting|\d+ engine)", line)
+    ]
+    assert said == ["eplb demo: interrupted; ranks stopped, nothing written"], err
     time.sleep(0.5)
     assert _session_processes(proc.pid) == []
 
@@ -231,3 +238,30 @@ def test_the_summary_reads_rank_0s_series_whatever_order_the_ranks_finish_in():
     s = _summary(cfg, {1: result(1), 0: result(0)}, 2.0)  # rank 1 finished first
     assert s["steps"] == cfg.steps and s["tokens_routed"] == cfg.steps * cfg.tokens * cfg.ranks
     assert s["imbalance_final"] == pytest.approx(1.3)
+
+
+def test_a_slow_start_up_says_so_and_a_quick_one_says_nothing(capsys, monkeypatch):
+    import time
+
+    from eplb_tools import demo
+
+    with demo._said_if_slow("quick", after_s=0.5):
+        pass
+    with demo._said_if_slow("slow", after_s=0.05):
+        time.sleep(0.3)
+    time.sleep(0.6)  # past the quick one's timer: cancelled, it never prints
+    assert capsys.readouterr().err == "slow\n"
+    clock = iter([0.0, 2.0, 3.5, 4.0, 5.0, 9.0, 9.5])
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(clock))
+    starting = demo._StartUp(2)  # reads 0.0
+    starting.waiting()  # 2.0: too soon
+    starting.waiting()  # 3.5: a line
+    starting.up(1)  # (reads no clock)
+    starting.waiting()  # 4.0: too soon after the last line
+    starting.up(0)  # 5.0: all up
+    starting.up(1)  # a restarted rank later: nothing
+    starting.waiting()  # 9.0: all up, nothing
+    assert capsys.readouterr().err == (
+        "eplb demo: starting 2 engine ranks (importing torch, joining the gloo group): 0 up, 4 s\n"
+        "eplb demo: 2 engine ranks up in 5 s\n"
+    )

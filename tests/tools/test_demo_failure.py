@@ -28,6 +28,19 @@ def _demo(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     return proc, json.loads(out.read_text())
 
 
+def _assert_the_report_reads_in_order(proc: subprocess.CompletedProcess) -> None:
+    """No service log line in the report; a version's switch line comes before "vN adopted", and
+    a survivor placement's line says so instead of "imbalance 0.000 -> ..."."""
+    assert "audit:" not in proc.stdout + proc.stderr, proc.stderr
+    assert "imbalance 0.000 ->" not in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    for i, line in enumerate(lines):
+        if " adopted: " in line:
+            version = line.split()[0]
+            later = [x for x in lines[i + 1 :] if x.split()[:1] == [version] and " adopted: " not in x]
+            assert not later, (line, later)
+
+
 @pytest.mark.slow
 # Killed at step 20, before the first re-plan (about step 50): no prepare is in flight, which
 # ranks_down would wait for (up to the mover groups' 10 s timeout).
@@ -36,6 +49,7 @@ def test_a_killed_rank_is_routed_around_and_every_dispatch_still_checked(tmp_pat
     # Rank 0 too: the gloo store is the parent's, not rank 0's.
     proc, s = _demo(tmp_path, "--barrier", barrier, "--fail-rank", str(dead), "--fail-at", str(at))
     assert s["misrouted_dispatches"] == 0 and s["checksum_mismatches"] == 0
+    _assert_the_report_reads_in_order(proc)
     (f,) = s["failures"]
     assert (f["rank"], f["step"]) == (dead, at)
     # Switched a few steps after the kill, every survivor at the same step.
@@ -88,6 +102,7 @@ def test_a_rank_killed_after_the_first_replan_is_still_routed_around(tmp_path, b
     acked = s["service_acked_versions"]
     assert acked[0] == acked[2] >= f["survivor_version"] > acked[1]
     assert f"rank 1 killed at step {at}: switched to the survivor placement" in proc.stdout
+    _assert_the_report_reads_in_order(proc)
 
 
 @pytest.mark.slow

@@ -209,3 +209,44 @@ def test_place_time_limit_caps_a_whole_replan_end_to_end(tmp_path):
     capped = place("--synthetic", "zipf-1.5", "--previous", str(prev), "--time-limit", "0.2")
     assert "note: time_limit" in capped and "note: time_limit" not in free
     assert solve_seconds(capped) < 0.5 * solve_seconds(free)
+
+
+def test_version_flag_and_the_package_version_are_the_installed_release(capsys):
+    from importlib.metadata import version
+
+    installed = version("eplb")
+    assert eplb.__version__ == installed and "__version__" in dir(eplb)
+    try:
+        cli.main(["--version"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    assert capsys.readouterr().out == f"eplb {installed}\n"
+    # The console script itself, as a user types it.
+    out = subprocess.run([sys.executable, "-m", "eplb_tools.cli", "--version"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (0, f"eplb {installed}\n")
+
+
+def test_a_checkout_that_was_never_installed_has_a_pep440_version(monkeypatch):
+    from importlib.metadata import PackageNotFoundError
+
+    from eplb import survivor_rules
+
+    def missing(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(survivor_rules, "version", missing)
+    assert survivor_rules.eplb_version() == "0+unknown"
+
+
+def test_eplb_bench_is_the_eplb_bench_command(capsys):
+    try:
+        cli.main(["bench", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    assert "usage: eplb-bench" in capsys.readouterr().out
+    try:
+        code = cli.main(["bench", "--scales", "no-such-scale"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "no-such-scale" in err, err

@@ -59,7 +59,10 @@ def test_vllm_reader_accepts_replicas_in_any_order(placement):
 def test_listing_round_trip_and_loads(placement):
     loads = make_loads("zipf-1.0", placement.topology)
     text = formats.to_listing(placement, loads)
-    assert text.startswith("# eplb placement v1: layers=2 experts=8 slots=12 gpus=4 nodes=2 groups=2\n")
+    assert text.startswith("# eplb placement listing, format 1: layers=2 experts=8 slots=12 gpus=4 nodes=2 groups=2\n")
+    # A listing written before the header named its format reads the same.
+    old = text.replace("# eplb placement listing, format 1:", "# eplb placement v1:", 1)
+    assert formats.from_listing(old) == formats.from_listing(text)
     assert len([ln for ln in text.splitlines() if ln.startswith("layer ")]) == 2 * 4
     assert "layer 1 gpu 3 node 1: " in text
     assert formats.from_listing(text) == placement
@@ -136,7 +139,7 @@ def test_malformed_engine_placements_name_field(placement):
         ValueError, match="field 'logical_to_physical': lists a slot whose physical_to_logical entry is another expert"
     ):
         formats.from_vllm(formats.to_vllm(placement) | {"logical_to_physical": l2p}, num_gpus=4)
-    with pytest.raises(ValueError, match="line 1: expected '# eplb placement v1"):
+    with pytest.raises(ValueError, match="line 1: expected '# eplb placement listing, format 1: layers=L"):
         formats.from_listing("layer 0 gpu 0 node 0: 1 2\n")
     text = formats.to_listing(placement).replace("layer 1 gpu 2 node 1:", "layer 1 gpu 2 node 1: 9")
     with pytest.raises(ValueError, match=r"line \d+: expected 'layer L gpu G node N: ' and 3 expert ids"):

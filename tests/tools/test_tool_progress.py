@@ -94,3 +94,25 @@ def test_eplb_bench_prints_no_progress_for_its_quick_plans(capsys):
 
     assert report.main(["--quick", "--scales", "small", "--policies", "global"]) == 0
     assert "layers" not in capsys.readouterr().err
+
+
+def test_eplb_bench_sections_say_how_far_they_got_without_a_terminal(monkeypatch, capsys):
+    # `eplb-bench --quick 2>log` was silent for its whole 24 s: tqdm bars were off without a terminal.
+    from eplb_bench import report
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.0)
+    assert report.main(["--quick", "--scales", "small", "--policies", "global"]) == 0
+    err = capsys.readouterr().err
+    placement = re.findall(r"^eplb-bench: placement (\d+)/(\d+), \d+ s$", err, re.M)
+    total = int(placement[-1][1])
+    assert [int(done) for done, _ in placement] == list(range(1, total + 1)) and total >= 3
+    assert re.search(r"^eplb-bench: re-planning (\d+)/\1, \d+ s$", err, re.M), err
+
+
+def test_progress_lines_wait_then_space_themselves(monkeypatch, capsys):
+    clock = iter([0.0, 1.0, 2.0, 3.5, 4.0, 7.0, 7.5, 8.0])  # start, then one reading per item, then the end
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    assert list(cli.progress_lines(list("abcdef"), "x:")) == list("abcdef")
+    # Nothing before 3 s; then at most one line per 3 s; the last once done.
+    assert capsys.readouterr().err == "x: 2/6, 4 s\nx: 4/6, 7 s\nx: 6/6, 8 s\n"  # items done, seconds

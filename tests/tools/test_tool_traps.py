@@ -84,7 +84,7 @@ def test_a_closed_pipe_ends_eplb_place_quietly():
     proc.stdout.close()
     assert "imbalance after:" in _quiet(proc)
     assert proc.wait(timeout=120) in (0, BROKEN_PIPE_STATUS)
-    assert first.startswith(b"# eplb placement v1: layers=58")
+    assert first.startswith(b"# eplb placement listing, format 1: layers=58")
 
 
 def test_a_closed_pipe_ends_eplb_bench_quietly():
