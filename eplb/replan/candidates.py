@@ -10,6 +10,9 @@ fresh plan aligned onto it last (``eplb.replan.align``), scored for ``eplb.repla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import numpy as np
 
 from ..budget import Budget, Clock
@@ -24,7 +27,7 @@ from .align import align_slots, align_to_previous
 from .moves import chain_improve, count_repair, rotate_improve
 from .pick import score
 
-__all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
+__all__ = ["Candidates", "candidates", "repair_previous", "recount", "groups_whole"]
 
 # Repairs try ejection chains without count moves first (besides count moves then chains, and
 # rotations first) only on rows of at most this many slots per gpu. Elsewhere that order won
@@ -193,27 +196,64 @@ def _repairs(
     return [(name, cand[k * L : (k + 1) * L]) for k in range(K) for name, cand in out.items()], swapped
 
 
-def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
-    ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
-    ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``), ``give_up`` and
-    ``every_order`` and ``quick`` (see ``repair_previous``) and ``deadline`` (a ``time.perf_counter()`` value
-    or ``None``, see ``candidates``). Also whether any layer swapped groups, and whether the
-    deadline stopped a repair. Layers are independent here, so a chunk's rows equal those of
-    all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline, quick = job
-    clock = None if deadline is None else Clock(deadline)
-    previous = Placement(old, topology)
-    ways = [("kept", old)] if ends else []
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    """``loads`` ``[l, E]``, ``old`` and ``fresh`` ``[l, P]``: one chunk of ``l`` layers' work for
+    ``_ways``, with what ``candidates`` was asked (pickled to a worker process when it has several)."""
+
+    loads: np.ndarray
+    old: np.ndarray
+    fresh: np.ndarray
+    topology: Topology  # the chunk's: ``num_layers`` is ``l``
+    targets: list[np.ndarray]  # repair targets, each ``[l]`` busiest-gpu load
+    by_node: bool
+    ends: bool  # whether the kept placement comes first and the fresh plan aligned last
+    pad: bool  # see ``_repairs``
+    give_up: float | None  # see ``repair_previous``
+    every_order: bool  # see ``repair_previous``
+    deadline: float | None  # a ``time.perf_counter()`` value, or ``None``: see ``candidates``
+    quick: bool  # see ``repair_previous``
+
+
+class Candidates(NamedTuple):
+    """``names`` ``[C]``, ``cands`` ``[C, L, P]`` (``phy2log`` of each candidate), ``imb`` and
+    ``moves`` ``[C, L]`` (see ``eplb.replan.pick.score``), and ``cut``: whether the deadline
+    stopped a repair. For a chunk of layers (``_ways``) ``L`` is the chunk's."""
+
+    names: list[str]
+    cands: np.ndarray
+    imb: np.ndarray
+    moves: np.ndarray
+    cut: bool
+
+
+def _ways(job: _Chunk) -> tuple[Candidates, bool]:
+    """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``), and whether any
+    layer swapped groups. Layers are independent here, so a chunk's rows equal those of all
+    layers at once."""
+    clock = None if job.deadline is None else Clock(job.deadline)
+    previous = Placement(job.old, job.topology)
+    ways = [("kept", job.old)] if job.ends else []
     swapped = False
-    if targets:
+    if job.targets:
         repaired, swapped = _repairs(
-            loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order, clock, quick
+            job.loads,
+            previous,
+            job.topology,
+            job.targets,
+            job.by_node,
+            job.fresh,
+            job.pad,
+            job.give_up,
+            job.every_order,
+            clock,
+            job.quick,
         )
         ways += repaired
-    if ends:
-        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
-    return (*score(ways, loads, old, topology), swapped, clock is not None and clock.expired)
+    if job.ends:
+        ways.append(("replanned", align_to_previous(job.fresh, previous, job.topology, job.by_node)))
+    names, cands, imb, moves = score(ways, job.loads, job.old, job.topology)
+    return Candidates(names, cands, imb, moves, clock is not None and clock.expired), swapped
 
 
 def candidates(
@@ -221,7 +261,7 @@ def candidates(
     old: np.ndarray,
     fresh: np.ndarray,
     topology: Topology,
-    targets: list,
+    targets: list[np.ndarray],
     by_node: bool,
     ends: bool,
     workers: int,
@@ -229,10 +269,10 @@ def candidates(
     every_order: bool = True,
     deadline: float | None = None,
     quick: bool = False,
-) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``
-    and whether the deadline stopped a repair:
-    in this process, or in ``workers`` processes, each taking an equal share of the layers (the
+) -> Candidates:
+    """``loads`` ``[L, E]``, ``old`` and ``fresh`` ``[L, P]``, repair ``targets`` (``[L]`` arrays)
+    → ``_ways`` over all layers (with ``ends``, the kept placement first and the fresh plan
+    aligned last): in this process, or in ``workers`` processes, each taking an equal share of the layers (the
     same result: any split gives it). ``give_up``, ``every_order``, ``quick``: see ``repair_previous``.
     ``deadline`` (a ``time.perf_counter()`` value): repairs stop between their rounds when the
     next would pass it, where they got to; the kept placement and the fresh plan aligned are
@@ -242,18 +282,34 @@ def candidates(
     jobs, pad = [], step < L
     for a in range(0, L, step):
         b = min(a + step, L)
-        chunk = topology.with_layers(b - a)
         tg = [t[a:b] for t in targets]
-        job = (loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline, quick)
-        jobs.append(job)
+        chunk = topology.with_layers(b - a)
+        jobs.append(
+            _Chunk(
+                loads=loads[a:b],
+                old=old[a:b],
+                fresh=fresh[a:b],
+                topology=chunk,
+                targets=tg,
+                by_node=by_node,
+                ends=ends,
+                pad=pad,
+                give_up=give_up,
+                every_order=every_order,
+                deadline=deadline,
+                quick=quick,
+            )
+        )
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
-    names = parts[0][0]
+    names = parts[0][0].names
     keep = np.ones(len(names), dtype=bool)
-    if not any(p[4] for p in parts):
+    if not any(swapped for _, swapped in parts):
         keep = np.array([n != "regrouped" for n in names])
     names = [n for n, k in zip(names, keep) if k]
-    cands, imb, moves = (np.concatenate([p[i][keep] for p in parts], axis=1) for i in (1, 2, 3))
-    return names, cands, imb, moves, any(p[5] for p in parts)
+    cands = np.concatenate([p.cands[keep] for p, _ in parts], axis=1)
+    imb = np.concatenate([p.imb[keep] for p, _ in parts], axis=1)
+    moves = np.concatenate([p.moves[keep] for p, _ in parts], axis=1)
+    return Candidates(names, cands, imb, moves, any(p.cut for p, _ in parts))
 
 
 def _repair_rows(
