@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -164,7 +165,7 @@ class Plan:
     def total_moves(self) -> int:
         return int(self.moves.sum())
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """Plain-Python figures for reports and the wire."""
         return {
             "policy": self.policy,

@@ -11,7 +11,7 @@ fresh plan aligned onto it last (``eplb.replan.align``), scored for ``eplb.repla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -159,7 +159,7 @@ def _repairs(
     loads: np.ndarray,
     previous: Placement,
     topology: Topology,
-    targets: list,
+    targets: list[np.ndarray],
     by_node: bool,
     fresh: np.ndarray,
     pad: bool = False,
@@ -316,7 +316,7 @@ def _repair_rows(
     loads: np.ndarray,
     phy: np.ndarray,
     target: np.ndarray,
-    counts: np.ndarray | bool | None,
+    counts: np.ndarray | Literal[True] | None,
     node_exp: np.ndarray | None,
     t: Topology,
     like: tuple[np.ndarray, ...] | None = None,
@@ -358,7 +358,7 @@ def _repair_pair(
     loads: np.ndarray,
     phy: np.ndarray,
     target: np.ndarray,
-    counts: np.ndarray | bool,
+    counts: np.ndarray | Literal[True],
     node_exp: np.ndarray | None,
     t: Topology,
     give_up: float | None = None,
@@ -405,7 +405,7 @@ def _repair_start(
     loads: np.ndarray,
     phy: np.ndarray,
     target: np.ndarray,
-    counts: np.ndarray | bool | None,
+    counts: np.ndarray | Literal[True] | None,
     node_exp: np.ndarray | None,
     t: Topology,
     give_up: float | None,

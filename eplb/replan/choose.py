@@ -215,7 +215,7 @@ def choose(
 
 
 def _result(
-    names: list,
+    names: list[str],
     cands: np.ndarray,
     pick: np.ndarray,
     imb: np.ndarray,
