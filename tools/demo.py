@@ -751,7 +751,7 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
     return summary
 
 
-def _ignore_sigint() -> Callable[[], None]:
+def _ignore_sigint() -> Callable[[], object]:
     """Ignores SIGINT in this process (so in the processes it starts now); returns the undo.
     Outside the main thread (where handlers cannot be set) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
