@@ -106,14 +106,14 @@ def repair_previous(
                 clock=clock,
                 quick=quick,
             )
-            return {"repaired": _to_global(repaired[0], None, prev, t)}
+            return {"repaired": _to_global(repaired.out, None, prev, t)}
         counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
         repaired, recounted = _repair_pair(
             loads, phy, target, counts, None, t, give_up, every_order, repeats, clock, quick
         )
         return {
-            "repaired": _to_global(repaired[0], None, prev, t),
-            "recounted": _to_global(recounted[0], None, prev, t),
+            "repaired": _to_global(repaired.out, None, prev, t),
+            "recounted": _to_global(recounted.out, None, prev, t),
         }
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
@@ -121,8 +121,8 @@ def repair_previous(
         loads, phy, target, True, node_exp, t, give_up, every_order, repeats, clock, quick
     )
     out = {
-        "repaired": _to_global(repaired[0], node_exp, prev, t),
-        "recounted": _to_global(recounted[0], node_exp, prev, t),
+        "repaired": _to_global(repaired.out, node_exp, prev, t),
+        "recounted": _to_global(recounted.out, node_exp, prev, t),
     }
     # When the busiest node itself is above the target no repair within nodes can reach it:
     # swap groups between nodes (each time the swap that most lowers the busiest node, until
@@ -151,7 +151,7 @@ def repair_previous(
             clock=clock,
             quick=quick,
         )
-        out["regrouped"] = _to_global(regrouped[0], swapped, prev, t)
+        out["regrouped"] = _to_global(regrouped.out, swapped, prev, t)
     return out
 
 
@@ -312,6 +312,17 @@ def candidates(
     return Candidates(names, cands, imb, moves, any(p.cut for p, _ in parts))
 
 
+class _Repair(NamedTuple):
+    """``out`` and ``start`` ``[R, B, S]``: a repair's rows (local expert ids when by node) and
+    where it started from (the rows recounted, or as they were); ``loads`` ``[R, E/N]`` (or
+    ``[R, E]``) the rows' expert loads and ``target`` ``[R]`` the busiest-bin load they aimed at."""
+
+    out: np.ndarray
+    start: np.ndarray
+    loads: np.ndarray
+    target: np.ndarray
+
+
 def _repair_rows(
     loads: np.ndarray,
     phy: np.ndarray,
@@ -319,19 +330,18 @@ def _repair_rows(
     counts: np.ndarray | Literal[True] | None,
     node_exp: np.ndarray | None,
     t: Topology,
-    like: tuple[np.ndarray, ...] | None = None,
+    like: _Repair | None = None,
     give_up: float | None = None,
     every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
     quick: bool = False,
-) -> tuple[np.ndarray, ...]:
+) -> _Repair:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
     ``[R, E]`` (``True``: water-filling within each row), then the best per row of three
     orders of rotations, ejection chains, count repairs, swaps and count moves.
-    Returns the repaired rows ``[R, B, S]`` (local ids), the rows it started from, their
-    loads ``[R, E/N]`` and the targets they aimed at ``[R]``.
+    Returns the repaired rows with where they started, their loads and targets (``_Repair``).
 
     Rows are independent, so a row that starts where it did in ``like`` (an earlier result of
     this function for the same targets), with the same loads, ends there too: only the other
@@ -343,15 +353,17 @@ def _repair_rows(
     swaps are most of a re-plan's time (``eplb.replan.choose`` says what it costs).
     ``repeats``: when the rows are that many copies of the first ``R / repeats`` (loads, start
     and counts; checked), the recount runs on one copy."""
-    out, start, row_loads, tgt, rows, cap = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
+    rep, rows, cap = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
     if like is not None:
-        same = _same_start(like, start, row_loads, tgt)
-        out[same] = like[0][same]
+        same = _same_start(like, rep)
+        rep.out[same] = like.out[same]
         rows = rows[~same[rows]]
     # The recount above is work of its own: check before the repairs start.
     if rows.size and not (clock is not None and clock.out()):
-        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order, clock, quick)
-    return out, start, row_loads, tgt
+        rep.out[rows] = _best_order(
+            rep.loads[rows], phy[rows], rep.start[rows], rep.target[rows], cap, every_order, clock, quick
+        )
+    return rep
 
 
 def _repair_pair(
@@ -366,39 +378,39 @@ def _repair_pair(
     repeats: int = 1,
     clock: Clock | None = None,
     quick: bool = False,
-) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+) -> tuple[_Repair, _Repair]:
     """``_repair_rows`` without a recount, then with ``counts`` (``like`` the first), as one
     pass: the rows of both that need a repair go through ``_best_order`` together. Rows are
     independent there, so each comes out as it would alone (the same result as two calls), and
     one pass of each step over twice the rows halves numpy's per-call cost, most of a repair's
     time with few slots per gpu (128 gpus x 2 slots: 58 layers, one target)."""
-    first = _repair_start(loads, phy, target, None, node_exp, t, give_up, repeats)
-    second = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
-    out_a, start_a, loads_a, tgt_a, rows_a, cap = first
-    out_b, start_b, loads_b, tgt_b, rows_b, _ = second
-    same = _same_start((out_a, start_a, loads_a, tgt_a), start_b, loads_b, tgt_b)
+    a, rows_a, cap = _repair_start(loads, phy, target, None, node_exp, t, give_up, repeats)
+    b, rows_b, _ = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
+    same = _same_start(a, b)
     rows_b = rows_b[~same[rows_b]]
     rows = np.concatenate([rows_a, rows_b])
     if rows.size and not (clock is not None and clock.out()):
         done = _best_order(
-            np.concatenate([loads_a[rows_a], loads_b[rows_b]]),
+            np.concatenate([a.loads[rows_a], b.loads[rows_b]]),
             phy[rows],
-            np.concatenate([start_a[rows_a], start_b[rows_b]]),
-            np.concatenate([tgt_a[rows_a], tgt_b[rows_b]]),
+            np.concatenate([a.start[rows_a], b.start[rows_b]]),
+            np.concatenate([a.target[rows_a], b.target[rows_b]]),
             cap,
             every_order,
             clock,
             quick,
         )
-        out_a[rows_a], out_b[rows_b] = done[: rows_a.size], done[rows_a.size :]
-    out_b[same] = out_a[same]
-    return (out_a, start_a, loads_a, tgt_a), (out_b, start_b, loads_b, tgt_b)
+        a.out[rows_a], b.out[rows_b] = done[: rows_a.size], done[rows_a.size :]
+    b.out[same] = a.out[same]
+    return a, b
 
 
-def _same_start(like: tuple[np.ndarray, ...], start: np.ndarray, row_loads: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-    """``[R]``: rows that start where ``like`` (an earlier result of ``_repair_rows`` for the
-    same targets) started, with the same loads and target: they end where it ended."""
-    return (start == like[1]).all(axis=(1, 2)) & (row_loads == like[2]).all(axis=1) & (tgt == like[3])
+def _same_start(like: _Repair, rep: _Repair) -> np.ndarray:
+    """``[R]``: rows of ``rep`` that start where ``like`` (an earlier result of ``_repair_rows``
+    for the same targets) started, with the same loads and target: they end where it ended."""
+    return (
+        (rep.start == like.start).all(axis=(1, 2)) & (rep.loads == like.loads).all(axis=1) & (rep.target == like.target)
+    )
 
 
 def _repair_start(
@@ -410,9 +422,9 @@ def _repair_start(
     t: Topology,
     give_up: float | None,
     repeats: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int | None]:
-    """Where ``_repair_rows`` starts: its output so far (``start`` copied), ``start``, the rows'
-    loads and targets, the rows that need a repair and the replica cap."""
+) -> tuple[_Repair, np.ndarray, int | None]:
+    """Where ``_repair_rows`` starts: its output so far (``start`` copied) with ``start``, the rows'
+    loads and targets; the rows that need a repair; the replica cap."""
     S = t.slots_per_gpu
     bins = phy.shape[1]
     if node_exp is not None:
@@ -445,7 +457,7 @@ def _repair_start(
     todo = top > tgt
     if give_up is not None:
         todo &= (top <= give_up * tgt) | (start != phy).any(axis=(1, 2))
-    return start.copy(), start, row_loads, tgt, np.flatnonzero(todo), cap
+    return _Repair(start.copy(), start, row_loads, tgt), np.flatnonzero(todo), cap
 
 
 def _copies(x: np.ndarray, k: int) -> bool:
