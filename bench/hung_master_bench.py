@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import grpc
@@ -94,7 +95,7 @@ def names_by_master(cluster: ClusterProcesses, prefix: str, per_master: int) -> 
     return out
 
 
-def load_worker(target: str, names: list[str], rate: float, stop: mp.Event) -> None:
+def load_worker(target: str, names: list[str], rate: float, stop: Event) -> None:
     """``rate`` reports/s over ``names`` (round robin), each report its own call; errors ignored."""
 
     async def main() -> None:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import grpc
@@ -76,7 +77,7 @@ async def settle(pid: int, seconds: float) -> float:
     return rss_mb(pid)
 
 
-def load_worker(target: str, rate: float, ready: mp.Event, stop: mp.Event) -> None:
+def load_worker(target: str, rate: float, ready: Event, stop: Event) -> None:
     """Creates deployment ``load`` (v3-prefill) and sends ``rate`` reports/s to it until ``stop``."""
 
     async def main() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +40,8 @@ from .client import (
 )
 
 __all__ = ["AsyncServiceClient"]
+
+_T = TypeVar("_T")
 
 
 class AsyncServiceClient:
@@ -102,7 +105,7 @@ class AsyncServiceClient:
 
     # -- running the steps ----------------------------------------------------------------
 
-    async def _run(self, ops: Ops) -> object:
+    async def _run(self, ops: Ops[_T]) -> _T:
         answer = None
         while True:
             try:
@@ -150,7 +153,7 @@ class AsyncServiceClient:
             raise TypeError(f"not a step of a unary call: {step!r}")
         return None
 
-    async def _stream(self, ops: Ops) -> AsyncIterator[object]:
+    async def _stream(self, ops: Ops[None]) -> AsyncIterator[Any]:
         """Runs a streaming ``Calls`` method: what it delivers is yielded; its open stream is
         cancelled when it opens another or the caller stops iterating."""
         open_call = None

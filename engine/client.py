@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
@@ -253,7 +254,7 @@ class Sleep:
 class Deliver:
     """Hand ``item`` to the caller of a stream (``watch``) and go on when it asks for the next."""
 
-    item: object
+    item: Any  # a decoded PublishedPlacement, or the wire Placement (watch(decode=False))
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,9 @@ class Sent:
 
 
 Step = Rpc | Health | Watch | Read | Failover | Sleep | Deliver
-Ops = Generator[Step, Sent | None, object]
+_T = TypeVar("_T")
+# A ``Calls`` method: the steps a face makes, then what the call returns.
+Ops = Generator[Step, Sent | None, _T]
 
 
 def create_request(
@@ -320,7 +323,7 @@ class Calls:
     def __init__(self, timeout_s: float | None, addresses: int) -> None:
         self.timeout_s, self.addresses = timeout_s, addresses
 
-    def call(self, method: str, request: object, timeout_s: float | None = None, *, stream: bool = False) -> Ops:
+    def call(self, method: str, request: object, timeout_s: float | None = None, *, stream: bool = False) -> Ops[Any]:
         """Unary (or client-streaming) ``method``: transient failures are retried, at the next
         address, until the deadline; any other failure (the request's fault) raises at once."""
         retry = Retry(self.timeout_s if timeout_s is None else timeout_s)
@@ -335,7 +338,7 @@ class Calls:
 
     def create_deployment(
         self, name: str, topology: eplb.Topology, initial: eplb.Placement | None, exist_ok: bool, options: dict
-    ) -> Ops:
+    ) -> Ops[pb.Deployment]:
         try:
             return (
                 yield from self.call("CreateDeployment", create_request(name, topology, initial, options))
@@ -350,32 +353,38 @@ class Calls:
             raise refused from None  # not there (or not visible either): the create's own error
         return same_topology(name, existing, topology)
 
-    def get_deployment(self, name: str) -> Ops:
+    def get_deployment(self, name: str) -> Ops[pb.Deployment]:
         return (yield from self.call("GetDeployment", pb.GetDeploymentRequest(name=name))).deployment
 
-    def topology(self, name: str) -> Ops:
+    def topology(self, name: str) -> Ops[eplb.Topology]:
         return wire.topology_from_pb((yield from self.get_deployment(name)).topology)
 
-    def get_placement(self, deployment: str, version: int, topology: eplb.Topology | None) -> Ops:
+    def get_placement(
+        self, deployment: str, version: int, topology: eplb.Topology | None
+    ) -> Ops[wire.PublishedPlacement]:
         reply = yield from self.call("GetPlacement", pb.GetPlacementRequest(deployment=deployment, version=version))
         return wire.placement_from_pb(reply.placement, topology or (yield from self.topology(deployment)))
 
-    def ack(self, deployment: str, rank: int, version: int, state: str, step: int, error: str) -> Ops:
+    def ack(
+        self, deployment: str, rank: int, version: int, state: str, step: int, error: str
+    ) -> Ops[pb.AckPlacementResponse]:
         return (yield from self.call("AckPlacement", ack_request(deployment, rank, version, state, step, error)))
 
-    def rebalance(self, deployment: str, dry_run: bool, force: bool) -> Ops:
+    def rebalance(self, deployment: str, dry_run: bool, force: bool) -> Ops[pb.RebalanceResponse]:
         request = pb.RebalanceRequest(deployment=deployment, dry_run=dry_run, force=force)
         return (yield from self.call("Rebalance", request))
 
-    def delete_deployment(self, name: str) -> Ops:
+    def delete_deployment(self, name: str) -> Ops[None]:
         yield from self.call("DeleteDeployment", pb.DeleteDeploymentRequest(name=name))
 
-    def report(self, requests: Sequence[pb.ReportLoadRequest], timeout_s: float | None = None) -> Ops:
+    def report(
+        self, requests: Sequence[pb.ReportLoadRequest], timeout_s: float | None = None
+    ) -> Ops[pb.ReportLoadResponse]:
         """One ``ReportLoad`` stream of ``requests``; a retry re-sends them with their seqs, which
         the service counts once."""
         return (yield from self.call("ReportLoad", list(requests), timeout_s, stream=True))
 
-    def healthy(self, timeout_s: float) -> Ops:
+    def healthy(self, timeout_s: float) -> Ops[bool]:
         """The current address first, then each other in turn; the first SERVING one stays current."""
         for _ in range(self.addresses):
             sent = yield Health(timeout_s)
@@ -384,7 +393,9 @@ class Calls:
             yield Failover(sent.stub)
         return False
 
-    def watch(self, deployment: str, since_version: int, topology: eplb.Topology | None, *, decode: bool = True) -> Ops:
+    def watch(
+        self, deployment: str, since_version: int, topology: eplb.Topology | None, *, decode: bool = True
+    ) -> Ops[None]:
         """Delivers each new version of ``deployment`` after ``since_version`` (decoded, or the
         wire ``Placement`` if not ``decode``); reconnects (at the next address after a transient
         failure) and resumes after the last version delivered. Ends only with an error that is
@@ -469,15 +480,14 @@ class Endpoints:
     def address(self) -> str:
         return self.addresses[self._index]
 
-    def _open(self) -> None:
+    def _open(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
         self._channel = open_channel(self.addresses[self._index], self._root_certificates, self._options, aio=self.aio)
         self._stub = pb_grpc.ExpertLoadBalancerServiceStub(self._channel)
+        return self._stub
 
     def stub(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
         with self._lock:
-            if self._stub is None:
-                self._open()
-            return self._stub
+            return self._open() if self._stub is None else self._stub
 
     def channel(self) -> grpc.Channel | grpc.aio.Channel:
         with self._lock:
@@ -547,7 +557,7 @@ class ServiceClient:
 
     # -- running the steps ----------------------------------------------------------------
 
-    def _run(self, ops: Ops) -> object:
+    def _run(self, ops: Ops[_T]) -> _T:
         answer = None
         while True:
             try:

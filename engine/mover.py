@@ -557,7 +557,8 @@ class _RankPlan:
         them until ``local_layer`` writes their slots); ``ValueError`` on a misfit."""
         work = self.work[layer]
         for expert, slot in work.restores:
-            got = self.restore(layer, expert)
+            # Not None: a mover whose transition has restores is refused without it (__init__).
+            got = self.restore(layer, expert)  # type: ignore[misc]
             if not isinstance(got, Mapping) or sorted(got) != self.names:
                 have = sorted(got) if isinstance(got, Mapping) else type(got).__name__
                 raise ValueError(f"restore({layer}, {expert}) returned {have}; the mover needs tensors {self.names}")
@@ -646,10 +647,14 @@ class _nullcontext:
         return None
 
 
-def _waves(copies: list[tuple[object, object]]) -> list[list[tuple[object, object]]]:
+# A copy's source or destination: ("slot" | "pool" | "host", index).
+_End = tuple[str, int]
+
+
+def _waves(copies: list[tuple[_End, _End]]) -> list[list[tuple[_End, _End]]]:
     """``copies`` ``[(src, dst)]`` in a correct sequential order → consecutive groups that may
     run at once: within a group no copy reads or writes what another writes."""
-    waves: list[list[tuple[object, object]]] = []
+    waves: list[list[tuple[_End, _End]]] = []
     read: set[object] = set()
     written: set[object] = set()
     for src, dst in copies:

@@ -208,7 +208,7 @@ def deployment_pb(
 
 
 def _is_count(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 0
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and bool(value >= 0)
 
 
 def _is_number(value: object) -> bool:

@@ -187,16 +187,19 @@ def _profile_impossible(loads: np.ndarray, T: np.ndarray, bins: int, cap: float)
     ca = np.ceil(ld / y)
     cb = np.floor(ld / (t - y)) + 1
     cands = [np.broadcast_to(c0, ca.shape)] + [np.maximum(c, c0) for c in (ca - 1, ca, cb - 1, cb)]
-    best = None
-    for c in cands:
+
+    def cost(c: np.ndarray) -> np.ndarray:
         p = ld / c
         heavy = p > t / 2 * (1 + _EPS)
         fy = np.where(heavy, c + c * (y < p * (1 - _EPS)), c * (y >= (t - p) * (1 + _EPS)))  # [X, Y, n]
         ok = c <= cap
         # cost for each mixing weight a: a * c + (1 - a) * f(y)  -> [X, Y, A, n]
-        cost = _ALPHA[None, None, :, None] * c[:, :, None, :] + (1 - _ALPHA)[None, None, :, None] * fy[:, :, None, :]
-        cost = np.where(ok[:, :, None, :], cost, np.inf)
-        best = cost if best is None else np.minimum(best, cost)
+        mix = _ALPHA[None, None, :, None] * c[:, :, None, :] + (1 - _ALPHA)[None, None, :, None] * fy[:, :, None, :]
+        return np.where(ok[:, :, None, :], mix, np.inf)
+
+    best = cost(cands[0])
+    for c in cands[1:]:
+        best = np.minimum(best, cost(c))
     need = best.sum(axis=3)  # [X, Y, A]
     return (need > 2 * bins * (1 + _EPS)).any(axis=(1, 2)) | (c0 > cap).any(axis=(1, 2))
 

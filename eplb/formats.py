@@ -17,6 +17,7 @@ fault-tolerance maps write them.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ PLACEMENT_VERSION = 1
 _TOPO_FIELDS = ("num_layers", "num_experts", "num_slots", "num_gpus", "num_nodes", "num_groups")
 
 
-def topology_to_dict(topology: Topology) -> dict:
+def topology_to_dict(topology: Topology) -> dict[str, Any]:
     return {name: getattr(topology, name) for name in _TOPO_FIELDS}
 
 
@@ -98,7 +99,7 @@ def _placement(phy2log: np.ndarray, topology: Topology, field: str) -> Placement
         raise ValueError(f"field {field!r}: {exc}") from None
 
 
-def to_native(placement: Placement, stats: dict | None = None) -> dict:
+def to_native(placement: Placement, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """Placement (+ plain-Python ``stats``, e.g. ``Plan.summary()``) → native JSON object."""
     return {
         "format": PLACEMENT_FORMAT,
@@ -135,7 +136,7 @@ def _topology_for(phy2log: np.ndarray, num_gpus: int, num_nodes: int, num_groups
         raise ValueError(f"field {field!r}: {exc}") from None
 
 
-def to_sglang(placement: Placement) -> dict:
+def to_sglang(placement: Placement) -> dict[str, Any]:
     """Placement → SGLang ``--init-expert-location`` object ``{"physical_to_logical_map": [L][P]}``."""
     return {"physical_to_logical_map": placement.phy2log.tolist()}
 
@@ -163,7 +164,7 @@ def to_vllm(placement: Placement) -> dict[str, np.ndarray]:
     }
 
 
-def from_vllm(arrays: dict, num_gpus: int, num_nodes: int = 1, num_groups: int = 1) -> Placement:
+def from_vllm(arrays: dict[str, Any], num_gpus: int, num_nodes: int = 1, num_groups: int = 1) -> Placement:
     """vLLM-shaped arrays → Placement; the two redundant maps must agree with
     ``physical_to_logical`` (replicas may be listed in any order)."""
     for key in ("physical_to_logical", "logical_to_physical", "logical_replica_count"):

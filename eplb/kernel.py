@@ -24,6 +24,7 @@ import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class KernelModel:
     hidden: int = 0
     intermediate: int = 0
     dtype: str = ""
-    heldout: dict = field(default_factory=dict)
+    heldout: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("call_us", "expert_us", "tile_us", "token_us"):
@@ -81,7 +82,7 @@ class KernelModel:
         return json.dumps({"kind": "kernel-model", **asdict(self)}, indent=1)
 
     @staticmethod
-    def from_dict(d: dict) -> KernelModel:
+    def from_dict(d: dict[str, Any]) -> KernelModel:
         d = {k: v for k, v in d.items() if k != "kind" and k != "samples"}
         try:
             return KernelModel(**d)
@@ -176,7 +177,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit(sets: list[np.ndarray], us: np.ndarray, *, tiles: tuple[int, ...] = TILES, **labels: object) -> KernelModel:
+def fit(sets: list[np.ndarray], us: np.ndarray, *, tiles: tuple[int, ...] = TILES, **labels: Any) -> KernelModel:
     """``sets``: ``S`` arrays of slot token counts, ``us``: ``[S]`` measured microseconds →
     the ``KernelModel`` of least relative squared error (coefficients >= 0), over ``tiles``.
     ``labels`` (``gpu``, ``kernel``, ``hidden``, ...) are stored on the model."""
@@ -206,7 +207,7 @@ def model_us(model: CostModel, sets: list[np.ndarray]) -> np.ndarray:
     return np.array([float(model.gpu_us(np.asarray(n))) for n in sets])
 
 
-def fit_error(model: CostModel, sets: list[np.ndarray], us: np.ndarray) -> dict:
+def fit_error(model: CostModel, sets: list[np.ndarray], us: np.ndarray) -> dict[str, Any]:
     """Relative error of ``model`` on measured ``sets``: ``{"median", "p90", "max", "n"}``
     of ``|predicted / measured - 1|`` (sets with tokens only)."""
     us = np.asarray(us, dtype=np.float64)

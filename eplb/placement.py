@@ -113,7 +113,7 @@ class Placement:
     def live(self) -> np.ndarray:
         """bool ``[G]``: gpus holding an expert in some layer (the others are down)."""
         topo = self.topology
-        out = (self.phy2log.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu) >= 0).any(axis=(0, 2))
+        out = np.any(self.phy2log.reshape(topo.num_layers, topo.num_gpus, topo.slots_per_gpu) >= 0, axis=(0, 2))
         out.setflags(write=False)
         return out
 

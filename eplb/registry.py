@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from .replan.migration import Migration
 from .result import Plan, SearchStats, SolverStats
 from .survivors import Survivors, live_topology, restore, survivors
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .kernel import CostModel
+    from .timing import Batches
 
 __all__ = [
     "PolicyError",
@@ -90,7 +94,7 @@ class PolicySpec:
         """The policy's options with every default (``None`` when it takes none)."""
         return self.options() if self.options else None
 
-    def parse(self, options: dict) -> tuple[Any, Migration | None]:
+    def parse(self, options: dict[str, Any]) -> tuple[Any, Migration | None]:
         """``rebalance``'s keyword options → (the policy's options, the re-plan's), both checked."""
         allowed = self.option_names()
         unknown = sorted(set(options) - set(allowed))
@@ -245,7 +249,7 @@ def rebalance(
     down_gpus: object = (),
     spread_nodes: bool = False,
     progress: Callable[[Progress], object] | None = None,
-    **options: object,
+    **options: Any,
 ) -> Plan:
     """``loads``: ``[L, E]`` expert loads → a :class:`Plan` for ``topology``.
 
@@ -341,13 +345,13 @@ TIME_OPTIONS = ("kernel_curve", "tokens_per_gpu", "top_k", "dispatch")
 
 @dataclasses.dataclass(frozen=True)
 class _Timing:
-    cost: object
-    batches: object
+    cost: CostModel
+    batches: Batches
     top_k: int
     dispatch: str
 
 
-def _time_options(given: dict) -> _Timing | None:
+def _time_options(given: dict[str, Any]) -> _Timing | None:
     """``kernel_curve``, ``tokens_per_gpu``, ``top_k``, ``dispatch`` checked (``ValueError`` says
     what each allows); ``None`` without a curve."""
     from .kernel import as_cost_model
@@ -386,7 +390,7 @@ def _for_time(
     timing: _Timing,
     deadline: float | None = None,
     fresh: Placement | None = None,
-    options: dict | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Plan:
     """``plan`` re-planned for expected MoE time (eplb.planner.timeplan), with ``predicted_ms``.
 
@@ -505,7 +509,9 @@ def _spread(plan: Plan, arr: np.ndarray, previous: Placement | None) -> Plan:
     imb = metrics.imbalance(load)
     note = (
         f"spread_nodes: {swaps} swaps put a replica of hot experts on a second node; experts on one node "
-        f"{int(plan.single_node.sum())} -> {int(((placement.logcnt >= 1) & _one_node(placement)).sum())}, "
+        # Not None: with one node _spread returned above.
+        f"{int(plan.single_node.sum())} -> "  # type: ignore[union-attr]
+        f"{int(((placement.logcnt >= 1) & _one_node(placement)).sum())}, "
         f"mean imbalance {plan.mean_imbalance:.4f} -> {float(imb.mean()):.4f}"
         + ("; expert groups are no longer whole on nodes" if plan.policy_used in ("hierarchical", "deepseek") else ""),
     )
@@ -529,7 +535,9 @@ def _one_node(placement: Placement) -> np.ndarray:
     return ((node == node[:, :, :1]) | (node < 0)).all(axis=2)
 
 
-def _survivor_plan(arr: np.ndarray, live: Survivors, policy: str, previous: Placement | None, options: dict) -> Plan:
+def _survivor_plan(
+    arr: np.ndarray, live: Survivors, policy: str, previous: Placement | None, options: dict[str, Any]
+) -> Plan:
     """``rebalance`` with gpus down (or ``previous`` holding empty slots): the live gpus' own
     problem planned by ``_plan``, then written back with -1 on the down gpus."""
     start = time.perf_counter()
@@ -583,7 +591,7 @@ def _plan(
     spec: PolicySpec,
     policy: str,
     previous: Placement | None,
-    options: dict,
+    options: dict[str, Any],
     quick: bool = False,
 ) -> Plan:
     """``rebalance`` on checked inputs, every slot of ``previous`` (if any) holding an expert;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -178,7 +179,7 @@ class Plan:
             f"{self.total_moves} moves, {self.solve_seconds:.3f} s{notes})"
         )
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """Plain-Python figures for reports and the wire."""
         return {
             "policy": self.policy,

@@ -20,6 +20,7 @@ routing never reaches an empty slot, and a down gpu's expected load is NaN (abse
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class StepStats:
     def p99(self) -> float:
         return float(np.percentile(self.ratio, 99))
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "tokens_per_gpu": self.tokens_per_gpu,
             "topk": self.topk,

@@ -70,7 +70,8 @@ def batches_from(tokens_per_gpu: object) -> Batches:
         raise ValueError(msg + " (a dict's weights would be lost: give [(tokens, weight), ...])")
     items = [tokens_per_gpu] if isinstance(tokens_per_gpu, (int, np.integer)) else tokens_per_gpu
     try:
-        items = list(items)  # type: ignore[arg-type]
+        # Any object: one that is not iterable raises the TypeError turned into ``msg`` here.
+        items = list(items)  # type: ignore[call-overload]
     except TypeError:
         raise ValueError(msg) from None
     if not items:

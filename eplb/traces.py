@@ -16,6 +16,7 @@ Native trace (``to_native`` / ``from_native``), a JSON object::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class LoadTrace:
     """
 
     counts: np.ndarray
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         arr = _check_counts(self.counts, "counts", ndims=(3,))
@@ -106,7 +107,7 @@ def _check_counts(value: object, name: str, ndims: tuple[int, ...] = (2, 3)) -> 
     return out
 
 
-def from_array(value: object, name: str = "counts", meta: dict | None = None) -> LoadTrace:
+def from_array(value: object, name: str = "counts", meta: dict[str, Any] | None = None) -> LoadTrace:
     """``value``: ``[L, E]`` or ``[T, L, E]`` counts → trace (``[L, E]`` gets ``T = 1``)."""
     arr = _check_counts(value, name)
     return LoadTrace(arr[None] if arr.ndim == 2 else arr, dict(meta or {}))
@@ -132,7 +133,7 @@ def from_native(doc: object) -> LoadTrace:
     return trace
 
 
-def to_native(trace: LoadTrace) -> dict:
+def to_native(trace: LoadTrace) -> dict[str, Any]:
     """Trace → the native JSON object; integral counts are written as ints."""
     counts = trace.counts
     values = counts.astype(np.int64).tolist() if np.array_equal(counts, np.round(counts)) else counts.tolist()
@@ -161,7 +162,7 @@ def from_counts_json(doc: object) -> LoadTrace:
     )
 
 
-def _duplicates(idx: dict[str, np.ndarray], steps: bool) -> dict:
+def _duplicates(idx: dict[str, np.ndarray], steps: bool) -> dict[str, Any]:
     """``{"duplicate_rows": what}`` when rows of a long CSV repeat a (step, layer, expert): their
     counts are summed (a log of several passes may mean that), but a caller should say so."""
     keys = np.stack([idx["step"], idx["layer"], idx["expert"]], axis=1)

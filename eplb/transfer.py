@@ -93,7 +93,9 @@ class TransferPlan:
         return {name: int(n) for name, n in zip(KIND_NAMES, counts)}
 
 
-def transfer_plan(old: Placement, new: Placement, topology: Topology, *, expert_bytes: float = 1.0) -> TransferPlan:
+def transfer_plan(
+    old: Placement, new: Placement, topology: Topology, *, expert_bytes: float | np.ndarray = 1.0
+) -> TransferPlan:
     """``old``, ``new``: placements ``[L, P]`` of ``topology`` → the copies that turn old into new.
 
     ``expert_bytes``: one expert's weights in bytes (a scalar, or ``[L]`` per layer); the

@@ -528,7 +528,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _stream(
         self, label: str, fn: Callable[..., Any], client_stream: bool = False
-    ) -> Callable[..., AsyncIterator[Any]]:
+    ) -> Callable[..., AsyncIterator[Any] | Awaitable[None]]:
         # Handlers either yield (async generators) or write to the context and return (the
         # health servicer's Watch); the wrapper keeps the handler's kind.
         generator = inspect.isasyncgenfunction(fn)

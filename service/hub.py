@@ -139,7 +139,7 @@ class PlacementHub:
             await asyncio.wait_for(self._changed.wait_for(lambda: self.ring or self.deleted), timeout)
         if self.deleted:
             raise NotFound(f"deployment {self.name!r} not found")
-        return self.latest
+        return self.latest  # type: ignore[return-value]  # not None: the wait ended with one in the ring
 
     async def watch(self, since_version: int) -> AsyncIterator[pb.Placement]:
         """The latest version (or, resuming, the one after ``since_version``), then each new one in

@@ -193,7 +193,9 @@ class Ingest:
                 out[i] = f
         return out
 
-    async def _retry_gone(self, call: AcceptCall, missing: NotFound) -> tuple[list[bool], str | None] | Exception:
+    async def _retry_gone(
+        self, call: AcceptCall, missing: NotFound
+    ) -> tuple[list[bool | None], str | None] | Exception:
         """``call`` found its deployment missing: ``missing`` if it is really gone, else its answer
         once more (after a store that restarted empty got this replica's deployments back)."""
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -88,7 +89,7 @@ class MemoryStore:
     async def list(self) -> list[DeploymentRecord]:
         return [DeploymentRecord(s.deployment, s.version) for _, s in sorted(self._states.items())]
 
-    async def names(self) -> list[str]:
+    async def names(self) -> builtins.list[str]:
         return sorted(self._states)
 
     async def count(self) -> int:
@@ -146,10 +147,10 @@ class MemoryStore:
     async def accept_reports(
         self,
         name: str,
-        pairs: list[tuple[int, int]],
-        journal: Callable[[list[bool]], bytes],
+        pairs: builtins.list[tuple[int, int]],
+        journal: Callable[[builtins.list[bool]], bytes],
         keep_s: float,
-        groups: list[int] | None = None,
+        groups: builtins.list[int] | None = None,
     ) -> Accepted:
         # One process: the windows in memory die with the seqs, so no write-ahead entry is kept.
         state = self._get(name)
@@ -176,7 +177,7 @@ class MemoryStore:
                 state.reports += 1
         return out, None
 
-    async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
+    async def accept_many(self, calls: Sequence[AcceptCall]) -> builtins.list[Accepted | Exception]:
         out: list[Accepted | Exception] = []
         for c in calls:
             try:
@@ -196,18 +197,18 @@ class MemoryStore:
         state = self._get(name)
         state.planned_reports, state.planned_at = reports, at
 
-    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
         self._get(name).windows[replica] = blob
 
     async def windows(self, name: str) -> dict[str, bytes]:
         return dict(self._get(name).windows)
 
-    async def drop_windows(self, name: str, keys: list[str]) -> None:
+    async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
         for r in keys:
             self._get(name).windows.pop(r, None)
 
     async def ack(
-        self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
+        self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int
     ) -> Rollout:
         s = self._get(name)
         out = apply_ack(s.acks, s.rollouts, rank, version, state, step, ranks, margin)

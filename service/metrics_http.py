@@ -7,7 +7,7 @@ from __future__ import annotations
 import gzip
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -70,7 +70,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # refusals go to the audit log (throttled); a line per scrape would be noise
 
 
-def serve_metrics(host: str, port: int, registry: CollectorRegistry, access: Access | None) -> ThreadingHTTPServer:
+def serve_metrics(host: str, port: int, registry: CollectorRegistry, access: Access | None) -> HTTPServer:
     """Serves ``registry`` on ``host:port`` in a daemon thread; ``OSError`` when it cannot bind."""
     if access is None:
         httpd, _ = start_http_server(port, addr=host, registry=registry)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import builtins
 import contextlib
 import functools
 import hashlib
@@ -751,11 +752,11 @@ class RedisStore:
 
     async def ping(self) -> str:
         if not self.cluster:
-            asked = asyncio.get_running_loop().time()
+            asked_at = asyncio.get_running_loop().time()
             with _unavailable():
                 info = await self._r.info("server")
             # A call that timed out after this ping asked keeps it down until the next ping.
-            if self._hung_at.get(_ONE_REDIS, asked - 1) < asked:
+            if self._hung_at.get(_ONE_REDIS, asked_at - 1) < asked_at:
                 self._hung_at.pop(_ONE_REDIS, None)
                 self._down.discard(_ONE_REDIS)
             return str(info.get("run_id", ""))
@@ -945,7 +946,7 @@ class RedisStore:
                 # Its master is down: listed again once it answers.
         return out
 
-    async def names(self) -> list[str]:
+    async def names(self) -> builtins.list[str]:
         return sorted(await self._names())
 
     async def count(self) -> int:
@@ -1034,17 +1035,17 @@ class RedisStore:
     async def accept_reports(
         self,
         name: str,
-        pairs: list[tuple[int, int]],
-        journal: Callable[[list[bool]], bytes],
+        pairs: builtins.list[tuple[int, int]],
+        journal: Callable[[builtins.list[bool]], bytes],
         keep_s: float,
-        groups: list[int] | None = None,
+        groups: builtins.list[int] | None = None,
     ) -> Accepted:
         (out,) = await self.accept_many([AcceptCall(name, pairs, journal, keep_s, groups)])
         if isinstance(out, Exception):
             raise out
         return out
 
-    async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
+    async def accept_many(self, calls: Sequence[AcceptCall]) -> builtins.list[Accepted | Exception]:
         results: list[Accepted | Exception | None] = [None] * len(calls)
         fresh: list[list[bool | None]] = [[True] * len(c.pairs) for c in calls]
         # Duplicates are rare (client retries): each batch goes as if all were new, and only
@@ -1089,14 +1090,16 @@ class RedisStore:
                     else:
                         results[i] = (fresh[i], None)
             todo = again
-        return results  # type: ignore[return-value]  (every slot set above)
+        return results  # type: ignore[return-value]  # every slot is set above
 
     def shard(self, name: str) -> str:
         if not self.cluster or not self._r.nodes_manager.slots_cache:
             return _ONE_REDIS
         return self._master_of(self.key(name, "meta"))
 
-    async def _accept_commands(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
+    async def _accept_commands(
+        self, commands: builtins.list[tuple[str, builtins.list[str], builtins.list[object]]]
+    ) -> builtins.list[object]:
         """``(deployment, keys, args)`` of ``_ACCEPT`` calls → each one's answer or exception: one
         pipeline a master (a lone call as itself). On Redis Cluster whatever fails one master's
         pipeline (down, unreachable, a slot not covered) goes to its own calls alone, the other
@@ -1142,7 +1145,9 @@ class RedisStore:
         await asyncio.gather(*(group(m, idx) for m, idx in groups.items()))
         return answers
 
-    async def _accept_pipeline(self, commands: list[tuple[str, list[str], list[object]]]) -> list[object]:
+    async def _accept_pipeline(
+        self, commands: builtins.list[tuple[str, builtins.list[str], builtins.list[object]]]
+    ) -> builtins.list[object]:
         """The calls in one pipeline (one connection's round trip); each answer or its error."""
         if len(commands) == 1:
             ((_, keys, args),) = commands
@@ -1187,7 +1192,7 @@ class RedisStore:
         with self._on(name):
             await self._r.hset(self.key(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
 
-    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
         with self._on(name):
             out = await self._put_window(
                 keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal2")],
@@ -1210,7 +1215,7 @@ class RedisStore:
             out.update((f"{stream}:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in entries)
         return out
 
-    async def drop_windows(self, name: str, keys: list[str]) -> None:
+    async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
         replicas = [k for k in keys if not k.startswith(("wal:", "wal2:"))]
         with self._on(name):
             if replicas:
@@ -1221,7 +1226,7 @@ class RedisStore:
                     await self._r.xdel(self.key(name, stream), *ids)
 
     async def ack(
-        self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
+        self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int
     ) -> Rollout:
         with self._on(name):
             out = await self._ack(

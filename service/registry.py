@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -29,6 +30,8 @@ from .windows import make_window
 __all__ = ["Registry"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class Registry:
@@ -113,7 +116,7 @@ class Registry:
             local = self.local.get(name) or self.adopt(record.deployment)
         return local
 
-    async def known(self, name: str, call: Callable[[], Awaitable[object]]) -> object:
+    async def known(self, name: str, call: Callable[[], Awaitable[_T]]) -> _T:
         """``call()``; if the store says NOT_FOUND for a deployment this replica follows, checks
         whether the store restarted empty (then writes everything back) and asks again."""
         try:

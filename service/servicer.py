@@ -8,7 +8,8 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -29,6 +30,8 @@ MAX_PART_BYTES = 4 << 20
 __all__ = ["BalancerServicer", "add_to_server"]
 
 log = logging.getLogger(__name__)
+
+_M = TypeVar("_M")
 
 
 def _libc_trim() -> object | None:
@@ -90,14 +93,14 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         self.access = access
         # The latest response per (rpc, deployment), reused while the placement is the same
         # object: copying a v3-sized placement into a fresh response costs more than the call.
-        self._responses: dict[tuple[type, str], tuple[pb.Placement, object]] = {}
+        self._responses: dict[tuple[Callable[..., Any], str], tuple[pb.Placement, Any]] = {}
         # The newest placement per deployment as a serialized WatchPlacementsResponse, shared by
         # every watch stream (a stream that does not read holds its message until it does: one
         # copy for all rather than one per stream; see add_to_server).
         self._wire: dict[str, tuple[pb.Placement, bytes]] = {}
         self._wire_parts: dict[tuple[str, int], tuple[pb.Placement, tuple[bytes, ...]]] = {}
 
-    def _response(self, cls: type, placement: pb.Placement) -> object:
+    def _response(self, cls: Callable[..., _M], placement: pb.Placement) -> _M:
         key = (cls, placement.deployment)
         cached = self._responses.get(key)
         if cached is None or cached[0] is not placement:

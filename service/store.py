@@ -9,6 +9,7 @@ Every method may raise ``StoreUnavailable`` when the backing store cannot be rea
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -126,7 +127,7 @@ class Store(Protocol):
 
     async def list(self) -> list[DeploymentRecord]: ...
 
-    async def names(self) -> list[str]:
+    async def names(self) -> builtins.list[str]:
         """Every deployment's name, sorted: the index alone, no record read (what a replica
         polls to follow new deployments)."""
 
@@ -155,10 +156,10 @@ class Store(Protocol):
     async def accept_reports(
         self,
         name: str,
-        pairs: list[tuple[int, int]],
-        journal: Callable[[list[bool]], bytes],
+        pairs: builtins.list[tuple[int, int]],
+        journal: Callable[[builtins.list[bool]], bytes],
         keep_s: float,
-        groups: list[int] | None = None,
+        groups: builtins.list[int] | None = None,
     ) -> Accepted:
         """``(rank, seq)`` pairs → whether each is new (seq above the rank's last accepted; None:
         refused, as ``AcceptCall.groups`` says), and the id of the write-ahead entry holding the
@@ -170,7 +171,7 @@ class Store(Protocol):
         accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
         """
 
-    async def accept_many(self, calls: Sequence[AcceptCall]) -> list[Accepted | Exception]:
+    async def accept_many(self, calls: Sequence[AcceptCall]) -> builtins.list[Accepted | Exception]:
         """:meth:`accept_reports` for the batches of several deployments, in one round trip where
         the store allows (one pipeline a Redis master); one answer per call, in order: its result,
         or the error that call alone failed with (``NotFound``; ``StoreUnavailable`` where its
@@ -188,18 +189,18 @@ class Store(Protocol):
 
     async def mark_planned(self, name: str, reports: int, at: float) -> None: ...
 
-    async def put_window(self, name: str, replica: str, blob: bytes, folded: list[str]) -> None:
+    async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
         """This replica's window aggregate (see :mod:`.windows`), replacing its previous one, and
         the deletion of the write-ahead entries ``folded`` into it, atomically."""
 
     async def windows(self, name: str) -> dict[str, bytes]:
         """Every replica's window blob, and every write-ahead entry not folded yet (``wal:<id>``)."""
 
-    async def drop_windows(self, name: str, keys: list[str]) -> None:
+    async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
         """Drops stale blobs (replica ids) and write-ahead entries (``wal:<id>``)."""
 
     async def ack(
-        self, name: str, rank: int, version: int, state: int, step: int, ranks: list[int], margin: int
+        self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int
     ) -> Rollout:
         """Records where ``rank`` stands with ``version`` and returns the version's rollout over
         ``ranks``, atomically (rules in :mod:`.rollout`). ``NotFound`` when the deployment is gone."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Collection
 
 from google.protobuf.message import Message
@@ -312,8 +313,7 @@ def _fill_ranks(msg: pb.Deployment, out: pb.Deployment, field: str) -> list[Fiel
         return []
     if len(msg.ranks) > limits.MAX_GPUS:
         return [FieldViolation(f"{field}.ranks", f"{len(msg.ranks)} ranks, over the limit of {limits.MAX_GPUS}")]
-    seen: set[int] = set()
-    dups = sorted({r for r in msg.ranks if r in seen or seen.add(r)})
+    dups = sorted(r for r, n in Counter(msg.ranks).items() if n > 1)
     if dups:
         return [FieldViolation(f"{field}.ranks", f"ranks must be distinct; repeated: {dups[:8]}")]
     return []

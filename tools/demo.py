@@ -823,7 +823,7 @@ class _StartUp:
             )
 
 
-def _ignore_sigint() -> Callable[[], None]:
+def _ignore_sigint() -> Callable[[], object]:
     """Ignores SIGINT in this process (so in the processes it starts now); returns the undo.
     Outside the main thread (where handlers cannot be set) it does nothing."""
     if threading.current_thread() is not threading.main_thread():

@@ -21,7 +21,9 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 import eplb  # noqa: E402
@@ -53,7 +55,7 @@ _DASHES = ["-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1))]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X"]
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -66,7 +68,7 @@ def _colors(names: list[str]) -> dict[str, str]:
     return {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
 
 
-def _lines(ax: plt.Axes, x: np.ndarray, series: dict[str, np.ndarray], colors: dict[str, str]) -> None:
+def _lines(ax: Axes, x: np.ndarray, series: dict[str, np.ndarray], colors: dict[str, str]) -> None:
     """Lines that may coincide: the first drawn widest and each with its own dashes and
     marker, so a line under another still shows at its edges."""
     n = len(series)
@@ -85,7 +87,7 @@ def _lines(ax: plt.Axes, x: np.ndarray, series: dict[str, np.ndarray], colors: d
         )
 
 
-def _legend_outside(fig: plt.Figure, axes: list[plt.Axes]) -> None:
+def _legend_outside(fig: Figure, axes: list[Axes]) -> None:
     handles, labels = [], []
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels()):

@@ -18,7 +18,7 @@ __all__ = ["ArrayError", "encode", "decode", "decode_counts"]
 # Largest value of the signed integer dtypes by item size (np.iinfo costs microseconds a call).
 _INT_MAX = {4: 2**31 - 1, 8: 2**63 - 1}
 
-_DTYPES: dict[int, np.dtype] = {
+_DTYPES: dict[pb.Dtype, np.dtype] = {
     pb.DTYPE_INT32: np.dtype("<i4"),
     pb.DTYPE_INT64: np.dtype("<i8"),
     pb.DTYPE_FLOAT32: np.dtype("<f4"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -124,7 +125,7 @@ class PlanOptions:
         return float(HIGH_WORK if self.effort == "high" else DEFAULT_WORK)
 
 
-def _donors(donors: object, slots_per_gpu: int) -> int:
+def _donors(donors: int | None, slots_per_gpu: int) -> int:
     # Under strong skew a wider donor search is what lowers the busiest gpu (v3-64 zipf 1.5:
     # 1.188 with 4 donors, 1.053 with 8). With two slots per gpu the pairing already decides
     # most of the balance and 8 donors cost a third more time for 0.05 %.
@@ -193,7 +194,7 @@ def plan_placement(
     return np.concatenate([p for p, _ in parts]), stats
 
 
-def _plan_job(job: tuple) -> tuple[np.ndarray, SearchStats]:
+def _plan_job(job: tuple[Any, ...]) -> tuple[np.ndarray, SearchStats]:
     return _plan_chunks(*job)
 
 

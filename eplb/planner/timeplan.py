@@ -28,6 +28,7 @@ import numpy as np
 
 from ..kernel import CostModel
 from ..timing import Batches, expected_max, normal_cdf, slot_moments
+from ..topology import Topology
 
 __all__ = ["LayerCost", "time_counts", "time_pack", "time_swaps", "objective", "SWAP_WORK"]
 
@@ -57,7 +58,7 @@ class LayerCost:
     weights: np.ndarray
     cost: CostModel
     dispatch: str
-    _by_count: dict = field(default_factory=dict, repr=False, compare=False)
+    _by_count: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def only(self, k: int) -> LayerCost:
         """This layer at batch size ``k`` alone."""
@@ -283,7 +284,7 @@ def time_swaps(
 def plan_for_time(
     loads: np.ndarray,
     phy2log: np.ndarray,
-    topo: object,
+    topo: Topology,
     *,
     cost: CostModel,
     batches: Batches,

@@ -120,7 +120,7 @@ def _auto(loads: np.ndarray, topology: Topology, options: PlanOptions) -> Policy
             )
             return dataclasses.replace(res, notes=note + res.notes)
         what = "first plan" if hier is not None else "grouping bound (no placement with groups on nodes is better)"
-        why = (
+        why: tuple[str, ...] = (
             f"auto: hierarchical's {what} ({h:.4f}) is more than {AUTO_TOLERANCE:.0%} above global's "
             f"({g:.4f}); planned with global (tokens may reach more nodes)",
         )

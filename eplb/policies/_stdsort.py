@@ -55,7 +55,7 @@ def _introsort_desc(keys: list[float]) -> list[int]:
     return v
 
 
-def _introsort_loop(k: list, v: list, first: int, last: int, depth: int) -> None:
+def _introsort_loop(k: list[float], v: list[int], first: int, last: int, depth: int) -> None:
     while last - first > _THRESHOLD:
         if depth == 0:
             _heap_sort(k, v, first, last)
@@ -66,12 +66,12 @@ def _introsort_loop(k: list, v: list, first: int, last: int, depth: int) -> None
         last = cut
 
 
-def _swap(k: list, v: list, a: int, b: int) -> None:
+def _swap(k: list[float], v: list[int], a: int, b: int) -> None:
     k[a], k[b] = k[b], k[a]
     v[a], v[b] = v[b], v[a]
 
 
-def _partition_pivot(k: list, v: list, first: int, last: int) -> int:
+def _partition_pivot(k: list[float], v: list[int], first: int, last: int) -> int:
     mid = first + (last - first) // 2
     a, b, c = first + 1, mid, last - 1
     # __move_median_to_first with comp(x, y) = x > y (descending).
@@ -103,7 +103,7 @@ def _partition_pivot(k: list, v: list, first: int, last: int) -> int:
         lo += 1
 
 
-def _insertion_sort(k: list, v: list, first: int, last: int) -> None:
+def _insertion_sort(k: list[float], v: list[int], first: int, last: int) -> None:
     for i in range(first + 1, last):
         if k[i] > k[first]:
             ki, vi = k[i], v[i]
@@ -114,7 +114,7 @@ def _insertion_sort(k: list, v: list, first: int, last: int) -> None:
             _unguarded_linear_insert(k, v, i)
 
 
-def _unguarded_linear_insert(k: list, v: list, last: int) -> None:
+def _unguarded_linear_insert(k: list[float], v: list[int], last: int) -> None:
     kv, vv = k[last], v[last]
     nxt = last - 1
     while kv > k[nxt]:
@@ -124,7 +124,7 @@ def _unguarded_linear_insert(k: list, v: list, last: int) -> None:
     k[last], v[last] = kv, vv
 
 
-def _heap_sort(k: list, v: list, first: int, last: int) -> None:
+def _heap_sort(k: list[float], v: list[int], first: int, last: int) -> None:
     # std::partial_sort(first, last, last): make_heap then sort_heap, comp = (x > y).
     n = last - first
     for parent in range((n - 2) // 2, -1, -1):
@@ -136,7 +136,7 @@ def _heap_sort(k: list, v: list, first: int, last: int) -> None:
         _adjust_heap(k, v, first, 0, n, kv, vv)
 
 
-def _adjust_heap(k: list, v: list, base: int, hole: int, length: int, kv: float, vv: int) -> None:
+def _adjust_heap(k: list[float], v: list[int], base: int, hole: int, length: int, kv: float, vv: int) -> None:
     top = hole
     child = hole
     while child < (length - 1) // 2:

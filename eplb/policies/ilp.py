@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from ..progress import report
 from ..registry import PolicyResult, register_policy
 from ..result import SolverStats
 from ..topology import Topology
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 __all__ = ["solve_layer", "IlpOptions"]
 
@@ -101,7 +105,7 @@ def solve_layer(
     time_limit: float = 10.0,
     workers: int = 8,
     deadline: float | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """``loads``: ``[E]`` one layer; ``hint``: ``[P]`` a valid ``phy2log`` row → the solve.
 
     Returns ``phy2log`` int32 ``[P]`` (``hint`` when the solver found nothing), ``status``
@@ -150,7 +154,7 @@ def solve_layer(
             }
     time_limit = max(time_limit - (time.perf_counter() - start), 0.01)
 
-    def out_of_time() -> dict | None:
+    def out_of_time() -> dict[str, Any] | None:
         if deadline is None or time.perf_counter() < deadline:
             return None
         if hint is None:
@@ -225,7 +229,9 @@ def solve_layer(
     solver.parameters.catch_sigint_signal = False
     status = solver.Solve(model)
     seconds = time.perf_counter() - start
-    name = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE"}.get(status, "UNKNOWN")
+    # ortools annotates Solve() as returning the CpSolverStatus class, not its ValueType (an int, as
+    # OPTIMAL and FEASIBLE are): the lookup is right, the stub is not.
+    name = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE"}.get(status, "UNKNOWN")  # type: ignore[call-overload]
     bound_units = float(solver.BestObjectiveBound()) if name != "UNKNOWN" else float(lb)
     # Rounded units may undercount a gpu by S / 2 units; subtract it to keep the bound true.
     slack = 0.0 if exact else S / 2
@@ -236,9 +242,10 @@ def solve_layer(
         row = np.asarray(hint, dtype=np.int32)
         objective = float("nan")
     else:
-        holds = np.array(
-            [[[solver.BooleanValue(y[e][c][g]) for c in range(C)] for g in range(G)] for e in range(E)]
-        ).any(axis=2)  # [E, G]
+        holds = np.any(
+            np.array([[[solver.BooleanValue(y[e][c][g]) for c in range(C)] for g in range(G)] for e in range(E)]),
+            axis=2,
+        )  # [E, G]
         # Each gpu's experts in ascending order, gpus in solver order: slots are gpu-major.
         row = np.concatenate([np.flatnonzero(holds[:, g]) for g in range(G)]).astype(np.int32)
         objective = float(solver.ObjectiveValue()) / scale
@@ -266,7 +273,16 @@ def _hint_units(hint: np.ndarray | None, w: np.ndarray, topology: Topology) -> i
     return int(w[per_gpu, counts[per_gpu] - 1].sum(axis=1).max())
 
 
-def _add_hint(model, hint, w, use, y, gpu_load, z, topology: Topology) -> int | None:
+def _add_hint(
+    model: cp_model.CpModel,
+    hint: np.ndarray,
+    w: np.ndarray,
+    use: list[list[cp_model.IntVar]],
+    y: list[list[list[cp_model.IntVar]]],
+    gpu_load: list[cp_model.IntVar],
+    z: cp_model.IntVar,
+    topology: Topology,
+) -> int | None:
     """Hint ``hint`` (``[P]``) with gpus relabelled to satisfy the symmetry order; its value.
 
     Returns ``None`` (no hint) when ``hint`` puts two replicas of an expert on one gpu, which
@@ -334,7 +350,7 @@ def _ilp(loads: np.ndarray, topology: Topology, options: IlpOptions) -> PolicyRe
         method.append(out["method"])
         report("ilp", layer + 1, t.num_layers)
     # Say where the search bought nothing over its hint, the fast policy's plan.
-    busiest = [gpu_loads(loads, Placement(np.stack(r), t)).max(axis=1) for r in (rows, hints)]
+    busiest = [gpu_loads(loads, Placement(np.stack(r), t)).max(axis=1) for r in (rows, list(hints))]
     same = ~(busiest[0] < busiest[1] * (1 - 1e-9))
     proved = int((same & (np.array(status) == "OPTIMAL")).sum())
     unknown = np.array(status) == "UNKNOWN"

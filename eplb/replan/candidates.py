@@ -10,6 +10,9 @@ fresh plan aligned onto it last (``eplb.replan.align``), scored for ``eplb.repla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
 import numpy as np
 
 from ..budget import Budget, Clock
@@ -24,7 +27,7 @@ from .align import align_slots, align_to_previous
 from .moves import chain_improve, count_repair, rotate_improve
 from .pick import score
 
-__all__ = ["candidates", "repair_previous", "recount", "groups_whole"]
+__all__ = ["Candidates", "candidates", "repair_previous", "recount", "groups_whole"]
 
 # Repairs try ejection chains without count moves first (besides count moves then chains, and
 # rotations first) only on rows of at most this many slots per gpu. Elsewhere that order won
@@ -103,14 +106,14 @@ def repair_previous(
                 clock=clock,
                 quick=quick,
             )
-            return {"repaired": _to_global(repaired[0], None, prev, t)}
+            return {"repaired": _to_global(repaired.out, None, prev, t)}
         counts = replica_counts(fresh.reshape(L, t.num_gpus, S).astype(np.int64), t.num_experts)
         repaired, recounted = _repair_pair(
             loads, phy, target, counts, None, t, give_up, every_order, repeats, clock, quick
         )
         return {
-            "repaired": _to_global(repaired[0], None, prev, t),
-            "recounted": _to_global(recounted[0], None, prev, t),
+            "repaired": _to_global(repaired.out, None, prev, t),
+            "recounted": _to_global(recounted.out, None, prev, t),
         }
     rows, bins = L * t.num_nodes, t.gpus_per_node
     phy = _to_local(prev.reshape(rows, bins, S), node_exp, t.num_experts)
@@ -118,8 +121,8 @@ def repair_previous(
         loads, phy, target, True, node_exp, t, give_up, every_order, repeats, clock, quick
     )
     out = {
-        "repaired": _to_global(repaired[0], node_exp, prev, t),
-        "recounted": _to_global(recounted[0], node_exp, prev, t),
+        "repaired": _to_global(repaired.out, node_exp, prev, t),
+        "recounted": _to_global(recounted.out, node_exp, prev, t),
     }
     # When the busiest node itself is above the target no repair within nodes can reach it:
     # swap groups between nodes (each time the swap that most lowers the busiest node, until
@@ -148,7 +151,7 @@ def repair_previous(
             clock=clock,
             quick=quick,
         )
-        out["regrouped"] = _to_global(regrouped[0], swapped, prev, t)
+        out["regrouped"] = _to_global(regrouped.out, swapped, prev, t)
     return out
 
 
@@ -156,7 +159,7 @@ def _repairs(
     loads: np.ndarray,
     previous: Placement,
     topology: Topology,
-    targets: list,
+    targets: list[np.ndarray],
     by_node: bool,
     fresh: np.ndarray,
     pad: bool = False,
@@ -193,27 +196,64 @@ def _repairs(
     return [(name, cand[k * L : (k + 1) * L]) for k in range(K) for name, cand in out.items()], swapped
 
 
-def _ways(job: tuple) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``): ``job`` is ``loads`` ``[l, E]``,
-    ``old`` and ``fresh`` ``[l, P]``, their topology, repair ``targets`` (``[l]`` arrays), ``by_node``
-    ``ends`` (kept first and fresh aligned last), ``pad`` (see ``_repairs``), ``give_up`` and
-    ``every_order`` and ``quick`` (see ``repair_previous``) and ``deadline`` (a ``time.perf_counter()`` value
-    or ``None``, see ``candidates``). Also whether any layer swapped groups, and whether the
-    deadline stopped a repair. Layers are independent here, so a chunk's rows equal those of
-    all layers at once."""
-    loads, old, fresh, topology, targets, by_node, ends, pad, give_up, every_order, deadline, quick = job
-    clock = None if deadline is None else Clock(deadline)
-    previous = Placement(old, topology)
-    ways = [("kept", old)] if ends else []
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    """``loads`` ``[l, E]``, ``old`` and ``fresh`` ``[l, P]``: one chunk of ``l`` layers' work for
+    ``_ways``, with what ``candidates`` was asked (pickled to a worker process when it has several)."""
+
+    loads: np.ndarray
+    old: np.ndarray
+    fresh: np.ndarray
+    topology: Topology  # the chunk's: ``num_layers`` is ``l``
+    targets: list[np.ndarray]  # repair targets, each ``[l]`` busiest-gpu load
+    by_node: bool
+    ends: bool  # whether the kept placement comes first and the fresh plan aligned last
+    pad: bool  # see ``_repairs``
+    give_up: float | None  # see ``repair_previous``
+    every_order: bool  # see ``repair_previous``
+    deadline: float | None  # a ``time.perf_counter()`` value, or ``None``: see ``candidates``
+    quick: bool  # see ``repair_previous``
+
+
+class Candidates(NamedTuple):
+    """``names`` ``[C]``, ``cands`` ``[C, L, P]`` (``phy2log`` of each candidate), ``imb`` and
+    ``moves`` ``[C, L]`` (see ``eplb.replan.pick.score``), and ``cut``: whether the deadline
+    stopped a repair. For a chunk of layers (``_ways``) ``L`` is the chunk's."""
+
+    names: list[str]
+    cands: np.ndarray
+    imb: np.ndarray
+    moves: np.ndarray
+    cut: bool
+
+
+def _ways(job: _Chunk) -> tuple[Candidates, bool]:
+    """One chunk of layers' candidates, scored (see ``eplb.replan.pick.score``), and whether any
+    layer swapped groups. Layers are independent here, so a chunk's rows equal those of all
+    layers at once."""
+    clock = None if job.deadline is None else Clock(job.deadline)
+    previous = Placement(job.old, job.topology)
+    ways = [("kept", job.old)] if job.ends else []
     swapped = False
-    if targets:
+    if job.targets:
         repaired, swapped = _repairs(
-            loads, previous, topology, targets, by_node, fresh, pad, give_up, every_order, clock, quick
+            job.loads,
+            previous,
+            job.topology,
+            job.targets,
+            job.by_node,
+            job.fresh,
+            job.pad,
+            job.give_up,
+            job.every_order,
+            clock,
+            job.quick,
         )
         ways += repaired
-    if ends:
-        ways.append(("replanned", align_to_previous(fresh, previous, topology, by_node)))
-    return (*score(ways, loads, old, topology), swapped, clock is not None and clock.expired)
+    if job.ends:
+        ways.append(("replanned", align_to_previous(job.fresh, previous, job.topology, job.by_node)))
+    names, cands, imb, moves = score(ways, job.loads, job.old, job.topology)
+    return Candidates(names, cands, imb, moves, clock is not None and clock.expired), swapped
 
 
 def candidates(
@@ -221,7 +261,7 @@ def candidates(
     old: np.ndarray,
     fresh: np.ndarray,
     topology: Topology,
-    targets: list,
+    targets: list[np.ndarray],
     by_node: bool,
     ends: bool,
     workers: int,
@@ -229,10 +269,10 @@ def candidates(
     every_order: bool = True,
     deadline: float | None = None,
     quick: bool = False,
-) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """``_ways`` over all layers → names, candidates ``[C, L, P]``, imbalance and moves ``[C, L]``
-    and whether the deadline stopped a repair:
-    in this process, or in ``workers`` processes, each taking an equal share of the layers (the
+) -> Candidates:
+    """``loads`` ``[L, E]``, ``old`` and ``fresh`` ``[L, P]``, repair ``targets`` (``[L]`` arrays)
+    → ``_ways`` over all layers (with ``ends``, the kept placement first and the fresh plan
+    aligned last): in this process, or in ``workers`` processes, each taking an equal share of the layers (the
     same result: any split gives it). ``give_up``, ``every_order``, ``quick``: see ``repair_previous``.
     ``deadline`` (a ``time.perf_counter()`` value): repairs stop between their rounds when the
     next would pass it, where they got to; the kept placement and the fresh plan aligned are
@@ -242,40 +282,66 @@ def candidates(
     jobs, pad = [], step < L
     for a in range(0, L, step):
         b = min(a + step, L)
-        chunk = topology.with_layers(b - a)
         tg = [t[a:b] for t in targets]
-        job = (loads[a:b], old[a:b], fresh[a:b], chunk, tg, by_node, ends, pad, give_up, every_order, deadline, quick)
-        jobs.append(job)
+        chunk = topology.with_layers(b - a)
+        jobs.append(
+            _Chunk(
+                loads=loads[a:b],
+                old=old[a:b],
+                fresh=fresh[a:b],
+                topology=chunk,
+                targets=tg,
+                by_node=by_node,
+                ends=ends,
+                pad=pad,
+                give_up=give_up,
+                every_order=every_order,
+                deadline=deadline,
+                quick=quick,
+            )
+        )
     parts = list(worker_pool(workers).map(_ways, jobs)) if len(jobs) > 1 else [_ways(jobs[0])]
-    names = parts[0][0]
+    names = parts[0][0].names
     keep = np.ones(len(names), dtype=bool)
-    if not any(p[4] for p in parts):
+    if not any(swapped for _, swapped in parts):
         keep = np.array([n != "regrouped" for n in names])
     names = [n for n, k in zip(names, keep) if k]
-    cands, imb, moves = (np.concatenate([p[i][keep] for p in parts], axis=1) for i in (1, 2, 3))
-    return names, cands, imb, moves, any(p[5] for p in parts)
+    cands = np.concatenate([p.cands[keep] for p, _ in parts], axis=1)
+    imb = np.concatenate([p.imb[keep] for p, _ in parts], axis=1)
+    moves = np.concatenate([p.moves[keep] for p, _ in parts], axis=1)
+    return Candidates(names, cands, imb, moves, any(p.cut for p, _ in parts))
+
+
+class _Repair(NamedTuple):
+    """``out`` and ``start`` ``[R, B, S]``: a repair's rows (local expert ids when by node) and
+    where it started from (the rows recounted, or as they were); ``loads`` ``[R, E/N]`` (or
+    ``[R, E]``) the rows' expert loads and ``target`` ``[R]`` the busiest-bin load they aimed at."""
+
+    out: np.ndarray
+    start: np.ndarray
+    loads: np.ndarray
+    target: np.ndarray
 
 
 def _repair_rows(
     loads: np.ndarray,
     phy: np.ndarray,
     target: np.ndarray,
-    counts: np.ndarray | bool | None,
+    counts: np.ndarray | Literal[True] | None,
     node_exp: np.ndarray | None,
     t: Topology,
-    like: tuple[np.ndarray, ...] | None = None,
+    like: _Repair | None = None,
     give_up: float | None = None,
     every_order: bool = True,
     repeats: int = 1,
     clock: Clock | None = None,
     quick: bool = False,
-) -> tuple[np.ndarray, ...]:
+) -> _Repair:
     """One repair from ``phy`` ``[R, B, S]`` (rows are layers, or (layer, node) pairs with
     local expert ids into ``node_exp`` ``[R, E/N]``): optionally a recount to ``counts``
     ``[R, E]`` (``True``: water-filling within each row), then the best per row of three
     orders of rotations, ejection chains, count repairs, swaps and count moves.
-    Returns the repaired rows ``[R, B, S]`` (local ids), the rows it started from, their
-    loads ``[R, E/N]`` and the targets they aimed at ``[R]``.
+    Returns the repaired rows with where they started, their loads and targets (``_Repair``).
 
     Rows are independent, so a row that starts where it did in ``like`` (an earlier result of
     this function for the same targets), with the same loads, ends there too: only the other
@@ -287,22 +353,24 @@ def _repair_rows(
     swaps are most of a re-plan's time (``eplb.replan.choose`` says what it costs).
     ``repeats``: when the rows are that many copies of the first ``R / repeats`` (loads, start
     and counts; checked), the recount runs on one copy."""
-    out, start, row_loads, tgt, rows, cap = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
+    rep, rows, cap = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
     if like is not None:
-        same = _same_start(like, start, row_loads, tgt)
-        out[same] = like[0][same]
+        same = _same_start(like, rep)
+        rep.out[same] = like.out[same]
         rows = rows[~same[rows]]
     # The recount above is work of its own: check before the repairs start.
     if rows.size and not (clock is not None and clock.out()):
-        out[rows] = _best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap, every_order, clock, quick)
-    return out, start, row_loads, tgt
+        rep.out[rows] = _best_order(
+            rep.loads[rows], phy[rows], rep.start[rows], rep.target[rows], cap, every_order, clock, quick
+        )
+    return rep
 
 
 def _repair_pair(
     loads: np.ndarray,
     phy: np.ndarray,
     target: np.ndarray,
-    counts: np.ndarray | bool,
+    counts: np.ndarray | Literal[True],
     node_exp: np.ndarray | None,
     t: Topology,
     give_up: float | None = None,
@@ -310,53 +378,53 @@ def _repair_pair(
     repeats: int = 1,
     clock: Clock | None = None,
     quick: bool = False,
-) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+) -> tuple[_Repair, _Repair]:
     """``_repair_rows`` without a recount, then with ``counts`` (``like`` the first), as one
     pass: the rows of both that need a repair go through ``_best_order`` together. Rows are
     independent there, so each comes out as it would alone (the same result as two calls), and
     one pass of each step over twice the rows halves numpy's per-call cost, most of a repair's
     time with few slots per gpu (128 gpus x 2 slots: 58 layers, one target)."""
-    first = _repair_start(loads, phy, target, None, node_exp, t, give_up, repeats)
-    second = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
-    out_a, start_a, loads_a, tgt_a, rows_a, cap = first
-    out_b, start_b, loads_b, tgt_b, rows_b, _ = second
-    same = _same_start((out_a, start_a, loads_a, tgt_a), start_b, loads_b, tgt_b)
+    a, rows_a, cap = _repair_start(loads, phy, target, None, node_exp, t, give_up, repeats)
+    b, rows_b, _ = _repair_start(loads, phy, target, counts, node_exp, t, give_up, repeats)
+    same = _same_start(a, b)
     rows_b = rows_b[~same[rows_b]]
     rows = np.concatenate([rows_a, rows_b])
     if rows.size and not (clock is not None and clock.out()):
         done = _best_order(
-            np.concatenate([loads_a[rows_a], loads_b[rows_b]]),
+            np.concatenate([a.loads[rows_a], b.loads[rows_b]]),
             phy[rows],
-            np.concatenate([start_a[rows_a], start_b[rows_b]]),
-            np.concatenate([tgt_a[rows_a], tgt_b[rows_b]]),
+            np.concatenate([a.start[rows_a], b.start[rows_b]]),
+            np.concatenate([a.target[rows_a], b.target[rows_b]]),
             cap,
             every_order,
             clock,
             quick,
         )
-        out_a[rows_a], out_b[rows_b] = done[: rows_a.size], done[rows_a.size :]
-    out_b[same] = out_a[same]
-    return (out_a, start_a, loads_a, tgt_a), (out_b, start_b, loads_b, tgt_b)
+        a.out[rows_a], b.out[rows_b] = done[: rows_a.size], done[rows_a.size :]
+    b.out[same] = a.out[same]
+    return a, b
 
 
-def _same_start(like: tuple[np.ndarray, ...], start: np.ndarray, row_loads: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-    """``[R]``: rows that start where ``like`` (an earlier result of ``_repair_rows`` for the
-    same targets) started, with the same loads and target: they end where it ended."""
-    return (start == like[1]).all(axis=(1, 2)) & (row_loads == like[2]).all(axis=1) & (tgt == like[3])
+def _same_start(like: _Repair, rep: _Repair) -> np.ndarray:
+    """``[R]``: rows of ``rep`` that start where ``like`` (an earlier result of ``_repair_rows``
+    for the same targets) started, with the same loads and target: they end where it ended."""
+    return (
+        (rep.start == like.start).all(axis=(1, 2)) & (rep.loads == like.loads).all(axis=1) & (rep.target == like.target)
+    )
 
 
 def _repair_start(
     loads: np.ndarray,
     phy: np.ndarray,
     target: np.ndarray,
-    counts: np.ndarray | bool | None,
+    counts: np.ndarray | Literal[True] | None,
     node_exp: np.ndarray | None,
     t: Topology,
     give_up: float | None,
     repeats: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int | None]:
-    """Where ``_repair_rows`` starts: its output so far (``start`` copied), ``start``, the rows'
-    loads and targets, the rows that need a repair and the replica cap."""
+) -> tuple[_Repair, np.ndarray, int | None]:
+    """Where ``_repair_rows`` starts: its output so far (``start`` copied) with ``start``, the rows'
+    loads and targets; the rows that need a repair; the replica cap."""
     S = t.slots_per_gpu
     bins = phy.shape[1]
     if node_exp is not None:
@@ -389,7 +457,7 @@ def _repair_start(
     todo = top > tgt
     if give_up is not None:
         todo &= (top <= give_up * tgt) | (start != phy).any(axis=(1, 2))
-    return start.copy(), start, row_loads, tgt, np.flatnonzero(todo), cap
+    return _Repair(start.copy(), start, row_loads, tgt), np.flatnonzero(todo), cap
 
 
 def _copies(x: np.ndarray, k: int) -> bool:

@@ -193,11 +193,12 @@ def choose(
                     loads, old, fresh, topology, targets, by_node, False, workers, every_order=False, deadline=deadline
                 )
                 # Fresh aligned stays last.
-                names = names[:-1] + more[0] + names[-1:]
+                names = names[:-1] + more.names + names[-1:]
                 cands, imb, moves = (
-                    np.concatenate([x[:-1], y, x[-1:]]) for x, y in zip((cands, imb, moves), more[1:4])
+                    np.concatenate([x[:-1], y, x[-1:]])
+                    for x, y in zip((cands, imb, moves), (more.cands, more.imb, more.moves))
                 )
-                cut |= more[4]
+                cut |= more.cut
                 pick = pick_within(moves, imb, cap, budget, max_layer_moves)
             if max_moves is not None and moves[pick, cols].sum() > max_moves:
                 fits = np.ones_like(moves, dtype=bool) if max_layer_moves is None else moves <= max_layer_moves
@@ -214,7 +215,7 @@ def choose(
 
 
 def _result(
-    names: list,
+    names: list[str],
     cands: np.ndarray,
     pick: np.ndarray,
     imb: np.ndarray,

@@ -415,7 +415,7 @@ def rotate_improve(
         # the triples where some (i, j, k) is feasible on all three bins at once (few: most
         # triples have none, and the float grid costs several times more than this test).
         g1, gq = np.isfinite(m1), np.isfinite(mq)
-        pa, ph, pq = np.nonzero(g1.any(axis=(2, 3))[:, :, None] & gq.any(axis=(2, 3))[:, None, :])
+        pa, ph, pq = np.nonzero(np.any(g1, axis=(2, 3))[:, :, None] & np.any(gq, axis=(2, 3))[:, None, :])
         th, tq = pa * H + ph, pa * Q + pq  # each triple's (row, h2) and (row, q), flat
 
         def at(v: np.ndarray, i: np.ndarray) -> np.ndarray:

@@ -17,8 +17,8 @@ __all__ = ["score", "pick_within", "pick"]
 
 
 def score(
-    ways: list, loads: np.ndarray, old: np.ndarray, topology: Topology
-) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    ways: list[tuple[str, np.ndarray]], loads: np.ndarray, old: np.ndarray, topology: Topology
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """``ways`` (name, ``phy2log`` ``[L, P]``) pairs → names, candidates ``[C, L, P]``, their
     imbalance and moves ``[C, L]``."""
     names = [name for name, _ in ways]

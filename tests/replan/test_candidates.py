@@ -211,7 +211,8 @@ def test_stacked_orders_equal_the_orders_one_at_a_time(scale: str, by_node: bool
     from eplb.replan import candidates as C
 
     t, loads, phy, counts, node_exp, target = _repair_case(scale, by_node)
-    out, start, row_loads, tgt, rows, cap = C._repair_start(loads, phy, target, counts, node_exp, t, None, 1)
+    rep, rows, cap = C._repair_start(loads, phy, target, counts, node_exp, t, None, 1)
+    start, row_loads, tgt = rep.start, rep.loads, rep.target
     assert rows.size and cap == replica_cap(row_loads.shape[1], phy.shape[1] * phy.shape[2], phy.shape[1])
     got = C._best_order(row_loads[rows], phy[rows], start[rows], tgt[rows], cap)
     want = _best_order_one_at_a_time(row_loads[rows], phy[rows], start[rows], tgt[rows], cap)
