@@ -624,14 +624,15 @@ def _plan(
         phy2log, swaps = settle(arr, phy2log, topology.num_gpus, topology.num_gpus // topology.num_nodes)
         if swaps:
             notes += (f"no redundant slots: {swaps} swaps spread the gpus below the busiest (settle)",)
-        # Where tokens tie, eplb.py's deal, whose MoE time is the reference (eplb.planner.settle).
+        # Where tokens (nearly) tie, eplb.py's deal, whose MoE time is the reference
+        # (eplb.planner.settle: in such layers ours was lighter in tokens and slower in time).
         # hierarchical keeps expert groups on nodes: it takes only eplb.py's hierarchical deal.
         hier = result.policy_used == "hierarchical"
         groups, nodes = (topology.num_groups, topology.num_nodes) if hier else (1, 1)
         if not hier or groups % nodes == 0:
             phy2log, dealt = prefer_deal(arr, phy2log, topology.num_gpus, groups, nodes)
             if dealt:
-                notes += (f"no redundant slots: {dealt} layers take eplb.py's deal, as busy as ours in tokens",)
+                notes += (f"no redundant slots: {dealt} layers take eplb.py's deal, within 1 % of ours in tokens",)
     if previous is not None and migration is not None:
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))
