@@ -135,13 +135,13 @@ def window_spec(msg: pb.Deployment) -> WindowSpec:
 
 
 def trigger_spec(msg: pb.Deployment) -> TriggerSpec:
-    """The deployment's trigger, with its one move budget: ``Migration.max_moves`` (0: none).
+    """The deployment's trigger, with its one move budget: ``Migration.max_moves`` (unset: none;
+    0: no slot may move).
     A ``Trigger.max_moves`` sent on the wire was folded into it on create (validation.py)."""
     t = msg.trigger
     payback = t.max_payback_steps if t.HasField("max_payback_steps") else None
-    return TriggerSpec(
-        t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, msg.migration.max_moves, payback
-    )
+    budget = msg.migration.max_moves if msg.migration.HasField("max_moves") else None
+    return TriggerSpec(t.interval.ToNanoseconds() / 1e9, t.report_count, t.min_gain_percent, budget, payback)
 
 
 # Planning.effort values on the wire: the library's.

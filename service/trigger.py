@@ -19,12 +19,13 @@ __all__ = ["TriggerSpec", "decide", "due"]
 class TriggerSpec:
     """``interval_s`` (once a report arrived since the last plan) and/or ``report_count`` start a
     plan (0 disables either); ``min_gain_percent``
-    and ``max_moves`` (the deployment's one move budget, 0: none) decide whether it is published."""
+    and ``max_moves`` (the deployment's one move budget; None: none, 0: no slot may move) decide
+    whether it is published."""
 
     interval_s: float = 0.0
     report_count: int = 0
     min_gain_percent: float = 0.0
-    max_moves: int = 0
+    max_moves: int | None = None
     # Trigger.max_payback_steps (None: no time gate).
     max_payback_steps: int | None = None
 
@@ -69,7 +70,8 @@ def decide(
         return f"{what} {gain_percent:.2f}% is not above 0%"
     if gain_percent < spec.min_gain_percent:
         return f"{what} {gain_percent:.2f}% is below min_gain_percent {spec.min_gain_percent:g}%"
-    if spec.max_moves and moves > spec.max_moves:
+    # An explicit 0 is a budget (no slot moves), as Migration.max_moves says: only unset is none.
+    if spec.max_moves is not None and moves > spec.max_moves:
         return f"plan moves {moves} slots, over the move budget max_moves {spec.max_moves}"
     if spec.max_payback_steps is not None and saved_ms is not None:
         if saved_ms <= 0:

@@ -50,4 +50,19 @@ def test_the_move_budget_is_read_from_migration_max_moves_only():
     assert trigger_spec(both).max_moves == 5
     # The deprecated wire field alone (folded into Migration.max_moves on create, so only a
     # deployment stored before that fold has it so) is no budget.
-    assert trigger_spec(pb.Deployment(trigger=pb.Trigger(max_moves=7))).max_moves == 0
+    assert trigger_spec(pb.Deployment(trigger=pb.Trigger(max_moves=7))).max_moves is None
+
+
+def test_an_explicit_zero_budget_gates_every_move_and_unset_gates_none():
+    """Migration.max_moves = 0 is a budget of no moves (the wire says "unset: no limit"); the
+    gate read 0 as no budget, so deepseek and ilp deployments, which do not plan within the
+    budget, published plans that moved slots."""
+    from eplb_service.codec import trigger_spec
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+    zero = trigger_spec(pb.Deployment(migration=pb.Migration(max_moves=0)))
+    assert zero.max_moves == 0
+    assert "over the move budget max_moves 0" in decide(zero, 100.0, 6.0, 1, force=False)
+    assert decide(zero, 100.0, 6.0, 1, force=True) is None
+    unset = trigger_spec(pb.Deployment())
+    assert unset.max_moves is None and decide(unset, 100.0, 6.0, 10**6, force=False) is None
