@@ -212,10 +212,15 @@ def _planning(d: object) -> str:
     return ", ".join(parts)
 
 
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _topology(t: object) -> str:
     return (
-        f"{t.num_layers} layers, {t.num_experts} experts, {t.num_slots} slots on {t.num_gpus} gpus, "
-        f"{t.num_nodes or 1} nodes, {t.num_groups or 1} groups"
+        f"{_count_of(t.num_layers, 'layer')}, {_count_of(t.num_experts, 'expert')}, "
+        f"{_count_of(t.num_slots, 'slot')} on {_count_of(t.num_gpus, 'gpu')}, "
+        f"{_count_of(t.num_nodes or 1, 'node')}, {_count_of(t.num_groups or 1, 'group')}"
     )
 
 

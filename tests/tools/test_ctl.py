@@ -650,3 +650,13 @@ def test_output_json_for_scripts(served: Callable[..., Served], capsys: pytest.C
     assert json.loads(line) == {k: v for k, v in p.items() if k != "phy2log"}
     code, _, err = run(capsys, "--address", s.address, "placement", "d1", "-o", "json", "--format", "sglang")
     assert code == 2 and "-o json prints the version to stdout; --format is for a placement format" in err
+
+
+def test_a_topology_of_ones_reads_in_the_singular() -> None:
+    from eplb_tools.ctl import _topology
+    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+
+    one = pb.Topology(num_layers=1, num_experts=8, num_slots=8, num_gpus=1)
+    assert _topology(one) == "1 layer, 8 experts, 8 slots on 1 gpu, 1 node, 1 group"
+    two = pb.Topology(num_layers=2, num_experts=1, num_slots=2, num_gpus=2, num_nodes=2, num_groups=1)
+    assert _topology(two) == "2 layers, 1 expert, 2 slots on 2 gpus, 2 nodes, 1 group"
