@@ -1,7 +1,8 @@
 """The wire contract (``eplb.v1``) ↔ numpy and ``eplb``: arrays, placements, topologies,
 deployments, and the gRPC health check.
 
-Everything here goes through ``eplb_wire`` (the generated messages and the one ``Array`` codec),
+Everything here goes through ``eplb_wire`` (the generated messages and the one ``Array`` and
+``Topology`` codecs: ``topology_to_pb``/``topology_from_pb`` are ``eplb_wire.topology``'s),
 never the service, so an engine needs ``eplb_wire`` and ``eplb`` and nothing of ``eplb_service``.
 """
 
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import eplb
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.topology import topology_from_pb, topology_to_pb
 
 __all__ = [
     "PublishedPlacement",
@@ -44,24 +46,6 @@ def decode_array(msg: pb.Array, field: str = "array") -> np.ndarray:
     """``Array`` → a read-only numpy array of its shape; :class:`eplb_wire.arrays.ArrayError`
     (a ``ValueError``) naming ``field`` if the dtype is unknown or the bytes do not fill the shape."""
     return arrays.decode(msg, field)
-
-
-def topology_to_pb(topo: eplb.Topology) -> pb.Topology:
-    return pb.Topology(
-        num_layers=topo.num_layers,
-        num_experts=topo.num_experts,
-        num_slots=topo.num_slots,
-        num_gpus=topo.num_gpus,
-        num_nodes=topo.num_nodes,
-        num_groups=topo.num_groups,
-    )
-
-
-def topology_from_pb(msg: pb.Topology) -> eplb.Topology:
-    """``Topology`` message → ``eplb.Topology`` (0 nodes or groups mean 1, as on the wire)."""
-    return eplb.Topology(
-        msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
-    )
 
 
 @dataclass(frozen=True)
