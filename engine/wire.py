@@ -202,17 +202,15 @@ def _is_number(value: object) -> bool:
 def _check_migration(
     tolerance: float | None, layer_tolerance: float | None, max_moves: int | None, max_layer_moves: int | None
 ) -> None:
-    """The service's rules for ``Migration`` (a finite number >= 0; budgets are unsigned)."""
+    """The service's rules for ``Migration``: the library's, with finite tolerances (a tolerance
+    of None is the service's default; a move budget of None, no limit)."""
     defaults = eplb.Migration()
     for arg, value in (("tolerance", tolerance), ("layer_tolerance", layer_tolerance)):
-        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
-            raise ValueError(
-                f"{arg} must be a finite number >= 0 (a fraction, 0.01 = 1 %) or None (the service's "
-                f"default, {getattr(defaults, arg)}), got {value!r}"
-            )
+        if value is not None:
+            eplb.Migration.check_field(arg, value, finite=True, none=f"the service's default, {getattr(defaults, arg)}")
     for arg, value in (("max_moves", max_moves), ("max_layer_moves", max_layer_moves)):
-        if value is not None and not _is_count(value):
-            raise ValueError(f"{arg} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
+        if value is not None:
+            eplb.Migration.check_field(arg, value)
 
 
 def _check_planning(effort: str | None, work_budget: int | None, time_limit_s: float | None) -> None:

@@ -6,7 +6,6 @@ stateless call may not ask for), raised before any state is written.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from collections.abc import Collection
@@ -167,8 +166,11 @@ def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bo
                     f"policy {policy!r} re-plans from scratch; set only for {', '.join(policies_where(replans))}",
                 )
             )
-        elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
-            out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
+        else:
+            try:
+                eplb.Migration.check_field(name, value, finite=True)
+            except ValueError as exc:
+                out.append(FieldViolation(f"{field}.{name}", str(exc)))
     return out
 
 
