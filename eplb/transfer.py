@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
 from .placement import Placement
 from .topology import Topology
 
@@ -335,10 +336,8 @@ def transfer_schedule(
     ``round_experts`` caps the experts a pair sends each way in one round (``None``: all it
     has), which bounds the bytes in flight per round at the price of more rounds.
     """
-    if round_experts is not None and (
-        isinstance(round_experts, bool) or not isinstance(round_experts, (int, np.integer)) or round_experts < 1
-    ):
-        raise ValueError(f"round_experts must be a positive integer or None, got {round_experts!r}")
+    if round_experts is not None:
+        checks.positive_int("round_experts", round_experts, allowed="a positive integer or None")
     bandwidth = Bandwidth() if bandwidth is None else bandwidth
     if not isinstance(bandwidth, Bandwidth):
         raise ValueError(f"bandwidth must be a Bandwidth, got {type(bandwidth).__name__}")
@@ -448,15 +447,12 @@ def staged_chunks(
     ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
     when one layer alone does not fit on some gpu (with the bytes it needs)."""
     L = schedule.topology.num_layers
-    if chunk_layers is not None and (
-        isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1
-    ):
-        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
+    if chunk_layers is not None:
+        chunk_layers = checks.positive_int("chunk_layers", chunk_layers, allowed="a positive integer or None")
     if staging_bytes is None:
         step = chunk_layers or max(L, 1)
         return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
-        raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
+    staging_bytes = checks.nonneg_int("staging_bytes", staging_bytes, none="")
     G = schedule.topology.num_gpus
     recv = _staged_receives(schedule)
     spare = schedule.cycles > 0
