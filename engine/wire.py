@@ -8,7 +8,6 @@ never the service, so an engine needs ``eplb_wire`` and ``eplb`` and nothing of 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import eplb
+from eplb import checks
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.topology import topology_from_pb, topology_to_pb
@@ -191,14 +191,6 @@ def deployment_pb(
     return msg
 
 
-def _is_count(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and bool(value >= 0)
-
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
-
-
 def _check_migration(
     tolerance: float | None, layer_tolerance: float | None, max_moves: int | None, max_layer_moves: int | None
 ) -> None:
@@ -221,13 +213,11 @@ def _check_planning(effort: str | None, work_budget: int | None, time_limit_s: f
             f"effort must be one of {', '.join(map(repr, eplb.EFFORTS))} or None (the service's default, "
             f"'default'), got {effort!r}"
         )
-    if work_budget is not None and not _is_count(work_budget):
-        raise ValueError(
-            f"work_budget must be an integer >= 0 (work units per layer) or None (the effort's), got {work_budget!r}"
-        )
-    if time_limit_s is not None and not (_is_number(time_limit_s) and math.isfinite(time_limit_s) and time_limit_s > 0):
-        raise ValueError(
-            f"time_limit_s must be a finite number of seconds > 0 or None (no limit), got {time_limit_s!r}"
+    if work_budget is not None:
+        checks.nonneg_int("work_budget", work_budget, "work units per layer", none="the effort's")
+    if time_limit_s is not None:
+        checks.positive_number(
+            "time_limit_s", time_limit_s, finite=True, allowed="a finite number of seconds > 0 or None (no limit)"
         )
 
 
