@@ -61,9 +61,7 @@ class KernelModel:
 
     def __post_init__(self) -> None:
         for name in ("call_us", "expert_us", "tile_us", "token_us"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
-                raise ValueError(f"KernelModel.{name} must be a finite number >= 0, got {v!r}")
+            checks.nonneg_number(f"KernelModel.{name}", getattr(self, name), finite=True)
         checks.positive_int("KernelModel.tile", self.tile)
         if self.expert_us + self.tile_us + self.token_us <= 0:
             raise ValueError("KernelModel: expert_us, tile_us and token_us are all 0: a slot would cost nothing")

@@ -212,17 +212,8 @@ class Bandwidth:
 
     def __post_init__(self) -> None:
         for name in ("local_gb_s", "intra_node_gb_s", "inter_node_gb_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
-                raise ValueError(f"Bandwidth.{name} must be a finite number > 0 (GB/s), got {value!r}")
-        if not (
-            isinstance(self.round_latency_s, (int, float))
-            and np.isfinite(self.round_latency_s)
-            and self.round_latency_s >= 0
-        ):
-            raise ValueError(
-                f"Bandwidth.round_latency_s must be a finite number >= 0 (seconds), got {self.round_latency_s!r}"
-            )
+            checks.positive_number(f"Bandwidth.{name}", getattr(self, name), "GB/s", finite=True)
+        checks.nonneg_number("Bandwidth.round_latency_s", self.round_latency_s, "seconds", finite=True)
 
     def link_bytes_per_s(self) -> np.ndarray:
         """float64 ``[3]``: bytes per second by transfer kind (``LOCAL``, ``INTRA_NODE``, ``INTER_NODE``)."""
