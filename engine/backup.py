@@ -38,7 +38,7 @@ def at_risk(
     (lost if that gpu fails), not ``gpu`` (None: any), hottest first by ``loads`` ``[L, E]`` (None: layer, expert order);
     ``share=(i, n)``: every ``n``-th of them from the ``i``-th."""
     i, n = share
-    if not (isinstance(n, int) and n >= 1 and isinstance(i, int) and 0 <= i < n):
+    if not (checks.is_int(n) and checks.is_int(i) and 0 <= int(i) < int(n)):
         raise ValueError(f"share must be (i, n) with 0 <= i < n, got {share!r}")
     l2p = placement.log2phy  # [L, E, R], -1 padded
     S = placement.topology.slots_per_gpu
