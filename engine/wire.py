@@ -208,11 +208,8 @@ def _check_migration(
 def _check_planning(effort: str | None, work_budget: int | None, time_limit_s: float | None) -> None:
     """The service's rules for ``Planning``: a known effort, an unsigned work budget, a time
     limit > 0 (a finite one: the wire's Duration has no infinity)."""
-    if effort is not None and effort not in eplb.EFFORTS:
-        raise ValueError(
-            f"effort must be one of {', '.join(map(repr, eplb.EFFORTS))} or None (the service's default, "
-            f"'default'), got {effort!r}"
-        )
+    if effort is not None:
+        checks.one_of("effort", effort, eplb.EFFORTS, none="the service's default, 'default'")
     if work_budget is not None:
         checks.nonneg_int("work_budget", work_budget, "work units per layer", none="the effort's")
     if time_limit_s is not None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import NoReturn, TypeGuard
 
-__all__ = ["is_int", "is_number", "nonneg_int", "nonneg_number", "positive_int", "positive_number"]
+__all__ = ["is_int", "is_number", "nonneg_int", "nonneg_number", "one_of", "positive_int", "positive_number"]
 
 
 def is_int(value: object) -> TypeGuard[numbers.Integral]:
@@ -79,3 +80,10 @@ def positive_number(
     if is_number(value) and float(value) > 0 and not (finite and math.isinf(value)):
         return float(value)
     _refuse(name, "a finite number > 0" if finite else "a number > 0", what, none, allowed, value)
+
+
+def one_of(name: str, value: object, choices: Sequence[str], *, none: str | None = None) -> str:
+    """``value`` if it is one of ``choices`` (names: ``effort``'s levels, ...)."""
+    if isinstance(value, str) and value in choices:
+        return value
+    _refuse(name, f"one of {', '.join(map(repr, choices))}", "", none, None, value)

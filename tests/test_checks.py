@@ -75,3 +75,12 @@ def test_the_message_says_what_the_value_counts_and_what_none_means():
 def test_predicates_refuse_bools():
     assert checks.is_int(np.int16(2)) and not checks.is_int(True) and not checks.is_int(2.0)
     assert checks.is_number(2.0) and checks.is_number(np.float16(1)) and not checks.is_number(np.True_)
+
+
+def test_one_of_names_the_choices():
+    assert checks.one_of("effort", "fast", ("fast", "default")) == "fast"
+    with pytest.raises(ValueError) as info:
+        checks.one_of("effort", "max", ("fast", "default"), none="the default")
+    assert str(info.value) == "effort must be one of 'fast', 'default' or None (the default), got 'max'"
+    with pytest.raises(ValueError, match=r"^effort must be one of 'fast', got 1$"):
+        checks.one_of("effort", 1, ("fast",))

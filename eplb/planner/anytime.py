@@ -90,8 +90,7 @@ class PlanOptions:
             checks.positive_int("option donors", self.donors, none="")
         if self.time_limit is not None:
             checks.positive_number("option time_limit", self.time_limit, allowed="a positive number of seconds or None")
-        if self.effort not in EFFORTS:
-            raise ValueError(f"option effort must be one of {', '.join(map(repr, EFFORTS))}, got {self.effort!r}")
+        checks.one_of("option effort", self.effort, EFFORTS)
         if self.work_budget is not None:
             checks.nonneg_number(
                 "option work_budget",
