@@ -1,6 +1,6 @@
 """The scalar rules of eplb's options and of the wire's, each defined once.
 
-Each check returns the value as a plain ``int`` or ``float`` or raises ``ValueError`` saying
+Each check returns the value (a number as a plain ``int`` or ``float``) or raises ``ValueError`` saying
 ``{name} must be {what is allowed}, got {value!r}``. The allowed text is built from the rule
 (``an integer >= 0``, ``a finite number > 0``, ...), then ``what`` the value counts in
 parentheses, then ``or None (none)`` where the caller takes None (``none``: what None means; ""
