@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import eplb
+from eplb import checks
 
 __all__ = ["HostExpertBackup", "at_risk"]
 
@@ -37,7 +38,7 @@ def at_risk(
     (lost if that gpu fails), not ``gpu`` (None: any), hottest first by ``loads`` ``[L, E]`` (None: layer, expert order);
     ``share=(i, n)``: every ``n``-th of them from the ``i``-th."""
     i, n = share
-    if not (isinstance(n, int) and n >= 1 and isinstance(i, int) and 0 <= i < n):
+    if not (checks.is_int(n) and checks.is_int(i) and 0 <= int(i) < int(n)):
         raise ValueError(f"share must be (i, n) with 0 <= i < n, got {share!r}")
     l2p = placement.log2phy  # [L, E, R], -1 padded
     S = placement.topology.slots_per_gpu
@@ -64,9 +65,7 @@ class HostExpertBackup:
     """
 
     def __init__(self, source: Source, budget_bytes: int, *, pin: bool | None = None) -> None:
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
-        self.source, self.budget_bytes = source, budget_bytes
+        self.source, self.budget_bytes = source, checks.nonneg_int("budget_bytes", budget_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.held_bytes = 0

@@ -46,7 +46,7 @@ try:
 except ImportError as exc:  # the client half of eplb_engine works without torch; the mover does not
     raise ImportError("eplb_engine's WeightMover needs torch: pip install 'eplb[engine]'") from exc
 
-from eplb import Placement
+from eplb import Placement, checks
 from eplb.transfer import Bandwidth, TransferSchedule, staged_chunks, transfer_schedule
 
 from .checksum import slot_checksum
@@ -158,10 +158,8 @@ class WeightMover:
         restore: Callable[[int, int], Mapping[str, torch.Tensor]] | None = None,
         gpus: Sequence[int] | None = None,
     ) -> None:
-        if layers_per_call is not None and (
-            isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1
-        ):
-            raise ValueError(f"layers_per_call must be a positive integer or None, got {layers_per_call!r}")
+        if layers_per_call is not None:
+            checks.positive_int("layers_per_call", layers_per_call, allowed="a positive integer or None")
         self._plan = plan = _RankPlan(
             layers,
             old,
@@ -290,10 +288,7 @@ class WeightMover:
     # -- internals ------------------------------------------------------------------------
 
     def _count(self, num_layers: int | None) -> int:
-        n = self.layers_per_call if num_layers is None else num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
-        return n
+        return checks.nonneg_int("num_layers", self.layers_per_call if num_layers is None else num_layers)
 
     def _enter(self, mode: str) -> _StagedMove | _DirectMove:
         """The mode's move: made (its buffers allocated within the budget) by the first call."""

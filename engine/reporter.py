@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 import eplb
+from eplb import checks
 from eplb.limits import MAX_REPORT_COUNT, MAX_REPORT_STEPS
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
@@ -185,10 +186,11 @@ class LoadReporter:
         O(1) on the caller's thread (plus a vectorised min and max of host arrays); returns
         False (and counts it) if the queue is full.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= _MAX_STEPS:
+        if not (checks.is_int(steps) and 0 <= int(steps) <= _MAX_STEPS):
             raise ValueError(
                 f"steps must be an integer in [0, {_MAX_STEPS}] (forward steps the counts cover), got {steps!r}"
             )
+        steps = int(steps)
         shape = tuple(getattr(counts, "shape", ()))
         if version is None:
             if shape != self._logical:

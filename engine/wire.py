@@ -1,13 +1,13 @@
 """The wire contract (``eplb.v1``) ↔ numpy and ``eplb``: arrays, placements, topologies,
 deployments, and the gRPC health check.
 
-Everything here goes through ``eplb_wire`` (the generated messages and the one ``Array`` codec),
+Everything here goes through ``eplb_wire`` (the generated messages and the one ``Array`` and
+``Topology`` codecs: ``topology_to_pb``/``topology_from_pb`` are ``eplb_wire.topology``'s),
 never the service, so an engine needs ``eplb_wire`` and ``eplb`` and nothing of ``eplb_service``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,8 +16,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import eplb
+from eplb import checks
 from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.topology import topology_from_pb, topology_to_pb
 
 __all__ = [
     "PublishedPlacement",
@@ -44,24 +46,6 @@ def decode_array(msg: pb.Array, field: str = "array") -> np.ndarray:
     """``Array`` → a read-only numpy array of its shape; :class:`eplb_wire.arrays.ArrayError`
     (a ``ValueError``) naming ``field`` if the dtype is unknown or the bytes do not fill the shape."""
     return arrays.decode(msg, field)
-
-
-def topology_to_pb(topo: eplb.Topology) -> pb.Topology:
-    return pb.Topology(
-        num_layers=topo.num_layers,
-        num_experts=topo.num_experts,
-        num_slots=topo.num_slots,
-        num_gpus=topo.num_gpus,
-        num_nodes=topo.num_nodes,
-        num_groups=topo.num_groups,
-    )
-
-
-def topology_from_pb(msg: pb.Topology) -> eplb.Topology:
-    """``Topology`` message → ``eplb.Topology`` (0 nodes or groups mean 1, as on the wire)."""
-    return eplb.Topology(
-        msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
-    )
 
 
 @dataclass(frozen=True)
@@ -207,45 +191,30 @@ def deployment_pb(
     return msg
 
 
-def _is_count(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and bool(value >= 0)
-
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
-
-
 def _check_migration(
     tolerance: float | None, layer_tolerance: float | None, max_moves: int | None, max_layer_moves: int | None
 ) -> None:
-    """The service's rules for ``Migration`` (a finite number >= 0; budgets are unsigned)."""
+    """The service's rules for ``Migration``: the library's, with finite tolerances (a tolerance
+    of None is the service's default; a move budget of None, no limit)."""
     defaults = eplb.Migration()
     for arg, value in (("tolerance", tolerance), ("layer_tolerance", layer_tolerance)):
-        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
-            raise ValueError(
-                f"{arg} must be a finite number >= 0 (a fraction, 0.01 = 1 %) or None (the service's "
-                f"default, {getattr(defaults, arg)}), got {value!r}"
-            )
+        if value is not None:
+            eplb.Migration.check_field(arg, value, finite=True, none=f"the service's default, {getattr(defaults, arg)}")
     for arg, value in (("max_moves", max_moves), ("max_layer_moves", max_layer_moves)):
-        if value is not None and not _is_count(value):
-            raise ValueError(f"{arg} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
+        if value is not None:
+            eplb.Migration.check_field(arg, value)
 
 
 def _check_planning(effort: str | None, work_budget: int | None, time_limit_s: float | None) -> None:
     """The service's rules for ``Planning``: a known effort, an unsigned work budget, a time
     limit > 0 (a finite one: the wire's Duration has no infinity)."""
-    if effort is not None and effort not in eplb.EFFORTS:
-        raise ValueError(
-            f"effort must be one of {', '.join(map(repr, eplb.EFFORTS))} or None (the service's default, "
-            f"'default'), got {effort!r}"
-        )
-    if work_budget is not None and not _is_count(work_budget):
-        raise ValueError(
-            f"work_budget must be an integer >= 0 (work units per layer) or None (the effort's), got {work_budget!r}"
-        )
-    if time_limit_s is not None and not (_is_number(time_limit_s) and math.isfinite(time_limit_s) and time_limit_s > 0):
-        raise ValueError(
-            f"time_limit_s must be a finite number of seconds > 0 or None (no limit), got {time_limit_s!r}"
+    if effort is not None:
+        checks.one_of("effort", effort, eplb.EFFORTS, none="the service's default, 'default'")
+    if work_budget is not None:
+        checks.nonneg_int("work_budget", work_budget, "work units per layer", none="the effort's")
+    if time_limit_s is not None:
+        checks.positive_number(
+            "time_limit_s", time_limit_s, finite=True, allowed="a finite number of seconds > 0 or None (no limit)"
         )
 
 

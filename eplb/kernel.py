@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from . import checks
+
 __all__ = ["KernelModel", "Curve", "CostModel", "fit", "fit_error", "shipped", "load", "as_cost_model", "TILES"]
 
 # Row tiles the fit tries: the M-tile sizes of Hopper grouped GEMM kernels (CUTLASS and Triton
@@ -59,11 +61,8 @@ class KernelModel:
 
     def __post_init__(self) -> None:
         for name in ("call_us", "expert_us", "tile_us", "token_us"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
-                raise ValueError(f"KernelModel.{name} must be a finite number >= 0, got {v!r}")
-        if isinstance(self.tile, bool) or not isinstance(self.tile, (int, np.integer)) or self.tile < 1:
-            raise ValueError(f"KernelModel.tile must be an integer >= 1, got {self.tile!r}")
+            checks.nonneg_number(f"KernelModel.{name}", getattr(self, name), finite=True)
+        checks.positive_int("KernelModel.tile", self.tile)
         if self.expert_us + self.tile_us + self.token_us <= 0:
             raise ValueError("KernelModel: expert_us, tile_us and token_us are all 0: a slot would cost nothing")
 

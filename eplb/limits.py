@@ -9,9 +9,9 @@ replica run out of memory, or a window sum overflow; they are checked before any
 
 from __future__ import annotations
 
-import numbers
 from typing import TYPE_CHECKING
 
+from . import checks
 from .planner.packing import swap_partners
 from .planner.search import CHUNK
 
@@ -192,8 +192,8 @@ def set_max_plan_bytes(limit: int | None) -> int:
     it replaces. Planning calls check it before they allocate anything that grows with the
     topology, and raise ``ValueError`` above it."""
     global _max_plan_bytes
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
-        raise ValueError(f"the plan memory limit must be a positive integer number of bytes or None, got {limit!r}")
+    if limit is not None:
+        checks.positive_int("the plan memory limit", limit, allowed="a positive integer number of bytes or None")
     old, _max_plan_bytes = _max_plan_bytes, MAX_PLAN_BYTES if limit is None else int(limit)
     return old
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from . import metrics
+from . import checks, metrics
 from .limits import check_plan_bytes
 from .loads import check_loads
 from .placement import Placement
@@ -369,8 +369,7 @@ def _time_options(given: dict[str, Any]) -> _Timing | None:
     if missing:
         raise ValueError(f"kernel_curve= plans for time and needs {' and '.join(missing)}=")
     top_k = given["top_k"]
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1 (experts each token picks), got {top_k!r}")
+    checks.positive_int("top_k", top_k, "experts each token picks")
     dispatch = given.get("dispatch", "even")
     if dispatch not in DISPATCHES:
         raise ValueError(

@@ -18,11 +18,11 @@ water-filling. The migration-aware re-plan then starts from that placement.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
 from .layout import per_replica, replica_counts, slot_sums, take_rows
 from .topology import Topology
 
@@ -72,7 +72,7 @@ def _down_list(topology: Topology, down_gpus: object) -> tuple[int, ...]:
     except TypeError:
         raise ValueError(f"down_gpus must be a list of gpu ids, got {type(down_gpus).__name__}") from None
     for g in items:
-        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= int(g) < topology.num_gpus:
+        if not (checks.is_int(g) and 0 <= int(g) < topology.num_gpus):
             raise ValueError(f"down_gpus holds {g!r}; gpu ids are integers in [0, {topology.num_gpus - 1}]")
     ids = [int(g) for g in items]
     if len(set(ids)) != len(ids):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
 from .kernel import CostModel, as_cost_model
 from .limits import MAX_TOKENS_PER_GPU
 from .placement import Placement
@@ -79,11 +80,11 @@ def batches_from(tokens_per_gpu: object) -> Batches:
     sizes, weights = [], []
     for it in items:
         b, w = it if isinstance(it, (tuple, list)) and len(it) == 2 else (it, 1.0)
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_TOKENS_PER_GPU:
+        if not (checks.is_int(b) and 1 <= int(b) <= MAX_TOKENS_PER_GPU):
             raise ValueError(msg)
         if int(b) in sizes:
             raise ValueError(f"tokens_per_gpu names {int(b)} twice; give each size once, with its weight")
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.number)) or not np.isfinite(w) or w < 0:
+        if not (checks.is_number(w) and np.isfinite(float(w)) and float(w) >= 0):
             raise ValueError(msg)
         sizes.append(int(b))
         weights.append(float(w))
@@ -94,7 +95,7 @@ def batches_from(tokens_per_gpu: object) -> Batches:
 
 
 def _check_top_k(top_k: object, num_experts: int) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= num_experts:
+    if not (checks.is_int(top_k) and 1 <= int(top_k) <= num_experts):
         raise ValueError(f"top_k must be an integer in 1..num_experts ({num_experts}), got {top_k!r}")
 
 
@@ -291,8 +292,7 @@ def sample_slot_counts(
         raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}; got {dispatch!r}")
     topo = placement.topology
     batches_from(tokens_per_gpu)  # an int in 1 .. MAX_TOKENS_PER_GPU
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    checks.positive_int("steps", steps)
     if not 0 <= layer < topo.num_layers:
         raise ValueError(f"layer ({layer}) must be in [0, {topo.num_layers - 1}]")
     _check_top_k(top_k, topo.num_experts)

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
+from . import checks
+
 __all__ = ["Topology"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    # bool is an int subclass; a topology count of True is always a caller bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
-    if int(value) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {int(value)}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -35,7 +27,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_experts", "num_slots", "num_gpus", "num_nodes", "num_groups"):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, checks.positive_int(name, getattr(self, name), allowed="a positive integer"))
         if self.num_slots < self.num_experts:
             raise ValueError(
                 f"num_slots ({self.num_slots}) must be >= num_experts ({self.num_experts}): "

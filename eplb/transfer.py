@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
 from .placement import Placement
 from .topology import Topology
 
@@ -211,17 +212,8 @@ class Bandwidth:
 
     def __post_init__(self) -> None:
         for name in ("local_gb_s", "intra_node_gb_s", "inter_node_gb_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
-                raise ValueError(f"Bandwidth.{name} must be a finite number > 0 (GB/s), got {value!r}")
-        if not (
-            isinstance(self.round_latency_s, (int, float))
-            and np.isfinite(self.round_latency_s)
-            and self.round_latency_s >= 0
-        ):
-            raise ValueError(
-                f"Bandwidth.round_latency_s must be a finite number >= 0 (seconds), got {self.round_latency_s!r}"
-            )
+            checks.positive_number(f"Bandwidth.{name}", getattr(self, name), "GB/s", finite=True)
+        checks.nonneg_number("Bandwidth.round_latency_s", self.round_latency_s, "seconds", finite=True)
 
     def link_bytes_per_s(self) -> np.ndarray:
         """float64 ``[3]``: bytes per second by transfer kind (``LOCAL``, ``INTRA_NODE``, ``INTER_NODE``)."""
@@ -335,10 +327,8 @@ def transfer_schedule(
     ``round_experts`` caps the experts a pair sends each way in one round (``None``: all it
     has), which bounds the bytes in flight per round at the price of more rounds.
     """
-    if round_experts is not None and (
-        isinstance(round_experts, bool) or not isinstance(round_experts, (int, np.integer)) or round_experts < 1
-    ):
-        raise ValueError(f"round_experts must be a positive integer or None, got {round_experts!r}")
+    if round_experts is not None:
+        checks.positive_int("round_experts", round_experts, allowed="a positive integer or None")
     bandwidth = Bandwidth() if bandwidth is None else bandwidth
     if not isinstance(bandwidth, Bandwidth):
         raise ValueError(f"bandwidth must be a Bandwidth, got {type(bandwidth).__name__}")
@@ -448,15 +438,12 @@ def staged_chunks(
     ``None``: no limit (one chunk of every layer when both are ``None``). ``ValueError``
     when one layer alone does not fit on some gpu (with the bytes it needs)."""
     L = schedule.topology.num_layers
-    if chunk_layers is not None and (
-        isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1
-    ):
-        raise ValueError(f"chunk_layers must be a positive integer or None, got {chunk_layers!r}")
+    if chunk_layers is not None:
+        chunk_layers = checks.positive_int("chunk_layers", chunk_layers, allowed="a positive integer or None")
     if staging_bytes is None:
         step = chunk_layers or max(L, 1)
         return tuple(range(a, min(a + step, L)) for a in range(0, L, step))
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
-        raise ValueError(f"staging_bytes must be an integer >= 0 or None, got {staging_bytes!r}")
+    staging_bytes = checks.nonneg_int("staging_bytes", staging_bytes, none="")
     G = schedule.topology.num_gpus
     recv = _staged_receives(schedule)
     spare = schedule.cycles > 0

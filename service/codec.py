@@ -1,4 +1,4 @@
-"""Wire messages <-> core objects: topologies, windows, triggers, library options and plan stats.
+"""Wire messages <-> core objects: windows, triggers, library options and plan stats.
 
 Only conversions: every check of what a client sent lives in :mod:`.validation`.
 """
@@ -34,22 +34,10 @@ __all__ = [
     "plan_stats",
     "planning_options",
     "switch_margin",
-    "topology_to",
     "transfer_stats",
     "trigger_spec",
     "window_spec",
 ]
-
-
-def topology_to(topo: eplb.Topology) -> pb.Topology:
-    return pb.Topology(
-        num_layers=topo.num_layers,
-        num_experts=topo.num_experts,
-        num_slots=topo.num_slots,
-        num_gpus=topo.num_gpus,
-        num_nodes=topo.num_nodes,
-        num_groups=topo.num_groups,
-    )
 
 
 # Migration's fields are named as the library's re-plan options (eplb.Migration).

@@ -24,7 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from eplb import PolicyError
-from eplb_wire.arrays import ArrayError
+from eplb_wire.errors import WireError
 
 from .clip import MAX_DESCRIPTION, MAX_FIELD, MAX_MESSAGE, MAX_VIOLATIONS, cap, clip, plain
 from .metrics import Metrics
@@ -160,9 +160,9 @@ def to_status(exc: BaseException) -> status_pb2.Status | None:
     message and details are bounded (clip.py), whatever the exception echoed."""
     if isinstance(exc, InvalidArgument):
         violations = exc.violations
-    elif isinstance(exc, ArrayError):
-        # A bad Array (eplb_wire's codec): its field path and rule, as a field violation.
-        violations = [FieldViolation(exc.field, exc.description)]
+    elif isinstance(exc, WireError):
+        # A bad Array or Topology (eplb_wire's codecs): its field paths and rules, as field violations.
+        violations = [FieldViolation(field, description) for field, description in exc.violations]
         exc = InvalidArgument(violations)
     elif isinstance(exc, PolicyError):
         # A plugin policy's bad output is this server's fault, not the request's.

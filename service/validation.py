@@ -6,7 +6,6 @@ stateless call may not ask for), raised before any state is written.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from collections.abc import Collection
@@ -16,6 +15,8 @@ from google.protobuf.message import Message
 import eplb
 from eplb import limits
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.errors import WireError
+from eplb_wire.topology import topology_from_pb, topology_to_pb
 
 from .clip import clip
 from .codec import (
@@ -25,7 +26,6 @@ from .codec import (
     accepts,
     policies_where,
     replans,
-    topology_to,
 )
 from .errors import FieldViolation, InvalidArgument, ResourceExhausted
 from .rollout import DEFAULT_SWITCH_MARGIN
@@ -115,46 +115,12 @@ def check_times(msg: Message, field: str = "") -> list[FieldViolation]:
 
 
 def topology_from(msg: pb.Topology, field: str) -> eplb.Topology:
-    """``Topology`` message → ``eplb.Topology``; 0 nodes/groups mean 1."""
-    missing = [
-        FieldViolation(f"{field}.{name}", "must be >= 1")
-        for name in ("num_layers", "num_experts", "num_slots", "num_gpus")
-        if getattr(msg, name) == 0
-    ]
-    if missing:
-        raise InvalidArgument(missing)
-    over = [
-        FieldViolation(f"{field}.{name}", f"{getattr(msg, name)} is over the limit of {cap}")
-        for name, cap in (
-            ("num_layers", limits.MAX_LAYERS),
-            ("num_experts", limits.MAX_EXPERTS),
-            ("num_slots", limits.MAX_SLOTS),
-            ("num_gpus", limits.MAX_GPUS),
-        )
-        if getattr(msg, name) > cap
-    ]
-    if over:
-        raise InvalidArgument(over)
-    sizes = (
-        ("placement", "num_slots", 4, limits.MAX_PLACEMENT_BYTES),
-        ("window", "num_experts", 8, limits.MAX_WINDOW_BYTES),
-    )
-    for what, width, itemsize, cap in sizes:
-        size = msg.num_layers * getattr(msg, width) * itemsize
-        if size > cap:
-            raise InvalidArgument(
-                FieldViolation(
-                    field,
-                    f"a {what} of num_layers x {width} ({msg.num_layers} x {getattr(msg, width)}) takes "
-                    f"{size} bytes, over the limit of {cap}",
-                )
-            )
+    """``Topology`` message → ``eplb.Topology`` within the documented limits (eplb_wire's codec);
+    0 nodes/groups mean 1."""
     try:
-        return eplb.Topology(
-            msg.num_layers, msg.num_experts, msg.num_slots, msg.num_gpus, msg.num_nodes or 1, msg.num_groups or 1
-        )
-    except ValueError as exc:
-        raise InvalidArgument(FieldViolation(field, str(exc))) from None
+        return topology_from_pb(msg, field, limits=True)
+    except WireError as exc:
+        raise InvalidArgument([FieldViolation(f, d) for f, d in exc.violations]) from None
 
 
 def _plannable(msg: pb.Topology, field: str) -> eplb.Topology:
@@ -200,8 +166,11 @@ def check_migration(msg: pb.Migration, policy: str, field: str, budget_gates: bo
                     f"policy {policy!r} re-plans from scratch; set only for {', '.join(policies_where(replans))}",
                 )
             )
-        elif not (math.isfinite(value) and value >= 0):  # move budgets are unsigned on the wire
-            out.append(FieldViolation(f"{field}.{name}", f"{value} must be a finite number >= 0"))
+        else:
+            try:
+                eplb.Migration.check_field(name, value, finite=True)
+            except ValueError as exc:
+                out.append(FieldViolation(f"{field}.{name}", str(exc)))
     return out
 
 
@@ -216,7 +185,7 @@ def check_deployment(msg: pb.Deployment, field: str = "deployment") -> pb.Deploy
     violations: list[FieldViolation] = []
     for check in (
         lambda: check_name(msg.name, f"{field}.name"),
-        lambda: out.topology.CopyFrom(topology_to(_plannable(msg.topology, f"{field}.topology"))),
+        lambda: out.topology.CopyFrom(topology_to_pb(_plannable(msg.topology, f"{field}.topology"))),
         lambda: setattr(out, "policy", check_policy(msg.policy, f"{field}.policy")),
     ):
         try:

@@ -1,6 +1,8 @@
 """The wire contract ``eplb.v1``, shared by the service and the engine side.
 
 ``eplb_wire._gen``: the code generated from ``proto/`` (``scripts/gen_proto.sh``; never edited by
-hand), and :mod:`eplb_wire.arrays`: ``Array`` messages ↔ numpy. Both sides depend on this package
-and on ``eplb``, never on each other; it needs ``protobuf`` and ``grpcio`` only.
+hand), :mod:`eplb_wire.arrays`: ``Array`` messages ↔ numpy, and :mod:`eplb_wire.topology`:
+``Topology`` messages ↔ ``eplb.Topology``; their errors are :class:`eplb_wire.errors.WireError`
+naming the field path. Both sides depend on this package and on ``eplb``, never on each other; it
+needs ``protobuf`` and ``grpcio`` only.
 """

@@ -1,7 +1,7 @@
 """``Array`` messages ↔ numpy: explicit dtype, shape and little-endian bytes, checked.
 
-The one codec of both sides. Errors are :class:`ArrayError` (a ``ValueError``) naming the
-field path (``loads.shape``, ``phy2log.data``, …) and the rule; the service maps it to
+The one codec of both sides. Errors are :class:`ArrayError` (a ``WireError``, a ``ValueError``)
+naming the field path (``loads.shape``, ``phy2log.data``, …) and the rule; the service maps it to
 ``INVALID_ARGUMENT`` with that field violation, the engine side lets it through as a ``ValueError``.
 """
 
@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ._gen.eplb.v1 import balancer_pb2 as pb
+from .errors import WireError
 
 __all__ = ["ArrayError", "encode", "decode", "decode_counts"]
 
@@ -27,13 +28,9 @@ _DTYPES: dict[pb.Dtype, np.dtype] = {
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 
 
-class ArrayError(ValueError):
+class ArrayError(WireError):
     """A bad ``Array``: ``field`` is its path in the message (e.g. ``logical.shape``),
     ``description`` what is wrong and what is allowed."""
-
-    def __init__(self, field: str, description: str) -> None:
-        self.field, self.description = field, description
-        super().__init__(f"{field}: {description}")
 
 
 def encode(arr: np.ndarray, *, widen: bool = False) -> pb.Array:

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 import eplb
+from eplb import checks
 
 __all__ = [
     "SUPPORTED_SGLANG",
@@ -181,12 +182,12 @@ def to_sglang(
 
 
 def _check_rank(ep_rank: object, num_gpus: int) -> None:
-    if isinstance(ep_rank, bool) or not isinstance(ep_rank, (int, np.integer)) or not 0 <= ep_rank < num_gpus:
+    if not (checks.is_int(ep_rank) and 0 <= int(ep_rank) < num_gpus):
         raise ValueError(f"ep_rank must be an integer in [0, {num_gpus}), got {ep_rank!r}")
 
 
 def _check_nodes(nnodes: object, num_gpus: int) -> None:
-    if isinstance(nnodes, bool) or not isinstance(nnodes, (int, np.integer)) or nnodes < 1 or num_gpus % nnodes:
+    if not (checks.is_int(nnodes) and int(nnodes) >= 1 and num_gpus % int(nnodes) == 0):
         raise ValueError(f"nnodes must be a positive integer dividing the {num_gpus} EP ranks, got {nnodes!r}")
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
+from .. import checks
 from ..limits import check_plan_bytes
 from ..loads import check_layer_sums
 from ..policies.deepseek import FLOAT32_LAYER_SUM, deepseek_log2phy, deepseek_rebalance
@@ -15,9 +14,7 @@ __all__ = ["rebalance_experts"]
 
 
 def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return checks.positive_int(name, value, allowed="a positive integer")
 
 
 def rebalance_experts(

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import checks
 from ..bounds import row_bound
 from ..budget import Budget, Clock
 from ..layout import GOOD_ENOUGH, busiest, take_rows
@@ -56,11 +57,6 @@ _FIRST_SHARE_MANY = 0.5
 _AGAIN_LEFT = 0.1
 
 
-def _count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"option {name} must be an integer >= 0, got {value!r}")
-
-
 @dataclass(frozen=True)
 class PlanOptions:
     """Options of the replicate-and-pack policies, checked when made (``ValueError`` names the
@@ -88,29 +84,22 @@ class PlanOptions:
     donors: int | None = None
 
     def __post_init__(self) -> None:
-        _count("max_rounds", self.max_rounds)
-        _count("refine", self.refine)
-        d = self.donors
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1):
-            raise ValueError(f"option donors must be an integer >= 1 or None, got {d!r}")
-        limit = self.time_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
-            raise ValueError(f"option time_limit must be a positive number of seconds or None, got {limit!r}")
-        if self.effort not in EFFORTS:
-            raise ValueError(f"option effort must be one of {', '.join(map(repr, EFFORTS))}, got {self.effort!r}")
-        work = self.work_budget
-        if work is not None and (
-            isinstance(work, bool) or not isinstance(work, (int, float, np.integer)) or not 0 <= work < np.inf
-        ):
-            raise ValueError(
-                f"option work_budget must be a finite number of work units >= 0 per layer or None, got {work!r}"
+        checks.nonneg_int("option max_rounds", self.max_rounds)
+        checks.nonneg_int("option refine", self.refine)
+        if self.donors is not None:
+            checks.positive_int("option donors", self.donors, none="")
+        if self.time_limit is not None:
+            checks.positive_number("option time_limit", self.time_limit, allowed="a positive number of seconds or None")
+        checks.one_of("option effort", self.effort, EFFORTS)
+        if self.work_budget is not None:
+            checks.nonneg_number(
+                "option work_budget",
+                self.work_budget,
+                finite=True,
+                allowed="a finite number of work units >= 0 per layer or None",
             )
-        gap = self.gap
-        if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
-            raise ValueError(f"option gap must be a number >= 0 (a fraction, 0.001 = 0.1 %), got {gap!r}")
-        workers = self.workers
-        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
-            raise ValueError(f"option workers must be an integer >= 1 (processes), got {workers!r}")
+        checks.nonneg_number("option gap", self.gap, "a fraction, 0.001 = 0.1 %")
+        checks.positive_int("option workers", self.workers, "processes")
 
     @property
     def replan_workers(self) -> int:

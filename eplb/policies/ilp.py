@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import checks
 from ..bounds import integer_bound
 from ..enumeration import improve_or_prove
 from ..metrics import gpu_loads, lower_bound
@@ -75,14 +76,12 @@ class IlpOptions:
     total_time_limit: float | None = None
 
     def __post_init__(self) -> None:
-        tl = self.time_limit
-        if isinstance(tl, bool) or not isinstance(tl, (int, float)) or not tl > 0:
-            raise ValueError(f"time_limit must be a positive number of seconds, got {tl!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
-        total = self.total_time_limit
-        if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total > 0):
-            raise ValueError(f"total_time_limit must be a positive number of seconds or None, got {total!r}")
+        checks.positive_number("time_limit", self.time_limit, allowed="a positive number of seconds")
+        checks.positive_int("workers", self.workers, allowed="a positive integer")
+        if self.total_time_limit is not None:
+            checks.positive_number(
+                "total_time_limit", self.total_time_limit, allowed="a positive number of seconds or None"
+            )
 
 
 def _units(loads: np.ndarray, max_count: int) -> tuple[np.ndarray, float, bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from .. import checks
 
 __all__ = ["Migration", "DEFAULT_TOLERANCE", "DEFAULT_LAYER_TOLERANCE"]
 
@@ -14,6 +14,8 @@ __all__ = ["Migration", "DEFAULT_TOLERANCE", "DEFAULT_LAYER_TOLERANCE"]
 # mean imbalance over layers may exceed a fresh plan's by 1 %, any one layer's by 5 %.
 DEFAULT_TOLERANCE = 0.01
 DEFAULT_LAYER_TOLERANCE = 0.05
+_TOLERANCES = ("tolerance", "layer_tolerance")
+_BUDGETS = ("max_moves", "max_layer_moves")
 
 
 @dataclass(frozen=True)
@@ -31,18 +33,19 @@ class Migration:
     max_layer_moves: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tolerance", "layer_tolerance"):
+        for name in _TOLERANCES + _BUDGETS:
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float, np.integer, np.floating))
-                or not value >= 0
-            ):
-                raise ValueError(f"{name} must be a number >= 0 (a fraction, 0.01 = 1 %), got {value!r}")
-            object.__setattr__(self, name, float(value))
-        for name in ("max_moves", "max_layer_moves"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
-                raise ValueError(f"{name} must be an integer >= 0 (slots rewritten) or None (no limit), got {value!r}")
-            if value is not None:
-                object.__setattr__(self, name, int(value))
+            if value is not None or name in _TOLERANCES:
+                object.__setattr__(self, name, self.check_field(name, value))
+
+    @staticmethod
+    def check_field(name: str, value: object, *, finite: bool = False, none: str | None = None) -> float | int:
+        """``value`` for the field ``name`` (a float for a tolerance, an int for a move budget) if
+        it keeps that field's rule, else ``ValueError`` naming it: a tolerance is a number >= 0
+        (``finite``: not infinity either, the wire's rule; ``none``: what a tolerance of None
+        means to the caller, for the message); a move budget an integer >= 0 or None (no limit)."""
+        if name in _TOLERANCES:
+            return checks.nonneg_number(name, value, "a fraction, 0.01 = 1 %", finite=finite, none=none)
+        if name in _BUDGETS:
+            return checks.nonneg_int(name, value, "slots rewritten", none="no limit")
+        raise ValueError(f"{name!r} is not a field of Migration; one of {', '.join(_TOLERANCES + _BUDGETS)}")
