@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         print(f"api docs: {line}", file=sys.stderr)
     if found:
         return 1
-    pages = sorted(p.name for p in Path(argv[0]).rglob("*.html"))
+    pages = sorted(str(p.relative_to(argv[0])) for p in Path(argv[0]).rglob("*.html"))
     print(f"api docs: {len(pages)} pages in {argv[0]}: {', '.join(pages)}")
     return 0
 
