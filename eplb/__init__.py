@@ -19,7 +19,8 @@ from . import policies as _policies  # noqa: F401  (registers the built-in polic
 from .limits import set_max_plan_bytes
 from .metrics import balancedness, gpu_loads, imbalance, imbalance_lb, lower_bound, moves
 from .placement import Placement
-from .planner.anytime import EFFORTS, PlanOptions
+from .planner.anytime import EFFORTS as _EFFORTS
+from .planner.anytime import PlanOptions
 from .progress import Progress
 from .registry import (
     PolicyError,
@@ -34,6 +35,11 @@ from .registry import (
 from .replan.migration import Migration
 from .result import Plan, ReplanStats, SearchStats, SolverStats
 from .topology import Topology
+
+EFFORTS: tuple[str, ...] = _EFFORTS
+"""What ``effort`` (``rebalance(..., effort=...)``, ``PlanOptions.effort``) accepts: ``"fast"``
+the first plan only, ``"default"`` then the anytime search, ``"high"`` a wider search with four
+times the work."""
 
 __all__ = [
     "Topology",

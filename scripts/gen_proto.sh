@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate wire/_gen (package eplb_wire._gen) from proto/ (the only way generated code changes).
+# Regenerate wire/_gen (package eplb_wire._gen) from proto/ (the only way generated code changes),
+# with a copy of each .proto beside its stubs.
 #   scripts/gen_proto.sh          rewrite wire/_gen
 #   scripts/gen_proto.sh --check  regenerate into a temp dir, fail on any diff (CI)
 # protoc derives module paths from proto paths, so it emits `from eplb.v1 import …`, which
@@ -14,6 +15,8 @@ gen() {
   # shellcheck disable=SC2046
   "$PY" -m grpc_tools.protoc -I proto --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
     $(cd proto && find . -name '*.proto' | sed 's|^\./||' | sort)
+  # The proto ships beside its stubs (package data), for clients generated in other languages.
+  (cd proto && find . -name '*.proto') | while read -r p; do cp "proto/$p" "$out/$p"; done
   find "$out" -name '*.py' -o -name '*.pyi' | while read -r f; do
     sed -i -E 's/^from eplb\.v1 import /from . import /' "$f"
   done

@@ -6,3 +6,7 @@ hand), :mod:`eplb_wire.arrays`: ``Array`` messages ↔ numpy, and :mod:`eplb_wir
 naming the field path. Both sides depend on this package and on ``eplb``, never on each other; it
 needs ``protobuf`` and ``grpcio`` only.
 """
+
+# The modules a client imports (loaded on `from eplb_wire import arrays`); the generated stubs
+# are `eplb_wire._gen.eplb.v1`, whose contract is the proto's.
+__all__ = ["arrays", "parts"]

@@ -7,9 +7,9 @@ from ._gen.eplb.v1 import balancer_pb2 as pb
 
 __all__ = ["WATCH_PART_BYTES", "PartAssembler"]
 
-# The part size eplb's watchers ask for (and the one size the service keeps serialized parts of):
-# a stalled watcher then holds about this much of the server's memory, not a placement.
 WATCH_PART_BYTES = 65536
+"""The part size eplb's watchers ask for (and the one size the service keeps serialized parts of):
+a stalled watcher then holds about this much of the server's memory, not a placement."""
 
 
 class PartAssembler:
