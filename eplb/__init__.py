@@ -67,6 +67,18 @@ __all__ = [
     "imbalance_lb",
     "moves",
     "set_max_plan_bytes",
+    # Public modules: what the docs teach (kernel models, timing, the transfer schedule, the
+    # workloads, the simulator, bounds, limits, file formats, traces, eplb.py's own face).
+    "bounds",
+    "compat",
+    "formats",
+    "kernel",
+    "limits",
+    "simulate",
+    "timing",
+    "traces",
+    "transfer",
+    "workloads",
 ]
 
 # Modules reachable as eplb.<name> after `import eplb`, loaded on first access: imported eagerly

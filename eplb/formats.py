@@ -41,12 +41,15 @@ __all__ = [
 ]
 
 PLACEMENT_FORMAT = "eplb-placement"
+"""The ``format`` field of the native placement file."""
 PLACEMENT_VERSION = 1
+"""The native placement file's format version; 1.x reads every version it wrote."""
 
 _TOPO_FIELDS = ("num_layers", "num_experts", "num_slots", "num_gpus", "num_nodes", "num_groups")
 
 
 def topology_to_dict(topology: Topology) -> dict[str, Any]:
+    """The topology as the files write it: ``{"num_layers": L, "num_experts": E, ...}``."""
     return {name: getattr(topology, name) for name in _TOPO_FIELDS}
 
 

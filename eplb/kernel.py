@@ -35,6 +35,7 @@ __all__ = ["KernelModel", "Curve", "CostModel", "fit", "fit_error", "shipped", "
 # Row tiles the fit tries: the M-tile sizes of Hopper grouped GEMM kernels (CUTLASS and Triton
 # configurations use 64 or 128; smaller ones for decode-tuned configs).
 TILES = (16, 32, 64, 128, 256)
+"""Row tiles ``fit`` tries: the M-tile sizes of Hopper grouped GEMM kernels."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class Curve:
 
 
 CostModel = KernelModel | Curve
+"""What the planner takes as ``kernel_curve``: a ``KernelModel`` or a ``Curve``."""
 
 
 def as_cost_model(curve: object) -> CostModel:

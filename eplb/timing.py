@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 DISPATCHES = ("even", "static")
+"""How an engine splits an expert's tokens over its replicas: ``even`` (vLLM) or ``static`` (SGLang)."""
 # Points of a slot's token distribution the moments are summed over (strided beyond this).
 _POINTS = 64
 # Grid of the expected-maximum integral.

@@ -35,7 +35,9 @@ __all__ = [
 ]
 
 TRACE_FORMAT = "eplb-trace"
+"""The ``format`` field of the native trace file."""
 TRACE_VERSION = 1
+"""The native trace file's format version."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,7 +47,14 @@ __all__ = [
     "transfer_schedule",
 ]
 
-LOCAL, INTRA_NODE, INTER_NODE, RESTORE = 0, 1, 2, 3
+LOCAL = 0
+"""A copy's kind: within one gpu."""
+INTRA_NODE = 1
+"""A copy's kind: between two gpus of one node."""
+INTER_NODE = 2
+"""A copy's kind: between nodes."""
+RESTORE = 3
+"""A copy's kind: from a host backup (no live gpu holds the expert)."""
 KIND_NAMES = ("local", "intra-node", "inter-node", "restore")
 
 

@@ -23,6 +23,7 @@ SCALES: dict[str, Topology] = {
     "v4flash-ep64": Topology(40, 384, 448, 64, 1, 1),
     "small": Topology(1, 16, 20, 4, 2, 4),
 }
+"""The standard scales (docs/scales.md): name -> ``Topology``."""
 
 # Tokens routed per layer in one window; scales popularity into counts.
 _TOKENS = 1 << 20
@@ -110,6 +111,7 @@ WORKLOADS: tuple[str, ...] = (
     "lognormal-1.5",
     "group-limited",
 )
+"""The seeded workloads ``make_loads`` knows by name."""
 
 
 def make_loads(workload: str, topology: Topology, seed: int = 0) -> np.ndarray:

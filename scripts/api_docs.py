@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,8 +94,25 @@ def main(argv: list[str]) -> int:
                 if not hasattr(module, name):
                     importlib.import_module(f"{package}.{name}")
         found = [p for package in PACKAGES for p in problems(package)]
-        # Only the public packages and the modules their __all__ names, never their other submodules.
-        pdoc.pdoc(*PACKAGES, r"!eplb\.", r"!eplb_engine\.", r"!eplb_wire\._", output_directory=Path(argv[0]))
+        # Only the public packages and the modules their __all__ names (and those modules' own
+        # public submodules), never their other submodules.
+        listed = sorted(
+            f"{package}.{name}"
+            for package in PACKAGES
+            for name in importlib.import_module(package).__all__
+            if isinstance(getattr(importlib.import_module(package), name), types.ModuleType)
+        )
+        listed += [
+            f"{m}.{n}"
+            for m in listed
+            for n in getattr(importlib.import_module(m), "__all__", ())
+            if isinstance(getattr(importlib.import_module(m), n), types.ModuleType)
+        ]
+        private = []
+        for package in PACKAGES:
+            own = [re.escape(m[len(package) + 1 :]) for m in listed if m.startswith(package + ".")]
+            private.append(rf"!{re.escape(package)}\.(?!({'|'.join(own)})$)" if own else rf"!{re.escape(package)}\.")
+        pdoc.pdoc(*PACKAGES, *private, output_directory=Path(argv[0]))
     found += [f"pdoc: {w.message}" for w in caught]
     for line in found:
         print(f"api docs: {line}", file=sys.stderr)

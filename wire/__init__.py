@@ -9,4 +9,4 @@ needs ``protobuf`` and ``grpcio`` only.
 
 # The modules a client imports (loaded on `from eplb_wire import arrays`); the generated stubs
 # are `eplb_wire._gen.eplb.v1`, whose contract is the proto's.
-__all__ = ["arrays", "parts"]
+__all__ = ["arrays", "errors", "parts", "topology"]

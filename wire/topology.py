@@ -20,6 +20,7 @@ _COUNTS = ("num_layers", "num_experts", "num_slots", "num_gpus")
 
 
 def topology_to_pb(topo: eplb.Topology) -> pb.Topology:
+    """``eplb.Topology`` → its ``Topology`` message of the wire (every count set)."""
     return pb.Topology(
         num_layers=topo.num_layers,
         num_experts=topo.num_experts,

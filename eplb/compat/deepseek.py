@@ -1,4 +1,4 @@
-"""Drop-in for DeepSeek's ``eplb.rebalance_experts``, on numpy arrays."""
+"""Drop-in for ``rebalance_experts`` of DeepSeek's EPLB (github deepseek-ai/EPLB), on numpy arrays."""
 
 from __future__ import annotations
 
