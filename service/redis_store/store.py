@@ -2,7 +2,7 @@
 
 Key schema (``P`` is the key prefix, default ``eplb``; ``{d}`` is the deployment name in a
 hash tag, so every key of one deployment lives in one Redis Cluster slot and the Lua scripts
-below touch one slot only):
+(:mod:`.lua`) touch one slot only):
 
 | key | type | holds |
 |---|---|---|
@@ -23,7 +23,7 @@ below touch one slot only):
 | ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
 | ``P:{d}:seen`` | hash | liveness: rank → latest time (epoch seconds, ms precision) a replica received a report or ack of it; ``start`` → when recording began |
 
-On Redis Cluster (``redis+cluster://`` seed nodes, :mod:`.cluster`) no command names keys of
+On Redis Cluster (``redis+cluster://`` seed nodes, :mod:`eplb_service.cluster`) no command names keys of
 two slots: the deployments index is 16 buckets (listed one by one; their sizes are cached, so
 the deployment-count limit still holds while a bucket's master is down), each bucket has its
 feed (one blocking reader each: see ``_Announcements``), and the store's run id
@@ -40,7 +40,6 @@ import binascii
 import builtins
 import contextlib
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -64,10 +63,10 @@ from redis.exceptions import (
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
-from .cluster import parse_cluster_url
-from .errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
-from .rollout import RankState, Rollout
-from .store import (
+from ..cluster import parse_cluster_url
+from ..errors import Aborted, AlreadyExists, NotFound, StoreUnavailable
+from ..rollout import RankState, Rollout
+from ..store import (
     PLACEMENTS_KEPT,
     AcceptCall,
     Accepted,
@@ -77,6 +76,7 @@ from .store import (
     all_or_nothing,
     created_seconds,
 )
+from .lua import Script
 
 __all__ = ["RedisStore"]
 
@@ -107,159 +107,6 @@ _RECONCILE_S = 15.0
 _FALLBACK_S = 0.5
 # Index buckets on Redis Cluster (a slot each; a deployment's bucket is CRC32(name) mod this).
 _INDEX_BUCKETS = 16
-
-# KEYS: meta, deployment, placement:<v>, announce, seen; ARGV: version, deployment, placement,
-# maxlen, now, only_if_newer, generation (the deployment's create time: a re-created deployment
-# gets a new one, a restored one keeps it). Liveness counts from now on a create, and on a
-# write-back into a store that lost the seen times. Returns 1 if written.
-_CREATE = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if ARGV[6] == '1' and cur >= tonumber(ARGV[1]) then return 0 end
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('SET', KEYS[3], ARGV[3])
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'reports', 0, 'planned_reports', 0, 'planned_at', ARGV[5], 'gen', ARGV[7])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'version', ARGV[1])
-if ARGV[6] == '0' then redis.call('DEL', KEYS[5]) end
-redis.call('HSETNX', KEYS[5], 'start', ARGV[5])
-return 1
-"""
-
-# The one place versions advance: check current == new - 1, store, bump, announce, trim.
-# KEYS: meta, placement:<new>, announce, placement:<new - kept>; ARGV: new, placement, maxlen.
-# Returns the version found before (new - 1 on success), or -1 when the deployment is gone.
-_PUBLISH = """
-local cur = redis.call('HGET', KEYS[1], 'version')
-if not cur then return -1 end
-cur = tonumber(cur)
-if cur + 1 ~= tonumber(ARGV[1]) then return cur end
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('HSET', KEYS[1], 'version', ARGV[1])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'version', ARGV[1])
-redis.call('DEL', KEYS[4])
-return cur
-"""
-
-# Accepts a batch of reports only together with its counts: KEYS: seq, meta, wal; ARGV: the
-# write-ahead blob of the batch's sums, the MINID below which old entries are trimmed, then
-# rank1, seq1, rank2, seq2, … Seqs compare as Lua doubles, exact below 2^53 (the servicer
-# rejects larger). If every pair is new: marks the seqs, counts them, appends the blob to the
-# wal stream and returns the entry's id (a string: the flags are all 1, and a reply of one
-# string is what the replica's loop parses fastest); otherwise writes nothing and returns
-# {0, flags} (one 0/1 per pair, in order), and the caller retries with the new ones' sums. -1
-# when the deployment is gone.
-_ACCEPT = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-local last = {}
-local out = {}
-local all = 1
-for i = 3, #ARGV, 2 do
-  local r = ARGV[i]
-  if last[r] == nil then last[r] = tonumber(redis.call('HGET', KEYS[1], r) or '-1') end
-  local s = tonumber(ARGV[i + 1])
-  if s > last[r] then
-    last[r] = s
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
-    all = 0
-  end
-end
-if all == 0 then return {0, out} end
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('HINCRBY', KEYS[2], 'reports', #out)
-return redis.call('XADD', KEYS[3], 'MINID', '~', ARGV[2], '*', 'b', ARGV[1])
-"""
-
-# The rules of rollout.apply_ack, atomically. KEYS: acks, rollout, meta; ARGV: rank, version,
-# state (0/2 switched, 1 prepared, 3 failed), step, margin, kept, then the deployment's ranks.
-# Returns -1 when the deployment is gone, else {acked, prepared, failed, num_ranks, switch_step,
-# aborted, became_prepared, became_switched, became_failed}.
-_ACK = """
-if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
-local rank, v, state, step = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local function bump(f)
-  local last = tonumber(redis.call('HGET', KEYS[1], f) or '0')
-  if v > last then redis.call('HSET', KEYS[1], f, v) end
-end
-local old_switched = tonumber(redis.call('HGET', KEYS[1], rank) or '0')
-local aborted = redis.call('HEXISTS', KEYS[2], v .. ':aborted') == 1
-local became_failed = 0
-if state == '0' or state == '2' then
-  bump(rank)
-elseif state == '1' then
-  bump(rank .. ':p')
-  local last = tonumber(redis.call('HGET', KEYS[2], v .. ':step') or '-1')
-  if step > last then redis.call('HSET', KEYS[2], v .. ':step', ARGV[4]) end
-elseif state == '3' then
-  bump(rank .. ':f')
-  -- A fixed switch step stands: ranks may already route with v, so a late failure is
-  -- counted, not turned into an abort that later pollers would see and others would not.
-  if redis.call('HEXISTS', KEYS[2], v .. ':switch') == 0 then
-    if not aborted then became_failed = 1 end
-    aborted = true
-    redis.call('HSET', KEYS[2], v .. ':aborted', 1)
-  end
-end
-local all = redis.call('HGETALL', KEYS[1])
-local h = {}
-for i = 1, #all, 2 do h[all[i]] = tonumber(all[i + 1]) end
-local acked, prepared, failed, n = 0, 0, 0, #ARGV - 6
-for i = 7, #ARGV do
-  local r = ARGV[i]
-  local sw, p, f = h[r] or 0, h[r .. ':p'] or 0, h[r .. ':f'] or 0
-  if sw >= v then acked = acked + 1 end
-  if sw >= v or p >= v then prepared = prepared + 1 end
-  if f == v then failed = failed + 1 end
-end
-local switch = redis.call('HGET', KEYS[2], v .. ':switch')
-local became_prepared = 0
-if not switch and not aborted and prepared == n then
-  local s = tonumber(redis.call('HGET', KEYS[2], v .. ':step') or '0')
-  if s < 0 then s = 0 end
-  switch = tostring(s + tonumber(ARGV[5]))
-  redis.call('HSET', KEYS[2], v .. ':switch', switch)
-  became_prepared = 1
-end
-local old = v - tonumber(ARGV[6])
-if old > 0 then redis.call('HDEL', KEYS[2], old .. ':step', old .. ':switch', old .. ':aborted') end
-local became_switched = 0
-if (state == '0' or state == '2') and old_switched < v and acked == n then became_switched = 1 end
-local out_switch = 0
-if switch and not aborted then out_switch = tonumber(switch) end
-return {acked, prepared, failed, n, out_switch, aborted and 1 or 0, became_prepared, became_switched, became_failed}
-"""
-
-# KEYS: windows, meta, wal; ARGV: replica, blob, then the wal ids folded into the blob. A
-# replica that has not yet noticed a deletion must not re-create the windows key of a deleted
-# deployment.
-_PUT_WINDOW = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if #ARGV > 2 then redis.call('XDEL', KEYS[3], unpack(ARGV, 3)) end
-return 1
-"""
-
-# Liveness times, each kept only where later than the stored one (replicas flush in any order).
-# KEYS: seen, meta; ARGV: rank1, time1, rank2, time2, … Returns -1 when the deployment is gone.
-_SEEN = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-for i = 1, #ARGV, 2 do
-  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  if tonumber(ARGV[i + 1]) > old then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-end
-return 1
-"""
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 def generation(deployment: pb.Deployment) -> int:
@@ -521,30 +368,9 @@ def _cluster_client(url: str, prefix: str) -> RedisCluster:
     return client
 
 
-class _Script:
-    """A Lua script: EVALSHA, and EVAL where the server lacks it (which caches it there).
-
-    Not redis-py's registered scripts: on Redis Cluster they load a missing script with SCRIPT
-    LOAD on every master, so one master down failed the first call of a script on every other
-    one; on one Redis their per-call type checks (``isinstance`` against typing Protocols) were
-    a visible share of a report's time on the event loop (py-spy, 2,000 reports/s).
-    """
-
-    def __init__(self, r: redis.Redis | RedisCluster, source: str) -> None:
-        self._r = r
-        self._source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, keys: list[str], args: list[object]) -> object:
-        try:
-            return await self._r.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self._r.eval(self._source, len(keys), *keys, *args)
-
-
 class RedisStore:
     """Implements :class:`.store.Store` on one Redis URL or a Redis Cluster's seed nodes
-    (``redis+cluster://``, ``rediss+cluster://``; see :mod:`.cluster`)."""
+    (``redis+cluster://``, ``rediss+cluster://``; see :mod:`eplb_service.cluster`)."""
 
     def __init__(self, url: str, prefix: str = "eplb") -> None:
         self.prefix = prefix
@@ -594,15 +420,15 @@ class RedisStore:
         self._announcements = _Announcements(
             self._r, self._feed_reader, self._drop_feed_reader, group_of, self._feed_master_down
         )
-        script = functools.partial(_Script, self._r)
-        self._create = script(_CREATE)
-        self._publish = script(_PUBLISH)
-        self._accept = script(_ACCEPT)
-        self._ack = script(_ACK)
-        self._release = script(_RELEASE)
-        self._renew = script(_RENEW)
-        self._put_window = script(_PUT_WINDOW)
-        self._seen = script(_SEEN)
+        script = functools.partial(Script, self._r)
+        self._create = script("create")
+        self._publish = script("publish")
+        self._accept = script("accept")
+        self._ack = script("ack")
+        self._release = script("release")
+        self._renew = script("renew")
+        self._put_window = script("put_window")
+        self._seen = script("seen")
 
     def key(self, name: str, what: str) -> str:
         return f"{self.prefix}:{{{name}}}:{what}"
