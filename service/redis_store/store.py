@@ -46,11 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
-from redis import exceptions as redis_errors
-from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
@@ -76,20 +72,13 @@ from ..store import (
     all_or_nothing,
     created_seconds,
 )
+from .cluster import CLUSTER_UNREACHABLE, cluster_client, master_client
+from .failures import no_retry, retry, timed_out, unavailable
 from .lua import Script
 
 __all__ = ["RedisStore"]
 
 log = logging.getLogger(__name__)
-
-# The cluster client's errors for a slot no reachable master holds (not RedisErrors): a store
-# that does not answer there. RedisClusterUnreachableError is redis-py 8.2's (the SGLang venv
-# pins 8.1, which raises SlotNotCoveredError there).
-_CLUSTER_UNREACHABLE = tuple(
-    getattr(redis_errors, n)
-    for n in ("SlotNotCoveredError", "RedisClusterUnreachableError")
-    if hasattr(redis_errors, n)
-)
 
 ANNOUNCE_MAXLEN = 64
 # The shard name of one Redis (a Redis Cluster's are its masters' host:port).
@@ -201,7 +190,7 @@ class _Announcements:
                 if self._feed_down(feed):
                     # Known down (a missed ping, a timed-out call): no read waits on it.
                     raise StoreUnavailable(f"the master of {feed} is down")
-                with _unavailable():
+                with unavailable():
                     reader = await self._reader(feed)
                     if cursor is None:
                         last = await self._watched(feed, reader.xrevrange(feed, count=1))
@@ -262,7 +251,7 @@ class _Announcements:
             groups.setdefault(self._group_of(sub.meta), []).append(sub)
         for group in groups.values():
             try:
-                with _unavailable():
+                with unavailable():
                     async with self._r.pipeline(transaction=False) as p:
                         for sub in group:
                             p.hmget(sub.meta, "gen", "version")
@@ -286,88 +275,6 @@ class _Announcements:
                     sub.version = v
 
 
-@contextlib.contextmanager
-def _unavailable() -> Iterator[None]:
-    try:
-        yield
-    except (ClusterDownError, TryAgainError, MasterDownError) as exc:
-        # Redis Cluster answers while a master rejoins or slots move: transient, like a
-        # connection error (they are ResponseErrors, which otherwise mean a bug, e.g. in a script).
-        raise StoreUnavailable(f"redis cluster unavailable: {exc}") from exc
-    except ResponseError:
-        raise
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"redis unavailable: {exc}") from exc
-    except AttributeError as exc:
-        # redis-py's asyncio cluster client, when a master rejoins: a call writes on a
-        # connection that another call just closed ("'NoneType' object has no attribute
-        # 'writelines'"): a broken connection, retried by the caller like any other.
-        if "writelines" not in str(exc):
-            raise
-        raise StoreUnavailable(f"redis unavailable: connection closed under the call ({exc})") from exc
-
-
-# Three quick retries (0.1 s at most) cover pooled connections broken by a Redis restart;
-# anything longer would only delay the UNAVAILABLE the caller should see while Redis is down.
-# Connection errors only: retried timeouts made a call to a hung Redis wait four socket
-# timeouts (4.1 s) instead of one.
-def _retry() -> Retry:
-    return Retry(ExponentialBackoff(cap=0.05, base=0.01), 3, supported_errors=(redis.ConnectionError,))
-
-
-# The cluster client retries a command or a pipeline itself, on timeouts as on broken
-# connections (its ERRORS_ALLOW_RETRY, whatever the retry's supported errors say), each time on
-# the same master: a hung master cost a call four socket timeouts (4.1 s). So it retries
-# nothing; a call on a broken connection (a master that restarted) fails UNAVAILABLE once, and
-# the client reconnects the master's other connections before they are used.
-def _no_retry() -> Retry:
-    return Retry(NoBackoff(), 0)
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it was raised from) is a socket timeout: a master that did not
-    answer in time, rather than one that refused or closed the connection."""
-    return isinstance(exc, redis_errors.TimeoutError) or isinstance(exc.__cause__, redis_errors.TimeoutError)
-
-
-class _CommandTable(AsyncCommandsParser):
-    """redis-py's command table (for finding a command's keys), read from a master once.
-
-    The cluster client re-initializes after any broken connection or CLUSTERDOWN answer, and
-    each re-initialization read the table again from its default node: when that node was a
-    dead master, every call on the live masters failed with its 'Connection refused' (seen in
-    CI). Every master of a cluster runs the same server, so the first table stays right.
-    """
-
-    async def initialize(self, node: ClusterNode | None = None) -> None:
-        if not self.commands:
-            await super().initialize(node)
-
-
-def _cluster_client(url: str, prefix: str) -> RedisCluster:
-    seeds = parse_cluster_url(url)
-    assert seeds is not None
-    client = RedisCluster(
-        startup_nodes=[ClusterNode(host, port) for host, port in seeds.nodes],
-        # A master that is down takes its own slots down, not the others'; the servers must say
-        # so too (cluster-require-full-coverage no), or every slot answers CLUSTERDOWN.
-        require_full_coverage=False,
-        ssl=seeds.tls,
-        username=seeds.username,
-        password=seeds.password,
-        # Per master, as the pool of one Redis is.
-        max_connections=POOL_CONNECTIONS,
-        client_name=f"eplb:{prefix}",
-        socket_connect_timeout=1.0,
-        socket_timeout=1.0,
-        retry=_no_retry(),
-        health_check_interval=0,
-        **dict(seeds.options),
-    )
-    client.commands_parser = _CommandTable()
-    return client
-
-
 class RedisStore:
     """Implements :class:`.store.Store` on one Redis URL or a Redis Cluster's seed nodes
     (``redis+cluster://``, ``rediss+cluster://``; see :mod:`eplb_service.cluster`)."""
@@ -387,7 +294,7 @@ class RedisStore:
         self._url = url
         self._ping_clients: dict[str, redis.Redis] = {}
         if self.cluster:
-            self._r: redis.Redis | RedisCluster = _cluster_client(url, prefix)
+            self._r: redis.Redis | RedisCluster = cluster_client(url, prefix, POOL_CONNECTIONS)
             self._index_keys = [f"{prefix}:{{index:{k}}}:deployments" for k in range(_INDEX_BUCKETS)]
             # A feed per index bucket, in the bucket's slot.
             self._feed_keys = [f"{prefix}:{{index:{k}}}:feed" for k in range(_INDEX_BUCKETS)]
@@ -406,7 +313,7 @@ class RedisStore:
                     # No call on this pool blocks (the feed's reader has its own connection): a
                     # hung Redis costs a call at most about this long.
                     socket_timeout=1.0,
-                    retry=_retry(),
+                    retry=retry(),
                     health_check_interval=0,
                 )
             )
@@ -474,12 +381,12 @@ class RedisStore:
                 client_name=f"eplb:{self.prefix}",
                 # No retries: a failed read falls back to direct checks at once (redis-py's
                 # default retried ten times, holding the followers meanwhile).
-                retry=_no_retry(),
+                retry=no_retry(),
             )
         else:
             await self._initialized()
             node = self._r.get_node_from_key(feed)
-            client = self._master_client(node.host, node.port, timeout, _no_retry())
+            client = master_client(self._url, self.prefix, node.host, node.port, timeout, no_retry())
         self._readers[feed] = client
         return client
 
@@ -492,7 +399,7 @@ class RedisStore:
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
         if moved and self.cluster:
-            with contextlib.suppress(RedisError, OSError, RedisClusterException, *_CLUSTER_UNREACHABLE):
+            with contextlib.suppress(RedisError, OSError, RedisClusterException, *CLUSTER_UNREACHABLE):
                 await self._r.nodes_manager.initialize()
 
     def _feed_master_down(self, feed: str) -> bool:
@@ -516,7 +423,7 @@ class RedisStore:
 
     async def _xadd_feed(self, feed: str, name: str) -> None:
         try:
-            with _unavailable():
+            with unavailable():
                 # The feed expires once nothing happened for _FEED_TTL_S: a prefix whose
                 # deployments were all deleted leaves no key behind for long.
                 async with self._r.pipeline(transaction=False) as p:
@@ -551,7 +458,7 @@ class RedisStore:
 
     @contextlib.contextmanager
     def _on(self, name: str) -> Iterator[None]:
-        """``_unavailable`` for a call on deployment ``name``; fails at once while its shard is
+        """``unavailable`` for a call on deployment ``name``; fails at once while its shard is
         down (on Redis Cluster the master of ``name``'s slot, named: it missed the last ping;
         either kind: a call on it timed out since), and a timeout marks its shard down."""
         shard = _ONE_REDIS
@@ -560,7 +467,7 @@ class RedisStore:
         if shard in self._down:
             raise self._shard_down(shard, name)
         try:
-            with _unavailable():
+            with unavailable():
                 yield
         except StoreUnavailable as exc:
             if shard is not None:
@@ -572,14 +479,14 @@ class RedisStore:
         socket timeout marks the shard down until a ping that starts later answers, so that the
         calls after it (the next store call of the same RPC, the reports queued behind it) fail
         at once instead of each waiting its own timeout on a hung Redis."""
-        if _timed_out(exc):
+        if timed_out(exc):
             self._hung_at[shard] = asyncio.get_running_loop().time()
             self._down.add(shard)
 
     async def ping(self) -> str:
         if not self.cluster:
             asked_at = asyncio.get_running_loop().time()
-            with _unavailable():
+            with unavailable():
                 info = await self._r.info("server")
             # A call that timed out after this ping asked keeps it down until the next ping.
             if self._hung_at.get(_ONE_REDIS, asked_at - 1) < asked_at:
@@ -619,7 +526,7 @@ class RedisStore:
         a failure counts only before there is one.
         """
         try:
-            with _unavailable():
+            with unavailable():
                 await self._r.initialize()
         except StoreUnavailable:
             if not self._r.nodes_manager.slots_cache:
@@ -635,29 +542,9 @@ class RedisStore:
         """
         client = self._ping_clients.get(master.name)
         if client is None:
-            client = self._master_client(master.host, master.port, 1.0, _retry())
+            client = master_client(self._url, self.prefix, master.host, master.port, 1.0, retry())
             self._ping_clients[master.name] = client
         return client
-
-    def _master_client(self, host: str, port: int, socket_timeout: float, retry: Retry) -> redis.Redis:
-        """One connection of its own to the master ``host:port`` of the cluster (its TLS, user and
-        options as the seed URL says)."""
-        seeds = parse_cluster_url(self._url)
-        assert seeds is not None
-        return redis.Redis(
-            host=host,
-            port=port,
-            ssl=seeds.tls,
-            username=seeds.username,
-            password=seeds.password,
-            socket_connect_timeout=1.0,
-            socket_timeout=socket_timeout,
-            retry=retry,
-            health_check_interval=0,
-            max_connections=1,
-            client_name=f"eplb:{self.prefix}",
-            **dict(seeds.options),
-        )
 
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name
@@ -692,12 +579,12 @@ class RedisStore:
             # A restore indexes the name even when the data was there: on Redis Cluster the
             # index bucket may have been on the master that restarted empty.
             try:
-                with _unavailable():
+                with unavailable():
                     await self._r.sadd(self._index_key(name), name)
             except StoreUnavailable:
                 if not only_if_newer:
                     # Not listed, so no other replica would follow it: undo, and let the caller retry.
-                    with contextlib.suppress(StoreUnavailable), _unavailable():
+                    with contextlib.suppress(StoreUnavailable), unavailable():
                         await self._r.delete(*self.keys_of(name), self.key(name, f"placement:{placement.version}"))
                     raise
         if written:
@@ -737,9 +624,9 @@ class RedisStore:
             # One at a time: concurrent commands to a master that just came back raced in
             # redis-py's cluster client ("'NoneType' object has no attribute 'writelines'").
             try:
-                # _unavailable also maps that race when it still happens (a master rejoining:
+                # unavailable also maps that race when it still happens (a master rejoining:
                 # it failed Registry.refresh in the cluster chaos test under load).
-                with _unavailable():
+                with unavailable():
                     answers[key] = await self._r.smembers(key)
             except StoreUnavailable as exc:
                 answers[key] = exc
@@ -783,14 +670,14 @@ class RedisStore:
             version = await self._r.hget(self.key(name, "meta"), "version")
             if version is None:
                 # A delete that lost its master between its two steps left the name indexed.
-                with contextlib.suppress(StoreUnavailable), _unavailable():
+                with contextlib.suppress(StoreUnavailable), unavailable():
                     await self._r.srem(self._index_key(name), name)
                 raise NotFound(f"deployment {name!r} not found")
             v = int(version)
             placements = [self.key(name, f"placement:{i}") for i in range(max(1, v - PLACEMENTS_KEPT), v + 1)]
             # One DEL of same-slot keys: atomic, and on Cluster still a single-slot command.
             await self._r.delete(*self.keys_of(name), *placements)
-        with _unavailable():
+        with unavailable():
             await self._r.srem(self._index_key(name), name)
         self._index_cache.get(self._index_key(name), set()).discard(name)
         await self._announce(name)
@@ -958,7 +845,7 @@ class RedisStore:
             else:
                 try:
                     outs = await self._accept_pipeline([commands[i] for i in idx])
-                except _CLUSTER_UNREACHABLE as exc:
+                except CLUSTER_UNREACHABLE as exc:
                     outs = [StoreUnavailable(f"redis cluster unavailable: {exc}")] * len(idx)
                 except Exception as exc:  # noqa: BLE001  (this master's calls fail with it, no others)
                     outs = [exc] * len(idx)
@@ -978,11 +865,11 @@ class RedisStore:
         if len(commands) == 1:
             ((_, keys, args),) = commands
             try:
-                with _unavailable():
+                with unavailable():
                     return [await self._accept(keys=keys, args=args)]
             except ResponseError as exc:  # a bug, in a script: this call's (INTERNAL), as in a pipeline
                 return [exc]
-        with _unavailable():
+        with unavailable():
             pipe = self._r.pipeline(transaction=False) if not self.cluster else self._r.pipeline()
             async with pipe as p:
                 for _, keys, args in commands:
@@ -993,7 +880,7 @@ class RedisStore:
             if isinstance(out, NoScriptError):
                 # A Redis that restarted (or a new master) lacks the script: EVAL caches it.
                 try:
-                    with _unavailable():
+                    with unavailable():
                         out = await self._accept(keys=keys, args=args)
                 except (StoreUnavailable, ResponseError) as exc:
                     out = exc
