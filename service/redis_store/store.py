@@ -1,27 +1,6 @@
 """Redis ``Store`` (redis-py asyncio), shared by every service replica.
 
-Key schema (``P`` is the key prefix, default ``eplb``; ``{d}`` is the deployment name in a
-hash tag, so every key of one deployment lives in one Redis Cluster slot and the Lua scripts
-(:mod:`.lua`) touch one slot only):
-
-| key | type | holds |
-|---|---|---|
-| ``P:deployments`` | set | deployment names, on one Redis (the only key outside a deployment's slot) |
-| ``P:{index:<k>}:deployments`` | set | on Redis Cluster: the names whose CRC32 is ``k`` mod 16, each bucket a slot of its own |
-| ``P:{d}:deployment`` | string | the ``eplb.v1.Deployment`` message, serialized |
-| ``P:{d}:meta`` | hash | ``version`` (current), ``reports`` (accepted in total), ``planned_reports``, ``planned_at``, ``gen`` (generation) |
-| ``P:{d}:placement:<v>`` | string | the ``eplb.v1.Placement`` message of version ``v``; the last 16 are kept |
-| ``P:{d}:announce`` | stream | one entry ``version=<v>`` per commit, trimmed to ~64 entries (written for replicas of earlier releases; this one reads the feeds) |
-| ``P:feed`` | stream | on one Redis: ``name=<d>`` after each commit, create, restore and delete, trimmed to ~4,096 entries; every replica's reader blocks on it |
-| ``P:{index:<k>}:feed`` | stream | on Redis Cluster instead: the feed of index bucket ``k``, in the bucket's slot |
-| ``P:{d}:seq`` | hash | rank → last accepted report seq (idempotent retries) |
-| ``P:{d}:acks`` | hash | ``<rank>`` → latest switched version, ``<rank>:p`` prepared, ``<rank>:f`` failed |
-| ``P:{d}:rollout`` | hash | ``<v>:step`` largest PREPARED step, ``<v>:switch`` switch step, ``<v>:aborted`` (recent versions) |
-| ``P:{d}:windows`` | hash | replica id → that replica's window blob (see ``windows.py``) |
-| ``P:{d}:wal`` | stream | ``b=<EPW1 blob>``: write-ahead entries of earlier releases (read and dropped when stale, never written) |
-| ``P:{d}:wal2`` | stream | ``b=<EPW2 blob>``: the sums of one accepted batch of reports at their own width, until its replica's next flush folds it in |
-| ``P:{d}:lease`` | string | owner id of the planning lease, with a PX expiry |
-| ``P:{d}:seen`` | hash | liveness: rank → latest time (epoch seconds, ms precision) a replica received a report or ack of it; ``start`` → when recording began |
+The keys, their types and what they hold are :mod:`.keys`'s table.
 
 On Redis Cluster (``redis+cluster://`` seed nodes, :mod:`eplb_service.cluster`) no command names keys of
 two slots: the deployments index is 16 buckets (listed one by one; their sizes are cached, so
@@ -36,7 +15,6 @@ on it that timed out or the first ping it missed; the others go on.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import builtins
 import contextlib
 import functools
@@ -74,6 +52,7 @@ from ..store import (
 )
 from .cluster import CLUSTER_UNREACHABLE, cluster_client, master_client
 from .failures import no_retry, retry, timed_out, unavailable
+from .keys import Keys
 from .lua import Script
 
 __all__ = ["RedisStore"]
@@ -94,8 +73,6 @@ _FEED_COUNT = 256
 _FEED_TTL_S = 600
 _RECONCILE_S = 15.0
 _FALLBACK_S = 0.5
-# Index buckets on Redis Cluster (a slot each; a deployment's bucket is CRC32(name) mod this).
-_INDEX_BUCKETS = 16
 
 
 def generation(deployment: pb.Deployment) -> int:
@@ -282,6 +259,7 @@ class RedisStore:
     def __init__(self, url: str, prefix: str = "eplb") -> None:
         self.prefix = prefix
         self.cluster = parse_cluster_url(url) is not None
+        self.keys = Keys(prefix, self.cluster)
         # Shards that did not answer the last ping, or a call since (a socket timeout): Redis
         # Cluster masters (host:port), or "redis" for one Redis (a call timed out: its failed
         # pings are the store's health); and each master's run id.
@@ -295,9 +273,6 @@ class RedisStore:
         self._ping_clients: dict[str, redis.Redis] = {}
         if self.cluster:
             self._r: redis.Redis | RedisCluster = cluster_client(url, prefix, POOL_CONNECTIONS)
-            self._index_keys = [f"{prefix}:{{index:{k}}}:deployments" for k in range(_INDEX_BUCKETS)]
-            # A feed per index bucket, in the bucket's slot.
-            self._feed_keys = [f"{prefix}:{{index:{k}}}:feed" for k in range(_INDEX_BUCKETS)]
             group_of: Callable[[str], str] = self._master_of
         else:
             # A bounded pool that makes callers wait for a free connection rather than fail: a
@@ -317,8 +292,6 @@ class RedisStore:
                     health_check_interval=0,
                 )
             )
-            self._index_keys = [f"{prefix}:deployments"]
-            self._feed_keys = [f"{prefix}:feed"]
             group_of = lambda _: _ONE_REDIS  # noqa: E731
         # Feed → the connection of its own its reader blocks on (one per feed: the connections
         # a replica holds do not grow with its deployments).
@@ -336,34 +309,6 @@ class RedisStore:
         self._renew = script("renew")
         self._put_window = script("put_window")
         self._seen = script("seen")
-
-    def key(self, name: str, what: str) -> str:
-        return f"{self.prefix}:{{{name}}}:{what}"
-
-    def keys_of(self, name: str) -> list[str]:
-        """Every fixed key of a deployment (placements are per version, see ``delete``)."""
-        return [
-            self.key(name, k)
-            for k in (
-                "deployment",
-                "meta",
-                "announce",
-                "seq",
-                "acks",
-                "rollout",
-                "windows",
-                "wal",
-                "wal2",
-                "lease",
-                "seen",
-            )
-        ]
-
-    def _index_key(self, name: str) -> str:
-        return self._index_keys[binascii.crc32(name.encode()) % len(self._index_keys)]
-
-    def _feed_key(self, name: str) -> str:
-        return self._feed_keys[binascii.crc32(name.encode()) % len(self._feed_keys)]
 
     async def _feed_reader(self, feed: str) -> redis.Redis:
         """The connection ``feed``'s reader blocks on: its own, to the feed's master."""
@@ -414,7 +359,7 @@ class RedisStore:
         background: a hint only (``_Announcements``), so the call that committed does not wait
         for it (the feed may live on another master, down or hung), and a failure is caught by
         the readers' checks."""
-        feed = self._feed_key(name)
+        feed = self.keys.feed_of(name)
         if self._feed_master_down(feed):
             return  # its readers check every follower every _FALLBACK_S meanwhile
         task = asyncio.create_task(self._xadd_feed(feed, name), name=f"feed-{name}")
@@ -442,7 +387,7 @@ class RedisStore:
     def down(self, names: list[str]) -> set[str]:
         if not self.cluster or not self._down or not self._r.nodes_manager.slots_cache:
             return set()
-        return {n for n in names if self._master_of(self.key(n, "meta")) in self._down}
+        return {n for n in names if self._master_of(self.keys.of(n, "meta")) in self._down}
 
     @property
     def degraded(self) -> str | None:
@@ -463,7 +408,7 @@ class RedisStore:
         either kind: a call on it timed out since), and a timeout marks its shard down."""
         shard = _ONE_REDIS
         if self.cluster:
-            shard = self._master_of(self.key(name, "meta")) if self._r.nodes_manager.slots_cache else None
+            shard = self._master_of(self.keys.of(name, "meta")) if self._r.nodes_manager.slots_cache else None
         if shard in self._down:
             raise self._shard_down(shard, name)
         try:
@@ -548,7 +493,7 @@ class RedisStore:
 
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name
-        if only_if_newer and self.cluster and self._down and self._master_of(self.key(name, "meta")) in self._down:
+        if only_if_newer and self.cluster and self._down and self._master_of(self.keys.of(name, "meta")) in self._down:
             # A restore (after a master restarted empty) skips masters that are down (only
             # Redis Cluster has some down and others up): one that comes back empty has a new
             # run id and triggers its own restore.
@@ -556,11 +501,11 @@ class RedisStore:
         with self._on(name):
             written = await self._create(
                 keys=[
-                    self.key(name, "meta"),
-                    self.key(name, "deployment"),
-                    self.key(name, f"placement:{placement.version}"),
-                    self.key(name, "announce"),
-                    self.key(name, "seen"),
+                    self.keys.of(name, "meta"),
+                    self.keys.of(name, "deployment"),
+                    self.keys.placement(name, placement.version),
+                    self.keys.of(name, "announce"),
+                    self.keys.of(name, "seen"),
                 ],
                 args=[
                     placement.version,
@@ -580,12 +525,12 @@ class RedisStore:
             # index bucket may have been on the master that restarted empty.
             try:
                 with unavailable():
-                    await self._r.sadd(self._index_key(name), name)
+                    await self._r.sadd(self.keys.index_of(name), name)
             except StoreUnavailable:
                 if not only_if_newer:
                     # Not listed, so no other replica would follow it: undo, and let the caller retry.
                     with contextlib.suppress(StoreUnavailable), unavailable():
-                        await self._r.delete(*self.keys_of(name), self.key(name, f"placement:{placement.version}"))
+                        await self._r.delete(*self.keys.fixed(name), self.keys.placement(name, placement.version))
                     raise
         if written:
             await self._announce(name)
@@ -602,7 +547,7 @@ class RedisStore:
         with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
                 raw, version = (
-                    await p.get(self.key(name, "deployment")).hget(self.key(name, "meta"), "version").execute()
+                    await p.get(self.keys.of(name, "deployment")).hget(self.keys.of(name, "meta"), "version").execute()
                 )
         if raw is None or version is None:
             raise NotFound(f"deployment {name!r} not found")
@@ -616,7 +561,7 @@ class RedisStore:
             # (redis-py: "'NoneType' object has no attribute 'writelines'").
             await self._initialized()
         answers: dict[str, object] = {}
-        for key in self._index_keys:
+        for key in self.keys.index:
             # Checked per bucket: a bucket whose master timed out marks it down for the rest.
             master = self._master_of(key) if self.cluster else _ONE_REDIS
             if master in self._down:
@@ -632,7 +577,7 @@ class RedisStore:
                 answers[key] = exc
                 self._note_timeout(master, exc)
         names: set[str] = set()
-        for key in self._index_keys:
+        for key in self.keys.index:
             members = answers.get(key, StoreUnavailable(f"the master of {key} is down"))
             if isinstance(members, (RedisError, OSError, StoreUnavailable)):
                 if not self.cluster or key not in self._index_cache:
@@ -667,29 +612,29 @@ class RedisStore:
 
     async def delete(self, name: str) -> None:
         with self._on(name):
-            version = await self._r.hget(self.key(name, "meta"), "version")
+            version = await self._r.hget(self.keys.of(name, "meta"), "version")
             if version is None:
                 # A delete that lost its master between its two steps left the name indexed.
                 with contextlib.suppress(StoreUnavailable), unavailable():
-                    await self._r.srem(self._index_key(name), name)
+                    await self._r.srem(self.keys.index_of(name), name)
                 raise NotFound(f"deployment {name!r} not found")
             v = int(version)
-            placements = [self.key(name, f"placement:{i}") for i in range(max(1, v - PLACEMENTS_KEPT), v + 1)]
+            placements = [self.keys.placement(name, i) for i in range(max(1, v - PLACEMENTS_KEPT), v + 1)]
             # One DEL of same-slot keys: atomic, and on Cluster still a single-slot command.
-            await self._r.delete(*self.keys_of(name), *placements)
+            await self._r.delete(*self.keys.fixed(name), *placements)
         with unavailable():
-            await self._r.srem(self._index_key(name), name)
-        self._index_cache.get(self._index_key(name), set()).discard(name)
+            await self._r.srem(self.keys.index_of(name), name)
+        self._index_cache.get(self.keys.index_of(name), set()).discard(name)
         await self._announce(name)
 
     async def placement(self, name: str, version: int = 0) -> pb.Placement:
         with self._on(name):
             if not version:
-                cur = await self._r.hget(self.key(name, "meta"), "version")
+                cur = await self._r.hget(self.keys.of(name, "meta"), "version")
                 if cur is None:
                     raise NotFound(f"deployment {name!r} not found")
                 version = int(cur)
-            raw = await self._r.get(self.key(name, f"placement:{version}"))
+            raw = await self._r.get(self.keys.placement(name, version))
         if raw is None:
             raise NotFound(f"deployment {name!r} has no placement version {version}")
         return pb.Placement.FromString(raw)
@@ -699,10 +644,10 @@ class RedisStore:
         with self._on(name):
             before = await self._publish(
                 keys=[
-                    self.key(name, "meta"),
-                    self.key(name, f"placement:{v}"),
-                    self.key(name, "announce"),
-                    self.key(name, f"placement:{v - PLACEMENTS_KEPT}"),
+                    self.keys.of(name, "meta"),
+                    self.keys.placement(name, v),
+                    self.keys.of(name, "announce"),
+                    self.keys.placement(name, v - PLACEMENTS_KEPT),
                 ],
                 args=[v, placement.SerializeToString(), ANNOUNCE_MAXLEN],
             )
@@ -714,10 +659,10 @@ class RedisStore:
 
     async def follow(self, name: str, since_version: int, gen: int = 0) -> AsyncIterator[pb.Placement]:
         # Subscribed first: a commit after the version read below is announced to this follower.
-        sub = self._announcements.subscribe(name, self._feed_key(name), self.key(name, "meta"), gen)
+        sub = self._announcements.subscribe(name, self.keys.feed_of(name), self.keys.of(name, "meta"), gen)
         try:
             with self._on(name):
-                cur, stored_gen = await self._r.hmget(self.key(name, "meta"), "version", "gen")
+                cur, stored_gen = await self._r.hmget(self.keys.of(name, "meta"), "version", "gen")
             if cur is None or _other_generation(stored_gen, gen):
                 raise NotFound(f"deployment {name!r} not found")
             sub.version = max(sub.version, int(cur))
@@ -775,7 +720,11 @@ class RedisStore:
                     if f:
                         args += [rank, seq]
                 commands.append(
-                    (c.name, [self.key(c.name, "seq"), self.key(c.name, "meta"), self.key(c.name, "wal2")], args)
+                    (
+                        c.name,
+                        [self.keys.of(c.name, "seq"), self.keys.of(c.name, "meta"), self.keys.of(c.name, "wal2")],
+                        args,
+                    )
                 )
             answers = await self._accept_commands(commands)
             again = []
@@ -808,7 +757,7 @@ class RedisStore:
     def shard(self, name: str) -> str:
         if not self.cluster or not self._r.nodes_manager.slots_cache:
             return _ONE_REDIS
-        return self._master_of(self.key(name, "meta"))
+        return self._master_of(self.keys.of(name, "meta"))
 
     async def _accept_commands(
         self, commands: builtins.list[tuple[str, builtins.list[str], builtins.list[object]]]
@@ -895,7 +844,7 @@ class RedisStore:
     async def marks(self, name: str) -> PlanMarks:
         with self._on(name):
             reports, planned, at = await self._r.hmget(
-                self.key(name, "meta"), "reports", "planned_reports", "planned_at"
+                self.keys.of(name, "meta"), "reports", "planned_reports", "planned_at"
             )
         if reports is None:
             raise NotFound(f"deployment {name!r} not found")
@@ -903,12 +852,12 @@ class RedisStore:
 
     async def mark_planned(self, name: str, reports: int, at: float) -> None:
         with self._on(name):
-            await self._r.hset(self.key(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
+            await self._r.hset(self.keys.of(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
 
     async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
         with self._on(name):
             out = await self._put_window(
-                keys=[self.key(name, "windows"), self.key(name, "meta"), self.key(name, "wal2")],
+                keys=[self.keys.of(name, "windows"), self.keys.of(name, "meta"), self.keys.of(name, "wal2")],
                 args=[replica, blob, *folded],
             )
         if out == -1:
@@ -918,9 +867,9 @@ class RedisStore:
         with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
                 raw, wal, wal2 = await (
-                    p.hgetall(self.key(name, "windows"))
-                    .xrange(self.key(name, "wal"))
-                    .xrange(self.key(name, "wal2"))
+                    p.hgetall(self.keys.of(name, "windows"))
+                    .xrange(self.keys.of(name, "wal"))
+                    .xrange(self.keys.of(name, "wal2"))
                     .execute()
                 )
         out = {k.decode(): v for k, v in raw.items()}
@@ -932,18 +881,18 @@ class RedisStore:
         replicas = [k for k in keys if not k.startswith(("wal:", "wal2:"))]
         with self._on(name):
             if replicas:
-                await self._r.hdel(self.key(name, "windows"), *replicas)
+                await self._r.hdel(self.keys.of(name, "windows"), *replicas)
             for stream in ("wal", "wal2"):
                 ids = [k[len(stream) + 1 :] for k in keys if k.startswith(f"{stream}:")]
                 if ids:
-                    await self._r.xdel(self.key(name, stream), *ids)
+                    await self._r.xdel(self.keys.of(name, stream), *ids)
 
     async def ack(
         self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int
     ) -> Rollout:
         with self._on(name):
             out = await self._ack(
-                keys=[self.key(name, "acks"), self.key(name, "rollout"), self.key(name, "meta")],
+                keys=[self.keys.of(name, "acks"), self.keys.of(name, "rollout"), self.keys.of(name, "meta")],
                 args=[rank, version, state, step, margin, PLACEMENTS_KEPT, *ranks],
             )
         if out == -1:
@@ -953,7 +902,7 @@ class RedisStore:
 
     async def acks(self, name: str) -> dict[int, RankState]:
         with self._on(name):
-            raw = await self._r.hgetall(self.key(name, "acks"))
+            raw = await self._r.hgetall(self.keys.of(name, "acks"))
         fields: dict[int, dict[str, int]] = {}
         for k, v in raw.items():
             rank, _, kind = k.decode().partition(":")
@@ -967,31 +916,31 @@ class RedisStore:
         for rank, at in seen.items():
             args += [rank, f"{at:.3f}"]
         with self._on(name):
-            out = await self._seen(keys=[self.key(name, "seen"), self.key(name, "meta")], args=args)
+            out = await self._seen(keys=[self.keys.of(name, "seen"), self.keys.of(name, "meta")], args=args)
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
 
     async def seen(self, name: str) -> Seen:
         with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
-                raw, exists = await p.hgetall(self.key(name, "seen")).exists(self.key(name, "meta")).execute()
+                raw, exists = await p.hgetall(self.keys.of(name, "seen")).exists(self.keys.of(name, "meta")).execute()
         if not exists:
             raise NotFound(f"deployment {name!r} not found")
         start = float(raw.pop(b"start", b"0"))
         return Seen(start, {int(k): float(v) for k, v in raw.items()})
 
     async def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
-        key = self.key(name, "lease")
+        key = self.keys.of(name, "lease")
         with self._on(name):
             return bool(await self._r.set(key, owner, nx=True, px=max(1, int(ttl_s * 1000))))
 
     async def renew_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         with self._on(name):
-            return bool(await self._renew(keys=[self.key(name, "lease")], args=[owner, max(1, int(ttl_s * 1000))]))
+            return bool(await self._renew(keys=[self.keys.of(name, "lease")], args=[owner, max(1, int(ttl_s * 1000))]))
 
     async def release_lease(self, name: str, owner: str) -> None:
         with self._on(name):
-            await self._release(keys=[self.key(name, "lease")], args=[owner])
+            await self._release(keys=[self.keys.of(name, "lease")], args=[owner])
 
     async def close(self) -> None:
         if self._feed_writes:

@@ -37,7 +37,7 @@ async def deployments_a_master(s: RedisStore, cluster, count: int) -> dict[int, 
     names: dict[int, list[str]] = {port: [] for port in cluster.ports}
     i = 0
     while any(len(n) < count for n in names.values()):
-        on = names[cluster.port_of(s.key(f"d{i}", "meta"))]
+        on = names[cluster.port_of(s.keys.of(f"d{i}", "meta"))]
         if len(on) < count:
             on.append(f"d{i}")
         i += 1
@@ -380,7 +380,7 @@ def _split_name(s: RedisStore, cluster) -> tuple[str, int, int]:
     """A name whose meta lives on another master than its feed: (name, meta port, feed port)."""
     for i in range(1000):
         n = f"split{i}"
-        meta, feed = cluster.port_of(s.key(n, "meta")), cluster.port_of(s._feed_key(n))
+        meta, feed = cluster.port_of(s.keys.of(n, "meta")), cluster.port_of(s.keys.feed_of(n))
         if meta != feed:
             return n, meta, feed
     raise AssertionError("no such name")
@@ -411,7 +411,7 @@ async def test_followers_keep_their_versions_after_their_feeds_slot_moved(redis_
 
     s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
     name, _, feed_port = _split_name(s, redis_cluster)
-    slot = sync_redis.Redis(port=feed_port).execute_command("CLUSTER KEYSLOT", s._feed_key(name))
+    slot = sync_redis.Redis(port=feed_port).execute_command("CLUSTER KEYSLOT", s.keys.feed_of(name))
     dst = next(p for p in redis_cluster.ports if p != feed_port)
     seen: asyncio.Queue = asyncio.Queue()
     task = None
