@@ -347,10 +347,10 @@ async def test_idle_followers_cost_redis_nothing_per_deployment(store, redis_url
 async def test_a_commit_reaches_followers_at_once_and_one_whose_feed_entry_was_lost_at_the_next_check(
     store, monkeypatch
 ):
-    from eplb_service.redis_store import store as redis_store
+    from eplb_service.redis_store import feeds
 
-    monkeypatch.setattr(redis_store, "_RECONCILE_S", 1.0)
-    monkeypatch.setattr(redis_store, "_FEED_BLOCK_MS", 300)
+    monkeypatch.setattr(feeds, "_RECONCILE_S", 1.0)
+    monkeypatch.setattr(feeds, "FEED_BLOCK_MS", 300)
     await store.create(deployment("fed"), pb.Placement(deployment="fed", version=1))
     seen: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
 
