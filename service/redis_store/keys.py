@@ -21,9 +21,7 @@ __all__ = ["INDEX_BUCKETS", "SCHEMA", "DeploymentKey", "KeySpec", "Keys"]
 INDEX_BUCKETS = 16
 
 # The fixed keys of one deployment, ``P:{d}:<what>`` (placements are per version).
-DeploymentKey = Literal[
-    "deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal", "wal2", "lease", "seen"
-]
+DeploymentKey = Literal["deployment", "meta", "announce", "seq", "acks", "rollout", "windows", "wal2", "lease", "seen"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +68,6 @@ SCHEMA: tuple[KeySpec, ...] = (
         "`<v>:step` largest PREPARED step, `<v>:switch` the fixed switch step, `<v>:aborted`; the last 16 versions",
     ),
     KeySpec("P:{d}:windows", "hash", "replica id → that replica's window blob (`EPW1`, see `windows.py`)"),
-    KeySpec(
-        "P:{d}:wal",
-        "stream",
-        "`b=<EPW1 blob>`: write-ahead entries of releases before EPW2; read, never written, dropped once stale",
-    ),
     KeySpec(
         "P:{d}:wal2",
         "stream",

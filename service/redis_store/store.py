@@ -684,26 +684,21 @@ class RedisStore:
     async def windows(self, name: str) -> dict[str, bytes]:
         with self._on(name):
             async with self._r.pipeline(transaction=True) as p:
-                raw, wal, wal2 = await (
-                    p.hgetall(self.keys.of(name, "windows"))
-                    .xrange(self.keys.of(name, "wal"))
-                    .xrange(self.keys.of(name, "wal2"))
-                    .execute()
+                raw, entries = (
+                    await p.hgetall(self.keys.of(name, "windows")).xrange(self.keys.of(name, "wal2")).execute()
                 )
         out = {k.decode(): v for k, v in raw.items()}
-        for stream, entries in (("wal", wal), ("wal2", wal2)):
-            out.update((f"{stream}:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in entries)
+        out.update((f"wal2:{entry_id.decode()}", fields[b"b"]) for entry_id, fields in entries)
         return out
 
     async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
-        replicas = [k for k in keys if not k.startswith(("wal:", "wal2:"))]
+        replicas = [k for k in keys if not k.startswith("wal2:")]
+        ids = [k.removeprefix("wal2:") for k in keys if k.startswith("wal2:")]
         with self._on(name):
             if replicas:
                 await self._r.hdel(self.keys.of(name, "windows"), *replicas)
-            for stream in ("wal", "wal2"):
-                ids = [k[len(stream) + 1 :] for k in keys if k.startswith(f"{stream}:")]
-                if ids:
-                    await self._r.xdel(self.keys.of(name, stream), *ids)
+            if ids:
+                await self._r.xdel(self.keys.of(name, "wal2"), *ids)
 
     async def ack(
         self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int
