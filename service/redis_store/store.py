@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import redis.asyncio as redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
@@ -49,7 +49,7 @@ from ..store import (
     all_or_nothing,
     created_seconds,
 )
-from .cluster import CLUSTER_UNREACHABLE, cluster_client, master_client
+from .cluster import CLUSTER_UNREACHABLE, Masters, cluster_client
 from .failures import no_retry, retry, timed_out, unavailable
 from .feeds import FEED_BLOCK_MS, FEED_MAXLEN, FEED_TTL_S, Announcements, other_generation
 from .keys import Keys
@@ -88,10 +88,12 @@ class RedisStore:
         # Index bucket → its last known names (Redis Cluster: a bucket's master may be down).
         self._index_cache: dict[str, set[str]] = {}
         self._url = url
-        self._ping_clients: dict[str, redis.Redis] = {}
         if self.cluster:
             self._r: redis.Redis | RedisCluster = cluster_client(url, prefix, POOL_CONNECTIONS)
-            group_of: Callable[[str], str] = self._master_of
+            masters = Masters(self._r, url, prefix)
+            # The cluster's masters: None on one Redis.
+            self._masters: Masters | None = masters
+            group_of: Callable[[str], str] = masters.of
         else:
             # A bounded pool that makes callers wait for a free connection rather than fail: a
             # replica holds at most POOL_CONNECTIONS + 1 (the feed's reader) connections,
@@ -111,6 +113,7 @@ class RedisStore:
                 )
             )
             group_of = lambda _: _ONE_REDIS  # noqa: E731
+            self._masters = None
         # Feed → the connection of its own its reader blocks on (one per feed: the connections
         # a replica holds do not grow with its deployments).
         self._readers: dict[str, redis.Redis] = {}
@@ -147,9 +150,7 @@ class RedisStore:
                 retry=no_retry(),
             )
         else:
-            await self._initialized()
-            node = self._r.get_node_from_key(feed)
-            client = master_client(self._url, self.prefix, node.host, node.port, timeout, no_retry())
+            client = await self._masters.reader(feed, timeout)
         self._readers[feed] = client
         return client
 
@@ -161,16 +162,15 @@ class RedisStore:
         if client is not None:
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
-        if moved and self.cluster:
-            with contextlib.suppress(RedisError, OSError, RedisClusterException, *CLUSTER_UNREACHABLE):
-                await self._r.nodes_manager.initialize()
+        if moved and self._masters is not None:
+            await self._masters.refresh()
 
     def _feed_master_down(self, feed: str) -> bool:
         """Whether ``feed``'s master is known down (Redis Cluster: a missed ping or a timed-out
         call; one Redis: the store's own health decides, as for every call)."""
-        if not self.cluster or not self._down or not self._r.nodes_manager.slots_cache:
+        if not self.cluster or not self._down or not self._masters.mapped:
             return False
-        return self._master_of(feed) in self._down
+        return self._masters.of(feed) in self._down
 
     async def _announce(self, name: str) -> None:
         """Appends ``name`` to its feed after a commit, create, restore or delete, in the
@@ -198,14 +198,10 @@ class RedisStore:
         except (StoreUnavailable, RedisError) as exc:
             log.debug("feed entry of %s not written (%s): readers catch it at their next check", name, exc)
 
-    def _master_of(self, key: str) -> str:
-        """``host:port`` of the master owning ``key``'s slot (Redis Cluster only)."""
-        return self._r.get_node_from_key(key).name
-
     def down(self, names: list[str]) -> set[str]:
-        if not self.cluster or not self._down or not self._r.nodes_manager.slots_cache:
+        if not self.cluster or not self._down or not self._masters.mapped:
             return set()
-        return {n for n in names if self._master_of(self.keys.of(n, "meta")) in self._down}
+        return {n for n in names if self._masters.of(self.keys.of(n, "meta")) in self._down}
 
     @property
     def degraded(self) -> str | None:
@@ -226,7 +222,7 @@ class RedisStore:
         either kind: a call on it timed out since), and a timeout marks its shard down."""
         shard = _ONE_REDIS
         if self.cluster:
-            shard = self._master_of(self.keys.of(name, "meta")) if self._r.nodes_manager.slots_cache else None
+            shard = self._masters.of(self.keys.of(name, "meta")) if self._masters.mapped else None
         if shard in self._down:
             raise self._shard_down(shard, name)
         try:
@@ -256,15 +252,15 @@ class RedisStore:
                 self._hung_at.pop(_ONE_REDIS, None)
                 self._down.discard(_ONE_REDIS)
             return str(info.get("run_id", ""))
-        await self._initialized()
-        masters = self._r.get_primaries()
+        await self._masters.initialized()
+        masters = self._masters.primaries()
         down = set()
         asked: dict[str, float] = {}
         loop = asyncio.get_running_loop()
         for master in masters:  # one at a time, as in _names
             asked[master.name] = loop.time()
             try:
-                info = await self._ping_client(master).info("server")
+                info = await self._masters.ping_client(master).info("server")
             except (RedisError, OSError):
                 down.add(master.name)
             else:
@@ -279,39 +275,9 @@ class RedisStore:
         # the id (its deployments are written back; the others' restores find their versions).
         return ",".join(f"{m}={run_id}" for m, run_id in sorted(self._run_ids.items()))
 
-    async def _initialized(self) -> None:
-        """The cluster client's slot map, (re)read if the client asks for it (Redis Cluster only).
-
-        The client's re-initialization also asks its default node for the command table; when
-        that node is a dead master it fails although the other masters answer (seen in CI: the
-        health ping, then the deployment count of a CreateDeployment, failed with the dead
-        master's 'Connection refused'). The slot map known so far still routes every key, so
-        a failure counts only before there is one.
-        """
-        try:
-            with unavailable():
-                await self._r.initialize()
-        except StoreUnavailable:
-            if not self._r.nodes_manager.slots_cache:
-                raise
-
-    def _ping_client(self, master: ClusterNode) -> redis.Redis:
-        """A connection of its own to one master, for the health ping (Redis Cluster only).
-
-        Through the cluster client, a call to a dead master reinitializes the client and drops
-        connections other calls hold, so a ping of a live master raced into ConnectionError and
-        a replica whose masters all but one answered went NOT_SERVING (seen in CI, 1 run in 3
-        on a loaded machine). Its own connection answers for that master alone.
-        """
-        client = self._ping_clients.get(master.name)
-        if client is None:
-            client = master_client(self._url, self.prefix, master.host, master.port, 1.0, retry())
-            self._ping_clients[master.name] = client
-        return client
-
     async def _write(self, deployment: pb.Deployment, placement: pb.Placement, only_if_newer: bool) -> bool:
         name = deployment.name
-        if only_if_newer and self.cluster and self._down and self._master_of(self.keys.of(name, "meta")) in self._down:
+        if only_if_newer and self.cluster and self._down and self._masters.of(self.keys.of(name, "meta")) in self._down:
             # A restore (after a master restarted empty) skips masters that are down (only
             # Redis Cluster has some down and others up): one that comes back empty has a new
             # run id and triggers its own restore.
@@ -377,11 +343,11 @@ class RedisStore:
         if self.cluster:
             # Concurrent first commands on a cluster client that is not initialized yet race
             # (redis-py: "'NoneType' object has no attribute 'writelines'").
-            await self._initialized()
+            await self._masters.initialized()
         answers: dict[str, object] = {}
         for key in self.keys.index:
             # Checked per bucket: a bucket whose master timed out marks it down for the rest.
-            master = self._master_of(key) if self.cluster else _ONE_REDIS
+            master = self._masters.of(key) if self.cluster else _ONE_REDIS
             if master in self._down:
                 continue
             # One at a time: concurrent commands to a master that just came back raced in
@@ -573,9 +539,9 @@ class RedisStore:
         return results  # type: ignore[return-value]  # every slot is set above
 
     def shard(self, name: str) -> str:
-        if not self.cluster or not self._r.nodes_manager.slots_cache:
+        if not self.cluster or not self._masters.mapped:
             return _ONE_REDIS
-        return self._master_of(self.keys.of(name, "meta"))
+        return self._masters.of(self.keys.of(name, "meta"))
 
     async def _accept_commands(
         self, commands: builtins.list[tuple[str, builtins.list[str], builtins.list[object]]]
@@ -761,6 +727,6 @@ class RedisStore:
         await self._announcements.close()
         for feed in list(self._readers):
             await self._drop_feed_reader(feed)
-        for client in self._ping_clients.values():
-            await client.aclose()
+        if self._masters is not None:
+            await self._masters.close()
         await self._r.aclose()

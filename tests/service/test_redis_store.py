@@ -229,8 +229,8 @@ async def test_accept_many_loads_its_script_where_redis_lost_it(store):
         await store.create(deployment(n), pb.Placement(deployment=n, version=1))
     blob = encode_sums(np.ones((3, 4)), 1, time.time(), WindowSpec())
     if store.cluster:
-        for master in store._r.get_primaries():
-            await store._ping_client(master).script_flush()
+        for master in store._masters.primaries():
+            await store._masters.ping_client(master).script_flush()
     else:
         await store._r.script_flush()
     answers = await store.accept_many([AcceptCall(n, [(0, 1)], lambda f: blob, 60) for n in names])
