@@ -546,7 +546,7 @@ class RedisStore:
     async def _accept_commands(
         self, commands: builtins.list[tuple[str, builtins.list[str], builtins.list[object]]]
     ) -> builtins.list[object]:
-        """``(deployment, keys, args)`` of ``_ACCEPT`` calls → each one's answer or exception: one
+        """``(deployment, keys, args)`` of ``accept.lua`` calls → each one's answer or exception: one
         pipeline a master (a lone call as itself). On Redis Cluster whatever fails one master's
         pipeline (down, unreachable, a slot not covered) goes to its own calls alone, the other
         masters' answers stand; on one Redis a store that does not answer raises."""
