@@ -70,7 +70,7 @@ async def _run(url: str, ranks: int, repeats: int) -> dict:
             reads.append(time.perf_counter() - start)
         assert len(seen.ranks) == ranks
         raw = aioredis.from_url(url)
-        memory = await raw.memory_usage(store.key("on", "seen"))
+        memory = await raw.memory_usage(store.keys.of("on", "seen"))
         await raw.aclose()
         calls = {}
         for name in ("off", "on"):

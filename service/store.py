@@ -194,10 +194,10 @@ class Store(Protocol):
         the deletion of the write-ahead entries ``folded`` into it, atomically."""
 
     async def windows(self, name: str) -> dict[str, bytes]:
-        """Every replica's window blob, and every write-ahead entry not folded yet (``wal:<id>``)."""
+        """Every replica's window blob, and every write-ahead entry not folded yet (``wal2:<id>``)."""
 
     async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
-        """Drops stale blobs (replica ids) and write-ahead entries (``wal:<id>``)."""
+        """Drops stale blobs (replica ids) and write-ahead entries (``wal2:<id>``)."""
 
     async def ack(
         self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int

@@ -9,7 +9,7 @@ whatever the number of reporting ranks, the report rate or the window length.
 
 Two formats, both little-endian, told apart by their magic and both read by :func:`sum_blobs`:
 
-- ``b"EPW1"`` (window blobs, and write-ahead entries of earlier releases): kind ``u8`` (0
+- ``b"EPW1"`` (window blobs, :func:`encode_blob`): kind ``u8`` (0
   sliding, 1 decay), ``f64`` time the sums are as of, ``u64`` reports, ``f64`` half-life
   seconds (0 for sliding), then ``L × E`` ``f64`` sums, row-major.
 - ``b"EPW2"`` (write-ahead entries, :func:`encode_sums`): the same header plus a ``u8`` dtype
@@ -17,10 +17,8 @@ Two formats, both little-endian, told apart by their magic and both read by :fun
   narrowest one that holds the batch's sums exactly, so an int32 report costs 4 bytes a count,
   not 8, and a batch whose sums overflow int32 widens to int64 (that entry only).
 
-A replica of an earlier release treats a blob of another length as stale and deletes it, so
-EPW2 entries live in a write-ahead stream of their own that those replicas never read (the
-store's ``wal2``, see :mod:`.redis_store`): a mixed fleet loses nothing; an old replica's plan
-only leaves out the new replicas' entries until those replicas fold them into their EPW1 blob.
+EPW2 entries live in a write-ahead stream of their own (the store's ``wal2``, see
+:mod:`.redis_store.keys`).
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ async def test_redis_keeps_the_latest_time_whatever_the_order_and_delete_drops_i
         assert (await store.seen("keys")).ranks == {0: 1000.5, 1: 2000.75}
         # One hash in the deployment's slot ({keys} hash tag; on Redis Cluster the script's two
         # keys would be refused otherwise).
-        key = store.key("keys", "seen")
+        key = store.keys.of("keys", "seen")
         assert key == f"{p}:{{keys}}:seen"
         stored = await store._r.hgetall(key)
         assert set(stored) == {b"start", b"0", b"1"}

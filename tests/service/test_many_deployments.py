@@ -10,7 +10,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_helpers import REDIS_URL, report_some_load, small_deployment
 
-from eplb_service.redis_store import POOL_CONNECTIONS
+from eplb_service.redis_store.store import POOL_CONNECTIONS
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 N = 130

@@ -1,5 +1,5 @@
 """What a report costs the store: write-ahead entries at the width the counts came in (EPW2, in
-their own ``wal2`` stream), and a fleet mixing this release with the previous one loses nothing.
+the ``wal2`` stream).
 
 Before: each accepted report was a float64 EPW1 entry: 118,813 bytes for an int32 [58, 256]
 report whose payload is 59,392."""
@@ -80,7 +80,6 @@ async def test_an_int32_report_is_written_at_int32_width(replica):
     assert (await AsyncServiceClient.over(c.channel).report(reports("big", 0, [counts]))).accepted == 1
     (entry,) = wal_entries(p, "big", "wal2")
     assert len(entry) <= 1.3 * counts.nbytes, f"{len(entry)} bytes for a {counts.nbytes}-byte report"
-    assert wal_entries(p, "big", "wal") == []  # nothing an old replica could misread
     sums, n, stale = sum_blobs({"wal2:1": entry}, SHAPE, time.time(), 60)
     assert n == 1 and stale == [] and np.array_equal(sums, counts)
 
@@ -109,30 +108,6 @@ def test_sums_that_overflow_int32_widen_that_entry_only():
     assert n == 3 and stale == [] and np.array_equal(sums, big + 1)
     fractional = encode_sums(np.full(SHAPE, 0.1), 1, time.time(), spec)
     assert np.array_equal(sum_blobs({"f": fractional}, SHAPE, time.time(), 60)[0], np.full(SHAPE, 0.1))
-
-
-def _old_replica_sum_blobs(blobs: dict[str, bytes], shape: tuple[int, int]) -> list[str]:
-    """The previous release's rule (service/windows.py before EPW2): a blob of another length
-    or magic is stale, and its planner deletes it."""
-    want = struct.calcsize("<4sBdQd") + shape[0] * shape[1] * 8
-    return [k for k, b in blobs.items() if len(b) != want or b[:4] != b"EPW1"]
-
-
-async def test_a_mixed_fleet_loses_no_entry(replica):
-    p, c = replica
-    counts = np.full(SHAPE, 3, dtype=np.int32)
-    assert (await AsyncServiceClient.over(c.channel).report(reports("big", 0, [counts]))).accepted == 1
-    with redis.Redis.from_url(REDIS_URL) as r:
-        # What an old replica's planner reads (its windows hash and its wal stream) holds
-        # nothing it would call stale and delete: the new entry is in wal2, which it never reads.
-        old_view = {k.decode(): v for k, v in r.hgetall(f"{p}:{{big}}:windows").items()}
-        old_view.update((f"wal:{i.decode()}", f[b"b"]) for i, f in r.xrange(f"{p}:{{big}}:wal"))
-        assert _old_replica_sum_blobs(old_view, SHAPE) == []
-        # An old replica's entry (EPW1, float64, in wal) counts in this release's plans.
-        epw1 = struct.pack("<4sBdQd", b"EPW1", 0, time.time(), 1, 0.0) + np.full(SHAPE, 2.0).tobytes()
-        r.xadd(f"{p}:{{big}}:wal", {"b": epw1})
-    out = await c.stub.Rebalance(pb.RebalanceRequest(deployment="big", dry_run=True))
-    assert out.window_reports == 2 and out.window_tokens == float(counts.sum() + 2 * counts.size)
 
 
 def test_an_int32_report_as_decoded_is_its_own_entry_and_int_sums_widen_exactly():

@@ -37,7 +37,7 @@ async def deployments_a_master(s: RedisStore, cluster, count: int) -> dict[int, 
     names: dict[int, list[str]] = {port: [] for port in cluster.ports}
     i = 0
     while any(len(n) < count for n in names.values()):
-        on = names[cluster.port_of(s.key(f"d{i}", "meta"))]
+        on = names[cluster.port_of(s.keys.of(f"d{i}", "meta"))]
         if len(on) < count:
             on.append(f"d{i}")
         i += 1
@@ -229,8 +229,8 @@ async def test_accept_many_loads_its_script_where_redis_lost_it(store):
         await store.create(deployment(n), pb.Placement(deployment=n, version=1))
     blob = encode_sums(np.ones((3, 4)), 1, time.time(), WindowSpec())
     if store.cluster:
-        for master in store._r.get_primaries():
-            await store._ping_client(master).script_flush()
+        for master in store._masters.primaries():
+            await store._masters.ping_client(master).script_flush()
     else:
         await store._r.script_flush()
     answers = await store.accept_many([AcceptCall(n, [(0, 1)], lambda f: blob, 60) for n in names])
@@ -347,10 +347,10 @@ async def test_idle_followers_cost_redis_nothing_per_deployment(store, redis_url
 async def test_a_commit_reaches_followers_at_once_and_one_whose_feed_entry_was_lost_at_the_next_check(
     store, monkeypatch
 ):
-    from eplb_service import redis_store
+    from eplb_service.redis_store import feeds
 
-    monkeypatch.setattr(redis_store, "_RECONCILE_S", 1.0)
-    monkeypatch.setattr(redis_store, "_FEED_BLOCK_MS", 300)
+    monkeypatch.setattr(feeds, "_RECONCILE_S", 1.0)
+    monkeypatch.setattr(feeds, "FEED_BLOCK_MS", 300)
     await store.create(deployment("fed"), pb.Placement(deployment="fed", version=1))
     seen: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
 
@@ -380,7 +380,7 @@ def _split_name(s: RedisStore, cluster) -> tuple[str, int, int]:
     """A name whose meta lives on another master than its feed: (name, meta port, feed port)."""
     for i in range(1000):
         n = f"split{i}"
-        meta, feed = cluster.port_of(s.key(n, "meta")), cluster.port_of(s._feed_key(n))
+        meta, feed = cluster.port_of(s.keys.of(n, "meta")), cluster.port_of(s.keys.feed_of(n))
         if meta != feed:
             return n, meta, feed
     raise AssertionError("no such name")
@@ -411,7 +411,7 @@ async def test_followers_keep_their_versions_after_their_feeds_slot_moved(redis_
 
     s = RedisStore(redis_cluster.url, f"eplb-test-{uuid.uuid4().hex[:10]}")
     name, _, feed_port = _split_name(s, redis_cluster)
-    slot = sync_redis.Redis(port=feed_port).execute_command("CLUSTER KEYSLOT", s._feed_key(name))
+    slot = sync_redis.Redis(port=feed_port).execute_command("CLUSTER KEYSLOT", s.keys.feed_of(name))
     dst = next(p for p in redis_cluster.ports if p != feed_port)
     seen: asyncio.Queue = asyncio.Queue()
     task = None

@@ -1,10 +1,10 @@
 """The Redis store's rollout script and ``rollout.apply_ack`` (the in-process store's rules)
-answer every sequence of acks alike, on real Redis."""
+answer every sequence of acks alike, on real Redis: one server and a Redis Cluster."""
 
 from __future__ import annotations
 
 import numpy as np
-from svc_helpers import REDIS_URL, small_deployment
+from svc_helpers import small_deployment
 
 from eplb_service.memory_store import MemoryStore
 from eplb_service.redis_store import RedisStore
@@ -13,8 +13,8 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 STATES = (pb.ACK_STATE_UNSPECIFIED, pb.ACK_STATE_PREPARED, pb.ACK_STATE_SWITCHED, pb.ACK_STATE_FAILED)
 
 
-async def test_redis_and_memory_rollouts_agree_on_random_acks(prefix):
-    redis_store, memory = RedisStore(REDIS_URL, prefix()), MemoryStore()
+async def test_redis_and_memory_rollouts_agree_on_random_acks(redis_url, prefix):
+    redis_store, memory = RedisStore(redis_url, prefix()), MemoryStore()
     d = small_deployment()
     first = pb.Placement(deployment="d1", version=1)
     try:
