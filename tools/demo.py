@@ -203,18 +203,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
     from eplb_engine import BalancedRank, Draft
 
     torch.set_num_threads(1)
-    # The rendezvous store is the parent's (not rank 0's): any rank may die.
-    store = dist.TCPStore("127.0.0.1", cfg.gloo_port, is_master=False, timeout=timedelta(seconds=60))
-    if restarted:
-        membership.placeholder_world(rank, cfg.ranks)  # the epoch's groups come at the join
-    else:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("world", store),
-            rank=rank,
-            world_size=cfg.ranks,
-            timeout=timedelta(seconds=60),
-        )
+    store = _connect(rank, cfg, restarted)
     events.put(("up", {"rank": rank}))  # torch imported and the group joined: seconds of start-up
     failing = cfg.fail_rank >= 0
     rejoining = cfg.rejoin_at > 0
@@ -333,10 +322,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
         go = membership.wait_join(store)
         if go is None:  # the run ended first
             empty = dict(rank=rank, seconds=0.0, steps_routed=0, events=[], late=0, models={})
-            events.put(("done", {**empty, "rejoin": rejoin.as_dict()}))
-            events.close()
-            events.join_thread()
-            os._exit(0)
+            _leave(events, ("done", {**empty, "rejoin": rejoin.as_dict()}))
         first_step = go.step
         # Its series indexed by step as everyone's (the steps before it joined: none measured here).
         models[0].series.extend([float("nan")] * first_step)
@@ -373,15 +359,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
         if rejoining and failure is not None and step == cfg.rejoin_at and rank == live[0]:
             events.put(("rejoin", {"rank": cfg.fail_rank, "step": step}))  # the parent restarts it
         if failing and not restarted and rank == cfg.fail_rank and step == cfg.fail_at:
-            # Killed here: the parent SIGKILLs this process once it has its tallies so far.
-            events.put(("dying", {**tallies(), "dead": True}))
-            events.close()
-            events.join_thread()
-            # Only now may it die: a process killed while its queue's feeder still held the
-            # queue's write lock (just after the parent read the message) blocks every other
-            # rank's writes for good (seen: no rank's results ever came).
-            store.set(f"{_FLUSHED_KEY}/{rank}", "1")
-            time.sleep(600)
+            _die(events, store, rank, {**tallies(), "dead": True})
         if failing and failure is None and not restarted:
             dead = membership.detect_down(step_group, store)
             if dead is not None:
@@ -444,16 +422,47 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
     dist.barrier(group=step_group)
     result = tallies()
     if restarted:
-        events.put(("done", {**result, "rejoin": rejoin.as_dict()}))
+        _leave(events, ("done", {**result, "rejoin": rejoin.as_dict()}))
     elif failure is None:
         dist.destroy_process_group()
         events.put(("done", result))
-        return
     else:
         restored = {"restored": backup.hits + backup.misses, "restored_from_host": backup.hits}
-        events.put(("done", {**result, "failure": {**failure.as_dict(), **restored}}))
-    # The world group still holds the heartbeat abandoned at the death (until its timeout):
-    # its destructor would wait for it. The results are flushed; leave without it.
+        _leave(events, ("done", {**result, "failure": {**failure.as_dict(), **restored}}))
+
+
+def _connect(rank: int, cfg: DemoConfig, restarted: bool) -> object:
+    """The parent's store (the rendezvous is not rank 0's: any rank may die) and this rank's
+    default group: the gloo world, or on a restarted rank a placeholder (the epoch's groups come
+    at the join)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", cfg.gloo_port, is_master=False, timeout=timedelta(seconds=60))
+    if restarted:
+        membership.placeholder_world(rank, cfg.ranks)
+    else:
+        world = dist.PrefixStore("world", store)
+        dist.init_process_group("gloo", store=world, rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60))
+    return store
+
+
+def _die(events: mp.Queue, store: object, rank: int, tallies: dict) -> None:
+    """The killed rank, at its step: hands the parent its ``tallies`` and waits for its SIGKILL."""
+    events.put(("dying", tallies))
+    events.close()
+    events.join_thread()
+    # Only now may it die: a process killed while its queue's feeder still held the queue's
+    # write lock (just after the parent read the message) blocks every other rank's writes for
+    # good (seen: no rank's results ever came).
+    store.set(f"{_FLUSHED_KEY}/{rank}", "1")
+    time.sleep(600)
+
+
+def _leave(events: mp.Queue, item: tuple) -> None:
+    """Sends ``item`` and exits at once. After a death the world group still holds the heartbeat
+    abandoned then (until its timeout), and its destructor would wait for it; the results are
+    flushed, so the process leaves without it."""
+    events.put(item)
     events.close()
     events.join_thread()
     os._exit(0)
