@@ -35,6 +35,18 @@ _LAZY: dict[str, str] = {
     "AckSender": "rollout",
     "survivor_plan": "survivors",
     "same_survivor": "survivors",
+    "EpochGroups": "membership",
+    "JoinWord": "membership",
+    "mark_down": "membership",
+    "read_down": "membership",
+    "detect_down": "membership",
+    "epoch_groups": "membership",
+    "mark_ready": "membership",
+    "placeholder_world": "membership",
+    "joiner_ready": "membership",
+    "announce_join": "membership",
+    "wait_join": "membership",
+    "cancel_join": "membership",
 }
 
 __all__ = sorted(_LAZY)

@@ -46,12 +46,13 @@ import numpy as np
 
 import eplb
 from eplb.workloads import shift, zipf
+from eplb_engine import membership
 
 from . import extras
 from .args import OneLineParser
-from .demo_failure import DOWN_KEY, Failure, heartbeat, lost_experts
+from .demo_failure import Failure, lost_experts
 from .demo_failure import summarize as summarize_failure
-from .demo_rejoin import GO_KEY, READY_KEY, Rejoin, cancel, wait_go
+from .demo_rejoin import Rejoin
 from .pipes import INTERRUPTED_STATUS
 
 __all__ = ["DemoConfig", "run", "main"]
@@ -61,6 +62,7 @@ _CODE_LAYER, _CODE_EXPERT = 4096, 4
 _TENSORS = {"w13": (8, 4), "w2": (4, 4), "w13_scale": (2,)}  # name -> per-slot shape
 _AFTER_STEPS = 25  # steps averaged for the measured imbalance before / after a switch
 _MOVER_TIMEOUT_S = 10.0  # with --fail-rank: the mover groups' gloo timeout
+_FLUSHED_KEY = "down/flushed"  # + "/R": rank R's results are flushed, the parent may kill it
 
 
 @dataclass(frozen=True)
@@ -201,23 +203,7 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
     from eplb_engine import BalancedRank, Draft
 
     torch.set_num_threads(1)
-    # The rendezvous store is the parent's (not rank 0's): any rank may die.
-    store = dist.TCPStore("127.0.0.1", cfg.gloo_port, is_master=False, timeout=timedelta(seconds=60))
-    if restarted:
-        # The old world is gone for it (it cannot join a gloo group whose members left long
-        # ago): a placeholder world that gives it its rank, the epoch's groups come at the join.
-        # torch's "fake" backend (it talks to no one) registers on this import.
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401
-
-        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=cfg.ranks)
-    else:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("world", store),
-            rank=rank,
-            world_size=cfg.ranks,
-            timeout=timedelta(seconds=60),
-        )
+    store = _connect(rank, cfg, restarted)
     events.put(("up", {"rank": rank}))  # torch imported and the group joined: seconds of start-up
     failing = cfg.fail_rank >= 0
     rejoining = cfg.rejoin_at > 0
@@ -331,16 +317,13 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
     rejoin = Rejoin() if restarted else None
     first_step = 0
     if restarted:
-        store.set(READY_KEY, "1")
+        membership.mark_ready(store)
         rejoin.ready_wall = time.time()
-        go = wait_go(store)
+        go = membership.wait_join(store)
         if go is None:  # the run ended first
             empty = dict(rank=rank, seconds=0.0, steps_routed=0, events=[], late=0, models={})
-            events.put(("done", {**empty, "rejoin": rejoin.as_dict()}))
-            events.close()
-            events.join_thread()
-            os._exit(0)
-        first_step = go["step"]
+            _leave(events, ("done", {**empty, "rejoin": rejoin.as_dict()}))
+        first_step = go.step
         # Its series indexed by step as everyone's (the steps before it joined: none measured here).
         models[0].series.extend([float("nan")] * first_step)
         step_group, live = _join(balanced, models[0], store, rank, cfg, first_step, go=go, rejoin=rejoin)
@@ -376,17 +359,9 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
         if rejoining and failure is not None and step == cfg.rejoin_at and rank == live[0]:
             events.put(("rejoin", {"rank": cfg.fail_rank, "step": step}))  # the parent restarts it
         if failing and not restarted and rank == cfg.fail_rank and step == cfg.fail_at:
-            # Killed here: the parent SIGKILLs this process once it has its tallies so far.
-            events.put(("dying", {**tallies(), "dead": True}))
-            events.close()
-            events.join_thread()
-            # Only now may it die: a process killed while its queue's feeder still held the
-            # queue's write lock (just after the parent read the message) blocks every other
-            # rank's writes for good (seen: no rank's results ever came).
-            store.set(f"{DOWN_KEY}/flushed/{rank}", "1")
-            time.sleep(600)
+            _die(events, store, rank, {**tallies(), "dead": True})
         if failing and failure is None and not restarted:
-            dead = heartbeat(step_group, store)
+            dead = membership.detect_down(step_group, store)
             if dead is not None:
                 live = [r for r in live if r not in dead]
                 failure, step_group = _survive(balanced, dead, live, step, backup)
@@ -442,21 +417,52 @@ def _rank_main(rank: int, cfg: DemoConfig, events: mp.Queue, restarted: bool = F
         # Pace the steps; every rank waits in the all-reduce for the slowest anyway.
         time.sleep(max(0.0, start + (step + 1) * cfg.step_ms / 1000 - time.perf_counter()))
     if rejoining and failure is not None and failure.rejoined_step < 0 and rank == live[0]:
-        cancel(store)  # the restarted rank never joined: it may stop waiting
+        membership.cancel_join(store)  # the restarted rank never joined: it may stop waiting
     balanced.close(timeout_s=2.0)
     dist.barrier(group=step_group)
     result = tallies()
     if restarted:
-        events.put(("done", {**result, "rejoin": rejoin.as_dict()}))
+        _leave(events, ("done", {**result, "rejoin": rejoin.as_dict()}))
     elif failure is None:
         dist.destroy_process_group()
         events.put(("done", result))
-        return
     else:
         restored = {"restored": backup.hits + backup.misses, "restored_from_host": backup.hits}
-        events.put(("done", {**result, "failure": {**failure.as_dict(), **restored}}))
-    # The world group still holds the heartbeat abandoned at the death (until its timeout):
-    # its destructor would wait for it. The results are flushed; leave without it.
+        _leave(events, ("done", {**result, "failure": {**failure.as_dict(), **restored}}))
+
+
+def _connect(rank: int, cfg: DemoConfig, restarted: bool) -> object:
+    """The parent's store (the rendezvous is not rank 0's: any rank may die) and this rank's
+    default group: the gloo world, or on a restarted rank a placeholder (the epoch's groups come
+    at the join)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", cfg.gloo_port, is_master=False, timeout=timedelta(seconds=60))
+    if restarted:
+        membership.placeholder_world(rank, cfg.ranks)
+    else:
+        world = dist.PrefixStore("world", store)
+        dist.init_process_group("gloo", store=world, rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=60))
+    return store
+
+
+def _die(events: mp.Queue, store: object, rank: int, tallies: dict) -> None:
+    """The killed rank, at its step: hands the parent its ``tallies`` and waits for its SIGKILL."""
+    events.put(("dying", tallies))
+    events.close()
+    events.join_thread()
+    # Only now may it die: a process killed while its queue's feeder still held the queue's
+    # write lock (just after the parent read the message) blocks every other rank's writes for
+    # good (seen: no rank's results ever came).
+    store.set(f"{_FLUSHED_KEY}/{rank}", "1")
+    time.sleep(600)
+
+
+def _leave(events: mp.Queue, item: tuple) -> None:
+    """Sends ``item`` and exits at once. After a death the world group still holds the heartbeat
+    abandoned then (until its timeout), and its destructor would wait for it; the results are
+    flushed, so the process leaves without it."""
+    events.put(item)
     events.close()
     events.join_thread()
     os._exit(0)
@@ -476,7 +482,7 @@ def _may_join(balanced: object, failure: Failure | None, store: object, step: in
     from eplb_engine.rollout import Phase
 
     rollout = balanced.rollout
-    return int(rollout.phase is Phase.IDLE and not rollout.mixed and store.check([READY_KEY]))
+    return int(rollout.phase is Phase.IDLE and not rollout.mixed and membership.joiner_ready(store))
 
 
 def _join(
@@ -487,7 +493,7 @@ def _join(
     cfg: DemoConfig,
     step: int,
     *,
-    go: dict | None = None,
+    go: membership.JoinWord | None = None,
     rejoin: Rejoin | None = None,
     failure: Failure | None = None,
 ) -> tuple:
@@ -499,17 +505,18 @@ def _join(
     from eplb_engine.rollout import AckSender, ProcessGroupBarrier
 
     from .demo_failure import checkpoint
-    from .demo_rejoin import epoch_groups, go_payload, load_slots, rejoin_plan, staged, tell_service_up
+    from .demo_rejoin import load_slots, rejoin_plan, staged, tell_service_up
 
     t0 = time.perf_counter()
     back = cfg.fail_rank
     if go is None:
         base, routing = balanced.rollout.current, balanced.rollout.routing
         if rank == min(r for r in range(cfg.ranks) if r != back):
-            store.set(GO_KEY, go_payload(step, base, routing))
+            membership.announce_join(store, membership.JoinWord(step, base, routing.phy2log))
     else:
-        base, routing = go["base"], eplb.Placement(go["routing"], model.topo)
-    steps, barrier_group, movers = epoch_groups(store, 1, rank, cfg.ranks, _MOVER_TIMEOUT_S)
+        base, routing = go.base, eplb.Placement(go.routing, model.topo)
+    groups = membership.epoch_groups(store, 1, rank, cfg.ranks, mover_timeout_s=_MOVER_TIMEOUT_S)
+    movers = groups.mover
     plan = rejoin_plan(base, routing)
     if rejoin is not None:
         rejoin.experts_loaded = load_slots(model.layers, plan.placement, rank, checkpoint(_TENSORS, _code))
@@ -521,7 +528,7 @@ def _join(
         raise RuntimeError(f"rank {rank}: the join's moves left slots unlike their sources: {report.mismatches[:4]}")
     barrier = None
     if cfg.barrier == "group":
-        barrier = ProcessGroupBarrier(barrier_group, acks=AckSender(balanced.client, balanced.deployment, rank))
+        barrier = ProcessGroupBarrier(groups.barrier, acks=AckSender(balanced.client, balanced.deployment, rank))
         balanced.barrier = barrier
     balanced.target.route_moved(plan, base, barrier)
     balanced.target.applier.group = movers
@@ -534,7 +541,7 @@ def _join(
         rejoin.service_error = tell_service_up(balanced, rank)
     if failure is not None:
         failure.rejoined_step = step
-    return steps, list(range(cfg.ranks))
+    return groups.steps, list(range(cfg.ranks))
 
 
 def _survive(balanced: object, dead: list[int], live: list[int], step: int, backup: object) -> tuple:
@@ -733,11 +740,11 @@ def _run(cfg: DemoConfig, service: _Service, out: object, wall: float) -> dict:
                 # Its tallies so far are in; now it dies, and once it is gone the survivors
                 # learn of it through the store (their heartbeat reads it).
                 rank = item["rank"]
-                store.wait([f"{DOWN_KEY}/flushed/{rank}"], timedelta(seconds=30))
+                store.wait([f"{_FLUSHED_KEY}/{rank}"], timedelta(seconds=30))
                 os.kill(procs[rank].pid, signal.SIGKILL)
                 procs[rank].join(10)
                 killed[rank] = time.time()
-                store.set(DOWN_KEY, json.dumps(sorted(killed)))
+                membership.mark_down(store, killed)
                 results[rank] = item
                 print(f"  rank {rank} killed at step {item['steps_routed']} (SIGKILL)", file=out, flush=True)
             elif "rejoin" in item:

@@ -2,14 +2,11 @@
 
 The demo's parent process hosts the gloo rendezvous store (a ``TCPStore``), so any rank can
 die. At the start of step STEP rank R hands the parent its tallies and waits; the parent
-SIGKILLs it, sees it gone, and writes the key ``down`` into the store.
+SIGKILLs it, sees it gone, and marks it down in the store (``eplb_engine.membership``: the
+parent is the supervisor).
 
-Every step each rank first joins a **heartbeat**: an all-reduce of one value on the step
-group, started asynchronously and polled, so that no rank blocks in a collective with a dead
-peer. Blocking would not do on gloo: a dead peer's neighbours get "connection closed" at once,
-but the other ranks of a 4-rank all-reduce wait out the group's timeout, and ``abort()`` from
-another thread does not wake them (both measured on torch 2.13, CPU). A heartbeat that has not
-completed reads ``down`` from the store every few milliseconds; once it is there, the
+Every step each rank first joins a heartbeat (``membership.detect_down``: an all-reduce it
+polls, so no rank blocks in a collective with a dead peer). Once the rank is marked down the
 survivors rebuild their groups over the live ranks (``new_group(live,
 use_local_synchronization=True)``: the dead rank takes no part) and call
 ``BalancedRank.ranks_down``: the transition in flight is dropped, the survivor placement every
@@ -20,47 +17,13 @@ back through the loader (``HostExpertBackup``: host copies of the experts at ris
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import numpy as np
 
-__all__ = ["DOWN_KEY", "Failure", "heartbeat", "lost_experts", "parse_down"]
-
-DOWN_KEY = "down"  # the parent writes the dead ranks here (JSON list), once they are gone
-_POLL_S = 0.0005  # heartbeat poll: well under a 20 ms step
-_CHECK_S = 0.005  # how often a heartbeat still waiting reads the store
-
-
-def parse_down(raw: bytes) -> list[int]:
-    return sorted(int(r) for r in json.loads(raw.decode()))
-
-
-def heartbeat(group: object, store: object, *, death_wait_s: float = 30.0) -> list[int] | None:
-    """One heartbeat on ``group``: ``None`` when every rank joined it; the dead ranks (as the
-    parent wrote them into ``store``) when one never came. Never blocks in the collective."""
-    import torch
-    import torch.distributed as dist
-
-    work = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
-    next_check = time.monotonic() + _CHECK_S
-    while not work.is_completed():
-        now = time.monotonic()
-        if now >= next_check:
-            if store.check([DOWN_KEY]):
-                return parse_down(store.get(DOWN_KEY))  # the work is abandoned with the old group
-            next_check = now + _CHECK_S
-        time.sleep(_POLL_S)
-    try:
-        work.wait()
-        return None
-    except RuntimeError:
-        # A neighbour of the dead rank: gloo saw its socket close first. The parent names it.
-        store.wait([DOWN_KEY], timedelta(seconds=death_wait_s))
-        return parse_down(store.get(DOWN_KEY))
+__all__ = ["Failure", "lost_experts"]
 
 
 def lost_per_layer(phy2log: np.ndarray, slots_per_gpu: int, dead: list[int]) -> np.ndarray:

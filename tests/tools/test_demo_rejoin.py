@@ -9,7 +9,7 @@ import eplb
 from eplb.survivor_rules import SURVIVOR_OPTIONS, SURVIVOR_POLICY
 from eplb_tools.demo import _TENSORS, DemoConfig, _code, make_weights, slot_experts
 from eplb_tools.demo_failure import checkpoint
-from eplb_tools.demo_rejoin import go_payload, load_slots, rejoin_plan, staged
+from eplb_tools.demo_rejoin import load_slots, rejoin_plan, staged
 
 
 def _survivor_version(topo: eplb.Topology, down: int) -> object:
@@ -61,25 +61,3 @@ def test_the_restarted_rank_loads_its_slots_from_the_checkpoint():
     S = topo.slots_per_gpu
     assert loaded == topo.num_layers * S
     np.testing.assert_array_equal(slot_experts(layers, topo), plan.phy2log[:, S : 2 * S])
-
-
-def test_the_survivors_word_travels_through_the_store_whole():
-    import dataclasses
-
-    import torch.distributed as dist
-
-    from eplb_tools.demo_rejoin import CANCEL_KEY, GO_KEY, wait_go
-    from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
-
-    topo = DemoConfig(ranks=3, fail_rank=1, fail_at=5).topology
-    base = dataclasses.replace(_survivor_version(topo, 1), stats=pb.PlanStats(moves=7))
-    store = dist.HashStore()
-    store.set(GO_KEY, go_payload(42, base, base.placement))
-    go = wait_go(store)
-    assert go["step"] == 42 and go["base"].stats.moves == 7 and go["base"].survivor_of == 1
-    np.testing.assert_array_equal(go["routing"], base.placement.phy2log)
-    np.testing.assert_array_equal(go["base"].loads, base.loads)
-    # The run ended before the join: the restarted rank stops waiting.
-    cancelled = dist.HashStore()
-    cancelled.set(CANCEL_KEY, "1")
-    assert wait_go(cancelled) is None
