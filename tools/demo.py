@@ -1146,7 +1146,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except KeyboardInterrupt:
         # run() has stopped the ranks and the service on its way out (its finally).
-        print("\neplb demo: interrupted; ranks stopped, nothing written", file=sys.stderr)
+        # A terminal echoed "^C" on the current line: end it first. A log file gets no blank line.
+        lead = "\n" if sys.stderr.isatty() else ""
+        print(f"{lead}eplb demo: interrupted; ranks stopped, nothing written", file=sys.stderr)
         return INTERRUPTED_STATUS
     if args.plots:
         print(f"wrote {write_plot(summary, args.plots)}")
