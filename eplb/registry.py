@@ -620,18 +620,21 @@ def _plan(
     phy2log, notes, replan = fresh.phy2log, result.notes, None
     if previous is None and topology.num_slots == topology.num_experts and result.policy_used in _SETTLED:
         # No redundant slots: spread the gpus under a pinned maximum (eplb.planner.settle).
-        phy2log, swaps = settle(arr, phy2log, topology.num_gpus, topology.num_gpus // topology.num_nodes)
-        if swaps:
-            notes += (f"no redundant slots: {swaps} swaps spread the gpus below the busiest (settle)",)
+        before = phy2log
+        phy2log, _ = settle(arr, phy2log, topology.num_gpus, topology.num_gpus // topology.num_nodes)
         # Where tokens (nearly) tie, eplb.py's deal, whose MoE time is the reference
         # (eplb.planner.settle: in such layers ours was lighter in tokens and slower in time).
         # hierarchical keeps expert groups on nodes: it takes only eplb.py's hierarchical deal.
         hier = result.policy_used == "hierarchical"
         groups, nodes = (topology.num_groups, topology.num_nodes) if hier else (1, 1)
+        dealt = np.zeros(topology.num_layers, dtype=bool)
         if not hier or groups % nodes == 0:
             phy2log, dealt = prefer_deal(arr, phy2log, topology.num_gpus, groups, nodes)
-            if dealt:
-                notes += (f"no redundant slots: {dealt} layers take eplb.py's deal, within 1 % of ours in tokens",)
+        spread = int(((phy2log != before).any(axis=1) & ~dealt).sum())
+        notes += (
+            f"no redundant slots: {int(dealt.sum())} of {topology.num_layers} layers take eplb.py's deal (its busiest "
+            f"gpu within 1 % of ours in tokens); settle spread the gpus below the busiest in {spread} of the rest",
+        )
     if previous is not None and migration is not None:
         # Options may say how many processes a re-plan's candidates use (PlanOptions.workers).
         workers = int(getattr(opts, "replan_workers", 1))

@@ -78,9 +78,9 @@ def prefer_deal(
     num_groups: int,
     num_nodes: int,
     slack: float = DEAL_SLACK,
-) -> tuple[np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray]:
     """``loads`` ``[L, E]``, ``phy2log`` ``[L, P]`` with one replica per expert (``P == E``) →
-    (``[L, P]``, layers taken): eplb.py's placement of a layer (``deepseek_rebalance`` with these
+    (``[L, P]``, ``[L]`` bool: the layers taken): eplb.py's placement of a layer (``deepseek_rebalance`` with these
     groups and nodes, hierarchical as eplb.py decides) wherever its busiest gpu carries at most
     ``1 + slack`` times the tokens of ``phy2log``'s; a layer's busiest gpu gets at most that much
     heavier, and never heavier than eplb.py's."""
@@ -95,4 +95,4 @@ def prefer_deal(
     # Equal up to float64 rounding of the sums (eplb.py packs in float32; the comparison is ours).
     take = busiest(deal) <= ours * (1.0 + slack) + 1e-12 * np.maximum(ours, 1.0)
     out[take] = deal[take]
-    return out, int(take.sum())
+    return out, take

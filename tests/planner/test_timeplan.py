@@ -169,11 +169,11 @@ def test_prefer_deal_takes_eplb_py_where_tokens_tie_and_keeps_ours_where_lighter
         kept = _busiest(loads, phy, 32) * (1 + slack) < _busiest(loads, ds, 32) * (1 - 1e-9)
         assert (out[0] == ds[0]).all() and kept.any() == (slack < 0.5)
         assert (out[kept] == phy[kept]).all() and (out[~kept] == ds[~kept]).all()
-        assert taken == int((~kept).sum()) and taken >= 1
+        assert (taken == ~kept).all() and taken.any()
         assert (_busiest(loads, out, 32) <= _busiest(loads, phy, 32) * (1 + slack) * (1 + 1e-12)).all()
         for layer in range(16):
             assert sorted(out[layer]) == list(range(128))
-    assert prefer_deal(loads, phy, 32, 1, 1, slack=0.0)[1] < prefer_deal(loads, phy, 32, 1, 1, slack=0.5)[1]
+    assert prefer_deal(loads, phy, 32, 1, 1, slack=0.0)[1].sum() < prefer_deal(loads, phy, 32, 1, 1, slack=0.5)[1].sum()
 
 
 def test_default_without_redundant_slots_takes_eplb_py_where_tokens_nearly_tie():
@@ -182,7 +182,8 @@ def test_default_without_redundant_slots_takes_eplb_py_where_tokens_nearly_tie()
     plan = eplb.rebalance(loads, topo)
     ds = eplb.rebalance(loads, topo, "deepseek")
     same = (plan.placement.phy2log == ds.placement.phy2log).all(axis=1)
-    assert same.any() and any("eplb.py's deal" in n for n in plan.notes)
+    note = next(n for n in plan.notes if "eplb.py's deal" in n)
+    assert same.any() and note.startswith(f"no redundant slots: {int(same.sum())} of 8 layers take eplb.py's deal")
     # Never busier than eplb.py in any layer, and lighter by more than the slack wherever it differs.
     mine, theirs = _busiest(loads, plan.placement.phy2log, 32), _busiest(loads, ds.placement.phy2log, 32)
     assert (mine[~same] * (1 + DEAL_SLACK) < theirs[~same]).all() and (mine <= theirs * (1 + 1e-12)).all()
