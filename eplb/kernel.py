@@ -1,7 +1,7 @@
 """What one gpu's MoE layer costs in kernel time, as a function of its slots' token counts.
 
-A gpu runs its slot set as one grouped GEMM per projection (gate+up, then down). Measured on
-H100/H200 (``eplb calibrate``), its time is close to a sum over the slots that got tokens::
+A gpu runs its slot set as one grouped GEMM per projection (gate+up, then down). Measured on an
+H100 (``eplb calibrate``; no H200 model is shipped yet), its time is close to a sum over the slots that got tokens::
 
     gpu_us(n[slots]) = call_us * any(n > 0)
                      + sum over n_s > 0 of (expert_us + tile_us * ceil(n_s / tile) + token_us * n_s)

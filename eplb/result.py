@@ -172,9 +172,13 @@ class Plan:
         policy = self.policy if self.policy == self.policy_used else f"{self.policy} -> {self.policy_used}"
         down = f", gpus down {list(self.down_gpus)}" if self.down_gpus else ""
         notes = f", {len(self.notes)} note{'s' if len(self.notes) > 1 else ''}" if self.notes else ""
+
+        def n(count: int, noun: str) -> str:
+            return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
         return (
-            f"Plan({t.num_layers} layers x {t.num_experts} experts in {t.num_slots} slots on {t.num_gpus} gpus "
-            f"({t.num_nodes} nodes, {t.num_groups} groups){down}, policy {policy}, imbalance mean "
+            f"Plan({n(t.num_layers, 'layer')} x {n(t.num_experts, 'expert')} in {n(t.num_slots, 'slot')} on "
+            f"{n(t.num_gpus, 'gpu')} ({n(t.num_nodes, 'node')}, {n(t.num_groups, 'group')}){down}, policy {policy}, imbalance mean "
             f"{self.mean_imbalance:.4f} max {self.max_imbalance:.4f} (lower bound {float(self.imbalance_lb.mean()):.4f}), "
             f"{self.total_moves} moves, {self.solve_seconds:.3f} s{notes})"
         )

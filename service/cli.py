@@ -107,7 +107,7 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         "REDIS_URL",
         None,
         _redis_url,
-        "redis://… for state shared by replicas, redis+cluster://HOST:PORT[,HOST:PORT…] for a Redis "
+        "redis://… for state shared by instances, redis+cluster://HOST:PORT[,HOST:PORT…] for a Redis "
         "Cluster's seed nodes; unset: embedded in-memory store",
     ),
     "key_prefix": ("--key-prefix", "KEY_PREFIX", "eplb", str, "Redis key prefix"),
