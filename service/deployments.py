@@ -20,13 +20,13 @@ from eplb_wire.arrays import encode
 
 from . import arrays, codec, validation
 from . import rollout as rollout_states
+from .calls import LogThrottle
 from .clip import clip
 from .config import BalancerConfig
 from .errors import (
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
-    LogThrottle,
     NotFound,
     OutOfRange,
     ResourceExhausted,

@@ -35,7 +35,8 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from .auth import Access, AuthFileError, AuthInterceptor, ScopedHealth
 from .balancer import Balancer, BalancerConfig
-from .errors import ErrorInterceptor, ServiceError
+from .calls import ErrorInterceptor
+from .errors import ServiceError
 from .memory_store import MemoryStore
 from .metrics import Metrics
 from .metrics_http import serve_metrics

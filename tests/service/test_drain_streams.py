@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from eplb_service.errors import ErrorInterceptor
+from eplb_service.calls import ErrorInterceptor
 
 DISCARD_S = 0.5
 
