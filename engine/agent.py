@@ -373,19 +373,20 @@ class NodeAgent:
             rank.end()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``eplb agent``: a host's node agent."""
+def main(argv: list[str] | None = None, parser_class: type | None = None) -> int:
+    """``eplb agent``: a host's node agent. ``parser_class``: the ``argparse.ArgumentParser``
+    class to parse ``argv`` with (the ``eplb`` command passes its one-line-error parser)."""
     import argparse
     import signal
 
-    ap = argparse.ArgumentParser(
+    ap = (parser_class or argparse.ArgumentParser)(
         prog="eplb agent",
         description="A host's node agent: its ranks (LoadReporter(node_agent=SOCKET), EPLB_NODE_AGENT in the "
         "drop-ins) hand it their reports over a Unix socket, and it sends one node report per deployment "
         "every interval, each rank's report counted exactly once.",
     )
     ap.add_argument("--socket", required=True, help="Unix socket path the host's ranks connect to")
-    ap.add_argument("--address", required=True, help="the service, host:port[,host:port...] (replicas)")
+    ap.add_argument("--address", required=True, help="the service, host:port[,host:port...] (instances)")
     ap.add_argument("--interval-seconds", type=float, default=1.0, help="how often node reports go (default 1)")
     ap.add_argument("--token-file", help="bearer token file (an engine token)")
     args = ap.parse_args(argv)

@@ -941,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"eplb agent: error: {extras.missing('the node agent', 'engine', exc)}", file=sys.stderr)
             return 2
-        return agent_main(rest)
+        return agent_main(rest, parser_class=OneLineParser)
     if args.command == "demo":
         # The demo checks its extras (service, engine, torch) itself, after parsing its flags.
         from .demo import main as demo_main

@@ -229,3 +229,13 @@ def test_random_bytes_in_a_pt_are_not_called_python_objects(tmp_path, capsys):
         f"eplb place: error: {tmp_path / 'torn.pt'}: not a readable SGLang expert-distribution dump "
         "(its pickle is damaged (an invalid opcode))\n"
     )
+
+
+def test_a_bad_eplb_agent_flag_is_one_line(capsys):
+    # eplb agent's parser lives in eplb_engine (which may not import the tools): it printed its
+    # usage before the error until the eplb command handed it the one-line parser.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["agent", "--socket", "/tmp/x.sock", "--address", "127.0.0.1:1", "--bogus"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.splitlines() == ["eplb agent: error: unrecognized arguments: --bogus (see eplb agent --help)"]
