@@ -9,8 +9,9 @@ serve`` instances of ``--processes`` serving processes each, and ``--deployments
 DeepSeek-V3 decode shape (58 layers x 256 experts, 288 slots, 144 ranks on 18 nodes; a sliding
 window of ``--window`` s, re-planned every ``--interval`` s at a gain of 2 % or more). Every node of
 every deployment sends one node report every ``--report-every`` seconds, as its ``eplb agent``
-does (``ReportLoadRequest.covers``: its 8 ranks' reports summed; one ``ReportLoad`` call each, to
-the instance that node's agent uses), from ``--client-procs`` client processes. Each deployment's
+does (``ReportLoadRequest.covers``: its 8 ranks' reports summed; each node report a message on
+the node's kept-open ``StreamLoad`` stream, the next sent once its ack came, to the instance
+that node's agent uses), from ``--client-procs`` client processes. Each deployment's
 hot experts move at ``--drift-at`` of the run, so that its placement stops paying and the
 trigger re-plans it. Meanwhile ``--watchers`` processes watch every deployment
 (``WatchPlacements``, the engines' path) and note when each version arrives, and a probe calls
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import shlex
@@ -85,6 +87,8 @@ def _client(
     out: mp.Queue,
 ) -> None:
     """Node reports for ``pairs`` (deployment, node, instance index) every ``report_every`` s."""
+    import grpc
+
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
     phases = [
@@ -104,10 +108,10 @@ def _client(
     async def main() -> None:
         chans = [own_channel(t) for t in targets]
         calls = [
-            c.stream_unary(
-                "/eplb.v1.ExpertLoadBalancerService/ReportLoad",
+            c.stream_stream(
+                "/eplb.v1.ExpertLoadBalancerService/StreamLoad",
                 request_serializer=None,
-                response_deserializer=pb.ReportLoadResponse.FromString,
+                response_deserializer=pb.ReportLoadAck.FromString,
             )
             for c in chans
         ]
@@ -121,9 +125,14 @@ def _client(
             ranks = range(node_index * PER_NODE, (node_index + 1) * PER_NODE)
             nxt = t0 + report_every * k / max(1, len(pairs))  # spread evenly over an interval
             n = 0
+            stream = None  # the node agent's kept-open StreamLoad stream
             while True:
                 await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
                 if time.perf_counter() - t0 > seconds:
+                    if stream is not None:
+                        await stream.done_writing()
+                        with contextlib.suppress(grpc.aio.AioRpcError):
+                            await stream.code()
                     return
                 nxt += report_every
                 n += 1
@@ -134,13 +143,21 @@ def _client(
                 body = phases[2 * phase + k % 2][n % VARIANTS]
                 t = time.perf_counter()
                 try:
-                    resp = await calls[target]([head + body], timeout=30)
+                    if stream is None:
+                        stream = calls[target]()
+                    await stream.write(head + body)
+                    ack = await asyncio.wait_for(stream.read(), 30)
+                    if ack is grpc.aio.EOF:
+                        raise ConnectionError("the stream ended before its ack")
                 except Exception as exc:  # noqa: BLE001  (counted and named, the run goes on)
                     code = exc.code().name if hasattr(exc, "code") else type(exc).__name__
                     errors[code] = errors.get(code, 0) + 1
+                    if stream is not None:
+                        stream.cancel()
+                    stream = None  # a new one for the next report, as the agent does
                     continue
                 latencies.append(time.perf_counter() - t)
-                if resp.accepted:
+                if ack.accepted:
                     acked[name] = acked.get(name, 0) + PER_NODE
 
         cpu0 = time.process_time()

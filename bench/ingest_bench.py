@@ -3,7 +3,7 @@ deployments, and what each report costs Redis.
 
     python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
-        [--clients lean|protobuf] [--streams 8] [--client-procs 2] [--connections 1]
+        [--clients lean|protobuf] [--rpc streamload|reportload] [--streams 8] [--client-procs 2] [--connections 1]
         [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
 
@@ -11,11 +11,13 @@ For each Redis kind (a private ``redis-server``, or a private 3-master Redis Clu
 without persistence, on free loopback ports in a temp directory) and each count of ``eplb
 serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` reports), two runs:
 
-- max: two client processes (``--client-procs``) stream ReportLoad as fast as the replicas accept (spread over the
-  replicas and deployments) for ``--seconds``, each on ``--streams`` streams (8; a rank each,
-  which sends its next report once the service has read the last: a stream's rate is bound by
-  the answer's latency, about 1 / (linger + store call), so few streams cannot offer 2,000
-  reports/s where each store call carries many deployments' reports); prints accepted reports/s and the bytes Redis
+- max: two client processes (``--client-procs``) send reports as fast as the replicas accept (spread over the
+  replicas and deployments) for ``--seconds``, each on ``--streams`` streams (8; a rank each).
+  As engines send (``--rpc streamload``, the default): each stream a kept-open ``StreamLoad``
+  call that sends its next report once the last one's ack came, so a stream's rate is bound by
+  the ack's latency, about 1 / (linger + store call), and few streams cannot offer 2,000
+  reports/s where each store call carries many deployments' reports (``--rpc reportload``: a
+  ``ReportLoad`` stream each, written as fast as the service reads); prints accepted reports/s and the bytes Redis
   read from its clients per accepted report (``INFO stats`` ``total_net_input_bytes``, every
   master summed) against the report's payload (59,392 bytes);
 - paced: the same clients send ``--rate`` reports/s in total.
@@ -106,6 +108,7 @@ def _ingest_worker(
     streams: int = STREAMS,
     procs: int = INGEST_PROCS,
     connections: int = 1,
+    rpc: str = "streamload",
 ):
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
@@ -126,7 +129,16 @@ def _ingest_worker(
         # so that a replica's serving processes (--processes) all get some.
         # Replica-minor: consecutive streams go to different replicas.
         chans = [aio_channel(t) if connections == 1 else own_channel(t) for _ in range(connections) for t in targets]
-        if lean:
+        if rpc == "streamload":
+            methods = [
+                c.stream_stream(
+                    "/eplb.v1.ExpertLoadBalancerService/StreamLoad",
+                    request_serializer=None if lean else pb.ReportLoadRequest.SerializeToString,
+                    response_deserializer=pb.ReportLoadAck.FromString,
+                )
+                for c in chans
+            ]
+        elif lean:
             methods = [
                 c.stream_unary(
                     "/eplb.v1.ExpertLoadBalancerService/ReportLoad",
@@ -172,8 +184,19 @@ def _ingest_worker(
                             logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]),
                         )
 
-            resp = await methods[(worker + i) % len(methods)](requests())
-            return resp.accepted
+            method = methods[(worker + i) % len(methods)]
+            if rpc == "reportload":
+                return (await method(requests())).accepted
+            # As LoadReporter and eplb agent send: one report on the kept-open StreamLoad
+            # stream, the next once its ack came.
+            call = method()
+            accepted = 0
+            async for request in requests():
+                await call.write(request)
+                accepted += (await call.read()).accepted
+            await call.done_writing()
+            await call.code()
+            return accepted
 
         t0 = time.perf_counter()
         accepted = sum(await asyncio.gather(*(stream(i) for i in range(streams))))
@@ -208,7 +231,20 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
     procs = [
         ctx.Process(
             target=_ingest_worker,
-            args=(targets[:-1], names, w, seconds, rate, out, lean, start, args.streams, clients, args.connections),
+            args=(
+                targets[:-1],
+                names,
+                w,
+                seconds,
+                rate,
+                out,
+                lean,
+                start,
+                args.streams,
+                clients,
+                args.connections,
+                args.rpc,
+            ),
         )
         for w in range(clients)
     ]
@@ -284,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("lean", "protobuf"),
         default="lean",
         help="lean: load clients send pre-serialized requests; protobuf: they build each message",
+    )
+    ap.add_argument(
+        "--rpc",
+        choices=("streamload", "reportload"),
+        default="streamload",
+        help="streamload (as LoadReporter and eplb agent send): each report on a kept-open StreamLoad stream, "
+        "the next once its ack came; reportload: ReportLoad streams the service reads as fast as it can",
     )
     ap.add_argument(
         "--serve-args", default="", help="extra eplb serve flags, e.g. '--report-linger-seconds 0' (an A/B of one flag)"
@@ -446,6 +489,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         "replicas": replicas,
         "probe_on": args.probe_on,
         "streams": args.streams,
+        "rpc": args.rpc,
         "client_procs": args.client_procs,
         "connections": args.connections,
         "deployments": deployments,

@@ -51,6 +51,7 @@ from eplb_wire import arrays
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
 from .client import Endpoints, transient
+from .report_stream import ReportStream
 
 __all__ = ["ACK", "COUNTED", "ON_YOUR_OWN", "NodeAgent", "read_frame", "write_frame"]
 
@@ -159,6 +160,8 @@ class NodeAgent:
         self._threads: list[threading.Thread] = []
         self._ranks: set[_Rank] = set()
         self._inode: int | None = None
+        # Node reports go one message each on a stream kept open (report_stream.py).
+        self._stream = ReportStream(self.endpoints, rpc_timeout_s)
 
     def start(self) -> NodeAgent:
         """Listens on ``socket_path``: ``FileExistsError`` if something other than a socket is
@@ -192,6 +195,7 @@ class NodeAgent:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=self.rpc_timeout_s + 1)
+        self._stream.close()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(OSError):
@@ -327,11 +331,8 @@ class NodeAgent:
         for deployment, queue in self._queues.items():
             while queue:
                 report = queue[0]
-                stub = self.endpoints.stub()
                 try:
-                    stub.ReportLoad(
-                        iter([report.message]), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata
-                    )
+                    self._stream.send(report.message)
                 except grpc.RpcError as exc:
                     # ABORTED: partly counted before, never worth a repeat (``transient`` has it
                     # for other calls). A server failure (INTERNAL not of the transport) goes
@@ -339,8 +340,8 @@ class NodeAgent:
                     # reports count once whether or not the service kept this one.
                     retry = transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND
                     if retry and exc.code() != grpc.StatusCode.ABORTED:
-                        if exc.code() != grpc.StatusCode.NOT_FOUND:
-                            self.endpoints.failover(stub)
+                        if exc.code() != grpc.StatusCode.NOT_FOUND and self._stream.stub is not None:
+                            self.endpoints.failover(self._stream.stub)
                         log.warning("node report not sent (%s), kept for the next round", exc.code().name)
                         break
                     log.info("node report refused (%s: %s): ranks send their own", exc.code().name, exc.details())

@@ -12,7 +12,8 @@ A background thread sums the queue every ``interval_s`` into one report per plac
 (logical ``[L, E]`` counts in one report, physical ``[L, P]`` counts one per version they were
 recorded under; int32 on the wire when every sum is a whole number that fits, as engines'
 token counts are, else float64), gives each report the next ``seq`` and keeps it in a bounded outbox until
-the service has answered the ``ReportLoad`` stream it went out in. A failed stream is sent again
+the service has acknowledged it on the ``StreamLoad`` stream the reporter keeps open (one message
+a report, not one call: report_stream.py). A report whose ack did not come is sent again
 with the same seqs (the service drops a ``(rank, seq)`` it has accepted, so nothing counts
 twice), at the next address after an unavailable one, with exponential backoff. While the
 service is away the outbox fills; past ``max_pending`` reports the oldest is dropped and
@@ -44,6 +45,7 @@ from .agent import COUNTED as AGENT_COUNTED
 from .agent import read_frame as agent_read
 from .agent import write_frame as agent_frame
 from .client import Backoff, Endpoints, transient
+from .report_stream import ReportStream
 
 __all__ = ["LoadReporter", "ReporterStats"]
 
@@ -161,6 +163,8 @@ class LoadReporter:
         # Seqs dropped from the full outbox while the agent had them → their tokens.
         self._dropped_handed: dict[int, float] = {}
         self.agent_timeout_s = agent_timeout_s
+        # Reports go one message each on a stream kept open (report_stream.py), not one call each.
+        self._stream = ReportStream(self.endpoints, rpc_timeout_s)
         self._thread = threading.Thread(target=self._run, name=f"eplb-reporter-{rank}", daemon=True)
         if start:
             self._thread.start()
@@ -270,6 +274,7 @@ class LoadReporter:
             self._thread.join(timeout_s)
         if self._agent is not None:
             self._leave_agent(self._agent)
+        self._stream.close()
         if self._owned:
             self.endpoints.close()
         return done
@@ -452,40 +457,28 @@ class LoadReporter:
         self._wake.set()
 
     def _send(self) -> bool:
-        """One ``ReportLoad`` stream of up to ``max_batch`` reports; False on a transient failure."""
+        """Up to ``max_batch`` outbox reports, oldest first, each on the kept-open ``StreamLoad``
+        stream and forgotten once acknowledged; False on a transient failure (the rest kept).
+        A report the service refuses is dropped (counted in ``rejected``) and the next sent."""
         with self._lock:
             batch = list(self._outbox)[: self.max_batch]
-        stub = self.endpoints.stub()
-        try:
-            response = stub.ReportLoad(iter(batch), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata)
-        except grpc.RpcError as exc:
-            if transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND:
-                # NOT_FOUND: a replica whose store restarted empty answers it until the deployment is
-                # written back, so keep the reports and try again.
-                self._note_error(exc)
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    self.endpoints.failover(stub)
-                return False
-            self._note_error(exc)
-            return self._send_singly(stub, batch)
-        self._done(batch, response.accepted, response.duplicates)
-        return True
-
-    def _send_singly(self, stub: object, batch: list[pb.ReportLoadRequest]) -> bool:
-        """A stream ended on a report the service refuses: send one by one, dropping the refused."""
         for msg in batch:
             try:
-                response = stub.ReportLoad(iter([msg]), timeout=self.rpc_timeout_s, metadata=self.endpoints.metadata)
+                fresh = self._stream.send(msg)
             except grpc.RpcError as exc:
                 self._note_error(exc)
                 if transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # NOT_FOUND: a replica whose store restarted empty answers it until the
+                    # deployment is written back, so keep the reports and try again.
+                    if exc.code() != grpc.StatusCode.NOT_FOUND and self._stream.stub is not None:
+                        self.endpoints.failover(self._stream.stub)
                     return False
                 log.warning("service refused report seq %d of rank %d: %s", msg.seq, self.rank, exc.details())
                 with self._lock:
                     self._pop()
                     self._counts["rejected"] += 1
                 continue
-            self._done([msg], response.accepted, response.duplicates)
+            self._done([msg], int(fresh), int(not fresh))
         return True
 
     def _done(self, batch: list[pb.ReportLoadRequest], accepted: int, duplicates: int) -> None:

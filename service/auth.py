@@ -7,7 +7,7 @@ and ``--auth-file`` (JSON, reloaded on SIGHUP), scoped tokens stored only as has
                  "deployments": ["<glob>", ...]}]}
 
 ``admin`` may do everything on every deployment (its globs are ignored); ``engine`` may call
-ReportLoad, AckPlacement, GetPlacement, WatchPlacements, GetDeployment and SetRanksDown on the
+ReportLoad, StreamLoad, AckPlacement, GetPlacement, WatchPlacements, GetDeployment and SetRanksDown on the
 deployments its globs match, and the stateless ComputePlacement; ``reader`` GetDeployment, ListDeployments,
 GetPlacement and WatchPlacements on its deployments, and ``/metrics``. A method not named here
 (one added to the service later) is admin only.
@@ -16,7 +16,7 @@ GetPlacement and WatchPlacements on its deployments, and ``/metrics``. A method 
 and puts the caller's token hash in a context variable; handlers then call
 :meth:`Access.check` for each deployment they touch (PERMISSION_DENIED naming the deployment and
 the role). The grant is looked up again at every check, so a reload applies at once, also to the
-next message of an open ReportLoad stream; an open watch whose token a reload revokes (or whose
+next message of an open ReportLoad or StreamLoad stream; an open watch whose token a reload revokes (or whose
 deployment it takes out of the token's scope) ends at once (:meth:`Access.guard`). Health and
 reflection stay open: they reveal nothing a token protects.
 
@@ -83,6 +83,7 @@ ROLE_METHODS: Mapping[Role, frozenset[str]] = {
     Role.ENGINE: frozenset(
         {
             "ReportLoad",
+            "StreamLoad",
             "AckPlacement",
             "GetPlacement",
             "WatchPlacements",
@@ -106,6 +107,7 @@ HANDLER_CHECKED = frozenset(
         "ListDeployments",
         "DeleteDeployment",
         "ReportLoad",
+        "StreamLoad",
         "GetPlacement",
         "WatchPlacements",
         "AckPlacement",

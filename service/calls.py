@@ -87,6 +87,9 @@ _AUDITED = {
     "/eplb.v1.ExpertLoadBalancerService/DeleteDeployment": lambda request: request.name,
 }
 
+# Bidirectional streams that answer each client message and end between messages on shutdown.
+_CLIENT_PACED = frozenset({"/eplb.v1.ExpertLoadBalancerService/StreamLoad"})
+
 
 def short_name(method: str) -> str:
     """``/eplb.v1.ExpertLoadBalancerService/ReportLoad`` → ``ExpertLoadBalancerService/ReportLoad``."""
@@ -197,7 +200,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(self._unary(label, handler.stream_unary, None, True), **kw)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._stream(label, handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(self._stream(label, handler.stream_stream, True), **kw)
+        return grpc.stream_stream_rpc_method_handler(
+            self._stream(label, handler.stream_stream, True, paced=method in _CLIENT_PACED), **kw
+        )
 
     def _finish(self, call: _Call, context: grpc.aio.ServicerContext, request: Any, audited: Callable | None) -> None:
         if self._metrics is not None:
@@ -359,11 +364,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handle
 
     def _stream(
-        self, label: str, fn: Callable[..., Any], client_stream: bool = False
+        self, label: str, fn: Callable[..., Any], client_stream: bool = False, paced: bool = False
     ) -> Callable[..., AsyncIterator[Any] | Awaitable[None]]:
         # Handlers either yield (async generators) or write to the context and return (the
         # health servicer's Watch); the wrapper keeps the handler's kind.
         generator = inspect.isasyncgenfunction(fn)
+        # A stream that answers each client message (StreamLoad) ends as a client stream does,
+        # between messages (the read raises ShuttingDown): ending it as a server stream would
+        # cancel a report mid-way, its ack never sent though it may be counted.
+        next_item = anext if paced else (lambda items: until_end(anext(items)))
 
         async def until_end(aw: Awaitable[Any]) -> Any:
             """``aw``'s result, or ShuttingDown once server streams are told to end."""
@@ -387,7 +396,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 items = fn(self._requests(request, label, context) if client_stream else request, context)
                 while True:
                     try:
-                        item = await until_end(anext(items))
+                        item = await next_item(items)
                     except StopAsyncIteration:
                         return
                     yield item

@@ -81,6 +81,11 @@ def _with_progress(exc: ServiceError, accepted: int, duplicates: int) -> Service
     return type(exc)(f"{exc}; {note}")
 
 
+# StreamLoad's two answers, built once: an ack a report.
+_ACCEPTED = pb.ReportLoadAck(accepted=True)
+_DUPLICATE = pb.ReportLoadAck(accepted=False)
+
+
 class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
     def __init__(self, balancer: Balancer, access: Access | None = None) -> None:
         self.balancer = balancer
@@ -169,6 +174,28 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             else:
                 duplicates += 1
         return pb.ReportLoadResponse(accepted=accepted, duplicates=duplicates)
+
+    async def StreamLoad(
+        self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ReportLoadAck]:
+        """ReportLoad on a long-lived stream: each report answered, in order, once counted.
+
+        One report at a time per stream, as ReportLoad: a rank's reports keep their seq order
+        (one counted ahead of an earlier one would make that one a duplicate: lost), and the
+        streams of many ranks and nodes are what the group commit batches."""
+        accepted = duplicates = 0
+        async for request in request_iterator:
+            try:
+                self._check(context, "StreamLoad", request.deployment)
+                fresh = await self.ingest.report(request)
+            except ServiceError as exc:
+                raise _with_progress(exc, accepted, duplicates) from None
+            if fresh:
+                accepted += 1
+                yield _ACCEPTED
+            else:
+                duplicates += 1
+                yield _DUPLICATE
 
     async def GetPlacement(
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext

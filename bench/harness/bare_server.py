@@ -2,7 +2,7 @@
 
     python -m eplb_bench.harness.bare_server --port PORT
 
-ReportLoad only receives each message (gRPC's receive and protobuf's parse, as ``eplb serve``
+ReportLoad and StreamLoad only receive each message (gRPC's receive and protobuf's parse, as ``eplb serve``
 gets them) and counts it; GetPlacement returns one pre-built response of a v3-prefill
 placement's size (int32 ``[58, 288]`` phy2log and float32 ``[58, 256]`` loads); CreateDeployment
 answers without storing. No validation, no Redis, no window: what GetPlacement's tail is with
@@ -23,6 +23,8 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from .service import V3
+
+_ACK = pb.ReportLoadAck(accepted=True)
 
 
 class BareServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
@@ -51,6 +53,11 @@ class BareServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
             accepted += 1
         self.reports += accepted
         return pb.ReportLoadResponse(accepted=accepted)
+
+    async def StreamLoad(self, request_iterator, context):
+        async for _ in request_iterator:
+            self.reports += 1
+            yield _ACK
 
     async def GetPlacement(self, request, context):
         return self._response

@@ -62,14 +62,25 @@ class Scripted(pb_grpc.ExpertLoadBalancerServiceServicer):
         self._next(context)
         return pb.ReportLoadResponse(accepted=accepted)
 
+    def StreamLoad(self, request_iterator, context: grpc.ServicerContext):
+        for _ in request_iterator:
+            self._next(context)
+            yield pb.ReportLoadAck(accepted=True)
+
+
+class Older(Scripted):
+    """A service from before StreamLoad: it answers UNIMPLEMENTED (the generated base's)."""
+
+    StreamLoad = pb_grpc.ExpertLoadBalancerServiceServicer.StreamLoad
+
 
 @pytest.fixture
 def serve():
     """``serve(script)``: the address of a server running ``Scripted(script)``, and the servicer."""
     servers: list[grpc.Server] = []
 
-    def start(script: list[Fail | None]) -> tuple[str, Scripted]:
-        servicer = Scripted(script)
+    def start(script: list[Fail | None], kind: type[Scripted] = Scripted) -> tuple[str, Scripted]:
+        servicer = kind(script)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -202,5 +213,18 @@ def test_the_reporter_drops_a_report_the_server_fails_on_instead_of_retrying_it(
         reporter.add(np.ones((2, 4), dtype=np.int32))
         assert reporter.flush(timeout_s=DEADLINE_S)
         stats = reporter.stats()
-    # The batch once, then the report alone once: refused, not retried until the deadline.
-    assert (servicer.calls, stats.rejected, stats.sent) == (2, 1, 0)
+    # Sent once: refused, not retried until the deadline.
+    assert (servicer.calls, stats.rejected, stats.sent) == (1, 1, 0)
+
+
+def test_the_reporter_sends_each_report_on_its_own_call_to_a_service_without_stream_load(serve):
+    address, servicer = serve([None], kind=Older)
+    topology = eplb.Topology(num_layers=2, num_experts=4, num_slots=4, num_gpus=2)
+    with LoadReporter(address, "d1", 0, topology, interval_s=0.05) as reporter:
+        for _ in range(3):
+            reporter.add(np.ones((2, 4), dtype=np.int32))
+            assert reporter.flush(timeout_s=DEADLINE_S)
+        stats = reporter.stats()
+    # StreamLoad is UNIMPLEMENTED (not counted: the generated handler answers it), then every
+    # report goes on a ReportLoad call of its own and is counted.
+    assert (servicer.calls, stats.sent, stats.accepted, stats.rejected) == (3, 3, 3, 0)

@@ -95,6 +95,21 @@ async def first_of_watch(c, deployment: str) -> grpc.StatusCode:
         call.cancel()
 
 
+async def stream_load(c, request: pb.ReportLoadRequest) -> grpc.StatusCode:
+    """One report on a StreamLoad stream: OK once it is acknowledged, else the stream's status."""
+    call = c.stub.StreamLoad(metadata=c.metadata)
+    try:
+        await call.write(request)
+        ack = await asyncio.wait_for(call.read(), 5)
+        assert ack.accepted
+        await call.done_writing()
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    finally:
+        call.cancel()
+
+
 async def calls_by_method(c, deployment: str) -> dict[str, grpc.StatusCode]:
     """Each method called once on ``deployment`` with ``c``'s token → its status code."""
     md = c.metadata
@@ -109,6 +124,7 @@ async def calls_by_method(c, deployment: str) -> dict[str, grpc.StatusCode]:
         "GetPlacement": await code_of(c.stub.GetPlacement(pb.GetPlacementRequest(deployment=deployment), metadata=md)),
         "WatchPlacements": await first_of_watch(c, deployment),
         "ReportLoad": await code_of(c.stub.ReportLoad(iter([report(deployment, 0, seq)]), metadata=md)),
+        "StreamLoad": await stream_load(c, report(deployment, 1, seq)),
         "AckPlacement": await code_of(c.stub.AckPlacement(ack, metadata=md)),
         "ComputePlacement": await code_of(c.stub.ComputePlacement(compute, metadata=md)),
         "Rebalance": await code_of(
@@ -131,6 +147,7 @@ ALL_DENIED = dict.fromkeys(
         "GetPlacement",
         "WatchPlacements",
         "ReportLoad",
+        "StreamLoad",
         "AckPlacement",
         "ComputePlacement",
         "Rebalance",
@@ -151,6 +168,7 @@ async def test_each_role_may_call_what_it_is_given_and_nothing_else(serve, conne
         "GetPlacement": OK,
         "WatchPlacements": OK,
         "ReportLoad": OK,
+        "StreamLoad": OK,
         "AckPlacement": OK,
         "ComputePlacement": OK,
         "SetRanksDown": OK,

@@ -399,6 +399,12 @@ class ReportLoadResponse(_message.Message):
     duplicates: int
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
+class ReportLoadAck(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
 class GetPlacementRequest(_message.Message):
     __slots__ = ("deployment", "version", "include_window_loads")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class ExpertLoadBalancerServiceStub:
                 request_serializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadRequest.SerializeToString,
                 response_deserializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadResponse.FromString,
                 _registered_method=True)
+        self.StreamLoad = channel.stream_stream(
+                '/eplb.v1.ExpertLoadBalancerService/StreamLoad',
+                request_serializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadRequest.SerializeToString,
+                response_deserializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadAck.FromString,
+                _registered_method=True)
         self.GetPlacement = channel.unary_unary(
                 '/eplb.v1.ExpertLoadBalancerService/GetPlacement',
                 request_serializer=eplb_dot_v1_dot_balancer__pb2.GetPlacementRequest.SerializeToString,
@@ -127,6 +132,17 @@ class ExpertLoadBalancerServiceServicer:
 
     def ReportLoad(self, request_iterator, context):
         """ReportLoad streams load counters from one engine rank; `(rank, seq)` makes retries idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamLoad(self, request_iterator, context):
+        """StreamLoad is ReportLoad on a long-lived stream that answers every report: one
+        ReportLoadAck a request, in order, once the report is counted (durable) or known a
+        duplicate. An engine (or a node's agent) keeps one open and forgets a report once it is
+        acknowledged; after a broken stream it sends the unacknowledged ones again, on a new
+        stream, with their seqs. A refused report ends the stream with its status, as ReportLoad.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,6 +225,11 @@ def add_ExpertLoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.ReportLoad,
                     request_deserializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadRequest.FromString,
                     response_serializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadResponse.SerializeToString,
+            ),
+            'StreamLoad': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamLoad,
+                    request_deserializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadRequest.FromString,
+                    response_serializer=eplb_dot_v1_dot_balancer__pb2.ReportLoadAck.SerializeToString,
             ),
             'GetPlacement': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPlacement,
@@ -377,6 +398,33 @@ class ExpertLoadBalancerService:
             '/eplb.v1.ExpertLoadBalancerService/ReportLoad',
             eplb_dot_v1_dot_balancer__pb2.ReportLoadRequest.SerializeToString,
             eplb_dot_v1_dot_balancer__pb2.ReportLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamLoad(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/eplb.v1.ExpertLoadBalancerService/StreamLoad',
+            eplb_dot_v1_dot_balancer__pb2.ReportLoadRequest.SerializeToString,
+            eplb_dot_v1_dot_balancer__pb2.ReportLoadAck.FromString,
             options,
             channel_credentials,
             insecure,
