@@ -2,7 +2,7 @@
 deployments, and what each report costs Redis.
 
     python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
-        [--seconds 6] [--rate 2000] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
+        [--seconds 6] [--rate 2000 | --rate-of-max 0.8] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
         [--clients lean|protobuf] [--rpc streamload|reportload] [--streams 8] [--client-procs 2] [--connections 1]
         [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
         [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
@@ -20,7 +20,8 @@ serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` repo
   ``ReportLoad`` stream each, written as fast as the service reads); prints accepted reports/s and the bytes Redis
   read from its clients per accepted report (``INFO stats`` ``total_net_input_bytes``, every
   master summed) against the report's payload (59,392 bytes);
-- paced: the same clients send ``--rate`` reports/s in total.
+- paced: the same clients send ``--rate`` reports/s in total (or ``--rate-of-max`` times the
+  max just measured).
 
 ``bare`` (not run by default) puts ``harness.bare_server`` where the replicas would be: a
 gRPC server of the same service and options that only receives each report and answers
@@ -316,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--rate-of-max",
+        type=float,
+        help="pace at this share of the run's measured max instead of --rate (e.g. 0.8: issue 35's "
+        "GetPlacement p99 at 80 %% of the maximum)",
+    )
+    ap.add_argument(
         "--clients",
         choices=("lean", "protobuf"),
         default="lean",
@@ -366,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--client-procs and --connections must be at least 1")
     if args.streams < 1:
         ap.error(f"--streams must be at least 1, got {args.streams}")
+    if args.rate_of_max is not None and not 0 < args.rate_of_max <= 1:
+        ap.error(f"--rate-of-max must be in (0, 1], got {args.rate_of_max}")
     if args.probe_on == "reader" and not set(args.kinds) <= {"redis", "cluster"}:
         ap.error("--probe-on reader needs replicas that share a store: --kinds redis and/or cluster")
     rows = []
@@ -476,7 +485,10 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         targets = [s.target for s in servers[:replicas]] + [probe.target]
         pids = [s.proc.pid for s in servers]
         runs_max = [_run(targets, names, ports, pids, 0.0, args) for _ in range(args.repeats)]
-        runs_paced = [_run(targets, names, ports, pids, args.rate, args) for _ in range(args.repeats)]
+        rate = args.rate
+        if args.rate_of_max is not None:
+            rate = args.rate_of_max * statistics.median(r["reports_per_s"] for r in runs_max)
+        runs_paced = [_run(targets, names, ports, pids, rate, args) for _ in range(args.repeats)]
     finally:
         for s in servers:
             s.stop()

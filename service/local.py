@@ -52,6 +52,9 @@ class LocalDeployment:
     flush_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Why the last triggered re-plan failed, None while they succeed (logs once per change).
     failing: str | None = None
+    # The planner's: before this time the trigger cannot be due (trigger.next_check), so its
+    # marks are not read.
+    next_trigger_check: float = 0.0
     # Liveness (service/liveness.py; 0: off): rank → the latest report or ack this replica
     # answered, those not written to the store yet, and the ranks last counted suspect.
     suspect_after_s: float = 0.0

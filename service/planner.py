@@ -44,7 +44,7 @@ from .registry import Registry
 from .solver import Job, Solver
 from .store import Store
 from .store_health import StoreHealth
-from .trigger import decide, due
+from .trigger import decide, due, next_check
 from .windows import (
     sum_blobs,
 )
@@ -154,8 +154,12 @@ class Planner:
             running = [s for _, s in self._triggered.values()]
             if len(running) >= capacity or (not small and running.count(False) >= workers):
                 continue
+            if now < local.next_trigger_check:
+                continue
             try:
-                if due(local.trigger, await self.store.marks(name), now) is None:
+                marks = await self.store.marks(name)
+                if due(local.trigger, marks, now) is None:
+                    local.next_trigger_check = next_check(local.trigger, marks, now)
                     self._succeeded(name, local)
                     continue
             except NotFound:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .store import PlanMarks
 
-__all__ = ["TriggerSpec", "decide", "due"]
+__all__ = ["TriggerSpec", "decide", "due", "next_check"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,25 @@ def due(spec: TriggerSpec, marks: PlanMarks, now: float) -> str | None:
     if spec.report_count > 0 and marks.reports - marks.planned_reports >= spec.report_count:
         return f"{marks.reports - marks.planned_reports} reports since the last plan"
     return None
+
+
+def next_check(spec: TriggerSpec, marks: PlanMarks, now: float) -> float:
+    """When a plan that ``due`` did not find due now could first be: the time before which an
+    instance need not read the deployment's marks again (a store call per deployment and tick
+    otherwise, on every instance process: the most of what a fleet of quiet deployments cost).
+
+    ``planned_at`` only grows (whoever plans next moves it on), so without a report-count
+    trigger no plan is due before ``planned_at + interval_s``; past it, one waits only for a
+    report anywhere, looked for every ``min(interval_s / 10, 5 s)``: a plan starts at most that
+    late. A report-count trigger can be met by any instance's reports at any time: every tick."""
+    if spec.report_count > 0:
+        return now
+    if spec.interval_s <= 0:
+        return float("inf")
+    return max(marks.planned_at + spec.interval_s, now + min(spec.interval_s / 10, _IDLE_CHECK_S))
+
+
+_IDLE_CHECK_S = 5.0
 
 
 def decide(

@@ -4,18 +4,20 @@ Each replica sums the reports it receives into a window in memory and periodical
 one blob per deployment to the store (``Store.put_window``); the planner sums every
 replica's blob. A batch of reports is accepted together with a write-ahead blob of its sums
 (``Store.accept_many``), which the next flush of that replica deletes as it folds it in: the
-blobs plus the write-ahead entries always hold every accepted report, whenever a replica dies. Store memory is therefore ``replicas × L × E × 8`` bytes per deployment,
-whatever the number of reporting ranks, the report rate or the window length.
+blobs plus the write-ahead entries always hold every accepted report, whenever a replica dies. Store memory is therefore at most ``replicas × L × E × 8`` bytes per deployment
+(4 where the sums are whole and fit int32, as token counts in a sliding window do), whatever
+the number of reporting ranks, the report rate or the window length.
 
 Two formats, both little-endian, told apart by their magic and both read by :func:`sum_blobs`:
 
-- ``b"EPW1"`` (window blobs, :func:`encode_blob`): kind ``u8`` (0
+- ``b"EPW1"`` (window blobs before 1.0; still read): kind ``u8`` (0
   sliding, 1 decay), ``f64`` time the sums are as of, ``u64`` reports, ``f64`` half-life
   seconds (0 for sliding), then ``L × E`` ``f64`` sums, row-major.
-- ``b"EPW2"`` (write-ahead entries, :func:`encode_sums`): the same header plus a ``u8`` dtype
-  code (0 int32, 1 int64, 2 float32, 3 float64), then ``L × E`` sums of that dtype: the
-  narrowest one that holds the batch's sums exactly, so an int32 report costs 4 bytes a count,
-  not 8, and a batch whose sums overflow int32 widens to int64 (that entry only).
+- ``b"EPW2"`` (window blobs, :func:`encode_blob`, and write-ahead entries,
+  :func:`encode_sums`): the same header plus a ``u8`` dtype code (0 int32, 1 int64, 2 float32,
+  3 float64), then ``L × E`` sums of that dtype: the narrowest one that holds the sums exactly,
+  so an int32 report costs 4 bytes a count, not 8, and sums that overflow int32 widen to int64
+  (that blob or entry only).
 
 EPW2 entries live in a write-ahead stream of their own (the store's ``wal2``, see
 :mod:`.redis_store.keys`).
@@ -149,9 +151,12 @@ def make_window(shape: tuple[int, int], spec: WindowSpec) -> SlidingWindow | Dec
 
 
 def encode_blob(window: SlidingWindow | DecayWindow, now: float) -> bytes:
-    """The window as of ``now`` → the EPW1 blob flushed to the store (layout in the module doc)."""
+    """The window as of ``now`` → the EPW2 blob flushed to the store (layout in the module doc):
+    whole counts that fit as int32, 4 bytes a sum. Every replica flushes a blob per deployment
+    it received reports for, about once a second, so its width is most of what the store
+    writes for a fleet of deployments (EPW1, float64, is still read)."""
     sums, n = window.total(now)
-    return _header(_MAGIC, n, now, window.spec) + np.asarray(sums, dtype="<f8").tobytes()
+    return encode_sums(sums, n, now, window.spec)
 
 
 def _header(magic: bytes, reports: int, at: float, spec: WindowSpec) -> bytes:

@@ -67,7 +67,11 @@ SCHEMA: tuple[KeySpec, ...] = (
         "hash",
         "`<v>:step` largest PREPARED step, `<v>:switch` the fixed switch step, `<v>:aborted`; the last 16 versions",
     ),
-    KeySpec("P:{d}:windows", "hash", "replica id → that replica's window blob (`EPW1`, see `windows.py`)"),
+    KeySpec(
+        "P:{d}:windows",
+        "hash",
+        "replica id → that replica's window blob (`EPW2`, or `EPW1` from before 1.0; see `windows.py`)",
+    ),
     KeySpec(
         "P:{d}:wal2",
         "stream",

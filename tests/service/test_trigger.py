@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eplb_service.store import PlanMarks
-from eplb_service.trigger import TriggerSpec, decide, due
+from eplb_service.trigger import TriggerSpec, decide, due, next_check
 
 SPEC = TriggerSpec(interval_s=60.0, report_count=10, min_gain_percent=5.0, max_moves=8)
 
@@ -40,6 +40,24 @@ def test_the_interval_waits_for_a_report_since_the_last_plan():
     # An idle deployment re-planned its unchanged (or empty) window every interval.
     assert due(SPEC, PlanMarks(reports=0, planned_reports=0, planned_at=100.0), now=160.0) is None
     assert due(SPEC, PlanMarks(reports=7, planned_reports=7, planned_at=100.0), now=1e6) is None
+
+
+def test_next_check_never_skips_a_moment_a_plan_could_be_due():
+    interval = TriggerSpec(interval_s=60.0)
+    marks = PlanMarks(reports=5, planned_reports=5, planned_at=100.0)
+    # Not before the interval since the last plan (planned_at only grows)...
+    assert next_check(interval, marks, now=110.0) == 160.0
+    # ...and past it (waiting for a report anywhere) every interval / 10, at most 5 s.
+    assert next_check(interval, marks, now=170.0) == 175.0
+    assert next_check(TriggerSpec(interval_s=20.0), marks, now=170.0) == 172.0
+    # Every moment before the time it gives, due says no, whatever reports came meanwhile.
+    for now in (110.0, 130.0, 159.9):
+        later = PlanMarks(reports=10**6, planned_reports=5, planned_at=100.0)
+        assert now < next_check(interval, marks, now=110.0) and due(interval, later, now) is None
+    # A report count can be met at any time: every tick; no trigger: never.
+    assert next_check(TriggerSpec(report_count=10), marks, now=110.0) == 110.0
+    assert next_check(SPEC, marks, now=110.0) == 110.0
+    assert next_check(TriggerSpec(), marks, now=110.0) == float("inf")
 
 
 def test_the_move_budget_is_read_from_migration_max_moves_only():

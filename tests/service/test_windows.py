@@ -67,9 +67,23 @@ def test_blobs_sum_across_replicas_and_drop_stale_ones():
     a.add(np.ones(SHAPE), now=100.0)
     b.add(np.full(SHAPE, 4.0), now=100.0)
     blobs = {"a": encode_blob(a, 100.0), "b": encode_blob(b, 100.0), "old": encode_blob(a, 10.0), "junk": b"xx"}
-    assert len(blobs["a"]) == 29 + 6 * 8  # header: magic, kind, time, reports, half-life
+    # Header (magic, kind, time, reports, half-life), the dtype byte, whole sums as int32.
+    assert len(blobs["a"]) == 29 + 1 + 6 * 4 and blobs["a"][:4] == b"EPW2"
     sums, n, stale = sum_blobs(blobs, SHAPE, now=101.0, stale_after_s=60.0)
     assert np.allclose(sums, 1.0 + 2.0) and n == 2 and sorted(stale) == ["junk", "old"]
+
+
+def test_a_blob_is_as_wide_as_its_sums_need_and_float64_epw1_blobs_still_read():
+    whole, half = make_window(SHAPE, WindowSpec(duration_s=60.0)), make_window(SHAPE, WindowSpec(duration_s=60.0))
+    whole.add(np.full(SHAPE, 2.0**31), now=100.0)  # over int32: int64
+    half.add(np.full(SHAPE, 0.1), now=100.0)  # not exact in float32: float64
+    assert len(encode_blob(whole, 100.0)) == 30 + 6 * 8 and len(encode_blob(half, 100.0)) == 30 + 6 * 8
+    # A blob an instance from before 1.0 flushed (EPW1: the header, then float64 sums).
+    header = encode_blob(half, 100.0)[:29]
+    epw1 = b"EPW1" + header[4:] + np.full(SHAPE, 3.0, dtype="<f8").tobytes()
+    blobs = {"new": encode_blob(whole, 100.0), "old-format": epw1}
+    sums, n, stale = sum_blobs(blobs, SHAPE, now=100.0, stale_after_s=60.0)
+    assert np.array_equal(sums, np.full(SHAPE, 2.0**31 + 3.0)) and n == 2 and stale == []
 
 
 def test_a_blob_with_an_infinite_sum_is_left_out():
