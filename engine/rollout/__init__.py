@@ -37,11 +37,12 @@ switched, every rank moves those layers back (a reverse transition, chunked the 
 that the ranks end on the version the service knows; only if that fails too is the map left
 mixed (a ``"partial"`` event), and the next version moves from the mixed map.
 
-The modules, one job each: ``machine`` (``Rollout``, ``Phase``, ``RolloutEvent``: the phase
-machine), ``barriers`` (``Barrier``, ``Local``, ``Decision``, ``ServiceBarrier``,
+The modules, one job each: ``intake`` (``VersionIntake``: offers, supersede rules and local
+survivor placements, resolved into the one version to roll out next), ``machine`` (``Rollout``,
+``Phase``, ``RolloutEvent``: the phase machine, which takes that version), ``barriers`` (``Barrier``, ``Local``, ``Decision``, ``ServiceBarrier``,
 ``ProcessGroupBarrier``, ``AckSender``: how the ranks agree), ``group`` (``RolloutGroup``:
 several deployments on one all-reduce), ``appliers`` (``Applier``, ``ChunkedApplier``,
-``MoverApplier``: what moves the weights). Every name is imported from here.
+``MoverApplier``: what moves the weights). The public names are imported from here.
 """
 
 from __future__ import annotations

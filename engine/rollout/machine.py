@@ -1,9 +1,10 @@
 """One rank's rollout as a phase machine: ``Rollout``, its ``Phase`` and the transitions
 between them (``_TRANSITIONS``; ``Rollout._enter`` is the only place the phase changes).
 
-The machine asks its ``Barrier`` at every step boundary what the ranks agreed and carries it
-out with its ``Applier``: start a prepare on its worker, switch a chunk at the agreed step,
-abort, move switched layers back.
+The machine takes the next version from its ``VersionIntake`` (offers, supersede rules and
+local survivor plans live there), asks its ``Barrier`` at every step boundary what the ranks
+agreed, and carries it out with its ``Applier``: start a prepare on its worker, switch a
+chunk at the agreed step, abort, move switched layers back.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -23,6 +23,7 @@ from ..survivors import GroupMismatch
 from ..wire import PublishedPlacement
 from .appliers import Applier, ChunkedApplier
 from .barriers import Barrier, Decision, Local
+from .intake import Resolve, VersionIntake
 
 __all__ = ["Phase", "Rollout", "RolloutEvent"]
 
@@ -110,15 +111,6 @@ class _Transition:
         return not self.chunks or self.chunk == len(self.chunks) - 1
 
 
-def _may_be_services_plan_of(local: PublishedPlacement, offered: PublishedPlacement | None) -> bool:
-    """Whether ``offered``, a service version that came before the local survivor placement
-    ``local`` was taken up, is to be resolved against it (``Rollout._resolve_local``) rather
-    than dropped: newer than its base, and counting at least its down ranks."""
-    return (
-        offered is not None and offered.version > local.survivor_of and set(local.down_ranks) <= set(offered.down_ranks)
-    )
-
-
 class Rollout:
     """One rank's rollout of published placements; ``step(step)`` at every step boundary.
 
@@ -151,17 +143,8 @@ class Rollout:
         self.on_event, self.on_switch = on_event, on_switch
         self.events: list[RolloutEvent] = []
         self._chunked = isinstance(applier, ChunkedApplier)
-        self._lock = threading.Lock()  # offer() runs on the watcher's thread
-        self._offered: PublishedPlacement | None = None
-        self._refused = 0  # a version that failed here is not prepared again
-        # A survivor placement computed on this rank (offer(..., supersede=True)) is known by its
-        # (base version, down ranks), not by its number: the service may publish another plan
-        # under the same number. While it is offered or routed, the service's versions wait in
-        # _from_service for the step thread (_resolve_local): its own survivor plan of the same
-        # pair is adopted without a move, any other newer than the base is rolled out.
-        self._local_plan: PublishedPlacement | None = None
-        self._local_base: PublishedPlacement | None = None
-        self._from_service: PublishedPlacement | None = None
+        # Offers, refusals and local survivor plans: the machine only asks it for the next version.
+        self._intake = VersionIntake(lambda: self.current)
         self._phase = Phase.IDLE
         self._move: _Transition | None = None
         self._routed = initial
@@ -189,14 +172,7 @@ class Rollout:
         ``supersede``: this one wins over any version offered before, and over an earlier
         refusal of its number (a survivor placement computed on the rank after a death: the
         versions offered before it count the dead rank)."""
-        with self._lock:
-            if supersede and published.version > self.current.version:
-                self._take_local(published, self.current, offered=published)
-            elif self._local_plan is not None:
-                if published.version > max(self._local_plan.survivor_of, getattr(self._from_service, "version", 0)):
-                    self._from_service = published
-            elif published.version > max(self.current.version, self._offered.version if self._offered else 0):
-                self._offered = published
+        self._intake.offer(published, supersede=supersede)
 
     def route_moved(self, published: PublishedPlacement, base: PublishedPlacement) -> None:
         """Routes ``published``, a survivor placement computed on this rank, from now on, its
@@ -211,31 +187,14 @@ class Rollout:
         Only between transitions (``RuntimeError`` otherwise); call it on the step thread."""
         if self._phase is not Phase.IDLE:
             raise RuntimeError(f"route_moved needs an idle rollout, this one is {self._phase.value}")
-        with self._lock:
-            self._take_local(published, base, offered=None)
+        self._intake.take_routed(published, base)
         self.current, self.routing, self._routed = published, published.placement, published
-
-    def _take_local(
-        self, published: PublishedPlacement, base: PublishedPlacement, offered: PublishedPlacement | None
-    ) -> None:
-        """Under ``_lock``: ``published`` becomes the local survivor placement of ``base``,
-        ``offered`` the version offered (``published`` to be rolled out, or None: routed already),
-        and an earlier refusal of its number is forgotten. The service's own survivor plan of
-        these down ranks may have come first (the watcher can deliver it before this rank's
-        ranks_down runs, the SetRanksDown being a faster peer's): dropping it would leave this
-        rank on the local number while the others take the service's, and no start is ever
-        agreed; so a version offered before is kept for ``_resolve_local`` where it may be that
-        plan, and dropped otherwise (it counted the ranks as they were)."""
-        before, self._offered = self._offered, offered
-        self._refused = min(self._refused, published.version - 1)
-        self._local_plan, self._local_base = published, base
-        self._from_service = before if _may_be_services_plan_of(published, before) else None
 
     @property
     def local_survivor(self) -> PublishedPlacement | None:
         """The survivor placement this rank computed, while it is offered or routed and no
         service version has replaced it (its number is only this rank's)."""
-        return self._local_plan
+        return self._intake.local_survivor
 
     def step(self, step: int) -> PublishedPlacement:
         """At a step boundary: advances the rollout and returns the placement to route with
@@ -248,12 +207,8 @@ class Rollout:
         checks the timeouts first (``PREPARING``/``READY`` -> ``READY``/``FAILED``)."""
         self._poll(time.monotonic())
         self._resolve_local()
-        with self._lock:
-            offered = (
-                self._offered.version
-                if self._offered and self._offered.version > self._refused
-                else self.current.version
-            )
+        following = self._intake.next_version()
+        offered = following.version if following is not None else self.current.version
         move, phase = self._move, self._phase
         if move is None:
             return Local(self.current.version, offered, 0, False, "", revert=phase is Phase.REVERTING)
@@ -265,40 +220,26 @@ class Rollout:
             move.error if phase is Phase.FAILED else "",
             move.chunk,
             move.final,
-            local=move.published is self._local_plan,
+            local=self._intake.is_local(move.published),
         )
 
     def _resolve_local(self) -> None:
-        """The step thread's answer to a service version that came while a local survivor
-        placement is offered or routed (only between transitions, so none is cut short).
-
-        The service's survivor plan of the same (base version, down ranks), the same map
-        (``survivors.same_survivor``): routed already, it is adopted (its number, no move, acked
-        as switched); still only offered, it takes the local one's place. Any other version
-        newer than the base (a normal plan under the same number, say): the local plan is
-        dropped and that version rolled out as usual; if the local map is routed, ``current``
-        goes back to the base (the local plan was never a service version) with the local map
-        still routed (``mixed``), so the move starts from what the rank holds."""
-        from ..survivors import same_survivor
-
+        """Applies the intake's resolution of a service version against the local survivor
+        placement (``VersionIntake.resolve``), only between transitions, so none is cut short:
+        adopted, the service's version is routed under its number, moving nothing (acked as
+        switched); rebased, ``current`` goes back to the base (the local plan was never a
+        service version) with the local map still routed (``mixed``), so the move to the
+        service's version starts from what the rank holds."""
         if self._phase is not Phase.IDLE:
             return
-        with self._lock:
-            local, got, base = self._local_plan, self._from_service, self._local_base
-            if local is None or got is None:
-                return
-            self._local_plan = self._local_base = self._from_service = None
-            routed = self.current is local
-            if not same_survivor(local, got):
-                self._offered = got
-                if routed:
-                    self.current = base
-                    self._routed = replace(base, placement=self.routing)
-                return
-            if not routed:
-                self._offered = got
-                return
-            self._offered = got
+        resolution = self._intake.resolve()
+        if resolution is None or resolution.kind is Resolve.OFFER:
+            return
+        if resolution.kind is Resolve.REBASE:
+            self.current = resolution.base
+            self._routed = replace(resolution.base, placement=self.routing)
+            return
+        got = resolution.version
         self.current, self.routing, self._routed = got, got.placement, got
         acks = getattr(self.barrier, "acks", None)
         if acks is not None:
@@ -312,8 +253,9 @@ class Rollout:
             if decision.start == self.current.version:
                 self._start(self.current, revert=True)
         elif decision.start and phase is Phase.IDLE:
-            with self._lock:
-                target = self._offered
+            # The version this rank offered the barrier in _local() (the same question, asked
+            # again): one offered since is newer than decision.start and waits for the next boundary.
+            target = self._intake.next_version()
             if target is not None and target.version == decision.start:
                 self._start(target)
         elif decision.switch and phase is Phase.READY:
@@ -405,9 +347,7 @@ class Rollout:
         if last:  # the chunks cover every layer: the routing map is the target's
             if not move.revert:
                 self.current = move.published
-                if move.published is not self._local_plan:
-                    with self._lock:  # a service version replaced the local survivor placement
-                        self._local_plan = self._local_base = self._from_service = None
+                self._intake.switched(move.published)
             self.routing = self.current.placement
         else:
             target = move.published.placement
@@ -461,8 +401,7 @@ class Rollout:
                 )
             )
             return
-        with self._lock:  # an aborted version is not prepared again; a newer one may be
-            self._refused = max(self._refused, move.published.version)
+        self._intake.refuse(move.published.version)  # not prepared again; a newer one may be
         self._enter(Phase.REVERTING if self.mixed else Phase.IDLE)
         self._event(
             RolloutEvent(
