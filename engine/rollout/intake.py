@@ -6,21 +6,22 @@ thread; the latest wins). And after ranks go down a rank computes a survivor pla
 outside the rollout). Such a local plan's number (base + 1) is only this rank's: the service
 may publish another plan under the same number, so a local plan is known by its (base version,
 down ranks), and while it is offered or routed the service's versions wait for the step thread
-(``resolve``): the service's own survivor plan of that pair is adopted without a move, any other
+(``resolving``): the service's own survivor plan of that pair is adopted without a move, any other
 version newer than the base is rolled out.
 
 The intake keeps all of that (the newest offer, the refused mark, the local plan, its base, the
 service version waiting for it) behind one lock, apart from the phase machine, and answers the
 machine one question, ``next_version()``: what to roll out next, if anything. The machine tells
 it what happened to what it rolled out (``switched``, ``refuse``) and applies what a resolution
-asks of it (``Resolution``).
+asks of it (``resolving``, a ``Resolution``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..survivors import same_survivor
@@ -39,10 +40,10 @@ class Resolve(enum.Enum):
 
 @dataclass(frozen=True)
 class Resolution:
-    """A service version resolved against the local survivor plan (``VersionIntake.resolve``):
+    """A service version resolved against the local survivor plan (``VersionIntake.resolving``):
     the intake has already made ``version`` its next version and forgotten the local plan;
     ``kind`` says what the machine still does (``base``: the local plan's base, which a
-    ``REBASE`` makes ``current`` again)."""
+    ``REBASE`` makes ``current`` again, inside the ``resolving`` block)."""
 
     kind: Resolve
     version: PublishedPlacement
@@ -51,7 +52,7 @@ class Resolution:
 
 def _may_be_services_plan_of(local: PublishedPlacement, offered: PublishedPlacement | None) -> bool:
     """Whether ``offered``, a service version that came before the local survivor placement
-    ``local`` was taken up, is to be resolved against it (``VersionIntake.resolve``) rather
+    ``local`` was taken up, is to be resolved against it (``VersionIntake.resolving``) rather
     than dropped: newer than its base, and counting at least its down ranks."""
     return (
         offered is not None and offered.version > local.survivor_of and set(local.down_ranks) <= set(offered.down_ranks)
@@ -75,7 +76,7 @@ class VersionIntake:
         self._refused = 0  # a version that failed here is not prepared again
         # A survivor placement computed on this rank is known by its (base version, down ranks),
         # not by its number: the service may publish another plan under the same number. While it
-        # is offered or routed, the service's versions wait in _from_service for resolve().
+        # is offered or routed, the service's versions wait in _from_service for resolving().
         self._local_plan: PublishedPlacement | None = None
         self._local_base: PublishedPlacement | None = None
         self._from_service: PublishedPlacement | None = None
@@ -87,7 +88,7 @@ class VersionIntake:
         offered before, and over an earlier refusal of its number (a survivor placement
         computed on the rank after a death: the versions offered before it count the dead
         rank). While a local plan is offered or routed, a service version newer than its base
-        waits for ``resolve`` instead."""
+        waits for ``resolving`` instead."""
         with self._lock:
             current = self._current()
             if supersede and published.version > current.version:
@@ -114,7 +115,7 @@ class VersionIntake:
         these down ranks may have come first (the watcher can deliver it before this rank's
         ranks_down runs, the SetRanksDown being a faster peer's): dropping it would leave this
         rank on the local number while the others take the service's, and no start is ever
-        agreed; so a version offered before is kept for ``resolve`` where it may be that
+        agreed; so a version offered before is kept for ``resolving`` where it may be that
         plan, and dropped otherwise (it counted the ranks as they were)."""
         before, self._offered = self._offered, offered
         self._refused = min(self._refused, published.version - 1)
@@ -140,10 +141,13 @@ class VersionIntake:
         """Whether ``published`` is the local survivor plan (no service version: never acked)."""
         return published is self._local_plan
 
-    def resolve(self) -> Resolution | None:
+    @contextlib.contextmanager
+    def resolving(self) -> Iterator[Resolution | None]:
         """A service version that came while a local survivor placement is offered or routed,
-        resolved against it; the machine calls it between transitions only (so none is cut
-        short) and applies the ``Resolution`` (None: nothing to resolve).
+        resolved against it (None: nothing to resolve); the machine enters it between
+        transitions only (so none is cut short) and applies a ``REBASE`` inside the block,
+        under the intake's lock, where ``offer`` reads ``current``: no offer sees the local
+        plan forgotten and its number still current.
 
         The service's survivor plan of the same (base version, down ranks), the same map
         (``survivors.same_survivor``): routed already, it is adopted (``ADOPT``); still only
@@ -153,15 +157,19 @@ class VersionIntake:
         the local plan was never a service version), so the move starts from what the rank
         holds."""
         with self._lock:
-            local, got, base = self._local_plan, self._from_service, self._local_base
-            if local is None or got is None or base is None:
-                return None
-            self._local_plan = self._local_base = self._from_service = None
-            self._offered = got
-            routed = self._current() is local
-            if not same_survivor(local, got):
-                return Resolution(Resolve.REBASE if routed else Resolve.OFFER, got, base)
-            return Resolution(Resolve.ADOPT if routed else Resolve.OFFER, got, base)
+            yield self._resolve()
+
+    def _resolve(self) -> Resolution | None:
+        """Under ``_lock``: ``resolving``'s answer; the local plan is forgotten once resolved."""
+        local, got, base = self._local_plan, self._from_service, self._local_base
+        if local is None or got is None or base is None:
+            return None
+        self._local_plan = self._local_base = self._from_service = None
+        self._offered = got
+        routed = self._current() is local
+        if not same_survivor(local, got):
+            return Resolution(Resolve.REBASE if routed else Resolve.OFFER, got, base)
+        return Resolution(Resolve.ADOPT if routed else Resolve.OFFER, got, base)
 
     # -- what the machine reports -----------------------------------------------------------
 

@@ -225,19 +225,18 @@ class Rollout:
 
     def _resolve_local(self) -> None:
         """Applies the intake's resolution of a service version against the local survivor
-        placement (``VersionIntake.resolve``), only between transitions, so none is cut short:
-        adopted, the service's version is routed under its number, moving nothing (acked as
-        switched); rebased, ``current`` goes back to the base (the local plan was never a
-        service version) with the local map still routed (``mixed``), so the move to the
-        service's version starts from what the rank holds."""
+        placement (``VersionIntake.resolving``), only between transitions, so none is cut short:
+        rebased, ``current`` goes back to the base (the local plan was never a service version)
+        with the local map still routed (``mixed``), so the move to the service's version starts
+        from what the rank holds; adopted, the service's version is routed under its number,
+        moving nothing (acked as switched)."""
         if self._phase is not Phase.IDLE:
             return
-        resolution = self._intake.resolve()
-        if resolution is None or resolution.kind is Resolve.OFFER:
-            return
-        if resolution.kind is Resolve.REBASE:
-            self.current = resolution.base
-            self._routed = replace(resolution.base, placement=self.routing)
+        with self._intake.resolving() as resolution:
+            if resolution is not None and resolution.kind is Resolve.REBASE:
+                self.current = resolution.base
+                self._routed = replace(resolution.base, placement=self.routing)
+        if resolution is None or resolution.kind is not Resolve.ADOPT:
             return
         got = resolution.version
         self.current, self.routing, self._routed = got, got.placement, got

@@ -40,6 +40,12 @@ class Machine:
         self.intake = VersionIntake(lambda: self.current)
 
 
+def resolve(intake: VersionIntake) -> Resolution | None:
+    """What the machine's step thread gets from ``resolving`` (a REBASE applied inside it)."""
+    with intake.resolving() as resolution:
+        return resolution
+
+
 def next_number(intake: VersionIntake) -> int | None:
     following = intake.next_version()
     return None if following is None else following.version
@@ -50,7 +56,7 @@ def next_number(intake: VersionIntake) -> int | None:
 
 def test_nothing_offered_is_no_next_version():
     m = Machine(version(1))
-    assert m.intake.next_version() is None and m.intake.resolve() is None and m.intake.local_survivor is None
+    assert m.intake.next_version() is None and resolve(m.intake) is None and m.intake.local_survivor is None
 
 
 def test_the_latest_offer_wins_and_older_or_current_ones_are_dropped():
@@ -107,7 +113,7 @@ def test_a_local_survivor_plan_supersedes_a_newer_offer_that_counts_the_dead_ran
     m.intake.offer(local, supersede=True)
     assert m.intake.next_version() is local and m.intake.local_survivor is local
     assert m.intake.is_local(local) and not m.intake.is_local(version(2, seed=100))
-    assert m.intake.resolve() is None  # the dropped version is not resolved against it either
+    assert resolve(m.intake) is None  # the dropped version is not resolved against it either
 
 
 def test_a_local_survivor_plan_forgets_an_earlier_refusal_of_its_number():
@@ -132,11 +138,11 @@ def test_service_versions_wait_while_a_local_plan_is_offered_and_the_newest_is_k
     local = survivor(base)
     m.intake.offer(local, supersede=True)
     m.intake.offer(version(1))  # no newer than the base: dropped
-    assert m.intake.resolve() is None
+    assert resolve(m.intake) is None
     m.intake.offer(version(3))
     m.intake.offer(version(2, seed=9))  # older than the one waiting: dropped
     assert m.intake.next_version() is local  # waiting does not change what is rolled out next
-    resolution = m.intake.resolve()
+    resolution = resolve(m.intake)
     assert resolution == Resolution(Resolve.OFFER, resolution.version, base) and resolution.version.version == 3
 
 
@@ -148,10 +154,10 @@ def test_a_service_version_takes_the_place_of_a_local_plan_still_only_offered(sa
     m.intake.offer(local, supersede=True)
     service = survivor(base, seed=100 if same else 200)  # the service's plan of the pair, or another map
     m.intake.offer(service)
-    resolution = m.intake.resolve()
+    resolution = resolve(m.intake)
     assert resolution == Resolution(Resolve.OFFER, service, base)
     assert m.intake.next_version() is service and m.intake.local_survivor is None
-    assert m.intake.resolve() is None  # resolved once
+    assert resolve(m.intake) is None  # resolved once
 
 
 def test_the_services_plan_of_the_pair_is_adopted_once_the_local_plan_is_routed():
@@ -164,7 +170,7 @@ def test_the_services_plan_of_the_pair_is_adopted_once_the_local_plan_is_routed(
     assert m.intake.local_survivor is local  # still this rank's own number
     service = dataclasses.replace(local)  # the service's: same number, pair and map; another object
     m.intake.offer(service)
-    assert m.intake.resolve() == Resolution(Resolve.ADOPT, service, base)
+    assert resolve(m.intake) == Resolution(Resolve.ADOPT, service, base)
     assert m.intake.next_version() is service and m.intake.local_survivor is None
 
 
@@ -176,9 +182,30 @@ def test_another_plan_under_the_local_number_rebases_a_routed_local_plan():
     m.current = local
     normal = version(2, seed=300)  # a normal plan the service numbered base + 1 too
     m.intake.offer(normal)
-    assert m.intake.resolve() == Resolution(Resolve.REBASE, normal, base)
+    assert resolve(m.intake) == Resolution(Resolve.REBASE, normal, base)
     m.current = base  # what the machine does with a REBASE
     assert m.intake.next_version() is normal  # newer than the base: rolled out from the local map
+
+
+def test_an_offer_waits_while_the_machine_applies_a_rebase():
+    # offer() reads current under the intake's lock: it must not see the local plan forgotten
+    # while its number is still current, so the machine rebases inside resolving().
+    base = version(1)
+    m = Machine(base)
+    local = survivor(base)
+    m.intake.offer(local, supersede=True)
+    m.current = local
+    normal = version(2, seed=300)
+    m.intake.offer(normal)
+    with m.intake.resolving() as resolution:
+        assert resolution is not None and resolution.kind is Resolve.REBASE
+        offering = threading.Thread(target=m.intake.offer, args=(version(3),))
+        offering.start()
+        offering.join(0.05)
+        assert offering.is_alive()  # held until the rebase is in place
+        m.current = resolution.base
+    offering.join(5)
+    assert next_number(m.intake) == 3
 
 
 def test_a_switched_service_version_replaces_the_local_plan():
@@ -188,7 +215,7 @@ def test_a_switched_service_version_replaces_the_local_plan():
     m.intake.switched(version(2, seed=100))  # a service version, even with the same number and map
     assert m.intake.local_survivor is None
     m.intake.offer(version(3))  # offers are ordinary again
-    assert next_number(m.intake) == 3 and m.intake.resolve() is None
+    assert next_number(m.intake) == 3 and resolve(m.intake) is None
 
 
 # -- the service's survivor plan came first (a faster peer's SetRanksDown) --------------------
@@ -202,7 +229,7 @@ def test_a_services_survivor_plan_offered_before_the_local_one_is_kept_for_resol
     local = survivor(base)  # version 2, survivor of 1
     m.intake.offer(local, supersede=True)
     assert m.intake.next_version() is local
-    assert m.intake.resolve() == Resolution(Resolve.OFFER, service, base)
+    assert resolve(m.intake) == Resolution(Resolve.OFFER, service, base)
     assert m.intake.next_version() is service
 
 
@@ -211,7 +238,7 @@ def test_an_earlier_offer_with_fewer_down_ranks_is_dropped_by_a_local_plan():
     m = Machine(base)
     m.intake.offer(survivor(base, seed=500, down=(0,)))  # another down set: not this death's plan
     m.intake.offer(survivor(base, down=(0, 1)), supersede=True)
-    assert m.intake.resolve() is None
+    assert resolve(m.intake) is None
 
 
 # -- a survivor placement whose weights moved outside the rollout (take_routed) ----------------
@@ -225,7 +252,7 @@ def test_take_routed_leaves_nothing_to_roll_out_and_drops_an_older_offer():
     m.intake.take_routed(local, base)
     m.current = local  # route_moved's half
     assert m.intake.next_version() is None and m.intake.local_survivor is local
-    assert m.intake.resolve() is None  # so it was dropped, not kept for resolution
+    assert resolve(m.intake) is None  # so it was dropped, not kept for resolution
 
 
 @pytest.mark.parametrize("service_first", [False, True])
@@ -240,7 +267,7 @@ def test_take_routed_adopts_the_services_plan_of_the_pair_whether_it_came_before
     m.current = local
     if not service_first:
         m.intake.offer(service)
-    assert m.intake.resolve() == Resolution(Resolve.ADOPT, service, base)
+    assert resolve(m.intake) == Resolution(Resolve.ADOPT, service, base)
 
 
 def test_take_routed_forgets_an_earlier_refusal_of_its_number():
@@ -253,7 +280,7 @@ def test_take_routed_forgets_an_earlier_refusal_of_its_number():
     m.current = local
     normal = version(2, seed=700)
     m.intake.offer(normal)
-    assert m.intake.resolve() == Resolution(Resolve.REBASE, normal, base)
+    assert resolve(m.intake) == Resolution(Resolve.REBASE, normal, base)
     m.current = base
     assert m.intake.next_version() is normal  # version 2 is not refused any more
 
