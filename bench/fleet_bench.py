@@ -1,7 +1,7 @@
 """The fleet run: many v3-decode-144 deployments reporting per node, loads drifting, for minutes.
 
     python -m eplb_bench.fleet_bench [--deployments 1000] [--instances 4] [--processes 1] [--seconds 600]
-        [--report-every 2] [--drift-at 0.4] [--interval 300] [--window 120] [--client-procs 5]
+        [--report-every 2] [--drift-at 0.4] [--interval 300] [--window 120] [--client-procs 5] [--spread deployment|node]
         [--watchers 1] [--cpus-redis 0,1,2] [--cpus-service 3-10] [--cpus-clients 11-15] [--json FILE]
 
 Issue 35's target 4. A private 3-master Redis Cluster (no persistence), ``--instances`` ``eplb
@@ -45,6 +45,7 @@ import shlex
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=120.0, help="the deployments' sliding window, s")
     ap.add_argument("--client-procs", type=int, default=5)
     ap.add_argument("--watchers", type=int, default=1)
+    ap.add_argument(
+        "--spread",
+        choices=("deployment", "node"),
+        default="deployment",
+        help="deployment: a deployment's node agents all report to the instance its name picks (as eplb agent "
+        "does); node: each deployment's nodes spread over every instance (each instance then keeps every window)",
+    )
     ap.add_argument("--serve-args", default="")
     ap.add_argument("--cpus-redis", type=cpu_list)
     ap.add_argument("--cpus-service", type=cpu_list)
@@ -270,8 +278,15 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
     print(f"created {len(names)} deployments in {time.monotonic() - t:.1f}s", flush=True)
     pids = {i: sorted(serving(s.proc.pid)) for i, s in enumerate(serves)}
 
-    # (deployment, node, instance): a node's agent uses one instance, the nodes spread over them.
-    pairs = [(name, node, (d * NODES + node) % len(targets)) for d, name in enumerate(names) for node in range(NODES)]
+    # (deployment, node, instance): a node's agent uses one instance: the one its deployment's
+    # name picks from the address list (Endpoints.prefer, what eplb agent and LoadReporter do),
+    # or with --spread node the nodes of each deployment spread over all of them.
+    if args.spread == "deployment":
+        pairs = [(name, node, zlib.crc32(name.encode()) % len(targets)) for name in names for node in range(NODES)]
+    else:
+        pairs = [
+            (name, node, (d * NODES + node) % len(targets)) for d, name in enumerate(names) for node in range(NODES)
+        ]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start = ctx.Barrier(args.client_procs + args.watchers + 1 + 1)
@@ -348,6 +363,7 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
         deployments=args.deployments,
         instances=args.instances,
         processes=args.processes,
+        spread=args.spread,
         seconds=args.seconds,
         # Over the load's own seconds (the elapsed time also holds the watchers' last 5 s).
         reports_per_s=sum(acked.values()) / args.seconds / PER_NODE,

@@ -329,6 +329,8 @@ class NodeAgent:
         """Each deployment's node reports in order, until one fails transiently (kept for the
         next round: the same covers, so a repeat counts once)."""
         for deployment, queue in self._queues.items():
+            # The instance the deployment's name picks (as its ranks' own reports go), once.
+            self.endpoints.prefer(deployment)
             while queue:
                 report = queue[0]
                 try:

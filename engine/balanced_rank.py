@@ -244,6 +244,7 @@ class BalancedRank:
 
         with contextlib.ExitStack() as stack:
             self.client = ServiceClient(addresses, token=token)
+            self.client.endpoints.prefer(deployment)  # a deployment's ranks on one instance
             stack.callback(self.client.close)
             self.rank, self.deployment = rank, deployment
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import zlib
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -479,6 +480,18 @@ class Endpoints:
     @property
     def address(self) -> str:
         return self.addresses[self._index]
+
+    def prefer(self, key: str) -> None:
+        """Starts at the address ``key`` (a deployment's name) hashes to, if no channel is open
+        yet (a no-op after). The ranks and node agents of one deployment, given the same
+        addresses, then report to the same instance: each instance process keeps a window per
+        deployment it takes reports for and writes it to the store every second, so a
+        deployment spread over every instance costs each of them (and the store) that much
+        more, while deployments hashed over the instances spread the load as well. A failover
+        moves on from there as from the first address."""
+        with self._lock:
+            if self._channel is None and not self._borrowed:
+                self._index = zlib.crc32(key.encode()) % len(self.addresses)
 
     def _open(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
         self._channel = open_channel(self.addresses[self._index], self._root_certificates, self._options, aio=self.aio)

@@ -119,6 +119,7 @@ class LoadReporter:
             self.endpoints, self._owned = addresses, False
         else:
             self.endpoints, self._owned = Endpoints(addresses, token=token), True
+            self.endpoints.prefer(deployment)  # a deployment's ranks on one instance
         self.deployment, self.rank, self.topology = deployment, rank, topology
         self.interval_s, self.max_queued, self.max_pending, self.max_batch = (
             interval_s,

@@ -111,3 +111,28 @@ def test_failover_between_two_replicas(prefix):
     assert run.stats.dropped_reports == 0 and run.stats.rejected == 0
     assert run.window_tokens == pytest.approx(run.tokens_added)
     assert run.versions == [1, 2]
+
+
+def test_a_deployments_ranks_report_to_the_instance_its_name_picks(prefix):
+    """Every rank of one deployment, given the same addresses, reports to one instance (its
+    name's hash), and deployments spread over the instances: a deployment's window is kept
+    by the instance it reports to, not by all of them."""
+    servers = [ServerThread(redis_url=REDIS_URL, key_prefix=prefix).start() for _ in range(3)]
+    addresses = [s.address for s in servers]
+    names = [f"dep-{i}" for i in range(12)]
+    try:
+        with ServiceClient(addresses, timeout_s=15) as client:
+            for name in names:
+                client.create_deployment(name, TOPO)
+        used: dict[str, set[str]] = {}
+        for name in names:
+            for rank in (0, 3):
+                with LoadReporter(addresses, name, rank=rank, topology=TOPO, interval_s=0.02) as reporter:
+                    reporter.add(np.ones((4, 16)))
+                    assert reporter.flush(10)
+                    used.setdefault(name, set()).add(reporter.stats().address)
+    finally:
+        for s in servers:
+            s.stop()
+    assert all(len(a) == 1 for a in used.values()), used
+    assert len({a for s in used.values() for a in s}) == 3  # twelve names land on all three
