@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 import eplb
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
@@ -283,6 +284,25 @@ def create_request(
     return request
 
 
+def _holds(stored: Message, asked: Message) -> bool:
+    """Whether ``stored`` has every field set in ``asked`` with the same value (messages
+    compared field by field the same way: the service fills in defaults beside them)."""
+    for field, value in asked.ListFields():
+        mine = getattr(stored, field.name)
+        if field.type == field.TYPE_MESSAGE and not _repeated(field):
+            if not stored.HasField(field.name) or not _holds(mine, value):
+                return False
+        elif mine != value:
+            return False
+    return True
+
+
+def _repeated(field: object) -> bool:
+    # protobuf 5+ has is_repeated; label is the older spelling.
+    is_repeated = getattr(field, "is_repeated", None)
+    return bool(is_repeated) if is_repeated is not None else field.label == field.LABEL_REPEATED  # type: ignore[attr-defined]
+
+
 def same_topology(name: str, existing: pb.Deployment, topology: eplb.Topology) -> pb.Deployment:
     """``existing`` if it has ``topology``, else ``ValueError`` (``create_deployment(exist_ok=True)``)."""
     if wire.topology_from_pb(existing.topology) != topology:
@@ -340,19 +360,42 @@ class Calls:
     def create_deployment(
         self, name: str, topology: eplb.Topology, initial: eplb.Placement | None, exist_ok: bool, options: dict
     ) -> Ops[pb.Deployment]:
-        try:
-            return (
-                yield from self.call("CreateDeployment", create_request(name, topology, initial, options))
-            ).deployment
-        except grpc.RpcError as exc:
-            if not (exist_ok and exc.code() in EXISTING_OK):
-                raise
-            refused = exc
+        request = create_request(name, topology, initial, options)
+        retry = Retry(self.timeout_s)
+        retried = False
+        while True:
+            sent = yield Rpc("CreateDeployment", request, retry.attempt_timeout(), False)
+            if sent.error is None:
+                return sent.response.deployment
+            if retried and sent.error.code() == grpc.StatusCode.ALREADY_EXISTS:
+                # An earlier attempt may have created it and lost its answer: ours if what is
+                # stored is what we asked for (a create by someone else of the same deployment
+                # is as good); else the refusal stands.
+                ours = yield from self._created(name, request.deployment)
+                if ours is not None:
+                    return ours
+            if not retry.retryable(sent.error):
+                break
+            retried = True
+            yield Failover(sent.stub)
+            yield Sleep(retry.pause_s(sent.error))
+        refused = sent.error
+        if not (exist_ok and refused.code() in EXISTING_OK):
+            raise refused
         try:
             existing = yield from self.get_deployment(name)
         except grpc.RpcError:
             raise refused from None  # not there (or not visible either): the create's own error
         return same_topology(name, existing, topology)
+
+    def _created(self, name: str, asked: pb.Deployment) -> Ops[pb.Deployment | None]:
+        """The stored deployment ``name`` if it holds every field ``asked`` set, as asked (the
+        service fills in the rest); None if it differs or cannot be read."""
+        try:
+            existing = yield from self.get_deployment(name)
+        except grpc.RpcError:
+            return None
+        return existing if _holds(existing, asked) else None
 
     def get_deployment(self, name: str) -> Ops[pb.Deployment]:
         return (yield from self.call("GetDeployment", pb.GetDeploymentRequest(name=name))).deployment

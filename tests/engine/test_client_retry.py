@@ -228,3 +228,50 @@ def test_the_reporter_sends_each_report_on_its_own_call_to_a_service_without_str
     # StreamLoad is UNIMPLEMENTED (not counted: the generated handler answers it), then every
     # report goes on a ReportLoad call of its own and is counted.
     assert (servicer.calls, stats.sent, stats.accepted, stats.rejected) == (3, 3, 3, 0)
+
+
+class LosesTheFirstAnswer(pb_grpc.ExpertLoadBalancerServiceServicer):
+    """Creates the deployment on the first CreateDeployment but answers UNAVAILABLE (the answer
+    lost), then ALREADY_EXISTS, as the real service would; GetDeployment returns what it stored,
+    defaults filled in as the service fills them."""
+
+    def __init__(self) -> None:
+        self.stored: pb.Deployment | None = None
+        self.creates = 0
+
+    def CreateDeployment(self, request, context):
+        self.creates += 1
+        if self.stored is not None:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"deployment {request.deployment.name!r} already exists")
+        self.stored = pb.Deployment()
+        self.stored.CopyFrom(request.deployment)
+        self.stored.window.sliding.buckets = self.stored.window.sliding.buckets or 10  # a default the service fills
+        context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (the answer was lost)")
+
+    def GetDeployment(self, request, context):
+        if self.stored is None or request.name != self.stored.name:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"deployment {request.name!r} not found")
+        return pb.GetDeploymentResponse(deployment=self.stored)
+
+
+@pytest.fixture
+def losing():
+    servicer = LosesTheFirstAnswer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_ExpertLoadBalancerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(None)
+
+
+def test_a_create_whose_answer_was_lost_returns_the_deployment_it_created(losing):
+    address, servicer = losing
+    topology = eplb.Topology(num_layers=2, num_experts=4, num_slots=4, num_gpus=2)
+    with ServiceClient(address, timeout_s=DEADLINE_S) as client:
+        created = client.create_deployment("d1", topology, window_s=30.0)
+        # Another create of a different deployment under the same name is still refused.
+        with pytest.raises(grpc.RpcError) as err:
+            client.create_deployment("d1", topology, window_s=60.0)
+    assert created.name == "d1" and created.window.sliding.buckets == 10 and servicer.creates == 3
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
