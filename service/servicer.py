@@ -157,22 +157,32 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         await self.deployments.delete(request.name)
         return pb.DeleteDeploymentResponse()
 
-    async def ReportLoad(
-        self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext
-    ) -> pb.ReportLoadResponse:
+    async def _reports(
+        self, method: str, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bool]:
+        """A report stream's messages, one at a time, each checked and counted: True when
+        accepted, False for a duplicate. A refused one ends the stream, saying what the reports
+        before it came to (they are kept)."""
         accepted = duplicates = 0
         async for request in request_iterator:
             try:
                 # Per message: one stream may name several deployments, and a reload applies
                 # to the next message.
-                self._check(context, "ReportLoad", request.deployment)
+                self._check(context, method, request.deployment)
                 fresh = await self.ingest.report(request)
             except ServiceError as exc:
                 raise _with_progress(exc, accepted, duplicates) from None
-            if fresh:
-                accepted += 1
-            else:
-                duplicates += 1
+            accepted += fresh
+            duplicates += not fresh
+            yield fresh
+
+    async def ReportLoad(
+        self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: grpc.aio.ServicerContext
+    ) -> pb.ReportLoadResponse:
+        accepted = duplicates = 0
+        async for fresh in self._reports("ReportLoad", request_iterator, context):
+            accepted += fresh
+            duplicates += not fresh
         return pb.ReportLoadResponse(accepted=accepted, duplicates=duplicates)
 
     async def StreamLoad(
@@ -183,19 +193,8 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         One report at a time per stream, as ReportLoad: a rank's reports keep their seq order
         (one counted ahead of an earlier one would make that one a duplicate: lost), and the
         streams of many ranks and nodes are what the group commit batches."""
-        accepted = duplicates = 0
-        async for request in request_iterator:
-            try:
-                self._check(context, "StreamLoad", request.deployment)
-                fresh = await self.ingest.report(request)
-            except ServiceError as exc:
-                raise _with_progress(exc, accepted, duplicates) from None
-            if fresh:
-                accepted += 1
-                yield _ACCEPTED
-            else:
-                duplicates += 1
-                yield _DUPLICATE
+        async for fresh in self._reports("StreamLoad", request_iterator, context):
+            yield _ACCEPTED if fresh else _DUPLICATE
 
     async def GetPlacement(
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from svc_helpers import FAST, REDIS_URL, PrivateRedis
+from svc_helpers import FAST, REDIS_URL, PrivateRedis, small_deployment
 
 from eplb_bench.harness.redis_cluster import ClusterProcesses
 from eplb_bench.harness.service import aio_channel
 from eplb_engine.client import auth_metadata
 from eplb_service.server import RunningServer, ServerConfig, start_server
+from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 
@@ -116,3 +117,17 @@ def redis_url(request: pytest.FixtureRequest) -> str:
     if request.param == "redis":
         return REDIS_URL
     return request.getfixturevalue("redis_cluster").url
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def d1_client(request, serve, connect, prefix) -> Client:
+    """A client of a server on the embedded store, one Redis or the 3-master cluster, with
+    ``small_deployment()`` (``d1``) created."""
+    if request.param == "memory":
+        server = await serve()
+    else:
+        url = REDIS_URL if request.param == "redis" else request.getfixturevalue("redis_cluster").url
+        server = await serve(redis_url=url, key_prefix=prefix())
+    c = connect(server)
+    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    return c

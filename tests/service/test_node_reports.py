@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from svc_helpers import REDIS_URL, small_deployment, status_details
+from svc_helpers import status_details
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 from eplb_wire.arrays import encode
@@ -29,16 +29,9 @@ def own_report(rank: int, seq: int, tokens: int = 1) -> pb.ReportLoadRequest:
     )
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def client(request, serve, connect, prefix):
-    if request.param == "memory":
-        server = await serve()
-    else:
-        url = REDIS_URL if request.param == "redis" else request.getfixturevalue("redis_cluster").url
-        server = await serve(redis_url=url, key_prefix=prefix())
-    c = connect(server)
-    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-    return c
+@pytest.fixture
+def client(d1_client):
+    return d1_client
 
 
 async def window(c) -> tuple[int, float]:

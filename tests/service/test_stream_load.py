@@ -30,16 +30,9 @@ def node(covers: list[tuple[int, int]], tokens: int = 1) -> pb.ReportLoadRequest
     )
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def setup(request, serve, connect, prefix):
-    if request.param == "memory":
-        server = await serve()
-    else:
-        url = REDIS_URL if request.param == "redis" else request.getfixturevalue("redis_cluster").url
-        server = await serve(redis_url=url, key_prefix=prefix())
-    c = connect(server)
-    await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-    return server, c
+@pytest.fixture
+def c(d1_client):
+    return d1_client
 
 
 async def window(c) -> tuple[int, float]:
@@ -51,8 +44,7 @@ async def window(c) -> tuple[int, float]:
     return dry.window_reports, dry.window_tokens
 
 
-async def test_each_report_is_answered_in_order_and_counted_once(setup):
-    _, c = setup
+async def test_each_report_is_answered_in_order_and_counted_once(c):
     call = c.stub.StreamLoad()
     acks = []
     # Written ahead of the answers (pipelined): the acks still come one a report, in order.
@@ -69,8 +61,7 @@ async def test_each_report_is_answered_in_order_and_counted_once(setup):
     assert await window(c) == (5, 5 * L * E)
 
 
-async def test_the_stream_stays_open_between_reports(setup):
-    _, c = setup
+async def test_the_stream_stays_open_between_reports(c):
     call = c.stub.StreamLoad()
     for seq in range(1, 4):
         await call.write(own(0, seq, tokens=seq))
@@ -81,8 +72,7 @@ async def test_the_stream_stays_open_between_reports(setup):
     assert await call.code() == grpc.StatusCode.OK
 
 
-async def test_a_refused_report_ends_the_stream_saying_what_was_kept(setup):
-    _, c = setup
+async def test_a_refused_report_ends_the_stream_saying_what_was_kept(c):
     call = c.stub.StreamLoad()
     await call.write(own(0, 1))
     await call.write(own(0, 2))
@@ -98,8 +88,7 @@ async def test_a_refused_report_ends_the_stream_saying_what_was_kept(setup):
     assert await window(c) == (2, 2 * L * E)
 
 
-async def test_an_unknown_deployment_is_not_found_and_nothing_is_counted(setup):
-    _, c = setup
+async def test_an_unknown_deployment_is_not_found_and_nothing_is_counted(c):
     call = c.stub.StreamLoad()
     await call.write(pb.ReportLoadRequest(deployment="nope", rank=0, seq=1, logical=encode(np.ones((L, E), np.int32))))
     with pytest.raises(grpc.aio.AioRpcError) as err:
