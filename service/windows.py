@@ -78,14 +78,32 @@ class SlidingWindow:
         self._span_n = math.ceil(spec.report_count / spec.buckets) if spec.report_count > 0 else None
         # (start time, reports, sums); the last one is open.
         self._buckets: deque[tuple[float, int, np.ndarray]] = deque()
+        self._bound = 0
 
     def add(self, counts: np.ndarray, now: float, reports: int = 1) -> None:
-        """``counts``: ``[L, E]`` of any real dtype (int32 as reports come: added as float64),
-        the sum of ``reports`` reports (a node report's covers)."""
+        """``counts``: ``[L, E]`` of any real dtype, the sum of ``reports`` reports (a node
+        report's covers), all >= 0 (checked on the way in).
+
+        A bucket is as narrow as its sums allow: int32 while whole counts fit (engines' token
+        counts: half the memory of float64, and an instance keeps up to ``buckets + 1`` of
+        them for every deployment it takes reports for), widened to int64 when a sum would
+        pass 2^31 - 1, and float64 once a count is not whole."""
         if not self._buckets or self._full(self._buckets[-1], now):
-            self._buckets.append((now, 0, np.zeros(self.shape)))
+            self._buckets.append((now, 0, np.zeros(self.shape, dtype=np.int32)))
+            self._bound = 0  # the open bucket's largest sum is at most this
         start, n, sums = self._buckets[-1]
-        sums += counts
+        counts = np.asarray(counts)
+        if sums.dtype.kind != "f" and counts.dtype.kind not in "iu":
+            if counts.max(initial=0) < _EXACT_INT and (counts == np.floor(counts)).all():
+                counts = counts.astype(np.int64)  # whole counts sent as floats
+            else:
+                sums = sums.astype(np.float64)
+        if sums.dtype == np.int32:
+            # One pass over the counts, none over the bucket: the bound only grows.
+            self._bound += int(counts.max(initial=0))
+            if self._bound > _INT32_MAX:
+                sums = sums.astype(np.int64)
+        np.add(sums, counts, out=sums, casting="unsafe")
         self._buckets[-1] = (start, n + reports, sums)
         # After the report is counted, so that a count window never holds more than its span.
         self._expire(now)
@@ -111,9 +129,11 @@ class SlidingWindow:
             buckets.popleft()
 
     def total(self, now: float) -> tuple[np.ndarray, int]:
-        """float64 ``[L, E]`` sums in the window as of ``now``, and the reports behind them."""
+        """``[L, E]`` sums in the window as of ``now`` (int64 while every bucket is whole,
+        else float64), and the reports behind them."""
         self._expire(now)
-        sums = np.zeros(self.shape)
+        whole = all(s.dtype.kind in "iu" for _, _, s in self._buckets)
+        sums = np.zeros(self.shape, dtype=np.int64 if whole else np.float64)
         n = 0
         for _, k, s in self._buckets:
             sums += s

@@ -96,3 +96,21 @@ def test_a_blob_with_an_infinite_sum_is_left_out():
     blobs = {"a": encode_blob(a, 100.0), "poisoned": encode_blob(poisoned, 100.0)}
     sums, n, stale = sum_blobs(blobs, SHAPE, now=101.0, stale_after_s=60.0)
     assert np.array_equal(sums, np.ones(SHAPE)) and n == 1 and stale == ["poisoned"]
+
+
+def test_a_bucket_is_int32_for_token_counts_and_widens_only_when_it_must():
+    w = make_window(SHAPE, WindowSpec(duration_s=60.0, buckets=2))
+    w.add(np.full(SHAPE, 7, dtype=np.int32), now=0.0)
+    w.add(np.full(SHAPE, 5.0), now=1.0)  # whole counts sent as float64 stay whole
+    assert [b[2].dtype for b in w._buckets] == [np.int32]  # half the memory of float64
+    sums, n = w.total(1.0)
+    assert sums.dtype == np.int64 and np.array_equal(sums, np.full(SHAPE, 12)) and n == 2
+    # A sum past 2^31 - 1 widens its bucket to int64, exactly.
+    big = np.full(SHAPE, 2**31 - 10, dtype=np.int64)
+    w.add(big, now=2.0)
+    assert w._buckets[-1][2].dtype == np.int64
+    assert np.array_equal(w.total(2.0)[0], np.full(SHAPE, 12 + 2**31 - 10))
+    # A fraction makes the bucket float64; the total is float64 then, and still exact here.
+    w.add(np.full(SHAPE, 0.5), now=40.0)
+    assert w._buckets[-1][2].dtype == np.float64
+    assert np.array_equal(w.total(40.0)[0], np.full(SHAPE, 12 + 2**31 - 10 + 0.5))
