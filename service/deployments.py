@@ -20,7 +20,6 @@ from eplb_wire.arrays import encode
 
 from . import arrays, codec, validation
 from . import rollout as rollout_states
-from .calls import LogThrottle
 from .clip import clip
 from .config import BalancerConfig
 from .errors import (
@@ -33,6 +32,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .liveness import Liveness
+from .log_throttle import LogThrottle
 from .metrics import Metrics
 from .planner import Planner
 from .registry import Registry

@@ -33,10 +33,15 @@ from grpc_reflection.v1alpha import reflection
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
+from .audit import AuditLog
 from .auth import Access, AuthFileError, AuthInterceptor, ScopedHealth
 from .balancer import Balancer, BalancerConfig
+from .call_metrics import CallMetrics
 from .calls import ErrorInterceptor
+from .decoding import BadMessages
+from .draining import Draining
 from .errors import ServiceError
+from .log_throttle import LogThrottle
 from .memory_store import MemoryStore
 from .metrics import Metrics
 from .metrics_http import serve_metrics
@@ -213,8 +218,12 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         asyncio.ensure_future(health_servicer.set(f"{SERVICE_NAME}/{name}", status))
 
     balancer = Balancer(store, metrics, balancer_config, on_health=on_health, on_deployment_health=on_deployment_health)
-    # First, so it also counts (and maps) the calls auth refuses.
-    calls = ErrorInterceptor(metrics)
+    # First, so it also counts (and maps) the calls auth refuses. One grpc interceptor; its
+    # collaborators each do one job. Lines about what callers sent share one throttle.
+    throttle = LogThrottle()
+    calls = ErrorInterceptor(
+        (CallMetrics(metrics), AuditLog(throttle)), bad_messages=BadMessages(throttle), draining=Draining()
+    )
     interceptors: list[grpc.aio.ServerInterceptor] = [calls]
     tls = bool(config.tls_cert and config.tls_key)
     if access is not None:
