@@ -45,7 +45,7 @@ class Draining:
         """Ends every client stream (ReportLoad) with UNAVAILABLE before it processes another message.
 
         The message in hand is processed first, so what a stream accepted stays accepted and the
-        client resends the rest, with the same seqs, to another replica. Messages the client is
+        client resends the rest, with the same seqs, to another instance. Messages the client is
         still sending are read and dropped, for up to ``discard_s``, so the status goes out after
         the client half-closed: grpc-python's asyncio client reports a status that arrives while
         it is still writing as ``INTERNAL: Internal error from Core`` (grpc/grpc#36066). A stream

@@ -4,7 +4,7 @@ Shutdown (``RunningServer.stop``, what ``eplb serve`` does on SIGTERM or SIGINT)
 
 1. health goes NOT_SERVING for every service; ``Health/Watch`` streams get it at once;
 2. new calls are refused with UNAVAILABLE; after ``_HEALTH_FLUSH_S`` open server streams (placement
-   and health watches) end with UNAVAILABLE, so watchers reconnect to another replica;
+   and health watches) end with UNAVAILABLE, so watchers reconnect to another instance;
 3. unary calls and ``ReportLoad`` streams get half the grace period to finish; a report stream
    still open then ends with UNAVAILABLE once the message in hand is processed (what it accepted
    stays accepted; the status says how many messages were processed, and the client resends the
