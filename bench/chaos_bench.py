@@ -1,17 +1,17 @@
-"""Chaos run: replicas and Redis killed and restarted at random under steady load, then checked.
+"""Chaos run: instances and Redis killed and restarted at random under steady load, then checked.
 
-    python -m eplb_bench.chaos_bench --seconds 300 [--replicas 3] [--ranks 16] [--watchers 50]
+    python -m eplb_bench.chaos_bench --seconds 300 [--instances 3] [--ranks 16] [--watchers 50]
                                      [--lease-seconds 5] [--seed 0] [--cluster] [--json FILE]
 
 Starts a private ``redis-server`` (free port, temp directory, AOF with ``appendfsync always``,
 so every write Redis acknowledged survives a kill of Redis: without persistence a Redis kill
-loses the state by design, see docs/service.md) and ``--replicas`` ``eplb serve`` processes on
+loses the state by design, see docs/service.md) and ``--instances`` ``eplb serve`` processes on
 it. One deployment; ``--ranks`` ranks stream a batch of reports every ``--report-period`` seconds
-each, retrying a failed batch with the same seqs on another replica until one answers OK;
-``--watchers`` ``WatchPlacements`` streams reconnect to any replica with ``since_version`` set
-to the last version they saw; a planner forces a ``Rebalance`` through a random replica every
-0.5 s. For ``--seconds``, one event at a time at random moments: SIGKILL a replica, SIGTERM a
-replica, or SIGKILL Redis, then restart it after a random pause.
+each, retrying a failed batch with the same seqs on another instance until one answers OK;
+``--watchers`` ``WatchPlacements`` streams reconnect to any instance with ``since_version`` set
+to the last version they saw; a planner forces a ``Rebalance`` through a random instance every
+0.5 s. For ``--seconds``, one event at a time at random moments: SIGKILL an instance, SIGTERM an
+instance, or SIGKILL Redis, then restart it after a random pause.
 
 ``--cluster`` runs on a private 3-master Redis Cluster instead (``bench/harness/redis_cluster.py``: free
 ports, each master in its own directory with the same AOF settings, ``cluster-require-full-coverage
@@ -22,11 +22,11 @@ Checks, each printed with its figures (exit code 1 if one fails):
 - every report is counted exactly once: the window (a dry-run ``Rebalance``) holds exactly the
   reports sent, and resending every report afterwards finds each one already accepted;
 - every watcher saw consecutive versions (no gap, no duplicate) and ends at the last version;
-- every replica answers SERVING within one lease (``--lease-seconds``) of its restart, or of
+- every instance answers SERVING within one lease (``--lease-seconds``) of its restart, or of
   Redis answering again.
 
-No replica log may hold a traceback; each one found is quoted in the result's ``tracebacks``
-by ``traceback_excerpts(text)``, which does the same for any ``eplb serve`` log (the replica
+No instance log may hold a traceback; each one found is quoted in the result's ``tracebacks``
+by ``traceback_excerpts(text)``, which does the same for any ``eplb serve`` log (the instance
 logs stay in ``--workdir`` when given): the log line before each traceback and its last lines,
 the exception's included.
 """
@@ -66,7 +66,7 @@ SERVICE = "eplb.v1.ExpertLoadBalancerService"
 NAME = "chaos"
 LAYERS, EXPERTS = 4, 32
 BATCH = 5
-# Reconnect at once to a restarted replica instead of gRPC's default backoff (1 s, growing).
+# Reconnect at once to a restarted instance instead of gRPC's default backoff (1 s, growing).
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -74,7 +74,7 @@ CHANNEL_OPTIONS = [
 ]
 RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED", "INTERNAL_client"}
 # grpc-python's asyncio client turns a status that arrives while it still writes a stream (a
-# replica killed mid-stream) into this INTERNAL (grpc/grpc#36066): a transport failure, retried.
+# instance killed mid-stream) into this INTERNAL (grpc/grpc#36066): a transport failure, retried.
 CORE_INTERNAL = "Internal error from Core"
 
 
@@ -87,7 +87,7 @@ def _code(exc: grpc.aio.AioRpcError) -> str:
 @dataclass(frozen=True)
 class ChaosConfig:
     seconds: float = 300.0
-    replicas: int = 3
+    instances: int = 3
     ranks: int = 16
     watchers: int = 50
     lease_s: float = 5.0
@@ -113,7 +113,7 @@ class ChaosResult:
     watchers_behind: int = 0
     serving_s: list[tuple[str, float]] = field(default_factory=list)
     tracebacks_in_logs: int = 0
-    # The last lines of each traceback in the replicas' logs (the exception and where it rose),
+    # The last lines of each traceback in the instances' logs (the exception and where it rose),
     # so a run that saw one says what it was after its logs are deleted.
     tracebacks: list[str] = field(default_factory=list)
     load_average: float = 0.0
@@ -157,7 +157,7 @@ class _Harness:
         self.redis = ClusterProcesses(workdir / "cluster") if config.cluster else RedisProcess(workdir)
         self.counts = arrays.encode(np.ones((LAYERS, EXPERTS), np.int32))
         self.workdir = workdir
-        self.replicas: list[ServeProcess] = []
+        self.instances: list[ServeProcess] = []
         self.stubs: list[pb_grpc.ExpertLoadBalancerServiceStub] = []
         self.channels: list[grpc.aio.Channel] = []
         self.sent: dict[int, list[pb.ReportLoadRequest]] = {}
@@ -180,19 +180,19 @@ class _Harness:
             "WARNING",
         )
         self.prefix = prefix = f"chaos-{uuid.uuid4().hex[:8]}"
-        self.replicas = [
-            ServeProcess(self.redis.url, prefix, self.workdir / f"replica{i}.log", flags)
-            for i in range(self.cfg.replicas)
+        self.instances = [
+            ServeProcess(self.redis.url, prefix, self.workdir / f"instance{i}.log", flags)
+            for i in range(self.cfg.instances)
         ]
-        for r in self.replicas:
+        for r in self.instances:
             r.start()
-        for r in self.replicas:
+        for r in self.instances:
             r.wait_listening()
 
     def stop_processes(self) -> None:
-        for r in self.replicas:
+        for r in self.instances:
             r.signal(signal.SIGTERM)
-        for r in self.replicas:
+        for r in self.instances:
             # Clean-up: whatever did not stop within 15 s is killed.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.wait(15)
@@ -200,8 +200,8 @@ class _Harness:
         self.redis.stop()
 
     async def serving_within(self, i: int, since: float, event: str) -> None:
-        """Polls replica ``i``'s health until SERVING; records the time from ``since``."""
-        async with grpc.aio.insecure_channel(self.replicas[i].target, options=CHANNEL_OPTIONS) as chan:
+        """Polls instance ``i``'s health until SERVING; records the time from ``since``."""
+        async with grpc.aio.insecure_channel(self.instances[i].target, options=CHANNEL_OPTIONS) as chan:
             stub = health_pb2_grpc.HealthStub(chan)
             while True:
                 try:
@@ -211,14 +211,14 @@ class _Harness:
                 except grpc.aio.AioRpcError:
                     pass
                 if time.monotonic() - since > 60:
-                    self.result.failures.append(f"replica {i} not SERVING 60 s after {event}")
+                    self.result.failures.append(f"instance {i} not SERVING 60 s after {event}")
                     return
                 await asyncio.sleep(0.05)
         took = time.monotonic() - since
         self.result.serving_s.append((event, took))
         if took > self.cfg.lease_s:
             self.result.failures.append(
-                f"replica {i} SERVING {took:.2f}s after {event}, over one lease ({self.cfg.lease_s:g}s)"
+                f"instance {i} SERVING {took:.2f}s after {event}, over one lease ({self.cfg.lease_s:g}s)"
             )
 
     # load
@@ -235,7 +235,7 @@ class _Harness:
             self.result.failures.append(f"{time.strftime('%X')} {rpc}: unexpected {code}: {exc.details()}")
 
     async def deliver(self, batch: list[pb.ReportLoadRequest]) -> pb.ReportLoadResponse:
-        """Sends ``batch`` until a replica answers OK (the same seqs each time)."""
+        """Sends ``batch`` until an instance answers OK (the same seqs each time)."""
         attempt = 0
         while True:
             _, stub = self._stub()
@@ -268,7 +268,7 @@ class _Harness:
                         self.result.watcher_duplicates += 1
                     elif last and v != last + 1:
                         self.result.watcher_gaps += 1
-                        self.log(f"watcher {w}: version {v} after {last} (replica {i})")
+                        self.log(f"watcher {w}: version {v} after {last} (instance {i})")
                     self.last_seen[w] = max(v, last)
             except grpc.aio.AioRpcError as exc:
                 self._count_failure("WatchPlacements", exc, self.result.watcher_reconnects)
@@ -297,7 +297,7 @@ class _Harness:
             if time.monotonic() >= until:
                 return
             if not kinds:  # every kind once per round, in random order, so short runs see each
-                kinds = ["sigkill_replica", "sigterm_replica", "sigkill_redis"]
+                kinds = ["sigkill_instance", "sigterm_instance", "sigkill_redis"]
                 self.rng.shuffle(kinds)
             kind = kinds.pop()
             self.result.events[kind] += 1
@@ -310,31 +310,31 @@ class _Harness:
                 await asyncio.to_thread(self.redis.start_node, port)
                 await asyncio.to_thread(self.redis.wait_ok)
                 back = time.monotonic()
-                await asyncio.gather(*(self.serving_within(i, back, kind) for i in range(len(self.replicas))))
+                await asyncio.gather(*(self.serving_within(i, back, kind) for i in range(len(self.instances))))
             elif kind == "sigkill_redis":
                 self.log(f"{time.strftime('%X')} chaos: SIGKILL redis, back in {down_s:.1f}s")
                 await asyncio.to_thread(self.redis.kill)
                 await asyncio.sleep(down_s)
                 await asyncio.to_thread(self.redis.start)
                 back = time.monotonic()
-                await asyncio.gather(*(self.serving_within(i, back, kind) for i in range(len(self.replicas))))
+                await asyncio.gather(*(self.serving_within(i, back, kind) for i in range(len(self.instances))))
             else:
-                i = self.rng.randrange(len(self.replicas))
-                replica = self.replicas[i]
-                self.log(f"{time.strftime('%X')} chaos: {kind} replica {i}, back in {down_s:.1f}s")
-                replica.signal(signal.SIGKILL if kind == "sigkill_replica" else signal.SIGTERM)
-                await asyncio.to_thread(replica.wait, 30)
+                i = self.rng.randrange(len(self.instances))
+                instance = self.instances[i]
+                self.log(f"{time.strftime('%X')} chaos: {kind} instance {i}, back in {down_s:.1f}s")
+                instance.signal(signal.SIGKILL if kind == "sigkill_instance" else signal.SIGTERM)
+                await asyncio.to_thread(instance.wait, 30)
                 await asyncio.sleep(down_s)
                 started = time.monotonic()
-                replica.start()
-                await asyncio.to_thread(replica.wait_listening)
+                instance.start()
+                await asyncio.to_thread(instance.wait_listening)
                 await self.serving_within(i, started, kind)
 
     # the run
 
     async def run(self) -> ChaosResult:
         res = self.result
-        self.channels = [grpc.aio.insecure_channel(r.target, options=CHANNEL_OPTIONS) for r in self.replicas]
+        self.channels = [grpc.aio.insecure_channel(r.target, options=CHANNEL_OPTIONS) for r in self.instances]
         self.stubs = [pb_grpc.ExpertLoadBalancerServiceStub(c) for c in self.channels]
         try:
             await self.stubs[0].CreateDeployment(pb.CreateDeploymentRequest(deployment=_deployment(self.cfg.ranks)))
@@ -344,7 +344,7 @@ class _Harness:
             planner = asyncio.create_task(self.planner())
             start = time.monotonic()
             await self.chaos(start + self.cfg.seconds)
-            await asyncio.gather(*(self.serving_within(i, time.monotonic(), "end") for i in range(len(self.replicas))))
+            await asyncio.gather(*(self.serving_within(i, time.monotonic(), "end") for i in range(len(self.instances))))
             self.stop_load.set()
             self.stop_plans.set()
             await asyncio.gather(*ranks, planner)
@@ -364,7 +364,7 @@ class _Harness:
                 w.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
             # Counted exactly once: the window holds every report, and each is known as accepted.
-            await asyncio.sleep(1.0)  # every replica's last flush
+            await asyncio.sleep(1.0)  # every instance's last flush
             window = await self.stubs[0].Rebalance(
                 pb.RebalanceRequest(deployment=NAME, dry_run=True, force=True), timeout=30
             )
@@ -390,7 +390,7 @@ class _Harness:
             res.failures.append(f"watchers saw {res.watcher_gaps} version gaps and {res.watcher_duplicates} duplicates")
         if res.watchers_behind:
             res.failures.append(f"{res.watchers_behind} watchers did not reach version {res.versions}")
-        for path in sorted(self.workdir.glob("replica*.log")):
+        for path in sorted(self.workdir.glob("instance*.log")):
             text = path.read_text(errors="replace")
             res.tracebacks_in_logs += text.count("Traceback")
             res.tracebacks += [f"{path.name}: {excerpt}" for excerpt in traceback_excerpts(text)]
@@ -428,8 +428,8 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None, log: Callable[[s
             harness.stop_processes()
         result.load_average = load
         if result.failures and workdir is None:
-            log(f"replica logs: {work} (deleted at exit; pass --workdir to keep them)")
-            for path in sorted(work.glob("replica*.log")):
+            log(f"instance logs: {work} (deleted at exit; pass --workdir to keep them)")
+            for path in sorted(work.glob("instance*.log")):
                 log(f"--- {path.name} (last lines)")
                 log("\n".join(path.read_text(errors="replace").splitlines()[-20:]))
         return result
@@ -438,19 +438,19 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None, log: Callable[[s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eplb_bench.chaos_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=300.0)
-    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--watchers", type=int, default=50)
     ap.add_argument("--lease-seconds", type=float, default=5.0)
     ap.add_argument("--report-period", type=float, default=0.25, help="seconds between a rank's batches of 5 reports")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", type=Path, default=None, help="keep Redis files and replica logs here")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep Redis files and instance logs here")
     ap.add_argument("--cluster", action="store_true", help="a 3-master Redis Cluster; SIGKILL the deployment's master")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     config = ChaosConfig(
         seconds=args.seconds,
-        replicas=args.replicas,
+        instances=args.instances,
         ranks=args.ranks,
         watchers=args.watchers,
         lease_s=args.lease_seconds,

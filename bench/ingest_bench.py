@@ -1,7 +1,7 @@
-"""Ingestion at scale: reports/s accepted and GetPlacement p99, by Redis kind, replicas and
+"""Ingestion at scale: reports/s accepted and GetPlacement p99, by Redis kind, instances and
 deployments, and what each report costs Redis.
 
-    python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--replicas 1,2] [--deployments 1,50]
+    python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--instances 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000 | --rate-of-max 0.8] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
         [--clients lean|protobuf] [--rpc streamload|reportload] [--streams 8] [--client-procs 2] [--connections 1]
         [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
@@ -9,10 +9,10 @@ deployments, and what each report costs Redis.
 
 For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
 without persistence, on free loopback ports in a temp directory) and each count of ``eplb
-serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` reports), two runs:
+serve`` instances and of deployments (v3-prefill shaped: int32 ``[58, 256]`` reports), two runs:
 
-- max: two client processes (``--client-procs``) send reports as fast as the replicas accept (spread over the
-  replicas and deployments) for ``--seconds``, each on ``--streams`` streams (8; a rank each).
+- max: two client processes (``--client-procs``) send reports as fast as the instances accept (spread over the
+  instances and deployments) for ``--seconds``, each on ``--streams`` streams (8; a rank each).
   As engines send (``--rpc streamload``, the default): each stream a kept-open ``StreamLoad``
   call that sends its next report once the last one's ack came, so a stream's rate is bound by
   the ack's latency, about 1 / (linger + store call), and few streams cannot offer 2,000
@@ -23,7 +23,7 @@ serve`` replicas and of deployments (v3-prefill shaped: int32 ``[58, 256]`` repo
 - paced: the same clients send ``--rate`` reports/s in total (or ``--rate-of-max`` times the
   max just measured).
 
-``bare`` (not run by default) puts ``harness.bare_server`` where the replicas would be: a
+``bare`` (not run by default) puts ``harness.bare_server`` where the instances would be: a
 gRPC server of the same service and options that only receives each report and answers
 GetPlacement from one pre-built response of a v3 placement's size, with no Redis. Its p99 is the
 floor under the service's: what the same clients see when nothing but gRPC's reception of the
@@ -32,34 +32,34 @@ reports shares the event loop with GetPlacement.
 ``memory`` (not run by default) runs ``eplb serve`` on its embedded in-memory store: the
 service's own cost without the Redis client's (Redis columns 0).
 
-In all, a third process calls GetPlacement on the first replica every 5 ms (4 callers; set
+In all, a third process calls GetPlacement on the first instance every 5 ms (4 callers; set
 with ``--probe-callers`` and ``--probe-interval-ms``) and prints its p99; ``--probe-on reader``
-calls it on one more replica that takes no reports instead (it shares the store, so only with
+calls it on one more instance that takes no reports instead (it shares the store, so only with
 ``redis`` and ``cluster``). Every client process starts its load at one barrier once it has
 imported, connected and built its reports, and the GetPlacement calls start ``LEAD_S`` into the
 load and end ``LEAD_S`` before it, so that no client's start-up lands in the figures; each
 client measures its own CPU over the load ("client cores": on a 2-core machine the clients,
 which stand for engines on other machines, take a share of the service's cores). ``--clients
 lean`` (the default) sends each request as bytes (its small fields, then its counts' field
-serialized once per pool entry); ``protobuf`` builds each message. ``--connections N`` gives each client process N connections of its own to each replica
+serialized once per pool entry); ``protobuf`` builds each message. ``--connections N`` gives each client process N connections of its own to each instance
 (engines on other hosts each have theirs; channels of one process to one target otherwise share
-one), so that a replica's ``--processes`` all get some; the replicas' CPU then sums each
-replica's serving processes. ``--serve-args`` adds
-flags to every replica, for an A/B of one flag (``--report-linger-seconds 0``). Each figure is
+one), so that an instance's ``--processes`` all get some; the instances' CPU then sums each
+instance's serving processes. ``--serve-args`` adds
+flags to every instance, for an A/B of one flag (``--report-linger-seconds 0``). Each figure is
 the median over ``--repeats`` runs.
 
 Per shard, for extrapolating to more masters: the CPU seconds each ``redis-server`` spent
 (``INFO cpu`` ``used_cpu_sys`` + ``used_cpu_user``) per accepted report, summed over masters
-("redis ms/rep") and the busiest master's share of one core ("hot master %"); and the replicas'
-own CPU (``/proc/PID/stat`` utime + stime, summed over replicas) per accepted report ("service
+("redis ms/rep") and the busiest master's share of one core ("hot master %"); and the instances'
+own CPU (``/proc/PID/stat`` utime + stime, summed over instances) per accepted report ("service
 ms/rep"). 1000 / ms-per-report is what one core of that kind takes in reports/s.
 
-``--profile-dir DIR`` runs each replica under cProfile and writes ``DIR/<prefix>-<i>.prof``
-when it stops (SIGINT, a graceful stop); read with ``python -m pstats``. It slows the replicas:
+``--profile-dir DIR`` runs each instance under cProfile and writes ``DIR/<prefix>-<i>.prof``
+when it stops (SIGINT, a graceful stop); read with ``python -m pstats``. It slows the instances:
 for where the time goes, not for the table.
 
 Pinning (``--cpus-*``, core lists such as ``0,1`` or ``2-15``; Linux): Redis (every master),
-the replicas and the client processes (ingest and GetPlacement callers) are started with those
+the instances and the client processes (ingest and GetPlacement callers) are started with those
 cores as their affinity (``os.sched_setaffinity`` on this process before each is started;
 children inherit it), so that a big machine emulates a small one for the service, with the
 clients on cores of their own as if they were other machines.
@@ -127,8 +127,8 @@ def _ingest_worker(
     async def main() -> None:
         # ``connections`` per target, each its own (engines on other hosts each have theirs; one
         # process's channels to one target otherwise share one: gRPC's global subchannel pool),
-        # so that a replica's serving processes (--processes) all get some.
-        # Replica-minor: consecutive streams go to different replicas.
+        # so that an instance's serving processes (--processes) all get some.
+        # Instance-minor: consecutive streams go to different instances.
         chans = [aio_channel(t) if connections == 1 else own_channel(t) for _ in range(connections) for t in targets]
         if rpc == "streamload":
             methods = [
@@ -223,7 +223,7 @@ def _redis_counters(ports: list[int]) -> list[tuple[int, float]]:
 
 
 def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int], rate: float, args) -> dict:
-    """``targets``: the replicas that take reports, then the one GetPlacement is called on."""
+    """``targets``: the instances that take reports, then the one GetPlacement is called on."""
     ctx = mp.get_context("spawn")
     out, lat_out = ctx.Queue(), ctx.Queue()
     seconds, lean = args.seconds, args.clients == "lean"
@@ -253,7 +253,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
         ctx.Process(
             target=latency_worker,
             args=(
-                targets[-1],  # the probe target: the first replica, or the reader
+                targets[-1],  # the probe target: the first instance, or the reader
                 names[0],
                 args.probe_callers,
                 seconds,
@@ -280,7 +280,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
         raise RuntimeError("a client process failed (its traceback is above)") from None
     for p in procs:
         p.join()
-    time.sleep(1.5)  # the replicas' last flushes
+    time.sleep(1.5)  # the instances' last flushes
     after, cpu_after = _redis_counters(ports), proc_cpu(pids)
     clients_cpu = sum(c for _, _, c in results) + probe_cpu
     accepted = sum(a for a, _, _ in results)
@@ -304,13 +304,13 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
-    return [(k, r, d) for k in args.kinds for r in args.replicas for d in args.deployments]
+    return [(k, r, d) for k in args.kinds for r in args.instances for d in args.deployments]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", type=lambda s: s.split(","), default=["redis", "cluster"])
-    ap.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    ap.add_argument("--instances", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--deployments", type=lambda s: [int(x) for x in s.split(",")], default=[1, 50])
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rate", type=float, default=2000.0)
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-on",
         choices=("first", "reader"),
         default="first",
-        help="GetPlacement on the first replica (which takes reports too), or on one more replica that takes none",
+        help="GetPlacement on the first instance (which takes reports too), or on one more instance that takes none",
     )
     ap.add_argument(
         "--streams",
@@ -357,17 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         "--connections",
         type=int,
         default=1,
-        help="connections per load client process to each replica, streams spread over them (default 1; "
-        "more to spread over a replica's --processes)",
+        help="connections per load client process to each instance, streams spread over them (default 1; "
+        "more to spread over an instance's --processes)",
     )
     ap.add_argument("--probe-callers", type=int, default=4, help="GetPlacement callers (default 4)")
     ap.add_argument(
         "--probe-interval-ms", type=float, default=5.0, help="each caller's interval in ms (default 5; 0: back to back)"
     )
     ap.add_argument("--cpus-redis", type=cpu_list, help="cores for every redis-server (e.g. 0,1)")
-    ap.add_argument("--cpus-service", type=cpu_list, help="cores for the eplb serve replicas (e.g. 0,1)")
+    ap.add_argument("--cpus-service", type=cpu_list, help="cores for the eplb serve instances (e.g. 0,1)")
     ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
-    ap.add_argument("--profile-dir", type=Path, help="run each replica under cProfile; profiles land here")
+    ap.add_argument("--profile-dir", type=Path, help="run each instance under cProfile; profiles land here")
     args = ap.parse_args(argv)
     if args.client_procs < 1 or args.connections < 1:
         ap.error("--client-procs and --connections must be at least 1")
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate_of_max is not None and not 0 < args.rate_of_max <= 1:
         ap.error(f"--rate-of-max must be in (0, 1], got {args.rate_of_max}")
     if args.probe_on == "reader" and not set(args.kinds) <= {"redis", "cluster"}:
-        ap.error("--probe-on reader needs replicas that share a store: --kinds redis and/or cluster")
+        ap.error("--probe-on reader needs instances that share a store: --kinds redis and/or cluster")
     rows = []
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="eplb-ingest-") as tmp:
@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                 backend.start()
                 url, ports = backend.url, [backend.port]
             try:
-                for _, replicas, deployments in [c for c in _configs(args) if c[0] == kind]:
-                    rows.append(_measure(kind, url, ports, replicas, deployments, args, workdir))
+                for _, instances, deployments in [c for c in _configs(args) if c[0] == kind]:
+                    rows.append(_measure(kind, url, ports, instances, deployments, args, workdir))
                     _print_row(rows[-1])
             finally:
                 if backend is not None:
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _BareServe(ServeProcess):
-    """``harness.bare_server`` in place of a replica: the floor (no Redis, no report work)."""
+    """``harness.bare_server`` in place of an instance: the floor (no Redis, no report work)."""
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
@@ -428,7 +428,7 @@ class _BareServe(ServeProcess):
 
 
 class _ProfiledServe(ServeProcess):
-    """A replica under ``cProfile -o profile``, stopped with SIGINT so that the profile is written."""
+    """An instance under ``cProfile -o profile``, stopped with SIGINT so that the profile is written."""
 
     profile: Path | None = None
 
@@ -456,11 +456,11 @@ def _cores(cores: list[int] | None) -> str:
     return ",".join(map(str, cores)) if cores else "any"
 
 
-def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: int, args, workdir: Path) -> dict:
+def _measure(kind: str, url: str, ports: list[int], instances: int, deployments: int, args, workdir: Path) -> dict:
     prefix = f"ingest-{uuid.uuid4().hex[:8]}"
     servers = [
         ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING", *args.serve_args.split()))
-        for i in range(replicas + (args.probe_on == "reader"))
+        for i in range(instances + (args.probe_on == "reader"))
     ]
     if kind == "bare":
         servers = [_BareServe(s.redis_url, s.prefix, s.log_path) for s in servers]
@@ -479,10 +479,10 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
         names = [f"d{i}" for i in range(deployments)]
         for name in names:
             create_v3(servers[0].target, name, ranks=args.client_procs * args.streams)
-        # The report streams go to the first ``replicas``; GetPlacement to the first, or to the
-        # replica after them that takes no reports (--probe-on reader).
+        # The report streams go to the first ``instances``; GetPlacement to the first, or to the
+        # instance after them that takes no reports (--probe-on reader).
         probe = servers[-1] if args.probe_on == "reader" else servers[0]
-        targets = [s.target for s in servers[:replicas]] + [probe.target]
+        targets = [s.target for s in servers[:instances]] + [probe.target]
         pids = [s.proc.pid for s in servers]
         runs_max = [_run(targets, names, ports, pids, 0.0, args) for _ in range(args.repeats)]
         rate = args.rate
@@ -498,7 +498,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
 
     return {
         "redis": kind,
-        "replicas": replicas,
+        "instances": instances,
         "probe_on": args.probe_on,
         "streams": args.streams,
         "rpc": args.rpc,
@@ -524,7 +524,7 @@ def _measure(kind: str, url: str, ports: list[int], replicas: int, deployments: 
 
 
 _HEADER = (
-    f"{'redis':8} {'replicas':>8} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} {'p99 ms':>7} "
+    f"{'redis':8} {'instances':>9} {'deploys':>7} {'max rep/s':>10} {'B/report':>9} {'x payload':>9} {'p99 ms':>7} "
     f"{'redis ms/rep':>12} {'hot master %':>12} {'service ms/rep':>14} {'svc cores':>9} | "
     f"{'paced rep/s':>11} {'p50 ms':>7} {'p99 ms':>7} {'svc cores':>9} {'client cores':>12}"
 )
@@ -532,7 +532,7 @@ _HEADER = (
 
 def _print_row(r: dict) -> None:
     print(
-        f"{r['redis']:8} {r['replicas']:>8} {r['deployments']:>7} {r['max_reports_per_s']:>10.0f} "
+        f"{r['redis']:8} {r['instances']:>9} {r['deployments']:>7} {r['max_reports_per_s']:>10.0f} "
         f"{r['bytes_per_report']:>9.0f} {r['bytes_per_report'] / PAYLOAD:>9.2f} {r['max_get_p99_ms']:>7.1f} "
         f"{r['redis_ms_per_report']:>12.3f} {r['hot_master_pct']:>12.0f} {r['service_ms_per_report']:>14.3f} "
         f"{r['service_cores']:>9.2f} | "

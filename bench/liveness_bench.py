@@ -1,8 +1,8 @@
-"""What liveness (``Deployment.liveness``) costs a replica and Redis, for one deployment.
+"""What liveness (``Deployment.liveness``) costs an instance and Redis, for one deployment.
 
     python -m eplb_bench.liveness_bench [--ranks 320] [--repeats 200] [--redis-url redis://127.0.0.1:6379/0]
 
-On Redis (a key prefix of its own, deleted afterwards): the store calls a replica makes once
+On Redis (a key prefix of its own, deleted afterwards): the store calls an instance makes once
 per ``liveness_s`` (1 s) per deployment with liveness on, ``record_seen`` of every rank (the
 most one round writes) and ``seen`` (the read behind the gauge and GetDeployment), their median
 and p99 in ms; the ``MEMORY USAGE`` of the deployment's ``seen`` hash with every rank in it;

@@ -9,7 +9,7 @@ the end) and drives them from separate client processes, all on this machine:
   of the deployment's keys against the stated bound;
 - latency: ``--callers`` concurrent GetPlacement callers, closed loop (each calls again as
   soon as it has an answer) and paced (each calls every ``--pace-ms`` ms); prints p50/p99;
-- watch: ``--watchers`` WatchPlacements streams spread over 2 replicas; ``--versions`` forced
+- watch: ``--watchers`` WatchPlacements streams spread over 2 instances; ``--versions`` forced
   rebalances; prints, per version, the time from commit to the last watcher having it.
 """
 
@@ -152,7 +152,7 @@ async def _fill(targets: list[str], name: str, ranks: int) -> None:
         await chan.close()
 
 
-def _memory(redis_url: str, prefix: str, name: str, replicas: int, ranks: int) -> dict:
+def _memory(redis_url: str, prefix: str, name: str, instances: int, ranks: int) -> dict:
     import redis
 
     r = redis.Redis.from_url(redis_url)
@@ -161,13 +161,13 @@ def _memory(redis_url: str, prefix: str, name: str, replicas: int, ranks: int) -
     r.close()
     L, E, P = V3["num_layers"], V3["num_experts"], V3["num_slots"]
 
-    # Bound (see docs/service.md): one [L, E] float64 window blob per replica, 16 placements of
+    # Bound (see docs/service.md): one [L, E] float64 window blob per instance, 16 placements of
     # [L, P] int32, each rounded up to jemalloc's size class (16 KiB steps in this range);
     # seq and acks hashes at most 64 bytes per rank each; the stream ~64 small entries; 8 KiB rest.
     def jemalloc(n: int) -> int:
         return -(-n // 16384) * 16384
 
-    bound = replicas * jemalloc(L * E * 8 + 29) + 16 * jemalloc(L * P * 4 + 64) + 2 * ranks * 64 + 64 * 128 + 8192
+    bound = instances * jemalloc(L * E * 8 + 29) + 16 * jemalloc(L * P * 4 + 64) + 2 * ranks * 64 + 64 * 128 + 8192
     return {"keys": usage, "total_bytes": sum(usage.values()), "bound_bytes": bound}
 
 
@@ -263,20 +263,20 @@ def main(argv: list[str] | None = None) -> int:
             }
             figures["watch"] = row
             print(
-                f"watch: {args.watchers} watchers on 2 replicas, {row['complete_versions']}/{args.versions} versions "
+                f"watch: {args.watchers} watchers on 2 instances, {row['complete_versions']}/{args.versions} versions "
                 f"reached every watcher; commit -> all have it: p50 {row['all_have_p50_ms']:.0f} ms, "
                 f"p99 {row['all_have_p99_ms']:.0f} ms (max {row['all_have_max_ms']:.0f} ms); "
                 f"per watcher p50 {row['per_watcher_p50_ms']:.0f} ms, p99 {row['per_watcher_p99_ms']:.0f} ms"
             )
         if "ingest" in parts:
-            # Worst case for the bound: every rank reported and acked on every replica, and at
+            # Worst case for the bound: every rank reported and acked on every instance, and at
             # least 16 versions published (the watch part publishes --versions).
             asyncio.run(_fill([t for _, t in servers], name, args.ranks))
-            time.sleep(1.5)  # let every replica flush its window
-            mem = _memory(args.redis_url, prefix, name, replicas=len(servers), ranks=args.ranks)
+            time.sleep(1.5)  # let every instance flush its window
+            mem = _memory(args.redis_url, prefix, name, instances=len(servers), ranks=args.ranks)
             figures["redis_memory"] = mem
             print(
-                f"redis memory of the deployment's keys, {len(servers)} replica(s), {args.ranks} ranks, "
+                f"redis memory of the deployment's keys, {len(servers)} instance(s), {args.ranks} ranks, "
                 f"10-minute window: {mem['total_bytes']:,} bytes (stated bound {mem['bound_bytes']:,})"
             )
             for k, v in mem["keys"].items():

@@ -1,10 +1,10 @@
-"""The balancer: one per service replica, on top of a ``Store``. It builds one collaborator per
+"""The balancer: one per service instance, on top of a ``Store``. It builds one collaborator per
 room, each handed the ones it uses (dependencies run one way, top to bottom), and runs their
 background loops:
 
 - :mod:`.store_health` ``StoreHealth(store)``: reachable or not, the deployments whose part of
   the store is down, the store's run id;
-- :mod:`.registry` ``Registry(store, metrics, health)``: the deployments this replica follows
+- :mod:`.registry` ``Registry(store, metrics, health)``: the deployments this instance follows
   and their local state (:mod:`.local`), and the write-back after the store restarted empty;
 - :mod:`.ingest` ``Ingest(registry, store, …)``: reports in (checks, dedup, durable
   acceptance), windows out (:mod:`.windows`);
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class Balancer:
-    """One per service replica: builds the collaborators (see the module doc) and runs the loops."""
+    """One per service instance: builds the collaborators (see the module doc) and runs the loops."""
 
     def __init__(
         self,
@@ -118,7 +118,7 @@ class Balancer:
         with contextlib.suppress(ServiceError):
             await self.ingest.flush_all()
         for local in self.registry.local.values():
-            # The last second's report and ack times, so other replicas do not see them late.
+            # The last second's report and ack times, so other instances do not see them late.
             with contextlib.suppress(ServiceError):
                 await self.liveness.write_seen(local)
         for local in self.registry.local.values():

@@ -20,9 +20,9 @@ class Batcher:
     ``linger_s`` > 0 is a group commit: a call starts no sooner than ``linger_s`` after the
     previous one started, unless ``fill`` items are waiting. An item after a quiet spell goes at
     once; under a steady rate the calls are at most ``1 / linger_s`` a second, each carrying
-    what arrived meanwhile. Each store call costs the replica's loop redis-py's call path and a
+    what arrived meanwhile. Each store call costs the instance's loop redis-py's call path and a
     Redis round trip whatever it carries (docs/service.md, Ingestion at scale, "Group commit":
-    about 0.14 ms of replica CPU a call), and every item waits at most ``linger_s`` more for
+    about 0.14 ms of instance CPU a call), and every item waits at most ``linger_s`` more for
     its answer.
 
     ``fn`` answers each item in order; an answer that is an ``Exception`` is raised to that

@@ -213,7 +213,7 @@ _OPTIONS: dict[str, tuple[str, str, str | None, Callable[[str], object], str]] =
         "1",
         _int_in(1, 256, "a number of processes 1-256"),
         "serving processes sharing the port (SO_REUSEPORT; Linux), each an instance of its own that "
-        "shares state through Redis as replicas do; above 1 needs --redis-url; /metrics on "
+        "shares state through Redis as instances do; above 1 needs --redis-url; /metrics on "
         "--metrics-port + the process's index (1-256)",
     ),
     "log_level": ("--log-level", "LOG_LEVEL", "INFO", _one_of(_LOG_LEVELS, str.upper), "/".join(_LOG_LEVELS)),

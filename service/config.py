@@ -1,4 +1,4 @@
-"""``BalancerConfig``: one replica's timings and pool sizes (``eplb serve`` flags set them)."""
+"""``BalancerConfig``: one instance's timings and pool sizes (``eplb serve`` flags set them)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ __all__ = ["BalancerConfig"]
 class BalancerConfig:
     """Timings in seconds. ``lease_s`` bounds how long a crashed planner blocks the others."""
 
+    # This instance's id (the name predates the glossary: it keys the instance's window blob in the
+    # store and prefixes its planning lease owner, so it stays).
     replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     lease_s: float = 10.0
     flush_s: float = 1.0
@@ -35,8 +37,8 @@ class BalancerConfig:
     # The server's largest gRPC message (--max-message-bytes): a deployment whose placement
     # cannot be sent in one is refused on create (the server sets it from its own config).
     max_message_bytes: int = 16 << 20
-    # How often this replica writes the times it saw ranks (reports, acks) to the store and
-    # re-counts suspect ranks (service/liveness.py): another replica's view is this much old at
+    # How often this instance writes the times it saw ranks (reports, acks) to the store and
+    # re-counts suspect ranks (service/liveness.py): another instance's view is this much old at
     # most, so it is the precision of Liveness.suspect_after (added to it as a margin).
     liveness_s: float = 1.0
     # Group commit of reports (service/batcher.py, service/ingest.py): the store calls of a

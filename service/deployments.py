@@ -1,6 +1,6 @@
 """The calls that act on a deployment as a whole: create, get, list, delete, its placements,
-watches, rollout acks and SetRanksDown. Which deployments this replica follows, and their
-replica-local state, is :mod:`.registry`'s.
+watches, rollout acks and SetRanksDown. Which deployments this instance follows, and their
+instance-local state, is :mod:`.registry`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from eplb_wire.arrays import encode
 
 from . import arrays, codec, validation
 from . import rollout as rollout_states
-from .calls import LogThrottle
 from .clip import clip
 from .config import BalancerConfig
 from .errors import (
@@ -33,6 +32,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .liveness import Liveness
+from .log_throttle import LogThrottle
 from .metrics import Metrics
 from .planner import Planner
 from .registry import Registry
@@ -176,7 +176,7 @@ class Deployments:
             acks = await self.store.acks(name)
         marks = await self.store.marks(name)
         latest = self.registry.latest(name)
-        # This replica's copy when it has the current version (a v3-sized placement is not read
+        # This instance's copy when it has the current version (a v3-sized placement is not read
         # from Redis per deployment per list), else the store's.
         current = latest if latest is not None and latest.version == version else await self.store.placement(name)
         # The current version's live ranks: a rank down in it takes no part in its rollout.
@@ -194,7 +194,7 @@ class Deployments:
         if marks.planned_at != created_seconds(record.deployment):
             status.last_plan_time.FromNanoseconds(int(marks.planned_at * 1e9))
         if codec.suspect_after_s(record.deployment):
-            # Read fresh (service/liveness.py), merged with this replica's own times.
+            # Read fresh (service/liveness.py), merged with this instance's own times.
             status.suspect_ranks.extend(
                 await self.liveness.suspects(record.deployment, set(current.down_ranks), self.registry.local.get(name))
             )
@@ -202,7 +202,7 @@ class Deployments:
 
     async def window_loads(self, name: str) -> tuple[np.ndarray, int]:
         """``[L, E]`` float64 tokens in ``name``'s load window as a plan would read it now (every
-        replica's last flush and the write-ahead entries not folded yet), and the reports behind."""
+        instance's last flush and the write-ahead entries not folded yet), and the reports behind."""
         validation.check_name(name, "deployment")
         local = await self.registry.get(name)
         topo = local.topology
@@ -220,9 +220,9 @@ class Deployments:
     # placements
 
     async def placement(self, name: str, version: int = 0) -> pb.Placement:
-        """The current placement (version 0) or a recent one. Served from this replica's memory
+        """The current placement (version 0) or a recent one. Served from this instance's memory
         while it follows the deployment, and also while the store is unreachable (the last
-        version this replica saw); a deployment it knows is never NOT_FOUND after the store
+        version this instance saw); a deployment it knows is never NOT_FOUND after the store
         restarted empty (it is written back first)."""
         validation.check_name(name, "deployment")
         local = self.registry.local.get(name)
@@ -289,8 +289,8 @@ class Deployments:
                 f"rank {request.rank} is down in version {request.version} (down ranks {list(acked.down_ranks)}); "
                 "it takes no part in that version's rollout (SetRanksDown up=[rank] plans it in again)"
             )
-        # The store's current version (``record``), not an older one this replica remembers: a
-        # replica that has not seen the survivor placement yet must not let the superseded
+        # The store's current version (``record``), not an older one this instance remembers: an
+        # instance that has not seen the survivor placement yet must not let the superseded
         # version finish. Its memory serves when it is that version (placements are large).
         current = await self.placement(name)
         if current.version < record.version:

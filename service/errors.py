@@ -85,7 +85,7 @@ class StoreUnavailable(ServiceError):
 
 
 class Aborted(ServiceError):
-    """A concurrent change won (e.g. another replica published first); retrying is safe."""
+    """A concurrent change won (e.g. another instance published first); retrying is safe."""
 
     code = grpc.StatusCode.ABORTED
 
@@ -132,7 +132,7 @@ class Unauthenticated(ServiceError):
 
 
 class ShuttingDown(ServiceError):
-    """This replica is stopping: the client should call another replica (resending what it must)."""
+    """This instance is stopping: the client should call another instance (resending what it must)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

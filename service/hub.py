@@ -1,7 +1,7 @@
-"""One replica's live view of a deployment's placements, fanned out to its watchers.
+"""One instance's live view of a deployment's placements, fanned out to its watchers.
 
 A single task per deployment follows the store (on Redis: tails the announce stream from its
-last seen id) and keeps the recent versions in a ring; every watcher of this replica reads
+last seen id) and keeps the recent versions in a ring; every watcher of this instance reads
 from the ring, so store traffic does not grow with the number of watchers.
 
 A watcher holds no queue of its own: it is handed the next placement only once its stream took
@@ -147,7 +147,7 @@ class PlacementHub:
 
         The caller takes each placement before asking for the next (an async generator's
         consumer), so this holds no backlog per watcher. A resuming watcher whose next version is
-        not in the ring (this replica started after it was published) gets it from the store,
+        not in the ring (this instance started after it was published) gets it from the store,
         which keeps ``PLACEMENTS_KEPT`` versions; only one whose next version left the store too
         gets the latest instead of a backlog.
         """

@@ -1,17 +1,17 @@
 """Liveness: which ranks of a deployment went quiet (``Deployment.liveness.suspect_after``).
 
-A rank from which no replica received a report or an ack for longer than ``suspect_after`` is
+A rank from which no instance received a report or an ack for longer than ``suspect_after`` is
 **suspect**: ``DeploymentStatus.suspect_ranks`` (in ``GetDeployment`` and ``ListDeployments``)
 lists it and ``eplb_suspect_ranks{deployment}`` counts it. It is only shown; the service never
 plans a rank out on its own (``SetRanksDown`` does that), and a rank down is never suspect.
 
-Several replicas may serve one deployment, so the times they saw are shared through the store
-(``Store.record_seen``, a hash per deployment on Redis): each replica notes the latest report or
+Several instances may serve one deployment, so the times they saw are shared through the store
+(``Store.record_seen``, a hash per deployment on Redis): each instance notes the latest report or
 ack time per rank in memory (:meth:`.local.LocalDeployment.saw`, no store call on the report path) and writes
 the ones that changed every ``BalancerConfig.liveness_s`` (1 s), one call per deployment, each
-time kept only where later than the stored one. Another replica's view of a rank is therefore up
+time kept only where later than the stored one. Another instance's view of a rank is therefore up
 to ``liveness_s`` old; a rank is listed only once it is silent for more than ``suspect_after +
-liveness_s``, so one that is alive is never listed because of that lag (with the replicas'
+liveness_s``, so one that is alive is never listed because of that lag (with the instances'
 clocks in step), and a dead one is listed ``liveness_s`` late at most.
 """
 
@@ -79,7 +79,7 @@ class Liveness:
         self, deployment: pb.Deployment, down: set[int], local: LocalDeployment | None
     ) -> list[pb.SuspectRank]:
         """The suspect ranks of ``deployment`` (those in ``down`` excluded): the store's times,
-        merged with this replica's own when it follows the deployment (``local``: a rank that
+        merged with this instance's own when it follows the deployment (``local``: a rank that
         just reported here is live at once)."""
         after_s = codec.suspect_after_s(deployment)
         if not after_s:

@@ -1,4 +1,4 @@
-"""``LocalDeployment``: this replica's state for one deployment it follows (its window, its
+"""``LocalDeployment``: this instance's state for one deployment it follows (its window, its
 follower, its planning and liveness state). :class:`.registry.Registry` owns them; the other
 collaborators are handed one and change only the fields of their own room (named below)."""
 
@@ -22,13 +22,13 @@ from .windows import DecayWindow, SlidingWindow, WindowSpec
 
 __all__ = ["LocalDeployment", "MAX_BATCH_REPORTS"]
 
-# Reports a replica keeps the batch size of, per deployment planned for time.
+# Reports an instance keeps the batch size of, per deployment planned for time.
 MAX_BATCH_REPORTS = 4096
 
 
 @dataclass
 class LocalDeployment:
-    """This replica's state for one deployment: its window, follower (hub) and planning state."""
+    """This instance's state for one deployment: its window, follower (hub) and planning state."""
 
     deployment: pb.Deployment
     topology: eplb.Topology
@@ -55,7 +55,7 @@ class LocalDeployment:
     # The planner's: before this time the trigger cannot be due (trigger.next_check), so its
     # marks are not read.
     next_trigger_check: float = 0.0
-    # Liveness (service/liveness.py; 0: off): rank → the latest report or ack this replica
+    # Liveness (service/liveness.py; 0: off): rank → the latest report or ack this instance
     # answered, those not written to the store yet, and the ranks last counted suspect.
     suspect_after_s: float = 0.0
     seen: dict[int, float] = field(default_factory=dict)
@@ -63,7 +63,7 @@ class LocalDeployment:
     suspect: frozenset[int] = frozenset()
     # Reports' (time, tokens per gpu per step, steps), the last MAX_BATCH_REPORTS: what a plan for
     # time learns its batch sizes from (Planning.kernel_model without tokens_per_gpu). This
-    # replica's reports only, in memory: after a restart, plans are for tokens until reports
+    # instance's reports only, in memory: after a restart, plans are for tokens until reports
     # with steps arrive again.
     batches: deque = field(default_factory=lambda: deque(maxlen=MAX_BATCH_REPORTS))
 

@@ -197,8 +197,8 @@ class MemoryStore:
         state = self._get(name)
         state.planned_reports, state.planned_at = reports, at
 
-    async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
-        self._get(name).windows[replica] = blob
+    async def put_window(self, name: str, instance: str, blob: bytes, folded: builtins.list[str]) -> None:
+        self._get(name).windows[instance] = blob
 
     async def windows(self, name: str) -> dict[str, bytes]:
         return dict(self._get(name).windows)

@@ -3,7 +3,7 @@
 Deployment-labelled series are dropped when the deployment is deleted (:meth:`Metrics.forget`).
 RPC series are labelled by the method's short name and the gRPC status code name; store series
 by the ``Store`` operation. The registry also carries prometheus-client's process, platform and
-GC collectors, so ``/metrics`` shows the replica's CPU, memory and open file descriptors.
+GC collectors, so ``/metrics`` shows the instance's CPU, memory and open file descriptors.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ SERIES: dict[str, Series] = {
         "eplb_imbalance", "gauge", ("deployment",), "Mean imbalance of the current placement when it was planned"
     ),
     "version": Series(
-        "eplb_placement_version", "gauge", ("deployment",), "Current placement version seen by this replica"
+        "eplb_placement_version", "gauge", ("deployment",), "Current placement version seen by this instance"
     ),
-    "watchers": Series("eplb_watchers", "gauge", ("deployment",), "Open WatchPlacements streams on this replica"),
+    "watchers": Series("eplb_watchers", "gauge", ("deployment",), "Open WatchPlacements streams on this instance"),
     "suspect_ranks": Series(
         "eplb_suspect_ranks",
         "gauge",
         ("deployment",),
-        "Ranks not down that sent no report and no ack for over liveness.suspect_after, as this replica last counted",
+        "Ranks not down that sent no report and no ack for over liveness.suspect_after, as this instance last counted",
     ),
     "budget_limited": Series(
         "eplb_budget_limited_total",

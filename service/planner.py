@@ -1,5 +1,5 @@
 """Planning of deployments: the trigger loop, Rebalance and the survivor plans of SetRanksDown.
-One replica plans a deployment at a time (the store's lease, renewed while the plan runs); the
+One instance plans a deployment at a time (the store's lease, renewed while the plan runs); the
 plan itself runs in a worker process (:mod:`.solver`); :func:`.trigger.decide` says whether it
 is published. Stateless plans (ComputePlacement) are :mod:`.compute`'s.
 
@@ -57,7 +57,7 @@ audit = logging.getLogger("eplb_service.audit")
 
 class Planner:
     """Re-plans of ``registry``'s deployments on ``solver``'s re-plan workers; ``ingest``
-    flushes this replica's window before a plan reads the store's."""
+    flushes this instance's window before a plan reads the store's."""
 
     def __init__(
         self,
@@ -80,7 +80,7 @@ class Planner:
         self._triggered: dict[str, tuple[asyncio.Task, bool]] = {}
 
     async def rebalance(self, request: pb.RebalanceRequest, deadline_s: float | None = None) -> pb.RebalanceResponse:
-        """Plans now; waits for another replica's plan of the deployment (its lease) for up to
+        """Plans now; waits for another instance's plan of the deployment (its lease) for up to
         ``deadline_s`` (the caller's time left; None: 60 s)."""
         validation.check_name(request.deployment, "deployment")
         local = await self.registry.get(request.deployment)
@@ -90,8 +90,8 @@ class Planner:
             return await self._plan(local, dry_run=True, force=request.force)
         name = request.deployment
         wait_s = 60.0 if deadline_s is None else max(0.0, deadline_s - 0.1)
-        # One plan at a time per deployment: the local lock orders this replica's callers, the
-        # store's lease (one owner token per attempt) orders the replicas.
+        # One plan at a time per deployment: the local lock orders this instance's callers, the
+        # store's lease (one owner token per attempt) orders the instances.
         async with local.lock:
             owner = f"{self.config.replica_id}:{uuid.uuid4().hex[:8]}"
             deadline = time.monotonic() + wait_s
@@ -109,7 +109,7 @@ class Planner:
     @contextlib.asynccontextmanager
     async def _renewing(self, name: str, owner: str) -> AsyncIterator[None]:
         """Holds the planning lease ``owner`` acquired for as long as the plan runs (renewed every
-        third of it), then releases it: a long plan never lets a second replica plan the same
+        third of it), then releases it: a long plan never lets a second instance plan the same
         version, and a crashed planner still blocks the others for one lease at most."""
 
         async def renew() -> None:
@@ -223,7 +223,7 @@ class Planner:
             if not await self.store.acquire_lease(name, owner, self.config.lease_s):
                 return
             async with self._renewing(name, owner):
-                # Re-read under the lease: another replica may have just planned.
+                # Re-read under the lease: another instance may have just planned.
                 why = due(local.trigger, await self.store.marks(name), time.time())
                 if why is not None:
                     log.info("re-planning %s: %s", name, why)

@@ -1,9 +1,9 @@
 """``eplb serve --processes N``: one instance served by N processes on one port.
 
 gRPC's own pattern for using several cores from Python: each process runs a whole server (its
-event loop, its balancer: an instance of its own, as replicas are) bound to the same port with
+event loop, its balancer, as separate instances have) bound to the same port with
 ``SO_REUSEPORT``, and the kernel spreads connections over them. They share their state through
-Redis exactly as separate replicas do, so every guarantee of replicas holds unchanged:
+Redis exactly as separate instances do, so every guarantee across instances holds unchanged:
 durability and dedup by ``(rank, seq)`` in the store, version safety by the publish script and
 the planning lease, tenancy per call, and draining on SIGTERM in each process.
 

@@ -1,9 +1,9 @@
-"""``Registry``: the deployments this replica follows, and their recovery after the store
+"""``Registry``: the deployments this instance follows, and their recovery after the store
 restarted empty.
 
-Every replica follows every deployment (:meth:`Registry.refresh`), so it can serve, plan and
-restore all of them; a deployment's replica-local state is a :class:`.local.LocalDeployment`,
-and the latest placement this replica saw of it is kept (:meth:`Registry.seen`). When the
+Every instance follows every deployment (:meth:`Registry.refresh`), so it can serve, plan and
+restore all of them; a deployment's instance-local state is a :class:`.local.LocalDeployment`,
+and the latest placement this instance saw of it is kept (:meth:`Registry.seen`). When the
 store restarted empty (a Redis restart without persistence: a new ``run_id``), the registry
 writes back what it knows, so committed versions survive and a deployment it follows is never
 NOT_FOUND (:meth:`Registry.check_health`, :meth:`Registry.confirm_deleted`).
@@ -46,13 +46,13 @@ class Registry:
         self._latest: dict[str, pb.Placement] = {}
 
     def latest(self, name: str) -> pb.Placement | None:
-        """The newest placement of ``name`` this replica saw (published, followed or created)."""
+        """The newest placement of ``name`` this instance saw (published, followed or created)."""
         return self._latest.get(name)
 
     async def refresh(self) -> None:
-        """Follows every deployment, so this replica can plan, restore and serve all of them.
+        """Follows every deployment, so this instance can plan, restore and serve all of them.
         Reads the index and only the records of names it does not follow yet: re-reading every
-        record each round cost an idle replica a core's tenth per hundred deployments."""
+        record each round cost an idle instance a core's tenth per hundred deployments."""
         for name in await self.store.names():
             if name in self.local:
                 continue
@@ -105,7 +105,7 @@ class Registry:
         self.metrics.forget(name)
 
     async def get(self, name: str) -> LocalDeployment:
-        """``name``'s local state, following it first if this replica does not yet (NOT_FOUND
+        """``name``'s local state, following it first if this instance does not yet (NOT_FOUND
         when the store does not have it)."""
         local = self.local.get(name)
         if local is not None and local.hub.deleted:
@@ -117,7 +117,7 @@ class Registry:
         return local
 
     async def known(self, name: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        """``call()``; if the store says NOT_FOUND for a deployment this replica follows, checks
+        """``call()``; if the store says NOT_FOUND for a deployment this instance follows, checks
         whether the store restarted empty (then writes everything back) and asks again."""
         try:
             return await call()
@@ -152,7 +152,7 @@ class Registry:
     async def confirm_deleted(self, name: str, gen: int = 0) -> bool:
         """``name`` looked missing: True if it is really gone (deleted, or re-created as another
         generation than ``gen``); False if the store is unreachable, or restarted empty (then
-        everything this replica knows is written back first) and the deployment is there."""
+        everything this instance knows is written back first) and the deployment is there."""
         run_id = await self.health.ping()
         if run_id is None:
             return False

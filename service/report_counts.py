@@ -4,8 +4,8 @@
 in (int32 counts stay int32: no float copy a report), checked as
 :func:`.arrays.decode_counts` checks them. Reports of up to ``OFF_LOOP_MIN`` counts are decoded
 on the loop: a thread hop costs more than it saves there. Measured with ``python -m
-eplb_bench.ingest_bench --kinds redis --replicas 1 --deployments 1`` (int32 ``[58, 256]``
-reports, 14,848 counts): decoding them in the pool took the replica 0.41-0.50 ms of CPU a
+eplb_bench.ingest_bench --kinds redis --instances 1 --deployments 1`` (int32 ``[58, 256]``
+reports, 14,848 counts): decoding them in the pool took the instance 0.41-0.50 ms of CPU a
 report and 1,720-2,188 reports/s at most, on the loop 0.18-0.24 ms and 3,115-4,969 reports/s.
 The decode itself is about 50 µs; the rest was the GIL passing between the loop and the pool's
 threads (numpy releases it for each large operation, and each release let the other thread in:

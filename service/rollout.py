@@ -5,7 +5,7 @@ weights are in place, it still routes with the previous map), SWITCHED (it route
 version's map) and FAILED (preparing failed; it keeps the previous map). Once every rank of
 the deployment prepared a version, the service fixes the version's switch step, the largest
 PREPARED step plus ``switch_margin_steps``; every rank switches at that step. The switch step is
-stored, so every replica answers the same one. A FAILED ack before the switch step is fixed
+stored, so every instance answers the same one. A FAILED ack before the switch step is fixed
 aborts the version's rollout; after it, the step stands (some ranks may already route with the
 version) and the failure is only counted.
 

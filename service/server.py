@@ -4,7 +4,7 @@ Shutdown (``RunningServer.stop``, what ``eplb serve`` does on SIGTERM or SIGINT)
 
 1. health goes NOT_SERVING for every service; ``Health/Watch`` streams get it at once;
 2. new calls are refused with UNAVAILABLE; after ``_HEALTH_FLUSH_S`` open server streams (placement
-   and health watches) end with UNAVAILABLE, so watchers reconnect to another replica;
+   and health watches) end with UNAVAILABLE, so watchers reconnect to another instance;
 3. unary calls and ``ReportLoad`` streams get half the grace period to finish; a report stream
    still open then ends with UNAVAILABLE once the message in hand is processed (what it accepted
    stays accepted; the status says how many messages were processed, and the client resends the
@@ -33,10 +33,15 @@ from grpc_reflection.v1alpha import reflection
 
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
 
+from .audit import AuditLog
 from .auth import Access, AuthFileError, AuthInterceptor, ScopedHealth
 from .balancer import Balancer, BalancerConfig
+from .call_metrics import CallMetrics
 from .calls import ErrorInterceptor
+from .decoding import BadMessages
+from .draining import Draining
 from .errors import ServiceError
+from .log_throttle import LogThrottle
 from .memory_store import MemoryStore
 from .metrics import Metrics
 from .metrics_http import serve_metrics
@@ -213,8 +218,12 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         asyncio.ensure_future(health_servicer.set(f"{SERVICE_NAME}/{name}", status))
 
     balancer = Balancer(store, metrics, balancer_config, on_health=on_health, on_deployment_health=on_deployment_health)
-    # First, so it also counts (and maps) the calls auth refuses.
-    calls = ErrorInterceptor(metrics)
+    # First, so it also counts (and maps) the calls auth refuses. One grpc interceptor; its
+    # collaborators each do one job. Lines about what callers sent share one throttle.
+    throttle = LogThrottle()
+    calls = ErrorInterceptor(
+        (CallMetrics(metrics), AuditLog(throttle)), bad_messages=BadMessages(throttle), draining=Draining()
+    )
     interceptors: list[grpc.aio.ServerInterceptor] = [calls]
     tls = bool(config.tls_cert and config.tls_key)
     if access is not None:

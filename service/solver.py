@@ -1,7 +1,7 @@
 """Where plans run: small pools of worker processes, so the event loop only serves.
 
 A plan holds the GIL for milliseconds to seconds; run in the server's process it stalls every
-call the replica serves (GetPlacement p99 rose from 1.8 ms to 34 ms with re-plans running).
+call the instance serves (GetPlacement p99 rose from 1.8 ms to 34 ms with re-plans running).
 Each job travels to a worker as arrays (loads ``[L, E]``, the previous ``phy2log [L, P]``) and
 comes back as ``phy2log``, ``logcnt`` and the serialized ``PlanStats``.
 

@@ -1,7 +1,7 @@
 """The ``Store`` interface: where deployments, placements, dedup state and windows live.
 
 Two implementations: :mod:`.memory_store` (one process, the embedded default) and
-:mod:`.redis_store` (shared by several service replicas). Placements and deployments are
+:mod:`.redis_store` (shared by several service instances). Placements and deployments are
 stored as their serialized protobuf messages (explicit little-endian array bytes, never pickle).
 
 Every method may raise ``StoreUnavailable`` when the backing store cannot be reached.
@@ -60,7 +60,7 @@ def created_seconds(deployment: pb.Deployment) -> float:
 @dataclass(frozen=True)
 class Seen:
     """When a deployment's ranks were last heard from (liveness, :mod:`.liveness`): ``ranks``,
-    rank → the latest time (seconds since the epoch, any replica's clock) a report or ack of it
+    rank → the latest time (seconds since the epoch, any instance's clock) a report or ack of it
     was received; ``start``, when the store began recording them (the deployment's creation, or
     its write-back after the store restarted empty; 0 when unknown: a deployment stored before
     liveness existed)."""
@@ -128,7 +128,7 @@ class Store(Protocol):
     async def list(self) -> list[DeploymentRecord]: ...
 
     async def names(self) -> builtins.list[str]:
-        """Every deployment's name, sorted: the index alone, no record read (what a replica
+        """Every deployment's name, sorted: the index alone, no record read (what an instance
         polls to follow new deployments)."""
 
     async def count(self) -> int:
@@ -166,7 +166,7 @@ class Store(Protocol):
         new reports' counts.
 
         ``journal(fresh)`` is the window blob of the reports flagged fresh; a store shared by
-        replicas writes it in the same atomic step as the seqs, so a report is never marked seen
+        instances writes it in the same atomic step as the seqs, so a report is never marked seen
         without its counts (kept ``keep_s`` at most, until ``put_window`` folds it). Counts
         accepted reports toward the trigger. ``NotFound`` when the deployment is gone.
         """
@@ -189,15 +189,15 @@ class Store(Protocol):
 
     async def mark_planned(self, name: str, reports: int, at: float) -> None: ...
 
-    async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
-        """This replica's window aggregate (see :mod:`.windows`), replacing its previous one, and
+    async def put_window(self, name: str, instance: str, blob: bytes, folded: builtins.list[str]) -> None:
+        """This instance's window aggregate (see :mod:`.windows`), replacing its previous one, and
         the deletion of the write-ahead entries ``folded`` into it, atomically."""
 
     async def windows(self, name: str) -> dict[str, bytes]:
-        """Every replica's window blob, and every write-ahead entry not folded yet (``wal2:<id>``)."""
+        """Every instance's window blob, and every write-ahead entry not folded yet (``wal2:<id>``)."""
 
     async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
-        """Drops stale blobs (replica ids) and write-ahead entries (``wal2:<id>``)."""
+        """Drops stale blobs (instance ids) and write-ahead entries (``wal2:<id>``)."""
 
     async def ack(
         self, name: str, rank: int, version: int, state: int, step: int, ranks: builtins.list[int], margin: int
@@ -210,7 +210,7 @@ class Store(Protocol):
 
     async def record_seen(self, name: str, seen: dict[int, float]) -> None:
         """Rank → a time a report or ack of it was received: each kept where it is later than the
-        stored one (replicas write in any order). ``NotFound`` when the deployment is gone."""
+        stored one (instances write in any order). ``NotFound`` when the deployment is gone."""
 
     async def seen(self, name: str) -> Seen:
         """The ranks' latest recorded times. ``NotFound`` when the deployment is gone."""

@@ -1,9 +1,9 @@
-"""The store's health as this replica sees it: reachable or not (gRPC health ``SERVING`` or
+"""The store's health as this instance sees it: reachable or not (gRPC health ``SERVING`` or
 ``NOT_SERVING``), the deployments whose part of the store is down while the rest answers (a
 Redis Cluster master), and the store's ``run_id``, which changes when it restarted empty.
 
 It only holds and reports that state; :class:`.registry.Registry` pings the store, notices a
-restart and writes back what this replica knows.
+restart and writes back what this instance knows.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Load windows: ``[L, E]`` token counts a re-plan sees, kept in memory per replica.
+"""Load windows: ``[L, E]`` token counts a re-plan sees, kept in memory per instance.
 
-Each replica sums the reports it receives into a window in memory and periodically flushes
+Each instance sums the reports it receives into a window in memory and periodically flushes
 one blob per deployment to the store (``Store.put_window``); the planner sums every
-replica's blob. A batch of reports is accepted together with a write-ahead blob of its sums
-(``Store.accept_many``), which the next flush of that replica deletes as it folds it in: the
-blobs plus the write-ahead entries always hold every accepted report, whenever a replica dies. Store memory is therefore at most ``replicas × L × E × 8`` bytes per deployment
+instance's blob. A batch of reports is accepted together with a write-ahead blob of its sums
+(``Store.accept_many``), which the next flush of that instance deletes as it folds it in: the
+blobs plus the write-ahead entries always hold every accepted report, whenever an instance dies. Store memory is therefore at most ``instances × L × E × 8`` bytes per deployment
 (4 where the sums are whole and fit int32, as token counts in a sliding window do), whatever
 the number of reporting ranks, the report rate or the window length.
 
@@ -55,7 +55,7 @@ class WindowSpec:
 
     @property
     def stale_after_s(self) -> float:
-        """How old a replica's blob may get before the planner drops it (its replica is gone)."""
+        """How old an instance's blob may get before the planner drops it (its instance is gone)."""
         if self.kind == "decay":
             return 10 * self.half_life_s
         return self.duration_s if self.duration_s > 0 else 600.0
@@ -172,7 +172,7 @@ def make_window(shape: tuple[int, int], spec: WindowSpec) -> SlidingWindow | Dec
 
 def encode_blob(window: SlidingWindow | DecayWindow, now: float) -> bytes:
     """The window as of ``now`` → the EPW2 blob flushed to the store (layout in the module doc):
-    whole counts that fit as int32, 4 bytes a sum. Every replica flushes a blob per deployment
+    whole counts that fit as int32, 4 bytes a sum. Every instance flushes a blob per deployment
     it received reports for, about once a second, so its width is most of what the store
     writes for a fleet of deployments (EPW1, float64, is still read)."""
     sums, n = window.total(now)
@@ -220,23 +220,23 @@ def sum_blobs(
     ``now``, reports, and stale keys.
 
     Decay sums are decayed from their flush time to ``now``; blobs older than ``stale_after_s``
-    belong to replicas that stopped flushing and are left out, and so are blobs holding a NaN
+    belong to instances that stopped flushing and are left out, and so are blobs holding a NaN
     or an infinity (written before reports were capped): one bad blob never poisons a window.
     """
     total = np.zeros(shape)
     reports = 0
     stale = []
-    for replica, blob in blobs.items():
+    for instance, blob in blobs.items():
         sums = _decode(blob, shape)
         if sums is None:
-            stale.append(replica)
+            stale.append(instance)
             continue
         _, kind, at, n, half_life = _HEADER.unpack_from(blob)
         if now - at > stale_after_s:
-            stale.append(replica)
+            stale.append(instance)
             continue
         if not np.isfinite(sums).all():
-            stale.append(replica)
+            stale.append(instance)
             continue
         total += sums * (2.0 ** (-max(0.0, now - at) / half_life)) if kind == 1 else sums
         reports += n

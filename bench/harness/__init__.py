@@ -1,6 +1,6 @@
 """What the benchmarks share, so that no benchmark script imports another.
 
-- ``processes``: ``eplb serve`` replicas and a private Redis as child processes;
+- ``processes``: ``eplb serve`` instances and a private Redis as child processes;
 - ``redis_cluster``: a private 3-master Redis Cluster;
 - ``trees``: two trees of ``eplb`` timed against each other (``--baseline``);
 - ``cases``: ``default_bench``'s target table and the ``--cases``/``--list`` choice;

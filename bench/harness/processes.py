@@ -1,6 +1,6 @@
-"""Service replicas and a private Redis as child processes, for shutdown and chaos runs.
+"""Service instances and a private Redis as child processes, for shutdown and chaos runs.
 
-``ServeProcess`` runs ``eplb serve`` on a fixed port (so a restarted replica keeps its address)
+``ServeProcess`` runs ``eplb serve`` on a fixed port (so a restarted instance keeps its address)
 with its stderr appended to a log file; ``RedisProcess`` runs a private ``redis-server`` on a
 free port in its own directory, with AOF ``appendfsync always`` by default so every write Redis
 acknowledged survives a kill of Redis (without persistence a kill loses the state by design).
@@ -22,7 +22,7 @@ __all__ = ["RedisProcess", "ServeProcess", "serve_argv", "wait_loaded"]
 
 
 def serve_argv(port: int, redis_url: str, prefix: str, *args: str) -> list[str]:
-    """The command line of an ``eplb serve`` replica on 127.0.0.1:``port`` sharing ``redis_url``
+    """The command line of an ``eplb serve`` instance on 127.0.0.1:``port`` sharing ``redis_url``
     (``""``: the embedded in-memory store) under ``prefix``, with extra flags ``args``."""
     store = ["--redis-url", redis_url] if redis_url else []  # "": the embedded in-memory store
     return [
@@ -33,7 +33,7 @@ def serve_argv(port: int, redis_url: str, prefix: str, *args: str) -> list[str]:
 
 @dataclass
 class ServeProcess:
-    """One ``eplb serve`` replica on ``127.0.0.1:port``; ``args`` are extra flags."""
+    """One ``eplb serve`` instance on ``127.0.0.1:port``; ``args`` are extra flags."""
 
     redis_url: str
     prefix: str
@@ -61,7 +61,7 @@ class ServeProcess:
             )
 
     def wait_listening(self, timeout: float = 30.0) -> None:
-        """Blocks until the replica prints its ``listening on`` line."""
+        """Blocks until the instance prints its ``listening on`` line."""
         assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""The Redis ``Store``: one Redis or a Redis Cluster, shared by every service replica.
+"""The Redis ``Store``: one Redis or a Redis Cluster, shared by every service instance.
 
 :class:`RedisStore` (:mod:`.store`) is the entry point. Beside it: :mod:`.keys`, the key
 schema (every key, its type and what it holds); :mod:`.lua`, the Lua scripts

@@ -126,7 +126,7 @@ class Masters:
 
         Through the cluster client, a call to a dead master reinitializes the client and drops
         connections other calls hold, so a ping of a live master raced into ConnectionError and
-        a replica whose masters all but one answered went NOT_SERVING (seen in CI, 1 run in 3
+        an instance whose masters all but one answered went NOT_SERVING (seen in CI, 1 run in 3
         on a loaded machine). Its own connection answers for that master alone.
         """
         client = self._ping_clients.get(master.name)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 # Feeds (see Announcements): a reader blocks this long per XREAD; a feed keeps about this many
 # entries; a reader checks every follower of its feed this often in any case (a commit whose
-# feed entry was lost: the replica died between the two), and this often while its feed's
+# feed entry was lost: the instance died between the two), and this often while its feed's
 # master does not answer (then a commit reaches watchers within about this).
 FEED_BLOCK_MS = 2000
 FEED_MAXLEN = 4096
@@ -67,7 +67,7 @@ class Announcements:
     blocking ``XREAD`` on a connection of its own wakes on an entry and checks only the
     deployments it names (their ``meta``: version and generation), so the work follows what
     changes, not how many deployments there are. The feed is a hint, written after the commit
-    it names: what could slip past it (a replica that died between the two, a feed whose master
+    it names: what could slip past it (an instance that died between the two, a feed whose master
     was down, a feed trimmed under a reader far behind) is caught by a full check of the feed's
     followers when its reader starts or resumes, every ``_RECONCILE_S``, and every
     ``_FALLBACK_S`` while the feed does not answer. Checks go per master (``group_of``), so a

@@ -50,12 +50,12 @@ SCHEMA: tuple[KeySpec, ...] = (
     KeySpec(
         "P:{d}:announce",
         "stream",
-        "`version=<v>` per commit, `MAXLEN ~ 64` (written for replicas of earlier releases; replicas now read the feeds)",
+        "`version=<v>` per commit, `MAXLEN ~ 64` (written for instances of earlier releases; instances now read the feeds)",
     ),
     KeySpec(
         "P:feed",
         "stream",
-        "on one Redis: `name=<d>` after each commit, create, restore and delete, `MAXLEN ~ 4096`, expiring 10 minutes after its last entry; every replica's reader blocks on it",
+        "on one Redis: `name=<d>` after each commit, create, restore and delete, `MAXLEN ~ 4096`, expiring 10 minutes after its last entry; every instance's reader blocks on it",
     ),
     KeySpec(
         "P:{index:<k>}:feed", "stream", "on Redis Cluster instead: the feed of index bucket `k`, in the bucket's slot"
@@ -70,18 +70,18 @@ SCHEMA: tuple[KeySpec, ...] = (
     KeySpec(
         "P:{d}:windows",
         "hash",
-        "replica id → that replica's window blob (`EPW2`, or `EPW1` from before 1.0; see `windows.py`)",
+        "instance id → that instance's window blob (`EPW2`, or `EPW1` from before 1.0; see `windows.py`)",
     ),
     KeySpec(
         "P:{d}:wal2",
         "stream",
-        "`b=<EPW2 entry>`: the sums of one accepted batch of reports at their own width, until its replica's next flush folds it in (`MINID` trimmed to the window's span)",
+        "`b=<EPW2 entry>`: the sums of one accepted batch of reports at their own width, until its instance's next flush folds it in (`MINID` trimmed to the window's span)",
     ),
     KeySpec("P:{d}:lease", "string", "owner id of the planning lease, with a PX expiry"),
     KeySpec(
         "P:{d}:seen",
         "hash",
-        "liveness: rank → latest time (epoch seconds, ms precision) a replica received a report or ack of it; `start` → when recording began",
+        "liveness: rank → latest time (epoch seconds, ms precision) an instance received a report or ack of it; `start` → when recording began",
     ),
 )
 

@@ -1,4 +1,4 @@
-"""Redis ``Store`` (redis-py asyncio), shared by every service replica.
+"""Redis ``Store`` (redis-py asyncio), shared by every service instance.
 
 The keys, their types and what they hold are :mod:`.keys`'s table.
 
@@ -95,8 +95,8 @@ class RedisStore:
             self._masters: Masters | None = masters
             group_of: Callable[[str], str] = masters.of
         else:
-            # A bounded pool that makes callers wait for a free connection rather than fail: a
-            # replica holds at most POOL_CONNECTIONS + 1 (the feed's reader) connections,
+            # A bounded pool that makes callers wait for a free connection rather than fail: an
+            # instance holds at most POOL_CONNECTIONS + 1 (the feed's reader) connections,
             # however many deployments and calls it serves.
             self._r = redis.Redis.from_pool(
                 redis.BlockingConnectionPool.from_url(
@@ -115,7 +115,7 @@ class RedisStore:
             group_of = lambda _: _ONE_REDIS  # noqa: E731
             self._masters = None
         # Feed → the connection of its own its reader blocks on (one per feed: the connections
-        # a replica holds do not grow with its deployments).
+        # an instance holds do not grow with its deployments).
         self._readers: dict[str, redis.Redis] = {}
         self._feed_writes: set[asyncio.Task] = set()
         self._announcements = Announcements(
@@ -312,7 +312,7 @@ class RedisStore:
                     await self._r.sadd(self.keys.index_of(name), name)
             except StoreUnavailable:
                 if not only_if_newer:
-                    # Not listed, so no other replica would follow it: undo, and let the caller retry.
+                    # Not listed, so no other instance would follow it: undo, and let the caller retry.
                     with contextlib.suppress(StoreUnavailable), unavailable():
                         await self._r.delete(*self.keys.fixed(name), self.keys.placement(name, placement.version))
                     raise
@@ -638,11 +638,11 @@ class RedisStore:
         with self._on(name):
             await self._r.hset(self.keys.of(name, "meta"), mapping={"planned_reports": reports, "planned_at": at})
 
-    async def put_window(self, name: str, replica: str, blob: bytes, folded: builtins.list[str]) -> None:
+    async def put_window(self, name: str, instance: str, blob: bytes, folded: builtins.list[str]) -> None:
         with self._on(name):
             out = await self._put_window(
                 keys=[self.keys.of(name, "windows"), self.keys.of(name, "meta"), self.keys.of(name, "wal2")],
-                args=[replica, blob, *folded],
+                args=[instance, blob, *folded],
             )
         if out == -1:
             raise NotFound(f"deployment {name!r} not found")
@@ -658,11 +658,11 @@ class RedisStore:
         return out
 
     async def drop_windows(self, name: str, keys: builtins.list[str]) -> None:
-        replicas = [k for k in keys if not k.startswith("wal2:")]
+        instances = [k for k in keys if not k.startswith("wal2:")]
         ids = [k.removeprefix("wal2:") for k in keys if k.startswith("wal2:")]
         with self._on(name):
-            if replicas:
-                await self._r.hdel(self.keys.of(name, "windows"), *replicas)
+            if instances:
+                await self._r.hdel(self.keys.of(name, "windows"), *instances)
             if ids:
                 await self._r.xdel(self.keys.of(name, "wal2"), *ids)
 

@@ -70,7 +70,7 @@ REPORT_CASES = [
 
 async def state(c) -> tuple[int, float, int]:
     """(version, window tokens, window reports) as the service sees them."""
-    await asyncio.sleep(0.25)  # let the replica flush its window
+    await asyncio.sleep(0.25)  # let the instance flush its window
     version = (await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))).placement.version
     dry = await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
     return version, dry.window_tokens, dry.window_reports

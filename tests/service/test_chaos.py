@@ -1,5 +1,5 @@
 """A short chaos run (``bench/chaos_bench.py`` runs the long one): 16 ranks and 50 watchers over
-2 replicas and a private Redis (AOF, ``appendfsync always``), replicas SIGKILLed and SIGTERMed
+2 instances and a private Redis (AOF, ``appendfsync always``), instances SIGKILLed and SIGTERMed
 and Redis SIGKILLed at random moments for 20 s, each restarted after a random pause."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from eplb_bench.chaos_bench import ChaosConfig, run_chaos, traceback_excerpts
 def test_chaos_loses_no_report_and_skips_no_version(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not on PATH")
-    result = run_chaos(ChaosConfig(seconds=20, replicas=2, ranks=16, watchers=50, lease_s=5.0, seed=11))
+    result = run_chaos(ChaosConfig(seconds=20, instances=2, ranks=16, watchers=50, lease_s=5.0, seed=11))
     # Each kind of failure happened, under load, and the service kept publishing through them.
-    assert set(result.events) == {"sigkill_replica", "sigterm_replica", "sigkill_redis"}
+    assert set(result.events) == {"sigkill_instance", "sigterm_instance", "sigkill_redis"}
     assert result.reports_sent > 1000 and sum(result.report_retries.values()) > 0
     assert result.versions > 5 and sum(result.watcher_reconnects.values()) > 0
     # Exactly once, consecutive, SERVING within a lease (the harness's checks, with figures).
@@ -32,10 +32,10 @@ def test_chaos_loses_no_report_and_skips_no_version(tmp_path):
 def test_chaos_on_a_redis_cluster_loses_no_report_when_a_master_is_killed(tmp_path):
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are not on PATH")
-    config = ChaosConfig(seconds=20, replicas=2, ranks=16, watchers=50, lease_s=5.0, seed=12, cluster=True)
+    config = ChaosConfig(seconds=20, instances=2, ranks=16, watchers=50, lease_s=5.0, seed=12, cluster=True)
     result = run_chaos(config)
-    # The deployment's master was SIGKILLed and restarted (AOF), replicas too, under load.
-    assert set(result.events) == {"sigkill_replica", "sigterm_replica", "sigkill_redis"}
+    # The deployment's master was SIGKILLed and restarted (AOF), instances too, under load.
+    assert set(result.events) == {"sigkill_instance", "sigterm_instance", "sigkill_redis"}
     assert result.reports_sent > 1000 and result.versions > 5
     assert result.failures == []
     assert result.window_reports == result.reports_sent and result.resent_accepted == 0

@@ -129,7 +129,7 @@ async def test_a_dead_master_takes_down_only_the_deployments_of_its_slots(serve,
     finally:
         redis_cluster.start_node(victim_port)
         redis_cluster.wait_ok()
-    # Back empty: the replicas write its deployment back (that master only) and it serves again.
+    # Back empty: the instances write its deployment back (that master only) and it serves again.
     await eventually(lambda: _is(health(b, f"{SERVICE_NAME}/{victim}"), SERVING))
     await eventually(lambda: _reports(b, victim, loads), timeout=15)
     got = await a.stub.GetDeployment(pb.GetDeploymentRequest(name=victim))

@@ -1,4 +1,4 @@
-"""How ``ErrorInterceptor.end_client_streams`` ends client streams, on a real gRPC server on
+"""How ``ErrorInterceptor.end_client_streams`` (its ``Draining``) ends client streams, on a real gRPC server on
 loopback with real channels: a stream still writing is read to its half-close and told how many
 of its messages were processed and how many dropped; a stream that sends nothing for the discard
 time is ended then; a bidi stream's reads (each in a task of its own) are ended the same way.
@@ -108,7 +108,7 @@ async def test_a_quiet_stream_is_ended_once_the_discard_time_is_up():
     assert _counts(err.value.details()) == (3, 0)
     # Not before the discard time (a message sent in it would have been counted as dropped).
     assert took >= DISCARD_S - 0.05, took
-    assert not server.calls._reading and not server.calls._woken  # nothing left behind
+    assert not server.calls.draining._reading and not server.calls.draining._woken  # nothing left behind
 
 
 async def test_a_quiet_bidi_stream_is_ended_too():

@@ -1,8 +1,8 @@
-"""Every report a replica accepted stays counted when the replica dies (SIGKILL) or stops (SIGTERM).
+"""Every report an instance accepted stays counted when the instance dies (SIGKILL) or stops (SIGTERM).
 
-A replica runs as its own process (``eplb serve``); eight ranks stream reports to it, and the
-ranks whose stream broke re-send that stream's reports, same seqs, to a second replica, as a
-client must. Read back through the second replica, the window holds every report exactly once.
+An instance runs as its own process (``eplb serve``); eight ranks stream reports to it, and the
+ranks whose stream broke re-send that stream's reports, same seqs, to a second instance, as a
+client must. Read back through the second instance, the window holds every report exactly once.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def start_replica(prefix: str, port: int) -> subprocess.Popen:
 
 async def rank_loop(target: grpc.aio.Channel, fallback: grpc.aio.Channel, rank: int) -> int:
     """Streams reports of ``rank + 1`` tokens per expert in streams of ``STREAM`` until one breaks
-    (the replica is gone), then re-sends that stream to ``fallback``. Returns how many distinct
+    (the instance is gone), then re-sends that stream to ``fallback``. Returns how many distinct
     reports it sent."""
     stub = pb_grpc.ExpertLoadBalancerServiceStub(target)
     counts = np.full((L, E), rank + 1, dtype=np.int32)

@@ -1,4 +1,4 @@
-"""Create → report from several ranks → rebalance → watchers on two replicas → ack."""
+"""Create → report from several ranks → rebalance → watchers on two instances → ack."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ async def test_two_replicas_report_rebalance_watch_ack(serve, connect, prefix):
         asyncio.create_task(collect(AsyncServiceClient.over(ca.channel), 3, seen_a)),
         asyncio.create_task(collect(AsyncServiceClient.over(cb.channel), 3, seen_b)),
     ]
-    # Ranks report to both replicas: half logical counts, half physical counts under version 1.
+    # Ranks report to both instances: half logical counts, half physical counts under version 1.
     ranks = [AsyncServiceClient.over(ca.channel if r % 2 else cb.channel) for r in range(4)]
     total = np.zeros((4, 16))
     for r, client in enumerate(ranks):
@@ -63,7 +63,7 @@ async def test_two_replicas_report_rebalance_watch_ack(serve, connect, prefix):
             resp = await client.report(reports("d1", r, [phys], placement_version=1))
         assert (resp.accepted, resp.duplicates) == (1, 0)
 
-    # Each replica flushes its window every flush_s (0.1 s here); the planner sums the flushed ones.
+    # Each instance flushes its window every flush_s (0.1 s here); the planner sums the flushed ones.
     await asyncio.sleep(0.3)
     dry = await cb.stub.Rebalance(pb.RebalanceRequest(deployment="d1", dry_run=True))
     assert not dry.published and dry.placement.version == 0

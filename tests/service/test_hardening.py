@@ -106,7 +106,7 @@ def _requests(size: int) -> list[tuple[str, Message]]:
             request.loads.CopyFrom(encode(np.ones((4, 16), np.int32)))
         if _strings(request, texts):  # (ListDeployments takes no string)
             out.append((method.name, request))
-    assert len(out) == 10, [m for m, _ in out]
+    assert len(out) == 11, [m for m, _ in out]
     return out
 
 
@@ -115,6 +115,10 @@ async def _call(stub: object, method: str, request: Message, metadata: tuple = (
     try:
         if method == "ReportLoad":
             await fn(iter([request]), metadata=metadata, timeout=10)
+        elif method == "StreamLoad":
+            call = fn(iter([request]), metadata=metadata, timeout=10)
+            await call.read()
+            await call
         elif method == "WatchPlacements":
             call = fn(request, metadata=metadata, timeout=10)
             await call.read()

@@ -48,7 +48,7 @@ async def test_watch_of_an_unknown_service_says_so(serve, connect):
 
 
 async def test_client_side_health_checking_routes_around_a_not_serving_replica(serve):
-    """Round robin over two replicas with gRPC's client-side health checking (it watches
+    """Round robin over two instances with gRPC's client-side health checking (it watches
     ``Health/Watch``): calls reach both while both serve, only the serving one otherwise."""
     a, b = await serve(), await serve()
     config = {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE_NAME}}
@@ -80,7 +80,7 @@ async def test_client_side_health_checking_routes_around_a_not_serving_replica(s
             await stub.ListDeployments(pb.ListDeploymentsRequest(), timeout=5)
         assert calls(a) == before_a and calls(b) == before_b + 20
 
-        # No replica serving: once the client has seen it, calls fail without reaching either.
+        # No instance serving: once the client has seen it, calls fail without reaching either.
         await b.health.set(SERVICE_NAME, NOT_SERVING)
         for _ in range(100):
             try:

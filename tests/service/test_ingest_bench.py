@@ -1,5 +1,5 @@
 """ingest_bench's pinning and per-shard figures: core lists, affinity inherited by what the bench
-starts, and a real (short) run against a private redis-server and one ``eplb serve`` replica."""
+starts, and a real (short) run against a private redis-server and one ``eplb serve`` instance."""
 
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ def test_pin_is_inherited_by_started_processes():
 def test_short_run_reports_per_shard_figures(tmp_path):
     core = min(os.sched_getaffinity(0))
     path = tmp_path / "rows.json"
-    argv = ["--kinds", "redis", "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
+    argv = ["--kinds", "redis", "--instances", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
     argv += ["--cpus-service", str(core), "--json", str(path)]
     assert ingest_bench.main(argv) == 0
     (row,) = json.loads(path.read_text())
     assert row["max_reports_per_s"] > 0
-    # Redis and the replica both did work for the accepted reports, and it was measured.
+    # Redis and the instance both did work for the accepted reports, and it was measured.
     assert row["redis_ms_per_report"] > 0
     assert row["service_ms_per_report"] > 0
     assert 0 < row["service_cores"] <= 1.05  # pinned to one core
@@ -61,7 +61,7 @@ def test_short_run_reports_per_shard_figures(tmp_path):
 @pytest.mark.parametrize("kind", ["bare", "memory"])
 def test_the_bare_and_memory_kinds_measure_without_redis(tmp_path, kind):
     path = tmp_path / "rows.json"
-    argv = ["--kinds", kind, "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
+    argv = ["--kinds", kind, "--instances", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
     assert ingest_bench.main([*argv, "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())
     assert row["redis"] == kind
@@ -75,10 +75,10 @@ def test_the_bare_and_memory_kinds_measure_without_redis(tmp_path, kind):
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_a_reader_replica_protobuf_clients_and_the_clients_cpu(tmp_path):
-    # --probe-on reader: GetPlacement goes to one more replica that takes no reports (it
+    # --probe-on reader: GetPlacement goes to one more instance that takes no reports (it
     # shares the store); the clients' own CPU over the load (not their start-up) is measured.
     path = tmp_path / "rows.json"
-    argv = ["--kinds", "redis", "--replicas", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
+    argv = ["--kinds", "redis", "--instances", "1", "--deployments", "1", "--seconds", "0.5", "--rate", "100"]
     argv += ["--probe-on", "reader", "--clients", "protobuf", "--probe-callers", "1", "--json", str(path)]
     assert ingest_bench.main(argv) == 0
     (row,) = json.loads(path.read_text())
@@ -91,14 +91,14 @@ def test_a_reader_replica_protobuf_clients_and_the_clients_cpu(tmp_path):
 def test_a_reader_replica_needs_a_shared_store(capsys):
     with pytest.raises(SystemExit):
         ingest_bench.main(["--kinds", "memory", "--probe-on", "reader"])
-    assert "--probe-on reader needs replicas that share a store" in capsys.readouterr().err
+    assert "--probe-on reader needs instances that share a store" in capsys.readouterr().err
 
 
 def test_streams_set_the_load_clients_ranks(tmp_path):
     # --streams: each load client process opens this many ReportLoad streams, one rank each
     # (the deployments are created with that many ranks, or the reports would be refused).
     path = tmp_path / "rows.json"
-    argv = ["--kinds", "memory", "--replicas", "1", "--deployments", "2", "--seconds", "0.5", "--rate", "100"]
+    argv = ["--kinds", "memory", "--instances", "1", "--deployments", "2", "--seconds", "0.5", "--rate", "100"]
     assert ingest_bench.main([*argv, "--streams", "11", "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())
     assert row["streams"] == 11

@@ -1,6 +1,6 @@
 """Liveness: ranks silent past ``Deployment.liveness.suspect_after`` are shown as suspect (in
 GetDeployment and ``eplb_suspect_ranks``), never planned out; real servers on 127.0.0.1, on the
-in-process store and on Redis, and two replicas sharing one Redis."""
+in-process store and on Redis, and two instances sharing one Redis."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ async def test_silent_ranks_are_suspect_down_ones_are_not_and_a_report_clears_it
         await c.stub.SetRanksDown(pb.SetRanksDownRequest(deployment=name, down=[7], reason="test"))
         assert set(await suspect_of(c.stub, name)) == {6}
         assert await until(lambda: gauge_is(server, name, 1.0)), gauge(server, name)
-        # Rank 6 reports again: not suspect any more, at once on the replica it reported to.
+        # Rank 6 reports again: not suspect any more, at once on the instance it reported to.
         await AsyncServiceClient.over(c.channel).report(reports(name, 6, [LOADS]))
         assert await suspect_of(c.stub, name) == {}
         assert await until(lambda: gauge_is(server, name, 0.0)), gauge(server, name)

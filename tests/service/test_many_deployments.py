@@ -1,5 +1,5 @@
-"""130 deployments over 2 replicas, then a third joining: every replica serves every deployment
-(one announce reader per replica, a bounded connection pool), and the API can still delete."""
+"""130 deployments over 2 instances, then a third joining: every instance serves every deployment
+(one announce reader per instance, a bounded connection pool), and the API can still delete."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def seen_version(server, name: str) -> float | None:
 async def all_seen(server, names: list[str], version: int = 1, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while any(seen_version(server, n) != version for n in names):
-        assert time.monotonic() < deadline, f"the replica never followed every deployment to version {version}"
+        assert time.monotonic() < deadline, f"the instance never followed every deployment to version {version}"
         await asyncio.sleep(0.1)
 
 
@@ -68,13 +68,13 @@ async def test_130_deployments_on_two_replicas_and_a_third_joining(serve, connec
     await cb.stub.DeleteDeployment(pb.DeleteDeploymentRequest(name="m000"))
     listed = await cc.stub.ListDeployments(pb.ListDeploymentsRequest())
     assert [d.name for d in listed.deployments] == names[1:]
-    # Connections stay bounded whatever the number of deployments (each replica names its
-    # connections eplb:<prefix>): at most the pool plus the announce reader per replica.
+    # Connections stay bounded whatever the number of deployments (each instance names its
+    # connections eplb:<prefix>): at most the pool plus the announce reader per instance.
     assert 3 <= connections_named(f"eplb:{p}") <= 3 * (POOL_CONNECTIONS + 1)
 
 
 async def test_an_idle_replica_reads_the_index_not_every_deployment(serve, connect):
-    """An idle replica's store traffic with 60 deployments: its refresh reads the index (not every
+    """An idle instance's store traffic with 60 deployments: its refresh reads the index (not every
     record each round) and the deletion check one command a deployment, so it sends about 2
     commands a deployment a second (FAST's 0.3 s refresh): 135 a second for 60; it sent 964."""
     from svc_helpers import PrivateRedis

@@ -266,7 +266,7 @@ async def test_an_expected_error_is_logged_once_at_debug_without_traceback(serve
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix(), balancer=replace(FAST, lease_s=0.3))
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
-    # Another replica holds the planning lease for longer than this call may wait (its deadline).
+    # Another instance holds the planning lease for longer than this call may wait (its deadline).
     assert await server.store.acquire_lease("d1", "another-replica", 30)
     with caplog.at_level(logging.DEBUG, logger="eplb_service"), pytest.raises(grpc.aio.AioRpcError) as err:
         await c.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True), timeout=1.5)

@@ -54,7 +54,7 @@ async def replica(serve, connect, prefix):
 
 
 async def lingering_replica(serve, connect, prefix, linger: float, calls: list | None = None):
-    """A replica (and a client of it) whose report batches go to Redis ``linger`` apart;
+    """An instance (and a client of it) whose report batches go to Redis ``linger`` apart;
     ``calls`` gets the deployments of each of its ``accept_many`` calls."""
     p = prefix()
     server = await serve(
@@ -208,7 +208,7 @@ async def test_group_commit_spans_deployments_one_round_trip_for_many(serve, con
 
 async def test_a_deployment_gone_from_a_shared_batch_fails_alone(serve, connect, prefix):
     # Two deployments' reports in one pipeline; one deployment's keys were removed behind the
-    # replica's back (another replica deleted it): its report gets NOT_FOUND, the other's is
+    # instance's back (another instance deleted it): its report gets NOT_FOUND, the other's is
     # accepted and stored.
     calls: list[list[str]] = []
     p, c = await lingering_replica(serve, connect, prefix, 0.2, calls)

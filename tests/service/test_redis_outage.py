@@ -63,13 +63,13 @@ async def test_redis_restart_loses_no_committed_placement(serve, connect, privat
 
     private_redis.start()
     await eventually(lambda: _is(health_of(ca), health_pb2.HealthCheckResponse.SERVING))
-    # Both replicas write back what they had; the store is at version 3 again, nothing lost.
+    # Both instances write back what they had; the store is at version 3 again, nothing lost.
     got = await eventually(lambda: cb.stub.GetDeployment(pb.GetDeploymentRequest(name="d1")))
     assert got.deployment.version == 3
     assert (await rank.report(reports("d1", 0, [loads]))).accepted == 1
     nxt = await ca.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
     assert nxt.published and nxt.placement.version == 4
-    # The watcher on the other replica resumes by itself and sees the next version, no gap.
+    # The watcher on the other instance resumes by itself and sees the next version, no gap.
     assert (await asyncio.wait_for(watch.read(), 10)).placement.version == 4
     watch.cancel()
 
@@ -93,7 +93,7 @@ async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_e
     private_redis.stop()
     try:
         await eventually(lambda: _is(health_of(c), health_pb2.HealthCheckResponse.NOT_SERVING))
-        # The current placement is in this replica's memory: reads go on.
+        # The current placement is in this instance's memory: reads go on.
         got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"), timeout=2)
         assert got.placement.version == 2
         # Writes fail at once instead of waiting on Redis.
@@ -105,7 +105,7 @@ async def test_reads_are_served_from_memory_while_redis_is_down_and_nothing_is_e
     finally:
         private_redis.start()  # empty: no persistence
     # Straight after the empty restart, before any health tick wrote the state back: the
-    # replica knows d1, so it never answers NOT_FOUND.
+    # instance knows d1, so it never answers NOT_FOUND.
     got = await c.stub.GetDeployment(pb.GetDeploymentRequest(name="d1"))
     assert got.deployment.version == 2
     got = await c.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1"))

@@ -321,7 +321,7 @@ def _calls(ports: list[int], *commands: str) -> int:
 
 async def test_idle_followers_cost_redis_nothing_per_deployment(store, redis_url):
     # Before the feeds, each followed deployment was read every 50 ms (Redis Cluster) or its
-    # generation every 0.5 s (one Redis): an idle replica's work grew with its deployments.
+    # generation every 0.5 s (one Redis): an idle instance's work grew with its deployments.
     names = [f"idle{i}" for i in range(60)]
     for n in names:
         await store.create(deployment(n), pb.Placement(deployment=n, version=1))
@@ -365,7 +365,7 @@ async def test_a_commit_reaches_followers_at_once_and_one_whose_feed_entry_was_l
     version, at = await asyncio.wait_for(seen.get(), 5)
     assert version == 2 and at - t0 < 0.25, at - t0  # woken by the feed, not by a poll
 
-    async def lost(name: str) -> None:  # the replica died between the commit and its feed entry
+    async def lost(name: str) -> None:  # the instance died between the commit and its feed entry
         return None
 
     monkeypatch.setattr(store, "_announce", lost)

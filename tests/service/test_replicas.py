@@ -1,4 +1,4 @@
-"""Several replicas on one Redis: one planner at a time, consecutive versions, every watcher sees all."""
+"""Several instances on one Redis: one planner at a time, consecutive versions, every watcher sees all."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ async def test_racing_rebalances_give_consecutive_versions(serve, connect, prefi
 
 
 async def test_lease_of_a_crashed_planner_expires(serve, connect, prefix):
-    """A replica that died holding the planning lease blocks others for at most one lease."""
+    """An instance that died holding the planning lease blocks others for at most one lease."""
     server = await serve(redis_url=REDIS_URL, key_prefix=prefix())
     c = connect(server)
     await c.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
@@ -57,7 +57,7 @@ async def test_lease_of_a_crashed_planner_expires(serve, connect, prefix):
 
 
 async def test_trigger_plans_once_across_replicas(serve, connect, prefix):
-    """Report-count trigger: exactly one replica plans per trigger, and only gainful plans publish."""
+    """Report-count trigger: exactly one instance plans per trigger, and only gainful plans publish."""
     import numpy as np
 
     p = prefix()
@@ -141,7 +141,7 @@ async def test_a_re_created_deployment_reaches_the_other_replica_within_a_second
 
 @pytest.mark.slow
 async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
-    """Replica A plans for longer than a lease (2 s here); replica B's Rebalance waits for it
+    """Instance A plans for longer than a lease (2 s here); instance B's Rebalance waits for it
     instead of planning the same version (which would end in ABORTED)."""
     import numpy as np
 
@@ -168,8 +168,8 @@ async def test_a_plan_longer_than_the_lease_keeps_it(serve, connect, prefix):
 
 
 async def test_a_watcher_resuming_at_a_replica_started_later_misses_no_version(serve, connect, prefix):
-    """A replica that started after versions 2..5 were published has only the latest in its
-    ring; a watcher resuming there after version 2 (its old replica died) still gets 3, 4, 5."""
+    """An instance that started after versions 2..5 were published has only the latest in its
+    ring; a watcher resuming there after version 2 (its old instance died) still gets 3, 4, 5."""
     p = prefix()
     first = connect(await serve(redis_url=REDIS_URL, key_prefix=p))
     await first.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))

@@ -297,9 +297,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_service_modules_import_each_other_one_way():
     modules = {p.stem: p for p in SERVICE.glob("*.py")}
     graph = {name: relative_imports(path) & modules.keys() for name, path in modules.items()}
-    # The scan sees imports: the status map stands alone, its interceptor counts into metrics.
+    # The scan sees imports: the status map stands alone; its interceptor applies it and hands the
+    # other jobs to collaborators of one job each, the call hook counting into metrics.
     assert graph["deployments"] and graph["errors"] == {"clip"}
-    assert graph["calls"] == {"clip", "errors", "metrics"}
+    assert graph["calls"] == {"decoding", "draining", "errors"}
+    assert graph["call_metrics"] == {"calls", "metrics"}
+    assert graph["audit"] == {"calls", "clip", "decoding", "log_throttle"}
+    assert graph["draining"] == {"decoding", "errors"} and graph["log_throttle"] == set()
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # and finds one where there is
 

@@ -1,8 +1,8 @@
 """Replica shutdown and crash as processes: ``eplb serve`` on the shared Redis, 8 ranks streaming.
 
 SIGTERM: health turns NOT_SERVING first, open report streams end with UNAVAILABLE, and every
-report the replica accepted, during the grace period too, is counted in the window another
-replica reads. SIGKILL: what the killed replica answered as accepted is counted as well, and a
+report the instance accepted, during the grace period too, is counted in the window another
+instance reads. SIGKILL: what the killed instance answered as accepted is counted as well, and a
 resent report is a duplicate only if it was counted.
 """
 
@@ -49,12 +49,12 @@ def replicas(prefix, tmp_path) -> Iterator[tuple[ServeProcess, ServeProcess]]:
 
 
 class Rank:
-    """One rank streaming a report every ``period_s`` to the first replica until told to stop,
-    then resending, with the same seqs, everything the first replica did not acknowledge.
+    """One rank streaming a report every ``period_s`` to the first instance until told to stop,
+    then resending, with the same seqs, everything the first instance did not acknowledge.
 
     ``quiet_after``: send that many reports, then keep the stream open without writing (an engine
     between load windows), so a status the server sends reaches it intact: a rank still writing
-    sees it as grpc/grpc#36066's INTERNAL, or as a reset when the replica exits with its messages
+    sees it as grpc/grpc#36066's INTERNAL, or as a reset when the instance exits with its messages
     unread."""
 
     def __init__(self, rank: int, period_s: float, quiet_after: int | None = None) -> None:
@@ -122,7 +122,7 @@ async def _stream_then_fail_over(a: ServeProcess, b: ServeProcess, sig: int) -> 
         await asyncio.sleep(1.5)
         signalled_at = time.monotonic()
         a.signal(sig)
-        # A replica that shuts down ends the streams itself; a killed one breaks them at once.
+        # An instance that shuts down ends the streams itself; a killed one breaks them at once.
         done, _ = await asyncio.wait(streams, timeout=GRACE_S + 5)
         assert len(done) == RANKS, "report streams still open after the grace period"
         stop.set()
