@@ -94,7 +94,9 @@ class VersionIntake:
             if supersede and published.version > current.version:
                 self._take_local(published, current, offered=published)
             elif self._local_plan is not None:
-                if published.version > max(self._local_plan.survivor_of, getattr(self._from_service, "version", 0)):
+                # (a version refused here, the one a rebased move failed on, is not resolved again)
+                newest = max(self._local_plan.survivor_of, self._refused, getattr(self._from_service, "version", 0))
+                if published.version > newest:
                     self._from_service = published
             elif published.version > max(current.version, self._offered.version if self._offered else 0):
                 self._offered = published
@@ -172,6 +174,19 @@ class VersionIntake:
         return Resolution(Resolve.ADOPT if routed else Resolve.OFFER, got, base)
 
     # -- what the machine reports -----------------------------------------------------------
+
+    def rebase_given_up(self, local: PublishedPlacement, base: PublishedPlacement) -> None:
+        """The move from ``local``, a local survivor plan of ``base`` that a ``REBASE`` left
+        routed, was given up (the version it moved to failed, and is refused, or a rank died):
+        ``local`` is the local plan again, routed, as ``take_routed`` leaves it, but refusals
+        stand. A version offered since that is not refused waits for ``resolving`` as before."""
+        with self._lock:
+            if self._local_plan is not None:  # a newer local plan came meanwhile: it stands
+                return
+            offered = self._offered
+            self._from_service = offered if offered is not None and offered.version > self._refused else None
+            self._offered = None
+            self._local_plan, self._local_base = local, base
 
     def switched(self, published: PublishedPlacement) -> None:
         """The machine switched to ``published`` (its last chunk): unless it is the local plan,

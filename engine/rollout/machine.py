@@ -97,6 +97,9 @@ class _Transition:
     revert: bool  # moving an aborted version's switched layers back to ``published``
     future: futures.Future
     started: float  # this chunk's prepare
+    # Started from a rebased local survivor plan: (that plan, its base), what the rank goes
+    # back to if the move is given up (Rollout._give_up_rebase); None otherwise.
+    rebased: tuple[PublishedPlacement, PublishedPlacement] | None = None
     chunks: tuple[tuple[int, ...], ...] = ()  # known once chunk 0 is prepared
     chunk: int = 0
     seconds: float = 0.0  # this chunk's prepare, once read
@@ -148,6 +151,9 @@ class Rollout:
         self._phase = Phase.IDLE
         self._move: _Transition | None = None
         self._routed = initial
+        # (local survivor plan, its base) while rebased (_resolve_local): current is the base but
+        # the rank routes the plan; the next transition takes it along (_Transition.rebased).
+        self._rebased: tuple[PublishedPlacement, PublishedPlacement] | None = None
         self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-prepare")
 
     @property
@@ -189,6 +195,7 @@ class Rollout:
             raise RuntimeError(f"route_moved needs an idle rollout, this one is {self._phase.value}")
         self._intake.take_routed(published, base)
         self.current, self.routing, self._routed = published, published.placement, published
+        self._rebased = None
 
     @property
     def local_survivor(self) -> PublishedPlacement | None:
@@ -228,12 +235,13 @@ class Rollout:
         placement (``VersionIntake.resolving``), only between transitions, so none is cut short:
         rebased, ``current`` goes back to the base (the local plan was never a service version)
         with the local map still routed (``mixed``), so the move to the service's version starts
-        from what the rank holds; adopted, the service's version is routed under its number,
-        moving nothing (acked as switched)."""
+        from what the rank holds (and, given up, ends there: ``_give_up_rebase``); adopted, the
+        service's version is routed under its number, moving nothing (acked as switched)."""
         if self._phase is not Phase.IDLE:
             return
         with self._intake.resolving() as resolution:
             if resolution is not None and resolution.kind is Resolve.REBASE:
+                self._rebased = (self.current, resolution.base)  # current is the local plan here
                 self.current = resolution.base
                 self._routed = replace(resolution.base, placement=self.routing)
         if resolution is None or resolution.kind is not Resolve.ADOPT:
@@ -313,7 +321,8 @@ class Rollout:
     def _start(self, target: PublishedPlacement, revert: bool = False) -> None:
         old, new = self.routing, target.placement
         future = self._executor.submit(self._prepare_first, old, new, target.version)
-        self._move = _Transition(target, revert, future, time.monotonic())
+        rebased, self._rebased = (None, self._rebased) if revert else (self._rebased, None)
+        self._move = _Transition(target, revert, future, time.monotonic(), rebased=rebased)
         self._enter(Phase.PREPARING)
 
     def _prepare_first(
@@ -401,6 +410,11 @@ class Rollout:
             )
             return
         self._intake.refuse(move.published.version)  # not prepared again; a newer one may be
+        if move.rebased is not None:
+            # The move started from a rebased local survivor plan: "back" is that plan (the map
+            # the weights held), not current (its base, the map from before the death). Layers
+            # switched so far are moved back to it by the REVERTING below.
+            self._give_up_rebase(move.rebased)
         self._enter(Phase.REVERTING if self.mixed else Phase.IDLE)
         self._event(
             RolloutEvent(
@@ -414,6 +428,18 @@ class Rollout:
             )
         )
 
+    def _give_up_rebase(self, rebased: tuple[PublishedPlacement, PublishedPlacement]) -> None:
+        """A move from a rebased local survivor plan (``_resolve_local``) was given up (failed,
+        aborted, or dropped by a regroup): the rank is back on that plan, as ``route_moved``
+        left it: ``current`` is the plan (known by its base and down ranks, the intake's local
+        plan again, so a later service version resolves against it); ``routing`` is its map,
+        or mixed with the layers of the given-up version switched so far."""
+        local, base = rebased
+        # The intake first: an offer on the watcher's thread in between goes to the local plan.
+        self._intake.rebase_given_up(local, base)
+        self.current = local
+        self._routed = self.current if not self.mixed else replace(self.current, placement=self.routing)
+
     def regroup(self, barrier: Barrier, timeout_s: float = 30.0) -> None:
         """A rank died: from now on agree through ``barrier`` (over the survivors' group; the
         applier's group is the caller's to replace). A transition in flight is dropped on this
@@ -424,6 +450,10 @@ class Rollout:
         thread, between two ``step()`` calls, on every survivor, then ``offer`` the survivor
         placement (``eplb_engine.survivors.survivor_plan``)."""
         move = self._move
+        # Rebased on a local survivor plan, with or without the move from it in flight: the
+        # rank goes back to that plan (survivor placements are computed from current, and the
+        # base counts the ranks that died before).
+        rebased = move.rebased if move is not None else self._rebased
         if move is not None:
             futures.wait([move.future], timeout=timeout_s)
             if not move.future.done():
@@ -442,6 +472,9 @@ class Rollout:
             )
         elif self._phase is Phase.REVERTING:
             self._enter(Phase.IDLE)  # the survivor placement moves from the mixed map instead
+        if rebased is not None:
+            self._rebased = None
+            self._give_up_rebase(rebased)
         old, self.barrier = self.barrier, barrier
         with contextlib.suppress(Exception):
             old.close()
