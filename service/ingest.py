@@ -1,6 +1,6 @@
 """Ingestion: a report is checked, mapped to logical experts, deduplicated on ``(rank, seq)``
 and, batched with the reports that arrive meanwhile, made durable in the store with its counts
-(a write-ahead entry) before it is acknowledged; then it enters this replica's window, which
+(a write-ahead entry) before it is acknowledged; then it enters this instance's window, which
 ``flush`` writes to the store, folding the write-ahead entries it covers.
 """
 
@@ -35,7 +35,7 @@ from .windows import (
     encode_sums,
 )
 
-# Write-ahead entries a replica lets pile up before it flushes its window early.
+# Write-ahead entries an instance lets pile up before it flushes its window early.
 _UNFOLDED_MAX = 64
 # Deployments whose reports have at most this many counts share their store calls: the
 # batches of all such deployments on one shard (a Redis master) go in one pipeline, since each
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class Ingest:
     """Reports in to ``registry``'s deployments, their windows out to ``store`` under this
-    replica's ``replica_id``; ``health`` refuses reports at once while the store is down.
+    instance's ``replica_id`` (the name the store keys its window blob by); ``health`` refuses reports at once while the store is down.
     ``linger_s``: the group commit of report batches (:class:`.Batcher`), per shard of the store
     for deployments of up to ``SHARED_MAX_COUNTS`` counts a report, per deployment above."""
 
@@ -143,7 +143,7 @@ class Ingest:
         return tuple(pairs)
 
     def _batcher(self, local: LocalDeployment) -> Batcher:
-        """The batcher of ``local``'s reports, fixed for its life on this replica (so its
+        """The batcher of ``local``'s reports, fixed for its life on this instance (so its
         reports reach the store in the order they came)."""
         if local.batcher is None:
             topo = local.topology
@@ -197,7 +197,7 @@ class Ingest:
         self, call: AcceptCall, missing: NotFound
     ) -> tuple[list[bool | None], str | None] | Exception:
         """``call`` found its deployment missing: ``missing`` if it is really gone, else its answer
-        once more (after a store that restarted empty got this replica's deployments back)."""
+        once more (after a store that restarted empty got this instance's deployments back)."""
         try:
             if await self.registry.confirm_deleted(call.name):
                 return missing
