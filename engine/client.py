@@ -52,7 +52,7 @@ __all__ = [
 # Codes that say the call did not get through or lost a race, whatever its details: the replica
 # is down or restarting (UNAVAILABLE), the attempt ran out of its time (DEADLINE_EXCEEDED), the
 # stream was cut (CANCELLED), a concurrent change won (ABORTED, which the service raises for a
-# retry). Another attempt, later or at another replica, can cure them.
+# retry). Another attempt, later or at another instance, can cure them.
 _TRANSIENT_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,

@@ -107,7 +107,7 @@ class Draining:
     def _ended(processed: int, dropped: int) -> ShuttingDown:
         return ShuttingDown(
             f"server shutting down: processed the first {processed} messages of this stream, "
-            f"not the {dropped} after them; resend those to another replica (same seqs)"
+            f"not the {dropped} after them; resend those to another instance (same seqs)"
         )
 
     async def _discard(self, requests: AsyncIterator[Any]) -> int:
@@ -131,5 +131,5 @@ class Draining:
                 task.cancel()
                 await asyncio.wait({task})
         if task.cancelled():
-            raise ShuttingDown("server shutting down: reconnect to another replica")
+            raise ShuttingDown("server shutting down: reconnect to another instance")
         return task.result()

@@ -97,7 +97,7 @@ class Planner:
             deadline = time.monotonic() + wait_s
             while not await self.store.acquire_lease(name, owner, self.config.lease_s):
                 if time.monotonic() > deadline:
-                    raise Aborted(f"another replica has been planning {name!r} for over {wait_s:g}s; retry later")
+                    raise Aborted(f"another instance has been planning {name!r} for over {wait_s:g}s; retry later")
                 await asyncio.sleep(0.02)
             async with self._renewing(name, owner):
                 try:
@@ -118,7 +118,7 @@ class Planner:
                 try:
                     if not await self.store.renew_lease(name, owner, self.config.lease_s):
                         log.warning(
-                            "the planning lease of %s expired while planning; another replica may plan too", name
+                            "the planning lease of %s expired while planning; another instance may plan too", name
                         )
                         return
                 except ServiceError as exc:
@@ -373,7 +373,7 @@ class Planner:
             deadline = time.monotonic() + wait_s
             while not await self.store.acquire_lease(name, owner, self.config.lease_s):
                 if time.monotonic() > deadline:
-                    raise Aborted(f"another replica has been planning {name!r} for over {wait_s:g}s; retry later")
+                    raise Aborted(f"another instance has been planning {name!r} for over {wait_s:g}s; retry later")
                 await asyncio.sleep(0.02)
             async with self._renewing(name, owner):
                 current = await self.store.placement(name)

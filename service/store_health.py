@@ -63,7 +63,7 @@ class StoreHealth:
         """Fails at once while the store is known to be down, rather than after its timeouts:
         reports, creates, deletes, acks and plans (reads are served from memory where they can)."""
         if not self.healthy:
-            raise StoreUnavailable("the store is unreachable (this replica's health is NOT_SERVING); retry later")
+            raise StoreUnavailable("the store is unreachable (this instance's health is NOT_SERVING); retry later")
 
     def set_health(self, ok: bool) -> None:
         if ok != self.healthy:

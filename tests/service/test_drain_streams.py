@@ -56,7 +56,7 @@ class Server:
 
 def _counts(details: str) -> tuple[int, int]:
     m = re.search(r"processed the first (\d+) messages of this stream, not the (\d+) after them", details)
-    assert m and "resend those to another replica (same seqs)" in details, details
+    assert m and "resend those to another instance (same seqs)" in details, details
     return int(m[1]), int(m[2])
 
 

@@ -35,7 +35,7 @@ async def test_watch_streams_status_until_shutdown_ends_it(serve, connect):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await asyncio.wait_for(stream.read(), 5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "another replica" in err.value.details()
+    assert "another instance" in err.value.details()
     await stopping
 
 

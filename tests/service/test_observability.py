@@ -275,7 +275,7 @@ async def test_an_expected_error_is_logged_once_at_debug_without_traceback(serve
     assert [(r.levelno, r.getMessage().split(":")[0]) for r in mine] == [
         (logging.DEBUG, "ExpertLoadBalancerService/Rebalance failed")
     ]
-    assert "ABORTED" in mine[0].getMessage() and "another replica" in mine[0].getMessage()
+    assert "ABORTED" in mine[0].getMessage() and "another instance" in mine[0].getMessage()
     assert not any(r.exc_info for r in caplog.records)
 
 

@@ -168,12 +168,12 @@ async def test_sigterm_drains_and_every_accepted_report_is_counted(replicas):
         assert _ended_by_server(r.error), r.error
         assert r.ended_at - out["signalled_at"] >= GRACE_S / 2 - 0.3
     # The quiet rank is not writing when the status comes, so it reads it whole: UNAVAILABLE,
-    # saying how many of its reports were processed and to resend the rest to another replica.
+    # saying how many of its reports were processed and to resend the rest to another instance.
     quiet = ranks[-1].error
     assert quiet.code() == grpc.StatusCode.UNAVAILABLE, (quiet.code(), quiet.details())
-    assert "processed the first 20" in quiet.details() and "another replica" in quiet.details(), quiet.details()
+    assert "processed the first 20" in quiet.details() and "another instance" in quiet.details(), quiet.details()
     told = [r.error for r in ranks if r.error.code() == grpc.StatusCode.UNAVAILABLE]
-    said = [e for e in told if "processed the first" in e.details() and "another replica" in e.details()]
+    said = [e for e in told if "processed the first" in e.details() and "another instance" in e.details()]
     # A writing rank may read the status as a broken transport instead: the client's unread
     # messages make the closing socket send a TCP reset, which gRPC reports as "Stream removed
     # (sendmsg: Broken pipe)" or "Error in HTTP transport" (both seen in clean-clone runs of the
