@@ -54,6 +54,15 @@ def next_number(intake: VersionIntake) -> int | None:
 # -- offers from the service --------------------------------------------------------------
 
 
+def offered_local() -> tuple[PublishedPlacement, Machine, PublishedPlacement]:
+    """A machine on version 1 whose rank offered its own survivor plan of it: (base, machine, plan)."""
+    base = version(1)
+    m = Machine(base)
+    local = survivor(base)
+    m.intake.offer(local, supersede=True)
+    return base, m, local
+
+
 def test_nothing_offered_is_no_next_version():
     m = Machine(version(1))
     assert m.intake.next_version() is None and resolve(m.intake) is None and m.intake.local_survivor is None
@@ -133,10 +142,7 @@ def test_a_supersede_no_newer_than_current_is_an_ordinary_offer():
 
 
 def test_service_versions_wait_while_a_local_plan_is_offered_and_the_newest_is_kept():
-    base = version(1)
-    m = Machine(base)
-    local = survivor(base)
-    m.intake.offer(local, supersede=True)
+    base, m, local = offered_local()
     m.intake.offer(version(1))  # no newer than the base: dropped
     assert resolve(m.intake) is None
     m.intake.offer(version(3))
@@ -148,10 +154,7 @@ def test_service_versions_wait_while_a_local_plan_is_offered_and_the_newest_is_k
 
 @pytest.mark.parametrize("same", [True, False])
 def test_a_service_version_takes_the_place_of_a_local_plan_still_only_offered(same):
-    base = version(1)
-    m = Machine(base)
-    local = survivor(base)
-    m.intake.offer(local, supersede=True)
+    base, m, local = offered_local()
     service = survivor(base, seed=100 if same else 200)  # the service's plan of the pair, or another map
     m.intake.offer(service)
     resolution = resolve(m.intake)
@@ -161,10 +164,7 @@ def test_a_service_version_takes_the_place_of_a_local_plan_still_only_offered(sa
 
 
 def test_the_services_plan_of_the_pair_is_adopted_once_the_local_plan_is_routed():
-    base = version(1)
-    m = Machine(base)
-    local = survivor(base)
-    m.intake.offer(local, supersede=True)
+    base, m, local = offered_local()
     m.current = local  # the machine switched to it
     m.intake.switched(local)
     assert m.intake.local_survivor is local  # still this rank's own number
@@ -175,10 +175,7 @@ def test_the_services_plan_of_the_pair_is_adopted_once_the_local_plan_is_routed(
 
 
 def test_another_plan_under_the_local_number_rebases_a_routed_local_plan():
-    base = version(1)
-    m = Machine(base)
-    local = survivor(base)
-    m.intake.offer(local, supersede=True)
+    base, m, local = offered_local()
     m.current = local
     normal = version(2, seed=300)  # a normal plan the service numbered base + 1 too
     m.intake.offer(normal)
@@ -190,10 +187,7 @@ def test_another_plan_under_the_local_number_rebases_a_routed_local_plan():
 def test_an_offer_waits_while_the_machine_applies_a_rebase():
     # offer() reads current under the intake's lock: it must not see the local plan forgotten
     # while its number is still current, so the machine rebases inside resolving().
-    base = version(1)
-    m = Machine(base)
-    local = survivor(base)
-    m.intake.offer(local, supersede=True)
+    base, m, local = offered_local()
     m.current = local
     normal = version(2, seed=300)
     m.intake.offer(normal)
