@@ -74,7 +74,11 @@ def test_a_killed_agent_loses_nothing_and_counts_nothing_twice(d1_server, sock_p
     assert 0 < sum(s.via_agent for s in stats) < sum(s.sent for s in stats)  # both ways were used
     reports, tokens = window(d1_server.address)
     assert tokens == added * 2 * 32 * sum(range(1, 9))  # every count once
-    assert reports == sum(s.accepted for s in stats)
+    # Each report the window holds is one a rank knows counted (accepted), or one the killed
+    # agent had counted whose answer died with it (the kernel drops what a killed process's
+    # socket still had for a rank): that rank sent it again and heard it was a duplicate.
+    accepted, duplicates = sum(s.accepted for s in stats), sum(s.duplicates for s in stats)
+    assert accepted <= reports <= accepted + duplicates
 
 
 def test_a_node_report_beaten_by_a_ranks_own_tells_the_others_to_send_theirs(d1_server, sock_path):
