@@ -2,7 +2,8 @@
 
     python -m eplb_bench.fleet_bench [--deployments 1000] [--instances 4] [--processes 1] [--seconds 600]
         [--report-every 2] [--drift-at 0.4] [--interval 300] [--window 120] [--client-procs 5] [--spread deployment|node]
-        [--watchers 1] [--cpus-redis 0,1,2] [--cpus-service 3-10] [--cpus-clients 11-15] [--json FILE]
+        [--watchers 1] [--readers 0] [--cpus-redis 0,1,2] [--cpus-service 3-10] [--cpus-readers 10]
+        [--cpus-clients 11-15] [--json FILE]
 
 Issue 35's target 4. A private 3-master Redis Cluster (no persistence), ``--instances`` ``eplb
 serve`` instances of ``--processes`` serving processes each, and ``--deployments`` deployments of
@@ -15,7 +16,10 @@ that node's agent uses), from ``--client-procs`` client processes. Each deployme
 hot experts move at ``--drift-at`` of the run, so that its placement stops paying and the
 trigger re-plans it. Meanwhile ``--watchers`` processes watch every deployment
 (``WatchPlacements``, the engines' path) and note when each version arrives, and a probe calls
-``GetPlacement`` on the first instance (4 callers, every 5 ms).
+``GetPlacement`` on the first instance (4 callers, every 5 ms). With ``--readers N``, N more
+instances serve reads only (``eplb serve --reads-only``, one process each, on ``--cpus-readers``):
+the watchers and the probe read there, as engines given ``EPLB_READ_ADDRESSES`` do, and the
+reports go to the ``--instances``.
 
 At the end it checks and prints:
 
@@ -216,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=120.0, help="the deployments' sliding window, s")
     ap.add_argument("--client-procs", type=int, default=5)
     ap.add_argument("--watchers", type=int, default=1)
+    ap.add_argument("--readers", type=int, default=0, help="reads-only instances the watchers and the probe read from")
     ap.add_argument(
         "--spread",
         choices=("deployment", "node"),
@@ -226,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-args", default="")
     ap.add_argument("--cpus-redis", type=cpu_list)
     ap.add_argument("--cpus-service", type=cpu_list)
+    ap.add_argument("--cpus-readers", type=cpu_list, help="cores for the --readers (default: the service's)")
     ap.add_argument("--cpus-clients", type=cpu_list)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -243,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         pin(args.cpus_service)
         flags = ("--processes", str(args.processes), "--flush-seconds", "1", *shlex.split(args.serve_args))
         serves = [ServeProcess(cluster.url, "fleet", workdir / f"serve-{i}.log", flags) for i in range(args.instances)]
+        reading = ("--flush-seconds", "1", *shlex.split(args.serve_args), "--reads-only", "--processes", "1")
+        serves += [
+            ServeProcess(cluster.url, "fleet", workdir / f"reader-{i}.log", reading) for i in range(args.readers)
+        ]
         try:
-            for s in serves:
+            for i, s in enumerate(serves):
+                pin(args.cpus_readers if i >= args.instances and args.cpus_readers else args.cpus_service)
                 s.start()
             for s in serves:
                 s.wait_listening(120)
@@ -266,7 +277,9 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
 
     topo = eplb.Topology(LAYERS, EXPERTS, SLOTS, RANKS, NODES, 8)
     names = [f"fleet-{i}" for i in range(args.deployments)]
-    targets = [s.target for s in serves]
+    targets = [s.target for s in serves[: args.instances]]
+    # Where reads go: the reads-only instances, else the instances that take reports.
+    readers = [s.target for s in serves[args.instances :]] or targets
     t = time.monotonic()
     with grpc.insecure_channel(targets[0]) as ch:
         stub = pb_grpc.ExpertLoadBalancerServiceStub(ch)
@@ -308,11 +321,11 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
     ]
     procs += [
         ctx.Process(
-            target=_watcher, args=(targets[w % len(targets)], names[w :: args.watchers], args.seconds, start, out)
+            target=_watcher, args=(readers[w % len(readers)], names[w :: args.watchers], args.seconds, start, out)
         )
         for w in range(args.watchers)
     ]
-    procs.append(ctx.Process(target=latency_worker, args=(targets[0], names[0], 4, args.seconds, 0.005, out, start)))
+    procs.append(ctx.Process(target=latency_worker, args=(readers[0], names[0], 4, args.seconds, 0.005, out, start)))
     for p in procs:
         p.start()
     start.wait(600)
@@ -363,6 +376,7 @@ def _run(args: argparse.Namespace, cluster: ClusterProcesses, serves: list[Serve
         deployments=args.deployments,
         instances=args.instances,
         processes=args.processes,
+        readers=args.readers,
         spread=args.spread,
         seconds=args.seconds,
         # Over the load's own seconds (the elapsed time also holds the watchers' last 5 s).

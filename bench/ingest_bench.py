@@ -4,8 +4,9 @@ deployments, and what each report costs Redis.
     python -m eplb_bench.ingest_bench [--kinds redis,cluster,bare,memory] [--instances 1,2] [--deployments 1,50]
         [--seconds 6] [--rate 2000 | --rate-of-max 0.8] [--repeats 1] [--json FILE] [--serve-args "FLAGS"]
         [--clients lean|protobuf] [--rpc streamload|reportload] [--streams 8] [--client-procs 2] [--connections 1]
-        [--probe-on first|reader] [--probe-callers 4] [--probe-interval-ms 5]
-        [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-clients 2-15]
+        [--spread report|deployment]
+        [--probe-on first|reader] [--reader-args FLAGS] [--probe-callers 4] [--probe-interval-ms 5]
+        [--cpus-redis 0,1] [--cpus-service 0,1] [--cpus-reader 7] [--cpus-clients 2-15]
 
 For each Redis kind (a private ``redis-server``, or a private 3-master Redis Cluster; both
 without persistence, on free loopback ports in a temp directory) and each count of ``eplb
@@ -35,7 +36,9 @@ service's own cost without the Redis client's (Redis columns 0).
 In all, a third process calls GetPlacement on the first instance every 5 ms (4 callers; set
 with ``--probe-callers`` and ``--probe-interval-ms``) and prints its p99; ``--probe-on reader``
 calls it on one more instance that takes no reports instead (it shares the store, so only with
-``redis`` and ``cluster``). Every client process starts its load at one barrier once it has
+``redis`` and ``cluster``): ``eplb serve --reads-only --processes 1`` after the ``--serve-args``
+(``--reader-args`` to change), on ``--cpus-reader`` where given, as engines given
+``EPLB_READ_ADDRESSES`` read their placements. Every client process starts its load at one barrier once it has
 imported, connected and built its reports, and the GetPlacement calls start ``LEAD_S`` into the
 load and end ``LEAD_S`` before it, so that no client's start-up lands in the figures; each
 client measures its own CPU over the load ("client cores": on a 2-core machine the clients,
@@ -44,7 +47,10 @@ lean`` (the default) sends each request as bytes (its small fields, then its cou
 serialized once per pool entry); ``protobuf`` builds each message. ``--connections N`` gives each client process N connections of its own to each instance
 (engines on other hosts each have theirs; channels of one process to one target otherwise share
 one), so that an instance's ``--processes`` all get some; the instances' CPU then sums each
-instance's serving processes. ``--serve-args`` adds
+instance's serving processes. ``--spread deployment`` makes each stream one rank of one deployment, sent
+to the instance the deployment's name picks (``Endpoints.prefer``: a deployment's ranks report to
+one instance), rather than each stream's reports going to every deployment in turn (``report``,
+the default: every serving process then keeps every deployment's window). ``--serve-args`` adds
 flags to every instance, for an A/B of one flag (``--report-linger-seconds 0``). Each figure is
 the median over ``--repeats`` runs.
 
@@ -81,6 +87,7 @@ import tempfile
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +117,7 @@ def _ingest_worker(
     procs: int = INGEST_PROCS,
     connections: int = 1,
     rpc: str = "streamload",
+    spread: str = "report",
 ):
     from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
     from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
@@ -173,7 +181,7 @@ def _ingest_worker(
                         await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
                         nxt += interval
                     k += 1
-                    name = names[(i + k * streams) % len(names)]
+                    name = own if own is not None else names[(i + k * streams) % len(names)]
                     if lean:
                         head = pb.ReportLoadRequest(deployment=name, rank=rank, seq=seq0 + k).SerializeToString()
                         yield head + counts_fields[k % len(pool)]
@@ -185,7 +193,13 @@ def _ingest_worker(
                             logical=pb.Array(dtype=pb.DTYPE_INT32, shape=[58, 256], data=pool[k % len(pool)]),
                         )
 
+            own = None
             method = methods[(worker + i) % len(methods)]
+            if spread == "deployment":
+                # One deployment a rank, on the instance its name picks (Endpoints.prefer).
+                own = names[rank % len(names)]
+                at = zlib.crc32(own.encode()) % len(targets)
+                method = methods[((worker + i) % connections) * len(targets) + at]
             if rpc == "reportload":
                 return (await method(requests())).accepted
             # As LoadReporter and eplb agent send: one report on the kept-open StreamLoad
@@ -245,6 +259,7 @@ def _run(targets: list[str], names: list[str], ports: list[int], pids: list[int]
                 clients,
                 args.connections,
                 args.rpc,
+                args.spread,
             ),
         )
         for w in range(clients)
@@ -345,6 +360,19 @@ def main(argv: list[str] | None = None) -> int:
         help="GetPlacement on the first instance (which takes reports too), or on one more instance that takes none",
     )
     ap.add_argument(
+        "--spread",
+        choices=("report", "deployment"),
+        default="report",
+        help="report: each stream's reports go to every deployment in turn (so every serving process keeps "
+        "every deployment's window); deployment: a stream is one rank of one deployment, sent to the instance "
+        "its name picks, as engines' ranks are (Endpoints.prefer)",
+    )
+    ap.add_argument(
+        "--reader-args",
+        default="--reads-only --processes 1",
+        help="flags the reader gets after --serve-args (--probe-on reader; default '--reads-only --processes 1')",
+    )
+    ap.add_argument(
         "--streams",
         type=int,
         default=STREAMS,
@@ -366,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cpus-redis", type=cpu_list, help="cores for every redis-server (e.g. 0,1)")
     ap.add_argument("--cpus-service", type=cpu_list, help="cores for the eplb serve instances (e.g. 0,1)")
+    ap.add_argument(
+        "--cpus-reader", type=cpu_list, help="cores for the reader (--probe-on reader; default: the service's)"
+    )
     ap.add_argument("--cpus-clients", type=cpu_list, help="cores for the load and GetPlacement clients (e.g. 2-15)")
     ap.add_argument("--profile-dir", type=Path, help="run each instance under cProfile; profiles land here")
     args = ap.parse_args(argv)
@@ -459,7 +490,12 @@ def _cores(cores: list[int] | None) -> str:
 def _measure(kind: str, url: str, ports: list[int], instances: int, deployments: int, args, workdir: Path) -> dict:
     prefix = f"ingest-{uuid.uuid4().hex[:8]}"
     servers = [
-        ServeProcess(url, prefix, workdir / f"{prefix}-{i}.log", ("--log-level", "WARNING", *args.serve_args.split()))
+        ServeProcess(
+            url,
+            prefix,
+            workdir / f"{prefix}-{i}.log",
+            ("--log-level", "WARNING", *args.serve_args.split(), *(args.reader_args.split() if i == instances else ())),
+        )
         for i in range(instances + (args.probe_on == "reader"))
     ]
     if kind == "bare":
@@ -469,8 +505,8 @@ def _measure(kind: str, url: str, ports: list[int], instances: int, deployments:
         servers = [_ProfiledServe(s.redis_url, s.prefix, s.log_path, s.args) for s in servers]
         for i, s in enumerate(servers):
             s.profile = args.profile_dir / f"{prefix}-{i}.prof"
-    pin(args.cpus_service)
-    for s in servers:
+    for i, s in enumerate(servers):
+        pin(args.cpus_reader if i == instances and args.cpus_reader else args.cpus_service)
         s.start()
     pin(args.cpus_clients)
     try:
@@ -502,6 +538,7 @@ def _measure(kind: str, url: str, ports: list[int], instances: int, deployments:
         "probe_on": args.probe_on,
         "streams": args.streams,
         "rpc": args.rpc,
+        "spread": args.spread,
         "client_procs": args.client_procs,
         "connections": args.connections,
         "deployments": deployments,

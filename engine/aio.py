@@ -25,6 +25,7 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
 from .client import (
+    READ_METHODS,
     Calls,
     Deliver,
     Endpoints,
@@ -37,6 +38,7 @@ from .client import (
     Sleep,
     Step,
     Watch,
+    read_endpoints,
 )
 
 __all__ = ["AsyncServiceClient"]
@@ -60,6 +62,7 @@ class AsyncServiceClient:
         root_certificates: bytes | None = None,
         timeout_s: float | None = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
+        reads: str | Sequence[str] | Endpoints | None = None,
     ) -> None:
         if isinstance(addresses, Endpoints):
             if not addresses.aio:
@@ -73,6 +76,9 @@ class AsyncServiceClient:
                 max_message_bytes=max_message_bytes,
                 aio=True,
             )
+        # GetPlacement and watch on reads-only instances first (ServiceClient's reads=).
+        self.reads = read_endpoints(reads, self.endpoints)
+        self._owns_reads = reads is not None and not isinstance(reads, Endpoints)
         self.timeout_s = timeout_s
         self.calls = Calls(timeout_s, len(self.endpoints.addresses))
 
@@ -116,12 +122,11 @@ class AsyncServiceClient:
 
     async def _do(self, step: Step) -> Sent | None:
         if isinstance(step, Rpc):
-            stub = self.endpoints.stub()
+            on = self.reads if step.method in READ_METHODS else self.endpoints
+            stub = on.stub()
             request = iter(step.request) if step.stream else step.request
             try:
-                response = await getattr(stub, step.method)(
-                    request, timeout=step.timeout_s, metadata=self.endpoints.metadata
-                )
+                response = await getattr(stub, step.method)(request, timeout=step.timeout_s, metadata=on.metadata)
             except grpc.RpcError as exc:
                 return Sent(stub, error=exc)
             return Sent(stub, response)
@@ -135,8 +140,8 @@ class AsyncServiceClient:
                 return Sent(stub, False)
             return Sent(stub, response.status == health_pb2.HealthCheckResponse.SERVING)
         if isinstance(step, Watch):
-            stub = self.endpoints.stub()
-            return Sent(stub, stub.WatchPlacements(step.request, metadata=self.endpoints.metadata))
+            stub = self.reads.stub()
+            return Sent(stub, stub.WatchPlacements(step.request, metadata=self.reads.metadata))
         if isinstance(step, Read):
             try:
                 message = await step.call.read()
@@ -144,9 +149,11 @@ class AsyncServiceClient:
                 return Sent(None, error=exc)
             return Sent(None, None if message is grpc.aio.EOF else message)
         if isinstance(step, Failover):
-            channel = self.endpoints.detach(step.stub)
-            if channel is not None:
-                await channel.close()
+            # Only the endpoints whose stub it is move (the other's is a different stub).
+            for endpoints in {id(e): e for e in (self.endpoints, self.reads)}.values():
+                channel = endpoints.detach(step.stub)
+                if channel is not None:
+                    await channel.close()
         elif isinstance(step, Sleep):
             await asyncio.sleep(step.seconds)
         else:
@@ -240,6 +247,10 @@ class AsyncServiceClient:
         channel = self.endpoints.take()
         if channel is not None:
             await channel.close()
+        if self._owns_reads:
+            channel = self.reads.take()
+            if channel is not None:
+                await channel.close()
 
     async def __aenter__(self) -> AsyncServiceClient:
         return self

@@ -175,6 +175,8 @@ class BalancedRank:
     the host's node agent (``eplb agent``), so the host's ranks send one report per interval
     (``LoadReporter``'s). ``draft``: a ``Draft`` model on
     the same ranks, switched with this one (``barrier="group"`` only); its part is ``draft``.
+    ``reads``: addresses of the service's reads-only instances (``eplb serve --reads-only``):
+    the first placement and the watch go there first, the rest to ``addresses``.
 
     Its parts stay reachable: ``client``, ``barrier`` (the target's), ``target`` and ``draft``
     (``Part``: ``rollout``, ``applier``, ``watcher``, ``reporter``, ``record``; ``draft`` is
@@ -204,6 +206,7 @@ class BalancedRank:
         node_agent: str | None = None,
         token: str | None = None,
         draft: Draft | None = None,
+        reads: str | Sequence[str] | None = None,
         **mover_options: object,
     ) -> None:
         if barrier not in ("group", "service"):
@@ -243,7 +246,7 @@ class BalancedRank:
             )
 
         with contextlib.ExitStack() as stack:
-            self.client = ServiceClient(addresses, token=token)
+            self.client = ServiceClient(addresses, token=token, reads=reads)
             self.client.endpoints.prefer(deployment)  # a deployment's ranks on one instance
             stack.callback(self.client.close)
             self.rank, self.deployment = rank, deployment
@@ -285,6 +288,7 @@ class BalancedRank:
                     rank=rank,
                     ack=False,  # the rollout acks prepared / switched / failed itself
                     since_version=initial.version,
+                    reads=self.client.reads,
                 )
                 stack.callback(watcher.close)
                 reporter = LoadReporter(

@@ -11,7 +11,10 @@ and retry, fail over and give up by the same rules.
 
 ``Endpoints`` holds one channel at a time, to the first address that answers; a call that
 fails as unavailable moves it to the next address. ``LoadReporter`` (reporter.py) and
-``PlacementWatcher`` (watcher.py) share an ``Endpoints`` with a ``ServiceClient``.
+``PlacementWatcher`` (watcher.py) share an ``Endpoints`` with a ``ServiceClient``. Reads
+(``GetPlacement``, ``WatchPlacements``, ``GetDeployment``, ``ListDeployments``) may go to endpoints of their own (``reads=``: the
+service's reads-only instances, then the client's addresses as a fallback), so that they never
+wait behind the reports an instance takes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from . import wire
 
 __all__ = [
     "Endpoints",
+    "READ_METHODS",
+    "read_endpoints",
     "Backoff",
     "Retry",
     "Calls",
@@ -582,6 +587,34 @@ class Endpoints:
             channel.close()
 
 
+# The unary calls a reads-only instance (``eplb serve --reads-only``) is for; WatchPlacements too.
+READ_METHODS = frozenset({"GetPlacement", "GetDeployment", "ListDeployments"})
+
+
+def read_endpoints(reads: str | Sequence[str] | Endpoints | None, endpoints: Endpoints) -> Endpoints:
+    """Where reads go: ``endpoints`` itself when ``reads`` is None; ``reads`` when it is an
+    ``Endpoints`` (shared, e.g. a ``ServiceClient``'s ``reads`` handed to a watcher); else the
+    addresses of ``reads`` (reads-only instances) followed by ``endpoints``' own, with its token,
+    certificates and message size, so that reads fail over to the instances that take reports
+    when no reads-only one answers (and stay there until that one fails)."""
+    if reads is None:
+        return endpoints
+    if isinstance(reads, Endpoints):
+        if reads.aio != endpoints.aio:
+            raise ValueError("reads= must be Endpoints of the same face (aio=) as the client's")
+        return reads
+    own = parse_addresses(reads)
+    if endpoints._borrowed:
+        raise ValueError("reads= addresses need a client that owns its channels, not one over the caller's channel")
+    out = Endpoints(
+        own + tuple(a for a in endpoints.addresses if a not in own),
+        root_certificates=endpoints._root_certificates,
+        aio=endpoints.aio,
+    )
+    out.metadata, out._options = endpoints.metadata, endpoints._options
+    return out
+
+
 class ServiceClient:
     """The sync face: calls to the balancer with failover between ``addresses`` and retries of
     transient failures for up to ``timeout_s`` per call (None: one attempt, no deadline).
@@ -590,6 +623,10 @@ class ServiceClient:
     ``FAILED_PRECONDITION``, ``ALREADY_EXISTS``, auth) raise ``grpc.RpcError`` at once; bad
     arguments raise ``ValueError`` before anything is sent. ``AsyncServiceClient`` is the same
     client for a coroutine.
+
+    ``reads``: addresses of reads-only instances (``eplb serve --reads-only``) that
+    ``get_placement``, ``watch``, ``get_deployment`` and ``topology`` use first (:func:`read_endpoints`); None: every call goes
+    to ``addresses``.
     """
 
     def __init__(
@@ -600,6 +637,7 @@ class ServiceClient:
         root_certificates: bytes | None = None,
         timeout_s: float | None = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
+        reads: str | Sequence[str] | Endpoints | None = None,
     ) -> None:
         if isinstance(addresses, Endpoints):
             self.endpoints, self._owned = addresses, False
@@ -608,8 +646,16 @@ class ServiceClient:
                 addresses, token=token, root_certificates=root_certificates, max_message_bytes=max_message_bytes
             )
             self._owned = True
+        self.reads = read_endpoints(reads, self.endpoints)
+        self._owns_reads = reads is not None and not isinstance(reads, Endpoints)
         self.timeout_s = timeout_s
         self.calls = Calls(timeout_s, len(self.endpoints.addresses))
+
+    def _on(self, step: Rpc | Watch) -> Endpoints:
+        """The endpoints ``step`` goes to: the reads' for placements, the client's for the rest."""
+        if isinstance(step, Watch) or step.method in READ_METHODS:
+            return self.reads
+        return self.endpoints
 
     # -- running the steps ----------------------------------------------------------------
 
@@ -624,10 +670,11 @@ class ServiceClient:
 
     def _do(self, step: Step) -> Sent | None:
         if isinstance(step, Rpc):
-            stub = self.endpoints.stub()
+            on = self._on(step)
+            stub = on.stub()
             request = iter(step.request) if step.stream else step.request
             try:
-                response = getattr(stub, step.method)(request, timeout=step.timeout_s, metadata=self.endpoints.metadata)
+                response = getattr(stub, step.method)(request, timeout=step.timeout_s, metadata=on.metadata)
             except grpc.RpcError as exc:
                 return Sent(stub, error=exc)
             return Sent(stub, response)
@@ -635,15 +682,18 @@ class ServiceClient:
             stub = self.endpoints.stub()
             return Sent(stub, wire.check_health(self.endpoints.channel(), step.timeout_s))
         if isinstance(step, Watch):
-            stub = self.endpoints.stub()
-            return Sent(stub, stub.WatchPlacements(step.request, metadata=self.endpoints.metadata))
+            stub = self.reads.stub()
+            return Sent(stub, stub.WatchPlacements(step.request, metadata=self.reads.metadata))
         if isinstance(step, Read):
             try:
                 return Sent(None, next(step.call, None))
             except grpc.RpcError as exc:
                 return Sent(None, error=exc)
         if isinstance(step, Failover):
+            # Only the endpoints whose stub it is move (the other's is a different stub).
             self.endpoints.failover(step.stub)
+            if self.reads is not self.endpoints:
+                self.reads.failover(step.stub)
         elif isinstance(step, Sleep):
             time.sleep(step.seconds)
         else:
@@ -741,6 +791,8 @@ class ServiceClient:
     def close(self) -> None:
         if self._owned:
             self.endpoints.close()
+        if self._owns_reads:
+            self.reads.close()
 
     def __enter__(self) -> ServiceClient:
         return self

@@ -64,12 +64,15 @@ class PlacementWatcher:
         since_version: int = 0,
         token: str | None = None,
         start: bool = True,
+        reads: str | Sequence[str] | Endpoints | None = None,
     ) -> None:
         if isinstance(addresses, Endpoints):
             self.endpoints, self._owned = addresses, False
         else:
             self.endpoints, self._owned = Endpoints(addresses, token=token), True
-        self.client = ServiceClient(self.endpoints)
+        # The watch on reads-only instances first, the acks to ``addresses`` (ServiceClient's reads=).
+        self.client = ServiceClient(self.endpoints, reads=reads)
+        self.watching = self.client.reads
         self.deployment, self.callback, self.topology = deployment, callback, topology
         self.rank, self.ack = rank, ack and rank is not None
         self.version = since_version
@@ -106,6 +109,7 @@ class PlacementWatcher:
             call.cancel()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+        self.client.close()  # the reads' endpoints, where the watcher opened them
         if self._owned:
             self.endpoints.close()
 
@@ -118,7 +122,7 @@ class PlacementWatcher:
     def _run(self) -> None:
         backoff = Backoff()
         while not self._stop.is_set():
-            stub = self.endpoints.stub()
+            stub = self.watching.stub()
             try:
                 if self.topology is None or self._failing:
                     # A round trip before the stream, which may send nothing for a while: it
@@ -129,12 +133,12 @@ class PlacementWatcher:
                     if self.topology is None:
                         self.topology = wire.topology_from_pb(reply.deployment.topology)
                     self._recovered()
-                    stub = self.endpoints.stub()  # the call may have moved to another address
+                    stub = self.watching.stub()  # the call may have moved to another address
                 self._call = stub.WatchPlacements(
                     pb.WatchPlacementsRequest(
                         deployment=self.deployment, since_version=self.version, max_part_bytes=WATCH_PART_BYTES
                     ),
-                    metadata=self.endpoints.metadata,
+                    metadata=self.watching.metadata,
                 )
                 parts = PartAssembler()
                 for response in self._call:
@@ -156,11 +160,11 @@ class PlacementWatcher:
                         log.warning(
                             "watching %s at %s: %s; retrying until it answers",
                             self.deployment,
-                            self.endpoints.address,
+                            self.watching.address,
                             self.last_error,
                         )
                     self._failing = True
-                    self.endpoints.failover(stub)
+                    self.watching.failover(stub)
                 elif exc.code() in _REFUSED:
                     log.error("watching %s: %s; not retrying with this token", self.deployment, self.last_error)
                     self.gave_up = True
@@ -184,7 +188,7 @@ class PlacementWatcher:
             log.warning(
                 "watching %s: reached %s again after %d attempt%s",
                 self.deployment,
-                self.endpoints.address,
+                self.watching.address,
                 attempts,
                 "" if attempts == 1 else "s",
             )

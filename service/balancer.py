@@ -105,6 +105,9 @@ class Balancer:
             ("refresh", self.config.refresh_s, self.registry.refresh),
             ("liveness", self.config.liveness_s, self.liveness.run),
         )
+        if self.config.reads_only:
+            # No windows to flush and no plans to trigger: the instances that take reports do both.
+            loops = tuple(loop for loop in loops if loop[0] not in ("flush", "trigger"))
         self._tasks = [asyncio.create_task(self._every(s, fn), name=name) for name, s, fn in loops]
 
     async def stop(self) -> None:

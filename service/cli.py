@@ -253,7 +253,20 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
                 default=None,
                 help="require 'authorization: Bearer <token>'; visible in ps, prefer --token-file [EPLB_TOKEN]",
             )
+    ap.add_argument(
+        "--reads-only",
+        action="store_true",
+        default=None,
+        help="serve reads only: refuse reports (UNAVAILABLE, so clients report to their next address), "
+        "plan nothing on a timer; engines send GetPlacement and WatchPlacements here (EPLB_READ_ADDRESSES) "
+        "so that reads never wait behind reports [EPLB_READS_ONLY, unset]",
+    )
     args = ap.parse_args(argv)
+    if args.reads_only is None:
+        raw = os.environ.get("EPLB_READS_ONLY", "").strip().lower()
+        if raw not in ("", "0", "1", "false", "true", "no", "yes"):
+            ap.error(f"EPLB_READS_ONLY: must be 1/true/yes or 0/false/no (or unset), got {raw!r}")
+        args.reads_only = raw in ("1", "true", "yes")
     # Defaults and variables are converted only now, so a bad variable is reported like a bad flag.
     for dest, (_, env, default, convert, _) in _OPTIONS.items():
         if getattr(args, dest) is not None:
@@ -280,6 +293,11 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         ap.error(
             f"--metrics-port {args.metrics_port} with --processes {args.processes}: process i serves /metrics on "
             f"the port + i, so the port must be at most {65536 - args.processes} (or 0: each picks one)"
+        )
+    if args.reads_only and not args.redis_url:
+        ap.error(
+            "--reads-only needs --redis-url: a reads-only instance serves what the instances that take "
+            "reports store, and the in-memory store is one process's"
         )
     if args.processes > 1 and not args.redis_url:
         ap.error(
@@ -314,6 +332,7 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
             compute_workers=args.compute_workers,
             layer_workers=args.layer_workers,
             plugins=modules,
+            reads_only=args.reads_only,
         ),
     )
     return config, args.log_level, args.log_format

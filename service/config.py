@@ -47,3 +47,8 @@ class BalancerConfig:
     # this far apart while reports keep coming (one goes at once after a quiet spell), so that a
     # high report rate costs fewer round trips; each report's answer waits at most this much more.
     report_linger_s: float = 0.005
+    # A reads-only instance (``eplb serve --reads-only``) refuses reports (UNAVAILABLE: the
+    # client's next address takes them) and runs no trigger loop or window flushes: its one event
+    # loop serves placements, watches and the rest from memory, never behind a queue of reports.
+    # Engines send their reads to it (``ServiceClient(..., reads=...)``, ``EPLB_READ_ADDRESSES``).
+    reads_only: bool = False

@@ -131,6 +131,12 @@ class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class ReadsOnly(ServiceError):
+    """This instance takes no reports (``--reads-only``): the client should report to another."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class ShuttingDown(ServiceError):
     """This instance is stopping: the client should call another instance (resending what it must)."""
 

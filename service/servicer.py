@@ -20,7 +20,7 @@ from eplb_wire.parts import WATCH_PART_BYTES
 
 from .auth import Access
 from .balancer import Balancer
-from .errors import FieldViolation, InvalidArgument, ServiceError
+from .errors import FieldViolation, InvalidArgument, ReadsOnly, ServiceError
 from .validation import check_name
 
 # WatchPlacementsRequest.max_part_bytes: 0, or this range.
@@ -163,6 +163,11 @@ class BalancerServicer(pb_grpc.ExpertLoadBalancerServiceServicer):
         """A report stream's messages, one at a time, each checked and counted: True when
         accepted, False for a duplicate. A refused one ends the stream, saying what the reports
         before it came to (they are kept)."""
+        if self.balancer.config.reads_only:
+            raise ReadsOnly(
+                "this instance serves reads only (eplb serve --reads-only) and takes no reports: "
+                "send them to an instance that takes reports"
+            )
         accepted = duplicates = 0
         async for request in request_iterator:
             try:

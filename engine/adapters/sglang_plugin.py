@@ -23,6 +23,7 @@ its ``on_forward_pass_end()`` after each forward pass on every rank. The manager
   rows, as SGLang's own chunked update does).
 
 Settings, from the environment: ``EPLB_ADDRESSES`` (the service, comma-separated),
+``EPLB_READ_ADDRESSES`` (reads-only instances the placements are read from first; optional),
 ``EPLB_DEPLOYMENT`` (default: the model path), ``EPLB_REPORT_EVERY`` (passes between reports).
 Start SGLang with ``--enable-eplb --ep-num-redundant-experts N`` (the recorder then records in
 ``stat`` mode). Supported SGLang: ``eplb_engine.adapters.sglang.SUPPORTED_SGLANG``; EP must span
@@ -50,6 +51,7 @@ ENV_DEPLOYMENT = "EPLB_DEPLOYMENT"
 ENV_REPORT_EVERY = "EPLB_REPORT_EVERY"
 # The host's node agent (eplb agent): its Unix socket; unset, each rank reports on its own.
 ENV_NODE_AGENT = "EPLB_NODE_AGENT"
+ENV_READ_ADDRESSES = "EPLB_READ_ADDRESSES"
 TARGET = "sglang.srt.eplb.eplb_manager.EPLBManager"
 
 Wire = Callable[["EplbServiceManager"], Any]
@@ -222,6 +224,7 @@ def wire_rank(manager: EplbServiceManager) -> Any:
         layers,
         on_switch=manager.on_switch,
         node_agent=os.environ.get(ENV_NODE_AGENT) or None,
+        reads=os.environ.get(ENV_READ_ADDRESSES, "").strip() or None,
     )
     if balanced.rollout.current.placement != serving:
         version = balanced.rollout.current.version

@@ -21,6 +21,7 @@ two methods of vLLM's ``EplbState`` class at import time:
   next, on every rank at the same step.
 
 Settings, from the environment: ``EPLB_ADDRESSES`` (the service, comma-separated),
+``EPLB_READ_ADDRESSES`` (reads-only instances the placements are read from first; optional),
 ``EPLB_DEPLOYMENT`` (default: the target model's name; its draft, the model vLLM adds with a
 ``model_name`` ending in ``" (draft)"`` (``eplb_draft_model_name``), gets ``-draft-1``
 appended). Start vLLM with ``--enable-eplb`` and the redundant
@@ -40,6 +41,7 @@ ENV_ADDRESSES = "EPLB_ADDRESSES"
 ENV_DEPLOYMENT = "EPLB_DEPLOYMENT"
 # The host's node agent (eplb agent): its Unix socket; unset, each rank reports on its own.
 ENV_NODE_AGENT = "EPLB_NODE_AGENT"
+ENV_READ_ADDRESSES = "EPLB_READ_ADDRESSES"
 DRAFT_SUFFIX = " (draft)"  # vLLM's eplb_draft_model_name: f"{model_config.model} (draft)"
 
 Wire = Callable[[Any, Any, str, "tuple[Any, str] | None"], Any]
@@ -193,6 +195,7 @@ def wire_rank(
         mover_group=dist.new_group(ranks=list(ep.ranks), backend=backend),
         on_switch=switcher(model_state),
         node_agent=os.environ.get(ENV_NODE_AGENT) or None,
+        reads=os.environ.get(ENV_READ_ADDRESSES, "").strip() or None,
         draft=Draft(drafted[0][0], drafted[0][4], drafted[0][2], on_switch=switcher(drafted[0][1]))
         if drafted
         else None,
