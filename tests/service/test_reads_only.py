@@ -173,3 +173,20 @@ def test_reads_only_needs_a_redis_url(monkeypatch):
         parse_args(["--redis-url", REDIS_URL])
     monkeypatch.setenv("EPLB_READS_ONLY", "")
     assert not parse_args([])[0].balancer.reads_only
+
+
+def test_read_endpoints_are_checked():
+    from eplb_engine.client import Endpoints, read_endpoints
+
+    sync = Endpoints("a:1,b:2", token="t")
+    assert read_endpoints(None, sync) is sync
+    reads = read_endpoints("r:3,b:2", sync)
+    # The reads' addresses first, then the client's own (each once), with the client's token.
+    assert reads.addresses == ("r:3", "b:2", "a:1") and reads.metadata == sync.metadata
+    assert read_endpoints(reads, sync) is reads
+    with pytest.raises(ValueError, match="same face"):
+        read_endpoints(Endpoints("r:3", aio=True), sync)
+    import grpc as _grpc
+
+    with _grpc.insecure_channel("a:1") as ch, pytest.raises(ValueError, match="owns its channels"):
+        read_endpoints("r:3", Endpoints.over(ch))
