@@ -255,10 +255,16 @@ def test_watch_ctrl_c_exits_130_with_one_line(served: Callable[..., Served], cap
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: KeyboardInterrupt in the main thread
 
+    # Ctrl-C as a terminal delivers it: Python's own handler, whatever this process inherited (a
+    # shell's background job starts with SIGINT ignored, and then Python installs none).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=interrupt)
     t.start()
-    code, out, err = run(capsys, "--address", s.address, "watch", "d1")
-    t.join()
+    try:
+        code, out, err = run(capsys, "--address", s.address, "watch", "d1")
+    finally:
+        t.join()
+        signal.signal(signal.SIGINT, previous)
     assert code == 130 and err == "\neplb ctl watch: interrupted\n" and len(out.splitlines()) == 1
 
 
