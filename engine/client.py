@@ -625,8 +625,8 @@ class ServiceClient:
     client for a coroutine.
 
     ``reads``: addresses of reads-only instances (``eplb serve --reads-only``) that
-    ``get_placement``, ``watch``, ``get_deployment`` and ``topology`` use first (:func:`read_endpoints`); None: every call goes
-    to ``addresses``.
+    ``get_placement``, ``watch``, ``get_deployment`` and ``topology`` use first, then
+    ``addresses`` (``eplb_engine.client.read_endpoints``); None: every call goes to ``addresses``.
     """
 
     def __init__(
