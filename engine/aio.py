@@ -120,9 +120,16 @@ class AsyncServiceClient:
                 return done.value
             answer = await self._do(step)
 
+    async def _reading(self) -> Endpoints:
+        """The reads' endpoints, back to a reads-only instance once it is time to try one again."""
+        old = self.reads.homeward()
+        if old is not None:
+            await old.close()
+        return self.reads
+
     async def _do(self, step: Step) -> Sent | None:
         if isinstance(step, Rpc):
-            on = self.reads if step.method in READ_METHODS else self.endpoints
+            on = await self._reading() if step.method in READ_METHODS else self.endpoints
             stub = on.stub()
             request = iter(step.request) if step.stream else step.request
             try:
@@ -140,7 +147,7 @@ class AsyncServiceClient:
                 return Sent(stub, False)
             return Sent(stub, response.status == health_pb2.HealthCheckResponse.SERVING)
         if isinstance(step, Watch):
-            stub = self.reads.stub()
+            stub = (await self._reading()).stub()
             return Sent(stub, stub.WatchPlacements(step.request, metadata=self.reads.metadata))
         if isinstance(step, Read):
             try:

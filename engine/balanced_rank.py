@@ -248,6 +248,8 @@ class BalancedRank:
         with contextlib.ExitStack() as stack:
             self.client = ServiceClient(addresses, token=token, reads=reads)
             self.client.endpoints.prefer(deployment)  # a deployment's ranks on one instance
+            if self.client.reads is not self.client.endpoints:
+                self.client.reads.prefer(deployment)  # and its reads on one reader (its fallback spread too)
             stack.callback(self.client.close)
             self.rank, self.deployment = rank, deployment
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))

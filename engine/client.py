@@ -516,6 +516,11 @@ class Endpoints:
         self._stub: pb_grpc.ExpertLoadBalancerServiceStub | None = None
         self._borrowed = False
         self.failovers = 0
+        # Homing (read_endpoints): the first ``home`` addresses are where calls belong; after a
+        # failover past them, ``homeward`` brings the next call back once ``home_after_s`` passed.
+        self.home = 0
+        self.home_after_s = 30.0
+        self._left_home_at: float | None = None
 
     @classmethod
     def over(cls, channel: grpc.Channel | grpc.aio.Channel, *, token: str | None = None) -> Endpoints:
@@ -531,7 +536,9 @@ class Endpoints:
 
     def prefer(self, key: str) -> None:
         """Starts at the address ``key`` (a deployment's name) hashes to, if no channel is open
-        yet (a no-op after). The ranks and node agents of one deployment, given the same
+        yet (a no-op after). With ``home`` addresses (``read_endpoints``): starts at the home
+        address it hashes to, and the addresses after them (the fallback) are turned to start at
+        the one it hashes to, so that deployments fall back over all of them. The ranks and node agents of one deployment, given the same
         addresses, then report to the same instance: each instance process keeps a window per
         deployment it takes reports for and writes it to the store every second, so a
         deployment spread over every instance costs each of them (and the store) that much
@@ -539,7 +546,15 @@ class Endpoints:
         moves on from there as from the first address."""
         with self._lock:
             if self._channel is None and not self._borrowed:
-                self._index = zlib.crc32(key.encode()) % len(self.addresses)
+                at = zlib.crc32(key.encode())
+                if not self.home:
+                    self._index = at % len(self.addresses)
+                    return
+                own, rest = self.addresses[: self.home], self.addresses[self.home :]
+                if rest:
+                    rest = rest[at % len(rest) :] + rest[: at % len(rest)]
+                self.addresses = own + rest
+                self._index = at % self.home
 
     def _open(self) -> pb_grpc.ExpertLoadBalancerServiceStub:
         self._channel = open_channel(self.addresses[self._index], self._root_certificates, self._options, aio=self.aio)
@@ -565,6 +580,27 @@ class Endpoints:
             channel, self._channel, self._stub = self._channel, None, None
             self._index = (self._index + 1) % len(self.addresses)
             self.failovers += 1
+            if self._index < self.home:
+                self._left_home_at = None
+            elif self._left_home_at is None:
+                self._left_home_at = time.monotonic()
+            return channel
+
+    def away(self) -> bool:
+        """Whether calls go to a fallback address (past the ``home`` ones) for now."""
+        return bool(self.home) and self._index >= self.home
+
+    def homeward(self) -> grpc.Channel | grpc.aio.Channel | None:
+        """Back to the first home address once ``home_after_s`` passed since calls left them
+        (the next call tries it, failing over again if it still does not answer); returns the
+        fallback channel for the caller to close (None: nothing to do)."""
+        with self._lock:
+            if not self.away() or self._borrowed or self._left_home_at is None:
+                return None
+            if time.monotonic() - self._left_home_at < self.home_after_s:
+                return None
+            channel, self._channel, self._stub = self._channel, None, None
+            self._index, self._left_home_at = 0, None
             return channel
 
     def failover(self, failed: pb_grpc.ExpertLoadBalancerServiceStub) -> None:
@@ -591,19 +627,25 @@ class Endpoints:
 READ_METHODS = frozenset({"GetPlacement", "GetDeployment", "ListDeployments"})
 
 
-def read_endpoints(reads: str | Sequence[str] | Endpoints | None, endpoints: Endpoints) -> Endpoints:
+def read_endpoints(
+    reads: str | Sequence[str] | Endpoints | None, endpoints: Endpoints, home_after_s: float = 30.0
+) -> Endpoints:
     """Where reads go: ``endpoints`` itself when ``reads`` is None; ``reads`` when it is an
     ``Endpoints`` (shared, e.g. a ``ServiceClient``'s ``reads`` handed to a watcher); else the
-    addresses of ``reads`` (reads-only instances) followed by ``endpoints``' own, with its token,
-    certificates and message size, so that reads fail over to the instances that take reports
-    when no reads-only one answers (and stay there until that one fails)."""
+    addresses of ``reads`` (reads-only instances, the ``home`` ones) followed by ``endpoints``'
+    own, with its token, certificates and message size: reads fail over to the instances that
+    take reports when no reads-only one answers, and go back to the reads-only ones
+    ``home_after_s`` later (``Endpoints.homeward``; a watch reconnects there)."""
     if reads is None:
         return endpoints
     if isinstance(reads, Endpoints):
         if reads.aio != endpoints.aio:
             raise ValueError("reads= must be Endpoints of the same face (aio=) as the client's")
         return reads
-    own = parse_addresses(reads)
+    try:
+        own = parse_addresses(reads)
+    except ValueError:
+        raise ValueError(f"reads= must name at least one host:port (or be None), got {reads!r}") from None
     if endpoints._borrowed:
         raise ValueError("reads= addresses need a client that owns its channels, not one over the caller's channel")
     out = Endpoints(
@@ -612,6 +654,7 @@ def read_endpoints(reads: str | Sequence[str] | Endpoints | None, endpoints: End
         aio=endpoints.aio,
     )
     out.metadata, out._options = endpoints.metadata, endpoints._options
+    out.home, out.home_after_s = len(own), home_after_s
     return out
 
 
@@ -652,8 +695,12 @@ class ServiceClient:
         self.calls = Calls(timeout_s, len(self.endpoints.addresses))
 
     def _on(self, step: Rpc | Watch) -> Endpoints:
-        """The endpoints ``step`` goes to: the reads' for placements, the client's for the rest."""
+        """The endpoints ``step`` goes to: the reads' for placements (back to a reads-only
+        instance once it is time to try one again), the client's for the rest."""
         if isinstance(step, Watch) or step.method in READ_METHODS:
+            old = self.reads.homeward()
+            if old is not None:
+                old.close()
             return self.reads
         return self.endpoints
 
@@ -682,7 +729,7 @@ class ServiceClient:
             stub = self.endpoints.stub()
             return Sent(stub, wire.check_health(self.endpoints.channel(), step.timeout_s))
         if isinstance(step, Watch):
-            stub = self.reads.stub()
+            stub = self._on(step).stub()
             return Sent(stub, stub.WatchPlacements(step.request, metadata=self.reads.metadata))
         if isinstance(step, Read):
             try:

@@ -154,6 +154,7 @@ class LoadReporter:
         self._dropped_tokens = 0.0
         self._pending_tokens = 0.0
         self._last_error = ""
+        self._told_reads_only = False
         # The host's node agent (engine/agent.py): its Unix socket path; ``_handed`` leading
         # outbox reports are with it; ``_agent`` is None while reports go on our own.
         self.node_agent = node_agent
@@ -499,6 +500,15 @@ class LoadReporter:
     def _note_error(self, exc: grpc.RpcError) -> None:
         with self._lock:
             self._last_error = f"{exc.code().name}: {exc.details()}"
+        if "reads only" in (exc.details() or "") and not self._told_reads_only:
+            # A misconfiguration, not an outage: say it once (the reports go to the next address).
+            self._told_reads_only = True
+            log.warning(
+                "reporting %s: %s is a reads-only instance (eplb serve --reads-only), which takes no reports: "
+                "list it in reads=, not among the addresses reports go to",
+                self.deployment,
+                self.endpoints.address,
+            )
 
 
 def _bad_values(counts: object) -> str:

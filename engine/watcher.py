@@ -73,6 +73,7 @@ class PlacementWatcher:
         # The watch on reads-only instances first, the acks to ``addresses`` (ServiceClient's reads=).
         self.client = ServiceClient(self.endpoints, reads=reads)
         self.watching = self.client.reads
+        self._homing = False  # the watch at a fallback address was ended to go back to a reads-only one
         self.deployment, self.callback, self.topology = deployment, callback, topology
         self.rank, self.ack = rank, ack and rank is not None
         self.version = since_version
@@ -122,7 +123,11 @@ class PlacementWatcher:
     def _run(self) -> None:
         backoff = Backoff()
         while not self._stop.is_set():
+            old = self.watching.homeward()  # back to a reads-only instance, when it is time
+            if old is not None:
+                old.close()
             stub = self.watching.stub()
+            home = None
             try:
                 if self.topology is None or self._failing:
                     # A round trip before the stream, which may send nothing for a while: it
@@ -140,6 +145,11 @@ class PlacementWatcher:
                     ),
                     metadata=self.watching.metadata,
                 )
+                if self.watching.away():
+                    # At a fallback address: end this watch when a reads-only one may answer again.
+                    home = threading.Timer(self.watching.home_after_s, self._go_home, (self._call,))
+                    home.daemon = True
+                    home.start()
                 parts = PartAssembler()
                 for response in self._call:
                     backoff.reset()
@@ -152,6 +162,9 @@ class PlacementWatcher:
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
+                if self._homing:
+                    self._homing = False
+                    continue  # reconnects at once, at the reads-only instance (homeward)
                 self.last_error = f"{exc.code().name}: {exc.details()}"
                 self.connected = False
                 if transient(exc):
@@ -178,8 +191,18 @@ class PlacementWatcher:
                     if not self._failing:
                         self._outage_from = self.reconnects
                     self._failing = True
+            finally:
+                if home is not None:
+                    home.cancel()
             self.reconnects += 1
             self._stop.wait(backoff.delay())
+
+    def _go_home(self, call: object) -> None:
+        """Ends ``call`` (the watch at a fallback address) if it is still the one running, so
+        that the watcher reconnects at a reads-only instance (it resumes after its version)."""
+        if call is self._call and not self._stop.is_set():
+            self._homing = True
+            call.cancel()
 
     def _recovered(self) -> None:
         """A call reached the service: the end of an outage, if in one (logged once)."""

@@ -257,9 +257,10 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, str, str]:
         "--reads-only",
         action="store_true",
         default=None,
-        help="serve reads only: refuse reports (UNAVAILABLE, so clients report to their next address), "
-        "plan nothing on a timer; engines send GetPlacement and WatchPlacements here (EPLB_READ_ADDRESSES) "
-        "so that reads never wait behind reports [EPLB_READS_ONLY, unset]",
+        help="serve reads only: refuse reports (UNAVAILABLE, so clients report to their next address) and "
+        "plan nothing on a timer (calls such as create, delete, rebalance and acks are still served); engines "
+        "send GetPlacement and WatchPlacements here (reads=, EPLB_READ_ADDRESSES) so that reads never wait "
+        "behind reports; needs --redis-url [EPLB_READS_ONLY, unset]",
     )
     args = ap.parse_args(argv)
     if args.reads_only is None:

@@ -272,7 +272,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         config.host,
         port,
         "redis" if config.redis_url else "in-memory",
-        ", TLS" if tls else "",
+        (", TLS" if tls else "") + (", reads only" if config.balancer.reads_only else ""),
         f", auth file {config.auth_file}: {access.describe()}" if config.auth_file is not None else "",
     )
     if httpd is not None:

@@ -190,3 +190,64 @@ def test_read_endpoints_are_checked():
 
     with _grpc.insecure_channel("a:1") as ch, pytest.raises(ValueError, match="owns its channels"):
         read_endpoints("r:3", Endpoints.over(ch))
+
+
+def test_a_homing_endpoints_spreads_its_fallback_by_the_deployment():
+    from eplb_engine.client import Endpoints, read_endpoints
+
+    names = [f"d{i}" for i in range(200)]
+    firsts = set()
+    for name in names:
+        reads = read_endpoints(["r1:1", "r2:2"], Endpoints("w1:1,w2:2,w3:3"))
+        reads.prefer(name)
+        # A reader first (the name's), the other reader, then every writer in a name's order.
+        assert set(reads.addresses[:2]) == {"r1:1", "r2:2"} and reads.address in ("r1:1", "r2:2")
+        assert sorted(reads.addresses[2:]) == ["w1:1", "w2:2", "w3:3"]
+        firsts.add(reads.addresses[2])
+    assert firsts == {"w1:1", "w2:2", "w3:3"}
+
+
+async def test_reads_and_watches_go_back_to_the_reader_once_it_answers_again(serve, connect, prefix):
+    from eplb_engine.client import Endpoints, read_endpoints
+
+    p = prefix()
+    writer = await serve(redis_url=REDIS_URL, key_prefix=p)
+    ro = replace(FAST, replica_id=uuid.uuid4().hex[:8], reads_only=True)
+    reader = await serve(redis_url=REDIS_URL, key_prefix=p, balancer=ro)
+    port = reader.port
+    w = connect(writer)
+    await w.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
+    main = Endpoints(writer.target)
+    reads = read_endpoints(reader.target, main, home_after_s=0.5)
+    client = ServiceClient(main, reads=reads, timeout_s=5)
+    seen: list[int] = []
+    watcher = PlacementWatcher(main, "d1", lambda pl: seen.append(pl.version), reads=reads)
+
+    async def until(check, what: str, within_s: float = 10.0) -> None:
+        deadline = time.monotonic() + within_s
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    try:
+        await until(lambda: seen == [1], "the first version")
+        assert watcher.watching.address == reader.target
+        await reader.stop(0)
+        assert (await asyncio.to_thread(client.get_placement, "d1")).version == 1
+        assert reads.address == writer.target  # fell back
+        await until(lambda: watcher.connected and reads.address == writer.target, "the watch on the writer")
+        reader = await serve(redis_url=REDIS_URL, key_prefix=p, balancer=ro, port=port)
+        await asyncio.sleep(0.6)
+        assert (await asyncio.to_thread(client.get_placement, "d1")).version == 1
+        assert reads.address == reader.target  # back at the reader
+        # The watch too: it was ended and resumed there, and a new version reaches it.
+        await until(lambda: watcher.connected, "the watch back")
+        await report_some_load(w.stub)
+        out = await w.stub.Rebalance(pb.RebalanceRequest(deployment="d1", force=True))
+        await until(lambda: seen[-1] == out.placement.version, "the new version")
+        assert reads.address == reader.target and seen == [1, out.placement.version]
+    finally:
+        await asyncio.to_thread(watcher.close)
+        client.close()
+        reads.close()
+        main.close()
