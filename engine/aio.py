@@ -25,7 +25,6 @@ from eplb_wire._gen.eplb.v1 import balancer_pb2_grpc as pb_grpc
 
 from . import wire
 from .client import (
-    READ_METHODS,
     Calls,
     Deliver,
     Endpoints,
@@ -38,6 +37,7 @@ from .client import (
     Sleep,
     Step,
     Watch,
+    is_read,
     read_endpoints,
 )
 
@@ -129,7 +129,7 @@ class AsyncServiceClient:
 
     async def _do(self, step: Step) -> Sent | None:
         if isinstance(step, Rpc):
-            on = await self._reading() if step.method in READ_METHODS else self.endpoints
+            on = await self._reading() if is_read(step) else self.endpoints
             stub = on.stub()
             request = iter(step.request) if step.stream else step.request
             try:
@@ -157,7 +157,7 @@ class AsyncServiceClient:
             return Sent(None, None if message is grpc.aio.EOF else message)
         if isinstance(step, Failover):
             # Only the endpoints whose stub it is move (the other's is a different stub).
-            for endpoints in {id(e): e for e in (self.endpoints, self.reads)}.values():
+            for endpoints in (self.endpoints,) if self.reads is self.endpoints else (self.endpoints, self.reads):
                 channel = endpoints.detach(step.stub)
                 if channel is not None:
                     await channel.close()

@@ -12,9 +12,9 @@ and retry, fail over and give up by the same rules.
 ``Endpoints`` holds one channel at a time, to the first address that answers; a call that
 fails as unavailable moves it to the next address. ``LoadReporter`` (reporter.py) and
 ``PlacementWatcher`` (watcher.py) share an ``Endpoints`` with a ``ServiceClient``. Reads
-(``GetPlacement``, ``WatchPlacements``, ``GetDeployment``, ``ListDeployments``) may go to endpoints of their own (``reads=``: the
-service's reads-only instances, then the client's addresses as a fallback), so that they never
-wait behind the reports an instance takes.
+(``GetPlacement``, ``WatchPlacements``, ``GetDeployment``, ``ListDeployments``) may go to
+endpoints of their own (``reads=``: the service's reads-only instances, then the client's
+addresses as a fallback), so that they never wait behind the reports an instance takes.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ __all__ = [
     "Endpoints",
     "READ_METHODS",
     "read_endpoints",
+    "is_read",
     "Backoff",
     "Retry",
     "Calls",
@@ -536,14 +537,16 @@ class Endpoints:
 
     def prefer(self, key: str) -> None:
         """Starts at the address ``key`` (a deployment's name) hashes to, if no channel is open
-        yet (a no-op after). With ``home`` addresses (``read_endpoints``): starts at the home
-        address it hashes to, and the addresses after them (the fallback) are turned to start at
-        the one it hashes to, so that deployments fall back over all of them. The ranks and node agents of one deployment, given the same
+        yet (a no-op after). The ranks and node agents of one deployment, given the same
         addresses, then report to the same instance: each instance process keeps a window per
         deployment it takes reports for and writes it to the store every second, so a
         deployment spread over every instance costs each of them (and the store) that much
         more, while deployments hashed over the instances spread the load as well. A failover
-        moves on from there as from the first address."""
+        moves on from there as from the first address.
+
+        With ``home`` addresses (``read_endpoints``): starts at the home address ``key`` hashes
+        to, and the addresses after them (the fallback) are turned to start at the one it hashes
+        to, so that deployments fall back over all of them."""
         with self._lock:
             if self._channel is None and not self._borrowed:
                 at = zlib.crc32(key.encode())
@@ -627,6 +630,11 @@ class Endpoints:
 READ_METHODS = frozenset({"GetPlacement", "GetDeployment", "ListDeployments"})
 
 
+def is_read(step: Rpc | Watch) -> bool:
+    """Whether ``step`` goes to the reads' endpoints (both faces route by this)."""
+    return isinstance(step, Watch) or step.method in READ_METHODS
+
+
 def read_endpoints(
     reads: str | Sequence[str] | Endpoints | None, endpoints: Endpoints, home_after_s: float = 30.0
 ) -> Endpoints:
@@ -697,7 +705,7 @@ class ServiceClient:
     def _on(self, step: Rpc | Watch) -> Endpoints:
         """The endpoints ``step`` goes to: the reads' for placements (back to a reads-only
         instance once it is time to try one again), the client's for the rest."""
-        if isinstance(step, Watch) or step.method in READ_METHODS:
+        if is_read(step):
             old = self.reads.homeward()
             if old is not None:
                 old.close()
