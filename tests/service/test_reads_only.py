@@ -112,7 +112,7 @@ async def test_reads_fall_back_to_the_client_addresses(serve, prefix):
         assert client.reads.address == writer.target and client.endpoints.address == writer.target
 
 
-async def test_a_reporter_given_the_reader_first_reports_to_the_next_address(serve, connect, prefix):
+async def test_a_reporter_given_the_reader_first_reports_to_the_next_address(serve, connect, prefix, caplog):
     writer, reader = await _pair(serve, prefix)
     w = connect(writer)
     await w.stub.CreateDeployment(pb.CreateDeploymentRequest(deployment=small_deployment()))
@@ -125,9 +125,13 @@ async def test_a_reporter_given_the_reader_first_reports_to_the_next_address(ser
             assert reporter.flush(10)
             assert reporter.endpoints.address == writer.target
 
+    caplog.set_level("WARNING", logger="eplb_engine.reporter")
     await asyncio.to_thread(run)
     window = await w.stub.GetPlacement(pb.GetPlacementRequest(deployment="d1", include_window_loads=True))
     assert window.window_reports >= 1
+    # The misconfiguration said once, naming the reader.
+    told = [r.getMessage() for r in caplog.records if "reads-only instance" in r.getMessage()]
+    assert len(told) == 1 and reader.target in told[0]
 
 
 async def test_a_watcher_given_reads_watches_the_reader_and_acks_to_the_writer(serve, connect, prefix):
