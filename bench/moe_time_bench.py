@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from importlib import resources
 
 import numpy as np
 
@@ -51,8 +52,23 @@ def tie_plan(loads: np.ndarray, topo: eplb.Topology, ours: eplb.Plan, ref: eplb.
     return eplb.Placement(np.where(take[:, None], b, a), topo)
 
 
+def single_expert_curve(name: str) -> kernel.Curve:
+    """The shipped model ``name``'s one-slot samples as a plain ``Curve`` (tokens → microseconds
+    of one expert alone, made non-decreasing): issue 34's simulation scored a gpu as the sum of
+    such curves over its slots, which pays every expert's launches and under-used tiles again."""
+    d = json.loads(resources.files("eplb.kernels").joinpath(f"{name}.json").read_text())
+    one = sorted((n[0], u) for n, u in d["samples"]["train"] if len(n) == 1 and n[0] > 0)
+    t = np.array([x[0] for x in one], dtype=np.float64)
+    return kernel.Curve(t, np.maximum.accumulate(np.array([x[1] for x in one])))
+
+
 def placements(
-    loads: np.ndarray, topo: eplb.Topology, model: kernel.KernelModel, batches: tuple[int, ...], ties: bool = False
+    loads: np.ndarray,
+    topo: eplb.Topology,
+    model: kernel.KernelModel,
+    batches: tuple[int, ...],
+    ties: bool = False,
+    curve: kernel.Curve | None = None,
 ) -> dict:
     out = {"deepseek": eplb.rebalance(loads, topo, "deepseek"), "default": eplb.rebalance(loads, topo)}
     if ties:
@@ -60,6 +76,8 @@ def placements(
             out[f"tie{slack:g}"] = tie_plan(loads, topo, out["default"], out["deepseek"], slack)
     for b in batches:
         out[f"time@{b}"] = eplb.rebalance(loads, topo, kernel_curve=model, tokens_per_gpu=b, top_k=TOP_K)
+        if curve is not None:
+            out[f"curve@{b}"] = eplb.rebalance(loads, topo, kernel_curve=curve, tokens_per_gpu=b, top_k=TOP_K)
     out["time@mix"] = eplb.rebalance(loads, topo, kernel_curve=model, tokens_per_gpu=list(MIX), top_k=TOP_K)
     return out
 
@@ -105,6 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also judge tie0 / tie0.01: per layer, eplb.py's slots where its busiest gpu's tokens are within "
         "0 / 1 %% of the default's",
     )
+    ap.add_argument(
+        "--curve-plans",
+        action="store_true",
+        help="also judge curve@b: planned for time with the sum of one-expert curves (the shipped model's "
+        "one-slot samples), as issue 34's simulation scored gpus",
+    )
+    ap.add_argument(
+        "--score",
+        choices=("model", "curve"),
+        default="model",
+        help="with --kernels model: score with the fitted model, or with the sum of one-expert curves",
+    )
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -112,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     timers: dict = {}
     for shape in args.shapes.split(","):
         model = kernel.load(f"{shape}@{args.gpu_name}")
+        curve = single_expert_curve(f"{shape}@{args.gpu_name}")
+        judge: kernel.CostModel = curve if args.score == "curve" else model
         if args.kernels == "gpu":
             from eplb_tools.calibrate import SHAPES as HI
             from eplb_tools.calibrate import Shape, Timer
@@ -122,19 +154,19 @@ def main(argv: list[str] | None = None) -> int:
             topo = eplb.Topology(args.layers, 128, P, G, 1, 1)
             loads = load_workload(args.workload, topo, args.seed)
             t0 = time.perf_counter()
-            plans = placements(loads, topo, model, batches, ties=args.ties)
+            plans = placements(loads, topo, model, batches, ties=args.ties, curve=curve if args.curve_plans else None)
             plan_s = time.perf_counter() - t0
             for b in batches:
                 named = {
                     name: layer_sets(plan, loads, b, args.steps, seed=1000 + args.seed)
                     for name, plan in plans.items()
-                    if not (name.startswith("time@") and name not in (f"time@{b}", "time@mix"))
+                    if not (name[:5] in ("time@", "curve") and name not in (f"time@{b}", "time@mix", f"curve@{b}"))
                     and not (name == "time@mix" and b not in MIX)
                 }
                 res = {}
                 if args.kernels == "model":
                     for name, sets in named.items():
-                        res[name] = float(model.gpu_us(sets).max(axis=2).mean(axis=1).sum() / 1000.0)
+                        res[name] = float(judge.gpu_us(sets).max(axis=2).mean(axis=1).sum() / 1000.0)
                 else:
                     # The placements' sets timed in turn, set by set, so a drift of the GPU's clock
                     # during the run weighs on every placement alike; a set two placements share is
@@ -157,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"  time {tp:.3f} ({(tp / res['default'] - 1):+.1%} vs default, {(tp / res['deepseek'] - 1):+.1%} vs eplb.py)"
                     f"  default vs eplb.py {(res['default'] / res['deepseek'] - 1):+.1%}"
                 )
+                if f"curve@{b}" in res:
+                    c = res[f"curve@{b}"]
+                    line += f"  curve {c:.3f} ({(c / res['default'] - 1):+.1%} vs default)"
                 for n in ("tie0", "tie0.01"):
                     if n in res:
                         line += f"  {n} {res[n]:.3f} ({(res[n] / res['deepseek'] - 1):+.1%} vs eplb.py)"
@@ -166,7 +201,34 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # after every row: a run cut short keeps what it measured
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)
+            mix = mix_summary([r for r in rows if r["shape"] == shape and r["config"] == cname])
+            if mix:
+                print(mix, flush=True)
     return 0
+
+
+def mix_summary(rows: list[dict]) -> str | None:
+    """One line over the decode mix (sizes 4-256, equal weights) of one shape and config: the mix
+    plan and the best placement of each size alone (``time@b``, each judged at its own size: no
+    single placement can beat that sum) against the default, as sums of the sizes' ms and as the
+    mean of the sizes' relative changes; None unless every size of the mix was measured."""
+    at = {r["tokens_per_gpu"]: r["ms"] for r in rows}
+    if not all(b in at and "time@mix" in at[b] for b in MIX):
+        return None
+    default = sum(at[b]["default"] for b in MIX)
+    mix = sum(at[b]["time@mix"] for b in MIX)
+    best = sum(min(at[b]["default"], at[b][f"time@{b}"], at[b]["deepseek"]) for b in MIX)
+    rel_mix = float(np.mean([at[b]["time@mix"] / at[b]["default"] - 1 for b in MIX]))
+    rel_best = float(
+        np.mean([min(at[b]["default"], at[b][f"time@{b}"], at[b]["deepseek"]) / at[b]["default"] - 1 for b in MIX])
+    )
+    worst = max(at[b]["time@mix"] / at[b]["default"] - 1 for b in MIX)
+    r0 = rows[0]
+    return (
+        f"{r0['shape']:16s} {r0['config']:11s} mix {'/'.join(map(str, MIX))}: default {default:.3f} ms, "
+        f"mix plan {mix:.3f} ({mix / default - 1:+.1%}; mean of sizes {rel_mix:+.1%}; worst size {worst:+.1%}), "
+        f"best of each size alone {best:.3f} ({best / default - 1:+.1%}; mean of sizes {rel_best:+.1%})"
+    )
 
 
 if __name__ == "__main__":
