@@ -38,6 +38,7 @@ import eplb
 from eplb import checks
 from eplb.limits import MAX_REPORT_COUNT, MAX_REPORT_STEPS
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.errors import READS_ONLY, reason
 
 from . import wire
 from .agent import ACK as AGENT_ACK
@@ -500,7 +501,9 @@ class LoadReporter:
     def _note_error(self, exc: grpc.RpcError) -> None:
         with self._lock:
             self._last_error = f"{exc.code().name}: {exc.details()}"
-        if "reads only" in (exc.details() or "") and not self._told_reads_only:
+        # The reason in the trailing metadata; a 1.0.0 instance names none, only its text.
+        refused = reason(exc) == READS_ONLY or "reads only" in (exc.details() or "")
+        if refused and not self._told_reads_only:
             # A misconfiguration, not an outage: say it once (the reports go to the next address).
             self._told_reads_only = True
             log.warning(

@@ -18,7 +18,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from eplb import PolicyError
-from eplb_wire.errors import WireError
+from eplb_wire.errors import READS_ONLY, REASON_KEY, WireError
 
 from .clip import MAX_DESCRIPTION, MAX_FIELD, MAX_MESSAGE, MAX_VIOLATIONS, cap
 
@@ -200,6 +200,8 @@ def abort_status(exc: BaseException) -> tuple[grpc.Status, bool]:
     if status is None:
         status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
     out = rpc_status.to_status(status)
+    if isinstance(exc, ReadsOnly):
+        out = _Status(out.code, out.details, tuple(out.trailing_metadata) + ((REASON_KEY, READS_ONLY),))
     after = getattr(exc, "retry_after_s", None)
     if isinstance(exc, ResourceExhausted) and after is not None:
         hint = ((PUSHBACK_KEY, str(max(1, round(after * 1000)))),)

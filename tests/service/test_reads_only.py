@@ -20,6 +20,7 @@ from eplb_engine.aio import AsyncServiceClient
 from eplb_engine.client import ServiceClient
 from eplb_engine.watcher import PlacementWatcher
 from eplb_wire._gen.eplb.v1 import balancer_pb2 as pb
+from eplb_wire.errors import READS_ONLY, reason
 
 TOPO = eplb.Topology(num_layers=4, num_experts=16, num_slots=24, num_gpus=8, num_nodes=2, num_groups=4)
 
@@ -52,6 +53,13 @@ async def test_a_reads_only_instance_serves_placements_and_refuses_reports(serve
             await report_some_load_on(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "reads only" in err.value.details()
+        # The reason for clients to act on, in the trailing metadata (the text is for people).
+        assert reason(err.value) == READS_ONLY
+    # Other refusals name no reason; nor does what is not a call's error.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await w.stub.GetPlacement(pb.GetPlacementRequest(deployment="no-such"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and reason(err.value) == ""
+    assert reason(ValueError("x")) == ""
     # The reader runs no trigger loop and no window flushes; the writer does.
     names = lambda s: {t.get_name() for t in s.balancer._tasks}  # noqa: E731
     assert {"trigger", "flush"} <= names(writer) and not {"trigger", "flush"} & names(reader)
