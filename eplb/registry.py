@@ -23,8 +23,9 @@ from .limits import check_plan_bytes
 from .loads import check_loads
 from .placement import Placement
 from .planner.anytime import PlanOptions
-from .planner.settle import prefer_deal, settle
+from .planner.settle import DEAL_SLACK, prefer_deal, settle
 from .planner.spread import spread_nodes as spread_over_nodes
+from .policies.deepseek import deepseek_rebalance
 from .progress import Progress, check_callback, report, reporting
 from .replan.choose import choose
 from .replan.fresh import near_bound
@@ -403,6 +404,23 @@ def _for_time(
     start = time.perf_counter()
     topology = plan.placement.topology
     live = plan.placement.live
+    fresh_plan = plan.replan is None and previous is None
+    deal = None
+    if fresh_plan and topology.num_slots > topology.num_experts and live.all():
+        # eplb.py's deal as a candidate where the model cannot tell layers apart (with redundant
+        # slots; without, the token plan took it already: eplb.planner.settle.prefer_deal). On
+        # real grouped kernels the token plan was 0.5-1.7 % slower than eplb.py at 256 tokens
+        # per gpu though lighter in tokens (bench/moe_time_bench.py --kernels gpu, H100).
+        hier = plan.policy_used == "hierarchical"
+        groups, nodes = (topology.num_groups, topology.num_nodes) if hier else (1, 1)
+        if not hier or groups % nodes == 0:
+            deal = deepseek_rebalance(arr, topology.num_slots, groups, nodes, topology.num_gpus, exact_ranks=False)[0]
+            # Only where its busiest gpu is within DEAL_SLACK of ours in tokens, as without
+            # redundant slots: a plan for time keeps the token balance it was given.
+            ours = metrics.gpu_loads(arr, plan.placement).max(axis=1)
+            theirs = metrics.gpu_loads(arr, Placement(deal, topology)).max(axis=1)
+            far = theirs > ours * (1.0 + DEAL_SLACK) + 1e-12 * np.maximum(ours, 1.0)
+            deal = np.where(far[:, None], plan.phy2log, deal)
     phy, notes, per_layer = plan_for_time(
         arr,
         plan.phy2log,
@@ -413,8 +431,9 @@ def _for_time(
         dispatch=timing.dispatch,
         live=live,
         previous=None if previous is None else previous.phy2log,
-        fresh=plan.replan is None and previous is None,
+        fresh=fresh_plan,
         deadline=deadline,
+        deal=deal,
     )
     if previous is not None:
         phy, per_layer, more = _replan_for_time(

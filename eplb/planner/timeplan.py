@@ -294,6 +294,7 @@ def plan_for_time(
     previous: np.ndarray | None,
     fresh: bool,
     deadline: float | None = None,
+    deal: np.ndarray | None = None,
 ) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
     """``loads`` ``[L, E]``, the token plan's ``phy2log`` ``[L, P]`` → (``[L, P]`` planned for time,
     notes, ``[L, K]`` expected microseconds per layer and batch size).
@@ -301,7 +302,13 @@ def plan_for_time(
     Per layer: with redundant slots in a fresh plan on one node and every gpu live, also a plan
     whose counts and packing are chosen by time (``time_counts``, ``time_pack``); both are swapped
     (``time_swaps``) and the faster kept, so the result is never slower than the token plan
-    under the objective."""
+    under the objective.
+
+    ``deal`` ``[L, P]`` (eplb.py's placement of the same loads where its busiest gpu is nearly as
+    light in tokens, else the token plan's; or None): a layer the search leaves as planned for
+    tokens takes it where the model expects it within ``MIN_GAIN`` of the token plan over the
+    batch sizes and within ``MIX_SLACK`` at each: the model cannot tell such layers apart, and on
+    real grouped kernels eplb.py's deal was the faster there."""
     from ..simulate import inclusion_probabilities
 
     L, P = phy2log.shape
@@ -310,7 +317,7 @@ def plan_for_time(
     out = np.array(phy2log, dtype=np.int64)
     per_layer = np.zeros((L, batches.sizes.size))
     tokens = batches.sizes * int(live.sum())
-    skipped, recounted, swapped = 0, 0, 0
+    skipped, recounted, swapped, dealt = 0, 0, 0, 0
     one_node = fresh and previous is None and topo.num_nodes == 1 and live.all() and P > topo.num_experts
     late = 0
     for layer in range(L):
@@ -358,14 +365,28 @@ def plan_for_time(
                 and (cand_k <= base_k * (1 + MIX_SLACK)).all()
             ):
                 best, best_k, best_recount = cand, cand_k, recount
+        took_deal = False
+        if deal is not None and best is token and not (deal[layer] == token).all():
+            d = np.asarray(deal[layer], dtype=np.int64)
+            deal_k = _layer_us(lc, d, np.bincount(d[d >= 0], minlength=topo.num_experts), G, live)
+            if (lc.weights * deal_k).sum() <= (lc.weights * base_k).sum() * (1 + MIN_GAIN) and (
+                deal_k <= base_k * (1 + MIX_SLACK)
+            ).all():
+                best, best_k, took_deal = d, deal_k, True
+        dealt += took_deal
         recounted += best_recount
-        swapped += int((best != token).any())
+        swapped += int((best != token).any() and not took_deal)
         out[layer] = best
         per_layer[layer] = best_k
     notes = [
         f"planned for time: {swapped} of {L} layers changed from the token plan, {recounted} of them with replica "
         "counts chosen by time"
     ]
+    if deal is not None:
+        notes.append(
+            f"planned for time: {dealt} of the layers left as planned for tokens take eplb.py's deal (expected within "
+            f"{MIN_GAIN:.0%} of them in time, its busiest gpu within 1 % in tokens)"
+        )
     if late:
         notes.append(f"planned for time: time_limit reached, {late} layers kept as planned for tokens")
     if skipped:

@@ -28,7 +28,7 @@ def test_decode_plan_with_redundant_slots_is_faster_and_deterministic():
     before = _predicted(default, loads, 4)[0]
     assert fast.predicted_ms[4] * 1000 == pytest.approx(_predicted(fast, loads, 4)[0], rel=1e-3)
     assert fast.predicted_ms[4] * 1000 < 0.93 * before
-    assert "replica counts chosen by time" in fast.notes[-1]
+    assert any("replica counts chosen by time" in n for n in fast.notes)
     # Counts by time differ from the token plan's: fewer replicas on the hottest expert.
     hot = np.argmax(loads, axis=1)
     assert (fast.placement.logcnt[np.arange(3), hot] <= default.placement.logcnt[np.arange(3), hot]).all()
@@ -223,3 +223,31 @@ def test_curves_that_fall_or_cost_nothing_are_refused():
         eplb.kernel.as_cost_model(([1, 10], [10.0, 1.0]))
     with pytest.raises(ValueError, match="end above 0"):
         eplb.kernel.as_cost_model(([1, 10], [0.0, 0.0]))
+
+
+def test_a_fresh_plan_for_time_with_redundant_slots_takes_eplb_py_where_the_model_and_tokens_tie():
+    # With redundant slots the token plan is lighter than eplb.py's by under 1 % in most layers of
+    # these loads, and the model cannot tell the two apart at 1,024 tokens per gpu; real grouped
+    # kernels found eplb.py's deal the faster there (bench/moe_time_bench.py, H100).
+    topo = eplb.Topology(8, 128, 160, 16, 1, 1)
+    loads = make_loads("lognormal-1.0", topo, seed=0)
+    token = eplb.rebalance(loads, topo)
+    deal = eplb.rebalance(loads, topo, "deepseek")
+    plan = eplb.rebalance(loads, topo, kernel_curve=MODEL, tokens_per_gpu=1024, top_k=8)
+    took = (plan.phy2log == deal.phy2log).all(axis=1) & (token.phy2log != deal.phy2log).any(axis=1)
+    assert took.sum() >= 4
+    assert f"{int(took.sum())} of the layers left as planned for tokens take eplb.py's deal" in " ".join(plan.notes)
+    # No layer's busiest gpu gets more than 1 % heavier in tokens, nor expected more than 1 % slower.
+    busy = lambda p: eplb.metrics.gpu_loads(loads, p.placement).max(axis=1)  # noqa: E731
+    assert (busy(plan) <= busy(token) * (1 + DEAL_SLACK) + 1e-9).all()
+    assert _predicted(plan, loads, 1024)[0] <= _predicted(token, loads, 1024)[0] * 1.01
+    # A re-plan (migration-aware) never takes it: it would move most slots.
+    replan = eplb.rebalance(
+        drift(loads, 0.2, 2, seed=1)[-1],
+        topo,
+        previous=plan.placement,
+        kernel_curve=MODEL,
+        tokens_per_gpu=1024,
+        top_k=8,
+    )
+    assert not any("eplb.py's deal" in n for n in replan.notes)
