@@ -409,7 +409,7 @@ def _for_time(
     if fresh_plan and topology.num_slots > topology.num_experts and live.all():
         # eplb.py's deal as a candidate where the model cannot tell layers apart (with redundant
         # slots; without, the token plan took it already: eplb.planner.settle.prefer_deal). On
-        # real grouped kernels the token plan was 0.5-1.7 % slower than eplb.py at 256 tokens
+        # real grouped kernels the token plan was 0.3-1.8 % slower than eplb.py at 256 tokens
         # per gpu though lighter in tokens (bench/moe_time_bench.py --kernels gpu, H100).
         hier = plan.policy_used == "hierarchical"
         groups, nodes = (topology.num_groups, topology.num_nodes) if hier else (1, 1)
